@@ -1,0 +1,134 @@
+"""Layered generators: generate_step (token ids) -> stream_generate (text chunks, stops, timing)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from .sampling import apply_repetition_penalty
+
+
+@dataclass
+class TokenTiming:
+    """One decoded token, the fields of the [DEC-SINGLE] line (milliseconds)."""
+    tok: int          # index of the decoded token in this reply (the first sampled one is 0)
+    pos: int          # its position in the context
+    ms: float
+    attn: float
+    matmul: float
+
+    @property
+    def other(self) -> float:
+        return max(0.0, self.ms - self.attn - self.matmul)
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0       # tokens in the prompt
+    cached_tokens: int = 0       # of which reused from the KV cache
+    prefill_tokens: int = 0      # of which actually computed
+    prefill_ms: float = 0.0
+    decode_tokens: int = 0       # tokens generated after the first (timed per token)
+    decode_ms: float = 0.0
+    generated_tokens: int = 0    # all tokens sampled, incl. the first and any EOS
+    attn_ms: float = 0.0         # attention time over the decode steps
+    kv_bytes: int = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / (self.prefill_ms / 1e3) if self.prefill_ms > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / (self.decode_ms / 1e3) if self.decode_ms > 0 else 0.0
+
+    @property
+    def attn_ms_per_tok(self) -> float:
+        return self.attn_ms / self.decode_tokens if self.decode_tokens else 0.0
+
+
+@dataclass
+class Chunk:
+    text: str                          # new text (may be "")
+    token: int | None = None           # the token that produced it
+    finish_reason: str | None = None   # "stop" | "length" on the last chunk
+    timing: TokenTiming | None = None  # per decoded token
+    stats: Stats | None = None         # on the last chunk
+    extra: dict = field(default_factory=dict)
+
+
+def _stop_cut(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """(text safe to emit now, stopped?): text before the first stop string, minus any
+    tail that could still grow into one."""
+    hits = [text.find(s) for s in stops if s in text]
+    if hits:
+        return text[:min(hits)], True
+    hold = 0
+    for s in stops:                     # keep back a tail that could still become a stop
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return text[:len(text) - hold], False
+
+
+def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
+                    repeat_penalty: float = 1.0, repeat_last_n: int = 64,
+                    stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None
+                    ) -> Iterator[Chunk]:
+    """Prefill the prompt (reusing the engine's cached prefix), then sample token by token.
+
+    Yields Chunks; the last one has finish_reason and stats. Stops on EOS ids, stop
+    strings (never emitted), max_tokens, or a full context.
+    """
+    model, prof = engine.model, engine.model.prof
+    eos = set(engine.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
+    stats = Stats(prompt_tokens=len(prompt_ids))
+    t0 = time.perf_counter()
+    logits, cached = engine._prefill(prompt_ids)
+    stats.cached_tokens, stats.prefill_tokens = cached, len(prompt_ids) - cached
+    stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+    history = list(prompt_ids)
+    detok = engine.tokenizer.detokenizer()
+    pending, finish, stopped = "", "length", False
+    for i in range(max_tokens):
+        row = logits[-1].copy()
+        apply_repetition_penalty(row, history[-repeat_last_n:] if repeat_last_n else [],
+                                 repeat_penalty)
+        token = sampler(row)
+        stats.generated_tokens += 1
+        history.append(token)
+        if token in eos:
+            finish = "stop"
+            break
+        pending += detok.add(token)
+        emit = pending
+        if stop:
+            emit, stopped = _stop_cut(pending, stop)
+        pending = pending[len(emit):]
+        if stopped:
+            yield Chunk(emit, token)
+            finish = "stop"
+            break
+        timing = None
+        if i + 1 < max_tokens and engine.cache.offset < engine.ctx_size:
+            a0, m0 = prof.snapshot()
+            s0 = time.perf_counter()
+            logits = engine._decode(token)
+            ms = (time.perf_counter() - s0) * 1e3
+            a1, m1 = prof.snapshot()
+            timing = TokenTiming(stats.decode_tokens, engine.cache.offset - 1, ms,
+                                 (a1 - a0) * 1e3, (m1 - m0) * 1e3)
+            stats.decode_tokens += 1
+            stats.decode_ms += ms
+            stats.attn_ms += timing.attn
+        yield Chunk(emit, token, timing=timing)
+        if timing is None:          # max_tokens reached, or the context is full
+            break
+    tail = ""
+    if not stopped:
+        tail = pending + detok.flush()
+        cut = [tail.find(s) for s in stop if s in tail]
+        tail = tail[:min(cut)] if cut else tail
+    stats.kv_bytes = engine.cache.nbytes
+    yield Chunk(tail, None, finish_reason=finish, stats=stats)

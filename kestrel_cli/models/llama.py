@@ -1,0 +1,166 @@
+"""The reference decoder (Llama); Qwen models subclass it and override one hook each.
+
+Python owns shapes, the layer loop and dispatch; every loop over hidden size or the
+sequence is a kernel (kestrel_cli.kernels). Weights keep their safetensors names.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from .. import kernels as K
+from ..config import Config
+from ..kv_cache import KVCache
+from ..loader import TensorStore
+
+
+class Profile:
+    """Wall time spent in attention kernels and in weight matmuls (seconds, cumulative)."""
+
+    __slots__ = ("attn", "matmul")
+
+    def __init__(self):
+        self.attn = self.matmul = 0.0
+
+    def snapshot(self) -> tuple[float, float]:
+        return self.attn, self.matmul
+
+
+class Ctx:
+    """What one forward call shares across layers: threads, positions, timers."""
+
+    def __init__(self, threads: int, positions: np.ndarray, pos0: int, prof: Profile):
+        self.threads, self.positions, self.pos0, self.prof = threads, positions, pos0, prof
+
+    def mm(self, x: np.ndarray, w, bias=None) -> np.ndarray:
+        """x (T, n) @ w.T -> (T, d) float32 (+ bias)."""
+        out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+        t0 = time.perf_counter()
+        K.matmul(x, w, out, self.threads)
+        self.prof.matmul += time.perf_counter() - t0
+        if bias is not None:
+            out += bias
+        return out
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Row-wise RMSNorm of x (R, n) into a new array."""
+    out = np.empty_like(x)
+    K.rms_norm(x, weight, eps, out)
+    return out
+
+
+class Attention:
+    has_qkv_bias = False          # qwen2 overrides
+
+    def __init__(self, cfg: Config, store: TensorStore, p: str):
+        H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg, self.n_heads, self.n_kv_heads, self.head_dim = cfg, nh, nkv, hd
+        self.q_proj = store.matrix(f"{p}.q_proj.weight", (nh * hd, H))      # (nh*hd, H)
+        self.k_proj = store.matrix(f"{p}.k_proj.weight", (nkv * hd, H))     # (nkv*hd, H)
+        self.v_proj = store.matrix(f"{p}.v_proj.weight", (nkv * hd, H))
+        self.o_proj = store.matrix(f"{p}.o_proj.weight", (H, nh * hd))
+        bias = self.has_qkv_bias or bool(cfg.attention_bias)
+        self.q_bias = store.vector(f"{p}.q_proj.bias", (nh * hd,)) if bias else None
+        self.k_bias = store.vector(f"{p}.k_proj.bias", (nkv * hd,)) if bias else None
+        self.v_bias = store.vector(f"{p}.v_proj.bias", (nkv * hd,)) if bias else None
+        self.o_bias = store.vector(f"{p}.o_proj.bias", (H,)) if cfg.attention_bias else None
+        self.scale = 1.0 / math.sqrt(hd)
+
+    def pre_rope(self, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Hook before RoPE on q (T, nh, hd) and k (T, nkv, hd); llama: identity."""
+        return q, k
+
+    def __call__(self, x, cache: KVCache, layer: int, ctx: Ctx, rope) -> np.ndarray:
+        T = x.shape[0]
+        q = ctx.mm(x, self.q_proj, self.q_bias).reshape(T, self.n_heads, self.head_dim)
+        k = ctx.mm(x, self.k_proj, self.k_bias).reshape(T, self.n_kv_heads, self.head_dim)
+        v = ctx.mm(x, self.v_proj, self.v_bias)
+        q, k = self.pre_rope(q, k)
+        inv_freq, attn_scale = rope
+        K.rope(q, ctx.positions, inv_freq, attn_scale)
+        K.rope(k, ctx.positions, inv_freq, attn_scale)
+        cache.write(layer, k.reshape(T, -1), v)
+        k_ptrs, v_ptrs = cache.views(layer, ctx.pos0 + T)
+        out = np.empty((T, self.n_heads * self.head_dim), dtype=np.float32)
+        t0 = time.perf_counter()
+        K.attention(q.reshape(T, -1), k_ptrs, v_ptrs, cache.kv_bs, self.n_kv_heads,
+                    self.head_dim, ctx.pos0, self.scale, out, ctx.threads)
+        ctx.prof.attn += time.perf_counter() - t0
+        return ctx.mm(out, self.o_proj, self.o_bias)
+
+
+class MLP:
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: Config, store: TensorStore, p: str, inter: int | None = None):
+        H, inter = cfg.hidden_size, inter or cfg.intermediate_size
+        self.gate_proj = store.matrix(f"{p}.gate_proj.weight", (inter, H))   # (I, H)
+        self.up_proj = store.matrix(f"{p}.up_proj.weight", (inter, H))       # (I, H)
+        self.down_proj = store.matrix(f"{p}.down_proj.weight", (H, inter))   # (H, I)
+
+    def __call__(self, x, ctx: Ctx) -> np.ndarray:
+        g = ctx.mm(x, self.gate_proj)
+        u = ctx.mm(x, self.up_proj)
+        K.swiglu(g, u, g)
+        return ctx.mm(g, self.down_proj)
+
+
+class DecoderLayer:
+    def __init__(self, model: "Model", cfg: Config, store: TensorStore, i: int):
+        p = f"{model.prefix}.layers.{i}"
+        H = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = store.vector(f"{p}.input_layernorm.weight", (H,))
+        self.post_attention_layernorm = store.vector(f"{p}.post_attention_layernorm.weight", (H,))
+        self.self_attn = model.attention_cls(cfg, store, f"{p}.self_attn")
+        self.mlp = self.make_mlp(cfg, store, f"{p}.mlp", i)
+
+    def make_mlp(self, cfg: Config, store: TensorStore, p: str, i: int):
+        return MLP(cfg, store, p)
+
+    def __call__(self, h, cache, layer, ctx, rope) -> None:
+        """Updates the residual stream h (T, H) in place."""
+        h += self.self_attn(rms_norm(h, self.input_layernorm, self.eps), cache, layer, ctx, rope)
+        h += self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps), ctx)
+
+
+class Model:
+    prefix = "model"                     # qwen3_vl: "model.language_model"
+    attention_cls = Attention
+    layer_cls = DecoderLayer
+
+    def __init__(self, cfg: Config, store: TensorStore, threads: int = 1):
+        V, H = cfg.vocab_size, cfg.hidden_size
+        self.cfg, self.threads = cfg, threads
+        self.embed_tokens = store.matrix(f"{self.prefix}.embed_tokens.weight", (V, H))  # (V, H)
+        self.layers = [self.layer_cls(self, cfg, store, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = store.vector(f"{self.prefix}.norm.weight", (H,))
+        if cfg.tie_word_embeddings and "lm_head.weight" not in store:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = store.matrix("lm_head.weight", (V, H))                      # (V, H)
+        self.rope = cfg.rope_inv_freq()
+        self.prof = Profile()
+
+    def make_cache(self, max_tokens: int, kv_bs: int = 32) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_tokens, kv_bs)
+
+    def __call__(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+        """Run tokens `ids` after the cached ones; logits (T, V) or of the last token (1, V)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        T, pos0 = ids.shape[0], cache.offset
+        cache.reserve(T)
+        ctx = Ctx(self.threads, np.arange(pos0, pos0 + T, dtype=np.int64), pos0, self.prof)
+        h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)    # residual stream (T, H)
+        K.get_rows(self.embed_tokens, ids, h)
+        for i, layer in enumerate(self.layers):
+            layer(h, cache, i, ctx, self.rope)
+        cache.commit(T)
+        if not all_logits:
+            h = h[-1:]
+        return ctx.mm(rms_norm(np.ascontiguousarray(h), self.norm, self.cfg.rms_norm_eps),
+                      self.lm_head)

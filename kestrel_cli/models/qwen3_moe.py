@@ -1,0 +1,57 @@
+"""Qwen3-MoE: Qwen3 attention; sparse MoE blocks replace the MLP on most layers."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import kernels as K
+from . import llama, qwen3
+
+
+class MoeBlock:
+    """Router softmax over experts, top-k, optional renormalisation, weighted SwiGLU experts.
+
+    Experts stay as the checkpoint stores them (`experts.E.{gate,up,down}_proj`, memory-
+    mapped views); only the tokens routed to an expert are gathered for its matmuls.
+    """
+
+    def __init__(self, cfg, store, p):
+        H, E = cfg.hidden_size, cfg.num_experts
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = store.matrix(f"{p}.gate.weight", (E, H))        # router (E, H)
+        self.experts = [llama.MLP(cfg, store, f"{p}.experts.{e}", cfg.moe_intermediate_size)
+                        for e in range(E)]
+
+    def __call__(self, x, ctx) -> np.ndarray:
+        T = x.shape[0]
+        logits = ctx.mm(x, self.gate)                               # (T, E)
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+        top = np.argsort(-probs, axis=1, kind="stable")[:, :self.top_k]   # (T, k)
+        w = np.take_along_axis(probs, top, axis=1)                   # (T, k)
+        if self.norm_topk_prob:
+            w /= w.sum(axis=1, keepdims=True)
+        out = np.zeros_like(x)
+        flat = top.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        rows = (order // self.top_k).astype(np.int64)               # token of each routed slot
+        weights = w.reshape(-1)[order].astype(np.float32)
+        experts, starts = np.unique(flat[order], return_index=True)
+        ends = np.append(starts[1:], len(order))
+        for e, s, t in zip(experts, starts, ends):
+            r = rows[s:t]
+            y = self.experts[e](np.ascontiguousarray(x[r]), ctx)
+            K.scatter_add(out, y, r, weights[s:t])
+        return out
+
+
+class DecoderLayer(llama.DecoderLayer):
+    def make_mlp(self, cfg, store, p, i):
+        # differs from llama: MoE unless listed in mlp_only_layers or off the sparse step
+        if cfg.num_experts > 0 and i not in cfg.mlp_only_layers \
+                and (i + 1) % cfg.decoder_sparse_step == 0:
+            return MoeBlock(cfg, store, p)
+        return llama.MLP(cfg, store, p)
+
+
+class Model(qwen3.Model):
+    layer_cls = DecoderLayer

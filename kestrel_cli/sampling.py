@@ -1,0 +1,63 @@
+"""Samplers: logits (V,) float32 -> token id. Greedy when temperature == 0.
+
+Order (llama.cpp's): repetition penalty over the last `repeat_last_n` tokens, then
+top-k, top-p, min-p on the temperature-scaled distribution, then a seeded draw.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import KestrelError
+
+
+def check_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+    if temperature < 0:
+        raise KestrelError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise KestrelError(f"top_k must be >= 0, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise KestrelError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise KestrelError(f"min_p must be in [0, 1], got {min_p}")
+    if repeat_penalty <= 0:
+        raise KestrelError(f"repeat_penalty must be > 0, got {repeat_penalty}")
+
+
+def apply_repetition_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> None:
+    """In place, as transformers/llama.cpp: positive logits / penalty, negative * penalty."""
+    if penalty == 1.0 or not len(recent):
+        return
+    ids = np.unique(np.asarray(recent, dtype=np.int64))
+    v = logits[ids]
+    logits[ids] = np.where(v > 0, v / penalty, v * penalty)
+
+
+def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, seed: int | None = None) -> Callable[[np.ndarray], int]:
+    """A function logits (V,) -> token id."""
+    check_params(temperature, top_k, top_p, min_p)
+    if temperature == 0:
+        return lambda logits: int(np.argmax(logits))
+    rng = np.random.default_rng(seed)
+
+    def sample(logits: np.ndarray) -> int:
+        x = logits.astype(np.float64) / temperature
+        if 0 < top_k < x.shape[0]:
+            idx = np.argpartition(-x, top_k - 1)[:top_k]
+        else:
+            idx = np.arange(x.shape[0])
+        idx = idx[np.argsort(-x[idx], kind="stable")]             # candidates, best first
+        p = np.exp(x[idx] - x[idx[0]])
+        p /= p.sum()
+        if top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)  # smallest set with mass >= top_p
+            idx, p = idx[:keep], p[:keep]
+        if min_p > 0.0:
+            m = p >= min_p * p[0]
+            idx, p = idx[m], p[m]
+        p = p / p.sum()
+        return int(idx[rng.choice(len(idx), p=p)])
+
+    return sample

