@@ -80,8 +80,11 @@ BF16_ATOL = 2e-4       # bf16 weights, f32 activations: same math as fp32 on the
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_bf16_checkpoint(tmp_path, arch):
-    model = make_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
-    ref_model = model.float()              # exactly the bf16 values, computed in fp32
+    from transformers import AutoModelForCausalLM
+    make_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
+    # the saved bf16 values, widened to fp32 on load (a .float() of the bf16 module would
+    # also carry the bf16-rounded rope inv_freq buffer)
+    ref_model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     eng = Engine.from_pretrained(tmp_path, threads=2)
     assert "bf16" in eng.store.dtypes()
     ids = rand_ids(N, seed=4)
