@@ -121,7 +121,10 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
         if (e - b) != count * np.dtype(np_dtype).itemsize:
             raise KestrelError(f"{path.name}: tensor {name!r} has {e - b} bytes, its shape "
                                f"{shape} and dtype {dtype} need {count * np.dtype(np_dtype).itemsize}")
-        arr = mm[b:e].view(np_dtype)
+        arr = mm[b:e]
+        if arr.ctypes.data % np.dtype(np_dtype).itemsize:
+            arr = arr.copy()            # an unaligned tensor (rare writers): the kernels need alignment
+        arr = arr.view(np_dtype)
         store.add(name, fmt, arr.reshape(shape) if len(shape) != 1 else arr, shape, path.name)
 
 

@@ -45,10 +45,10 @@ class Ctx:
         return out
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, threads: int) -> np.ndarray:
     """Row-wise RMSNorm of x (R, n) into a new array."""
     out = np.empty_like(x)
-    K.rms_norm(x, weight, eps, out)
+    K.rms_norm(x, weight, eps, out, threads)
     return out
 
 
@@ -69,7 +69,7 @@ class Attention:
         self.o_bias = store.vector(f"{p}.o_proj.bias", (H,)) if cfg.attention_bias else None
         self.scale = 1.0 / math.sqrt(hd)
 
-    def pre_rope(self, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def pre_rope(self, q: np.ndarray, k: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
         """Hook before RoPE on q (T, nh, hd) and k (T, nkv, hd); llama: identity."""
         return q, k
 
@@ -78,10 +78,10 @@ class Attention:
         q = ctx.mm(x, self.q_proj, self.q_bias).reshape(T, self.n_heads, self.head_dim)
         k = ctx.mm(x, self.k_proj, self.k_bias).reshape(T, self.n_kv_heads, self.head_dim)
         v = ctx.mm(x, self.v_proj, self.v_bias)
-        q, k = self.pre_rope(q, k)
+        q, k = self.pre_rope(q, k, ctx.threads)
         inv_freq, attn_scale = rope
-        K.rope(q, ctx.positions, inv_freq, attn_scale)
-        K.rope(k, ctx.positions, inv_freq, attn_scale)
+        K.rope(q, ctx.positions, inv_freq, attn_scale, ctx.threads)
+        K.rope(k, ctx.positions, inv_freq, attn_scale, ctx.threads)
         cache.write(layer, k.reshape(T, -1), v)
         k_ptrs, v_ptrs = cache.views(layer, ctx.pos0 + T)
         out = np.empty((T, self.n_heads * self.head_dim), dtype=np.float32)
@@ -104,7 +104,7 @@ class MLP:
     def __call__(self, x, ctx: Ctx) -> np.ndarray:
         g = ctx.mm(x, self.gate_proj)
         u = ctx.mm(x, self.up_proj)
-        K.swiglu(g, u, g)
+        K.swiglu(g, u, g, ctx.threads)
         return ctx.mm(g, self.down_proj)
 
 
@@ -123,8 +123,8 @@ class DecoderLayer:
 
     def __call__(self, h, cache, layer, ctx, rope) -> None:
         """Updates the residual stream h (T, H) in place."""
-        h += self.self_attn(rms_norm(h, self.input_layernorm, self.eps), cache, layer, ctx, rope)
-        h += self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps), ctx)
+        h += self.self_attn(rms_norm(h, self.input_layernorm, self.eps, ctx.threads), cache, layer, ctx, rope)
+        h += self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, ctx.threads), ctx)
 
 
 class Model:
@@ -162,5 +162,5 @@ class Model:
         cache.commit(T)
         if not all_logits:
             h = h[-1:]
-        return ctx.mm(rms_norm(np.ascontiguousarray(h), self.norm, self.cfg.rms_norm_eps),
+        return ctx.mm(rms_norm(np.ascontiguousarray(h), self.norm, self.cfg.rms_norm_eps, self.threads),
                       self.lm_head)

@@ -40,7 +40,7 @@ class MoeBlock:
         for e, s, t in zip(experts, starts, ends):
             r = rows[s:t]
             y = self.experts[e](np.ascontiguousarray(x[r]), ctx)
-            K.scatter_add(out, y, r, weights[s:t])
+            K.scatter_add(out, y, r, weights[s:t], ctx.threads)
         return out
 
 

@@ -1,0 +1,183 @@
+"""`kestrel chat`: a multi-turn conversation in the terminal.
+
+The engine keeps the KV cache between calls and reuses the longest cached prefix, so each
+turn prefills only its new tokens: the end of the previous answer's turn, the new user
+message and the assistant header. The `[TURN]` line after each answer shows it (cached=).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, TextIO
+
+from .engine import Engine
+from .errors import KestrelError
+from .timing import TimingPrinter, format_turn
+
+HELP = """commands:
+  /reset         forget the conversation (keeps the system message)
+  /system TEXT   set the system message and start over; /system alone shows it
+  /stats         tokens in the context, cache reuse, speed so far
+  /help          this list
+  /exit          leave (or Ctrl-D); Ctrl-C stops an answer"""
+
+
+class ChatSession:
+    """One conversation: its messages and the engine whose KV cache holds them."""
+
+    def __init__(self, engine: Engine, system: str | None = None, sampling: dict | None = None,
+                 timing: TimingPrinter | None = None, out: TextIO | None = None):
+        self.engine = engine
+        self.system = system
+        self.sampling = dict(sampling or {})
+        self.timing = timing or TimingPrinter(False)
+        self.out = out or sys.stdout
+        self.messages: list[dict] = []
+        self.turn = 0
+        self.last_stats = None
+        self.totals = dict(prefill_tokens=0, cached_tokens=0, prefill_ms=0.0,
+                           decode_tokens=0, decode_ms=0.0)
+
+    # -------------------------------------------------------------- state
+    def conversation(self) -> list[dict]:
+        sys_msg = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return sys_msg + self.messages
+
+    def reset(self) -> None:
+        self.messages = []
+        self.turn = 0
+        self.engine.reset()
+
+    def set_system(self, text: str) -> None:
+        self.system = text
+        self.reset()
+
+    @property
+    def ctx_used(self) -> int:
+        return self.engine.cache.offset
+
+    # -------------------------------------------------------------- one turn
+    def _say(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def ask(self, text: str) -> str | None:
+        """Answer one user message, streaming it to `out`; the reply, or None when it did
+        not fit. Ctrl-C (KeyboardInterrupt) stops the answer and keeps what was said."""
+        eng = self.engine
+        msgs = self.conversation() + [{"role": "user", "content": text}]
+        ids = eng.encode_prompt(msgs)
+        if len(ids) >= eng.ctx_size:
+            self._say(f"[context full: this turn needs {len(ids)} tokens, the context holds "
+                      f"{eng.ctx_size}; /reset to start over, or restart with a larger -c]\n")
+            return None
+        pieces, stats, finish = [], None, None
+        gen = eng.stream(ids, **self.sampling)
+        try:
+            for chunk in gen:
+                if chunk.text:
+                    pieces.append(chunk.text)
+                    self._say(chunk.text)
+                self.timing.token(chunk.timing)
+                if chunk.stats is not None:
+                    stats, finish = chunk.stats, chunk.finish_reason
+        except KeyboardInterrupt:
+            gen.close()
+            self._say(" [interrupted]\n")
+            self.timing.flush()
+            reply = "".join(pieces)
+            if reply:                    # keep what was said, as a chat UI does
+                self.messages += [{"role": "user", "content": text},
+                                  {"role": "assistant", "content": reply}]
+                self.turn += 1
+            return reply
+        self._say("\n")
+        reply = "".join(pieces)
+        self.messages += [{"role": "user", "content": text},
+                          {"role": "assistant", "content": reply}]
+        self.turn += 1
+        self.last_stats = stats
+        for k in self.totals:
+            self.totals[k] += getattr(stats, k)
+        self.timing.perf(stats)
+        self.timing.line(format_turn(self.turn, stats, self.ctx_used, eng.ctx_size))
+        if finish == "length" and self.ctx_used >= eng.ctx_size:
+            self._say("[context full: /reset to start over]\n")
+        return reply
+
+    def stats_text(self) -> str:
+        t, eng = self.totals, self.engine
+        lines = [f"turns: {self.turn}, messages: {len(self.messages)}",
+                 f"context: {self.ctx_used} / {eng.ctx_size} tokens, "
+                 f"KV cache {eng.cache.nbytes / 2**20:.1f} MiB",
+                 f"prompt tokens: {t['prefill_tokens']} prefilled, "
+                 f"{t['cached_tokens']} reused from the cache"]
+        if t["prefill_ms"] > 0:
+            lines.append(f"prefill: {t['prefill_tokens'] / t['prefill_ms'] * 1e3:.1f} t/s")
+        if t["decode_ms"] > 0:
+            lines.append(f"decode: {t['decode_tokens']} tokens, "
+                         f"{t['decode_tokens'] / t['decode_ms'] * 1e3:.1f} t/s")
+        return "\n".join(lines)
+
+    # -------------------------------------------------------------- slash commands
+    def command(self, line: str) -> bool:
+        """Run a /command; False means leave."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit", "/bye"):
+            return False
+        if name == "/reset":
+            self.reset()
+            self._say("[conversation cleared]\n")
+        elif name == "/system":
+            if arg:
+                self.set_system(arg)
+                self._say("[system message set; conversation cleared]\n")
+            else:
+                self._say(f"[system message: {self.system if self.system is not None else '(model default)'}]\n")
+        elif name == "/stats":
+            self._say(self.stats_text() + "\n")
+        elif name in ("/help", "/?"):
+            self._say(HELP + "\n")
+        else:
+            self._say(f"[unknown command {name}; /help lists them]\n")
+        return True
+
+
+def _enable_line_editing() -> None:
+    """Line editing and history for input() where the terminal supports it."""
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline  # noqa: F401  (importing it is what turns it on)
+    except ImportError:
+        pass
+
+
+def repl(session: ChatSession, read: Callable[[str], str] = input) -> None:
+    """Read lines until /exit or Ctrl-D; each is a command or a user turn."""
+    _enable_line_editing()
+    eng = session.engine
+    session._say(f"kestrel chat: {eng.config.model_type} from {eng.path.name}, context "
+                 f"{eng.ctx_size} tokens. /help for commands, Ctrl-D to leave.\n")
+    while True:
+        try:
+            line = read("> ")
+        except EOFError:
+            session._say("\n")
+            return
+        except KeyboardInterrupt:          # Ctrl-C at the prompt: a fresh prompt
+            session._say("\n")
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            if line.startswith("/"):
+                if not session.command(line):
+                    return
+            else:
+                session.ask(line)
+        except KestrelError as e:
+            session._say(f"[error: {' '.join(str(e).split())}]\n")
+        except KeyboardInterrupt:          # between tokens and prompt: just go on
+            session._say("\n")

@@ -1,0 +1,409 @@
+"""The `kestrel` command (SPEC §3): a thin typer app over the library.
+
+Commands parse options, call `Engine`, print. Model text goes to stdout, timing lines
+(`[DEC-SINGLE]`, `[PERF]`, see timing.py) to stderr. Every bad input ends as one
+`error: ...` line on stderr and exit status 1 (usage errors: status 2), never a traceback.
+
+Shared flags are defined once, as the fields of `EngineOptions` and `SamplingOptions`;
+a command gets them all by declaring one parameter of that type and decorating itself
+with `@with_options` (later commands such as `serve`, `bench`, `ppl` do the same):
+
+    @app.command()
+    @with_options
+    def bench(engine: EngineOptions, n: int = 128):
+        eng = engine_from_options(engine)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+import typing
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+from .engine import Engine
+from .errors import KestrelError
+from .timing import TimingPrinter
+
+# typer >= 0.20 vendors click as typer._click; take the exceptions from wherever typer does
+_cx = sys.modules[typer.BadParameter.__module__]
+_NoArgsIsHelp = getattr(_cx, "NoArgsIsHelpError", ())
+
+DEFAULT_CTX_CAP = 4096            # -c default: the model's context length, at most this
+SPINNER_BYTES = 200 << 20         # show a spinner while loading weights larger than this
+
+_MODEL, _SAMPLING, _OUTPUT, _PROMPT = "Model", "Sampling", "Output", "Prompt"
+
+
+class Quant(str, Enum):
+    none = "none"
+    q8 = "q8"
+    q4 = "q4"
+
+
+# ---------------------------------------------------------------------------- shared flags
+
+@dataclass
+class EngineOptions:
+    """Flags of every command that builds an Engine (SPEC §3)."""
+    model: Annotated[Optional[Path], typer.Option(
+        "-m", "--model", help="Checkpoint directory or .gguf file.",
+        show_default="bundled SmolLM2-135M-Instruct", rich_help_panel=_MODEL)] = None
+    ctx_size: Annotated[Optional[int], typer.Option(
+        "-c", "--ctx-size", help="Context size in tokens.",
+        show_default=f"the model's, at most {DEFAULT_CTX_CAP}", rich_help_panel=_MODEL)] = None
+    threads: Annotated[Optional[int], typer.Option(
+        "-t", "--threads", help="CPU threads.", show_default="all available cores",
+        rich_help_panel=_MODEL)] = None
+    quant: Annotated[Quant, typer.Option(
+        "--quant", help="Quantise the weights at load.", rich_help_panel=_MODEL)] = Quant.none
+    kv_q8: Annotated[bool, typer.Option(
+        "--kv-q8", help="Store the KV cache as int8.", rich_help_panel=_MODEL)] = False
+    sparse_attn: Annotated[bool, typer.Option(
+        "--sparse-attn", help="Block-sparse decode attention.", rich_help_panel=_MODEL)] = False
+    sparse_k: Annotated[int, typer.Option(
+        "--sparse-k", help="Blocks of 32 tokens each query head attends to (--sparse-attn).",
+        rich_help_panel=_MODEL)] = 32
+    sparse_probes: Annotated[int, typer.Option(
+        "--sparse-probes", help="Keys probed per block (--sparse-attn).",
+        rich_help_panel=_MODEL)] = 8
+
+    def check(self) -> None:
+        """Fail fast, before any file is read."""
+        if self.ctx_size is not None and self.ctx_size < 1:
+            raise KestrelError(f"-c/--ctx-size must be >= 1, got {self.ctx_size}")
+        if self.threads is not None and self.threads < 1:
+            raise KestrelError(f"-t/--threads must be >= 1, got {self.threads}")
+        if self.sparse_k < 1:
+            raise KestrelError(f"--sparse-k must be >= 1, got {self.sparse_k}")
+        if self.sparse_probes < 1:
+            raise KestrelError(f"--sparse-probes must be >= 1, got {self.sparse_probes}")
+
+
+@dataclass
+class SamplingOptions:
+    """Generation flags, llama.cpp's defaults."""
+    n_predict: Annotated[int, typer.Option(
+        "-n", "--n-predict", help="Tokens to generate; -1 = until EOS or the context is full.",
+        rich_help_panel=_SAMPLING)] = 256
+    temp: Annotated[float, typer.Option(
+        "--temp", help="Temperature; 0 = greedy.", rich_help_panel=_SAMPLING)] = 0.8
+    top_k: Annotated[int, typer.Option(
+        "--top-k", help="Keep the k most likely tokens; 0 = all.", rich_help_panel=_SAMPLING)] = 40
+    top_p: Annotated[float, typer.Option(
+        "--top-p", help="Nucleus sampling mass.", rich_help_panel=_SAMPLING)] = 0.95
+    min_p: Annotated[float, typer.Option(
+        "--min-p", help="Drop tokens below min_p x the top probability.",
+        rich_help_panel=_SAMPLING)] = 0.05
+    repeat_penalty: Annotated[float, typer.Option(
+        "--repeat-penalty", help="Penalty on the last 64 tokens; 1.0 = off.",
+        rich_help_panel=_SAMPLING)] = 1.0
+    seed: Annotated[Optional[int], typer.Option(
+        "--seed", help="Random seed.", show_default="random", rich_help_panel=_SAMPLING)] = None
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos", help="Keep generating past the end-of-sequence token.",
+        rich_help_panel=_SAMPLING)] = False
+
+    def check(self) -> None:
+        from .sampling import check_params
+        if self.n_predict < -1:
+            raise KestrelError(f"-n/--n-predict must be >= -1 (-1 = until EOS), "
+                               f"got {self.n_predict}")
+        check_params(self.temp, self.top_k, self.top_p, self.min_p, self.repeat_penalty)
+
+    def stream_kwargs(self, engine: Engine) -> dict:
+        """Keyword arguments for `Engine.stream`."""
+        return dict(max_tokens=engine.ctx_size if self.n_predict < 0 else self.n_predict,
+                    temperature=self.temp, top_k=self.top_k, top_p=self.top_p,
+                    min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed,
+                    ignore_eos=self.ignore_eos)
+
+
+@dataclass
+class OutputOptions:
+    timing: Annotated[bool, typer.Option(
+        "--timing/--no-timing", help="[DEC-SINGLE] and [PERF] lines on stderr.",
+        rich_help_panel=_OUTPUT)] = True
+
+
+def with_options(fn):
+    """Expand each parameter of `fn` typed as an options dataclass into that dataclass's
+    flags; `fn` receives one instance per such parameter."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    params, groups = [], {}
+    for p in inspect.signature(fn).parameters.values():
+        cls = hints.get(p.name)
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls):
+            fhints = typing.get_type_hints(cls, include_extras=True)
+            names = [f.name for f in dataclasses.fields(cls)]
+            params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                         default=f.default, annotation=fhints[f.name])
+                       for f in dataclasses.fields(cls)]
+            groups[p.name] = (cls, names)
+        else:
+            params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY,
+                                    annotation=hints.get(p.name, p.annotation)))
+    # own flags first, then the groups in declaration order (that is the --help order)
+    own = [p for p in params if not any(p.name in n for _, n in groups.values())]
+    params = own + [p for p in params if p not in own]
+
+    @functools.wraps(fn)
+    def command(**kw):
+        for arg, (cls, names) in groups.items():
+            kw[arg] = cls(**{n: kw.pop(n) for n in names})
+        return fn(**kw)
+
+    command.__signature__ = inspect.Signature(params)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
+
+
+def _model_bytes(path: Path | None) -> int:
+    from .loader import default_model_path
+    try:
+        p = default_model_path() if path is None else Path(path).expanduser()
+        if p.is_dir():
+            return sum(f.stat().st_size for f in p.glob("*.safetensors"))
+        return p.stat().st_size
+    except (OSError, KestrelError):
+        return 0                  # from_pretrained reports it properly
+
+
+def engine_from_options(opts: EngineOptions, spinner: bool = True) -> Engine:
+    """Build the Engine the flags describe (a spinner on stderr for big models)."""
+    opts.check()
+    kw = dict(kv_q8=opts.kv_q8, sparse_attn=opts.sparse_attn, sparse_k=opts.sparse_k,
+              sparse_probes=opts.sparse_probes,
+              quant=None if opts.quant == Quant.none else Quant(opts.quant).value,
+              threads=opts.threads, ctx_size=opts.ctx_size or DEFAULT_CTX_CAP)
+    size = _model_bytes(opts.model)
+    if spinner and size > SPINNER_BYTES and sys.stderr.isatty():
+        from rich.console import Console
+        name = "bundled model" if opts.model is None else Path(opts.model).name
+        with Console(stderr=True).status(f"loading {name} ({size / 2**20:.0f} MiB)"):
+            eng = Engine.from_pretrained(opts.model, **kw)
+    else:
+        eng = Engine.from_pretrained(opts.model, **kw)
+    n_ctx = eng.config.max_position_embeddings
+    if opts.ctx_size is None and n_ctx and n_ctx < eng.ctx_size:
+        # -c not given and the model's context is shorter than the cap: use the model's
+        eng.ctx_size = n_ctx
+        eng.cache = eng.model.make_cache(n_ctx)
+        eng.cached_ids = []
+    return eng
+
+
+# ---------------------------------------------------------------------------- the app
+
+class _Group(TyperGroup):
+    """Turns every failure into one line on stderr: `error: ...`."""
+
+    def main(self, args=None, prog_name=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
+        except _NoArgsIsHelp as e:
+            print(e.ctx.get_help())
+            sys.exit(0)
+        except _cx.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            _fail(e.format_message().replace("Value error, ", "") + hint, e.exit_code)
+        except _cx.ClickException as e:
+            _fail(e.format_message(), e.exit_code)
+        except typer.Abort:
+            _fail("aborted", 1)
+        except KestrelError as e:
+            _fail(str(e), 1)
+        except OSError as e:
+            _fail(f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""), 1)
+        except MemoryError:
+            _fail("out of memory", 1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _fail(message: str, code: int) -> typing.NoReturn:
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.exit(code)
+
+
+app = typer.Typer(cls=_Group, name="kestrel", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
+                  help="Kestrel: CPU LLM inference (Llama, Qwen2/2.5, Qwen3 family).")
+
+
+def read_prompt(prompt: str | None, file: Path | None) -> str:
+    """The prompt text from -p TEXT, -f FILE, or stdin (-p - / -f -)."""
+    if prompt is not None and file is not None:
+        raise KestrelError("give the prompt with -p or -f, not both")
+    if prompt is None and file is None:
+        raise KestrelError("no prompt: give -p TEXT, -f FILE, or -p - to read stdin")
+    if prompt == "-" or (file is not None and str(file) == "-"):
+        text = sys.stdin.read()
+    elif file is not None:
+        try:
+            text = Path(file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise KestrelError(f"cannot read prompt file {file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise KestrelError(f"prompt file {file} is not UTF-8 text") from None
+    else:
+        text = prompt
+    if text.endswith("\n"):              # a file's last newline is not part of the prompt
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]     # (as llama.cpp's -f)
+    if not text.strip():
+        raise KestrelError("empty prompt")
+    return text
+
+
+@app.command()
+@with_options
+def run(
+    prompt: Annotated[Optional[str], typer.Option(
+        "-p", "--prompt", help="Prompt text; '-' reads stdin.", rich_help_panel=_PROMPT)] = None,
+    file: Annotated[Optional[Path], typer.Option(
+        "-f", "--file", help="Read the prompt from a file.", rich_help_panel=_PROMPT)] = None,
+    system: Annotated[Optional[str], typer.Option(
+        "-s", "--system", help="System message (chat template).", rich_help_panel=_PROMPT)] = None,
+    raw: Annotated[bool, typer.Option(
+        "--raw", help="Send the text as is, without the chat template.",
+        rich_help_panel=_PROMPT)] = False,
+    engine: EngineOptions = None,
+    sampling: SamplingOptions = None,
+    output: OutputOptions = None,
+):
+    """One-shot generation: stream the reply to a prompt to stdout."""
+    engine.check()
+    sampling.check()
+    if raw and system is not None:
+        raise KestrelError("-s/--system needs the chat template; drop --raw")
+    text = read_prompt(prompt, file)
+    eng = engine_from_options(engine)
+    if raw:
+        request = text
+    else:
+        request = ([{"role": "system", "content": system}] if system is not None else []) + \
+            [{"role": "user", "content": text}]
+    tp = TimingPrinter(output.timing)
+    out = sys.stdout
+    stats = None
+    try:
+        for chunk in eng.stream(request, **sampling.stream_kwargs(eng)):
+            if chunk.text:
+                out.write(chunk.text)
+                out.flush()
+            tp.token(chunk.timing)
+            stats = chunk.stats or stats
+    except KeyboardInterrupt:
+        out.write("\n")
+        out.flush()
+        tp.flush()
+        print("interrupted", file=sys.stderr)
+        raise typer.Exit(130)
+    out.write("\n")
+    out.flush()
+    if stats is not None:
+        tp.perf(stats)
+
+
+@app.command()
+@with_options
+def chat(
+    system: Annotated[Optional[str], typer.Option(
+        "-s", "--system", help="System message.", rich_help_panel=_PROMPT)] = None,
+    engine: EngineOptions = None,
+    sampling: SamplingOptions = None,
+    output: OutputOptions = None,
+):
+    """Interactive multi-turn chat; /help lists the commands, Ctrl-D leaves."""
+    from .chat import ChatSession, repl
+    engine.check()
+    sampling.check()
+    eng = engine_from_options(engine)
+    session = ChatSession(eng, system=system, sampling=sampling.stream_kwargs(eng),
+                          timing=TimingPrinter(output.timing))
+    repl(session)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _human_count(n: int) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{unit} ({n:,})"
+    return str(n)
+
+
+@app.command()
+def info(
+    model: Annotated[Optional[Path], typer.Option(
+        "-m", "--model", help="Checkpoint directory or .gguf file.",
+        show_default="bundled SmolLM2-135M-Instruct")] = None,
+):
+    """Model summary: architecture, size, dtypes, context, chat template, special tokens."""
+    from .loader import open_checkpoint
+    cfg, store, tok, path = open_checkpoint(model)
+    n_params = 0
+    for _fmt, _raw, shape, _src in store.entries.values():
+        n = 1
+        for s in shape:
+            n *= int(s)
+        n_params += n
+    dtypes = sorted(store.dtypes().items(), key=lambda kv: -kv[1])
+    rows = [
+        ("path", str(path)),
+        ("architecture", cfg.model_type),
+        ("parameters", _human_count(n_params)),
+        ("layers", cfg.num_hidden_layers),
+        ("hidden size", cfg.hidden_size),
+        ("attention", f"{cfg.num_attention_heads} heads, {cfg.num_key_value_heads} kv heads, "
+                      f"head dim {cfg.head_dim}"),
+    ]
+    if cfg.num_experts:
+        rows.append(("experts", f"{cfg.num_experts}, {cfg.num_experts_per_tok} per token"))
+    rows += [
+        ("vocab size", cfg.vocab_size),
+        ("context length", cfg.max_position_embeddings),
+        ("rope theta", cfg.rope["rope_theta"]),
+        ("dtypes", ", ".join(f"{f} x{n}" for f, n in dtypes)),
+        ("weights memory", _human_bytes(store.nbytes)),
+        ("chat template", "yes" if tok.chat_template else "no (use --raw)"),
+    ]
+
+    def special(name):
+        t = getattr(tok, f"{name}_token")
+        return None if t is None else f"{name}={t!r} ({getattr(tok, f'{name}_token_id')})"
+
+    toks = [s for s in map(special, ("bos", "eos", "pad", "unk")) if s]
+    toks.append(f"stop ids={sorted(tok.eos_token_ids)}")
+    rows.append(("special tokens", ", ".join(toks)))
+    width = max(len(k) for k, _ in rows) + 1
+    for k, v in rows:
+        print(f"{k + ':':<{width}} {v}")
+
+
+def main() -> None:
+    """Console entry point `kestrel`."""
+    try:
+        app(prog_name="kestrel")
+    except KeyboardInterrupt:          # outside a command (e.g. while importing)
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

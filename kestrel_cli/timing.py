@@ -1,0 +1,147 @@
+"""The timing lines of SPEC §3 on stderr: format, parse, and print them (rich on a terminal).
+
+    [DEC-SINGLE] tok=12 pos=2073 ms=56.2 attn=12.8 matmul=40.1 other=3.3
+    [PERF] prefill_tokens=2061 prefill_ms=... prefill_tps=... decode_tokens=... decode_ms=...
+           decode_tps=... attn_ms_per_tok=... kv_bytes=...          (one line)
+
+Keys and their order are stable for scripts (scripts/*.sh parse them with awk). Times are
+milliseconds with one decimal, rates tokens/second with one decimal, counts integers.
+`chat` adds a `[TURN]` line per answer (prompt cache reuse); it is not part of the contract.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from typing import TextIO
+
+from .generate import Stats, TokenTiming
+
+DEC_KEYS = ("tok", "pos", "ms", "attn", "matmul", "other")
+PERF_KEYS = ("prefill_tokens", "prefill_ms", "prefill_tps", "decode_tokens", "decode_ms",
+             "decode_tps", "attn_ms_per_tok", "kv_bytes")
+TURN_KEYS = ("turn", "prompt_tokens", "cached", "prefill_tokens", "generated_tokens",
+             "ctx_used", "ctx_size")
+
+_LINE = re.compile(r"^\[([A-Z][A-Z0-9_-]*)\]((?: [a-z_]+=[^ ]+)*)\s*$")
+
+
+def _fmt(key: str, value) -> str:
+    if isinstance(value, float):
+        return f"{key}={value:.1f}"
+    return f"{key}={value}"
+
+
+def format_line(tag: str, pairs: dict) -> str:
+    return f"[{tag}] " + " ".join(_fmt(k, v) for k, v in pairs.items())
+
+
+def format_dec(t: TokenTiming) -> str:
+    """One [DEC-SINGLE] line for a decoded token."""
+    return format_line("DEC-SINGLE", dict(tok=int(t.tok), pos=int(t.pos), ms=float(t.ms),
+                                          attn=float(t.attn), matmul=float(t.matmul),
+                                          other=float(t.other)))
+
+
+def format_perf(s: Stats) -> str:
+    """The [PERF] summary of one generation."""
+    return format_line("PERF", dict(
+        prefill_tokens=int(s.prefill_tokens), prefill_ms=float(s.prefill_ms),
+        prefill_tps=float(s.prefill_tps), decode_tokens=int(s.decode_tokens),
+        decode_ms=float(s.decode_ms), decode_tps=float(s.decode_tps),
+        attn_ms_per_tok=float(s.attn_ms_per_tok), kv_bytes=int(s.kv_bytes)))
+
+
+def format_turn(turn: int, s: Stats, ctx_used: int, ctx_size: int) -> str:
+    """chat's per-turn summary: how much of the prompt came from the KV cache."""
+    return format_line("TURN", dict(turn=turn, prompt_tokens=s.prompt_tokens,
+                                    cached=s.cached_tokens, prefill_tokens=s.prefill_tokens,
+                                    generated_tokens=s.generated_tokens, ctx_used=ctx_used,
+                                    ctx_size=ctx_size))
+
+
+def parse_line(line: str) -> tuple[str, dict[str, int | float]] | None:
+    """'[TAG] k=v ...' -> (TAG, {k: int or float}); None for any other line."""
+    m = _LINE.match(line.strip())
+    if not m:
+        return None
+    out: dict[str, int | float] = {}
+    for pair in m.group(2).split():
+        k, v = pair.split("=", 1)
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                return None
+    return m.group(1), out
+
+
+def parse_lines(text: str, tag: str) -> list[dict[str, int | float]]:
+    """Every `[tag]` line of `text` (e.g. a captured stderr), parsed, in order."""
+    found = []
+    for line in text.splitlines():
+        p = parse_line(line)
+        if p and p[0] == tag:
+            found.append(p[1])
+    return found
+
+
+_STYLES = {"DEC-SINGLE": "dim", "PERF": "bold cyan", "TURN": "cyan"}
+
+
+class TimingPrinter:
+    """Writes timing lines to stderr: plain (flushed per line) when stderr is not a terminal,
+    rich-styled when it is. When stdout is the same terminal the per-token lines are held
+    back until the reply ends (`flush`), so they do not cut through the streamed text.
+    """
+
+    def __init__(self, enabled: bool = True, stream: TextIO | None = None,
+                 out: TextIO | None = None):
+        self.enabled = enabled
+        self.stream = stream if stream is not None else sys.stderr
+        out = out if out is not None else sys.stdout
+        self.tty = _isatty(self.stream)
+        self.defer = self.tty and _isatty(out)
+        self._held: list[str] = []
+        self._console = None
+        if enabled and self.tty:
+            from rich.console import Console
+            self._console = Console(file=self.stream, highlight=False, soft_wrap=True)
+
+    def _write(self, line: str) -> None:
+        if self._console is not None:
+            tag = line[1:line.index("]")]
+            self._console.print(line, style=_STYLES.get(tag, ""), markup=False)
+        else:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def line(self, line: str, hold: bool = False) -> None:
+        if not self.enabled:
+            return
+        if hold and self.defer:
+            self._held.append(line)
+        else:
+            self._write(line)
+
+    def token(self, t: TokenTiming | None) -> None:
+        if t is not None:
+            self.line(format_dec(t), hold=True)
+
+    def flush(self) -> None:
+        """Write the held per-token lines (call after the reply's final newline)."""
+        held, self._held = self._held, []
+        for line in held:
+            self._write(line)
+
+    def perf(self, s: Stats) -> None:
+        self.flush()
+        self.line(format_perf(s))
+
+
+def _isatty(f) -> bool:
+    try:
+        return f.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,104 @@
+# Row-wise and elementwise kernels: RMSNorm, rotary embedding, SwiGLU, MoE combine.
+# All float32 arithmetic in the order Hugging Face's torch code uses.
+from cython.parallel cimport parallel, prange
+from libc.math cimport cos, expf, sin, sqrtf
+from libc.stdint cimport int64_t
+from libc.stdlib cimport free, malloc
+
+from _common cimport kf_dot_f32, team_size
+
+
+def rms_norm(const float[:, ::1] x,        # IN  (R, n)
+             const float[::1] weight,      # IN  (n,)
+             float eps,
+             float[:, ::1] out,            # OUT (R, n), may be x itself
+             int n_threads):
+    """out := x / sqrt(mean(x * x) + eps) * weight"""
+    cdef Py_ssize_t R = x.shape[0], n = x.shape[1], i, j
+    cdef float inv
+    cdef int nt = team_size(n_threads, R * n, 32768)
+    if n == 0:
+        return
+    for i in prange(R, nogil=True, schedule="static", num_threads=nt):
+        # HF: variance = x.pow(2).mean(-1); x * rsqrt(variance + eps); weight * x
+        inv = (<float> 1.0) / sqrtf(kf_dot_f32(&x[i, 0], &x[i, 0], n) / <float> n + eps)
+        for j in range(n):
+            out[i, j] = weight[j] * (x[i, j] * inv)
+
+
+def rope(float[:, :, ::1] x,               # IN/OUT (T, n_heads, head_dim)
+         const int64_t[::1] positions,     # IN  (T,)
+         const float[::1] inv_freq,        # IN  (head_dim / 2,)
+         float attn_scale,
+         int n_threads):
+    """x[t, h] := x[t, h] * cos + rotate_half(x[t, h]) * sin, angle = positions[t] * inv_freq"""
+    cdef Py_ssize_t T = x.shape[0], H = x.shape[1], half = x.shape[2] // 2, t, h, i
+    cdef float angle, c, s, x1, x2
+    cdef float *cs = NULL                  # (2, half) this token's cos, sin (scaled)
+    cdef int failed = 0
+    cdef int *p_failed = &failed
+    cdef int nt = team_size(n_threads, T * H * half, 16384)
+    if T == 0 or half == 0:
+        return
+    with nogil, parallel(num_threads=nt):
+        cs = <float *> malloc(2 * half * sizeof(float))
+        if cs == NULL:
+            p_failed[0] = 1
+        for t in prange(T, schedule="static"):
+            if cs == NULL:
+                continue
+            for i in range(half):
+                # float32 angle as torch computes it; cos/sin of it in double, then float
+                angle = (<float> positions[t]) * inv_freq[i]
+                cs[i] = (<float> cos(<double> angle)) * attn_scale
+                cs[half + i] = (<float> sin(<double> angle)) * attn_scale
+            for h in range(H):
+                for i in range(half):
+                    c = cs[i]
+                    s = cs[half + i]
+                    x1 = x[t, h, i]
+                    x2 = x[t, h, half + i]
+                    x[t, h, i] = x1 * c - x2 * s
+                    x[t, h, half + i] = x2 * c + x1 * s
+        free(cs)
+    if failed:
+        raise MemoryError("rope: could not allocate thread scratch")
+
+
+def swiglu(const float[:, ::1] gate,       # IN  (T, I)
+           const float[:, ::1] up,         # IN  (T, I)
+           float[:, ::1] out,              # OUT (T, I), may be gate or up
+           int n_threads):
+    """out := gate / (1 + exp(-gate)) * up"""
+    cdef Py_ssize_t T = gate.shape[0], I = gate.shape[1], t, j
+    cdef float g
+    cdef int nt = team_size(n_threads, T * I, 32768)
+    for t in prange(T, nogil=True, schedule="static", num_threads=nt):
+        for j in range(I):
+            g = gate[t, j]
+            out[t, j] = g / ((<float> 1.0) + expf(-g)) * up[t, j]
+
+
+def scatter_add(float[:, ::1] out,         # IN/OUT (T, H)
+                const float[:, ::1] src,   # IN  (M, H)
+                const int64_t[::1] rows,   # IN  (M,) target rows, 0 <= rows[m] < T
+                const float[::1] weights,  # IN  (M,)
+                int n_threads):
+    """out[rows[m]] += weights[m] * src[m], m = 0..M-1 in order"""
+    # Parallel over column chunks: a thread owns whole columns of out, so there are no
+    # races, and each element adds its contributions in m order (deterministic).
+    cdef Py_ssize_t M = src.shape[0], H = src.shape[1], c, j, j0, j1, m, r
+    cdef Py_ssize_t chunk = 128
+    cdef Py_ssize_t n_chunks = (H + chunk - 1) // chunk
+    cdef float a
+    cdef int nt = team_size(n_threads, M * H, 32768)
+    if nt > n_chunks:
+        nt = <int> n_chunks if n_chunks > 0 else 1
+    for c in prange(n_chunks, nogil=True, schedule="static", num_threads=nt):
+        j0 = c * chunk
+        j1 = j0 + chunk if j0 + chunk < H else H
+        for m in range(M):
+            r = rows[m]
+            a = weights[m]
+            for j in range(j0, j1):
+                out[r, j] += a * src[m, j]

@@ -1,0 +1,297 @@
+"""`kestrel run / info / chat` through typer's CliRunner, on the bundled SmolLM2 (greedy)."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from kestrel_cli import cli
+from kestrel_cli.cli import (EngineOptions, OutputOptions, SamplingOptions, app,
+                             engine_from_options, with_options)
+from kestrel_cli.generate import Stats, TokenTiming
+from kestrel_cli.timing import (DEC_KEYS, PERF_KEYS, TimingPrinter, format_dec, format_perf,
+                                parse_line, parse_lines)
+
+QUESTION = "What is the capital of France?"
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parse_model_once():
+    """Parse the bundled GGUF once per module (the gguf reader takes seconds); each command
+    still builds its Engine through Engine.from_pretrained with all its checks."""
+    import kestrel_cli.engine as engine_mod
+    import kestrel_cli.loader as loader_mod
+    real, memo = loader_mod.open_checkpoint, {}
+
+    def once(path):
+        if path is not None:
+            return real(path)
+        if "bundled" not in memo:
+            memo["bundled"] = real(None)
+        return memo["bundled"]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_mod, "open_checkpoint", once)
+        mp.setattr(loader_mod, "open_checkpoint", once)
+        yield
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
+
+
+def ok(result):
+    assert result.exit_code == 0, (result.exit_code, result.output, result.exception)
+    return result
+
+
+# ------------------------------------------------------------------------- run
+
+def test_run_streams_greedy_answer_and_timing():
+    r = ok(invoke("run", "-p", QUESTION, "--temp", "0", "-n", "16", "-t", "2"))
+    assert r.stdout == "The capital of France is Paris.\n"
+    decs = parse_lines(r.stderr, "DEC-SINGLE")
+    (perf,) = parse_lines(r.stderr, "PERF")
+    assert list(perf) == list(PERF_KEYS)
+    assert decs and all(list(d) == list(DEC_KEYS) for d in decs)
+    # one line per decoded token, positions right after the prompt
+    assert perf["decode_tokens"] == len(decs)
+    assert [d["tok"] for d in decs] == list(range(len(decs)))
+    assert [d["pos"] for d in decs] == list(range(perf["prefill_tokens"],
+                                                  perf["prefill_tokens"] + len(decs)))
+    for d in decs:
+        assert d["ms"] > 0 and d["attn"] >= 0 and d["matmul"] > 0 and d["other"] >= 0
+        assert abs(d["ms"] - d["attn"] - d["matmul"] - d["other"]) <= 0.2
+    # attn and matmul are measured: they add up to most of the token, matmul dominating
+    assert sum(d["attn"] for d in decs) > 0
+    assert sum(d["matmul"] for d in decs) > sum(d["attn"] for d in decs)
+    assert perf["attn_ms_per_tok"] == pytest.approx(sum(d["attn"] for d in decs) / len(decs),
+                                                    abs=0.1)
+    assert perf["prefill_tps"] > 0 and perf["decode_tps"] > 0 and perf["kv_bytes"] > 0
+    # exact text of the lines: one decimal on every time
+    for line in r.stderr.splitlines():
+        if line.startswith("[DEC-SINGLE]"):
+            assert re.fullmatch(r"\[DEC-SINGLE\] tok=\d+ pos=\d+ ms=\d+\.\d attn=\d+\.\d "
+                                r"matmul=\d+\.\d other=\d+\.\d", line), line
+
+
+def test_run_no_timing_prompt_file_stdin_system_raw(tmp_path):
+    f = tmp_path / "q.txt"
+    f.write_text(QUESTION + "\n")
+    a = ok(invoke("run", "-f", f, "--temp", "0", "-n", "12", "--no-timing"))
+    assert a.stdout == "The capital of France is Paris.\n" and a.stderr == ""
+    b = ok(invoke("run", "-p", "-", "--temp", "0", "-n", "12", "--no-timing", input=QUESTION))
+    assert b.stdout == a.stdout
+    c = ok(invoke("run", "-p", QUESTION, "-s", "Answer in French.", "--temp", "0", "-n", "6",
+                  "--no-timing"))
+    assert c.stdout != a.stdout and c.stdout.endswith("\n")
+    d = ok(invoke("run", "--raw", "-p", "The capital of France is", "--temp", "0", "-n", "3",
+                  "--no-timing"))
+    assert "Paris" in d.stdout
+
+
+def test_run_sampling_flags_seeded_and_ignore_eos():
+    args = ("run", "-p", QUESTION, "-n", "8", "--temp", "0.9", "--top-k", "20", "--top-p",
+            "0.9", "--min-p", "0.02", "--repeat-penalty", "1.1", "--seed", "7", "--no-timing")
+    assert ok(invoke(*args)).stdout == ok(invoke(*args)).stdout
+    # -n -1 with --ignore-eos runs until the context is full (no crash, exit 0)
+    r = ok(invoke("run", "-p", QUESTION, "--temp", "0", "-n", "-1", "--ignore-eos", "-c", "48"))
+    decs = parse_lines(r.stderr, "DEC-SINGLE")
+    assert decs[-1]["pos"] == 47
+
+
+def test_default_context_is_the_model_s_capped():
+    eng = engine_from_options(EngineOptions(threads=1))
+    assert eng.config.max_position_embeddings == 8192 and eng.ctx_size == cli.DEFAULT_CTX_CAP
+    assert engine_from_options(EngineOptions(ctx_size=100, threads=1)).ctx_size == 100
+    # a model whose own context is shorter than the cap keeps its own
+    import kestrel_cli.engine as engine_mod
+    real = engine_mod.open_checkpoint
+
+    def short(path):
+        cfg, *rest = real(path)
+        return (dataclasses.replace(cfg, max_position_embeddings=1000), *rest)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_mod, "open_checkpoint", short)
+        eng = engine_from_options(EngineOptions(threads=1))
+    assert eng.ctx_size == 1000 and eng.cache.max_tokens == 1000
+
+
+# ------------------------------------------------------------------------- bad input
+
+LONG = "word " * 200
+
+
+@pytest.fixture
+def not_a_file(tmp_path):
+    d = tmp_path / "a_directory"
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["run", "--bogus"], "No such option: --bogus"),
+    (["run", "-p", "x", "-n", "-5"], "-n/--n-predict must be >= -1"),
+    (["run", "-p", "x", "-n", "lots"], "--n-predict"),
+    (["run", "-p", "x", "-m", "/no/such/model_dir"], "does not exist"),
+    (["run", "-f", "/no/such/prompt.txt"], "cannot read prompt file"),
+    (["run", "-f", "NOT_A_FILE"], "cannot read prompt file"),
+    (["run", "-p", "x", "--sparse-k", "0"], "--sparse-k must be >= 1"),
+    (["run", "-p", "x", "--sparse-probes", "0"], "--sparse-probes must be >= 1"),
+    (["run", "-p", LONG, "-c", "32", "--temp", "0"], "more than the context size 32"),
+    (["run", "-p", "x", "--sparse-attn"], "not yet supported"),
+    (["run", "-p", "x", "--kv-q8"], "not yet supported"),
+    (["run", "-p", "x", "--quant", "q8"], "not yet supported"),
+    (["run", "-p", "x", "--quant", "q5"], "'q5' is not one of"),
+    (["run"], "no prompt"),
+    (["run", "-p", "   "], "empty prompt"),
+    (["run", "-p", "x", "-f", "y"], "not both"),
+    (["run", "-p", "x", "--raw", "-s", "sys"], "--raw"),
+    (["run", "-p", "x", "--temp", "-1"], "temperature must be >= 0"),
+    (["run", "-p", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["run", "-p", "x", "-t", "0"], "-t/--threads must be >= 1"),
+    (["run", "-p", "x", "-c", "0"], "-c/--ctx-size must be >= 1"),
+    (["chat", "--kv-q8"], "not yet supported"),
+    (["chat", "--sparse-k", "0"], "--sparse-k must be >= 1"),
+    (["info", "-m", "/no/such/model_dir"], "does not exist"),
+    (["nope"], "No such command"),
+])
+def test_bad_input_is_one_line_no_traceback(args, needle, not_a_file):
+    args = [str(not_a_file) if a == "NOT_A_FILE" else a for a in args]
+    r = invoke(*args)
+    assert r.exit_code != 0
+    assert isinstance(r.exception, SystemExit), r.exception     # no uncaught exception
+    assert "Traceback" not in r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert needle in lines[0]
+    assert r.stdout == ""
+
+
+def test_unsupported_flags_never_ignored():
+    """Every path-selecting flag fails until its issue lands (not a silent exact run)."""
+    for flag in (["--sparse-attn"], ["--sparse-attn", "--sparse-k", "4"], ["--kv-q8"],
+                 ["--quant", "q4"]):
+        r = invoke("run", "-p", "x", "-n", "1", *flag)
+        assert r.exit_code == 1 and "not yet supported" in r.stderr
+
+
+def test_exit_codes():
+    assert invoke("run", "--bogus").exit_code == 2          # usage error
+    assert invoke("run", "-p", "x", "-n", "-5").exit_code == 1
+    assert ok(invoke("--help")).stdout.count("run") >= 1
+
+
+# ------------------------------------------------------------------------- help, info
+
+def test_help_shows_every_flag_with_default():
+    r = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    ok(r)
+    text = ANSI.sub("", r.stdout)
+    for flag in ("--prompt", "-p", "--file", "-f", "--system", "-s", "--raw", "--model", "-m",
+                 "--n-predict", "-n", "--ctx-size", "-c", "--threads", "-t", "--temp",
+                 "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ignore-eos",
+                 "--sparse-attn", "--sparse-k", "--sparse-probes", "--kv-q8", "--quant",
+                 "--timing", "--no-timing"):
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), flag
+    for default in ("256", "0.8", "40", "0.95", "0.05", "1.0", "32", "8", "none", "timing",
+                    "(random)", "(bundled SmolLM2-135M-Instruct)", "(all available cores)",
+                    "(the model's, at most 4096)"):
+        assert f"[default: {default}]" in text, default
+    chat_help = ANSI.sub("", ok(CliRunner().invoke(app, ["chat", "--help"],
+                                                   env={"COLUMNS": "200"})).stdout)
+    for flag in ("--system", "--model", "--ctx-size", "--temp", "--seed", "--sparse-attn",
+                 "--kv-q8", "--quant", "--timing"):
+        assert flag in chat_help
+
+
+def test_info():
+    r = ok(invoke("info"))
+    fields = dict(line.split(":", 1) for line in r.stdout.splitlines())
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    assert fields["architecture"] == "llama"
+    assert fields["parameters"].startswith("134.5M")
+    assert fields["context length"] == "8192"
+    assert "q4_1" in fields["dtypes"] and "f32" in fields["dtypes"]
+    assert fields["weights memory"].endswith("MiB")
+    assert fields["chat template"] == "yes"
+    assert "eos='<|im_end|>'" in fields["special tokens"]
+
+
+# ------------------------------------------------------------------------- shared options
+
+def test_with_options_lets_other_commands_reuse_the_flags():
+    seen = {}
+    other = typer.Typer()
+
+    @other.command()
+    @with_options
+    def bench(n: int = 3, engine: EngineOptions = None, sampling: SamplingOptions = None,
+              output: OutputOptions = None):
+        seen.update(n=n, engine=engine, sampling=sampling, output=output)
+
+    @other.command()
+    def unused():
+        pass
+
+    r = CliRunner().invoke(other, ["bench", "--n", "5", "-m", "/x", "--sparse-k", "4",
+                                   "--quant", "q8", "-c", "64", "--temp", "0", "--no-timing"])
+    assert r.exit_code == 0, r.output
+    assert seen["n"] == 5
+    assert seen["engine"] == EngineOptions(model=Path("/x"), sparse_k=4, quant=cli.Quant.q8,
+                                           ctx_size=64)
+    assert seen["sampling"].temp == 0 and seen["sampling"].n_predict == 256
+    assert seen["output"].timing is False
+
+
+# ------------------------------------------------------------------------- timing lines
+
+def test_timing_format_and_parse_roundtrip():
+    line = format_dec(TokenTiming(12, 2073, 56.24, 12.81, 40.06))
+    assert line == "[DEC-SINGLE] tok=12 pos=2073 ms=56.2 attn=12.8 matmul=40.1 other=3.4"
+    assert parse_line(line) == ("DEC-SINGLE", dict(tok=12, pos=2073, ms=56.2, attn=12.8,
+                                                   matmul=40.1, other=3.4))
+    s = Stats(prompt_tokens=2061, prefill_tokens=2061, prefill_ms=1000.0, decode_tokens=10,
+              decode_ms=500.0, attn_ms=20.0, kv_bytes=4096)
+    perf = format_perf(s)
+    assert perf == ("[PERF] prefill_tokens=2061 prefill_ms=1000.0 prefill_tps=2061.0 "
+                    "decode_tokens=10 decode_ms=500.0 decode_tps=20.0 attn_ms_per_tok=2.0 "
+                    "kv_bytes=4096")
+    tag, kv = parse_line(perf)
+    assert tag == "PERF" and list(kv) == list(PERF_KEYS)
+    assert parse_line("The capital of France is Paris.") is None
+    assert parse_line("[PERF] broken") is None
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_timing_printer_plain_rich_deferred_off():
+    t = TokenTiming(0, 5, 3.0, 1.0, 1.5)
+    plain = io.StringIO()
+    p = TimingPrinter(True, stream=plain, out=io.StringIO())
+    p.token(t)                                     # not a terminal: written at once
+    assert plain.getvalue() == format_dec(t) + "\n"
+
+    err, out = _Tty(), _Tty()                      # stdout and stderr on one terminal
+    p = TimingPrinter(True, stream=err, out=out)
+    p.token(t)
+    assert err.getvalue() == ""                    # held until the reply ends
+    p.perf(Stats(decode_tokens=1, decode_ms=3.0))
+    lines = [ANSI.sub("", x) for x in err.getvalue().splitlines()]
+    assert lines[0] == format_dec(t) and lines[1].startswith("[PERF] ")
+
+    off = io.StringIO()
+    p = TimingPrinter(False, stream=off, out=io.StringIO())
+    p.token(t)
+    p.perf(Stats())
+    assert off.getvalue() == ""
