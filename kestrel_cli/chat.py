@@ -56,7 +56,7 @@ class ChatSession:
         return self.engine.cache.offset
 
     # -------------------------------------------------------------- one turn
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
         self.out.write(text)
         self.out.flush()
 
@@ -67,7 +67,7 @@ class ChatSession:
         msgs = self.conversation() + [{"role": "user", "content": text}]
         ids = eng.encode_prompt(msgs)
         if len(ids) >= eng.ctx_size:
-            self._say(f"[context full: this turn needs {len(ids)} tokens, the context holds "
+            self.say(f"[context full: this turn needs {len(ids)} tokens, the context holds "
                       f"{eng.ctx_size}; /reset to start over, or restart with a larger -c]\n")
             return None
         pieces, stats, finish = [], None, None
@@ -76,13 +76,13 @@ class ChatSession:
             for chunk in gen:
                 if chunk.text:
                     pieces.append(chunk.text)
-                    self._say(chunk.text)
+                    self.say(chunk.text)
                 self.timing.token(chunk.timing)
                 if chunk.stats is not None:
                     stats, finish = chunk.stats, chunk.finish_reason
         except KeyboardInterrupt:
             gen.close()
-            self._say(" [interrupted]\n")
+            self.say(" [interrupted]\n")
             self.timing.flush()
             reply = "".join(pieces)
             if reply:                    # keep what was said, as a chat UI does
@@ -90,7 +90,7 @@ class ChatSession:
                                   {"role": "assistant", "content": reply}]
                 self.turn += 1
             return reply
-        self._say("\n")
+        self.say("\n")
         reply = "".join(pieces)
         self.messages += [{"role": "user", "content": text},
                           {"role": "assistant", "content": reply}]
@@ -101,7 +101,7 @@ class ChatSession:
         self.timing.perf(stats)
         self.timing.line(format_turn(self.turn, stats, self.ctx_used, eng.ctx_size))
         if finish == "length" and self.ctx_used >= eng.ctx_size:
-            self._say("[context full: /reset to start over]\n")
+            self.say("[context full: /reset to start over]\n")
         return reply
 
     def stats_text(self) -> str:
@@ -127,19 +127,19 @@ class ChatSession:
             return False
         if name == "/reset":
             self.reset()
-            self._say("[conversation cleared]\n")
+            self.say("[conversation cleared]\n")
         elif name == "/system":
             if arg:
                 self.set_system(arg)
-                self._say("[system message set; conversation cleared]\n")
+                self.say("[system message set; conversation cleared]\n")
             else:
-                self._say(f"[system message: {self.system if self.system is not None else '(model default)'}]\n")
+                self.say(f"[system message: {self.system if self.system is not None else '(model default)'}]\n")
         elif name == "/stats":
-            self._say(self.stats_text() + "\n")
+            self.say(self.stats_text() + "\n")
         elif name in ("/help", "/?"):
-            self._say(HELP + "\n")
+            self.say(HELP + "\n")
         else:
-            self._say(f"[unknown command {name}; /help lists them]\n")
+            self.say(f"[unknown command {name}; /help lists them]\n")
         return True
 
 
@@ -157,16 +157,16 @@ def repl(session: ChatSession, read: Callable[[str], str] = input) -> None:
     """Read lines until /exit or Ctrl-D; each is a command or a user turn."""
     _enable_line_editing()
     eng = session.engine
-    session._say(f"kestrel chat: {eng.config.model_type} from {eng.path.name}, context "
+    session.say(f"kestrel chat: {eng.config.model_type} from {eng.path.name}, context "
                  f"{eng.ctx_size} tokens. /help for commands, Ctrl-D to leave.\n")
     while True:
         try:
             line = read("> ")
         except EOFError:
-            session._say("\n")
+            session.say("\n")
             return
         except KeyboardInterrupt:          # Ctrl-C at the prompt: a fresh prompt
-            session._say("\n")
+            session.say("\n")
             continue
         line = line.strip()
         if not line:
@@ -178,6 +178,6 @@ def repl(session: ChatSession, read: Callable[[str], str] = input) -> None:
             else:
                 session.ask(line)
         except KestrelError as e:
-            session._say(f"[error: {' '.join(str(e).split())}]\n")
+            session.say(f"[error: {' '.join(str(e).split())}]\n")
         except KeyboardInterrupt:          # between tokens and prompt: just go on
-            session._say("\n")
+            session.say("\n")

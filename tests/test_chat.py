@@ -19,10 +19,26 @@ NAME, ASK_NAME = "My name is Ada.", "Can you repeat my name?"
 GREEDY = dict(max_tokens=24, temperature=0.0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def parse_model_once():
+    """The gguf reader takes seconds: parse the bundled model once for this module."""
+    import kestrel_cli.engine as engine_mod
+    memo = {}
+
+    def once(path):
+        if path not in memo:
+            memo[path] = real(path)
+        return memo[path]
+
+    real = engine_mod.open_checkpoint
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_mod, "open_checkpoint", once)
+        yield
+
+
 @pytest.fixture(scope="module")
 def engine():
-    """One engine for the in-process tests (the GGUF is parsed once)."""
-    return engine_from_options(EngineOptions(threads=2, ctx_size=1024), spinner=False)
+    return engine_from_options(EngineOptions(threads=1, ctx_size=1024), spinner=False)
 
 
 def session(engine, **kw):
@@ -39,7 +55,7 @@ def test_chat_repl_in_a_pty_two_turns_ctrl_c_ctrl_d():
     pexpect = pytest.importorskip("pexpect")
     env = dict(os.environ, PYTHONPATH=str(ROOT), TERM="xterm", COLUMNS="250")
     child = pexpect.spawn(sys.executable, ["-m", "kestrel_cli.cli", "chat", "--temp", "0",
-                                           "-n", "64", "-c", "1024", "-t", "2"],
+                                           "-n", "64", "-c", "1024", "-t", "1"],
                           env=env, encoding="utf-8", dimensions=(50, 250), timeout=120)
     log = io.StringIO()
     child.logfile_read = log
@@ -103,7 +119,7 @@ def test_answer_comes_from_the_conversation(engine):
 
 
 def test_context_full_offers_reset_instead_of_crashing(engine):
-    small = engine_from_options(EngineOptions(threads=2, ctx_size=64), spinner=False)
+    small = engine_from_options(EngineOptions(threads=1, ctx_size=64), spinner=False)
     s, out, err = session(small, sampling=dict(max_tokens=200, temperature=0.0,
                                                ignore_eos=True))
     s.ask("Count from one to one hundred.")

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from kestrel_cli.timing import (DEC_KEYS, PERF_KEYS, TimingPrinter, format_dec, 
 
 QUESTION = "What is the capital of France?"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,7 +47,12 @@ def parse_model_once():
 
 
 def invoke(*args, input=None):
-    return CliRunner().invoke(app, [str(a) for a in args], input=input)
+    """Run `kestrel ARGS`; one thread unless -t is given (OpenMP threads that spin-wait
+    slow down many times over when other processes share the 2 cores)."""
+    args = [str(a) for a in args]
+    if args[:1] in (["run"], ["chat"]) and "-t" not in args:
+        args += ["-t", "1"]
+    return CliRunner().invoke(app, args, input=input)
 
 
 def ok(result):
@@ -54,7 +63,7 @@ def ok(result):
 # ------------------------------------------------------------------------- run
 
 def test_run_streams_greedy_answer_and_timing():
-    r = ok(invoke("run", "-p", QUESTION, "--temp", "0", "-n", "16", "-t", "2"))
+    r = ok(invoke("run", "-p", QUESTION, "--temp", "0", "-n", "16"))
     assert r.stdout == "The capital of France is Paris.\n"
     decs = parse_lines(r.stderr, "DEC-SINGLE")
     (perf,) = parse_lines(r.stderr, "PERF")
@@ -183,10 +192,28 @@ def test_unsupported_flags_never_ignored():
         assert r.exit_code == 1 and "not yet supported" in r.stderr
 
 
-def test_exit_codes():
-    assert invoke("run", "--bogus").exit_code == 2          # usage error
-    assert invoke("run", "-p", "x", "-n", "-5").exit_code == 1
-    assert ok(invoke("--help")).stdout.count("run") >= 1
+def test_exit_codes_of_the_real_command():
+    """The console entry point (not CliRunner): one line, status 2 for usage, 1 for input."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for args, code, needle in ((["run", "--bogus"], 2, "No such option"),
+                               (["run", "-p", "x", "-m", "/no/such/dir"], 1, "does not exist"),
+                               (["run", "-p", "x", "-n", "-5"], 1, "--n-predict")):
+        r = subprocess.run([sys.executable, "-m", "kestrel_cli.cli", *args], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == code and r.stdout == ""
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and needle in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kestrel_cli.cli"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "run" in r.stdout and "chat" in r.stdout and "info" in r.stdout
+
+
+def test_spinner_while_a_big_model_loads(monkeypatch):
+    err = _Tty()
+    monkeypatch.setattr(cli, "SPINNER_BYTES", 0)
+    monkeypatch.setattr(sys, "stderr", err)
+    eng = engine_from_options(EngineOptions(threads=1, ctx_size=64))
+    assert eng.ctx_size == 64
+    assert "loading bundled model" in ANSI.sub("", err.getvalue())
 
 
 # ------------------------------------------------------------------------- help, info
