@@ -52,7 +52,7 @@ class Chunk:
     text: str                          # new text (may be "")
     token: int | None = None           # the token that produced it
     finish_reason: str | None = None   # "stop" | "length" on the last chunk
-    timing: TokenTiming | None = None  # per decoded token
+    timing: TokenTiming | None = None  # the decode step that produced this token (None for the first)
     stats: Stats | None = None         # on the last chunk
     extra: dict = field(default_factory=dict)
 
@@ -81,7 +81,7 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
     Yields Chunks; the last one has finish_reason and stats. Stops on EOS ids, stop
     strings (never emitted), max_tokens, or a full context.
     """
-    model, prof = engine.model, engine.model.prof
+    prof = engine.model.prof
     eos = set(engine.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
     stats = Stats(prompt_tokens=len(prompt_ids))
     t0 = time.perf_counter()
@@ -91,27 +91,11 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
     history = list(prompt_ids)
     detok = engine.tokenizer.detokenizer()
     pending, finish, stopped = "", "length", False
+    timing = None                  # the decode step that produced the current logits
     for i in range(max_tokens):
-        row = logits[-1].copy()
-        apply_repetition_penalty(row, history[-repeat_last_n:] if repeat_last_n else [],
-                                 repeat_penalty)
-        token = sampler(row)
-        stats.generated_tokens += 1
-        history.append(token)
-        if token in eos:
-            finish = "stop"
-            break
-        pending += detok.add(token)
-        emit = pending
-        if stop:
-            emit, stopped = _stop_cut(pending, stop)
-        pending = pending[len(emit):]
-        if stopped:
-            yield Chunk(emit, token)
-            finish = "stop"
-            break
-        timing = None
-        if i + 1 < max_tokens and engine.cache.offset < engine.ctx_size:
+        if i > 0:                  # feed the previous token (after its chunk went out)
+            if engine.cache.offset >= engine.ctx_size:
+                break              # context full: finish "length"
             a0, m0 = prof.snapshot()
             s0 = time.perf_counter()
             logits = engine._decode(token)
@@ -122,8 +106,24 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
             stats.decode_tokens += 1
             stats.decode_ms += ms
             stats.attn_ms += timing.attn
-        yield Chunk(emit, token, timing=timing)
-        if timing is None:          # max_tokens reached, or the context is full
+        row = logits[-1].copy()
+        apply_repetition_penalty(row, history[-repeat_last_n:] if repeat_last_n else [],
+                                 repeat_penalty)
+        token = sampler(row)
+        stats.generated_tokens += 1
+        history.append(token)
+        if token in eos:
+            finish = "stop"
+            break
+        step, timing = timing, None
+        pending += detok.add(token)
+        emit = pending
+        if stop:
+            emit, stopped = _stop_cut(pending, stop)
+        pending = pending[len(emit):]
+        yield Chunk(emit, token, timing=step)
+        if stopped:
+            finish = "stop"
             break
     tail = ""
     if not stopped:
@@ -131,4 +131,5 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
         cut = [tail.find(s) for s in stop if s in tail]
         tail = tail[:min(cut)] if cut else tail
     stats.kv_bytes = engine.cache.nbytes
-    yield Chunk(tail, None, finish_reason=finish, stats=stats)
+    # a decode step whose token was EOS is reported on the last chunk
+    yield Chunk(tail, None, finish_reason=finish, timing=timing, stats=stats)
