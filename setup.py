@@ -2,7 +2,11 @@
 
 -O3 and OpenMP on both compile and link; without a working OpenMP the kernels still
 build (prange runs single-threaded). KESTREL_NATIVE=1 adds -march=native (opt-in);
-KESTREL_CYTHON_DEBUG=1 turns bounds checks on.
+KESTREL_CFLAGS adds flags of your own (e.g. -march=armv8.2-a+dotprod for the int8 dots
+on aarch64); KESTREL_CYTHON_DEBUG=1 turns bounds checks on.
+
+The build stays portable without them: the matmul kernels carry their own AVX2 and
+AVX-512 variants on x86-64 and choose at run time (pyx/matmul_kernels.h).
 """
 import os
 import subprocess
@@ -36,6 +40,7 @@ debug = os.environ.get("KESTREL_CYTHON_DEBUG") == "1"
 cflags = ["-O3"]
 if os.environ.get("KESTREL_NATIVE") == "1":
     cflags.append("-march=native")
+cflags += os.environ.get("KESTREL_CFLAGS", "").split()
 omp = [] if os.environ.get("KESTREL_NO_OPENMP") == "1" else ["-fopenmp"]
 if omp and not _compiler_accepts(omp):
     print("kestrel: OpenMP not available, building single-threaded kernels", file=sys.stderr)
@@ -48,6 +53,7 @@ extensions = [
         include_dirs=[np.get_include(), "pyx"],
         extra_compile_args=cflags + omp,
         extra_link_args=omp,
+        depends=[str(h.relative_to(HERE)) for h in sorted((HERE / "pyx").glob("*.h"))],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
     for p in sorted((HERE / "pyx").glob("*.pyx"))

@@ -333,6 +333,46 @@ def chat(
     repl(session)
 
 
+@app.command()
+@with_options
+def serve(
+    host: Annotated[str, typer.Option(
+        "--host", help="Address to listen on; 0.0.0.0 opens it to the network.",
+        rich_help_panel="Server")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.", rich_help_panel="Server")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="KESTREL_API_KEY", show_default="none",
+        help="Require 'Authorization: Bearer KEY' on /v1/* (or set KESTREL_API_KEY).",
+        rich_help_panel="Server")] = None,
+    parallel: Annotated[int, typer.Option(
+        "--parallel", help="Requests generated at once: N engines sharing the weights, each "
+        "with its own KV cache and -t threads (default -t: the cores split N ways).",
+        rich_help_panel="Server")] = 1,
+    queue_size: Annotated[int, typer.Option(
+        "--queue-size", help="Requests that may wait for a free engine; more get 503.",
+        rich_help_panel="Server")] = 32,
+    shutdown_timeout: Annotated[float, typer.Option(
+        "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds in-flight requests get to "
+        "finish before they are cancelled.", rich_help_panel="Server")] = 5.0,
+    engine: EngineOptions = None,
+):
+    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models."""
+    engine.check()
+    if not 0 <= port <= 65535:
+        raise KestrelError(f"--port must be in 0..65535, got {port}")
+    if parallel < 1:
+        raise KestrelError(f"--parallel must be >= 1, got {parallel}")
+    if queue_size < 0:
+        raise KestrelError(f"--queue-size must be >= 0, got {queue_size}")
+    from . import server                    # fails with a clear message without fastapi
+    if engine.threads is None and parallel > 1:
+        from .engine import default_threads
+        engine.threads = max(1, default_threads() // parallel)
+    eng = engine_from_options(engine)
+    server.serve([eng] + [eng.fork() for _ in range(parallel - 1)], host=host, port=port,
+                 api_key=api_key, queue_size=queue_size, shutdown_timeout=shutdown_timeout)
+
+
 def _human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -394,6 +434,65 @@ def info(
     width = max(len(k) for k, _ in rows) + 1
     for k, v in rows:
         print(f"{k + ':':<{width}} {v}")
+
+
+@app.command()
+@with_options
+def ppl(
+    file: Annotated[Path, typer.Option(
+        "-f", "--file", help="UTF-8 text to score ('-' reads stdin).",
+        rich_help_panel=_PROMPT)],
+    kld_ref: Annotated[bool, typer.Option(
+        "--kld-ref", help="Also the mean KL divergence of the next-token distributions "
+        "from exact float32 attention over the same windows (runs each window twice).",
+        rich_help_panel=_OUTPUT)] = False,
+    engine: EngineOptions = None,
+):
+    """Perplexity of a text in windows of the context size (-c), with this run's attention
+    settings: prints tokens, windows, ppl (and kld) and the time, as key=value."""
+    from .ppl import perplexity
+    engine.check()
+    text = read_prompt(None, file)
+    eng = engine_from_options(engine)
+    ids = eng.tokenizer.encode(text, add_special_tokens=True)
+    res = perplexity(eng, ids, eng.ctx_size, kld_ref=kld_ref)
+    print(res.line())
+
+
+@app.command()
+@with_options
+def bench(
+    n_prompt: Annotated[int, typer.Option(
+        "-p", "--n-prompt", help="Prompt tokens per pp test; 0 = no pp test.",
+        rich_help_panel=_PROMPT)] = 512,
+    n_gen: Annotated[int, typer.Option(
+        "-n", "--n-gen", help="Tokens per tg test; 0 = no tg test.",
+        rich_help_panel=_PROMPT)] = 128,
+    depth: Annotated[str, typer.Option(
+        "-d", "--depth", help="Comma-separated context depths: tokens already in the KV "
+        "cache before each test.", rich_help_panel=_PROMPT)] = "0",
+    repetitions: Annotated[int, typer.Option(
+        "-r", "--repetitions", help="Runs per test (mean ± sd).",
+        rich_help_panel=_OUTPUT)] = 5,
+    output: Annotated[str, typer.Option(
+        "-o", "--output", help="md (a table) or json.", rich_help_panel=_OUTPUT)] = "md",
+    engine: EngineOptions = None,
+):
+    """Prompt processing (pp) and generation (tg) tokens/s at each depth, llama-bench
+    style: a table on stdout, then the peak RSS."""
+    from .bench import render, run_bench
+    engine.check()
+    try:
+        depths = [int(d) for d in depth.split(",") if d.strip()]
+    except ValueError:
+        raise KestrelError(f"-d/--depth: expected comma-separated integers, got {depth!r}")
+    if output not in ("md", "json"):
+        raise KestrelError(f"-o/--output must be md or json, got {output!r}")
+    eng = engine_from_options(engine)
+    report = run_bench(eng, n_prompt, n_gen, depths or [0], repetitions,
+                       quant=Quant(engine.quant).value,
+                       progress=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True))
+    print(render(report) if output == "md" else report.to_json())
 
 
 def main() -> None:

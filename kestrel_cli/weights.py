@@ -80,14 +80,84 @@ def dequantize(fmt: str, data: np.ndarray, n: int) -> np.ndarray:
 
 
 def quantize_q8_0(w: np.ndarray) -> np.ndarray:
-    """float32 (d, n) -> q8_0 raw uint8 (d, n/32*34), llama.cpp's rounding (round half away)."""
+    """float32 (d, n) -> q8_0 raw uint8 (d, n/32*34): d = amax / 127, q = rint(x / d).
+
+    llama.cpp's Q8_0 blocks, rounding ties to even; the reference for the C quantiser
+    (bit-exact: the same float32 operations in the same order)."""
     d_, n = w.shape
-    b = w.reshape(d_, n // QK, QK).astype(np.float32)
+    b = np.asarray(w, dtype=np.float32).reshape(d_, n // QK, QK)
     amax = np.abs(b).max(axis=2, keepdims=True)
-    scale = amax / 127.0
-    inv = np.where(scale > 0, 1.0 / np.where(scale > 0, scale, 1), 0.0)
-    q = np.clip(np.round(b * inv), -127, 127).astype(np.int8)
+    scale = amax / np.float32(127)
+    inv = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, 1), 0).astype(np.float32)
+    q = np.rint(b * inv).astype(np.int8)
     out = np.empty((d_, n // QK, 34), dtype=np.uint8)
     out[:, :, 0:2] = scale.astype(np.float16).view(np.uint8).reshape(d_, n // QK, 2)
     out[:, :, 2:] = q.view(np.uint8)
     return out.reshape(d_, n // QK * 34)
+
+
+def quantize_q4_0(w: np.ndarray) -> np.ndarray:
+    """float32 (d, n) -> q4_0 raw uint8 (d, n/32*18), llama.cpp's Q4_0: mx = the value of
+    largest magnitude (the first one), d = mx / -8, q = clamp(rint(x / d) + 8, 0, 15)."""
+    d_, n = w.shape
+    b = np.asarray(w, dtype=np.float32).reshape(d_, n // QK, QK)
+    mx = np.take_along_axis(b, np.abs(b).argmax(axis=2)[..., None], axis=2)
+    scale = mx / np.float32(-8)
+    inv = np.where(scale != 0, np.float32(1) / np.where(scale != 0, scale, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(b * inv) + np.float32(8), 0, 15).astype(np.uint8)
+    out = np.empty((d_, n // QK, 18), dtype=np.uint8)
+    out[:, :, 0:2] = scale.astype(np.float16).view(np.uint8).reshape(d_, n // QK, 2)
+    out[:, :, 2:] = q[:, :, :16] | (q[:, :, 16:] << 4)
+    return out.reshape(d_, n // QK * 18)
+
+
+QUANT_FORMATS = {"q8": "q8_0", "q4": "q4_0"}     # --quant value -> block format
+_CHUNK_BYTES = 64 << 20                           # source bytes quantised at a time
+
+
+def quantize(w: Weight, to_fmt: str, threads: int | None = None) -> Weight:
+    """A float weight (f32/f16/bf16, rows of whole blocks) as q8_0 or q4_0 (a new array).
+
+    Works through ~64 MiB of source rows at a time and drops each chunk's pages from a
+    memory-mapped source once quantised (`drop_pages`), so quantising at load never holds
+    the float checkpoint and its quantised copy in memory together."""
+    from . import kernels                        # kernels imports this module
+    d, n = w.shape
+    out = np.empty((d, n // QK * BLOCK_BYTES[to_fmt]), dtype=np.uint8)
+    step = max(1, _CHUNK_BYTES // max(1, w.data.strides[0]))
+    for r0 in range(0, d, step):
+        src = w.data[r0:r0 + step]
+        kernels.quantize_rows(Weight(w.fmt, src, (src.shape[0], n)), to_fmt, out[r0:r0 + step],
+                              threads)
+        drop_pages(src)
+    return Weight(to_fmt, out, (d, n))
+
+
+def _mmap_of(a: np.ndarray):
+    """The mmap.mmap an array's memory comes from, or None."""
+    import mmap
+    base = a
+    while base is not None:
+        if isinstance(base, mmap.mmap):
+            return base
+        base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
+    return None
+
+
+def drop_pages(a: np.ndarray) -> None:
+    """Tell the kernel a memory-mapped array's pages are not needed for now (they leave
+    this process's RSS; the page cache keeps them). No-op for ordinary arrays."""
+    import mmap
+    mm = _mmap_of(a)
+    if mm is None or not hasattr(mm, "madvise") or not a.size:
+        return
+    start = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    lo = a.ctypes.data - start
+    hi = lo + a.nbytes
+    page = mmap.PAGESIZE
+    lo, hi = -(-lo // page) * page, hi // page * page     # whole pages inside the array
+    if hi > lo:
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        except (OSError, ValueError):
+            pass

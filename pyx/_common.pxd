@@ -12,8 +12,6 @@ cdef extern from "kernels.h" nogil:
         KF_Q4_0
         KF_Q4_1
         KF_QK
-        KF_MR
-        KF_NT
 
     int kf_max_threads() noexcept
     float kf_f16_f32(uint16_t h) noexcept
@@ -25,11 +23,6 @@ cdef extern from "kernels.h" nogil:
 
     Py_ssize_t kf_row_bytes(int fmt, Py_ssize_t n) noexcept
     void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
-    float kf_dot_row(int fmt, const float *x, const uint8_t *w, Py_ssize_t n) noexcept
-    void kf_pack_panel(int fmt, const uint8_t *w, Py_ssize_t ldw, int nr, Py_ssize_t n,
-                       float *p) noexcept
-    void kf_gemm_panels(const float *panels, Py_ssize_t nr, const float *x, Py_ssize_t ldx,
-                        Py_ssize_t T, Py_ssize_t n, float *out, Py_ssize_t ldo) noexcept
 
     float kf_attn_scores(const float *q, const float *k, Py_ssize_t ldk, Py_ssize_t nr,
                          Py_ssize_t hd, float scale, float *s) noexcept

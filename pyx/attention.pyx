@@ -1,48 +1,81 @@
-# Causal attention over the block KV cache (SPEC.md section 4): block b holds tokens
-# b*kv_bs .. b*kv_bs+kv_bs-1 as a float32 (kv_bs, n_kv_heads * head_dim) array, found by
-# its address in k_ptrs[b] / v_ptrs[b]. One (query row, head) pair is one unit of work:
-# an online softmax over the cache blocks, in float32.
+# Causal attention over the block KV cache (SPEC.md sections 4-5): exact, or block-sparse
+# (each query head attends to the k blocks of 32 tokens it selects), over a float32 or an
+# int8 cache, recording during prefill the attention mass each token receives
+# ("importance", the input of the sparse selection). The per-unit work is C in
+# attention.h; this file owns the parallel loops and the thread scratch.
 #
-# Variants (attention mass for sparse importance, int8 cache) reuse the driver shape of
-# attend_one: scores of a block (kf_attn_scores), then kf_attn_update; a mass-recording
-# variant keeps the scores of all n_ctx tokens in scratch and normalises them at the end
-# by exp(s - m) / l; an int8 variant swaps in score/update helpers that read int8 rows.
+# Decode (T == 1): loops over (kv head, part of 16 blocks) units -- probes, then softmax
+# states of the part's (picked) blocks for each of the kv head's query heads, so K/V
+# leave memory once per kv head -- then one over query heads that merges the parts;
+# attention.h, "decode".
+# Prefill (T > 1): units are (tile of query rows, kv head); the tile's exact queries (its
+# rows x the kv head's query heads) share each K/V chunk read (ka_tile), the (row, head)
+# pairs past k blocks run the sparse ka_row one by one.
+# Importance without races or thread-count dependence: unit u adds into partial row
+# u % KA_SLOTS of `imp_slots`; a slot's units run in order on one thread (prange over
+# slots), and the slots are summed in slot order into `importance` at the end.
 from cython.parallel cimport parallel, prange
-from libc.math cimport INFINITY
-from libc.stdint cimport uint64_t, uintptr_t
-from libc.stdlib cimport free, malloc
+from libc.stdint cimport int8_t, int32_t, uint8_t, uint64_t
+from libc.stdlib cimport free
 from libc.string cimport memset
 
-from _common cimport kf_attn_scores, kf_attn_update, team_size
+cdef extern from "attention.h" nogil:
+    enum:
+        KA_RT
+        KA_SLOTS
+        KA_Q8_INT_DOT
+        KA_PB
+        KA_GMAX
+
+    ctypedef struct ka_kv:
+        const uint64_t *k_ptrs
+        const uint64_t *v_ptrs
+        Py_ssize_t bs, n_kv, hd, ld, soff
+        int q8
+
+    ctypedef struct ka_ws:
+        pass
+
+    int ka_max_threads() noexcept
+    float ka_quant_row(const float *x, Py_ssize_t n, int8_t *q) noexcept
+    ka_ws *ka_ws_new(Py_ssize_t cap, Py_ssize_t bs, Py_ssize_t hd, int nq, int k,
+                     int tile_e) noexcept
+    Py_ssize_t ka_tile_rows(Py_ssize_t group) noexcept
+    Py_ssize_t ka_decode_parts(Py_ssize_t nb) noexcept
+    Py_ssize_t ka_decode_tab(Py_ssize_t nb, Py_ssize_t n_heads, Py_ssize_t hd) noexcept
+    enum:
+        KA_DEC_STATES
+        KA_DEC_PROBES
+        KA_DEC_PICKED
+    const char *ka_isa_init() noexcept
+    void ka_decode_a_run(const ka_kv *kv, const float *q, Py_ssize_t u, Py_ssize_t n_heads,
+                         Py_ssize_t n_ctx, float scale, int mode, int k, int n_probe,
+                         const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws, float *tab,
+                         int32_t *sel) noexcept
+    void ka_decode_merge(Py_ssize_t h, Py_ssize_t n_heads, Py_ssize_t nb, Py_ssize_t hd,
+                         ka_ws *ws, const float *tab, float *out) noexcept
+    void ka_prefill_unit_run(const ka_kv *kv, const float *q, Py_ssize_t ldq, Py_ssize_t T,
+                             Py_ssize_t n_heads, Py_ssize_t pos0, float scale, int k,
+                             int n_probe, const int32_t *imp_order, Py_ssize_t n_order,
+                             Py_ssize_t u, ka_ws *ws, float *imp, int32_t *sel, float *out,
+                             Py_ssize_t ldo) noexcept
+
+SLOTS = KA_SLOTS            # rows of the importance scratch the caller provides
+ISA = ka_isa_init().decode()   # instruction set of the decode loops: "base" or "avx2"
+# int8 cache, key dot: float query x int8 key (False) or int8 x int8 with int32 sums (True,
+# build with -DKA_Q8_INT_DOT=1). Measured on this repo's baseline x86-64 build (SSE2, one
+# thread, SmolLM2 geometry, 30 layers): float x int8 was 1.6-1.9x faster at 2K-8K tokens
+# and its output error (max |q8 - f32| / max |f32|) 3-5e-3 against 5-7e-3, so it ships.
+Q8_INT_DOT = bool(KA_Q8_INT_DOT)
 
 
-cdef inline void attend_one(const float *q,          # (hd,) one query head
-                            const uint64_t *k_ptrs,  # (n_blocks,) K block addresses
-                            const uint64_t *v_ptrs,  # (n_blocks,) V block addresses
-                            Py_ssize_t kv_bs,        # tokens per block
-                            Py_ssize_t ld,           # floats per cached token (n_kv * hd)
-                            Py_ssize_t col,          # this kv head's first column (kh * hd)
-                            Py_ssize_t hd,
-                            Py_ssize_t n_ctx,        # attend to tokens 0 .. n_ctx-1
-                            float scale,
-                            float *s,                # scratch (kv_bs,) scores of a block
-                            float *acc,              # scratch (hd,) weighted sum of V
-                            float *o) noexcept nogil:  # OUT (hd,)
-    """o := softmax_j(scale * q . K[j]) @ V, j < n_ctx, online block by block"""
-    cdef float m = -INFINITY, l = 0, bmax, inv
-    cdef Py_ssize_t b, j, nr
-    cdef const float *k
-    cdef const float *v
-    memset(acc, 0, hd * sizeof(float))
-    for b in range((n_ctx + kv_bs - 1) // kv_bs):
-        nr = n_ctx - b * kv_bs if n_ctx - b * kv_bs < kv_bs else kv_bs
-        k = (<const float *> <uintptr_t> k_ptrs[b]) + col
-        v = (<const float *> <uintptr_t> v_ptrs[b]) + col
-        bmax = kf_attn_scores(q, k, ld, nr, hd, scale, s)
-        kf_attn_update(s, nr, bmax, v, ld, hd, &m, &l, acc)
-    inv = (<float> 1.0) / l
-    for j in range(hd):
-        o[j] = acc[j] * inv
+cdef inline int team_size(int n_threads, Py_ssize_t work) noexcept nogil:
+    """Threads for `work` units: n_threads (<= 0: OpenMP's default), at most one per unit."""
+    if n_threads <= 0:
+        n_threads = ka_max_threads()
+    if n_threads > work:
+        n_threads = <int> work
+    return n_threads if n_threads > 0 else 1
 
 
 def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row i at pos0 + i
@@ -54,33 +87,135 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
               Py_ssize_t pos0,
               float scale,
               float[:, ::1] out,              # OUT (T, n_heads * head_dim)
-              int n_threads):
-    """out[i, h] := softmax_j(scale * q[i, h] . K[j, h // group]) @ V[:, h // group], j <= pos0 + i"""
+              int n_threads,
+              bint kv_q8=False,               # int8 blocks: values, then (n_kv, kv_bs) float scales
+                                              # at byte kv_bs * ld rounded up to 64
+              int sparse_k=0,                 # blocks per query head; 0: exact
+              int n_probe=8,
+              const int32_t[::1] imp_order=None,   # IN  (n_order,) blocks by importance
+              float[::1] importance=None,     # IN/OUT (>= pos0 + T,) += mass (T > 1 only)
+              float[:, ::1] imp_slots=None,   # scratch (KA_SLOTS, >= pos0 + T)
+              int32_t[:, :, ::1] sel=None,    # OUT (T, n_heads, sparse_k) sparse rows' picks
+              float[::1] dec_tab=None):       # scratch (decode_tab_size(..),), T == 1
+    """out[i, h] := softmax_j(scale * q[i, h] . K[j, h // group]) @ V[:, h // group] over
+    j <= pos0 + i (exact) or over the tokens of the blocks SPEC 5 selects"""
     cdef Py_ssize_t T = q.shape[0], n_heads = q.shape[1] // head_dim
-    cdef Py_ssize_t group = n_heads // n_kv_heads, ld = n_kv_heads * head_dim
-    cdef Py_ssize_t p, i, h
-    cdef float *s = NULL                     # (kv_bs,) this thread's block scores
-    cdef float *acc = NULL                   # (head_dim,) this thread's accumulator
+    cdef Py_ssize_t n_ctx = pos0 + T, ld = n_kv_heads * head_dim
+    cdef Py_ssize_t cap = (n_ctx + kv_bs - 1) // kv_bs * kv_bs
+    cdef Py_ssize_t U, u, h, j, slot, rt, nb, group, dec_cap, n_order = 0
+    cdef int sparse
+    cdef float *tab = NULL
+    cdef ka_kv kv
+    cdef ka_ws *ws = NULL
+    cdef const int32_t *order_p = NULL
+    cdef float *imp_p = NULL
+    cdef float *slot_p = NULL
+    cdef Py_ssize_t ld_slot = 0
+    cdef int32_t *sel_p = NULL
+    cdef float acc
     cdef int failed = 0
     cdef int *p_failed = &failed
-    cdef int nt = team_size(n_threads, T * n_heads, 1)
+    cdef int nt, k = sparse_k if sparse_k > 0 else 0
     if T == 0 or n_heads == 0:
         return
+    kv.k_ptrs = &k_ptrs[0]
+    kv.v_ptrs = &v_ptrs[0]
+    kv.bs, kv.n_kv, kv.hd, kv.ld = kv_bs, n_kv_heads, head_dim, ld
+    kv.soff, kv.q8 = (kv_bs * ld + 63) // 64 * 64, 1 if kv_q8 else 0
+    if imp_order is not None and imp_order.shape[0] > 0:
+        order_p, n_order = &imp_order[0], imp_order.shape[0]
+    if sel is not None and k > 0:
+        sel_p = &sel[0, 0, 0]
+
+    if T == 1:                # decode: attention.h's phases, see "decode" there
+        nb = (n_ctx + kv_bs - 1) // kv_bs
+        sparse = 1 if 0 < k < nb else 0
+        if dec_tab is None or dec_tab.shape[0] < ka_decode_tab(nb, n_heads, head_dim):
+            raise ValueError("attention: dec_tab too small (see decode_tab_size)")
+        tab = &dec_tab[0]
+        group = n_heads // n_kv_heads
+        if group > KA_GMAX:
+            raise ValueError(f"attention: at most {KA_GMAX} query heads per kv head")
+        dec_cap = group * KA_PB * kv_bs
+        U = n_kv_heads * ka_decode_parts(nb)
+        nt = team_size(n_threads, U if U > n_heads else n_heads)
+        with nogil, parallel(num_threads=nt):
+            # decode units score the part's tokens of `group` heads at once
+            ws = ka_ws_new(cap if cap > dec_cap else dec_cap, kv_bs, head_dim, <int> group, k,
+                           0)
+            if ws == NULL:
+                p_failed[0] = 1
+            if sparse:
+                for u in prange(U, schedule="dynamic", chunksize=1):          # A1
+                    if ws != NULL:
+                        ka_decode_a_run(&kv, &q[0, 0], u, n_heads, n_ctx, scale,
+                                        KA_DEC_PROBES, k, n_probe, order_p, n_order, ws, tab,
+                                        sel_p)
+            for u in prange(U, schedule="dynamic", chunksize=1):              # A / A2
+                if ws != NULL:
+                    ka_decode_a_run(&kv, &q[0, 0], u, n_heads, n_ctx, scale,
+                                    KA_DEC_PICKED if sparse else KA_DEC_STATES, k, n_probe,
+                                    order_p, n_order, ws, tab, sel_p)
+            for h in prange(n_heads, schedule="static"):                      # M
+                if ws != NULL:
+                    ka_decode_merge(h, n_heads, nb, head_dim, ws, tab, &out[0, 0])
+            free(ws)
+        if failed:
+            raise MemoryError("attention: could not allocate thread scratch")
+        return
+
+    if importance is not None:
+        imp_p = &importance[0]
+        slot_p = &imp_slots[0, 0]
+        ld_slot = imp_slots.shape[1]
+    rt = ka_tile_rows(n_heads // n_kv_heads)
+    U = (T + rt - 1) // rt * n_kv_heads
+    nt = team_size(n_threads, KA_SLOTS if U > KA_SLOTS else U)
     with nogil, parallel(num_threads=nt):
-        s = <float *> malloc(kv_bs * sizeof(float))
-        acc = <float *> malloc(head_dim * sizeof(float))
-        if s == NULL or acc == NULL:
+        ws = ka_ws_new(cap, kv_bs, head_dim, <int> (rt * (n_heads // n_kv_heads)), k, imp_p != NULL)
+        if ws == NULL:
             p_failed[0] = 1
-        # round-robin pairs: causal rows get longer with i, contiguous chunks would not
-        for p in prange(T * n_heads, schedule="static", chunksize=1):
-            if s == NULL or acc == NULL:
+        # slot s runs units s, s + KA_SLOTS, ... in order; causal rows get longer with the
+        # tile, so each slot gets a mix of short and long ones
+        for slot in prange(KA_SLOTS, schedule="dynamic", chunksize=1):
+            if ws == NULL or slot >= U:
                 continue
-            i = p // n_heads
-            h = p % n_heads
-            attend_one(&q[i, h * head_dim], &k_ptrs[0], &v_ptrs[0], kv_bs, ld,
-                       (h // group) * head_dim, head_dim, pos0 + i + 1, scale, s, acc,
-                       &out[i, h * head_dim])
-        free(s)
-        free(acc)
+            if slot_p != NULL:
+                memset(slot_p + slot * ld_slot, 0, n_ctx * sizeof(float))
+            u = slot
+            while u < U:
+                ka_prefill_unit_run(&kv, &q[0, 0], q.shape[1], T, n_heads, pos0, scale, k,
+                                n_probe, order_p, n_order, u, ws,
+                                slot_p + slot * ld_slot if slot_p != NULL else NULL, sel_p,
+                                &out[0, 0], out.shape[1])
+                u = u + KA_SLOTS
+        free(ws)
     if failed:
         raise MemoryError("attention: could not allocate thread scratch")
+    if imp_p != NULL:
+        nt = team_size(n_threads, n_ctx // 4096 + 1)
+        for j in prange(n_ctx, nogil=True, schedule="static", num_threads=nt):
+            acc = 0
+            for slot in range(U if U < KA_SLOTS else KA_SLOTS):
+                acc = acc + slot_p[slot * ld_slot + j]
+            imp_p[j] = imp_p[j] + acc
+
+
+def decode_tab_size(Py_ssize_t n_ctx, Py_ssize_t n_heads, Py_ssize_t head_dim,
+                    Py_ssize_t kv_bs):
+    """Floats of the shared decode scratch (`dec_tab`) for a context of n_ctx tokens."""
+    return ka_decode_tab((n_ctx + kv_bs - 1) // kv_bs, n_heads, head_dim)
+
+
+def quantize_q8(const float[:, ::1] x,        # IN  (T, n_kv_heads * head_dim)
+                Py_ssize_t head_dim,
+                int8_t[:, ::1] values,        # OUT (T, n_kv_heads * head_dim)
+                float[:, :] scales,           # OUT (T, n_kv_heads), any strides
+                int n_threads):
+    """values[t, h] := round(x[t, h] / s), scales[t, h] := s = max|x[t, h]| / 127"""
+    cdef Py_ssize_t T = x.shape[0], n_kv = x.shape[1] // head_dim, p, t, h
+    cdef int nt = team_size(n_threads, T * n_kv // 256 + 1)
+    for p in prange(T * n_kv, nogil=True, schedule="static", num_threads=nt):
+        t = p // n_kv
+        h = p % n_kv
+        scales[t, h] = ka_quant_row(&x[t, h * head_dim], head_dim, &values[t, h * head_dim])

@@ -1,13 +1,12 @@
-/* Kestrel C helpers: dot products, dequantisation, the matmul micro-kernel and the
- * attention block steps. Included by the pyx kernels through _common.pxd.
+/* Kestrel C helpers: dot products, (de)quantisation and the attention block steps.
+ * Included by the pyx kernels through _common.pxd; the matmul hot loops, compiled once
+ * per instruction set, live in matmul_kernels.h / matmul_isa.h on top of these.
  *
  * Portable C99 for GCC/Clang at -O3, no intrinsics and no -ffast-math: every float sum
  * has a fixed order written in the source, and the code is shaped so the compiler can
  * vectorise it without reassociating anything:
  *   - a single dot product keeps KF_L independent partial sums (acc[k] += a[j+k]*b[j+k]);
  *     the k-loop maps onto SIMD lanes and the lanes are summed pairwise at the end;
- *   - the matmul micro-kernel sums each output strictly in j order, vectorising across
- *     KF_MR weight rows (a packed panel) instead of along j;
  *   - dequantisation is a plain elementwise loop per block.
  * Weight layouts are those of kestrel_cli/weights.py (GGUF blocks of 32 elements);
  * multi-byte fields are little-endian, as on x86-64 and aarch64.
@@ -36,27 +35,6 @@ static inline int kf_max_threads(void) { return 1; }
 #endif
 #endif
 
-/* Matmul micro-tile: KF_MR weight rows (the SIMD lanes) x KF_NT tokens; its KF_NT x KF_MR
- * accumulators stay in registers (8 on SSE2/NEON/AVX2; on aarch64 GCC emits 8 by-element
- * fmla per j). Measured on x86 with this code: 8 x 4 best for SSE2 (~30 GFLOPS/core) and
- * AVX2 (~50), 16 x 8 for AVX-512 (~38; 8 x 4 falls to ~11 there). */
-#if defined(__AVX512F__)
-#define KF_MR_DEFAULT 16
-#define KF_NT_DEFAULT 8
-#else
-#define KF_MR_DEFAULT 8
-#define KF_NT_DEFAULT 4
-#endif
-#ifndef KF_MR
-#define KF_MR KF_MR_DEFAULT
-#endif
-#ifndef KF_NT
-#define KF_NT KF_NT_DEFAULT
-#endif
-#if KF_NT != 4 && KF_NT != 8
-#error "KF_NT must be 4 or 8 (kf_micro unrolls each token count)"
-#endif
-
 #define KF_QK 32                      /* elements per quantisation block */
 #define KF_CHUNK 256                  /* elements dequantised at a time (GEMV, packing) */
 
@@ -71,6 +49,14 @@ enum { KF_F32 = 0, KF_F16 = 1, KF_BF16 = 2, KF_Q8_0 = 3, KF_Q4_0 = 4, KF_Q4_1 = 
 #define KF_BLOCK_LOOP
 #endif
 
+/* A short constant-count loop whose iterations must become straight-line code (so that
+ * arrays indexed by its counter stay in registers). */
+#if defined(__GNUC__) || defined(__clang__)
+#define KF_UNROLL_ALL _Pragma("GCC unroll 32")
+#else
+#define KF_UNROLL_ALL
+#endif
+
 /* The micro-kernel's j loop is a chain of in-order sums. GCC's loop vectoriser (x86)
  * "vectorises" such a chain as an in-order lane-by-lane reduction with shuffles (4x
  * slower) instead of leaving it to SLP across the rows; turn it off for that function. */
@@ -78,6 +64,15 @@ enum { KF_F32 = 0, KF_F16 = 1, KF_BF16 = 2, KF_Q8_0 = 3, KF_Q4_0 = 4, KF_Q4_1 = 
 #define KF_SLP_ONLY __attribute__((optimize("no-tree-loop-vectorize")))
 #else
 #define KF_SLP_ONLY
+#endif
+
+/* Quantisers round products to integers; GCC would contract x * id + C into one fma
+ * (a different rounding), which would break bit-exactness with the NumPy reference.
+ * Clang contracts only within one source expression, which kf_rint never sees. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define KF_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define KF_NO_CONTRACT
 #endif
 
 /* ---------------------------------------------------------------- scalar conversions */
@@ -116,6 +111,34 @@ static inline float kf_f16_at(const uint8_t *p)
                            | ((((uint32_t)h & 0x7fffu) << 13) + 0x38000000u));
     return kf_f16_f32(h);
 }
+
+/* float -> IEEE half bits, round to nearest even (numpy's astype(float16)), incl.
+ * subnormal halves, overflow to inf, inf and NaN. */
+static inline uint16_t kf_f32_f16(float f)
+{
+    uint32_t u = kf_f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u)                                 /* inf, NaN (stays quiet) */
+        return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u));
+    if (a >= 0x477ff000u)                                 /* >= 65520 rounds to inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) {                                /* < 2^-14: subnormal half */
+        /* units of 2^-24: exact scaling, then round to nearest even (2^10 -> 0x400,
+         * the smallest normal, which is also the right encoding) */
+        float v = kf_bits_f32(a) * 16777216.0f;
+        float r = (v + 12582912.0f) - 12582912.0f;
+        return (uint16_t)(sign | (uint16_t)r);
+    }
+    /* normal: round the 23-bit mantissa to 10 bits (ties to even), rebias 127 -> 15;
+     * a mantissa carry correctly bumps the exponent */
+    uint32_t r = (a + 0x0fffu + ((a >> 13) & 1u)) >> 13;
+    return (uint16_t)(sign | (r - 0x1c000u));
+}
+
+/* Round to the nearest integer, ties to even (np.rint), for |v| < 2^22: adding
+ * 1.5 * 2^23 leaves no fraction bits. Vectorises on every ISA (no roundps needed). */
+static inline float kf_rint(float v) { return (v + 12582912.0f) - 12582912.0f; }
 
 /* Pairwise sum of n (a power of two) partial sums; clobbers a. */
 static inline float kf_hsum(float *a, int n)
@@ -254,109 +277,6 @@ static inline void kf_deq_row(int fmt, const uint8_t *restrict w, float *restric
                               ptrdiff_t n)
 {
     kf_deq_span(fmt, w, 0, out, n);
-}
-
-/* ---------------------------------------------------------------- GEMV (one token) */
-
-/* sum_j x[j] * W[j] for one raw weight row of format fmt. Non-f32 rows are dequantised
- * KF_CHUNK elements at a time into an L1 buffer and dotted from there: two simple loops
- * vectorise far better than one fused body. */
-static inline float kf_dot_row(int fmt, const float *restrict x, const uint8_t *restrict w,
-                               ptrdiff_t n)
-{
-    if (fmt == KF_F32)
-        return kf_dot_f32(x, (const float *)w, n);
-    float acc[KF_L] = {0};
-    float buf[KF_CHUNK];
-    float tail = 0.0f;
-    for (ptrdiff_t j = 0; j < n; j += KF_CHUNK) {
-        ptrdiff_t m = n - j < KF_CHUNK ? n - j : KF_CHUNK;
-        kf_deq_span(fmt, w, j, buf, m);
-        tail += kf_dot_acc(acc, x + j, buf, m);
-    }
-    return kf_hsum(acc, KF_L) + tail;
-}
-
-/* ---------------------------------------------------------------- GEMM (many tokens) */
-
-/* Dequantise nr <= KF_MR raw rows (row r at w + r * ldw bytes, n elements) into a panel
- * p[j * KF_MR + r]; rows nr..KF_MR-1 are zero. Works through KF_CHUNK columns at a time:
- * dequantise the rows' spans into an L1 buffer, then transpose with contiguous stores. */
-static inline void kf_pack_panel(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr,
-                                 ptrdiff_t n, float *restrict p)
-{
-    float buf[KF_MR * KF_CHUNK];                          /* (KF_MR, KF_CHUNK) */
-    const float *src[KF_MR];
-    for (ptrdiff_t j0 = 0; j0 < n; j0 += KF_CHUNK) {
-        ptrdiff_t m = n - j0 < KF_CHUNK ? n - j0 : KF_CHUNK;
-        for (int r = 0; r < KF_MR; r++) {
-            if (r >= nr) {
-                memset(buf + r * KF_CHUNK, 0, (size_t)m * sizeof(float));
-            } else if (fmt == KF_F32) {
-                src[r] = (const float *)(w + r * ldw) + j0;
-                continue;
-            } else {
-                kf_deq_span(fmt, w + r * ldw, j0, buf + r * KF_CHUNK, m);
-            }
-            src[r] = buf + r * KF_CHUNK;
-        }
-        float *restrict pj = p + j0 * KF_MR;
-        for (ptrdiff_t j = 0; j < m; j++)
-            for (int r = 0; r < KF_MR; r++)
-                pj[j * KF_MR + r] = src[r][j];
-    }
-}
-
-/* acc[t][r] += sum_j x[t * ldx + j] * p[j * KF_MR + r] for t < NT_ (a constant, so the
- * t loop unrolls): each output summed in j order, the lanes are the panel's rows. */
-#define KF_MICRO_LOOP(NT_)                                                   \
-    for (ptrdiff_t j = 0; j < n; j++) {                                      \
-        const float *restrict pj = p + j * KF_MR;                            \
-        for (int t = 0; t < (NT_); t++) {                                    \
-            const float xv = x[t * ldx + j];                                 \
-            for (int r = 0; r < KF_MR; r++)                                  \
-                acc[t][r] += xv * pj[r];                                     \
-        }                                                                    \
-    }
-
-/* out[t * ldo + r] = sum_j x[t * ldx + j] * p[j * KF_MR + r] for t < nt <= KF_NT,
- * r < nr <= KF_MR. */
-static inline KF_SLP_ONLY void kf_micro(const float *restrict p, const float *restrict x,
-                                        ptrdiff_t ldx, int nt, ptrdiff_t n,
-                                        float *restrict out, ptrdiff_t ldo, int nr)
-{
-    float acc[KF_NT][KF_MR] = {{0}};
-    switch (nt) {                        /* KF_NT is 4 or 8: one unrolled loop per count */
-    case 1: KF_MICRO_LOOP(1) break;
-    case 2: KF_MICRO_LOOP(2) break;
-    case 3: KF_MICRO_LOOP(3) break;
-#if KF_NT > 4
-    case 4: KF_MICRO_LOOP(4) break;
-    case 5: KF_MICRO_LOOP(5) break;
-    case 6: KF_MICRO_LOOP(6) break;
-    case 7: KF_MICRO_LOOP(7) break;
-#endif
-    default: KF_MICRO_LOOP(KF_NT) break;
-    }
-    for (int t = 0; t < nt; t++)
-        for (int r = 0; r < nr; r++)
-            out[t * ldo + r] = acc[t][r];
-}
-
-/* out[t * ldo + r] = sum_j x[t * ldx + j] * panels[r][j] for t < T, r < nr, where the
- * nr rows are packed in ceil(nr / KF_MR) consecutive panels of n * KF_MR floats.
- * Token tiles outermost: KF_NT rows of x stay in L1 while every panel passes by. */
-static inline void kf_gemm_panels(const float *panels, ptrdiff_t nr, const float *x,
-                                  ptrdiff_t ldx, ptrdiff_t T, ptrdiff_t n, float *out,
-                                  ptrdiff_t ldo)
-{
-    for (ptrdiff_t t = 0; t < T; t += KF_NT) {
-        int nt = T - t < KF_NT ? (int)(T - t) : KF_NT;
-        for (ptrdiff_t r = 0; r < nr; r += KF_MR) {
-            int mr = nr - r < KF_MR ? (int)(nr - r) : KF_MR;
-            kf_micro(panels + r * n, x + t * ldx, ldx, nt, n, out + t * ldo + r, ldo, mr);
-        }
-    }
 }
 
 /* ---------------------------------------------------------------- attention steps */

@@ -1,53 +1,137 @@
-# Weight matmuls for every storage format of kestrel_cli/weights.py, and embedding rows.
-# Weights arrive as raw bytes (d, row_bytes) plus a KF_* format code: one code path for
-# f32 / f16 / bf16 / q8_0 / q4_0 / q4_1, the per-format work lives in kernels.h.
+# Weight matmuls for every storage format of kestrel_cli/weights.py, embedding rows and
+# load-time quantisation. Weights arrive as raw bytes (d, row_bytes) plus a KF_* format
+# code; the per-format loops live in matmul_isa.h, compiled once per instruction set
+# (matmul_kernels.h picks the variant at import).
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport int64_t, uint8_t
-from libc.stdlib cimport free, malloc
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
 
-from _common cimport KF_MR, kf_deq_row, kf_dot_row, kf_gemm_panels, kf_pack_panel, team_size
+from _common cimport KF_Q4_0, KF_Q8_0, KF_QK, kf_deq_row, team_size
+from libc.stdint cimport uint16_t
 
 
-cdef inline Py_ssize_t rows_per_block(Py_ssize_t n, Py_ssize_t d, int n_threads) noexcept nogil:
+cdef extern from "kernels.h" nogil:
+    uint16_t kf_f32_f16(float f) noexcept
+
+
+cdef extern from "matmul_kernels.h" nogil:
+    ctypedef struct kf_act:
+        pass
+    int KF_N_ISA
+    int kf_isa
+    int kf_isa_max
+    const char *kf_isa_names[3]
+    void kf_isa_init() noexcept
+    int kf_set_isa(int isa) noexcept
+    void kf_gemv_rows(int fmt, const kf_act *a, Py_ssize_t n, const uint8_t *w,
+                      Py_ssize_t ldw, Py_ssize_t r0, Py_ssize_t r1, float *out) noexcept
+    void kf_gemm_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t nr,
+                      Py_ssize_t n, const float *x, Py_ssize_t ldx, Py_ssize_t T,
+                      float *out, Py_ssize_t ldo, float *panels) noexcept
+    int kf_gemm_mr() noexcept
+    void *kf_scratch(size_t nbytes) noexcept
+    size_t kf_act_bytes(Py_ssize_t n) noexcept
+    void kf_prep_act(const float *x, Py_ssize_t n, int int8, void *scratch,
+                     kf_act *a) noexcept
+    void kf_quantize_row(int fmt, const uint8_t *w, Py_ssize_t n, int to_fmt,
+                         uint8_t *out) noexcept
+    void kf_rms_norm_row(const float *x, const float *w, float eps, Py_ssize_t n,
+                         float *out) noexcept
+    void kf_gemv_multi_acc(int k, const int32_t *fmts, const uint64_t *w, const int64_t *offs,
+                           const int64_t *ldws, const kf_act *a, Py_ssize_t n, Py_ssize_t r0,
+                           Py_ssize_t r1, float *out, int accumulate) noexcept
+    void kf_gemv_swiglu(const int32_t *fmts, const uint64_t *w, const int64_t *ldws,
+                        const kf_act *a, Py_ssize_t n, Py_ssize_t r0, Py_ssize_t r1,
+                        float *out, int accumulate) noexcept
+
+
+kf_isa_init()
+
+
+def isa():
+    """The instruction-set variant in use: 'base', 'avx2' or 'avx512'."""
+    return kf_isa_names[kf_isa].decode()
+
+
+def isa_variants():
+    """Every variant this CPU runs, slowest first."""
+    return [kf_isa_names[i].decode() for i in range(kf_isa_max + 1)]
+
+
+def set_isa(str name):
+    """Use variant `name` (tests; KESTREL_ISA does it at import); returns the one in use."""
+    cdef int i
+    for i in range(KF_N_ISA):
+        if kf_isa_names[i].decode() == name:
+            if i > kf_isa_max:
+                raise ValueError(f"this CPU cannot run the {name} kernels")
+            kf_set_isa(i)
+            return isa()
+    raise ValueError(f"unknown kernel variant {name!r}")
+
+
+cdef inline Py_ssize_t rows_per_block(Py_ssize_t n, Py_ssize_t d, int n_threads,
+                                      int mr) noexcept nogil:
     """Weight rows dequantised together for T > 1: ~512 KiB of panels (L2-sized), at most
-    128 rows, at least 2 blocks per thread when d allows, a multiple of KF_MR."""
+    128 rows, at least 2 blocks per thread when d allows, a multiple of mr."""
     cdef Py_ssize_t rb = 131072 // (n if n > 0 else 1)
     cdef Py_ssize_t fair = (d + 2 * n_threads - 1) // (2 * n_threads)
     if rb > 128:
         rb = 128
     if rb > fair:
         rb = fair
-    rb = rb // KF_MR * KF_MR
-    return rb if rb > KF_MR else KF_MR
+    rb = rb // mr * mr
+    return rb if rb > mr else mr
+
+
+cdef inline Py_ssize_t split(Py_ssize_t d, Py_ssize_t c, Py_ssize_t nc) noexcept nogil:
+    """Start row of chunk c of nc over d rows (multiples of 16 rows, the last one short)."""
+    cdef Py_ssize_t r = (d * c // nc + 8) // 16 * 16
+    return d if c >= nc or r > d else r
 
 
 def matmul(const float[:, ::1] x,          # IN  (T, n) activations
            const uint8_t[:, ::1] w,        # IN  (d, row_bytes) raw rows in format fmt
            int fmt,                        # IN  KF_* code of w's format
            float[:, ::1] out,              # OUT (T, d)
-           int n_threads):
+           int n_threads,
+           bint act_q8=False):             # IN  one token: int8 activations (q formats)
     """out := x @ dequantise(w).T"""
     cdef Py_ssize_t T = x.shape[0], n = x.shape[1], d = w.shape[0], ldw = w.shape[1]
-    cdef Py_ssize_t i, b, nb, rb, i0, nr, r
-    cdef float *panels = NULL              # (rb / KF_MR, n, KF_MR) this thread's row panels
-    cdef int failed = 0
+    cdef Py_ssize_t b, c, nb, rb, i0, nr, mr
+    cdef float *panels                     # (rb / mr, n, mr) this thread's row panels
+    cdef void *scratch
+    cdef kf_act a
+    cdef int failed = 0, nt
     cdef int *p_failed = &failed
     if T == 0 or d == 0:
         return
     if n == 0:
         out[:, :] = 0
         return
-    n_threads = team_size(n_threads, d, 16)  # <= 0: OpenMP default; >= 16 rows a thread
     if T == 1:
-        # GEMV: memory bound, dequantise and dot in one pass per row
-        for i in prange(d, nogil=True, schedule="static", num_threads=n_threads):
-            out[0, i] = kf_dot_row(fmt, &x[0, 0], &w[i, 0], n)
+        # GEMV: memory bound. x is prepared once (block sums, int8 form), each thread
+        # runs one contiguous range of rows in the best variant for this CPU.
+        scratch = kf_scratch(kf_act_bytes(n))
+        if scratch == NULL:
+            raise MemoryError("matmul: could not allocate scratch")
+        kf_prep_act(&x[0, 0], n, act_q8 and n % KF_QK == 0, scratch, &a)
+        nt = team_size(n_threads, d, 64)  # <= 0: OpenMP default; >= 64 rows a thread
+        if nt == 1:
+            with nogil:
+                kf_gemv_rows(fmt, &a, n, &w[0, 0], ldw, 0, d, &out[0, 0])
+            return
+        with nogil, parallel(num_threads=nt):
+            for c in prange(nt, schedule="static", chunksize=1):
+                kf_gemv_rows(fmt, &a, n, &w[0, 0], ldw, split(d, c, nt), split(d, c + 1, nt),
+                             &out[0, 0])
         return
     # GEMM: each row block is dequantised once into panels, then dotted with every token
-    rb = rows_per_block(n, d, n_threads)
+    nt = team_size(n_threads, d, 16)
+    mr = kf_gemm_mr()
+    rb = rows_per_block(n, d, nt, mr)
     nb = (d + rb - 1) // rb
-    with nogil, parallel(num_threads=n_threads):
-        panels = <float *> malloc(rb * n * sizeof(float))
+    with nogil, parallel(num_threads=nt):
+        panels = <float *> kf_scratch(rb * n * sizeof(float))
         if panels == NULL:
             p_failed[0] = 1
         for b in prange(nb, schedule="static"):
@@ -55,14 +139,106 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
                 continue
             i0 = b * rb
             nr = d - i0 if d - i0 < rb else rb
-            for r in range((nr + KF_MR - 1) // KF_MR):     # panel r: rows r*KF_MR..
-                kf_pack_panel(fmt, &w[i0 + r * KF_MR, 0], ldw,
-                              <int> (nr - r * KF_MR if nr - r * KF_MR < KF_MR else KF_MR),
-                              n, panels + r * KF_MR * n)
-            kf_gemm_panels(panels, nr, &x[0, 0], n, T, n, &out[0, i0], d)
-        free(panels)
+            kf_gemm_rows(fmt, &w[i0, 0], ldw, nr, n, &x[0, 0], n, T, &out[0, i0], d, panels)
     if failed:
         raise MemoryError("matmul: could not allocate thread scratch")
+
+
+DEF MAX_GROUP = 8
+
+
+cdef class GemvPlan:
+    """Weights sharing one one-token input, multiplied in one parallel region.
+
+    mode 0: out[0, offs[i]:offs[i+1]] = x @ W_i.T for each weight i (rows stacked);
+    mode 1 (SwiGLU, two weights of the same shape): out[0, r] = silu(g_r) * u_r with
+    g = x @ W_0.T, u = x @ W_1.T, as ops.swiglu. Options of `run`: RMSNorm x first (as
+    ops.rms_norm), add into out instead of writing it, int8 activations.
+    The caller keeps the weights alive (kestrel_cli.kernels.GemvGroup does).
+    """
+    cdef int k, mode
+    cdef Py_ssize_t n, d
+    cdef int32_t fmts[MAX_GROUP]
+    cdef uint64_t ptrs[MAX_GROUP]
+    cdef int64_t offs[MAX_GROUP + 1]
+    cdef int64_t ldws[MAX_GROUP]
+
+    def __init__(self, list raws, list fmts, Py_ssize_t n, int mode=0):
+        """raws: uint8 (d_i, row_bytes) arrays; fmts: their KF_* codes; n: inputs per row."""
+        cdef int i
+        cdef const uint8_t[:, ::1] r
+        if not 0 < len(raws) <= MAX_GROUP or len(fmts) != len(raws):
+            raise ValueError(f"GemvPlan: 1..{MAX_GROUP} weights with one format each")
+        if mode not in (0, 1):
+            raise ValueError(f"GemvPlan: unknown mode {mode}")
+        self.k, self.mode, self.n = len(raws), mode, n
+        self.offs[0] = 0
+        for i in range(self.k):
+            r = raws[i]
+            self.ptrs[i] = <uint64_t> &r[0, 0] if r.shape[0] and r.shape[1] else 0
+            self.fmts[i] = fmts[i]
+            self.ldws[i] = r.shape[1]
+            self.offs[i + 1] = self.offs[i] + r.shape[0]
+        if mode == 1 and (self.k != 2 or raws[0].shape[0] != raws[1].shape[0]):
+            raise ValueError("GemvPlan: SwiGLU takes two weights with the same rows")
+        self.d = self.offs[self.k] if mode == 0 else self.offs[1]
+
+    @property
+    def d(self):
+        """Outputs per call: the summed rows (mode 0) or the rows of one weight (mode 1)."""
+        return self.d
+
+    def run(self, const float[:, ::1] x,       # IN  (1, n)
+            float[:, ::1] out,                 # OUT (1, d), or IN/OUT with accumulate
+            int n_threads,
+            bint act_q8=False,
+            const float[::1] norm=None,        # IN  (n,) RMSNorm weight, or None
+            float eps=0.0,
+            bint accumulate=False):
+        """out (+)= the plan's products of x (RMSNorm'd first when norm is given)."""
+        cdef Py_ssize_t c, n = self.n, R = self.d
+        cdef const float *xp
+        cdef char *scratch
+        cdef kf_act a
+        cdef int nt, q8
+        if x.shape[0] != 1 or x.shape[1] != n:
+            raise ValueError(f"x: expected shape (1, {n}), got {tuple(x.shape)[:2]}")
+        if out.shape[0] != 1 or out.shape[1] != R:
+            raise ValueError(f"out: expected shape (1, {R}), got {tuple(out.shape)[:2]}")
+        if norm is not None and norm.shape[0] != n:
+            raise ValueError(f"norm: expected shape ({n},), got ({norm.shape[0]},)")
+        if R == 0:
+            return
+        if n == 0:
+            if not accumulate:
+                out[:, :] = 0
+            return
+        q8 = act_q8 and n % KF_QK == 0
+        scratch = <char *> kf_scratch(kf_act_bytes(n) + <size_t> n * sizeof(float))
+        if scratch == NULL:
+            raise MemoryError("matmul: could not allocate scratch")
+        xp = &x[0, 0]
+        with nogil:
+            if norm is not None:
+                kf_rms_norm_row(xp, &norm[0], eps, n, <float *> scratch)
+                xp = <const float *> scratch
+            kf_prep_act(xp, n, q8, scratch + n * sizeof(float), &a)
+        nt = team_size(n_threads, R * self.k if self.mode == 1 else R, 64)
+        if nt == 1:
+            with nogil:
+                self._rows(&a, 0, R, &out[0, 0], accumulate)
+            return
+        with nogil, parallel(num_threads=nt):
+            for c in prange(nt, schedule="static", chunksize=1):
+                self._rows(&a, split(R, c, nt), split(R, c + 1, nt), &out[0, 0], accumulate)
+
+    cdef void _rows(self, const kf_act *a, Py_ssize_t r0, Py_ssize_t r1, float *out,
+                    int accumulate) noexcept nogil:
+        if self.mode == 1:
+            kf_gemv_swiglu(self.fmts, self.ptrs, self.ldws, a, self.n, r0, r1, out, accumulate)
+        else:
+            kf_gemv_multi_acc(self.k, self.fmts, self.ptrs, self.offs, self.ldws, a, self.n,
+                              r0, r1, out, accumulate)
 
 
 def get_rows(const uint8_t[:, ::1] w,      # IN  (d, row_bytes) raw rows in format fmt
@@ -76,3 +252,28 @@ def get_rows(const uint8_t[:, ::1] w,      # IN  (d, row_bytes) raw rows in form
     with nogil:
         for i in range(m):
             kf_deq_row(fmt, &w[ids[i], 0], &out[i, 0], n)
+
+
+def quantize(const uint8_t[:, ::1] w,      # IN  (d, row_bytes) raw rows, f32/f16/bf16
+             int fmt,                      # IN  KF_* code of w's format
+             Py_ssize_t n,                 # IN  elements per row, a multiple of 32
+             int to_fmt,                   # IN  KF_Q8_0 or KF_Q4_0
+             uint8_t[:, ::1] out,          # OUT (d, n / 32 * block bytes)
+             int n_threads):
+    """out[i] := quantise(dequantise(w[i])), llama.cpp's Q8_0 / Q4_0 blocks"""
+    cdef Py_ssize_t i, d = w.shape[0]
+    cdef int nt = team_size(n_threads, d, 64)
+    if to_fmt != KF_Q8_0 and to_fmt != KF_Q4_0:
+        raise ValueError("quantize: to_fmt must be q8_0 or q4_0")
+    if n % KF_QK:
+        raise ValueError(f"quantize: row length {n} is not a multiple of {KF_QK}")
+    for i in prange(d, nogil=True, schedule="static", num_threads=nt):
+        kf_quantize_row(fmt, &w[i, 0], n, to_fmt, &out[i, 0])
+
+
+def f32_to_f16(const float[::1] x,        # IN  (m,)
+               uint16_t[::1] out):          # OUT (m,) IEEE half bits
+    """out := the f16 bits of x, round to nearest even (the quantisers' scale store)"""
+    cdef Py_ssize_t i
+    for i in range(min(x.shape[0], out.shape[0])):
+        out[i] = kf_f32_f16(x[i])

@@ -8,15 +8,49 @@
 #   KESTREL        the kestrel command (default: kestrel; may hold words)
 #   NEEDLE_FILLER  filler facts around the needle (default: 215, about 2K tokens)
 #   NEEDLE_N       tokens to generate for the answer (default: 24)
+#   NEEDLE_SWEEP   1: run the sweep below instead of one run
+#   SWEEP_K        sparse k values of the sweep (default: "32 16 8 4 2 1")
 #
 # Builds a chat prompt: filler facts, one needle fact in the middle, the question at the
 # end; runs it greedily and prints whether the answer holds the needle, the answer, and
 # attn ms/token from the timing lines.
 # Exit status: 0 recalled, 1 not recalled, 2 kestrel failed.
+#
+# Sweep (NEEDLE_SWEEP=1): the same prompt with exact attention and --sparse-attn
+# --sparse-k K for each K of SWEEP_K, each with the float32 and the --kv-q8 cache (FLAGS
+# are added to every run); one table row per run: attention, cache, recalled, attn
+# ms/token, answer. Exit status: 0 when every run completed, 2 when one failed.
 set -euo pipefail
 
 model=${1:-}
 [[ $# -gt 0 ]] && shift
+
+if [[ ${NEEDLE_SWEEP:-0} == 1 ]]; then
+    self=${BASH_SOURCE[0]}
+    printf '%-8s %-4s %-8s %8s  %s\n' attn kv recalled attn_ms answer
+    status=0
+    for k in exact ${SWEEP_K:-32 16 8 4 2 1}; do
+        for kv in f32 q8; do
+            flags=()
+            [[ $k != exact ]] && flags+=(--sparse-attn --sparse-k "$k")
+            [[ $kv == q8 ]] && flags+=(--kv-q8)
+            rc=0
+            out=$(NEEDLE_SWEEP=0 bash "$self" "$model" "$@" ${flags[@]+"${flags[@]}"}) || rc=$?
+            label=exact
+            [[ $k != exact ]] && label="k=$k"
+            if [[ $rc -ge 2 ]]; then
+                printf '%-8s %-4s %-8s %8s  %s\n' "$label" "$kv" failed - -
+                status=2
+                continue
+            fi
+            awk -v attn="$label" -v kv="$kv" '
+                { key = $0; sub(/: .*/, "", key); val = $0; sub(/^[^:]*: /, "", val); v[key] = val }
+                END { printf "%-8s %-4s %-8s %8s  %s\n", attn, kv, v["recalled"],
+                             v["attn_ms_per_tok"], v["answer"] }' <<< "$out"
+        done
+    done
+    exit $status
+fi
 read -r -a kestrel <<< "${KESTREL:-kestrel}"
 n_filler=${NEEDLE_FILLER:-215}
 n_predict=${NEEDLE_N:-24}

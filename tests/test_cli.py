@@ -155,9 +155,6 @@ def not_a_file(tmp_path):
     (["run", "-p", "x", "--sparse-k", "0"], "--sparse-k must be >= 1"),
     (["run", "-p", "x", "--sparse-probes", "0"], "--sparse-probes must be >= 1"),
     (["run", "-p", LONG, "-c", "32", "--temp", "0"], "more than the context size 32"),
-    (["run", "-p", "x", "--sparse-attn"], "not yet supported"),
-    (["run", "-p", "x", "--kv-q8"], "not yet supported"),
-    (["run", "-p", "x", "--quant", "q8"], "not yet supported"),
     (["run", "-p", "x", "--quant", "q5"], "'q5' is not one of"),
     (["run"], "no prompt"),
     (["run", "-p", "   "], "empty prompt"),
@@ -167,7 +164,6 @@ def not_a_file(tmp_path):
     (["run", "-p", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
     (["run", "-p", "x", "-t", "0"], "-t/--threads must be >= 1"),
     (["run", "-p", "x", "-c", "0"], "-c/--ctx-size must be >= 1"),
-    (["chat", "--kv-q8"], "not yet supported"),
     (["chat", "--sparse-k", "0"], "--sparse-k must be >= 1"),
     (["info", "-m", "/no/such/model_dir"], "does not exist"),
     (["nope"], "No such command"),
@@ -184,12 +180,24 @@ def test_bad_input_is_one_line_no_traceback(args, needle, not_a_file):
     assert r.stdout == ""
 
 
-def test_unsupported_flags_never_ignored():
-    """Every path-selecting flag fails until its issue lands (not a silent exact run)."""
-    for flag in (["--sparse-attn"], ["--sparse-attn", "--sparse-k", "4"], ["--kv-q8"],
-                 ["--quant", "q4"]):
-        r = invoke("run", "-p", "x", "-n", "1", *flag)
-        assert r.exit_code == 1 and "not yet supported" in r.stderr
+def test_path_flags_take_effect(tmp_path):
+    """--kv-q8, --quant and --sparse-attn change what runs; none is parsed and ignored."""
+    def perf(*flags):
+        r = ok(invoke("run", "-p", QUESTION, "--temp", "0", "-n", "4", "-t", "1", *flags))
+        (p,) = parse_lines(r.stderr, "PERF")
+        return r.stdout, p
+    base_out, base = perf()
+    q8_out, q8 = perf("--kv-q8")
+    assert q8["kv_bytes"] < 0.3 * base["kv_bytes"]
+    from conftest import make_checkpoint
+    make_checkpoint(tmp_path, "qwen3")                  # f32 weights: --quant converts them
+    opts = cli.EngineOptions(model=tmp_path, threads=1, quant=cli.Quant("q8"), kv_q8=True,
+                             sparse_attn=True, sparse_k=4, sparse_probes=2)
+    eng = cli.engine_from_options(opts, spinner=False)
+    assert eng.model.layers[0].mlp.gate_proj.fmt == "q8_0"
+    assert eng.model.cache_opts == dict(kv_q8=True, sparse_k=4, sparse_probes=2)
+    sparse_out, _ = perf("--sparse-attn", "--sparse-k", "1")
+    assert base_out.strip() and sparse_out.strip()
 
 
 def test_exit_codes_of_the_real_command():

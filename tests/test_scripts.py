@@ -81,6 +81,6 @@ def test_needle_recalled(kestrel, smollm2_path):
 
 
 def test_needle_passes_flags_and_fails_cleanly(kestrel):
-    r = run("needle.sh", "", "--sparse-attn", kestrel=kestrel, NEEDLE_FILLER="4")
+    r = run("needle.sh", "", "--sparse-k", "0", kestrel=kestrel, NEEDLE_FILLER="4")
     assert r.returncode == 2
-    assert "not yet supported" in r.stderr and "Traceback" not in r.stderr
+    assert "--sparse-k must be >= 1" in r.stderr and "Traceback" not in r.stderr

@@ -34,15 +34,41 @@ class Ctx:
     def __init__(self, threads: int, positions: np.ndarray, pos0: int, prof: Profile):
         self.threads, self.positions, self.pos0, self.prof = threads, positions, pos0, prof
 
-    def mm(self, x: np.ndarray, w, bias=None) -> np.ndarray:
-        """x (T, n) @ w.T -> (T, d) float32 (+ bias)."""
+    def mm(self, x: np.ndarray, w, bias=None, residual=None) -> np.ndarray:
+        """x (T, n) @ w.T -> (T, d) float32 (+ bias); with `residual` (T, d), added into it
+        (one token: inside the kernel) and residual returned."""
+        if residual is not None and bias is None and x.shape[0] == 1:
+            t0 = time.perf_counter()
+            K.GemvGroup.of(w)(x, residual, self.threads, accumulate=True)
+            self.prof.matmul += time.perf_counter() - t0
+            return residual
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
         t0 = time.perf_counter()
         K.matmul(x, w, out, self.threads)
         self.prof.matmul += time.perf_counter() - t0
         if bias is not None:
             out += bias
+        if residual is not None:
+            residual += out
+            return residual
         return out
+
+    def mm_group(self, x: np.ndarray, group: K.GemvGroup, biases=(), norm=None
+                 ) -> list[np.ndarray]:
+        """One token: x (1, n) @ w.T for each weight of `group` in one kernel call (decode's
+        q/k/v, gate/up + SwiGLU), of RMSNorm(x) when norm = (weight, eps); (1, d_i) views
+        of one new buffer (+ bias_i)."""
+        out = np.empty((1, group.d), dtype=np.float32)
+        t0 = time.perf_counter()
+        if norm is None:
+            outs = group(x, out, self.threads)
+        else:
+            outs = group(x, out, self.threads, norm=norm[0], eps=norm[1])
+        self.prof.matmul += time.perf_counter() - t0
+        for o, b in zip(outs, biases):
+            if b is not None:
+                o += b
+        return outs
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, threads: int) -> np.ndarray:
@@ -67,17 +93,28 @@ class Attention:
         self.k_bias = store.vector(f"{p}.k_proj.bias", (nkv * hd,)) if bias else None
         self.v_bias = store.vector(f"{p}.v_proj.bias", (nkv * hd,)) if bias else None
         self.o_bias = store.vector(f"{p}.o_proj.bias", (H,)) if cfg.attention_bias else None
+        self.qkv = K.GemvGroup([self.q_proj, self.k_proj, self.v_proj])
         self.scale = 1.0 / math.sqrt(hd)
 
     def pre_rope(self, q: np.ndarray, k: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
         """Hook before RoPE on q (T, nh, hd) and k (T, nkv, hd); llama: identity."""
         return q, k
 
-    def __call__(self, x, cache: KVCache, layer: int, ctx: Ctx, rope) -> np.ndarray:
+    def __call__(self, x, cache: KVCache, layer: int, ctx: Ctx, rope, norm=None,
+                 residual=None) -> np.ndarray:
+        """Attention of x (T, H), or of RMSNorm(x) with norm = (weight, eps); with
+        `residual`, the output is added into it (and it is returned)."""
         T = x.shape[0]
-        q = ctx.mm(x, self.q_proj, self.q_bias).reshape(T, self.n_heads, self.head_dim)
-        k = ctx.mm(x, self.k_proj, self.k_bias).reshape(T, self.n_kv_heads, self.head_dim)
-        v = ctx.mm(x, self.v_proj, self.v_bias)
+        if T == 1:      # decode: (RMSNorm,) q, k, v in one kernel call
+            q, k, v = ctx.mm_group(x, self.qkv, (self.q_bias, self.k_bias, self.v_bias), norm)
+        else:
+            if norm is not None:
+                x = rms_norm(x, norm[0], norm[1], ctx.threads)
+            q = ctx.mm(x, self.q_proj, self.q_bias)
+            k = ctx.mm(x, self.k_proj, self.k_bias)
+            v = ctx.mm(x, self.v_proj, self.v_bias)
+        q = q.reshape(T, self.n_heads, self.head_dim)
+        k = k.reshape(T, self.n_kv_heads, self.head_dim)
         q, k = self.pre_rope(q, k, ctx.threads)
         inv_freq, attn_scale = rope
         K.rope(q, ctx.positions, inv_freq, attn_scale, ctx.threads)
@@ -86,10 +123,12 @@ class Attention:
         k_ptrs, v_ptrs = cache.views(layer, ctx.pos0 + T)
         out = np.empty((T, self.n_heads * self.head_dim), dtype=np.float32)
         t0 = time.perf_counter()
+        # exact or block-sparse, float32 or int8 KV: how the cache is read is the cache's
         K.attention(q.reshape(T, -1), k_ptrs, v_ptrs, cache.kv_bs, self.n_kv_heads,
-                    self.head_dim, ctx.pos0, self.scale, out, ctx.threads)
+                    self.head_dim, ctx.pos0, self.scale, out, ctx.threads,
+                    **cache.attention_opts(layer, T, self.n_heads))
         ctx.prof.attn += time.perf_counter() - t0
-        return ctx.mm(out, self.o_proj, self.o_bias)
+        return ctx.mm(out, self.o_proj, self.o_bias, residual)
 
 
 class MLP:
@@ -100,12 +139,20 @@ class MLP:
         self.gate_proj = store.matrix(f"{p}.gate_proj.weight", (inter, H))   # (I, H)
         self.up_proj = store.matrix(f"{p}.up_proj.weight", (inter, H))       # (I, H)
         self.down_proj = store.matrix(f"{p}.down_proj.weight", (H, inter))   # (H, I)
+        self.gate_up = K.GemvGroup([self.gate_proj, self.up_proj], swiglu=True)
 
-    def __call__(self, x, ctx: Ctx) -> np.ndarray:
-        g = ctx.mm(x, self.gate_proj)
-        u = ctx.mm(x, self.up_proj)
-        K.swiglu(g, u, g, ctx.threads)
-        return ctx.mm(g, self.down_proj)
+    def __call__(self, x, ctx: Ctx, norm=None, residual=None) -> np.ndarray:
+        """MLP of x (T, H), or of RMSNorm(x) with norm = (weight, eps); with `residual`,
+        the output is added into it (and it is returned)."""
+        if x.shape[0] == 1:     # decode: (RMSNorm,) gate, up and SwiGLU in one kernel call
+            g = ctx.mm_group(x, self.gate_up, norm=norm)[0]
+        else:
+            if norm is not None:
+                x = rms_norm(x, norm[0], norm[1], ctx.threads)
+            g = ctx.mm(x, self.gate_proj)
+            u = ctx.mm(x, self.up_proj)
+            K.swiglu(g, u, g, ctx.threads)
+        return ctx.mm(g, self.down_proj, residual=residual)
 
 
 class DecoderLayer:
@@ -123,6 +170,16 @@ class DecoderLayer:
 
     def __call__(self, h, cache, layer, ctx, rope) -> None:
         """Updates the residual stream h (T, H) in place."""
+        if h.shape[0] == 1:
+            # decode: each RMSNorm runs inside the kernel call of the projections after it
+            # and o_proj / down_proj add into h: 5 kernel calls fewer per layer and token
+            self.self_attn(h, cache, layer, ctx, rope, (self.input_layernorm, self.eps), h)
+            post = (self.post_attention_layernorm, self.eps)
+            if isinstance(self.mlp, MLP):
+                self.mlp(h, ctx, post, h)
+            else:
+                h += self.mlp(rms_norm(h, post[0], post[1], ctx.threads), ctx)
+            return
         h += self.self_attn(rms_norm(h, self.input_layernorm, self.eps, ctx.threads), cache, layer, ctx, rope)
         h += self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, ctx.threads), ctx)
 
@@ -145,9 +202,14 @@ class Model:
         self.rope = cfg.rope_inv_freq()
         self.prof = Profile()
 
-    def make_cache(self, max_tokens: int, kv_bs: int = 32) -> KVCache:
+    cache_opts: dict = {}                # KVCache options (kv_q8, sparse_k, ...) the Engine sets
+
+    def make_cache(self, max_tokens: int, kv_bs: int = 32, **opts) -> KVCache:
+        """A KV cache for this model; `opts` (kv_q8, sparse_k, sparse_probes) override
+        `self.cache_opts`."""
         c = self.cfg
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_tokens, kv_bs)
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_tokens, kv_bs,
+                       **{"threads": self.threads, **self.cache_opts, **opts})
 
     def __call__(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens `ids` after the cached ones; logits (T, V) or of the last token (1, V)."""

@@ -105,3 +105,218 @@ def test_attention_rejects_bad_input():
         kernels.attention(q, np.array([kp[0], 0], dtype=np.uint64), vp, 8, 2, 16, 10, 1.0, out, 1)
     with pytest.raises(ValueError, match="out: expected shape"):
         kernels.attention(q, kp, vp, 8, 2, 16, 0, 1.0, out[:2].copy(), 1)
+
+
+# ---------------------------------------------------------------------------------------
+# int8 cache, block-sparse selection, prefill importance (SPEC.md sections 4-5)
+
+from kestrel_cli._kernels import attention as _attn          # noqa: E402
+from kestrel_cli.kv_cache import KVCache                       # noqa: E402
+from kestrel_cli.sparse import importance_order, select_blocks  # noqa: E402
+
+
+def q8_cache(K, V, kv_bs=32):
+    """An int8 KVCache (one layer) holding K, V (n_tok, n_kv, hd); returns it and the
+    dequantised K, V it holds."""
+    n_tok, n_kv, hd = K.shape
+    c = KVCache(1, n_kv, hd, n_tok + kv_bs, kv_bs, kv_q8=True)
+    c.reserve(n_tok)
+    c.write(0, K.reshape(n_tok, -1), V.reshape(n_tok, -1))
+    c.commit(n_tok)
+    return c, c.keys(0).reshape(K.shape), c.values(0).reshape(V.shape)
+
+
+def masked_ref(q, K, V, scale, tokens):
+    """float64 softmax attention of one query head over the listed tokens only."""
+    k, v = K[tokens].astype(np.float64), V[tokens].astype(np.float64)
+    s = scale * (k @ q.astype(np.float64))
+    p = np.exp(s - s.max())
+    return (p / p.sum()) @ v
+
+
+def blocks_tokens(blocks, n_ctx, bs=32):
+    return np.concatenate([np.arange(b * bs, min(b * bs + bs, n_ctx)) for b in sorted(blocks)])
+
+
+@pytest.mark.parametrize("T,pos0", [(1, 0), (1, 100), (9, 40), (40, 0)])
+def test_attention_q8_cache(T, pos0):
+    """The int8 cache: exact attention over the dequantised K, V (the kernel reads int8)."""
+    rng = np.random.default_rng([T, pos0, 8])
+    n_heads, n_kv, hd = 6, 2, 64
+    n = pos0 + T
+    q = (rng.standard_normal((T, n_heads, hd)) * 2).astype(np.float32)
+    K = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    V = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    c, Kd, Vd = q8_cache(K, V)
+    kp, vp = c.views(0, n)
+    out = np.full((T, n_heads * hd), np.nan, dtype=np.float32)
+    kernels.attention(q.reshape(T, -1), kp, vp, 32, n_kv, hd, pos0, 0.125, out, 2, kv_q8=True)
+    ref = attention_ref(q, Kd, Vd, pos0, 0.125).reshape(T, -1)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-5 * np.abs(Vd).max())
+
+
+def random_case(rng, n, n_heads=4, n_kv=2, hd=32):
+    q = (rng.standard_normal((1, n_heads, hd)) * 2).astype(np.float32)
+    K = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    V = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    return q, K, V
+
+
+@pytest.mark.parametrize("q8", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_sparse_decode_matches_reference(q8, seed):
+    """Decode: the kernel's picks are select_blocks' (pick order), and the output is the
+    exact softmax over the picked tokens."""
+    rng = np.random.default_rng([seed, q8])
+    n = int(rng.integers(33 * 4, 40 * 32))
+    k, n_probe = int(rng.integers(1, 9)), int(rng.integers(1, 12))
+    q, K, V = random_case(rng, n)
+    imp = rng.random(n).astype(np.float32) if seed % 2 else None
+    if q8:
+        c, K, V = q8_cache(K, V)
+        kp, vp = c.views(0, n)
+    else:
+        kb, vb, kp, vp = build_cache(K, V, 32)
+    n_heads, hd = q.shape[1], q.shape[2]
+    out = np.empty((1, n_heads * hd), np.float32)
+    sel = np.full((1, n_heads, k), -1, np.int32)
+    kernels.attention(q.reshape(1, -1), kp, vp, 32, K.shape[1], hd, n - 1, 0.2, out, 2,
+                      kv_q8=q8, sparse_k=k, sparse_probes=n_probe,
+                      imp_order=None if imp is None else importance_order(imp, n), sel=sel)
+    for h in range(n_heads):
+        kh = h // (n_heads // K.shape[1])
+        ref_sel = select_blocks(q[0, h], K[:, kh], imp, k, n_probe)
+        assert sel[0, h].tolist() == ref_sel.tolist(), (h, sel[0, h], ref_sel)
+        ref = masked_ref(q[0, h], K[:, kh], V[:, kh], 0.2, blocks_tokens(ref_sel, n))
+        np.testing.assert_allclose(out[0, h * hd:(h + 1) * hd], ref, rtol=0,
+                                   atol=2e-5 * np.abs(V).max())
+
+
+@pytest.mark.parametrize("q8", [False, True])
+def test_sparse_with_k_at_least_n_blocks_is_bit_identical(q8):
+    rng = np.random.default_rng(5)
+    n_heads, n_kv, hd, T, pos0 = 4, 2, 32, 24, 100           # 124 tokens: 4 blocks
+    q = rng.standard_normal((T, n_heads * hd)).astype(np.float32)
+    K = rng.standard_normal((pos0 + T, n_kv, hd)).astype(np.float32)
+    if q8:
+        c, _, _ = q8_cache(K, K)
+        kp, vp = c.views(0, pos0 + T)
+    else:
+        kb, vb, kp, vp = build_cache(K, K, 32)
+    res = {}
+    for k in (0, 4, 7):                                     # exact, k == n_blocks, k > n_blocks
+        out = np.empty_like(q)                              # prefill
+        kernels.attention(q, kp, vp, 32, n_kv, hd, pos0, 0.2, out, 2, kv_q8=q8, sparse_k=k)
+        dec = np.empty_like(q[:1])                          # decode of the last row
+        kernels.attention(q[-1:], kp, vp, 32, n_kv, hd, pos0 + T - 1, 0.2, dec, 2, kv_q8=q8,
+                          sparse_k=k)
+        res[k] = out, dec
+    for k in (4, 7):
+        assert np.array_equal(res[k][0], res[0][0]) and np.array_equal(res[k][1], res[0][1])
+
+
+def prefill_ref(q, K, V, pos0, scale, k, n_probe, order_imp):
+    """Per (row, head): picks (or None when exact) and output, and the mass each token got."""
+    T, n_heads, hd = q.shape
+    group = n_heads // K.shape[1]
+    out = np.zeros((T, n_heads, hd))
+    mass = np.zeros(pos0 + T)
+    picks = {}
+    for i in range(T):
+        n = pos0 + i + 1
+        for h in range(n_heads):
+            kh = h // group
+            if k and -(-n // 32) > k:
+                sel = select_blocks(q[i, h], K[:n, kh], order_imp[:n] if order_imp is not None
+                                    else None, k, n_probe)
+                picks[i, h] = sel.tolist()
+                toks = blocks_tokens(sel, n)
+            else:
+                toks = np.arange(n)
+            kk, vv = K[toks, kh].astype(np.float64), V[toks, kh].astype(np.float64)
+            s = scale * (kk @ q[i, h].astype(np.float64))
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[i, h] = p @ vv
+            mass[toks] += p
+    return out, mass, picks
+
+
+@pytest.mark.parametrize("k,prior", [(0, False), (2, False), (3, True)])
+@pytest.mark.parametrize("q8", [False, True])
+def test_prefill_sparse_rows_and_importance(k, prior, q8):
+    """Prefill: rows past k blocks use the selection (with the importance recorded before
+    this call, if any); `importance` gains each token's attention mass, summed over rows
+    and heads, exactly as recorded (exact or sparse)."""
+    rng = np.random.default_rng([k, prior, q8])
+    n_heads, n_kv, hd, pos0, T = 4, 2, 32, 70, 90
+    n = pos0 + T
+    q = (rng.standard_normal((T, n_heads, hd)) * 2).astype(np.float32)
+    K = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    V = rng.standard_normal((n, n_kv, hd)).astype(np.float32)
+    if q8:
+        c, K, V = q8_cache(K, V)
+        kp, vp = c.views(0, n)
+    else:
+        kb, vb, kp, vp = build_cache(K, V, 32)
+    imp = np.zeros(n + 5, np.float32)
+    if prior:
+        imp[:pos0] = rng.random(pos0)
+    before = imp.copy()
+    order = importance_order(imp, n) if prior else None
+    slots = np.zeros((kernels.SLOTS, n + 5), np.float32)
+    sel = np.full((T, n_heads, max(k, 1)), -1, np.int32)
+    out = np.empty((T, n_heads * hd), np.float32)
+    kernels.attention(q.reshape(T, -1), kp, vp, 32, n_kv, hd, pos0, 0.2, out, 2, kv_q8=q8,
+                      sparse_k=k, imp_order=order, importance=imp, imp_slots=slots,
+                      sel=sel if k else None)
+    ref, mass, picks = prefill_ref(q, K, V, pos0, 0.2, k, 8, before if prior else None)
+    np.testing.assert_allclose(out, ref.reshape(T, -1), rtol=0, atol=2e-5 * np.abs(V).max())
+    np.testing.assert_allclose(imp[:n] - before[:n], mass, rtol=1e-4, atol=1e-5)
+    assert np.all(imp[n:] == 0)
+    assert abs(float(mass.sum()) - T * n_heads) < 1e-3
+    if k:
+        assert picks, "the case should have sparse rows"
+        for i in range(T):
+            for h in range(n_heads):
+                got = sel[i, h].tolist()
+                assert got == picks.get((i, h), [-1] * k), (i, h)
+
+
+def test_importance_independent_of_thread_count():
+    rng = np.random.default_rng(3)
+    n_heads, n_kv, hd, T = 6, 2, 32, 150
+    q = rng.standard_normal((T, n_heads * hd)).astype(np.float32)
+    K = rng.standard_normal((T, n_kv, hd)).astype(np.float32)
+    kb, vb, kp, vp = build_cache(K, K, 32)
+    res = []
+    for threads in (1, 2, 3):
+        imp = np.zeros(T, np.float32)
+        out = np.empty_like(q)
+        kernels.attention(q, kp, vp, 32, n_kv, hd, 0, 0.2, out, threads, sparse_k=2,
+                          importance=imp, imp_slots=np.zeros((kernels.SLOTS, T), np.float32))
+        res.append((out, imp))
+    for out, imp in res[1:]:
+        assert np.array_equal(out, res[0][0]) and np.array_equal(imp, res[0][1])
+
+
+def test_sparse_rejects_bad_input():
+    rng = np.random.default_rng(0)
+    K = rng.standard_normal((40, 2, 16)).astype(np.float32)
+    kb, vb, kp, vp = build_cache(K, K, 8)
+    q = np.zeros((1, 64), dtype=np.float32)
+    out = np.empty_like(q)
+    with pytest.raises(ValueError, match="kv_bs == 32"):
+        kernels.attention(q, kp, vp, 8, 2, 16, 39, 1.0, out, 1, sparse_k=2)
+    kb, vb, kp, vp = build_cache(K, K, 32)
+    with pytest.raises(ValueError, match="imp_slots"):
+        kernels.attention(q, kp, vp, 32, 2, 16, 39, 1.0, out, 1,
+                          importance=np.zeros(40, np.float32))
+    with pytest.raises(ValueError, match="sel: expected shape"):
+        kernels.attention(q, kp, vp, 32, 2, 16, 39, 1.0, out, 1, sparse_k=1,
+                          sel=np.zeros((1, 4, 2), np.int32))
+
+
+def test_q8_dot_variant_is_the_documented_one():
+    # float query x int8 key (x the key's scale) won on speed and error: see attention.pyx
+    assert _attn.Q8_INT_DOT is False

@@ -167,3 +167,253 @@ def test_get_rows_rejects_bad_input():
         kernels.get_rows(w, np.array([0, 1], dtype=np.int32), out)
     with pytest.raises(ValueError, match="out: expected shape"):
         kernels.get_rows(w, np.array([0, 1, 2], dtype=np.int64), out)
+
+
+# ------------------------------------------------------------------ kernel variants
+# The matmul kernels are compiled once per instruction set (portable C "base"; x86 "avx2",
+# "avx512"), the best the CPU runs is picked at import. Every variant this CPU can run
+# is checked against NumPy here; "base" is the code aarch64 and old x86 run.
+
+VARIANTS = kernels.matmul_isa_variants()
+
+
+@pytest.fixture(params=VARIANTS)
+def isa(request):
+    before = kernels.matmul_isa()
+    kernels.set_matmul_isa(request.param)
+    yield request.param
+    kernels.set_matmul_isa(before)
+
+
+def test_variants_listed():
+    assert VARIANTS[0] == "base" and kernels.matmul_isa() == VARIANTS[-1]
+    with pytest.raises(ValueError, match="unknown"):
+        kernels.set_matmul_isa("sse9")
+
+
+@pytest.mark.parametrize("fmt,d,n", CASES + [("q8_0", 33, 64), ("q4_1", 17, 96),
+                                             ("bf16", 45, 130), ("f32", 3, 5)])
+def test_matmul_every_variant(isa, fmt, d, n):
+    """GEMV (T = 1) and GEMM tiles (full KF_VNT tiles, 4-token and 1-token tails)."""
+    rng = np.random.default_rng([FORMATS.index(fmt), d, n, 11])
+    w = make_weight(fmt, d, n, rng)
+    for T in (1, 2, 5, 13, 21):
+        x = rng.standard_normal((T, n)).astype(np.float32)
+        out1 = check_matmul(x, w, 1)
+        np.testing.assert_array_equal(out1, check_matmul(x, w, 2))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matmul_long_rows_every_variant(isa, fmt):
+    rng = np.random.default_rng(FORMATS.index(fmt))
+    w = make_weight(fmt, 37, 8192, rng)
+    for T in (1, 3):
+        check_matmul(rng.standard_normal((T, 8192)).astype(np.float32), w, 2)
+
+
+def test_variants_agree_closely():
+    """Different variants sum in different orders; they agree to float32 rounding."""
+    rng = np.random.default_rng(21)
+    before = kernels.matmul_isa()
+    try:
+        for fmt in FORMATS:
+            w = make_weight(fmt, 64, 576, rng)
+            x = rng.standard_normal((1, 576)).astype(np.float32)
+            outs = []
+            for v in VARIANTS:
+                kernels.set_matmul_isa(v)
+                outs.append(kernels.matmul(x, w, np.empty((1, 64), np.float32), 2))
+            scale = np.abs(x) @ np.abs(w.dequantize()).T
+            for o in outs[1:]:
+                assert np.all(np.abs(o - outs[0]) <= 2e-6 * scale)
+    finally:
+        kernels.set_matmul_isa(before)
+
+
+# ------------------------------------------------------------------ int8 activations
+
+def q8_activations(x: np.ndarray):
+    """NumPy model of the kernels' int8 activations: per block of 32, d = amax / 127,
+    q = rint(x / d) (float32 ops as in C)."""
+    b = x.reshape(-1, QK).astype(np.float32)
+    d = np.abs(b).max(axis=1) / np.float32(127)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.rint(b * inv[:, None])
+    return q, d
+
+
+def int8_reference(x: np.ndarray, w: Weight) -> np.ndarray:
+    """sum_b d_w d_x sum_k q_w q_x (+ m_b sum_k x for q4_1), in float64."""
+    q, dx = q8_activations(x[0])
+    nb = q.shape[0]
+    blocks = w.data.reshape(w.shape[0], nb, BLOCK_BYTES[w.fmt])
+    dw = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float64)[:, :, 0]
+    if w.fmt == "q8_0":
+        qw = blocks[:, :, 2:].view(np.int8).astype(np.float64)
+    else:
+        o = 2 if w.fmt == "q4_0" else 4
+        qs = blocks[:, :, o:o + 16]
+        qw = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.float64)
+        if w.fmt == "q4_0":
+            qw -= 8
+    isum = np.einsum("rbk,bk->rb", qw, q.astype(np.float64))
+    out = (dw * dx[None, :].astype(np.float64) * isum).sum(axis=1)
+    if w.fmt == "q4_1":
+        m = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64)[:, :, 0]
+        out += (m * x[0].reshape(nb, QK).astype(np.float64).sum(axis=1)[None, :]).sum(axis=1)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("n", [32, 96, 576, 8192])
+def test_int8_activations(isa, fmt, n):
+    """act_q8: within float32 rounding of the exact integer-block model, and within the
+    int8 quantisation error of the float result."""
+    rng = np.random.default_rng([FORMATS.index(fmt), n])
+    w = make_weight(fmt, 53, n, rng)
+    x = rng.standard_normal((1, n)).astype(np.float32)
+    out = kernels.matmul(x, w, np.empty((1, 53), np.float32), 2, act_q8=True)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+    assert np.all(np.abs(out - int8_reference(x, w)) <= 1e-5 * scale)
+    exact = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+    assert np.all(np.abs(out - exact) <= 1e-2 * scale)
+    np.testing.assert_array_equal(out, kernels.matmul(x, w, np.empty((1, 53), np.float32), 1,
+                                                      act_q8=True))
+
+
+def test_int8_activations_only_for_one_token_and_blocks():
+    """act_q8 leaves float weights and prompts (T > 1) on the exact float path."""
+    rng = np.random.default_rng(2)
+    for fmt in ("f32", "bf16"):
+        w = make_weight(fmt, 16, 64, rng)
+        x = rng.standard_normal((1, 64)).astype(np.float32)
+        a = kernels.matmul(x, w, np.empty((1, 16), np.float32), 1, act_q8=True)
+        np.testing.assert_array_equal(a, kernels.matmul(x, w, np.empty((1, 16), np.float32), 1))
+    w = make_weight("q8_0", 16, 64, rng)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_array_equal(kernels.matmul(x, w, np.empty((3, 16), np.float32), 1, True),
+                                  kernels.matmul(x, w, np.empty((3, 16), np.float32), 1))
+
+
+# ------------------------------------------------------------------ grouped GEMV
+
+def test_gemv_group_equals_separate_matmuls(isa):
+    rng = np.random.default_rng(31)
+    ws = [make_weight("q4_1", 96, 576, rng), make_weight("q8_0", 40, 576, rng),
+          make_weight("bf16", 33, 576, rng), make_weight("f32", 1, 576, rng)]
+    g = kernels.GemvGroup(ws)
+    x = rng.standard_normal((1, 576)).astype(np.float32)
+    for threads in (1, 2, 3):
+        outs = g(x, np.empty((1, g.d), np.float32), threads)
+        for w, o in zip(ws, outs):
+            assert o.shape == (1, w.shape[0]) and o.flags.c_contiguous
+            np.testing.assert_array_equal(o, kernels.matmul(x, w, np.empty_like(o), 1))
+
+
+def test_gemv_group_norm_swiglu_accumulate(isa):
+    """RMSNorm first (= kernels.rms_norm), SwiGLU (= kernels.swiglu), accumulate (+=)."""
+    rng = np.random.default_rng(32)
+    n, inter = 192, 160
+    gate, up = make_weight("q4_0", inter, n, rng), make_weight("q4_0", inter, n, rng)
+    x = rng.standard_normal((1, n)).astype(np.float32)
+    nw = (1 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+    xn = kernels.rms_norm(x, nw, 1e-6, np.empty_like(x))
+    g = kernels.matmul(xn, gate, np.empty((1, inter), np.float32), 1)
+    u = kernels.matmul(xn, up, np.empty((1, inter), np.float32), 1)
+    ref = kernels.swiglu(g, u, np.empty_like(g))
+    grp = kernels.GemvGroup([gate, up], swiglu=True)
+    assert grp.d == inter
+    for threads in (1, 2):
+        (o,) = grp(x, np.empty((1, inter), np.float32), threads, norm=nw, eps=1e-6)
+        np.testing.assert_allclose(o, ref, rtol=1e-6, atol=1e-7)
+    acc = np.ones((1, inter), np.float32)
+    grp(x, acc, 2, norm=nw, eps=1e-6, accumulate=True)
+    np.testing.assert_allclose(acc, ref + 1, rtol=1e-6, atol=1e-6)
+    one = kernels.GemvGroup.of(gate)
+    assert kernels.GemvGroup.of(gate) is one
+    h = rng.standard_normal((1, inter)).astype(np.float32)
+    h0 = h.copy()
+    one(xn, h, 2, accumulate=True)
+    np.testing.assert_allclose(h, h0 + g, rtol=1e-6, atol=1e-6)
+
+
+def test_gemv_group_rejects_bad_input():
+    rng = np.random.default_rng(0)
+    a, b = make_weight("f32", 8, 64, rng), make_weight("f32", 8, 32, rng)
+    with pytest.raises(ValueError, match="one input size"):
+        kernels.GemvGroup([a, b])
+    with pytest.raises(ValueError, match="same rows"):
+        kernels.GemvGroup([a, make_weight("f32", 9, 64, rng)], swiglu=True)
+    g = kernels.GemvGroup([a])
+    with pytest.raises(ValueError, match="x: expected shape"):
+        g(np.zeros((2, 64), np.float32), np.empty((1, 8), np.float32), 1)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        g(np.zeros((1, 64), np.float32), np.empty((1, 9), np.float32), 1)
+
+
+# ------------------------------------------------------------------ quantisation
+
+def test_f32_to_f16_exact():
+    """The quantisers' scale store rounds like numpy, normals to subnormals to inf."""
+    from kestrel_cli._kernels import matmul as M
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(200000) * np.exp2(rng.integers(-40, 20, 200000))).astype(np.float32)
+    x = np.concatenate([x, np.float32([0, -0.0, 65504, 65519.99, 65520, 1e-8, 2.0 ** -24,
+                                       2.0 ** -25, 3 * 2.0 ** -26, np.inf, -np.inf])])
+    out = np.empty(x.shape, np.uint16)
+    M.f32_to_f16(x, out)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(out, x.astype(np.float16).view(np.uint16))
+
+
+def _float_weight(fmt, w32):
+    if fmt == "f32":
+        return Weight(fmt, w32, w32.shape)
+    if fmt == "f16":
+        return Weight(fmt, w32.astype(np.float16).view(np.uint16), w32.shape)
+    return Weight(fmt, (w32.view(np.uint32) >> 16).astype(np.uint16), w32.shape)
+
+
+@pytest.mark.parametrize("src", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("to", ["q8_0", "q4_0"])
+def test_quantize_rows_bit_exact(isa, src, to):
+    from kestrel_cli.weights import quantize_q4_0
+    rng = np.random.default_rng([len(src), len(to)])
+    w32 = (rng.standard_normal((37, 288)) * np.exp2(rng.integers(-12, 4, (37, 1)))).astype(np.float32)
+    w32[1] = 0                                    # all-zero blocks: d = 0
+    w32[2, :32] = 1e-7                            # subnormal f16 scales
+    w32[3, :32] = np.linspace(-3, 3, 32)          # ties between +-max
+    w32[4, 5] = -w32[4, :32].__abs__().max() * 2  # a negative extreme
+    w = _float_weight(src, w32)
+    out = np.empty((37, 288 // 32 * BLOCK_BYTES[to]), np.uint8)
+    assert kernels.quantize_rows(w, to, out, 2) is out
+    ref = (quantize_q8_0 if to == "q8_0" else quantize_q4_0)(w.dequantize())
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_quantize_rows_error_bounds():
+    """|x - dequantise(quantise(x))| <= d / 2 (q8_0) and <= d (q4_0: one step at the
+    clamped end), plus |q| * d * 2^-11 for d's rounding to f16."""
+    from kestrel_cli.weights import dequantize, quantize_q4_0
+    rng = np.random.default_rng(9)
+    w32 = rng.standard_normal((20, 256)).astype(np.float32)
+    for fmt, f, k in (("q8_0", quantize_q8_0, 0.5), ("q4_0", quantize_q4_0, 1.0)):
+        raw = f(w32)
+        back = dequantize(fmt, raw, 256)
+        d = np.abs(raw.reshape(20, 8, BLOCK_BYTES[fmt])[:, :, 0:2].copy().view(np.float16)
+                   .astype(np.float32))
+        err = np.abs(back - w32).reshape(20, 8, 32)
+        assert np.all(err <= (k + 128 / 2048) * d + 1e-7)
+
+
+def test_quantize_rows_rejects_bad_input():
+    rng = np.random.default_rng(0)
+    w = make_weight("f32", 4, 64, rng)
+    with pytest.raises(ValueError, match="to_fmt"):
+        kernels.quantize_rows(w, "q4_1", np.empty((4, 40), np.uint8))
+    with pytest.raises(ValueError, match="f32/f16/bf16"):
+        kernels.quantize_rows(make_weight("q8_0", 4, 64, rng), "q8_0", np.empty((4, 68), np.uint8))
+    with pytest.raises(ValueError, match="whole blocks"):
+        kernels.quantize_rows(make_weight("f32", 4, 71, rng), "q8_0", np.empty((4, 68), np.uint8))
+    with pytest.raises(ValueError, match="out: expected shape"):
+        kernels.quantize_rows(w, "q8_0", np.empty((4, 69), np.uint8))

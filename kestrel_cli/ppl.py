@@ -1,0 +1,107 @@
+"""Perplexity of a text in windows of the context size (`kestrel ppl`), and the mean KL
+divergence of the next-token distributions from exact float32 attention (`--kld-ref`).
+
+The token stream is cut into consecutive windows of `ctx` tokens (the last one may be
+shorter; a window needs two tokens). Each window runs as one fresh prefill with the
+engine's attention settings (f32 or int8 KV, exact or block-sparse), so sparse rows use
+SPEC §5's selection exactly as a long prompt would; row t's logits score token t + 1.
+`kld_ref` runs every window a second time through a float32 exact cache and averages
+KL(P_exact || P_this) over the same rows.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import KestrelError
+
+ROWS = 256             # logits rows turned into log-probabilities at a time (float64)
+
+
+@dataclass
+class PplResult:
+    tokens: int           # tokens scored (each window's tokens after its first)
+    windows: int
+    ctx: int              # window length
+    nll: float            # mean negative log-likelihood (nats)
+    seconds: float
+    kld: float | None = None   # mean KL(exact f32 || this run), nats; None without kld_ref
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll)
+
+    def line(self) -> str:
+        """One key=value line (stable for scripts)."""
+        kld = "" if self.kld is None else f" kld={self.kld:.6f}"
+        tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return (f"tokens={self.tokens} windows={self.windows} ctx={self.ctx} "
+                f"ppl={self.ppl:.4f}{kld} time_s={self.seconds:.1f} tok_per_s={tps:.1f}")
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    """float64 log-softmax over the last axis of a float32 (R, V) block."""
+    x = x.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+
+
+def windows(n_tokens: int, ctx: int) -> list[tuple[int, int]]:
+    """[start, end) of each window: consecutive, ctx long, the last one >= 2 tokens."""
+    out = [(s, min(s + ctx, n_tokens)) for s in range(0, n_tokens, ctx)]
+    return [(s, e) for s, e in out if e - s >= 2]
+
+
+def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
+               progress=None) -> PplResult:
+    """Perplexity of token ids under `engine` (its model and attention settings).
+
+    Args:
+        engine: a loaded Engine; its own conversation cache is left alone.
+        ids: token ids of the text.
+        ctx: window length (default: the engine's context size).
+        kld_ref: also compute the mean KL divergence from exact float32 attention.
+        progress: optional callable(window_index, n_windows) called after each window.
+    Returns:
+        PplResult.
+    """
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    ctx = int(ctx or engine.ctx_size)
+    if ctx < 2:
+        raise KestrelError(f"perplexity needs a context of at least 2 tokens, got {ctx}")
+    if ctx > engine.ctx_size:
+        raise KestrelError(f"window {ctx} exceeds the context size {engine.ctx_size}")
+    spans = windows(ids.size, ctx)
+    if not spans:
+        raise KestrelError(f"the text has {ids.size} token(s); perplexity needs at least 2")
+    model = engine.model
+    cache = model.make_cache(ctx)
+    ref_cache = model.make_cache(ctx, kv_q8=False, sparse_k=0) if kld_ref else None
+    nll_sum, kl_sum, n_scored = 0.0, 0.0, 0
+    t0 = time.perf_counter()
+    for w, (s, e) in enumerate(spans):
+        win = ids[s:e]
+        cache.reset()
+        logits = model(win, cache, all_logits=True)            # (n, V) float32
+        ref = None
+        if ref_cache is not None:
+            ref_cache.reset()
+            ref = model(win, ref_cache, all_logits=True)
+        n = win.size - 1                                        # rows 0..n-1 score 1..n
+        for r0 in range(0, n, ROWS):
+            r1 = min(r0 + ROWS, n)
+            lp = _log_softmax(logits[r0:r1])
+            nll_sum -= float(lp[np.arange(r1 - r0), win[r0 + 1:r1 + 1]].sum())
+            if ref is not None:
+                lq = _log_softmax(ref[r0:r1])
+                kl_sum += float((np.exp(lq) * (lq - lp)).sum())
+        n_scored += n
+        del logits, ref
+        if progress is not None:
+            progress(w, len(spans))
+    secs = time.perf_counter() - t0
+    return PplResult(tokens=n_scored, windows=len(spans), ctx=ctx, nll=nll_sum / n_scored,
+                     seconds=secs, kld=kl_sum / n_scored if kld_ref else None)

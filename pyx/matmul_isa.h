@@ -1,0 +1,468 @@
+/* Kestrel matmul hot loops, compiled once per instruction-set variant.
+ *
+ * matmul_kernels.h includes this file once per variant (no include guard on purpose):
+ *   KF_V(name)      the variant's name for `name` (kf_base_name, kf_avx2_name, ...)
+ *   KF_TARGET       its function attribute (a GCC/Clang target(...) list, or empty)
+ *   KF_VL           float partial sums of one dot product (SIMD lanes x accumulators)
+ *   KF_VG           quantised blocks in flight per dot product (independent chains)
+ *   KF_VMR, KF_VNT  GEMM micro-tile: weight rows (the SIMD lanes) x tokens
+ *   KF_VF16(p)      the f16 at byte address p as a float (a scalar block scale)
+ *   KF_VF16E(h)     one uint16 f16 element as a float (vectorisable)
+ *   KF_VQ4_LOOP     empty or KF_BLOCK_LOOP: how the q4 float block loop vectorises
+ *                   best for this variant (measured: AVX2 needs the pragma, the
+ *                   others SLP-vectorise the unrolled block better)
+ *   KF_VSIGNED      1: int8 dots as s8 x s8 (aarch64 sdot, SSE2 pmaddwd); 0: as
+ *                   u8 x s8 (x86 vpdpbusd with VNNI, pmaddubsw otherwise)
+ * and optionally the variant's own dots (matmul_x86.h), used instead of the portable
+ * ones below:
+ *   KF_VFAST(name)                  float dots kf_NAME_xdot_f32 / _f16 / _bf16
+ *   KF_VFAST_ROWS, _ROWS_DOT(f)     q8_0 / q4 float dots, that many rows per call
+ *   KF_VIDOT_ROWS, _ROWS_DOT, _ONE  int8-activation dots, rows per call
+ * The portable code is plain C, no intrinsics and no -ffast-math: loops the vectoriser
+ * maps onto lanes without reassociating, so every float sum has an order fixed by the
+ * source (thread count and row split never change a bit). It is the base variant, the
+ * one aarch64 runs (NEON; sdot with +dotprod), and the reference for the x86 ones.
+ *
+ * Activations come in two forms (struct kf_act, prepared once per matmul):
+ *   float: x itself, plus per-block sums sx[b] = sum_k x[32b+k] for q4_0 / q4_1
+ *          (sum_k x_k (d q_k + m) = d sum_k q_k x_k + m sx[b]; q4_0: m = -8 d);
+ *   int8:  x ~ xd[b] * xq[32b+k], symmetric per block of 32 (llama.cpp's Q8_0/Q8_1
+ *          activations), with xs[b] = sum_k xq[32b+k]: each block dot is one integer
+ *          sum (int32, exact) scaled once: d_w * xd[b] * (sum_k u_k xq_k - c * xs[b]).
+ */
+
+/* ---------------------------------------------------------------- float activations */
+
+/* KF_VFAST(name): the variant brings its own float dots (matmul_x86.h), else these. */
+#ifdef KF_VFAST
+#define KF_VDOT(name) KF_VFAST(name)
+#else
+#define KF_VDOT(name) KF_V(name)
+
+/* sum_j x[j] * w[j] */
+KF_TARGET static float KF_V(dot_f32)(const float *restrict x, const float *restrict w,
+                                     ptrdiff_t n)
+{
+    float acc[KF_VL] = {0};
+    ptrdiff_t nv = n - n % KF_VL, j;
+    for (j = 0; j < nv; j += KF_VL)
+        for (int k = 0; k < KF_VL; k++)
+            acc[k] += x[j + k] * w[j + k];
+    float tail = 0.0f;
+    for (j = nv; j < n; j++)
+        tail += x[j] * w[j];
+    return kf_hsum(acc, KF_VL) + tail;
+}
+
+/* sum_j x[j] * f16(w[j]) */
+KF_TARGET static float KF_V(dot_f16)(const float *restrict x, const uint16_t *restrict w,
+                                     ptrdiff_t n)
+{
+    float acc[KF_VL] = {0};
+    ptrdiff_t nv = n - n % KF_VL, j;
+    for (j = 0; j < nv; j += KF_VL)
+        for (int k = 0; k < KF_VL; k++)
+            acc[k] += x[j + k] * KF_VF16E(w[j + k]);
+    float tail = 0.0f;
+    for (j = nv; j < n; j++)
+        tail += x[j] * kf_f16_f32(w[j]);
+    return kf_hsum(acc, KF_VL) + tail;
+}
+
+/* sum_j x[j] * bf16(w[j]): widened in registers (a shift) */
+KF_TARGET static float KF_V(dot_bf16)(const float *restrict x, const uint16_t *restrict w,
+                                      ptrdiff_t n)
+{
+    float acc[KF_VL] = {0};
+    ptrdiff_t nv = n - n % KF_VL, j;
+    for (j = 0; j < nv; j += KF_VL)
+        for (int k = 0; k < KF_VL; k++)
+            acc[k] += x[j + k] * kf_bf16_f32(w[j + k]);
+    float tail = 0.0f;
+    for (j = nv; j < n; j++)
+        tail += x[j] * kf_bf16_f32(w[j]);
+    return kf_hsum(acc, KF_VL) + tail;
+}
+
+/* q8_0 row of nb blocks: sum_b d_b * sum_k q_bk x_bk; lanes k of KF_VG blocks at once */
+KF_TARGET static float KF_V(dot_q8_0)(const float *restrict x, const uint8_t *restrict w,
+                                      ptrdiff_t nb)
+{
+    float acc[KF_VG][KF_QK] = {{0}};
+    ptrdiff_t b = 0;
+    for (; b + KF_VG <= nb; b += KF_VG)
+        for (int g = 0; g < KF_VG; g++) {
+            const uint8_t *blk = w + (b + g) * 34;
+            const int8_t *q = (const int8_t *)(blk + 2);
+            const float *xb = x + (b + g) * KF_QK;
+            const float d = KF_VF16(blk);
+            for (int k = 0; k < KF_QK; k++)
+                acc[g][k] += d * ((float)q[k] * xb[k]);
+        }
+    for (; b < nb; b++) {
+        const uint8_t *blk = w + b * 34;
+        const int8_t *q = (const int8_t *)(blk + 2);
+        const float *xb = x + b * KF_QK;
+        const float d = KF_VF16(blk);
+        for (int k = 0; k < KF_QK; k++)
+            acc[0][k] += d * ((float)q[k] * xb[k]);
+    }
+    for (int g = 1; g < KF_VG; g++)
+        for (int k = 0; k < KF_QK; k++)
+            acc[0][k] += acc[g][k];
+    return kf_hsum(acc[0], KF_QK);
+}
+
+/* q4_0 and q4_1: sum_b (d_b * sum_k q_bk x_bk + m_b * sx[b]), lane k holding elements
+ * k and k + 16 of a block; q4_0 is the case m = -8 d (x = d * (q - 8)). */
+KF_TARGET static float KF_V(dot_q4)(int fmt, const float *restrict x,
+                                    const float *restrict sx, const uint8_t *restrict w,
+                                    ptrdiff_t nb)
+{
+    const ptrdiff_t bb = fmt == KF_Q4_1 ? 20 : 18, qo = fmt == KF_Q4_1 ? 4 : 2;
+    float acc[KF_VG][16] = {{0}};
+    float macc = 0.0f;
+    ptrdiff_t b = 0;
+    for (; b < nb; b += KF_VG) {
+        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *blk = w + (b + g) * bb;
+            const uint8_t *q = blk + qo;
+            const float *xb = x + (b + g) * KF_QK;
+            const float d = KF_VF16(blk), m = fmt == KF_Q4_1 ? KF_VF16(blk + 2) : -8.0f * d;
+            KF_VQ4_LOOP
+            for (int k = 0; k < 16; k++)
+                acc[g][k] += d * ((float)(q[k] & 0x0f) * xb[k] + (float)(q[k] >> 4) * xb[k + 16]);
+            macc += m * sx[b + g];
+        }
+    }
+    for (int g = 1; g < KF_VG; g++)
+        for (int k = 0; k < 16; k++)
+            acc[0][k] += acc[g][k];
+    return kf_hsum(acc[0], 16) + macc;
+}
+#endif /* KF_VFAST */
+
+/* ---------------------------------------------------------------- int8 activations */
+
+/* One block's integer dot sum_k u_k xq_k (exact in int32). KF_VSIGNED picks how the
+ * weights enter: u8 (x86: the u8 x s8 pattern becomes vpdpbusd / pmaddubsw) or s8
+ * (aarch64 with +dotprod: sdot). The callers fold the difference into the correction
+ * term c * xs[b]. */
+#if KF_VSIGNED
+#define KF_IQ8(v) ((int)(int8_t)(v))                  /* q8_0 weight as s8, c = 0 */
+#define KF_IQ8_C 0
+#define KF_IQ4(v) ((int)(int8_t)(v))                  /* nibble 0..15 as s8 */
+#else
+#define KF_IQ8(v) ((int)(uint8_t)((v) ^ 0x80u))       /* q + 128 as u8, c = 128 */
+#define KF_IQ8_C 128
+#define KF_IQ4(v) ((int)(uint8_t)(v))
+#endif
+
+/* q8_0 weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk) */
+KF_TARGET static float KF_V(idot_q8_0)(const int8_t *restrict xq, const float *restrict xd,
+                                       const int32_t *restrict xs,
+                                       const uint8_t *restrict w, ptrdiff_t nb)
+{
+    float acc[KF_VG] = {0};
+    ptrdiff_t b = 0;
+    for (; b < nb; b += KF_VG) {
+        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *blk = w + (b + g) * 34;
+            const int8_t *xb = xq + (b + g) * KF_QK;
+            int s = 0;
+            KF_BLOCK_LOOP
+            for (int k = 0; k < KF_QK; k++)
+                s += KF_IQ8(blk[2 + k]) * (int)xb[k];
+            s -= KF_IQ8_C * xs[b + g];
+            acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
+        }
+    }
+    for (int g = 1; g < KF_VG; g++)
+        acc[0] += acc[g];
+    return acc[0];
+}
+
+/* q4_0 weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk - 8 xs_b) */
+KF_TARGET static float KF_V(idot_q4_0)(const int8_t *restrict xq, const float *restrict xd,
+                                       const int32_t *restrict xs,
+                                       const uint8_t *restrict w, ptrdiff_t nb)
+{
+    float acc[KF_VG] = {0};
+    ptrdiff_t b = 0;
+    for (; b < nb; b += KF_VG) {
+        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *blk = w + (b + g) * 18;
+            const int8_t *xb = xq + (b + g) * KF_QK;
+            int s = 0;
+            KF_BLOCK_LOOP
+            for (int k = 0; k < 16; k++)
+                s += KF_IQ4(blk[2 + k] & 0x0f) * (int)xb[k];
+            KF_BLOCK_LOOP
+            for (int k = 0; k < 16; k++)
+                s += KF_IQ4(blk[2 + k] >> 4) * (int)xb[k + 16];
+            s -= 8 * xs[b + g];
+            acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
+        }
+    }
+    for (int g = 1; g < KF_VG; g++)
+        acc[0] += acc[g];
+    return acc[0];
+}
+
+/* q4_1 weights . int8 x: sum_b (d_b xd_b sum_k q_bk xq_bk + m_b sx_b), sx = float sums */
+KF_TARGET static float KF_V(idot_q4_1)(const int8_t *restrict xq, const float *restrict xd,
+                                       const float *restrict sx,
+                                       const uint8_t *restrict w, ptrdiff_t nb)
+{
+    float acc[KF_VG] = {0}, macc[KF_VG] = {0};
+    ptrdiff_t b = 0;
+    for (; b < nb; b += KF_VG) {
+        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *blk = w + (b + g) * 20;
+            const int8_t *xb = xq + (b + g) * KF_QK;
+            int s = 0;
+            KF_BLOCK_LOOP
+            for (int k = 0; k < 16; k++)
+                s += KF_IQ4(blk[4 + k] & 0x0f) * (int)xb[k];
+            KF_BLOCK_LOOP
+            for (int k = 0; k < 16; k++)
+                s += KF_IQ4(blk[4 + k] >> 4) * (int)xb[k + 16];
+            acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
+            macc[g] += KF_VF16(blk + 2) * sx[b + g];
+        }
+    }
+    for (int g = 1; g < KF_VG; g++) {
+        acc[0] += acc[g];
+        macc[0] += macc[g];
+    }
+    return acc[0] + macc[0];
+}
+
+#undef KF_IQ8
+#undef KF_IQ8_C
+#undef KF_IQ4
+
+/* ---------------------------------------------------------------- GEMV rows */
+
+/* out[i] = dot(activation a, weight row i) for rows r0 <= i < r1 of a (., n) weight in
+ * format fmt (rows ldw bytes apart); a->xq == NULL selects the float path. */
+KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
+                                      const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r0,
+                                      ptrdiff_t r1, float *restrict out)
+{
+    const ptrdiff_t nb = n / KF_QK;
+    ptrdiff_t i;
+    if (a->xq != NULL && (fmt == KF_Q8_0 || fmt == KF_Q4_0 || fmt == KF_Q4_1)) {
+#ifdef KF_VIDOT_ROWS
+        /* the variant's own int8 dots, KF_VIDOT_ROWS rows per call */
+        for (i = r0; i + KF_VIDOT_ROWS <= r1; i += KF_VIDOT_ROWS)
+            KF_VIDOT_ROWS_DOT(fmt, a->xq, a->xd, a->xs, a->sx, w + i * ldw, ldw, nb, out + i);
+        for (; i < r1; i++)
+            KF_VIDOT_ONE(fmt, a->xq, a->xd, a->xs, a->sx, w + i * ldw, ldw, nb, out + i);
+        return;
+#endif
+        switch (fmt) {
+        case KF_Q8_0:
+            for (i = r0; i < r1; i++)
+                out[i] = KF_V(idot_q8_0)(a->xq, a->xd, a->xs, w + i * ldw, nb);
+            return;
+        case KF_Q4_0:
+            for (i = r0; i < r1; i++)
+                out[i] = KF_V(idot_q4_0)(a->xq, a->xd, a->xs, w + i * ldw, nb);
+            return;
+        default:
+            for (i = r0; i < r1; i++)
+                out[i] = KF_V(idot_q4_1)(a->xq, a->xd, a->sx, w + i * ldw, nb);
+            return;
+        }
+    }
+    switch (fmt) {
+    case KF_F32:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOT(dot_f32)(a->x, (const float *)(w + i * ldw), n);
+        break;
+    case KF_F16:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOT(dot_f16)(a->x, (const uint16_t *)(w + i * ldw), n);
+        break;
+    case KF_BF16:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOT(dot_bf16)(a->x, (const uint16_t *)(w + i * ldw), n);
+        break;
+#ifdef KF_VFAST_ROWS
+    /* KF_VFAST_ROWS rows per call; a row's sum is the same in either call */
+    case KF_Q8_0:
+        for (i = r0; i + KF_VFAST_ROWS <= r1; i += KF_VFAST_ROWS)
+            KF_VFAST_ROWS_DOT(q8_0)(a->x, w + i * ldw, ldw, nb, out + i);
+        for (; i < r1; i++)
+            KF_VFAST(dot1_q8_0)(a->x, w + i * ldw, ldw, nb, out + i);
+        break;
+    case KF_Q4_0:
+    case KF_Q4_1:
+        for (i = r0; i + KF_VFAST_ROWS <= r1; i += KF_VFAST_ROWS)
+            KF_VFAST_ROWS_DOT(q4)(fmt, a->x, a->sx, w + i * ldw, ldw, nb, out + i);
+        for (; i < r1; i++)
+            KF_VFAST(dot1_q4)(fmt, a->x, a->sx, w + i * ldw, ldw, nb, out + i);
+        break;
+#else
+    case KF_Q8_0:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOT(dot_q8_0)(a->x, w + i * ldw, nb);
+        break;
+    case KF_Q4_0:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOT(dot_q4)(KF_Q4_0, a->x, a->sx, w + i * ldw, nb);
+        break;
+    case KF_Q4_1:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOT(dot_q4)(KF_Q4_1, a->x, a->sx, w + i * ldw, nb);
+        break;
+#endif
+    }
+}
+
+/* ---------------------------------------------------------------- GEMM (many tokens) */
+
+/* Dequantise nr <= KF_VMR raw rows (row r at w + r * ldw bytes, n elements) into a
+ * panel p[j * KF_VMR + r]; rows nr..KF_VMR-1 are zero. KF_CHUNK columns at a time:
+ * dequantise the rows' spans into an L1 buffer, then transpose with contiguous stores. */
+KF_TARGET static void KF_V(pack_panel)(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr,
+                                       ptrdiff_t n, float *restrict p)
+{
+    float buf[KF_VMR * KF_CHUNK];                         /* (KF_VMR, KF_CHUNK) */
+    const float *src[KF_VMR];
+    for (ptrdiff_t j0 = 0; j0 < n; j0 += KF_CHUNK) {
+        ptrdiff_t m = n - j0 < KF_CHUNK ? n - j0 : KF_CHUNK;
+        for (int r = 0; r < KF_VMR; r++) {
+            if (r >= nr) {
+                memset(buf + r * KF_CHUNK, 0, (size_t)m * sizeof(float));
+            } else if (fmt == KF_F32) {
+                src[r] = (const float *)(w + r * ldw) + j0;
+                continue;
+            } else {
+                kf_deq_span(fmt, w + r * ldw, j0, buf + r * KF_CHUNK, m);
+            }
+            src[r] = buf + r * KF_CHUNK;
+        }
+        float *restrict pj = p + j0 * KF_VMR;
+        for (ptrdiff_t j = 0; j < m; j++)
+            for (int r = 0; r < KF_VMR; r++)
+                pj[j * KF_VMR + r] = src[r][j];
+    }
+}
+
+/* out[t * ldo + r] = sum_j x[t * ldx + j] * p[j * KF_VMR + r] for t < NT_ (a constant:
+ * the t loop unrolls and acc stays in registers), r < nr <= KF_VMR. Each output is
+ * summed in j order; the SIMD lanes are the panel's rows. The j loop is a chain of
+ * in-order sums: GCC's loop vectoriser would vectorise it as an in-order reduction with
+ * shuffles instead of leaving it to SLP across the rows, hence KF_SLP_ONLY. */
+#define KF_VMICRO(NT_)                                                                 \
+KF_TARGET KF_SLP_ONLY static void KF_V(micro_##NT_)(const float *restrict p,           \
+                                                    const float *restrict x,           \
+                                                    ptrdiff_t ldx, ptrdiff_t n,        \
+                                                    float *restrict out, ptrdiff_t ldo,\
+                                                    int nr)                            \
+{                                                                                      \
+    float acc[NT_][KF_VMR] = {{0}};                                                    \
+    for (ptrdiff_t j = 0; j < n; j++) {                                                \
+        const float *restrict pj = p + j * KF_VMR;                                     \
+        KF_UNROLL_ALL                                                                  \
+        for (int t = 0; t < (NT_); t++) {                                              \
+            const float xv = x[t * ldx + j];                                           \
+            for (int r = 0; r < KF_VMR; r++)                                           \
+                acc[t][r] += xv * pj[r];                                               \
+        }                                                                              \
+    }                                                                                  \
+    for (int t = 0; t < (NT_); t++)                                                    \
+        for (int r = 0; r < nr; r++)                                                   \
+            out[t * ldo + r] = acc[t][r];                                              \
+}
+KF_VMICRO(KF_VNT)
+KF_VMICRO(4)
+KF_VMICRO(1)
+#undef KF_VMICRO
+
+/* out[t * ldo + i] = sum_j x[t * ldx + j] * W[i][j] for t < T, i < nr: the nr raw rows
+ * at w (ldw bytes apart) are dequantised into panels (scratch of
+ * ceil(nr / KF_VMR) * KF_VMR * n floats), then every token tile passes over them. */
+KF_TARGET static void KF_V(gemm_rows)(int fmt, const uint8_t *w, ptrdiff_t ldw,
+                                      ptrdiff_t nr, ptrdiff_t n, const float *x,
+                                      ptrdiff_t ldx, ptrdiff_t T, float *out, ptrdiff_t ldo,
+                                      float *panels)
+{
+    for (ptrdiff_t r = 0; r < nr; r += KF_VMR) {
+        int mr = nr - r < KF_VMR ? (int)(nr - r) : KF_VMR;
+        KF_V(pack_panel)(fmt, w + r * ldw, ldw, mr, n, panels + r * n);
+    }
+    /* token tiles of KF_VNT, then of 4, then single tokens */
+    for (ptrdiff_t t = 0; t < T;) {
+        int nt = T - t >= KF_VNT ? KF_VNT : (T - t >= 4 ? 4 : 1);
+        for (ptrdiff_t r = 0; r < nr; r += KF_VMR) {
+            int mr = nr - r < KF_VMR ? (int)(nr - r) : KF_VMR;
+            const float *pr = panels + r * n;
+            float *o = out + t * ldo + r;
+            if (nt == KF_VNT)
+                KF_V(micro_KF_VNT)(pr, x + t * ldx, ldx, n, o, ldo, mr);
+            else if (nt == 4)
+                KF_V(micro_4)(pr, x + t * ldx, ldx, n, o, ldo, mr);
+            else
+                KF_V(micro_1)(pr, x + t * ldx, ldx, n, o, ldo, mr);
+        }
+        t += nt;
+    }
+}
+
+/* ---------------------------------------------------------------- quantisation */
+
+/* One row of n float32 values (n a multiple of 32) -> q8_0 blocks: d = amax / 127,
+ * q = rint(x / d) (ties to even), d stored as f16; all-zero blocks get d = 0, q = 0. */
+KF_TARGET KF_NO_CONTRACT static void KF_V(quantize_q8_0)(const float *restrict x, uint8_t *restrict out,
+                                          ptrdiff_t n)
+{
+    for (ptrdiff_t b = 0; b < n / KF_QK; b++, x += KF_QK, out += 34) {
+        float amax = 0.0f;
+        for (int k = 0; k < KF_QK; k++) {
+            float a = fabsf(x[k]);
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        uint16_t h = kf_f32_f16(d);
+        memcpy(out, &h, 2);
+        int8_t *restrict q = (int8_t *)(out + 2);
+        for (int k = 0; k < KF_QK; k++)
+            q[k] = (int8_t)kf_rint(x[k] * id);
+    }
+}
+
+/* One row -> q4_0 blocks (llama.cpp's Q4_0): mx = the value of largest magnitude,
+ * d = mx / -8, q = clamp(rint(x / d) + 8, 0, 15). */
+KF_TARGET KF_NO_CONTRACT static void KF_V(quantize_q4_0)(const float *restrict x, uint8_t *restrict out,
+                                          ptrdiff_t n)
+{
+    for (ptrdiff_t b = 0; b < n / KF_QK; b++, x += KF_QK, out += 18) {
+        float amax = 0.0f, mx = 0.0f;
+        for (int k = 0; k < KF_QK; k++) {                 /* first of the largest |x| */
+            if (fabsf(x[k]) > amax) {
+                amax = fabsf(x[k]);
+                mx = x[k];
+            }
+        }
+        const float d = mx / -8.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint16_t h = kf_f32_f16(d);
+        memcpy(out, &h, 2);
+        uint8_t qv[KF_QK];
+        for (int k = 0; k < KF_QK; k++) {
+            float v = kf_rint(x[k] * id) + 8.0f;
+            v = v < 0.0f ? 0.0f : v;
+            qv[k] = (uint8_t)(v > 15.0f ? 15.0f : v);
+        }
+        for (int k = 0; k < 16; k++)
+            out[2 + k] = (uint8_t)(qv[k] | (qv[k + 16] << 4));
+    }
+}
+
+#undef KF_VDOT

@@ -1,0 +1,401 @@
+/* Weight matmuls: the variants of matmul_isa.h and the runtime choice between them.
+ *
+ * One portable C source, compiled here several times:
+ *   base     the build's own flags (x86-64 baseline: SSE2; aarch64: NEON, and sdot when
+ *            built with -march=...+dotprod); the only variant off x86 or without GCC/Clang;
+ *   avx2     x86-64-v3 (AVX2, FMA, F16C);
+ *   avx512   x86-64-v4 + AVX512-VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later).
+ * Each variant is the portable C under a target attribute, plus for x86 the GEMV dots of
+ * matmul_x86.h (intrinsics under the same attributes, where GCC's vectoriser fell short:
+ * measured there). No ifunc: the CPU is asked once (__builtin_cpu_supports) and the best
+ * variant it runs is used, unless KESTREL_ISA=base|avx2|avx512 or kf_set_isa() asks for
+ * a lower one (tests run them all).
+ */
+#ifndef KESTREL_MATMUL_KERNELS_H
+#define KESTREL_MATMUL_KERNELS_H
+
+#include <stdlib.h>
+#include "kernels.h"
+
+/* A matmul's activation row, prepared once per call (see matmul_isa.h). */
+typedef struct {
+    const float *x;            /* (n,) float activations */
+    const float *sx;           /* (n/32,) sum of each block of x (float path, q4_1) */
+    const int8_t *xq;          /* (n,) int8 activations, or NULL: float path */
+    const float *xd;           /* (n/32,) their scales */
+    const int32_t *xs;         /* (n/32,) sum of each block of xq */
+} kf_act;
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KF_NO_DISPATCH)
+#define KF_X86_DISPATCH 1
+#else
+#define KF_X86_DISPATCH 0
+#endif
+
+#if defined(__FLT16_MAX__) && (defined(__GNUC__) || defined(__clang__))
+#define KF_HAVE_F16 1
+typedef _Float16 kf_half __attribute__((may_alias));
+/* f16 at byte address p via the compiler's conversion (vcvtph2ps with F16C, fcvt) */
+static inline __attribute__((always_inline)) float kf_half_at(const uint8_t *p)
+{
+    kf_half h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+static inline __attribute__((always_inline)) float kf_half_f32(uint16_t u)
+{
+    kf_half h;
+    memcpy(&h, &u, 2);
+    return (float)h;
+}
+#else
+#define KF_HAVE_F16 0
+#endif
+
+enum { KF_ISA_BASE = 0, KF_ISA_AVX2 = 1, KF_ISA_AVX512 = 2, KF_N_ISA = 3 };
+
+/* ---------------------------------------------------------------- base variant */
+#define KF_V(name) kf_base_##name
+#define KF_TARGET
+#define KF_VL 16                       /* 4 x 4 lanes (SSE2, NEON) */
+#define KF_VG 2
+#define KF_VMR 8                       /* 8 x 4: 8 accumulators (SSE2, NEON) */
+#define KF_VNT 4
+#if KF_HAVE_F16 && !defined(__x86_64__)
+#define KF_VF16(p) kf_half_at(p)       /* aarch64: one fcvt */
+#define KF_VF16E(h) kf_half_f32(h)
+#else
+#define KF_VF16(p) kf_f16_at(p)        /* x86 baseline has no F16C: integer bit moves */
+#define KF_VF16E(h) kf_f16_f32(h)
+#endif
+#define KF_VSIGNED 1
+#define KF_VQ4_LOOP
+#include "matmul_isa.h"
+#undef KF_V
+#undef KF_TARGET
+#undef KF_VL
+#undef KF_VG
+#undef KF_VMR
+#undef KF_VNT
+#undef KF_VF16
+#undef KF_VF16E
+#undef KF_VSIGNED
+#undef KF_VQ4_LOOP
+
+#if KF_X86_DISPATCH
+#include "matmul_x86.h"
+
+/* ---------------------------------------------------------------- avx2 variant */
+#define KF_V(name) kf_avx2_##name
+#define KF_TARGET __attribute__((target("avx2,fma,f16c,bmi,bmi2,popcnt")))
+#define KF_VL 32                       /* 4 x 8 lanes */
+#define KF_VG 2
+#ifndef KF_AVX2_MR                     /* measured (Zen 4, GCC 12): 16 x 4 ~ 90 GFLOPS, */
+#define KF_AVX2_MR 16                  /* 8 x 8 ~ 85, 16 x 6+ spills                  */
+#define KF_AVX2_NT 4
+#endif
+#define KF_VMR KF_AVX2_MR
+#define KF_VNT KF_AVX2_NT
+#if KF_HAVE_F16
+#define KF_VF16(p) kf_half_at(p)       /* vcvtph2ps */
+#else
+#define KF_VF16(p) kf_f16_at(p)
+#endif
+#define KF_VF16E(h) kf_f16_f32(h)      /* the bit moves vectorise; a scalar cast would not */
+#define KF_VSIGNED 0
+#define KF_VQ4_LOOP KF_BLOCK_LOOP
+#define KF_VFAST(name) kf_avx2_x##name
+#define KF_VFAST_ROWS KF_AVX2_ROWS
+#define KF_VFAST_ROWS_DOT(f) kf_avx2_xdot2_##f
+#include "matmul_isa.h"
+#undef KF_VFAST
+#undef KF_VFAST_ROWS
+#undef KF_VFAST_ROWS_DOT
+#undef KF_V
+#undef KF_TARGET
+#undef KF_VL
+#undef KF_VG
+#undef KF_VMR
+#undef KF_VNT
+#undef KF_VSIGNED
+#undef KF_VQ4_LOOP
+
+/* ---------------------------------------------------------------- avx512 variant */
+#define KF_V(name) kf_avx512_##name
+#define KF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd," \
+    "avx512vnni,avx2,fma,f16c,bmi,bmi2,popcnt,prefer-vector-width=512")))
+#define KF_VL 64                       /* 4 x 16 lanes */
+#define KF_VG 2
+#ifndef KF_AVX512_MR                   /* measured: 16 x 4..12 ~ 100 GFLOPS (1 zmm FMA */
+#define KF_AVX512_MR 16                /* a cycle on Zen 4); 32 rows breaks GCC's SLP  */
+#define KF_AVX512_NT 8
+#endif
+#define KF_VMR KF_AVX512_MR
+#define KF_VNT KF_AVX512_NT
+#define KF_VSIGNED 0
+#define KF_VQ4_LOOP
+#define KF_VFAST(name) kf_avx512_x##name
+#define KF_VFAST_ROWS KF_AVX512_ROWS
+#define KF_VFAST_ROWS_DOT(f) kf_avx512_xdot4_##f
+#define KF_VIDOT_ROWS 4
+#define KF_VIDOT_ROWS_DOT kf_avx512_idot4
+#define KF_VIDOT_ONE kf_avx512_idot1
+#include "matmul_isa.h"
+#undef KF_VIDOT_ROWS
+#undef KF_VIDOT_ROWS_DOT
+#undef KF_VIDOT_ONE
+#undef KF_VFAST
+#undef KF_VFAST_ROWS
+#undef KF_VFAST_ROWS_DOT
+#undef KF_V
+#undef KF_TARGET
+#undef KF_VL
+#undef KF_VG
+#undef KF_VMR
+#undef KF_VNT
+#undef KF_VF16
+#undef KF_VF16E
+#undef KF_VSIGNED
+#undef KF_VQ4_LOOP
+#endif /* KF_X86_DISPATCH */
+
+/* ---------------------------------------------------------------- dispatch */
+
+typedef void (*kf_gemv_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, ptrdiff_t,
+                           ptrdiff_t, ptrdiff_t, float *);
+typedef void (*kf_gemm_fn)(int, const uint8_t *, ptrdiff_t, ptrdiff_t, ptrdiff_t,
+                           const float *, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t, float *);
+typedef void (*kf_quant_fn)(const float *, uint8_t *, ptrdiff_t);
+
+#if KF_X86_DISPATCH
+static const kf_gemv_fn kf_gemv_tab[KF_N_ISA] = {
+    kf_base_gemv_rows, kf_avx2_gemv_rows, kf_avx512_gemv_rows};
+static const kf_gemm_fn kf_gemm_tab[KF_N_ISA] = {
+    kf_base_gemm_rows, kf_avx2_gemm_rows, kf_avx512_gemm_rows};
+static const kf_quant_fn kf_q8_tab[KF_N_ISA] = {
+    kf_base_quantize_q8_0, kf_avx2_quantize_q8_0, kf_avx512_quantize_q8_0};
+static const kf_quant_fn kf_q4_tab[KF_N_ISA] = {
+    kf_base_quantize_q4_0, kf_avx2_quantize_q4_0, kf_avx512_quantize_q4_0};
+static const int kf_mr_tab[KF_N_ISA] = {8, KF_AVX2_MR, KF_AVX512_MR};
+#else
+static const kf_gemv_fn kf_gemv_tab[KF_N_ISA] = {
+    kf_base_gemv_rows, kf_base_gemv_rows, kf_base_gemv_rows};
+static const kf_gemm_fn kf_gemm_tab[KF_N_ISA] = {
+    kf_base_gemm_rows, kf_base_gemm_rows, kf_base_gemm_rows};
+static const kf_quant_fn kf_q8_tab[KF_N_ISA] = {
+    kf_base_quantize_q8_0, kf_base_quantize_q8_0, kf_base_quantize_q8_0};
+static const kf_quant_fn kf_q4_tab[KF_N_ISA] = {
+    kf_base_quantize_q4_0, kf_base_quantize_q4_0, kf_base_quantize_q4_0};
+static const int kf_mr_tab[KF_N_ISA] = {8, 8, 8};
+#endif
+
+static const char *const kf_isa_names[KF_N_ISA] = {"base", "avx2", "avx512"};
+static int kf_isa_max = KF_ISA_BASE;     /* best variant this CPU runs */
+static int kf_isa = KF_ISA_BASE;         /* variant in use */
+
+/* The best variant the CPU supports (called once, at import). */
+static int kf_isa_detect(void)
+{
+#if KF_X86_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+        && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
+        return KF_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
+        return KF_ISA_AVX2;
+#endif
+    return KF_ISA_BASE;
+}
+
+/* Use variant `isa` (clamped to what the CPU runs); returns the one now in use. */
+static int kf_set_isa(int isa)
+{
+    kf_isa = isa < KF_ISA_BASE ? KF_ISA_BASE : (isa > kf_isa_max ? kf_isa_max : isa);
+    return kf_isa;
+}
+
+static void kf_isa_init(void)
+{
+    kf_isa_max = kf_isa_detect();
+    kf_isa = kf_isa_max;
+    const char *env = getenv("KESTREL_ISA");
+    if (env != NULL)
+        for (int i = 0; i < KF_N_ISA; i++)
+            if (strcmp(env, kf_isa_names[i]) == 0)
+                kf_set_isa(i);
+}
+
+static inline void kf_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t *w,
+                                ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1, float *out)
+{
+    kf_gemv_tab[kf_isa](fmt, a, n, w, ldw, r0, r1, out);
+}
+
+static inline void kf_gemm_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t nr,
+                                ptrdiff_t n, const float *x, ptrdiff_t ldx, ptrdiff_t T,
+                                float *out, ptrdiff_t ldo, float *panels)
+{
+    kf_gemm_tab[kf_isa](fmt, w, ldw, nr, n, x, ldx, T, out, ldo, panels);
+}
+
+/* Rows r0 <= r < r1 of k weights stacked logically: weight i (format fmts[i], raw rows
+ * at w[i], ldws[i] bytes apart) owns rows offs[i] <= r < offs[i + 1]; all share the
+ * activation a (n inputs) and write out[r - obase]. */
+static inline void kf_gemv_multi(int k, const int32_t *fmts, const uint64_t *w,
+                                 const int64_t *offs, const int64_t *ldws, const kf_act *a,
+                                 ptrdiff_t n, ptrdiff_t r0, ptrdiff_t r1, float *out,
+                                 ptrdiff_t obase)
+{
+    for (int i = 0; i < k; i++) {
+        ptrdiff_t lo = r0 > offs[i] ? r0 : offs[i], hi = r1 < offs[i + 1] ? r1 : offs[i + 1];
+        if (lo < hi)
+            kf_gemv_rows(fmts[i], a, n,
+                         (const uint8_t *)(uintptr_t)w[i] + (lo - offs[i]) * ldws[i],
+                         ldws[i], 0, hi - lo, out + (lo - obase));
+    }
+}
+
+/* ops.pyx's rms_norm of one row, same float operations: out = w * (x * inv),
+ * inv = 1 / sqrt(sum(x * x) / n + eps). */
+static inline void kf_rms_norm_row(const float *restrict x, const float *restrict w, float eps,
+                                   ptrdiff_t n, float *restrict out)
+{
+    const float inv = 1.0f / sqrtf(kf_dot_f32(x, x, n) / (float)n + eps);
+    for (ptrdiff_t j = 0; j < n; j++)
+        out[j] = w[j] * (x[j] * inv);
+}
+
+#define KF_ROWS_TMP 64                 /* rows computed into a stack buffer at a time */
+
+/* Rows r0 <= r < r1 as kf_gemv_multi, then out[r] += result (accumulate) or = result. */
+static inline void kf_gemv_multi_acc(int k, const int32_t *fmts, const uint64_t *w,
+                                     const int64_t *offs, const int64_t *ldws,
+                                     const kf_act *a, ptrdiff_t n, ptrdiff_t r0,
+                                     ptrdiff_t r1, float *out, int accumulate)
+{
+    if (!accumulate) {
+        kf_gemv_multi(k, fmts, w, offs, ldws, a, n, r0, r1, out, 0);
+        return;
+    }
+    float tmp[KF_ROWS_TMP];
+    for (ptrdiff_t r = r0; r < r1; r += KF_ROWS_TMP) {
+        ptrdiff_t m = r1 - r < KF_ROWS_TMP ? r1 - r : KF_ROWS_TMP;
+        kf_gemv_multi(k, fmts, w, offs, ldws, a, n, r, r + m, tmp, r);
+        for (ptrdiff_t j = 0; j < m; j++)
+            out[r + j] += tmp[j];
+    }
+}
+
+/* SwiGLU of two weights with the same rows (gate = weight 0, up = weight 1), rows
+ * r0 <= r < r1: v = g / (1 + exp(-g)) * u as ops.pyx's swiglu, out[r] = v (or += v). */
+static inline void kf_gemv_swiglu(const int32_t *fmts, const uint64_t *w, const int64_t *ldws,
+                                  const kf_act *a, ptrdiff_t n, ptrdiff_t r0, ptrdiff_t r1,
+                                  float *out, int accumulate)
+{
+    float g[KF_ROWS_TMP], u[KF_ROWS_TMP];
+    for (ptrdiff_t r = r0; r < r1; r += KF_ROWS_TMP) {
+        ptrdiff_t m = r1 - r < KF_ROWS_TMP ? r1 - r : KF_ROWS_TMP;
+        kf_gemv_rows(fmts[0], a, n, (const uint8_t *)(uintptr_t)w[0] + r * ldws[0], ldws[0],
+                     0, m, g);
+        kf_gemv_rows(fmts[1], a, n, (const uint8_t *)(uintptr_t)w[1] + r * ldws[1], ldws[1],
+                     0, m, u);
+        for (ptrdiff_t j = 0; j < m; j++) {
+            float v = g[j] / (1.0f + expf(-g[j])) * u[j];
+            out[r + j] = accumulate ? out[r + j] + v : v;
+        }
+    }
+}
+
+/* Weight rows per GEMM panel of the variant in use. */
+static inline int kf_gemm_mr(void) { return kf_mr_tab[kf_isa]; }
+
+/* ---------------------------------------------------------------- scratch */
+
+/* This OS thread's scratch of at least `bytes` (64-byte aligned), grown on demand and
+ * kept for the thread's lifetime: no allocation per call once warm. NULL if out of
+ * memory. */
+static void *kf_scratch(size_t bytes)
+{
+    static _Thread_local void *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (bytes > cap) {
+        free(buf);
+        size_t want = (bytes + 63) / 64 * 64;
+        buf = aligned_alloc(64, want);
+        cap = buf != NULL ? want : 0;
+    }
+    return buf;
+}
+
+/* ---------------------------------------------------------------- activations */
+
+/* Bytes of scratch kf_prep_act needs for n inputs. */
+static inline size_t kf_act_bytes(ptrdiff_t n)
+{
+    size_t nb = (size_t)(n / KF_QK) + 1;
+    return (size_t)n + 64 + nb * (sizeof(float) * 2 + sizeof(int32_t)) + 64;
+}
+
+/* Fill a for x[n] in `scratch` (kf_act_bytes(n)): block sums always, the int8 form when
+ * `int8` (n a multiple of 32): d = amax / 127, xq = rint(x / d), as llama.cpp's Q8_1. */
+KF_NO_CONTRACT static void kf_prep_act(const float *x, ptrdiff_t n, int int8, void *scratch,
+                                       kf_act *a)
+{
+    ptrdiff_t nb = n / KF_QK;
+    float *sx = (float *)scratch;                         /* (nb,) */
+    float *xd = sx + nb + 1;                              /* (nb,) */
+    int32_t *xs = (int32_t *)(xd + nb + 1);               /* (nb,) */
+    int8_t *xq = (int8_t *)(xs + nb + 1);                 /* (n,) */
+    a->x = x;
+    a->sx = sx;
+    a->xq = NULL;
+    a->xd = xd;
+    a->xs = xs;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const float *xb = x + b * KF_QK;
+        float s = 0.0f;
+        for (int k = 0; k < KF_QK; k++)
+            s += xb[k];
+        sx[b] = s;
+    }
+    if (!int8)
+        return;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const float *xb = x + b * KF_QK;
+        float amax = 0.0f;
+        for (int k = 0; k < KF_QK; k++) {
+            float v = fabsf(xb[k]);
+            amax = v > amax ? v : amax;
+        }
+        const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (int k = 0; k < KF_QK; k++) {
+            int q = (int)kf_rint(xb[k] * id);
+            xq[b * KF_QK + k] = (int8_t)q;
+            s += q;
+        }
+        xd[b] = d;
+        xs[b] = s;
+    }
+    a->xq = xq;
+}
+
+/* One row of n raw values in format fmt (f32/f16/bf16, n % 32 == 0) -> q8_0 or q4_0
+ * blocks (to_fmt), through a float buffer of KF_CHUNK values. */
+static inline void kf_quantize_row(int fmt, const uint8_t *w, ptrdiff_t n, int to_fmt,
+                                   uint8_t *out)
+{
+    float buf[KF_CHUNK];
+    const kf_quant_fn q = to_fmt == KF_Q8_0 ? kf_q8_tab[kf_isa] : kf_q4_tab[kf_isa];
+    const ptrdiff_t bb = to_fmt == KF_Q8_0 ? 34 : 18;
+    for (ptrdiff_t j = 0; j < n; j += KF_CHUNK) {
+        ptrdiff_t m = n - j < KF_CHUNK ? n - j : KF_CHUNK;
+        kf_deq_span(fmt, w, j, buf, m);
+        q(buf, out + j / KF_QK * bb, m);
+    }
+}
+
+#endif /* KESTREL_MATMUL_KERNELS_H */

@@ -1,0 +1,82 @@
+"""kestrel_cli.ppl and `kestrel ppl`: perplexity in windows of the context size, and the
+mean KL divergence from exact float32 attention (--kld-ref), on the bundled SmolLM2."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from kestrel_cli.cli import app
+from kestrel_cli.ppl import perplexity, windows
+from test_kv_q8 import TEXT
+
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def eng(smollm2_engine):
+    return smollm2_engine
+
+
+@pytest.fixture(scope="module")
+def ids(eng):
+    return eng.tokenizer.encode(TEXT, add_special_tokens=True)[:2 * CTX + 40]
+
+
+def test_windows():
+    assert windows(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert windows(9, 4) == [(0, 4), (4, 8)]          # a 1-token tail scores nothing
+    assert windows(1, 4) == []
+
+
+def test_perplexity_matches_direct_computation(eng, ids):
+    res = perplexity(eng, ids, CTX)
+    nll, n = 0.0, 0
+    for s, e in windows(len(ids), CTX):
+        lg = eng.logits(ids[s:e]).astype(np.float64)[:-1]
+        lg -= lg.max(axis=1, keepdims=True)
+        lp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
+        nll -= lp[np.arange(e - s - 1), ids[s + 1:e]].sum()
+        n += e - s - 1
+    assert (res.tokens, res.windows, res.ctx) == (n, 3, CTX)
+    assert res.ppl == pytest.approx(math.exp(nll / n), rel=1e-6)
+    assert 1 < res.ppl < 100 and res.kld is None and res.seconds > 0
+    line = res.line()
+    assert line.startswith(f"tokens={n} windows=3 ctx={CTX} ppl=")
+
+
+def test_kld_ref(eng, ids):
+    exact = perplexity(eng, ids, CTX, kld_ref=True)
+    assert exact.kld == 0.0                           # same computation as the reference
+    base = eng.model.cache_opts
+    try:
+        eng.model.cache_opts = dict(sparse_k=1, kv_q8=True)
+        sparse = perplexity(eng, ids, CTX, kld_ref=True)
+    finally:
+        eng.model.cache_opts = base
+    assert sparse.kld > 0.05 and sparse.ppl > exact.ppl
+    assert "kld=" in sparse.line()
+
+
+def test_cli_ppl(tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text(TEXT[:700], encoding="utf-8")
+    r = CliRunner().invoke(app, ["ppl", "-f", str(f), "-c", "64", "-t", "2", "--sparse-attn",
+                                 "--sparse-k", "2", "--kv-q8", "--kld-ref"])
+    assert r.exit_code == 0, (r.output, r.exception)
+    kv = dict(p.split("=") for p in r.stdout.split())
+    assert list(kv) == ["tokens", "windows", "ctx", "ppl", "kld", "time_s", "tok_per_s"]
+    assert int(kv["windows"]) >= 2 and int(kv["ctx"]) == 64 and float(kv["kld"]) > 0
+    assert math.isfinite(float(kv["ppl"]))
+
+
+def test_cli_ppl_bad_input(tmp_path):
+    f = tmp_path / "one.txt"
+    f.write_text("Hi", encoding="utf-8")
+    for args, needle in ((["-f", str(f)], "at least 2"),
+                         (["-f", str(tmp_path / "missing.txt")], "cannot read")):
+        r = CliRunner().invoke(app, ["ppl", "-t", "1", *args])
+        assert r.exit_code == 1 and "Traceback" not in r.output
+        assert r.stderr.startswith("error: ") and needle in r.stderr, r.stderr

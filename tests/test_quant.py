@@ -1,0 +1,108 @@
+"""--quant q8 / q4: float checkpoints quantised at load, against transformers running the
+same dequantised weights.
+
+The engine keeps float32 activations, so once transformers' weights are replaced by
+dequantise(quantise(w)) (the NumPy references in kestrel_cli.weights) the two compute
+the same function: the tolerance is the fp32 parity one of test_models (1e-4 on logits).
+Block-format GGUF tensors are used as stored, never requantised.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kestrel_cli import Engine
+from kestrel_cli.errors import KestrelError
+from kestrel_cli.weights import dequantize, quantize_q4_0, quantize_q8_0
+from conftest import VOCAB, make_checkpoint, rand_ids
+
+ATOL = 1e-4
+REF = {"q8": ("q8_0", quantize_q8_0), "q4": ("q4_0", quantize_q4_0)}
+
+
+def quantised_reference(model, quant: str):
+    """Replace every 2-D weight of an HF model (what the engine quantises: projections,
+    embeddings, lm_head) by its dequantised q8_0 / q4_0 version, in place."""
+    fmt, q = REF[quant]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and p.shape[1] % 32 == 0:
+                w = p.detach().float().numpy()
+                p.copy_(torch.from_numpy(dequantize(fmt, q(w), w.shape[1])).to(p.dtype))
+    return model
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.mark.parametrize("quant", ["q8", "q4"])
+@pytest.mark.parametrize("arch,over", [("llama", {}), ("qwen3", {"tie_word_embeddings": True}),
+                                       ("qwen2", {})])
+def test_quantised_logits_match_dequantised_reference(tmp_path, arch, over, quant):
+    model = make_checkpoint(tmp_path, arch, **over)
+    eng = Engine.from_pretrained(tmp_path, threads=2, quant=quant)
+    layer = eng.model.layers[0]
+    fmt = REF[quant][0]
+    assert layer.mlp.down_proj.fmt == fmt and layer.self_attn.q_proj.fmt == fmt
+    assert eng.model.lm_head.fmt == fmt and eng.model.embed_tokens.fmt == fmt
+    ref = quantised_reference(model, quant)
+    ids = rand_ids(40, seed=7)
+    ours = eng.logits(ids)
+    diff = float(np.abs(ours - hf_logits(ref, ids)).max())
+    print(f"{arch} --quant {quant}: max abs logit diff {diff:.2e}")
+    assert ours.shape == (40, VOCAB) and diff < ATOL
+    # decode (one-token kernels) continues the prompt exactly as the full forward
+    eng.reset()
+    eng._prefill(ids[:-4])
+    rows = [eng._decode(t)[0] for t in ids[-4:-1]]
+    np.testing.assert_allclose(np.stack(rows), ours[-4:-1], atol=1e-5, rtol=0)
+
+
+def test_bf16_checkpoint_quantised(tmp_path):
+    """bf16 weights quantise from their exact values (the reference widens them first)."""
+    from transformers import AutoModelForCausalLM
+    make_checkpoint(tmp_path, "qwen3", dtype=torch.bfloat16)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    eng = Engine.from_pretrained(tmp_path, threads=2, quant="q8")
+    assert eng.model.layers[1].mlp.gate_proj.fmt == "q8_0"
+    ids = rand_ids(33, seed=8)
+    diff = float(np.abs(eng.logits(ids) - hf_logits(quantised_reference(ref, "q8"), ids)).max())
+    assert diff < 2e-4
+
+
+def test_quant_memory_is_the_quantised_size(tmp_path):
+    """The engine holds q8_0 weights: 34 bytes per 32 values instead of 128 (f32)."""
+    from kestrel_cli.bench import model_weights
+    make_checkpoint(tmp_path, "llama")
+    f32 = model_weights(Engine.from_pretrained(tmp_path, threads=1).model)
+    q8 = model_weights(Engine.from_pretrained(tmp_path, threads=1, quant="q8").model)
+    assert q8[1] == f32[1]                          # same parameters
+    assert q8[2].keys() == {"q8_0"} and f32[2].keys() == {"f32"}
+    assert q8[2]["q8_0"] * 128 == f32[2]["f32"] * 34
+
+
+def test_gguf_blocks_are_not_requantised(smollm2_path):
+    eng = Engine.from_pretrained(smollm2_path, threads=2, quant="q8")
+    assert eng.model.layers[0].mlp.gate_proj.fmt == "q4_1"
+    assert eng.model.embed_tokens.fmt == "q8_0"
+
+
+def test_bad_quant_value(tmp_path):
+    make_checkpoint(tmp_path, "llama")
+    with pytest.raises(KestrelError, match="--quant"):
+        Engine.from_pretrained(tmp_path, quant="q3")
+
+
+def test_drop_pages_keeps_the_data(tmp_path):
+    """Dropping a read-only mapping's pages only releases memory: the data reads back."""
+    from kestrel_cli.weights import drop_pages
+    a = np.arange(1 << 20, dtype=np.float32)
+    a.tofile(tmp_path / "a.bin")
+    m = np.memmap(tmp_path / "a.bin", dtype=np.float32, mode="r")
+    assert float(m[1234]) == 1234.0
+    drop_pages(m[4096:])
+    drop_pages(a)                                   # not a mapping: no-op
+    np.testing.assert_array_equal(m, a)
