@@ -52,7 +52,7 @@ def session(engine, **kw):
 # ------------------------------------------------------------------ the REPL in a terminal
 
 def test_chat_repl_in_a_pty_two_turns_ctrl_c_ctrl_d():
-    pexpect = pytest.importorskip("pexpect")
+    import pexpect
     env = dict(os.environ, PYTHONPATH=str(ROOT), TERM="xterm", COLUMNS="250")
     child = pexpect.spawn(sys.executable, ["-m", "kestrel_cli.cli", "chat", "--temp", "0",
                                            "-n", "64", "-c", "1024", "-t", "1"],

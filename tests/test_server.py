@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
+import fastapi  # noqa: F401,E402  (test extras: missing ones fail, never skip)
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import uvicorn  # noqa: F401,E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key-123"

