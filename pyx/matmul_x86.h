@@ -31,9 +31,12 @@
     "avx512vnni,avx2,fma,f16c,bmi,bmi2,popcnt,prefer-vector-width=512")))
 
 /* Rows are read R at a time: R short interleaved streams the hardware prefetcher keeps
- * losing (q8_0 rows of 576 from DRAM ran at 5 GB/s, 8 with this); each block also asks
- * for the same place in the next R rows. */
+ * losing. Each block also asks for the same place some rows ahead. Measured from DRAM
+ * (rows of 576, one Zen 4 core): q8_0 5 GB/s without, 8 one group ahead into L1, 13
+ * four groups ahead into L2; q4_1 is compute-bound there (~8 GB/s) and best with one
+ * group ahead (further ahead it loses up to 25%). */
 #define KF_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
+#define KF_PREFETCH_FAR(p) _mm_prefetch((const char *)(p), _MM_HINT_T2)
 
 /* the f16 at byte address p */
 #define KF_X86_F16(p) _cvtsh_ss((unsigned short)((p)[0] | ((p)[1] << 8)))
@@ -129,7 +132,7 @@ KF_T_AVX2 static void kf_avx2_xdot##R##_q8_0(const float *restrict x,           
         KF_UNROLL_ALL                                                                       \
         for (int r = 0; r < R; r++) {                                                       \
             const uint8_t *blk = w + r * ldw + b * 34;                                      \
-            KF_PREFETCH(blk + R * ldw);                                                     \
+            KF_PREFETCH_FAR(blk + 4 * R * ldw);                                             \
             const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 2));                 \
             const __m128i q1 = _mm_loadu_si128((const __m128i *)(blk + 18));                \
             __m256 t0 = _mm256_mul_ps(KF_AVX2_S8(q0), x0);                                  \
@@ -272,7 +275,7 @@ KF_T_AVX512 static void kf_avx512_xdot##R##_q8_0(const float *restrict x,       
         KF_UNROLL_ALL                                                                       \
         for (int r = 0; r < R; r++) {                                                       \
             const uint8_t *blk = w + r * ldw + b * 34;                                      \
-            KF_PREFETCH(blk + R * ldw);                                                     \
+            KF_PREFETCH_FAR(blk + 4 * R * ldw);                                             \
             __m512 t = _mm512_mul_ps(                                                       \
                 KF_AVX512_S8(_mm_loadu_si128((const __m128i *)(blk + 2))), x0);             \
             t = _mm512_fmadd_ps(KF_AVX512_S8(_mm_loadu_si128((const __m128i *)(blk + 18))), \
@@ -353,7 +356,10 @@ KF_T_AVX512 static void kf_avx512_idot##R(int fmt, const int8_t *restrict xq,   
         KF_UNROLL_ALL                                                                       \
         for (int r = 0; r < R; r++) {                                                       \
             const uint8_t *blk = w + r * ldw + b * bb;                                      \
-            KF_PREFETCH(blk + R * ldw);                                                     \
+            if (fmt == KF_Q8_0)                                                             \
+                KF_PREFETCH_FAR(blk + 4 * R * ldw);                                         \
+            else                                                                            \
+                KF_PREFETCH(blk + R * ldw);                                                 \
             __m256i dp;                                                                     \
             if (fmt == KF_Q8_0) {                                                           \
                 const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));          \
