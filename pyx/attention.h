@@ -320,6 +320,9 @@ KA_INLINE void ka_accum(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t j0
  * (K or V), and their scales: the probe loop asks for the block KA_PF ahead of the one it
  * reads, the sparse attention for the next picked block. */
 #define KA_PF 4
+#ifndef KA_PFD
+#define KA_PFD 2     /* exact decode: blocks of keys (values) fetched ahead */
+#endif
 KA_INLINE void ka_prefetch_blk(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
                                ptrdiff_t b, ptrdiff_t step, ptrdiff_t n)
 {
@@ -719,6 +722,10 @@ KA_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         if (!any)
             continue;
         last = b;
+        if (mask == NULL)                                /* keys KA_PFD blocks ahead */
+            for (ptrdiff_t c = b == b0 ? b + 1 : b + KA_PFD; c <= b + KA_PFD && c < b1; c++)
+                ka_prefetch_blk(kv, kv->k_ptrs, kh, c, 1,
+                                n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
         if (mask != NULL)                                /* scattered blocks: fetch ahead */
             for (ptrdiff_t c = b + 1; c < b1; c++) {
                 int want = 0;
@@ -762,6 +769,20 @@ KA_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
             any = mask[g * nb + b];
         if (!any)
             continue;
+        if (mask == NULL)                                /* values KA_PFD blocks ahead */
+            for (ptrdiff_t c = b == b0 ? b + 1 : b + KA_PFD; c <= b + KA_PFD && c <= last; c++)
+                ka_prefetch_blk(kv, kv->v_ptrs, kh, c, 1,
+                                n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
+        for (ptrdiff_t c = b + 1; c <= last && mask != NULL; c++) {   /* next picked */
+            int want = 0;
+            for (ptrdiff_t g = 0; g < group && !want; g++)
+                want = mask[g * nb + c];
+            if (want) {
+                ka_prefetch_blk(kv, kv->v_ptrs, kh, c, 1,
+                                n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
+                break;
+            }
+        }
         const ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
         for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_W) {
             ptrdiff_t w = nr - j0 < KA_W ? nr - j0 : KA_W, st;

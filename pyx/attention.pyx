@@ -102,7 +102,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     cdef Py_ssize_t T = q.shape[0], n_heads = q.shape[1] // head_dim
     cdef Py_ssize_t n_ctx = pos0 + T, ld = n_kv_heads * head_dim
     cdef Py_ssize_t cap = (n_ctx + kv_bs - 1) // kv_bs * kv_bs
-    cdef Py_ssize_t U, u, h, j, slot, rt, nb, group, dec_cap, n_order = 0
+    cdef Py_ssize_t U, u, h, j, pp, kh, n_parts, slot, rt, nb, group, dec_cap, n_order = 0
     cdef int sparse
     cdef float *tab = NULL
     cdef ka_kv kv
@@ -137,8 +137,8 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
         if group > KA_GMAX:
             raise ValueError(f"attention: at most {KA_GMAX} query heads per kv head")
         dec_cap = group * KA_PB * kv_bs
-        U = n_kv_heads * ka_decode_parts(nb)
-        nt = team_size(n_threads, U if U > n_heads else n_heads)
+        n_parts = ka_decode_parts(nb)
+        nt = team_size(n_threads, n_parts if n_parts > n_heads else n_heads)
         with nogil, parallel(num_threads=nt):
             # decode units score the part's tokens of `group` heads at once
             ws = ka_ws_new(cap if cap > dec_cap else dec_cap, kv_bs, head_dim, <int> group, k,
@@ -146,16 +146,18 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
             if ws == NULL:
                 p_failed[0] = 1
             if sparse:
-                for u in prange(U, schedule="dynamic", chunksize=1):          # A1
+                for pp in prange(n_parts, schedule="dynamic", chunksize=1):   # A1
+                    for kh in range(n_kv_heads):
+                        if ws != NULL:
+                            ka_decode_a_run(&kv, &q[0, 0], pp * n_kv_heads + kh, n_heads,
+                                            n_ctx, scale, KA_DEC_PROBES, k, n_probe, order_p,
+                                            n_order, ws, tab, sel_p)
+            for pp in prange(n_parts, schedule="dynamic", chunksize=1):       # A / A2
+                for kh in range(n_kv_heads):
                     if ws != NULL:
-                        ka_decode_a_run(&kv, &q[0, 0], u, n_heads, n_ctx, scale,
-                                        KA_DEC_PROBES, k, n_probe, order_p, n_order, ws, tab,
-                                        sel_p)
-            for u in prange(U, schedule="dynamic", chunksize=1):              # A / A2
-                if ws != NULL:
-                    ka_decode_a_run(&kv, &q[0, 0], u, n_heads, n_ctx, scale,
-                                    KA_DEC_PICKED if sparse else KA_DEC_STATES, k, n_probe,
-                                    order_p, n_order, ws, tab, sel_p)
+                        ka_decode_a_run(&kv, &q[0, 0], pp * n_kv_heads + kh, n_heads, n_ctx,
+                                        scale, KA_DEC_PICKED if sparse else KA_DEC_STATES, k,
+                                        n_probe, order_p, n_order, ws, tab, sel_p)
             for h in prange(n_heads, schedule="static"):                      # M
                 if ws != NULL:
                     ka_decode_merge(h, n_heads, nb, head_dim, ws, tab, &out[0, 0])
