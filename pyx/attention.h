@@ -364,7 +364,6 @@ typedef struct {
     int32_t *blk;        /* (k,) picks ascending (the order they are read in) */
     int8_t *qq;          /* (nq, hd) int8 queries */
     uint8_t *used;       /* (nbc,) taken by importance */
-    uint8_t *mask;       /* (nq, nbc) decode: each head's picked blocks */
     struct ka_q_ *qv;    /* (nq,) a tile's queries */
     ptrdiff_t cap, nch;
 } ka_ws;
@@ -377,8 +376,7 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
     size_t nf = (size_t)(cap + (tile_e ? nq * (cap + nch) : 0) + nq * (hd + 2)
                          + 2 * hd * KA_W + nbc);
     size_t bytes = sizeof(ka_ws) + 64 + nf * sizeof(float) + 16 + (size_t)nq * sizeof(ka_q)
-                   + 2 * (size_t)kk * sizeof(int32_t) + (size_t)(nq * hd) + (size_t)nbc
-                   + (size_t)(nq * nbc);
+                   + 2 * (size_t)kk * sizeof(int32_t) + (size_t)(nq * hd) + (size_t)nbc;
     ka_ws *w = (ka_ws *)malloc(bytes);
     if (w == NULL)
         return NULL;
@@ -399,7 +397,6 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
     w->blk = w->sel + kk;
     w->qq = (int8_t *)(w->blk + kk);
     w->used = (uint8_t *)(w->qq + nq * hd);
-    w->mask = w->used + nbc;
     return w;
 }
 
@@ -596,12 +593,14 @@ KA_INLINE void ka_row(const ka_kv *kv, ka_q *q, float scale, int k, int n_probe,
  *   M. unit = query head: merge the parts' states in part order into the output.
  * Sparse (more than k blocks), a probe phase comes first:
  *   A1. the same units compute the probes of the part's blocks for each query head;
- *   A2. as A over the blocks SPEC §5 picks from all those probes (each unit picks for its
- *       kv head's query heads: cheap next to the attention, and it saves a phase);
+ *   P.  unit = query head: SPEC §5's picks from all its probes, as a mask of blocks;
+ *   A2. as A over the blocks some query head of the kv head picked (each head's softmax
+ *       over its own picks);
  *   M.  as above.
  * Every float sum runs in an order fixed by the block and part indices (KA_PB is a
  * constant), so no result depends on the thread count.
- * tab: part states (n_parts, n_heads, hd + 2), then the probes (n_heads, nb). */
+ * tab: part states (n_parts, n_heads, hd + 2), then the probes (n_heads, nb), then the
+ * picked-block masks (n_heads, nb) bytes. */
 #define KA_PB 16
 #define KA_GMAX 64    /* most query heads per kv head in a decode unit */
 
@@ -617,7 +616,24 @@ KA_INLINE ptrdiff_t ka_decode_states(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t 
 /* Floats of tab a decode over nb blocks needs. */
 KA_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
 {
-    return ka_decode_states(nb, n_heads, hd) + n_heads * nb;
+    return ka_decode_states(nb, n_heads, hd) + n_heads * nb + (n_heads * nb + 3) / 4;
+}
+
+/* Phase P for query head h: its picks (pick order into sel + h * k when sel is given) and
+ * its row of the mask table. */
+KA_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptrdiff_t hd,
+                              int k, const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws,
+                              float *tab, int32_t *sel)
+{
+    const float *probe = tab + ka_decode_states(nb, n_heads, hd) + h * nb;
+    uint8_t *mask = (uint8_t *)(tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb)
+                    + h * nb;
+    int nsel = ka_pick(probe, nb, k, imp_order, n_order, ws->used, ws->sel);
+    memset(mask, 0, (size_t)nb);
+    for (int i = 0; i < nsel; i++)
+        mask[ws->sel[i]] = 1;
+    if (sel != NULL)
+        memcpy(sel + h * k, ws->sel, (size_t)nsel * sizeof(int32_t));
 }
 
 /* Rows t = j0, j0 + step, .. (n of them) of kv head kh in block b of `ptrs` as floats:
@@ -660,20 +676,10 @@ KA_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     const ptrdiff_t group = n_heads / kv->n_kv, kh = u % kv->n_kv, p = u / kv->n_kv;
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
     float *probe = tab + ka_decode_states(nb, n_heads, hd);
-    const uint8_t *mask = NULL;
-    if (mode == KA_DEC_PICKED) {
-        /* mask[g * nb + b]: query head kh * group + g attends block b (this thread's) */
-        for (ptrdiff_t g = 0; g < group; g++) {
-            const ptrdiff_t h = kh * group + g;
-            int nsel = ka_pick(probe + h * nb, nb, k, imp_order, n_order, ws->used, ws->sel);
-            memset(ws->mask + g * nb, 0, (size_t)nb);
-            for (int i = 0; i < nsel; i++)
-                ws->mask[g * nb + ws->sel[i]] = 1;
-            if (sel != NULL && p == 0)                   /* one unit reports the picks */
-                memcpy(sel + h * k, ws->sel, (size_t)nsel * sizeof(int32_t));
-        }
-        mask = ws->mask;
-    }
+    /* mask[g * nb + b]: query head kh * group + g attends block b (phase P's table) */
+    const uint8_t *mask = mode != KA_DEC_PICKED ? NULL
+        : (const uint8_t *)(probe + n_heads * nb) + kh * group * nb;
+    (void)k; (void)imp_order; (void)n_order; (void)sel;
     float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
     ka_q *qv = ws->qv;                                   /* (group,) */
     for (ptrdiff_t g = 0; g < group; g++) {

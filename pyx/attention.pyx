@@ -52,6 +52,9 @@ cdef extern from "attention.h" nogil:
                          Py_ssize_t n_ctx, float scale, int mode, int k, int n_probe,
                          const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws, float *tab,
                          int32_t *sel) noexcept
+    void ka_decode_pick(Py_ssize_t h, Py_ssize_t n_heads, Py_ssize_t nb, Py_ssize_t hd, int k,
+                        const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws, float *tab,
+                        int32_t *sel) noexcept
     void ka_decode_merge(Py_ssize_t h, Py_ssize_t n_heads, Py_ssize_t nb, Py_ssize_t hd,
                          ka_ws *ws, const float *tab, float *out) noexcept
     void ka_prefill_unit_run(const ka_kv *kv, const float *q, Py_ssize_t ldq, Py_ssize_t T,
@@ -152,6 +155,10 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
                             ka_decode_a_run(&kv, &q[0, 0], pp * n_kv_heads + kh, n_heads,
                                             n_ctx, scale, KA_DEC_PROBES, k, n_probe, order_p,
                                             n_order, ws, tab, sel_p)
+                for h in prange(n_heads, schedule="static"):                  # P
+                    if ws != NULL:
+                        ka_decode_pick(h, n_heads, nb, head_dim, k, order_p, n_order, ws, tab,
+                                       sel_p)
             for pp in prange(n_parts, schedule="dynamic", chunksize=1):       # A / A2
                 for kh in range(n_kv_heads):
                     if ws != NULL:
