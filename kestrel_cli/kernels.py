@@ -426,6 +426,28 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
     return out
 
 
+def attention_step(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
+                   n_kv_heads: int, head_dim: int, pos0: int, scale: float, out: np.ndarray,
+                   threads: int, kv_q8: bool, sparse_k: int, sparse_probes: int,
+                   imp_order: np.ndarray | None, sel: np.ndarray | None,
+                   dec_tab: np.ndarray) -> np.ndarray:
+    """`attention` for one decode row (T == 1) without the Python-side argument checks:
+    the engine's per-layer, per-token path, whose arguments KVCache builds (the kernel still
+    checks dtypes, contiguity and the scratch size). Positional, as `attention`."""
+    _attention.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, scale, out,
+                         threads, kv_q8, sparse_k, sparse_probes, imp_order, None, None, sel,
+                         dec_tab)
+    return out
+
+
+def rope_step(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+              attn_scale: float, threads: int) -> np.ndarray:
+    """`rope` without the Python-side checks (the engine's per-layer path; the kernel still
+    checks dtypes and contiguity)."""
+    _ops.rope(x, positions, inv_freq, attn_scale, threads)
+    return x
+
+
 def decode_tab_size(n_ctx: int, n_heads: int, head_dim: int, kv_bs: int = 32) -> int:
     """Floats of the decode scratch `attention` needs for a context of n_ctx tokens."""
     return int(_attention.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs))

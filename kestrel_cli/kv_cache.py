@@ -138,6 +138,13 @@ class KVCache:
             self.selection[layer] = opts["sel"] = sel
         return opts
 
+    def decode_args(self, layer: int, n_heads: int) -> tuple:
+        """`attention_opts` for one decode row, as the positional tail of
+        `kernels.attention_step`: (kv_q8, sparse_k, sparse_probes, imp_order, sel, dec_tab)."""
+        o = self.attention_opts(layer, 1, n_heads)
+        return (self.q8, self.sparse_k, self.sparse_probes, o.get("imp_order"), o.get("sel"),
+                o["dec_tab"])
+
     def commit(self, n: int) -> None:
         self.offset += n
 
