@@ -1077,6 +1077,31 @@ static const char *ka_isa_init(void)
     return ka_isa;
 }
 
+/* Use variant `name` ("base", or "avx2" where the CPU has it); returns 0, or -1 when it
+ * cannot run here (tests; KESTREL_ISA does it at import). */
+static int ka_isa_set(const char *name)
+{
+    if (strcmp(name, "base") == 0) {
+        ka_decode_a_ptr = ka_decode_a_base;
+        ka_prefill_ptr = ka_prefill_unit_base;
+        ka_isa = "base";
+        return 0;
+    }
+#if KA_X86_DISPATCH
+    __builtin_cpu_init();
+    if (strcmp(name, "avx2") == 0 && __builtin_cpu_supports("avx2")
+        && __builtin_cpu_supports("fma")) {
+        const char *pf = getenv("KESTREL_ATTN_PREFILL_AVX2");
+        ka_decode_a_ptr = ka_decode_a_avx2;
+        ka_prefill_ptr = pf != NULL && strcmp(pf, "1") == 0 ? ka_prefill_unit_avx2
+                                                            : ka_prefill_unit_base;
+        ka_isa = "avx2";
+        return 0;
+    }
+#endif
+    return -1;
+}
+
 static inline void ka_decode_a_run(KA_DECODE_A_ARGS)
 {
     ka_decode_a_ptr(kv, q, u, n_heads, n_ctx, scale, mode, k, n_probe, imp_order, n_order, ws,

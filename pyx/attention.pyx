@@ -48,6 +48,7 @@ cdef extern from "attention.h" nogil:
         KA_DEC_PROBES
         KA_DEC_PICKED
     const char *ka_isa_init() noexcept
+    int ka_isa_set(const char *name) noexcept
     void ka_decode_a_run(const ka_kv *kv, const float *q, Py_ssize_t u, Py_ssize_t n_heads,
                          Py_ssize_t n_ctx, float scale, int mode, int k, int n_probe,
                          const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws, float *tab,
@@ -70,6 +71,29 @@ ISA = ka_isa_init().decode()   # instruction set of the decode loops: "base" or 
 # thread, SmolLM2 geometry, 30 layers): float x int8 was 1.6-1.9x faster at 2K-8K tokens
 # and its output error (max |q8 - f32| / max |f32|) 3-5e-3 against 5-7e-3, so it ships.
 Q8_INT_DOT = bool(KA_Q8_INT_DOT)
+_ISA_DEFAULT = ISA
+
+
+def isa_variants():
+    """The decode variants this CPU runs, portable first: ["base"] or ["base", "avx2"]."""
+    return ["base", "avx2"] if _ISA_DEFAULT == "avx2" or _can("avx2") else ["base"]
+
+
+cdef bint _can(str name):
+    cdef bytes b = name.encode()
+    if ka_isa_set(b) != 0:
+        return False
+    ka_isa_set(_ISA_DEFAULT.encode())
+    return True
+
+
+def set_isa(str name):
+    """Use decode variant `name` (tests; KESTREL_ISA=base does it at import)."""
+    global ISA
+    cdef bytes b = name.encode()
+    if ka_isa_set(b) != 0:
+        raise ValueError(f"attention variant {name!r} does not run here; have {isa_variants()}")
+    ISA = name
 
 
 cdef inline int team_size(int n_threads, Py_ssize_t work) noexcept nogil:

@@ -320,3 +320,40 @@ def test_sparse_rejects_bad_input():
 def test_q8_dot_variant_is_the_documented_one():
     # float query x int8 key (x the key's scale) won on speed and error: see attention.pyx
     assert _attn.Q8_INT_DOT is False
+
+
+# ------------------------------------------------------------------ decode variants
+# The decode units are compiled per instruction set (portable C "base"; x86 "avx2"), the
+# best one picked at import. Every variant this CPU runs must pass the decode tests: the
+# portable one is what aarch64 boards run.
+
+ATTN_VARIANTS = _attn.isa_variants()
+
+
+@pytest.fixture(params=ATTN_VARIANTS)
+def attn_isa(request):
+    before = _attn.ISA
+    _attn.set_isa(request.param)
+    yield request.param
+    _attn.set_isa(before)
+
+
+def test_attn_variants_listed():
+    assert ATTN_VARIANTS[0] == "base" and _attn.ISA == ATTN_VARIANTS[-1]
+    with pytest.raises(ValueError, match="does not run here"):
+        _attn.set_isa("sse9")
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] == 1] + [(1, 77, 6, 2, 64, 32)])
+def test_decode_every_variant(attn_isa, case):
+    assert _attn.ISA == attn_isa
+    test_attention(*case, threads=2)
+    for T, pos0 in ((1, 0), (1, 100)):
+        test_attention_q8_cache(T, pos0)
+
+
+@pytest.mark.parametrize("q8", [False, True])
+def test_sparse_decode_every_variant(attn_isa, q8):
+    for seed in range(3):
+        test_sparse_decode_matches_reference(q8, seed)
+    test_sparse_with_k_at_least_n_blocks_is_bit_identical(q8)
