@@ -667,6 +667,38 @@ KA_INLINE const float *ka_row_scales(const ka_kv *kv, const uint64_t *ptrs, ptrd
     return (const float *)(ka_blk(ptrs, b) + kv->soff) + kh * kv->bs + j0;
 }
 
+/* Whether a decode unit reads block b: always when exact (mask NULL), else when one of
+ * the group's query heads picked it. */
+KA_INLINE int ka_read(const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb, ptrdiff_t b)
+{
+    if (mask == NULL)
+        return 1;
+    for (ptrdiff_t g = 0; g < group; g++)
+        if (mask[g * nb + b])
+            return 1;
+    return 0;
+}
+
+/* Prefetch for a decode pass (K or V: `ptrs`) reading blocks up to b_end - 1, now at
+ * block b: exact, the blocks KA_PFD ahead (from the first block, all those up to it);
+ * sparse, the next picked one (reads are scattered). */
+KA_INLINE void ka_fetch_ahead(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
+                              const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb,
+                              ptrdiff_t n_ctx, ptrdiff_t b, int first, ptrdiff_t b_end)
+{
+    const ptrdiff_t bs = kv->bs;
+    if (mask == NULL) {
+        for (ptrdiff_t c = first ? b + 1 : b + KA_PFD; c <= b + KA_PFD && c < b_end; c++)
+            ka_prefetch_blk(kv, ptrs, kh, c, 1, n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
+        return;
+    }
+    for (ptrdiff_t c = b + 1; c < b_end; c++)
+        if (ka_read(mask, group, nb, c)) {
+            ka_prefetch_blk(kv, ptrs, kh, c, 1, n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
+            return;
+        }
+}
+
 KA_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads,
                            ptrdiff_t n_ctx, float scale, int mode, int k, int n_probe,
                            const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws,
@@ -722,27 +754,10 @@ KA_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     }
     ptrdiff_t last = -1;
     for (ptrdiff_t b = b0; b < b1; b++) {
-        int any = mask == NULL;
-        for (ptrdiff_t g = 0; g < group && !any; g++)
-            any = mask[g * nb + b];
-        if (!any)
+        if (!ka_read(mask, group, nb, b))
             continue;
         last = b;
-        if (mask == NULL)                                /* keys KA_PFD blocks ahead */
-            for (ptrdiff_t c = b == b0 ? b + 1 : b + KA_PFD; c <= b + KA_PFD && c < b1; c++)
-                ka_prefetch_blk(kv, kv->k_ptrs, kh, c, 1,
-                                n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
-        if (mask != NULL)                                /* scattered blocks: fetch ahead */
-            for (ptrdiff_t c = b + 1; c < b1; c++) {
-                int want = 0;
-                for (ptrdiff_t g = 0; g < group; g++)
-                    want |= mask[g * nb + c];
-                if (want) {
-                    ka_prefetch_blk(kv, kv->k_ptrs, kh, c, 1,
-                                    n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
-                    break;
-                }
-            }
+        ka_fetch_ahead(kv, kv->k_ptrs, kh, mask, group, nb, n_ctx, b, b == b0, b1);
         const ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
         for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_W) {
             ptrdiff_t w = nr - j0 < KA_W ? nr - j0 : KA_W, st;
@@ -770,25 +785,9 @@ KA_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         cnt[g] = 0;
     }
     for (ptrdiff_t b = b0; b <= last; b++) {
-        int any = mask == NULL;
-        for (ptrdiff_t g = 0; g < group && !any; g++)
-            any = mask[g * nb + b];
-        if (!any)
+        if (!ka_read(mask, group, nb, b))
             continue;
-        if (mask == NULL)                                /* values KA_PFD blocks ahead */
-            for (ptrdiff_t c = b == b0 ? b + 1 : b + KA_PFD; c <= b + KA_PFD && c <= last; c++)
-                ka_prefetch_blk(kv, kv->v_ptrs, kh, c, 1,
-                                n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
-        for (ptrdiff_t c = b + 1; c <= last && mask != NULL; c++) {   /* next picked */
-            int want = 0;
-            for (ptrdiff_t g = 0; g < group && !want; g++)
-                want = mask[g * nb + c];
-            if (want) {
-                ka_prefetch_blk(kv, kv->v_ptrs, kh, c, 1,
-                                n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
-                break;
-            }
-        }
+        ka_fetch_ahead(kv, kv->v_ptrs, kh, mask, group, nb, n_ctx, b, b == b0, last + 1);
         const ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
         for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_W) {
             ptrdiff_t w = nr - j0 < KA_W ? nr - j0 : KA_W, st;

@@ -118,27 +118,22 @@ class Attention:
         k = k.reshape(T, self.n_kv_heads, self.head_dim)
         q, k = self.pre_rope(q, k, ctx.threads)
         inv_freq, attn_scale = rope
+        rope_fn = K.rope_step if T == 1 else K.rope      # decode: the unchecked entries
+        rope_fn(q, ctx.positions, inv_freq, attn_scale, ctx.threads)
+        rope_fn(k, ctx.positions, inv_freq, attn_scale, ctx.threads)
+        cache.write(layer, k.reshape(T, -1), v)
+        k_ptrs, v_ptrs = cache.views(layer, ctx.pos0 + T)
         out = np.empty((T, self.n_heads * self.head_dim), dtype=np.float32)
-        if T == 1:      # decode: the unchecked kernel entries (arguments built here)
-            K.rope_step(q, ctx.positions, inv_freq, attn_scale, ctx.threads)
-            K.rope_step(k, ctx.positions, inv_freq, attn_scale, ctx.threads)
-            cache.write(layer, k.reshape(T, -1), v)
-            k_ptrs, v_ptrs = cache.views(layer, ctx.pos0 + T)
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        # exact or block-sparse, float32 or int8 KV: how the cache is read is the cache's
+        if T == 1:
             K.attention_step(q.reshape(T, -1), k_ptrs, v_ptrs, cache.kv_bs, self.n_kv_heads,
                              self.head_dim, ctx.pos0, self.scale, out, ctx.threads,
                              *cache.decode_args(layer, self.n_heads))
-            ctx.prof.attn += time.perf_counter() - t0
-            return ctx.mm(out, self.o_proj, self.o_bias, residual)
-        K.rope(q, ctx.positions, inv_freq, attn_scale, ctx.threads)
-        K.rope(k, ctx.positions, inv_freq, attn_scale, ctx.threads)
-        cache.write(layer, k.reshape(T, -1), v)
-        k_ptrs, v_ptrs = cache.views(layer, ctx.pos0 + T)
-        t0 = time.perf_counter()
-        # exact or block-sparse, float32 or int8 KV: how the cache is read is the cache's
-        K.attention(q.reshape(T, -1), k_ptrs, v_ptrs, cache.kv_bs, self.n_kv_heads,
-                    self.head_dim, ctx.pos0, self.scale, out, ctx.threads,
-                    **cache.attention_opts(layer, T, self.n_heads))
+        else:
+            K.attention(q.reshape(T, -1), k_ptrs, v_ptrs, cache.kv_bs, self.n_kv_heads,
+                        self.head_dim, ctx.pos0, self.scale, out, ctx.threads,
+                        **cache.attention_opts(layer, T, self.n_heads))
         ctx.prof.attn += time.perf_counter() - t0
         return ctx.mm(out, self.o_proj, self.o_bias, residual)
 
