@@ -73,7 +73,7 @@ setup(
     install_requires=["numpy>=1.24", "safetensors", "tokenizers>=0.15", "typer>=0.9",
                       "rich", "jinja2", "gguf>=0.10"],
     extras_require={
-        "test": ["pytest", "torch", "transformers>=4.51", "pexpect", "httpx", "openai",
+        "test": ["pytest", "cython>=3.0", "torch", "transformers>=4.51", "pexpect", "httpx", "openai",
                  "fastapi", "uvicorn", "accelerate"],
         "serve": ["fastapi", "uvicorn"],
     },
