@@ -5,7 +5,8 @@ directory (`from_dir`) or from the metadata of a GGUF file (`from_gguf`). It aim
 transformers' `AutoTokenizer` does for the same files, with one deliberate exception documented on
 `_DIGIT_SPLIT_PRE` (GGUF pre-tokenizers that split digits, such as SmolLM2's "smollm").
 
-`Detokenizer` turns a stream of ids into a stream of text without ever emitting half a UTF-8 character.
+`Detokenizer` turns a stream of ids into a stream of text without ever emitting half a UTF-8 character
+(`tokenizers.decoders.DecodeStream`).
 """
 
 from __future__ import annotations
@@ -29,12 +30,11 @@ NO_TEMPLATE_MESSAGE = "model has no chat template; use --raw"
 # GGUF pre-tokenizers.
 #
 # llama.cpp names the pre-tokenizer of a byte-level BPE vocabulary in `tokenizer.ggml.pre`. transformers
-# (integrations/gguf/gguf_tokenizer_mapping.py) maps the names below to `Split(regex, "isolated")` followed by
+# (integrations/gguf/gguf_tokenizer_mapping.py) maps known names to `Split(regex, "isolated")` followed by
 # `ByteLevel(add_prefix_space=False, use_regex=False)`, and every other name to GPT-2's plain
-# `ByteLevel(add_prefix_space=False, use_regex=True)`. The regexes are copied from there verbatim.
+# `ByteLevel(add_prefix_space=False, use_regex=True)`. The table holds only the names that come with the GGUF
+# architectures the loader accepts (llama, qwen2, qwen3); the regexes are transformers' verbatim.
 # ---------------------------------------------------------------------------------------------------------------------
-
-_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -44,42 +44,28 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 _TEKKEN_SPLIT = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 _REGEX_SPLIT_PRE = {
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"),
-        _LLAMA3_SPLIT,
-    ),
+    # architecture llama: Llama 3 and models built on its tokenizer; Mistral's tekken (Mistral Nemo)
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral"), _LLAMA3_SPLIT),
     "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+    # architectures qwen2 and qwen3
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
 }
 
-# llama.cpp splits every digit off first (regex "\p{N}"), then applies the GPT-2 regex, for these names; the
-# original tokenizer.json files say the same: Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
+# llama.cpp splits every digit off first (regex "\p{N}"), then applies the GPT-2 regex, for these names (llama
+# architecture: SmolLM/SmolLM2, Minerva); the original tokenizer.json files say the same:
+# Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
 # transformers 5.x does NOT know these names and falls back to plain GPT-2 ByteLevel. Because these vocabularies
 # have no merges joining digits, the two agree on almost every string, but not on a run of 2+ spaces before a
 # digit ("a  1": we give [a, "ĠĠ", 1] like llama.cpp and the original tokenizer; transformers gives [a, Ġ, Ġ, 1]).
 # We follow llama.cpp / the original tokenizer, since that is what the model was trained on.
-_DIGIT_SPLIT_PRE = frozenset(
-    ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
-)
+_DIGIT_SPLIT_PRE = frozenset(("smollm", "minerva-7b"))
 
 # Control tokens that llama.cpp treats as end-of-generation when present (besides eos/eot/eom ids).
 _EOG_TEXTS = frozenset(
@@ -590,13 +576,12 @@ class Tokenizer:
 
 
 class Detokenizer:
-    """Incremental ids -> text.
+    """Incremental ids -> text: `tokenizers.decoders.DecodeStream`, plus `flush` for the end of a stream.
 
-    Decodes a small window of recent tokens and emits what is new, like transformers' TextStreamer / TGI /
-    mlx-lm: the window starts at the beginning of the previous clean chunk, so SentencePiece's leading-space tokens
-    ("▁world") and byte-level tokens that hold part of a UTF-8 character both decode in context. While the window's
-    text ends in U+FFFD (an incomplete character) the tail is held back. Each `add` decodes O(window) tokens, and the
-    window is normally one or two chunks long, so the cost per token is O(1) amortised.
+    DecodeStream decodes a window of recent ids in context (so SentencePiece's "▁world" gets its space and the
+    bytes of one UTF-8 character can come from several tokens) and returns None while the text ends in an
+    incomplete character (U+FFFD). `add` returns "" then. `flush` gives what is still held back at the end of a
+    stream: the same window decoded once more, an incomplete character becoming U+FFFD.
 
     The concatenation of everything `add` and `flush` return equals `tokenizer.decode(all_ids)`. (One exception, for
     invalid UTF-8 only: SentencePiece's ByteFallback decoder turns a whole run of byte tokens that is not valid
@@ -609,42 +594,41 @@ class Detokenizer:
         self.reset()
 
     def reset(self) -> None:
-        self._ids: list[int] = []
-        self._read = 0  # ids[:read] are fully emitted; ids[0] starts the decode window
-        self._emitted = 0  # characters of decode(ids) already emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._backend.decode(ids, skip_special_tokens=self._skip)
+        self._stream = decoders.DecodeStream(skip_special_tokens=self._skip)
+        # For flush only: the ids of the last emitted chunk (decoding context) and those held back since.
+        self._last: list[int] = []
+        self._held: list[int] = []
 
     def add(self, token_id: int) -> str:
         """Feed one id; return the text it completes ("" while a character is still incomplete)."""
-        ids = self._ids
-        ids.append(int(token_id))
-        text = self._decode(ids)
-        if text.endswith("\ufffd"):
-            # Incomplete character at the end: emit only what precedes the trailing replacement characters.
-            safe = text.rstrip("\ufffd")
-            if len(safe) <= self._emitted:
-                return ""
-            out = safe[self._emitted:]
-            self._emitted = len(safe)
-            return out
-        out = text[self._emitted:] if len(text) > self._emitted else ""
-        # Clean boundary: slide the window so that it starts at the previous chunk (kept as decoding context).
-        start = self._read
-        self._ids = ids[start:]
-        self._read = len(self._ids)
-        self._emitted = len(self._decode(self._ids)) if start else len(text)
-        return out
+        token_id = int(token_id)
+        self._held.append(token_id)
+        try:
+            text = self._stream.step(self._backend, token_id)
+        except Exception as e:  # the Rust side raises plain Exception
+            if "invalid prefix" not in str(e).lower():
+                raise KestrelError(f"cannot decode token {token_id}: {_one_line(e)}") from None
+            # Invalid UTF-8 made ByteFallback rewrite text already emitted: start a new stream at the held ids.
+            held, self._held = self._held, []
+            self._stream = decoders.DecodeStream(skip_special_tokens=self._skip)
+            return "".join(self.add(i) for i in held)
+        if text is None:
+            return ""
+        self._last, self._held = self._held, []
+        return text
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the very end decodes to U+FFFD here)."""
-        text = self._decode(self._ids)
-        out = text[self._emitted:] if len(text) > self._emitted else ""
-        self._ids = []
-        self._read = 0
-        self._emitted = 0
+        out = ""
+        if self._held:
+            before = self._decode(self._last)
+            text = self._decode(self._last + self._held)
+            out = text[len(before):] if text.startswith(before) else self._decode(self._held)
+        self.reset()
         return out
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

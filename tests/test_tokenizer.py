@@ -162,7 +162,7 @@ def test_detokenizer_window_stays_small(smol):
     out = []
     for i in ids:
         out.append(det.add(i))
-        longest = max(longest, len(det._ids))
+        longest = max(longest, len(det._last + det._held))
     out.append(det.flush())
     assert "".join(out) == STREAM_TEXT * 40
     assert longest <= 8  # O(1) per token: a window of a few tokens, never the whole sequence
@@ -480,6 +480,23 @@ def test_sentencepiece_detokenizer_spaces_and_byte_fallback(tiny_ggufs):
     assert "".join(pieces) == ours.decode(ids) == text
     assert not any("\ufffd" in p for p in pieces)
     assert " kestrel" in pieces  # the "▁" of a mid-text token becomes a space
+
+
+@pytest.mark.parametrize("name", ["spm.gguf", "qwen2.gguf"])
+def test_detokenizer_random_ids_never_fail(tiny_ggufs, name):
+    # Random byte tokens make invalid UTF-8; with ByteFallback that rewrites text already emitted, which
+    # DecodeStream reports as an "invalid prefix": the stream starts over instead of failing.
+    import random
+
+    ours = Tokenizer.from_gguf(str(tiny_ggufs / name))
+    byte_ids = [i for i in (ours.token_to_id(f"<0x{b:02X}>") for b in range(256)) if i is not None]
+    rng = random.Random(0)
+    for _ in range(500):
+        ids = [rng.choice(byte_ids) if byte_ids and rng.random() < 0.6 else rng.randrange(ours.vocab_size)
+               for _ in range(rng.randrange(1, 12))]
+        text = "".join(_stream(ours, ids))
+        if "\ufffd" not in ours.decode(ids):
+            assert text == ours.decode(ids), ids
 
 
 # ---------------------------------------------------------------------------------------------------------------------
