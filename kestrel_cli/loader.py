@@ -3,11 +3,16 @@
 Tensors are memory-mapped and used in place (f32, f16, bf16 and GGUF's Q8_0/Q4_0/Q4_1
 blocks); only 1-D tensors (norms, biases) are widened to float32 copies. The store hands
 out `Weight` matrices and float32 vectors by their Hugging Face names.
+
+The safetensors header is read here, not with the `safetensors` package: its numpy API copies
+every tensor and has no bfloat16, while mapping in place keeps bf16 at 2 bytes and peak RSS
+at what the model touches.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -85,9 +90,6 @@ class TensorStore:
         fmt, raw, actual = self._get(name, shape)
         return Weight(fmt, raw.reshape(1, -1), (1, actual[0])).dequantize()[0]
 
-    def stacked(self, names, shape) -> list[Weight]:
-        return [self.matrix(n, shape) for n in names]
-
     @property
     def nbytes(self) -> int:
         return sum(int(e[1].nbytes) for e in self.entries.values())
@@ -101,41 +103,66 @@ class TensorStore:
 
 # ---------------------------------------------------------------- safetensors
 
-def _open_safetensors(path: Path, store: TensorStore) -> None:
-    size = path.stat().st_size
+_MAX_HEADER = 100 << 20          # a cap on the JSON header (the safetensors library: 100 MB)
+
+
+def _read_header(path: Path, size: int) -> tuple[dict, int]:
+    """(the parsed JSON header, its length) of a safetensors file, or one KestrelError naming it.
+
+    The format: 8 bytes little-endian header length n, n bytes of JSON, then the data.
+    """
+    def bad(why):
+        return KestrelError(f"{path.name}: not a valid safetensors file ({why})")
     try:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise KestrelError(f"{path.name}: truncated safetensors file (no header)")
+                raise bad("truncated: no header")
             (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > 100 << 20:
-                raise KestrelError(f"{path.name}: corrupt safetensors header "
-                                   f"(header length {n} past the end of the file)")
-            header = json.loads(f.read(n))
-    except json.JSONDecodeError as e:
-        raise KestrelError(f"{path.name}: corrupt safetensors header ({e.msg})") from None
+            if n > size - 8 or n > _MAX_HEADER:   # a foreign file: its first bytes mean nothing
+                raise bad("the header length in its first 8 bytes is past the end of the file")
+            header = json.loads(f.read(n).decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"corrupt JSON header: {e}") from None
     except OSError as e:
         raise KestrelError(f"{path.name}: cannot read ({e.strerror})") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    return header, n
+
+
+def _tensor_entry(path: Path, name: str, info, data_size: int) -> tuple[str, list[int], int, int]:
+    """(dtype, shape, begin, end) of one header entry, checked against the data section."""
+    try:
+        dtype, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
+        ok = (isinstance(dtype, str) and isinstance(shape, list)
+              and all(type(d) is int and d >= 0 for d in (*shape, b, e)))
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise KestrelError(f"{path.name}: corrupt safetensors header entry for tensor {name!r}")
+    if e > data_size or b > e:
+        raise KestrelError(f"{path.name}: tensor {name!r} points past the end of the file "
+                           f"(bytes {b}..{e} of {data_size}); the file is truncated or corrupt")
+    return dtype, shape, b, e
+
+
+def _open_safetensors(path: Path, store: TensorStore) -> None:
+    size = path.stat().st_size
+    header, n = _read_header(path, size)
     data_size = size - 8 - n
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(data_size,)) \
         if data_size > 0 else np.zeros(0, np.uint8)
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise KestrelError(f"{path.name}: corrupt header entry for tensor {name!r}") from None
-        if e > data_size or b > e:
-            raise KestrelError(f"{path.name}: tensor {name!r} points past the end of the file "
-                               f"(bytes {b}..{e} of {data_size}); the file is truncated or corrupt")
+        dtype, shape, b, e = _tensor_entry(path, name, info, data_size)
         if dtype not in _ST_DTYPES:
             # kept so a missing-tensor error stays precise; used only if a model asks for it
             store.add(name, "unsupported:" + dtype, mm[b:e], shape, path.name)
             continue
         np_dtype, fmt = _ST_DTYPES[dtype]
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)
         if (e - b) != count * np.dtype(np_dtype).itemsize:
             raise KestrelError(f"{path.name}: tensor {name!r} has {e - b} bytes, its shape "
                                f"{shape} and dtype {dtype} need {count * np.dtype(np_dtype).itemsize}")
@@ -144,6 +171,30 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
             arr = arr.copy()            # an unaligned tensor (rare writers): the kernels need alignment
         arr = arr.view(np_dtype)
         store.add(name, fmt, arr.reshape(shape) if len(shape) != 1 else arr, shape, path.name)
+
+
+def _inside(target: Path, root: Path) -> bool:
+    return target == root or root in target.parents
+
+
+def _shard_path(root: Path, name, source: Path) -> Path:
+    """`root/name` for a shard named in `source` (the index, or the directory listing).
+
+    A shard is a plain file name in the checkpoint directory: no separators, no "..", not
+    absolute, and not a symlink that leaves the directory, except into the blobs of a Hugging
+    Face cache snapshot (`models--org--name/snapshots/<rev>/x.safetensors -> ../../blobs/<hash>`).
+    """
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
+            or "\0" in name or Path(name).is_absolute()):
+        raise KestrelError(f"{source}: shard {name!r} is not a plain file name in {root}")
+    f = root / name
+    real_root = root.resolve()
+    allowed = [real_root]
+    if real_root.parent.name == "snapshots":
+        allowed.append(real_root.parent.parent / "blobs")
+    if f.exists() and not any(_inside(f.resolve(), a) for a in allowed):
+        raise KestrelError(f"{source}: shard {name!r} is a link to a file outside {root}")
+    return f
 
 
 def _load_hf_dir(path: Path):
@@ -159,18 +210,20 @@ def _load_hf_dir(path: Path):
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = list(dict.fromkeys(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
             raise KestrelError(f"{index}: corrupt safetensors index") from None
+        source = index
     else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
+        names, source = sorted(p.name for p in path.glob("*.safetensors")), path
+    if not names:
         raise KestrelError(f"{path}: no *.safetensors weights found")
+    files = [_shard_path(path, name, source) for name in names]
     store = TensorStore()
-    for name in files:
-        f = path / name
+    for f in sorted(files):
         if not f.is_file():
-            raise KestrelError(f"{path}: shard {name} named in the index is missing")
+            raise KestrelError(f"{index}: shard {f.name} named in the index is missing")
         _open_safetensors(f, store)
     from .tokenizer import Tokenizer
     return raw, store, Tokenizer.from_dir(path)

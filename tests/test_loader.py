@@ -128,3 +128,89 @@ def test_config_rope_styles():
     assert q3.head_dim == 32 and q3.num_key_value_heads == 4
     with pytest.raises(KestrelError, match="rope_type"):
         Config.from_hf({**base, "rope_scaling": {"rope_type": "su"}}).rope_inv_freq()
+
+
+# ---------------------------------------------------------------- shard names (a hostile index)
+
+def _sharded(good, d):
+    """`good` as a one-shard checkpoint with an index naming the shard."""
+    copy_dir(good, d)
+    names = json.loads(
+        (d / "model.safetensors").read_bytes()[8:8 + struct.unpack("<Q", (d / "model.safetensors")
+                                                                   .read_bytes()[:8])[0]])
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in names
+                                            if k != "__metadata__"}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return d
+
+
+def _point_index_at(d, shard):
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = shard
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "../../x.safetensors", "/etc/passwd",
+                                   "sub/model.safetensors", "..", "", 7, "a\\b.safetensors"])
+def test_index_shard_must_be_a_plain_name(good, tmp_path, shard):
+    d = _sharded(good, tmp_path / "m")
+    (tmp_path / "outside.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    (d / "sub").mkdir()
+    (d / "sub" / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    _point_index_at(d, shard)
+    msg = load_error(d)
+    assert "model.safetensors.index.json" in msg and repr(shard) in msg and "plain file name" in msg
+
+
+def test_index_shard_symlink_out_of_the_directory(good, tmp_path):
+    d = _sharded(good, tmp_path / "m")
+    (tmp_path / "outside.safetensors").write_bytes((d / "model.safetensors").read_bytes())
+    (d / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
+    _point_index_at(d, "link.safetensors")
+    msg = load_error(d)
+    assert "model.safetensors.index.json" in msg and "'link.safetensors'" in msg and "outside" in msg
+    # without an index, a listed *.safetensors link that leaves the directory is refused too
+    (d / "model.safetensors.index.json").unlink()
+    assert "'link.safetensors'" in load_error(d)
+
+
+def test_hf_cache_snapshot_links_into_blobs_load(good, tmp_path):
+    """The Hugging Face cache layout: snapshots/<rev>/* are links to ../../blobs/<hash>."""
+    repo = tmp_path / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(good.iterdir())):
+        (blobs / f"blob{i}").write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(f"../../blobs/blob{i}")
+    eng = Engine.from_pretrained(snap, threads=1)
+    assert eng.config.model_type == "qwen3"
+
+
+def test_foreign_file_as_shard(good, tmp_path):
+    d = copy_dir(good, tmp_path / "m")
+    (d / "model.safetensors").write_bytes(b"#!/bin/sh\necho this is not a checkpoint\n" * 3)
+    msg = load_error(d)
+    first8 = str(struct.unpack("<Q", b"#!/bin/s")[0])
+    assert "model.safetensors" in msg and "not a valid safetensors file" in msg and first8 not in msg
+
+
+@pytest.mark.parametrize("header", [[1, 2], "x", {"w": {"dtype": "F32", "shape": ["a"],
+                                                          "data_offsets": [0, 4]}},
+                                    {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0]}},
+                                    {"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},
+                                    {"w": [1, 2, 3]}])
+def test_bad_header_is_one_clear_error(good, tmp_path, header):
+    d = copy_dir(good, tmp_path / "m")
+    h = json.dumps(header).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * 16)
+    msg = load_error(d)
+    assert "model.safetensors" in msg and ("header" in msg or "safetensors file" in msg)
+
+
+def test_header_not_utf8(good, tmp_path):
+    d = copy_dir(good, tmp_path / "m")
+    h = b'{"\xff\xfe": 1}'
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(h)) + h)
+    assert "model.safetensors" in load_error(d)
