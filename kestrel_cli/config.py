@@ -1,6 +1,7 @@
 """config.json -> a dataclass whose field names are the Hugging Face keys verbatim."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 
@@ -23,6 +24,11 @@ class Config:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
+    # sliding-window attention (not implemented: refused when a layer would use it)
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    max_window_layers: int | None = None
+    layer_types: list | None = None
     # rope: transformers 5 `rope_parameters`, hub-style `rope_theta` / `rope_scaling`
     rope_theta: float | None = None
     rope_scaling: dict | None = None
@@ -56,7 +62,7 @@ class Config:
                    if f.name in ("model_type", "hidden_size", "num_hidden_layers",
                                  "num_attention_heads") and f.name not in raw]
         if missing:
-            raise KestrelError(f"config.json lacks required key(s): {', '.join(missing)}")
+            raise KestrelError(f"lacks required key(s): {', '.join(missing)}")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
 
@@ -65,8 +71,52 @@ class Config:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = list(self.mlp_only_layers or [])
         self.num_experts = self.num_experts or self.num_local_experts
+        self._refuse_ignored()
+
+    def _refuse_ignored(self) -> None:
+        """Refuse what transformers would compute for this model_type and Kestrel would not.
+
+        Fields transformers itself ignores for a model_type (mlp_bias on qwen2, say) stay ignored.
+        """
+        def refuse(field_name, value, why):
+            raise KestrelError(f"{field_name}={json.dumps(value)} is not supported for "
+                               f"{self.model_type} ({why})")
         if self.hidden_act not in ("silu", "swish"):
-            raise KestrelError(f"unsupported hidden_act {self.hidden_act!r} (only silu)")
+            refuse("hidden_act", self.hidden_act, "only silu")
+        if self.mlp_bias and self.model_type == "llama":
+            refuse("mlp_bias", self.mlp_bias, "the MLP projections have no bias here")
+        if self.num_attention_heads % self.num_key_value_heads:
+            refuse("num_key_value_heads", self.num_key_value_heads,
+                   f"it must divide num_attention_heads={self.num_attention_heads}")
+        window = self._sliding_layers()
+        if window:
+            refuse(window[0], window[1], "sliding-window attention is not implemented")
+        factor = self.rope.get("partial_rotary_factor", self.partial_rotary_factor)
+        if factor != 1.0:
+            refuse("partial_rotary_factor", factor, "RoPE over the whole head only")
+        p = self.rope
+        if p["rope_type"] not in _ROPE_KEYS:
+            refuse("rope_type", p["rope_type"], f"supported: {', '.join(_ROPE_KEYS)}")
+        for key in _ROPE_KEYS[p["rope_type"]] + ("rope_theta",):
+            if not isinstance(p.get(key), (int, float)) or isinstance(p.get(key), bool):
+                refuse(f"rope {key}", p.get(key), f"rope_type {p['rope_type']} needs a number")
+
+    def _sliding_layers(self) -> tuple[str, object] | None:
+        """(field, value) that turns sliding-window attention on for some layer, as transformers reads it."""
+        if self.model_type == "mistral":
+            if self.sliding_window is not None:
+                return "sliding_window", self.sliding_window
+        elif self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
+            if self.layer_types is not None and self.model_type != "qwen3_moe":
+                kinds = set(self.layer_types) - {"full_attention"}
+                return ("layer_types", sorted(kinds)) if kinds else None
+            if self.use_sliding_window and self.sliding_window is not None:
+                if self.model_type == "qwen3_moe":          # every layer
+                    return "use_sliding_window", True
+                first = self.max_window_layers if self.max_window_layers is not None else 28
+                if first < self.num_hidden_layers:           # layers >= max_window_layers slide
+                    return "use_sliding_window", True
+        return None
 
     @property
     def rope(self) -> dict:
@@ -103,4 +153,10 @@ class Config:
             smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
             medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
             return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
-        raise KestrelError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+        raise KestrelError(f"unsupported rope_type {kind!r} (supported: {', '.join(_ROPE_KEYS)})")
+
+
+# rope_type -> the keys its inverse frequencies need (besides rope_theta)
+_ROPE_KEYS = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}

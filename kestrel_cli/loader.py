@@ -263,6 +263,23 @@ def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
         raw.reshape(n_head, d // n_head // 2, 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape))
 
 
+def _gguf_refuse_ignored(path: Path, arch: str, field, raw: dict) -> None:
+    """Carry the GGUF keys that change the computation into `raw` (Config refuses what it cannot
+    run), or refuse them here: partial RoPE, RoPE scaling, a value head size unlike the key's."""
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    value_len = field(f"{arch}.attention.value_length")
+    if value_len is not None and int(value_len) != head_dim:
+        raise KestrelError(f"{path.name}: {arch}.attention.value_length={int(value_len)} differs "
+                           f"from the key length {head_dim}; not supported")
+    rope_dim = field(f"{arch}.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raw["partial_rotary_factor"] = int(rope_dim) / head_dim
+    scaling = field(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raw["rope_scaling"] = {"rope_type": scaling,
+                               "factor": field(f"{arch}.rope.scaling.factor")}
+
+
 def _load_gguf(path: Path):
     try:
         import gguf
@@ -297,13 +314,16 @@ def _load_gguf(path: Path):
     key_len = field(f"{arch}.attention.key_length")
     if key_len is not None:
         raw["head_dim"] = int(key_len)
+    _gguf_refuse_ignored(path, arch, field, raw)
     store = TensorStore()
     qtypes = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
               "Q4_1": "q4_1"}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
-            continue
+            why = " (Llama 3.1 RoPE frequency factors)" if t.name == "rope_freqs.weight" else ""
+            raise KestrelError(f"{path.name}: tensor {t.name}{why} is not supported: the model "
+                               f"would run without it")
         tname = t.tensor_type.name
         if tname not in qtypes:
             raise KestrelError(f"{path.name}: tensor {t.name} has type {tname}; supported: "
@@ -345,8 +365,11 @@ def open_checkpoint(path) -> tuple[Config, TensorStore, "object", Path]:
         raise KestrelError(f"{p}: expected a checkpoint directory or a .gguf file")
     from .models import resolve
     resolve(raw.get("model_type"))          # unknown architectures fail before Config
+    source = p / "config.json" if p.is_dir() else p
     try:
         cfg = Config.from_hf(raw)
     except TypeError as e:
-        raise KestrelError(f"{p}: config.json has a value of the wrong type ({e})") from None
+        raise KestrelError(f"{source}: a value of the wrong type ({e})") from None
+    except KestrelError as e:
+        raise KestrelError(f"{source}: {e}") from None
     return cfg, store, tok, p
