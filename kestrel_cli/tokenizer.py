@@ -11,8 +11,13 @@ transformers' `AutoTokenizer` does for the same files, with one deliberate excep
 
 from __future__ import annotations
 
+import contextvars
+import ctypes
 import json
 import os
+import re
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -101,6 +106,204 @@ def _bytes_to_unicode() -> dict[int, str]:
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _template_cache: dict[str, Any] = {}
 
+# A chat template is a program: rendering gets a time and a size limit. Time: every intercepted operation and
+# every output chunk checks the deadline, and a watchdog interrupts loops that do neither. Size: values made by
+# `*`, `**`, `+`, `%`, `~`, calls and filters are checked before they are built where Python would build them in
+# one C call (a width of 10**10, 'a' * 3000000000), and the output is counted as it streams.
+TEMPLATE_SECONDS = 5.0
+TEMPLATE_MAX_CHARS = 32 << 20  # default size limit for one value and for the output, in characters
+_MAX_INT_BITS = 1 << 16  # ints in templates are counters and ids, not bignums
+
+
+class _TemplateTimeout(Exception):
+    """Raised in the rendering thread by the watchdog."""
+
+
+class _Limits:
+    def __init__(self, seconds: float, max_chars: int):
+        self.deadline = time.monotonic() + seconds
+        self.seconds, self.max_chars = seconds, max_chars
+
+    def tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise KestrelError(f"chat template error: rendering took more than {self.seconds:g} s")
+
+    def size(self, n: int, what: str, limit: int | None = None) -> None:
+        limit = self.max_chars if limit is None else limit
+        if n > limit:
+            raise KestrelError(f"chat template error: {what} of size {n}, over the limit of {limit}")
+        self.tick()
+
+
+_limits: contextvars.ContextVar[_Limits] = contextvars.ContextVar("kestrel_template_limits")
+_WIDTH = re.compile(r"\d+")
+
+
+def _length(x: Any) -> int:
+    return len(x) if isinstance(x, (str, list, tuple, dict)) else 0
+
+
+def _deep_len(x: Any, cap: int) -> int:
+    """Characters of the strings inside x (lists, tuples, dicts walked), counting up to just past `cap`:
+    roughly what str(x) or tojson(x) would allocate ([s] * 1000 holds one string a thousand times)."""
+    total, todo = 0, [x]
+    while todo and total <= cap:
+        v = todo.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, (list, tuple)):
+            total += len(v)
+            todo.extend(v)
+        elif isinstance(v, dict):
+            total += len(v)
+            todo.extend(v.keys())
+            todo.extend(v.values())
+    return total
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_widths(lim: _Limits, args: Iterable[Any], what: str) -> None:
+    """Widths, counts and repeat arguments must stay under the size limit (str.center(10**10), indent(10**10))."""
+    for a in args:
+        if _is_int(a) and abs(a) > lim.max_chars:
+            lim.size(abs(a), what)
+
+
+def _check_values(lim: _Limits, args: Iterable[Any], what: str) -> None:
+    """What turning the arguments into text could allocate."""
+    lim.size(sum(_deep_len(a, lim.max_chars) for a in args), what)
+
+
+def _check_format(lim: _Limits, fmt: Any, what: str) -> None:
+    """A width or precision written in a format string ('%10000000000s', '{:>10000000000}')."""
+    if isinstance(fmt, str) and ("%" in fmt or "{" in fmt):
+        for m in _WIDTH.findall(fmt):
+            if len(m) > 12 or int(m) > lim.max_chars:
+                lim.size(int(m[:13]), what)
+
+
+def _guard_binop(lim: _Limits, op: str, a: Any, b: Any) -> None:
+    lim.tick()
+    if op == "*":
+        for seq, n in ((a, b), (b, a)):
+            if _length(seq) and _is_int(n):
+                lim.size(_length(seq) * max(n, 0), "a repeated value")
+        if _is_int(a) and _is_int(b):
+            lim.size(a.bit_length() + b.bit_length(), "an integer product (bits)", _MAX_INT_BITS)
+    elif op == "**":
+        if _is_int(a) and _is_int(b) and abs(a) > 1:
+            lim.size(b * a.bit_length(), "an integer power (bits)", _MAX_INT_BITS)
+    elif op == "+":
+        lim.size(_length(a) + _length(b), "a concatenation")
+    elif op == "%":
+        _check_format(lim, a, "a formatted string width")
+        _check_widths(lim, b if isinstance(b, tuple) else (b,), "a formatted string width")
+        _check_values(lim, (a, b), "a formatted string")
+
+
+def _guard_call(lim: _Limits, obj: Any, args: tuple, kwargs: dict, what: str = "a call") -> None:
+    """Before calling a function, method or filter from a template (for filters, args[0] is the value)."""
+    lim.tick()
+    receiver = getattr(obj, "__self__", None)
+    name = getattr(obj, "__name__", "")
+    if isinstance(receiver, str) or what == "a filter":
+        _check_widths(lim, (*args[what == "a filter":], *kwargs.values()), f"{what} argument")
+    _check_values(lim, (*args, *kwargs.values()), f"{what} argument")
+    if isinstance(receiver, str):
+        if name in ("format", "format_map"):
+            _check_format(lim, receiver, "a formatted string width")
+        elif name == "expandtabs":
+            lim.size(len(receiver) * (args[0] if args and _is_int(args[0]) else 8), "a string")
+        elif name == "replace" and len(args) >= 2:
+            lim.size((len(receiver) + 1) * max(_length(args[1]), 1), "a string")
+        elif name == "join" and args:
+            items = list(args[0])
+            lim.size(sum(_deep_len(i, lim.max_chars) for i in items) + len(receiver) * len(items), "a string")
+
+
+def _guarded_filter(f):
+    pass_arg = getattr(f, "jinja_pass_arg", None)
+
+    def filter_(*args, **kwargs):
+        lim = _limits.get()
+        value_and_args = args[1:] if pass_arg else args
+        _guard_call(lim, f, value_and_args, kwargs, "a filter")
+        name = f.__name__
+        if name == "do_format" and value_and_args:
+            _check_format(lim, value_and_args[0], "a formatted string width")
+        elif name == "do_replace" and len(value_and_args) >= 3:
+            value, new = value_and_args[0], value_and_args[2]
+            lim.size((_deep_len(value, lim.max_chars) + 1) * max(_length(new), 1), "a string")
+        elif name == "do_indent" and len(value_and_args) >= 2 and isinstance(value_and_args[1], str):
+            value, width = value_and_args[:2]
+            lim.size(_length(value) + str(value).count("\n") * len(width), "a string")
+        elif name == "do_join" and value_and_args:
+            items = list(value_and_args[0])
+            sep = value_and_args[1] if len(value_and_args) > 1 else kwargs.get("d", "")
+            lim.size(sum(_deep_len(i, lim.max_chars) for i in items) + _length(sep) * len(items), "a string")
+        out = f(*args, **kwargs)
+        lim.size(_length(out), "a filter result")
+        return out
+
+    filter_.__name__ = f.__name__
+    if pass_arg is not None:
+        filter_.jinja_pass_arg = pass_arg
+    return filter_
+
+
+def _join(parts: Iterable[Any]) -> str:
+    """`~` (Concat), its size checked before the strings are made."""
+    lim = _limits.get()
+    parts = tuple(parts)
+    _check_values(lim, parts, "a concatenation")
+    return "".join(map(str, parts))
+
+
+def _finalize(value: Any) -> Any:
+    """Every `{{ value }}` before it becomes text."""
+    lim = _limits.get()
+    lim.size(_deep_len(value, lim.max_chars), "an output value")
+    return value
+
+
+def _render_limited(compiled, variables: dict, seconds: float, max_chars: int) -> str:
+    """compiled.render(**variables) within `seconds` and `max_chars` of output, or one KestrelError."""
+    lim = _Limits(seconds, max_chars)
+    token = _limits.set(lim)
+    state = {"done": False, "fired": False}
+    lock = threading.Lock()
+    tid = threading.get_ident()
+
+    def interrupt():  # loops that call nothing and write nothing: raise in the rendering thread
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_TemplateTimeout))
+
+    watchdog = threading.Timer(seconds, interrupt)
+    watchdog.daemon = True
+    try:
+        try:
+            watchdog.start()
+            pieces, n = [], 0
+            for piece in compiled.generate(**variables):
+                n += len(piece)
+                lim.size(n, "output")
+                pieces.append(piece)
+            return "".join(pieces)
+        finally:
+            watchdog.cancel()
+            with lock:
+                state["done"] = True
+                if state["fired"]:  # not delivered yet: withdraw it
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), None)
+            _limits.reset(token)
+    except _TemplateTimeout:
+        raise KestrelError(f"chat template error: rendering took more than {seconds:g} s") from None
+
 
 def _compile_template(source: str):
     compiled = _template_cache.get(source)
@@ -109,7 +312,46 @@ def _compile_template(source: str):
 
     import jinja2
     import jinja2.ext
+    from jinja2.compiler import CodeGenerator
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class LimitedCodeGenerator(CodeGenerator):
+        def visit_Concat(self, node, frame):  # `a ~ b`: through _join, which checks the size first
+            self.write("environment.kestrel_join((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class _LimitedEnvironment(ImmutableSandboxedEnvironment):
+        code_generator_class = LimitedCodeGenerator
+        intercepted_binops = frozenset(("*", "**", "+", "%"))
+        kestrel_join = staticmethod(_join)
+
+        def call_binop(self, context, operator, left, right):
+            _guard_binop(_limits.get(), operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def wrap_str_format(self, value):  # s.format(...) and s.format_map(...) bypass `call`
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+
+            def checked(*args, **kwargs):
+                lim = _limits.get()
+                _check_format(lim, value.__self__, "a formatted string width")
+                mapping = args[0].values() if args and isinstance(args[0], dict) else ()
+                _check_widths(lim, (*args, *kwargs.values(), *mapping), "a formatted string width")
+                _check_values(lim, (*args, *kwargs.values()), "a formatted string")
+                return wrapped(*args, **kwargs)
+
+            return checked
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+            _guard_call(_limits.get(), __obj, args, kwargs)
+            out = super().call(__context, __obj, *args, **kwargs)
+            _limits.get().size(_length(out), "a call result")
+            return out
 
     def raise_exception(message):
         raise KestrelError(f"chat template error: {message}")
@@ -156,10 +398,11 @@ def _compile_template(source: str):
         def _render(self, caller):
             return caller()
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    env = _LimitedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols], finalize=_finalize
     )
     env.filters["tojson"] = tojson
+    env.filters = {name: _guarded_filter(f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
@@ -514,12 +757,14 @@ class Tokenizer:
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
         chat_template: str | None = None,
+        max_chars: int = TEMPLATE_MAX_CHARS,
         **kwargs: Any,
     ) -> str | list[int]:
         """Render `messages` with the model's chat template, as transformers does; extra keyword arguments reach
         the template (e.g. `enable_thinking=False`). With `tokenize=True`, returns the ids of the rendered text
         (encoded with add_special_tokens=False: the template writes BOS itself when it wants one).
-        `chat_template` picks one of the model's named templates, or replaces the template with the given source."""
+        `chat_template` picks one of the model's named templates, or replaces the template with the given source.
+        Rendering stops with a KestrelError past TEMPLATE_SECONDS or past `max_chars` characters of output."""
         template = self._pick_template(tools, chat_template)
         compiled = _compile_template(template)
         variables: dict[str, Any] = {
@@ -533,19 +778,17 @@ class Tokenizer:
             if value is not None
         }
         variables.update(_plain(kwargs))
-        import jinja2
-
+        variables.update(
+            messages=_normalize_messages(messages),
+            tools=_plain(tools),
+            documents=_plain(documents),
+            add_generation_prompt=add_generation_prompt,
+        )
         try:
-            text = compiled.render(
-                messages=_normalize_messages(messages),
-                tools=_plain(tools),
-                documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            text = _render_limited(compiled, variables, TEMPLATE_SECONDS, max_chars)
         except KestrelError:
             raise
-        except jinja2.TemplateError as e:
+        except Exception as e:  # jinja2.TemplateError, or Python's own (1/0, int('x'), ...)
             raise KestrelError(f"chat template error: {_one_line(e)}") from None
         if tokenize:
             return self.encode(text, add_special_tokens=False)

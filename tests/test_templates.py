@@ -1,0 +1,118 @@
+"""Chat templates are programs: rendering has a time and a size limit and fails with one KestrelError."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import kestrel_cli.tokenizer as tokenizer_mod
+from kestrel_cli.errors import KestrelError
+from kestrel_cli.loader import default_model_path
+from kestrel_cli.tokenizer import Tokenizer
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_gguf(str(default_model_path()))
+
+
+@pytest.fixture
+def short(monkeypatch):
+    monkeypatch.setattr(tokenizer_mod, "TEMPLATE_SECONDS", 0.5)
+
+
+def render_error(tok, source, **kw) -> tuple[str, float]:
+    t0 = time.monotonic()
+    with pytest.raises(KestrelError) as e:
+        tok.apply_chat_template(MSGS, chat_template=source, **kw)
+    msg = str(e.value)
+    assert msg.startswith("chat template error:") and "\n" not in msg
+    return msg, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("source", [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% set r = range(100000)|list %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}",
+    "{{ lipsum(n=100000000) }}",
+])
+def test_loops_without_output_hit_the_time_limit(tok, short, source):
+    msg, took = render_error(tok, source)
+    assert "0.5 s" in msg and took < 3
+
+
+@pytest.mark.parametrize("source", [
+    "{{ 'a' * 3000000000 }}",
+    "{{ 'a'.center(10**10) }}",
+    "{{ 'a'|center(10**10) }}",
+    "{{ 'a'.ljust(10000000000) }}",
+    "{{ 'a'.zfill(10**10) }}",
+    "{{ '%10000000000s' % 'a' }}",
+    "{{ '{:>10000000000}'.format('a') }}",
+    "{{ '{:>{w}}'.format('a', w=10**10) }}",
+    "{{ 10**(10**8) }}",
+    "{% set ns = namespace(x=10**100) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+    "{% endfor %}",
+    "{% set ns = namespace(s='a'*1000000) %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}",
+    "{% set ns = namespace(s='a'*1000000) %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
+    "{% endfor %}",
+    "{% set s = 'a'*1000000 %}{{ [s] * 1000 }}",
+    "{% set s = 'a'*1000000 %}{% set a = [s, s, s, s] %}{% set b = [a, a, a, a] %}"
+    "{% set c = [b, b, b, b] %}{{ [c, c, c, c]|tojson }}",
+    "{% set s = 'a'*1000000 %}{{ ','.join([s] * 100) }}",
+    "{% set s = 'a'*1000000 %}{{ ([s] * 100)|join(',') }}",
+    "{{ ('a' * 1000000).replace('', 'b' * 40) }}",
+    "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
+])
+def test_huge_values_and_output_hit_the_size_limit(tok, source):
+    msg, took = render_error(tok, source)
+    assert "over the limit" in msg and took < 10
+
+
+def test_size_limit_is_a_parameter(tok):
+    src = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert tok.apply_chat_template([{"role": "user", "content": "x" * 100}], chat_template=src,
+                                   max_chars=100) == "x" * 100
+    with pytest.raises(KestrelError, match="over the limit of 99"):
+        tok.apply_chat_template([{"role": "user", "content": "x" * 100}], chat_template=src,
+                                max_chars=99)
+
+
+def test_python_errors_in_templates_are_one_line(tok):
+    msg, _ = render_error(tok, "{{ 1 / 0 }}")
+    assert "division by zero" in msg
+
+
+def test_timeout_in_a_worker_thread_leaves_the_thread_usable(tok, short):
+    out = {}
+
+    def work():
+        try:
+            tok.apply_chat_template(MSGS, chat_template="{% for i in range(100000) %}"
+                                    "{% for j in range(100000) %}{% endfor %}{% endfor %}")
+        except KestrelError as e:
+            out["error"] = str(e)
+        t0 = time.monotonic()
+        n = 0
+        while time.monotonic() - t0 < 1.0:       # no interrupt arrives late
+            n += 1
+        out["after"] = tok.apply_chat_template(MSGS)
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(10)
+    assert "0.5 s" in out["error"] and out["after"] == tok.apply_chat_template(MSGS)
+
+
+def test_cli_prints_one_error_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from conftest import make_checkpoint
+    from kestrel_cli.cli import app
+    make_checkpoint(tmp_path, "qwen3")
+    (tmp_path / "chat_template.jinja").write_text("{{ 'a' * 3000000000 }}")
+    r = CliRunner().invoke(app, ["run", "-m", str(tmp_path), "-p", "hi", "-n", "1", "-t", "1"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "error:" in r.output and "over the limit" in r.output
