@@ -476,6 +476,7 @@ class Tokenizer:
         add_eos_token: bool | None = None,
     ):
         self._backend = backend
+        self._longest_token: int | None = None  # characters of the longest vocabulary entry (max_text_chars)
         # A dict of named templates ({"default": ..., "tool_use": ...}) or one template, as transformers keeps it.
         self._chat_templates = chat_template
         self.bos_token = bos_token
@@ -686,7 +687,9 @@ class Tokenizer:
         (and EOS) when the model asks for it."""
         if not isinstance(text, str):
             raise KestrelError(f"encode expects a string, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode does not): a long prompt tokenised in a
+        # worker thread leaves the server's event loop running
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
@@ -712,6 +715,15 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    def max_text_chars(self, n_tokens: int) -> int:
+        """More characters than any text of `n_tokens` tokens has: lets a caller refuse a text too long for a
+        context before paying for its tokenisation. A token stands for at most as many characters as its
+        vocabulary entry has (byte-level and SentencePiece spellings are never shorter than the text); x4
+        covers normalizers that merge characters (NFC composes at most a few into one)."""
+        if self._longest_token is None:
+            self._longest_token = max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
+        return 4 * n_tokens * self._longest_token
 
     @property
     def backend(self) -> _Backend:

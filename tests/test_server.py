@@ -538,3 +538,63 @@ def test_sigterm_cancels_in_flight_and_exits_cleanly(server, http):
     assert took < 15, took                        # --shutdown-timeout 2, then cancelled
     assert "data: [DONE]" not in events           # cut short, not run to ~450 tokens
     assert "server stopped" in server.log_text()
+
+
+# ---------------------------------------------------------------------------- big prompts
+
+def test_big_prompts_keep_the_event_loop_free(smollm2_engine):
+    """A prompt too long for the context is refused before it is tokenised; one that may fit
+    is rendered and tokenised off the event loop, so /health keeps answering meanwhile."""
+    from kestrel_cli.server import create_app
+    eng = smollm2_engine
+    app = create_app([eng], queue_size=1)
+    limit = eng.tokenizer.max_text_chars(eng.ctx_size)
+    text = "The kestrel hovers over the field, 12345 times; "
+
+    def body(n_chars):
+        content = (text * (n_chars // len(text) + 1))[:n_chars]
+        return {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://k", timeout=120) as c:
+            t0 = time.monotonic()
+            r = await c.post("/v1/chat/completions", json=body(limit + 1))
+            assert r.status_code == 400 and time.monotonic() - t0 < 2, r.text
+            err = r.json()["error"]
+            assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+            assert "characters" in err["message"]
+
+            big = asyncio.create_task(c.post("/v1/chat/completions", json=body(limit * 3 // 4)))
+            waits = []
+            while not big.done():
+                t0 = time.monotonic()
+                h = await c.get("/health")
+                waits.append(time.monotonic() - t0)
+                assert h.status_code == 200
+                await asyncio.sleep(0.05)
+            r = await big
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert len(waits) > 5 and max(waits) < 0.5, (len(waits), max(waits), r.text)
+    asyncio.run(main())
+
+
+def test_template_limits_in_the_server(tmp_path):
+    """A chat template that runs away is a 400 with the template error, and the server goes on."""
+    from starlette.testclient import TestClient
+
+    from conftest import make_checkpoint
+    from kestrel_cli import Engine
+    from kestrel_cli.server import create_app
+    make_checkpoint(tmp_path, "qwen3")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content * 100000 }}{% endfor %}")
+    eng = Engine.from_pretrained(tmp_path, threads=1, ctx_size=64)
+    with TestClient(create_app([eng], queue_size=1)) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1})
+        assert r.status_code == 400, r.text
+        assert "chat template error" in r.json()["error"]["message"]
+        assert "over the limit" in r.json()["error"]["message"]
+        assert c.get("/health").json()["status"] == "ok"

@@ -1,0 +1,216 @@
+"""Requests of the OpenAI API: the fields we read, checked, and the error reply's shape."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+COMPLETIONS_MAX_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
+TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tokenize", "tools", "documents",
+                     "chat_template", "max_chars"}   # apply_chat_template's own arguments
+
+
+# ---------------------------------------------------------------------------- errors
+
+class APIError(Exception):
+    """An HTTP error reply in OpenAI's shape."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error",
+                             404: "not_found_error", 413: "invalid_request_error",
+                             503: "unavailable_error"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def unsupported(name: str, why: str = "") -> APIError:
+    return APIError(f"'{name}' is not supported by this server{why}", param=name,
+                    code="unsupported_parameter")
+
+
+# ---------------------------------------------------------------------------- request parsing
+
+class _Fields(BaseModel):
+    """JSON types are strict ("1" is not a number), null means the default, and fields we do
+    not read are ignored (check_unsupported has refused those that would change the reply)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, body):
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+
+class StreamOptions(_Fields):
+    include_usage: bool = False
+
+
+class Options(_Fields):
+    """The generation fields of both endpoints: OpenAI's (defaults temperature 1.0, top_p 1.0;
+    temperature 0 is greedy) and llama-server's top_k, min_p, repeat_penalty, ignore_eos and
+    cache_prompt."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, ge=0, le=1)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repeat_penalty: float = Field(1.0, gt=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)   # the newer name; wins
+    ignore_eos: bool = False
+    cache_prompt: bool = True        # False: prefill the whole prompt
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    chat_template_kwargs: dict | None = None
+
+    @classmethod
+    def parse(cls, body: dict) -> "Options":
+        """The fields of `body`, or APIError naming the first bad one."""
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            err = e.errors()[0]
+            # union members appear in the location as their type names; keep the JSON path
+            path = [str(x) for x in err["loc"] if isinstance(x, str) and x in _PATH_NAMES]
+            param = ".".join(path) or None
+            raise APIError(f"'{param}': {err['msg']}", param=param) from None
+
+    def sampling(self, default_max_tokens: int) -> dict:
+        """Engine.stream keyword arguments."""
+        temperature, top_p = self.temperature, self.top_p
+        if top_p == 0:                     # the smallest set with mass >= 0: the top token
+            temperature, top_p = 0.0, 1.0
+        seed = None if self.seed is None else self.seed & ((1 << 64) - 1)  # numpy: unsigned
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        return dict(max_tokens=max_tokens, temperature=float(temperature), top_k=self.top_k,
+                    top_p=float(top_p), min_p=float(self.min_p),
+                    repeat_penalty=float(self.repeat_penalty), seed=seed,
+                    stop=[s for s in stops if s], ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and bool(self.stream_options and self.stream_options.include_usage)
+
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs (e.g. enable_thinking), none of apply_chat_template's own."""
+        kwargs = self.chat_template_kwargs or {}
+        bad = sorted(TEMPLATE_RESERVED & set(kwargs))
+        if bad:
+            raise APIError(f"'chat_template_kwargs.{bad[0]}' is not allowed",
+                           param=f"chat_template_kwargs.{bad[0]}")
+        return kwargs
+
+
+_PATH_NAMES = set(Options.model_fields) | set(StreamOptions.model_fields)
+
+
+# fields that would change what the reply means; accepted only at their neutral value
+_NEUTRAL = {
+    "n": lambda v: v == 1,
+    "logit_bias": lambda v: v == {},
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "logprobs": lambda v: v is False or v == 0,
+    "top_logprobs": lambda v: v == 0,
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v in ("none", "auto"),     # no tools (non-empty ones fail)
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "modalities": lambda v: v == ["text"],
+    "audio": lambda v: False,
+    "prediction": lambda v: False,
+    "web_search_options": lambda v: False,
+    "echo": lambda v: v is False,                 # /v1/completions
+    "suffix": lambda v: v == "",                  # /v1/completions
+    "best_of": lambda v: v == 1,                  # /v1/completions
+}
+
+
+def check_unsupported(body: dict) -> None:
+    for name, neutral in _NEUTRAL.items():
+        v = body.get(name)
+        if v is not None and not neutral(v):
+            why = ": one choice per request" if name == "n" else ""
+            raise unsupported(name, why)
+
+
+def text_content(content, param: str) -> str:
+    """A message's content: a string, or an array of text parts (joined with newlines)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(f"'{param}' must be a string or an array of content parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise APIError(f"'{p}' must be an object", param=p)
+        kind = part.get("type")
+        if kind != "text":
+            if isinstance(kind, str):
+                raise unsupported(f"{p}.type", f": only text parts (got {kind!r})")
+            raise APIError(f"'{p}.type' must be a string", param=f"{p}.type")
+        if not isinstance(part.get("text"), str):
+            raise APIError(f"'{p}.text' must be a string", param=f"{p}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def parse_messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise APIError("'messages' is required", param="messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError("'messages' must be a non-empty array", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise APIError(f"'{p}' must be an object", param=p)
+        role = m.get("role")
+        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
+            raise unsupported(f"{p}.role" if role in ("tool", "function") else
+                               f"{p}.tool_calls", ": no tool calling")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise APIError(f"'{p}.role' must be one of system, developer, user, assistant; "
+                           f"got {role!r}", param=f"{p}.role")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise APIError(f"'{p}.content' is required", param=f"{p}.content")
+            content = ""
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": text_content(content, f"{p}.content")})
+    return out
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_prompt(body: dict) -> str | list[int]:
+    """/v1/completions' prompt: a string or token ids (a batch of one is unwrapped)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                  # a batch of one
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        return prompt                       # token ids, used as is
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise unsupported("prompt", ": one prompt per request, not a batch")
+    if not isinstance(prompt, str):
+        raise APIError("'prompt' must be a string or an array of token ids"
+                       if prompt is not None else "'prompt' is required", param="prompt")
+    return prompt

@@ -1,0 +1,201 @@
+"""The slots: one Engine and one worker thread each (--parallel), a bounded FIFO in front."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from ..engine import Engine
+from ..errors import KestrelError
+from ..generate import Chunk
+from .models import APIError
+
+log = logging.getLogger("kestrel.server")
+
+_END = object()                  # job.events: the worker is done with this job
+_CANCELLED = object()            # job.events: the client went away
+
+
+# ---------------------------------------------------------------------------- scheduling
+
+class Job:
+    """One generation request, from the queue to its last chunk."""
+
+    def __init__(self, ids: list[int], params: dict, loop: asyncio.AbstractEventLoop,
+                 cache_prompt: bool = True):
+        self.ids, self.params, self.loop = ids, params, loop
+        self.cache_prompt = cache_prompt    # False: prefill the whole prompt (llama-server's)
+        self.events: asyncio.Queue = asyncio.Queue()   # Chunk | APIError | _END | _CANCELLED
+        self.cancelled = False      # set in the loop thread, read by the worker between tokens
+        self.state = "queued"       # queued -> running -> done
+        self.gen_ms = 0.0           # wall time from the end of prefill to the last token
+        self.t_first: float | None = None    # when the first token reached the handler
+        self.n_tokens = 0           # tokens that reached the handler
+
+    def post(self, item) -> None:
+        """From the worker thread: hand an event to the request's handler."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """The worker's chunks; raises APIError on an engine error, stops on cancel."""
+        while True:
+            ev = await self.events.get()
+            if ev is _END or ev is _CANCELLED:
+                return
+            if isinstance(ev, APIError):
+                raise ev
+            if ev.token is not None:
+                self.n_tokens += 1
+                self.t_first = self.t_first or time.perf_counter()
+            yield ev
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Slot:
+    """One engine and the worker thread that drives it."""
+
+    def __init__(self, index: int, engine: Engine):
+        self.index, self.engine = index, engine
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.job: Job | None = None
+        self.thread: threading.Thread | None = None
+
+
+class Scheduler:
+    """A bounded FIFO of jobs in front of the slots. All its state lives in the event loop
+    thread; workers only run jobs and post events back (call_soon_threadsafe)."""
+
+    def __init__(self, engines: list[Engine], queue_size: int):
+        self.slots = [Slot(i, e) for i, e in enumerate(engines)]
+        self.idle = list(self.slots)
+        self.pending: collections.deque[Job] = collections.deque()
+        self.queue_size = queue_size
+        self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # -- loop thread
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        for s in self.slots:
+            s.thread = threading.Thread(target=self._work, args=(s,), daemon=True,
+                                        name=f"kestrel-slot-{s.index}")
+            s.thread.start()
+
+    def submit(self, job: Job) -> None:
+        if self.closing:
+            raise APIError("the server is shutting down", 503)
+        if not self.idle and len(self.pending) >= self.queue_size:
+            raise APIError(f"server busy: {len(self.pending)} requests already wait for "
+                           f"{len(self.slots)} slot(s); retry later", 503)
+        self.pending.append(job)
+        self._dispatch()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop the job from the queue, or stop it at the next token."""
+        if job.state == "done" or job.cancelled:
+            return
+        job.cancelled = True
+        if job.state == "queued":
+            try:
+                self.pending.remove(job)
+            except ValueError:
+                pass
+            job.state = "done"
+        job.events.put_nowait(_CANCELLED)
+
+    def _dispatch(self) -> None:
+        while self.pending and self.idle:
+            job = self.pending.popleft()
+            # the idle slot whose KV cache shares the longest prefix with the prompt; on a
+            # tie the one holding least, so other conversations keep their caches
+            slot = max(self.idle, key=lambda s: (_common_prefix(s.engine.cached_ids, job.ids),
+                                                 -len(s.engine.cached_ids)))
+            self.idle.remove(slot)
+            slot.job, job.state = job, "running"
+            slot.inbox.put(job)
+
+    def _released(self, slot: Slot) -> None:
+        if slot.job is not None:
+            slot.job.state = "done"
+        slot.job = None
+        self.idle.append(slot)
+        self.idle.sort(key=lambda s: s.index)
+        self._dispatch()
+
+    def begin_shutdown(self, cancel_running: bool = False) -> None:
+        """SIGINT/SIGTERM: refuse new work, fail the queued jobs with 503; running jobs
+        finish (uvicorn cancels them after --shutdown-timeout) unless `cancel_running`."""
+        self.closing = True
+        while self.pending:
+            job = self.pending.popleft()
+            job.state = "done"
+            job.events.put_nowait(APIError("the server is shutting down", 503))
+        if cancel_running:
+            for s in self.slots:
+                if s.job is not None:
+                    s.job.cancelled = True
+
+    async def close(self) -> None:
+        self.begin_shutdown(cancel_running=True)
+        for s in self.slots:
+            s.inbox.put(None)
+        for s in self.slots:
+            if s.thread is not None:
+                await asyncio.to_thread(s.thread.join, 10.0)
+
+    def health(self) -> dict:
+        return {"status": "shutting down" if self.closing else "ok",
+                "slots_idle": len(self.idle), "slots_processing": len(self.slots) - len(self.idle),
+                "requests_queued": len(self.pending)}
+
+    # -- worker threads
+    def _work(self, slot: Slot) -> None:
+        while True:
+            job = slot.inbox.get()
+            if job is None:
+                return
+            try:
+                self._run(slot.engine, job)
+            finally:
+                job.post(_END)
+                self.loop.call_soon_threadsafe(self._released, slot)
+
+    @staticmethod
+    def _run(eng: Engine, job: Job) -> None:
+        if job.cancelled:
+            return
+        gen = None
+        t0 = time.perf_counter()
+        try:
+            if not job.cache_prompt:
+                eng.reset()
+            gen = eng.stream(job.ids, **job.params)
+            for chunk in gen:
+                if chunk.stats is not None:
+                    job.gen_ms = (time.perf_counter() - t0) * 1e3 - chunk.stats.prefill_ms
+                job.post(chunk)
+                if job.cancelled:          # checked between tokens: stops within one token
+                    break
+        except KestrelError as e:
+            job.post(APIError(str(e), 400))
+        except Exception as e:            # never let a request kill the worker
+            log.exception("generation failed")
+            eng.reset()                    # the KV cache may be half-written
+            job.post(APIError(f"internal error: {type(e).__name__}: {e}", 500))
+        finally:
+            if gen is not None:
+                gen.close()
+
+
