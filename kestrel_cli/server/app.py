@@ -260,6 +260,12 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                            param="model", code="model_not_found")
         return {"id": mid, "object": "model", "created": created, "owned_by": "kestrel"}
 
+    async def answer(request: Request, opts: Options, prompt, param: str, kind: str, **kw):
+        ids = await encode(prompt, param, **kw)
+        default_max = eng0.ctx_size if kind == "chat" else COMPLETIONS_MAX_TOKENS
+        job = await admit(request, ids, opts.sampling(default_max), param, opts.cache_prompt)
+        return await generate(request, job, opts.stream, opts.include_usage, kind)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
@@ -268,9 +274,8 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         opts = Options.parse(body)
         kwargs = opts.template_kwargs()
         bound_prompt(sum(len(m["content"]) for m in messages), "messages")
-        ids = await encode(messages, "messages", max_chars=max_chars, **kwargs)
-        job = await admit(request, ids, opts.sampling(eng0.ctx_size), "messages", opts.cache_prompt)
-        return await generate(request, job, opts.stream, opts.include_usage, "chat")
+        return await answer(request, opts, messages, "messages", "chat", max_chars=max_chars,
+                            **kwargs)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -280,10 +285,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         opts = Options.parse(body)
         if isinstance(prompt, str):
             bound_prompt(len(prompt), "prompt")
-        ids = await encode(prompt, "prompt")
-        job = await admit(request, ids, opts.sampling(COMPLETIONS_MAX_TOKENS), "prompt",
-                          opts.cache_prompt)
-        return await generate(request, job, opts.stream, opts.include_usage, "completion")
+        return await answer(request, opts, prompt, "prompt", "completion")
 
     app.add_middleware(_FrontDoor, api_key=api_key)
     return app

@@ -183,7 +183,7 @@ def parse_messages(body: dict) -> list[dict]:
         role = m.get("role")
         if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
             raise unsupported(f"{p}.role" if role in ("tool", "function") else
-                               f"{p}.tool_calls", ": no tool calling")
+                              f"{p}.tool_calls", ": no tool calling")
         if role not in ("system", "developer", "user", "assistant"):
             raise APIError(f"'{p}.role' must be one of system, developer, user, assistant; "
                            f"got {role!r}", param=f"{p}.role")
