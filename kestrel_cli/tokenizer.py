@@ -204,47 +204,59 @@ def _guard_binop(lim: _Limits, op: str, a: Any, b: Any) -> None:
         _check_values(lim, (a, b), "a formatted string")
 
 
-def _guard_call(lim: _Limits, obj: Any, args: tuple, kwargs: dict, what: str = "a call") -> None:
-    """Before calling a function, method or filter from a template (for filters, args[0] is the value)."""
+def _joined_size(lim: _Limits, items: list, sep: Any) -> int:
+    return sum(_deep_len(i, lim.max_chars) for i in items) + _length(sep) * len(items)
+
+
+def _guard_call(lim: _Limits, obj: Any, args: tuple, kwargs: dict) -> tuple:
+    """Before a template calls a function or method; returns the arguments to call it with (an iterable
+    given to str.join is read once, here)."""
     lim.tick()
+    _check_values(lim, (*args, *kwargs.values()), "a call argument")
     receiver = getattr(obj, "__self__", None)
+    if not isinstance(receiver, str):
+        return args
     name = getattr(obj, "__name__", "")
-    if isinstance(receiver, str) or what == "a filter":
-        _check_widths(lim, (*args[what == "a filter":], *kwargs.values()), f"{what} argument")
-    _check_values(lim, (*args, *kwargs.values()), f"{what} argument")
-    if isinstance(receiver, str):
-        if name in ("format", "format_map"):
-            _check_format(lim, receiver, "a formatted string width")
-        elif name == "expandtabs":
-            lim.size(len(receiver) * (args[0] if args and _is_int(args[0]) else 8), "a string")
-        elif name == "replace" and len(args) >= 2:
-            lim.size((len(receiver) + 1) * max(_length(args[1]), 1), "a string")
-        elif name == "join" and args:
-            items = list(args[0])
-            lim.size(sum(_deep_len(i, lim.max_chars) for i in items) + len(receiver) * len(items), "a string")
+    _check_widths(lim, (*args, *kwargs.values()), "a call argument")
+    if name == "expandtabs":
+        lim.size(len(receiver) * (args[0] if args and _is_int(args[0]) else 8), "a string")
+    elif name == "replace" and len(args) >= 2:
+        lim.size((len(receiver) + 1) * max(_length(args[1]), 1), "a string")
+    elif name == "join" and args:
+        items = list(args[0])
+        lim.size(_joined_size(lim, items, receiver), "a string")
+        args = (items, *args[1:])
+    return args
 
 
-def _guarded_filter(f):
+# filters that only count, pick or reorder: their arguments are not turned into text
+_PICKING_FILTERS = frozenset(
+    ("length", "count", "first", "last", "list", "reverse", "select", "reject", "selectattr", "rejectattr", "map",
+     "sort", "unique", "min", "max", "batch", "slice", "groupby", "dictsort", "items", "attr", "default", "d", "int",
+     "float", "abs", "round", "bool")
+)
+
+
+def _guarded_filter(name: str, f):
     pass_arg = getattr(f, "jinja_pass_arg", None)
 
     def filter_(*args, **kwargs):
         lim = _limits.get()
-        value_and_args = args[1:] if pass_arg else args
-        _guard_call(lim, f, value_and_args, kwargs, "a filter")
-        name = f.__name__
-        if name == "do_format" and value_and_args:
-            _check_format(lim, value_and_args[0], "a formatted string width")
-        elif name == "do_replace" and len(value_and_args) >= 3:
-            value, new = value_and_args[0], value_and_args[2]
-            lim.size((_deep_len(value, lim.max_chars) + 1) * max(_length(new), 1), "a string")
-        elif name == "do_indent" and len(value_and_args) >= 2 and isinstance(value_and_args[1], str):
-            value, width = value_and_args[:2]
-            lim.size(_length(value) + str(value).count("\n") * len(width), "a string")
-        elif name == "do_join" and value_and_args:
-            items = list(value_and_args[0])
-            sep = value_and_args[1] if len(value_and_args) > 1 else kwargs.get("d", "")
-            lim.size(sum(_deep_len(i, lim.max_chars) for i in items) + _length(sep) * len(items), "a string")
-        out = f(*args, **kwargs)
+        head, (value, *rest) = (args[:1], args[1:]) if pass_arg else ((), args)
+        lim.tick()
+        _check_widths(lim, (*rest, *kwargs.values()), "a filter argument")
+        if name not in _PICKING_FILTERS:
+            _check_values(lim, (value, *rest, *kwargs.values()), "a filter argument")
+        if name == "format":
+            _check_format(lim, value, "a formatted string width")
+        elif name == "replace" and len(rest) >= 2:
+            lim.size((_deep_len(value, lim.max_chars) + 1) * max(_length(rest[1]), 1), "a string")
+        elif name == "indent" and rest and isinstance(rest[0], str):
+            lim.size(_length(value) + str(value).count("\n") * len(rest[0]), "a string")
+        elif name == "join":
+            value = list(value)
+            lim.size(_joined_size(lim, value, rest[0] if rest else kwargs.get("d", "")), "a string")
+        out = f(*head, value, *rest, **kwargs)
         lim.size(_length(out), "a filter result")
         return out
 
@@ -348,7 +360,7 @@ def _compile_template(source: str):
             return checked
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-            _guard_call(_limits.get(), __obj, args, kwargs)
+            args = _guard_call(_limits.get(), __obj, args, kwargs)
             out = super().call(__context, __obj, *args, **kwargs)
             _limits.get().size(_length(out), "a call result")
             return out
@@ -402,7 +414,7 @@ def _compile_template(source: str):
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols], finalize=_finalize
     )
     env.filters["tojson"] = tojson
-    env.filters = {name: _guarded_filter(f) for name, f in env.filters.items()}
+    env.filters = {name: _guarded_filter(name, f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()

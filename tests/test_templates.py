@@ -81,6 +81,13 @@ def test_size_limit_is_a_parameter(tok):
                                 max_chars=99)
 
 
+def test_guards_leave_results_unchanged(tok):
+    src = ("{{ ['a', 'b']|map('upper')|join(',') }}|{{ '-'.join(['x', 'y']|map('upper')) }}|"
+           "{{ '%s=%d' % ('n', 3) }}|{{ '{}!'.format('hi') }}|{{ 'ab' * 2 }}|{{ 2 ** 10 }}|"
+           "{{ messages|length }}|{{ 'x'|center(5) }}|{{ ('a' ~ 1) + 'b' }}")
+    assert tok.apply_chat_template(MSGS, chat_template=src) == "A,B|X-Y|n=3|hi!|abab|1024|1|  x  |a1b"
+
+
 def test_python_errors_in_templates_are_one_line(tok):
     msg, _ = render_error(tok, "{{ 1 / 0 }}")
     assert "division by zero" in msg
