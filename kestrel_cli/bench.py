@@ -114,7 +114,7 @@ def run_bench(engine, n_prompt: int = 512, n_gen: int = 128, depths: Iterable[in
     """Measure pp<n_prompt> and tg<n_gen> at each depth; see the module docstring.
 
     Args:
-        engine: a loaded Engine (its model, threads and KV-cache options are used; the
+        engine: a loaded Engine (its model, threads and cache spec are used; the
             benchmark makes its own cache, sized for the deepest test).
         n_prompt, n_gen: tokens per pp / tg run; 0 skips that test.
         depths: tokens in the cache before each test.
@@ -138,7 +138,7 @@ def run_bench(engine, n_prompt: int = 512, n_gen: int = 128, depths: Iterable[in
         return rng.integers(0, vocab, n).tolist()
 
     need = max(depths) + max(n_prompt, n_gen) + 1
-    cache = model.make_cache(need)
+    cache = engine.make_cache(need)
     nbytes, nelem, fmts = model_weights(model)
     fmt_names = "+".join(sorted(fmts, key=lambda f: -fmts[f]))
     from .kernels import matmul_isa

@@ -1,7 +1,7 @@
-"""The `kestrel` command (SPEC §3): a thin typer app over the library.
+"""The `kestrel` command: a thin typer app over the library.
 
 Commands parse options, call `Engine`, print. Model text goes to stdout, timing lines
-(`[DEC-SINGLE]`, `[PERF]`, see timing.py) to stderr. Every bad input ends as one
+(`[DEC-SINGLE]`, `[PERF]`: docs/DESIGN.md §4 Timing lines) to stderr. Every bad input ends as one
 `error: ...` line on stderr and exit status 1 (usage errors: status 2), never a traceback.
 
 Shared flags are defined once, as the fields of `EngineOptions` and `SamplingOptions`;
@@ -28,7 +28,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from .engine import Engine
+from .engine import DEFAULT_CTX_CAP, Engine, LoadOptions, default_threads
 from .errors import KestrelError
 from .timing import TimingPrinter
 
@@ -36,7 +36,6 @@ from .timing import TimingPrinter
 _cx = sys.modules[typer.BadParameter.__module__]
 _NoArgsIsHelp = getattr(_cx, "NoArgsIsHelpError", ())
 
-DEFAULT_CTX_CAP = 4096            # -c default: the model's context length, at most this
 SPINNER_BYTES = 200 << 20         # show a spinner while loading weights larger than this
 
 _MODEL, _SAMPLING, _OUTPUT, _PROMPT = "Model", "Sampling", "Output", "Prompt"
@@ -52,7 +51,7 @@ class Quant(str, Enum):
 
 @dataclass
 class EngineOptions:
-    """Flags of every command that builds an Engine (SPEC §3)."""
+    """Flags of every command that builds an Engine (`LoadOptions` on the library side)."""
     model: Annotated[Optional[Path], typer.Option(
         "-m", "--model", help="Checkpoint directory or .gguf file.",
         show_default="bundled SmolLM2-135M-Instruct", rich_help_panel=_MODEL)] = None
@@ -75,16 +74,17 @@ class EngineOptions:
         "--sparse-probes", help="Keys probed per block (--sparse-attn).",
         rich_help_panel=_MODEL)] = 8
 
+    def load_options(self) -> LoadOptions:
+        """The Engine's options these flags give (-c default: the model's, at most
+        DEFAULT_CTX_CAP)."""
+        return LoadOptions(kv_q8=self.kv_q8, sparse_attn=self.sparse_attn,
+                           sparse_k=self.sparse_k, sparse_probes=self.sparse_probes,
+                           quant=Quant(self.quant).value, threads=self.threads,
+                           ctx_size=self.ctx_size, ctx_cap=DEFAULT_CTX_CAP)
+
     def check(self) -> None:
-        """Fail fast, before any file is read."""
-        if self.ctx_size is not None and self.ctx_size < 1:
-            raise KestrelError(f"-c/--ctx-size must be >= 1, got {self.ctx_size}")
-        if self.threads is not None and self.threads < 1:
-            raise KestrelError(f"-t/--threads must be >= 1, got {self.threads}")
-        if self.sparse_k < 1:
-            raise KestrelError(f"--sparse-k must be >= 1, got {self.sparse_k}")
-        if self.sparse_probes < 1:
-            raise KestrelError(f"--sparse-probes must be >= 1, got {self.sparse_probes}")
+        """Fail fast, before any file is read (the Engine's own validation)."""
+        self.load_options().validate()
 
 
 @dataclass
@@ -178,26 +178,14 @@ def _model_bytes(path: Path | None) -> int:
 
 def engine_from_options(opts: EngineOptions, spinner: bool = True) -> Engine:
     """Build the Engine the flags describe (a spinner on stderr for big models)."""
-    opts.check()
-    kw = dict(kv_q8=opts.kv_q8, sparse_attn=opts.sparse_attn, sparse_k=opts.sparse_k,
-              sparse_probes=opts.sparse_probes,
-              quant=None if opts.quant == Quant.none else Quant(opts.quant).value,
-              threads=opts.threads, ctx_size=opts.ctx_size or DEFAULT_CTX_CAP)
+    load = opts.load_options()                  # Engine.load validates it
     size = _model_bytes(opts.model)
     if spinner and size > SPINNER_BYTES and sys.stderr.isatty():
         from rich.console import Console
         name = "bundled model" if opts.model is None else Path(opts.model).name
         with Console(stderr=True).status(f"loading {name} ({size / 2**20:.0f} MiB)"):
-            eng = Engine.from_pretrained(opts.model, **kw)
-    else:
-        eng = Engine.from_pretrained(opts.model, **kw)
-    n_ctx = eng.config.max_position_embeddings
-    if opts.ctx_size is None and n_ctx and n_ctx < eng.ctx_size:
-        # -c not given and the model's context is shorter than the cap: use the model's
-        eng.ctx_size = n_ctx
-        eng.cache = eng.model.make_cache(n_ctx)
-        eng.cached_ids = []
-    return eng
+            return Engine.load(opts.model, load)
+    return Engine.load(opts.model, load)
 
 
 # ---------------------------------------------------------------------------- the app
@@ -365,10 +353,9 @@ def serve(
     if queue_size < 0:
         raise KestrelError(f"--queue-size must be >= 0, got {queue_size}")
     from . import server                    # fails with a clear message without fastapi
-    if engine.threads is None and parallel > 1:
-        from .engine import default_threads
-        engine.threads = max(1, default_threads() // parallel)
-    eng = engine_from_options(engine)
+    # each of the `parallel` engines runs -t threads; by default they split the cores
+    eng = engine_from_options(dataclasses.replace(
+        engine, threads=engine.threads or default_threads(share=parallel)))
     server.serve([eng] + [eng.fork() for _ in range(parallel - 1)], host=host, port=port,
                  api_key=api_key, queue_size=queue_size, shutdown_timeout=shutdown_timeout)
 

@@ -1,67 +1,131 @@
-"""Engine: a loaded model, its tokenizer and one conversation's KV cache (SPEC §2)."""
+"""Engine: a loaded model, its tokenizer and one conversation's KV cache
+(docs/DESIGN.md §1 Layers)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 
 from .errors import KestrelError
 from .generate import Chunk, stream_generate
+from .kv_cache import CacheSpec
 from .loader import open_checkpoint
 from .models import resolve
 from .sampling import check_params, make_sampler
 from .weights import QUANT_FORMATS
 
 
-def default_threads() -> int:
+DEFAULT_CTX_CAP = 4096            # the CLI's -c default: the model's context, at most this
+
+
+def default_threads(share: int = 1) -> int:
+    """The cores this process may use, split `share` ways (at least 1)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = len(os.sched_getaffinity(0))
     except AttributeError:
-        return max(1, os.cpu_count() or 1)
+        n = os.cpu_count() or 1
+    return max(1, n // max(1, share))
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load an Engine: the library's side of the CLI's model flags, checked once
+    (`validate`) for both.
+
+    Args:
+        kv_q8: store the KV cache as int8 (--kv-q8).
+        sparse_attn: block-sparse attention (--sparse-attn) with sparse_k blocks of 32
+            tokens per query head and sparse_probes keys probed per block.
+        quant: None/"none", or a --quant format: quantise float weights at load.
+        threads: OpenMP threads (-t); None: every core this process may use.
+        ctx_size: context size in tokens (-c); None: the model's context length, at most
+            ctx_cap (None: no cap).
+    """
+    kv_q8: bool = False
+    sparse_attn: bool = False
+    sparse_k: int = 32
+    sparse_probes: int = 8
+    quant: str | None = None
+    threads: int | None = None
+    ctx_size: int | None = None
+    ctx_cap: int | None = None
+
+    def validate(self) -> "LoadOptions":
+        """Raise KestrelError naming the flag of the first bad value; self when all are ok."""
+        if self.quant not in (None, "none", *QUANT_FORMATS):
+            raise KestrelError(f"--quant must be one of none, {', '.join(QUANT_FORMATS)}; "
+                               f"got {self.quant!r}")
+        if self.ctx_size is not None and self.ctx_size < 1:
+            raise KestrelError(f"-c/--ctx-size must be >= 1, got {self.ctx_size}")
+        if self.ctx_cap is not None and self.ctx_cap < 1:
+            raise KestrelError(f"context cap must be >= 1, got {self.ctx_cap}")
+        if self.threads is not None and self.threads < 1:
+            raise KestrelError(f"-t/--threads must be >= 1, got {self.threads}")
+        if self.sparse_k < 1:
+            raise KestrelError(f"--sparse-k must be >= 1, got {self.sparse_k}")
+        if self.sparse_probes < 1:
+            raise KestrelError(f"--sparse-probes must be >= 1, got {self.sparse_probes}")
+        return self
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        """The KV cache these options describe."""
+        return CacheSpec("q8" if self.kv_q8 else "f32",
+                         self.sparse_k if self.sparse_attn else 0, self.sparse_probes)
+
+    def context(self, model_ctx: int | None) -> int:
+        """The context size for a model whose own context length is model_ctx."""
+        if self.ctx_size is not None:
+            return self.ctx_size
+        if self.ctx_cap is not None and (not model_ctx or model_ctx > self.ctx_cap):
+            return self.ctx_cap
+        return model_ctx
 
 
 class Engine:
     """Load once, then `logits`, `generate` or `stream`.
 
     The KV cache persists between calls: a prompt that starts with the tokens already in
-    the cache (a chat growing turn by turn) only prefills the new ones.
+    the cache (a chat growing turn by turn) only prefills the new ones. `prefill` and
+    `decode_step` are the two steps generation is made of (generate.py).
     """
 
-    def __init__(self, model, tokenizer, config, path, ctx_size, threads, store):
+    def __init__(self, model, tokenizer, config, path, store, ctx_size: int,
+                 spec: CacheSpec = CacheSpec()):
         self.model, self.tokenizer, self.config, self.path = model, tokenizer, config, path
-        self.ctx_size, self.threads, self.store = ctx_size, threads, store
-        self.cache = model.make_cache(ctx_size)
+        self.store, self.ctx_size, self.spec = store, ctx_size, spec
+        self.cache = self.make_cache()
         self.cached_ids: list[int] = []     # tokens whose K/V the cache holds
+
+    @property
+    def threads(self) -> int:
+        """The OpenMP threads the model's kernels run on (held by the model)."""
+        return self.model.threads
 
     @classmethod
     def from_pretrained(cls, path=None, kv_q8: bool = False, sparse_attn: bool = False,
                         sparse_k: int = 32, sparse_probes: int = 8, quant: str | None = None,
-                        threads: int | None = None, ctx_size: int | None = None) -> "Engine":
+                        threads: int | None = None, ctx_size: int | None = None,
+                        ctx_cap: int | None = None) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 
-        Args mirror the CLI flags (SPEC §3).
+        Args: as `LoadOptions` (they mirror the CLI flags).
         """
-        if quant not in (None, "none", *QUANT_FORMATS):
-            raise KestrelError(f"--quant must be one of none, {', '.join(QUANT_FORMATS)}; "
-                               f"got {quant!r}")
-        if sparse_k < 1:
-            raise KestrelError(f"--sparse-k must be >= 1, got {sparse_k}")
-        if sparse_probes < 1:
-            raise KestrelError(f"--sparse-probes must be >= 1, got {sparse_probes}")
-        threads = threads or default_threads()
-        if threads < 1:
-            raise KestrelError(f"threads must be >= 1, got {threads}")
+        return cls.load(path, LoadOptions(kv_q8, sparse_attn, sparse_k, sparse_probes, quant,
+                                          threads, ctx_size, ctx_cap))
+
+    @classmethod
+    def load(cls, path, options: LoadOptions) -> "Engine":
+        """Load a checkpoint directory or GGUF file (None: the bundled SmolLM2)."""
+        options.validate()
+        threads = options.threads or default_threads()
         cfg, store, tok, p = open_checkpoint(path)
-        store.quantize_to(QUANT_FORMATS.get(quant), threads)   # --quant: float matrices at load
-        if ctx_size is not None and ctx_size < 1:
-            raise KestrelError(f"context size must be >= 1, got {ctx_size}")
-        ctx = ctx_size or cfg.max_position_embeddings
+        store.quantize_to(QUANT_FORMATS.get(options.quant), threads)   # --quant: at load
         model = resolve(cfg.model_type).Model(cfg, store, threads)
-        # how attention reads the KV cache: every cache the model makes gets these
-        model.cache_opts = dict(kv_q8=bool(kv_q8), sparse_k=int(sparse_k) if sparse_attn else 0,
-                                sparse_probes=int(sparse_probes))
-        return cls(model, tok, cfg, p, ctx, threads, store)
+        return cls(model, tok, cfg, p, store, options.context(cfg.max_position_embeddings),
+                   options.cache_spec)
 
     def fork(self) -> "Engine":
         """Another Engine on the same weights (shared, not copied) with its own, empty KV
@@ -69,16 +133,24 @@ class Engine:
         import copy
         model = copy.copy(self.model)           # the layers, hence the weights, are shared
         model.prof = type(self.model.prof)()    # per-call timing must not mix
-        return Engine(model, self.tokenizer, self.config, self.path, self.ctx_size,
-                      self.threads, self.store)
+        return Engine(model, self.tokenizer, self.config, self.path, self.store,
+                      self.ctx_size, self.spec)
 
-    # ------------------------------------------------------------------ low level
+    def make_cache(self, max_tokens: int | None = None):
+        """An empty KV cache of this engine's spec (default: its context size)."""
+        return self.model.make_cache(max_tokens or self.ctx_size, self.spec)
+
     def reset(self) -> None:
+        """Forget the conversation: the cache is emptied."""
         self.cache.reset()
         self.cached_ids = []
 
-    def _prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
-        """Logits after `ids`, reusing the longest cached prefix; (logits (1, V), reused)."""
+    def prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
+        """Run a prompt, reusing the longest prefix the cache holds from the previous calls.
+
+        Returns:
+            (logits (1, V) of its last token, the number of prompt tokens reused).
+        """
         ids = [int(t) for t in ids]
         if not ids:
             raise KestrelError("empty prompt")
@@ -97,7 +169,8 @@ class Engine:
         self.cached_ids = list(ids)
         return logits, n
 
-    def _decode(self, token: int) -> np.ndarray:
+    def decode_step(self, token: int) -> np.ndarray:
+        """Run one token after the cached ones; its logits (1, V)."""
         logits = self.model([token], self.cache)
         self.cached_ids.append(int(token))
         return logits

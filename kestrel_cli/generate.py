@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .sampling import apply_repetition_penalty
@@ -54,7 +54,6 @@ class Chunk:
     finish_reason: str | None = None   # "stop" | "length" on the last chunk
     timing: TokenTiming | None = None  # the decode step that produced this token (None for the first)
     stats: Stats | None = None         # on the last chunk
-    extra: dict = field(default_factory=dict)
 
 
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[str, bool]:
@@ -85,7 +84,7 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
     eos = set(engine.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
     stats = Stats(prompt_tokens=len(prompt_ids))
     t0 = time.perf_counter()
-    logits, cached = engine._prefill(prompt_ids)
+    logits, cached = engine.prefill(prompt_ids)
     stats.cached_tokens, stats.prefill_tokens = cached, len(prompt_ids) - cached
     stats.prefill_ms = (time.perf_counter() - t0) * 1e3
     history = list(prompt_ids)
@@ -98,7 +97,7 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
                 break              # context full: finish "length"
             a0, m0 = prof.snapshot()
             s0 = time.perf_counter()
-            logits = engine._decode(token)
+            logits = engine.decode_step(token)
             ms = (time.perf_counter() - s0) * 1e3
             a1, m1 = prof.snapshot()
             timing = TokenTiming(stats.decode_tokens, engine.cache.offset - 1, ms,

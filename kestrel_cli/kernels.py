@@ -124,7 +124,8 @@ class GemvGroup:
     """Weights that multiply the same one-token input, run as one kernel call.
 
     The rows of all the weights are split across threads together (one parallel region,
-    the input prepared once): decode's q/k/v projections, and gate/up fused with SwiGLU.
+    the input prepared once): decode's q/k/v projections, and gate/up fused with SwiGLU
+    (`Projection` runs it for one row).
     Each output equals what `matmul` (and `swiglu`) give for that weight alone; the
     optional RMSNorm of the input equals `rms_norm`.
 
@@ -150,14 +151,6 @@ class GemvGroup:
         # out[:, s] for each weight; (1, d_i) views of a (1, d) row are C-contiguous
         self.slices = [slice(int(a), int(b)) for a, b in zip(offs[:-1], offs[1:])]
 
-    @classmethod
-    def of(cls, w: Weight) -> "GemvGroup":
-        """The one-weight group of w, made once and kept on the Weight."""
-        g = w.__dict__.get("_kernel_group")
-        if g is None or g.weights[0].data is not w.data:
-            g = w.__dict__["_kernel_group"] = cls([w])
-        return g
-
     def __call__(self, x: np.ndarray, out: np.ndarray, threads: int | None,
                  act_q8: bool | None = None, norm: np.ndarray | None = None,
                  eps: float = 0.0, accumulate: bool = False) -> list[np.ndarray]:
@@ -173,8 +166,7 @@ class GemvGroup:
         Returns:
             the (1, d_i) views of out, one per weight ([out] with swiglu).
         """
-        # decode calls this a few times per layer and token: positional, no re-checks
-        # beyond the kernel's own (dtypes, shapes)
+        # no re-checks beyond the kernel's own (dtypes, shapes)
         self._plan.run(x, out, threads if threads else 0,
                        ACT_Q8 if act_q8 is None else act_q8, norm, eps, accumulate)
         if self.swiglu or len(self.slices) == 1:
@@ -426,24 +418,26 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
     return out
 
 
-def attention_step(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
-                   n_kv_heads: int, head_dim: int, pos0: int, scale: float, out: np.ndarray,
-                   threads: int, kv_q8: bool, sparse_k: int, sparse_probes: int,
-                   imp_order: np.ndarray | None, sel: np.ndarray | None,
-                   dec_tab: np.ndarray) -> np.ndarray:
+def attention_unchecked(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
+                        n_kv_heads: int, head_dim: int, pos0: int, scale: float,
+                        out: np.ndarray, threads: int, kv_q8: bool, sparse_k: int,
+                        sparse_probes: int, imp_order: np.ndarray | None,
+                        sel: np.ndarray | None, dec_tab: np.ndarray) -> np.ndarray:
     """`attention` for one decode row (T == 1) without the Python-side argument checks:
-    the engine's per-layer, per-token path, whose arguments KVCache builds (the kernel still
-    checks dtypes, contiguity and the scratch size). Positional, as `attention`."""
+    the per-layer, per-token path of `KVCache.attend`, which owns every argument (the
+    kernel still checks dtypes, contiguity and the scratch size). Positional, as
+    `attention`; threads an int (0: OpenMP default)."""
     _attention.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, scale, out,
                          threads, kv_q8, sparse_k, sparse_probes, imp_order, None, None, sel,
                          dec_tab)
     return out
 
 
-def rope_step(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
-              attn_scale: float, threads: int) -> np.ndarray:
-    """`rope` without the Python-side checks (the engine's per-layer path; the kernel still
-    checks dtypes and contiguity)."""
+def rope_unchecked(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
+                   attn_scale: float, threads: int) -> np.ndarray:
+    """`rope` without the Python-side shape checks: the model's per-layer path, whose
+    arrays it shapes itself (the kernel still checks dtypes and contiguity); threads an
+    int (0: OpenMP default)."""
     _ops.rope(x, positions, inv_freq, attn_scale, threads)
     return x
 
@@ -508,3 +502,86 @@ def scatter_add(out: np.ndarray, src: np.ndarray, rows: np.ndarray, weights: np.
                          f"max {rows.max()}")
     _ops.scatter_add(out, src, rows, weights, _threads(threads))
     return out
+
+
+KV_BLOCK = 32         # tokens per KV cache block, which is also one sparse-selection block
+                      # (docs/DESIGN.md §2 KV cache layout)
+
+
+class Projection:
+    """A linear layer over one input: x @ W_i.T (+ b_i) for each of its weights, of one
+    row or many, optionally of RMSNorm(x), optionally SwiGLU of a (gate, up) pair, and
+    optionally added into a residual.
+
+    One row (decode) runs `GemvGroup`'s fused plan: one kernel call, the RMSNorm, the
+    SwiGLU and the residual add inside it. More rows (prefill) run `rms_norm`, `matmul`
+    per weight and `swiglu`, then the bias and residual adds. Both give what those entry
+    points give one after the other.
+
+    Args:
+        weights: Weights (d_i, n) of any formats, one common n.
+        biases: float32 (d_i,) or None, one per weight (None: no biases).
+        norm: float32 (n,): project RMSNorm(x) with this weight and `eps`, not x.
+        swiglu: two weights (gate, up) of one shape, no biases; the output is
+            silu(x @ G.T) * (x @ U.T).
+    """
+
+    def __init__(self, weights, biases=None, norm: np.ndarray | None = None,
+                 eps: float = 0.0, swiglu: bool = False):
+        self.gemv = GemvGroup(weights, swiglu)
+        self.weights, self.swiglu, self.d = self.gemv.weights, self.gemv.swiglu, self.gemv.d
+        n = self.gemv.n
+        self.biases = [None] * len(self.weights) if biases is None else list(biases)
+        if len(self.biases) != len(self.weights):
+            raise ValueError(f"Projection: {len(self.biases)} biases for "
+                             f"{len(self.weights)} weights")
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            if b is not None:
+                _array(b, f"biases[{i}]", np.float32, 1)
+                _shape(b, f"biases[{i}]", (w.shape[0],))
+        self.has_bias = any(b is not None for b in self.biases)
+        if self.swiglu and self.has_bias:
+            raise ValueError("Projection: SwiGLU takes no biases")
+        if norm is not None:
+            _array(norm, "norm", np.float32, 1)
+            _shape(norm, "norm", (n,))
+        self.norm, self.eps = norm, float(eps)
+        self._run = self.gemv._plan.run          # the one-row kernel call, bound once
+        # the outputs of one row are these column ranges of one (1, d) buffer
+        self._slices = None if self.swiglu or len(self.weights) == 1 else self.gemv.slices
+
+    def __call__(self, x: np.ndarray, threads: int,
+                 residual: np.ndarray | None = None) -> list[np.ndarray]:
+        """The outputs for the rows of x.
+
+        Args:
+            x: float32 (T, n), C-contiguous.
+            threads: OpenMP threads, an int (0: default).
+            residual: float32 (T, d), with one output: the output is added into it.
+        Returns:
+            one float32 (T, d_i) array per weight ([the SwiGLU output] with swiglu), or
+            [residual] when given. One row: (1, d_i) views of one new buffer.
+        """
+        if x.shape[0] == 1:
+            # decode: positional, no checks beyond the kernel's own (it runs per layer)
+            if residual is not None and not self.has_bias:
+                self._run(x, residual, threads, ACT_Q8, self.norm, self.eps, True)
+                return [residual]
+            out = np.empty((1, self.d), dtype=np.float32)
+            self._run(x, out, threads, ACT_Q8, self.norm, self.eps, False)
+            outs = [out] if self._slices is None else [out[:, s] for s in self._slices]
+        else:
+            if self.norm is not None:
+                x = rms_norm(x, self.norm, self.eps, np.empty_like(x), threads)
+            outs = [matmul(x, w, np.empty((x.shape[0], w.shape[0]), dtype=np.float32), threads)
+                    for w in self.weights]
+            if self.swiglu:
+                outs = [swiglu(outs[0], outs[1], outs[0], threads)]
+        if self.has_bias:
+            for o, b in zip(outs, self.biases):
+                if b is not None:
+                    o += b
+        if residual is None:
+            return outs
+        residual += outs[0]
+        return [residual]

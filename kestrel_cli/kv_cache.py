@@ -1,49 +1,99 @@
-"""KV cache per SPEC §4: token-major blocks of `kv_bs` tokens, allocated as the sequence grows.
+"""The KV cache: it stores K and V and it attends (docs/DESIGN.md §2 KV cache layout).
 
-Layer l, token t: K at `k_blocks[l][t // kv_bs]`, row t % kv_bs, a row of n_kv_heads*head_dim
-values (head h at columns h*head_dim...). Kernels get the blocks as a table of addresses
-(`k_ptrs[l]`, uint64), so no block is ever moved or copied once written.
+Layer l, token t: K at `k_blocks[l][t // KV_BLOCK]`, row t % KV_BLOCK, a row of
+n_kv_heads*head_dim values (head h at columns h*head_dim...). Blocks are allocated as the
+sequence grows; kernels get them as a table of addresses (`k_ptrs[l]`, uint64), so no
+block is ever moved or copied once written.
 
-float32 cache: a block is float32 (kv_bs, kv_dim). int8 cache (`kv_q8`): a block is one
-byte buffer, the int8 values (kv_bs, kv_dim) in the same places, then at byte
-`scale_offset` (64-byte aligned) the float32 scales (n_kv_heads, kv_bs), one per (token,
-kv head), symmetric: scale = max|x| / 127, x ~ scale * q. Scales are head-major so that the
-sparse probes of one head (every 4th token) share cache lines. For head_dim 64 that is
-(64 + 4) / 256 = 0.27 of the float32 bytes.
+float32 cache: a block is float32 (KV_BLOCK, kv_dim). int8 cache (spec dtype "q8"): a
+block is one byte buffer, the int8 values (KV_BLOCK, kv_dim) in the same places, then at
+byte `scale_offset` (64-byte aligned) the float32 scales (n_kv_heads, KV_BLOCK), one per
+(token, kv head), symmetric: scale = max|x| / 127, x ~ scale * q (`q8_layout`).
 
-The cache also carries how it is read (`sparse_k`, `sparse_probes`: SPEC §5) and, per
-layer, the prefill attention mass each token received (`importance`, float32
-(n_layers, max_tokens)), which the attention kernel adds to during every prefill call
-(T > 1; decode steps add nothing, so tokens after the prompt keep 0).
+A `CacheSpec` says what the cache is: value type, and how attention reads it (exact, or
+block-sparse with `sparse_k` blocks per query head, docs/DESIGN.md §3 Sparse selection).
+The model writes a layer's new K, V (`write`) and asks for its attention (`attend`); which
+kernel entry runs (one decode row or a prefill block), the sparse settings, the decode
+scratch and the importance bookkeeping are the cache's. Per layer, `importance` (float32
+(n_layers, max_tokens)) is the prefill attention mass each token received, which every
+prefill call (T > 1) adds to; decode steps add nothing, so tokens after the prompt keep 0.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from . import kernels as K
 from .errors import KestrelError
+from .kernels import KV_BLOCK
 from .sparse import importance_order
+
+DTYPES = ("f32", "q8")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a KV cache is: its value type and how attention reads it.
+
+    Args:
+        dtype: "f32" (float32 values) or "q8" (int8 values, a float32 scale per token and
+            kv head).
+        sparse_k: blocks of `block` tokens each query head attends to; 0: exact attention.
+        sparse_probes: keys probed per block to rank it (with sparse_k > 0).
+    """
+    dtype: str = "f32"
+    sparse_k: int = 0
+    sparse_probes: int = 8
+    block: ClassVar[int] = KV_BLOCK          # tokens per block (not a choice)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise KestrelError(f"KV cache dtype must be one of {', '.join(DTYPES)}, "
+                               f"got {self.dtype!r}")
+        if self.sparse_k < 0:
+            raise KestrelError(f"sparse_k must be >= 0 (0 = exact), got {self.sparse_k}")
+        if self.sparse_probes < 1:
+            raise KestrelError(f"sparse_probes must be >= 1, got {self.sparse_probes}")
+
+
+def q8_layout(n_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(scale_offset, block_bytes) of an int8 block: the int8 values (KV_BLOCK, kv_dim),
+    then at the value bytes rounded up to 64 the float32 scales (n_kv_heads, KV_BLOCK)."""
+    scale_offset = -(-KV_BLOCK * n_kv_heads * head_dim // 64) * 64
+    return scale_offset, scale_offset + KV_BLOCK * n_kv_heads * 4
 
 
 class KVCache:
+    """K and V of one sequence, every layer, and attention over them.
+
+    Args:
+        n_layers, n_kv_heads, head_dim: the model's geometry.
+        max_tokens: the context size (tokens the cache may hold).
+        spec: what the cache is (default: float32, exact).
+        threads: OpenMP threads of its kernels (None/0: default).
+    """
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
-                 kv_bs: int = 32, kv_q8: bool = False, sparse_k: int = 0,
-                 sparse_probes: int = 8, threads: int | None = None):
-        self.n_layers, self.kv_bs, self.max_tokens = n_layers, kv_bs, max_tokens
+                 spec: CacheSpec = CacheSpec(), threads: int | None = None):
+        self.n_layers, self.max_tokens, self.spec = n_layers, max_tokens, spec
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.kv_dim = n_kv_heads * head_dim
-        self.q8 = bool(kv_q8)
-        self.sparse_k, self.sparse_probes = int(sparse_k), int(sparse_probes)
-        if self.sparse_k and kv_bs != K.SPARSE_BS:
-            raise KestrelError(f"sparse attention needs kv_bs == {K.SPARSE_BS}, got {kv_bs}")
-        self.threads = threads
-        # int8 blocks: values, then the scales at a 64-byte aligned offset
-        self.scale_offset = -(-kv_bs * self.kv_dim // 64) * 64
-        self.block_bytes = (self.scale_offset + kv_bs * n_kv_heads * 4 if self.q8
-                            else kv_bs * self.kv_dim * 4)
+        self.kv_bs = KV_BLOCK
+        self.scale = 1.0 / math.sqrt(head_dim)        # softmax(q . k * scale)
+        # read on every attend: plain attributes, not spec lookups
+        self.q8 = spec.dtype == "q8"
+        self.sparse_k, self.sparse_probes = spec.sparse_k, spec.sparse_probes
+        self.threads = int(threads or 0)               # 0: OpenMP default
+        if self.q8:
+            self.scale_offset, self.block_bytes = q8_layout(n_kv_heads, head_dim)
+        else:
+            self.scale_offset, self.block_bytes = 0, KV_BLOCK * self.kv_dim * 4
         self.k_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         self.v_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
-        cap = -(-max_tokens // kv_bs)
+        cap = -(-max_tokens // KV_BLOCK)
         self.k_ptrs = np.zeros((n_layers, cap), dtype=np.uint64)   # block addresses
         self.v_ptrs = np.zeros((n_layers, cap), dtype=np.uint64)
         self.offset = 0                  # tokens committed
@@ -64,14 +114,14 @@ class KVCache:
     def _new_block(self) -> np.ndarray:
         if self.q8:
             return np.empty(self.block_bytes, dtype=np.uint8)
-        return np.empty((self.kv_bs, self.kv_dim), dtype=np.float32)
+        return np.empty((KV_BLOCK, self.kv_dim), dtype=np.float32)
 
     def _q8_views(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(values int8 (kv_bs, kv_dim), scales float32 (n_kv_heads, kv_bs)) of an int8 block."""
-        n = self.kv_bs * self.kv_dim
-        vals = block[:n].view(np.int8).reshape(self.kv_bs, self.kv_dim)
-        scales = block[self.scale_offset:self.scale_offset + self.kv_bs * self.n_kv_heads * 4]
-        return vals, scales.view(np.float32).reshape(self.n_kv_heads, self.kv_bs)
+        """(values int8 (KV_BLOCK, kv_dim), scales float32 (n_kv_heads, KV_BLOCK)) of an
+        int8 block."""
+        vals = block[:KV_BLOCK * self.kv_dim].view(np.int8).reshape(KV_BLOCK, self.kv_dim)
+        scales = block[self.scale_offset:self.block_bytes]
+        return vals, scales.view(np.float32).reshape(self.n_kv_heads, KV_BLOCK)
 
     def reserve(self, n_new: int) -> None:
         """Make room for `n_new` more tokens on every layer (allocating whole blocks)."""
@@ -79,7 +129,7 @@ class KVCache:
         if need > self.max_tokens:
             raise KestrelError(f"context full: {need} tokens exceed the context size "
                                f"{self.max_tokens}")
-        want = -(-need // self.kv_bs)
+        want = -(-need // KV_BLOCK)
         for layer in range(self.n_layers):
             for blocks, ptrs in ((self.k_blocks[layer], self.k_ptrs[layer]),
                                  (self.v_blocks[layer], self.v_ptrs[layer])):
@@ -95,8 +145,8 @@ class KVCache:
             k, v = np.ascontiguousarray(k, np.float32), np.ascontiguousarray(v, np.float32)
         done = 0
         while done < n:
-            b, r = divmod(t + done, self.kv_bs)
-            m = min(n - done, self.kv_bs - r)
+            b, r = divmod(t + done, KV_BLOCK)
+            m = min(n - done, KV_BLOCK - r)
             if self.q8:
                 for src, blocks in ((k, self.k_blocks), (v, self.v_blocks)):
                     vals, scales = self._q8_views(blocks[layer][b])
@@ -109,41 +159,52 @@ class KVCache:
 
     def views(self, layer: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Block address tables covering the first `n_tokens` tokens of `layer`."""
-        nb = -(-n_tokens // self.kv_bs)
+        nb = -(-n_tokens // KV_BLOCK)
         return self.k_ptrs[layer, :nb], self.v_ptrs[layer, :nb]
 
-    def attention_opts(self, layer: int, T: int, n_heads: int) -> dict:
-        """Keyword arguments of `kernels.attention` for T query rows of `layer` after the
-        cached tokens: the cache format, the sparse settings and the importance buffers."""
-        opts = dict(kv_q8=self.q8, sparse_k=self.sparse_k, sparse_probes=self.sparse_probes)
-        if self.sparse_k and self._has_imp[layer]:
-            if self._order[layer] is None:       # recomputed after each prefill or trim
-                self._order[layer] = importance_order(self.importance[layer], self.max_tokens,
-                                                      self.kv_bs)
-            opts["imp_order"] = self._order[layer]
-        if T > 1:                                # prefill: record the attention mass
-            if self._slots is None:
-                self._slots = np.zeros((K.SLOTS, self.max_tokens), dtype=np.float32)
-            opts.update(importance=self.importance[layer], imp_slots=self._slots)
-            self._imp_end = max(self._imp_end, self.offset + T)
-            self._has_imp[layer] = True
-            self._order[layer] = None
-        if T == 1:
-            need = K.decode_tab_size(self.max_tokens, n_heads, self.head_dim, self.kv_bs)
-            if self._dec_tab is None or self._dec_tab.shape[0] < need:
-                self._dec_tab = np.empty(need, dtype=np.float32)
-            opts["dec_tab"] = self._dec_tab
-        if self.record_selection and self.sparse_k:
-            sel = np.full((T, n_heads, self.sparse_k), -1, dtype=np.int32)
-            self.selection[layer] = opts["sel"] = sel
-        return opts
+    def attend(self, layer: int, q: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Causal attention of T query rows at positions offset..offset+T-1 over the
+        tokens 0..offset+T-1 of `layer` (`write` them first): exact or block-sparse, over
+        float32 or int8 K and V, as the spec says. A prefill block (T > 1) also records
+        the attention mass each token receives (`importance`).
 
-    def decode_args(self, layer: int, n_heads: int) -> tuple:
-        """`attention_opts` for one decode row, as the positional tail of
-        `kernels.attention_step`: (kv_q8, sparse_k, sparse_probes, imp_order, sel, dec_tab)."""
-        o = self.attention_opts(layer, 1, n_heads)
-        return (self.q8, self.sparse_k, self.sparse_probes, o.get("imp_order"), o.get("sel"),
-                o["dec_tab"])
+        Args:
+            q: float32 (T, n_heads * head_dim), C-contiguous, rotated.
+            out: float32, q's shape, written.
+        Returns:
+            out.
+        """
+        T, pos0 = q.shape[0], self.offset
+        k_ptrs, v_ptrs = self.views(layer, pos0 + T)
+        order = sel = None
+        if self.sparse_k:
+            if self._has_imp[layer]:     # what the prefill calls before this one recorded
+                order = self._order[layer]
+                if order is None:        # recomputed after each prefill or trim
+                    order = self._order[layer] = importance_order(
+                        self.importance[layer], self.max_tokens, KV_BLOCK)
+            if self.record_selection:
+                sel = np.full((T, q.shape[1] // self.head_dim, self.sparse_k), -1, np.int32)
+                self.selection[layer] = sel
+        if T == 1:                       # decode: the per-token path, nothing allocated
+            if self._dec_tab is None:
+                self._dec_tab = np.empty(K.decode_tab_size(
+                    self.max_tokens, q.shape[1] // self.head_dim, self.head_dim, KV_BLOCK),
+                    dtype=np.float32)
+            return K.attention_unchecked(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads,
+                                         self.head_dim, pos0, self.scale, out, self.threads,
+                                         self.q8, self.sparse_k, self.sparse_probes, order,
+                                         sel, self._dec_tab)
+        if self._slots is None:
+            self._slots = np.zeros((K.SLOTS, self.max_tokens), dtype=np.float32)
+        K.attention(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads, self.head_dim, pos0,
+                    self.scale, out, self.threads, kv_q8=self.q8, sparse_k=self.sparse_k,
+                    sparse_probes=self.sparse_probes, imp_order=order,
+                    importance=self.importance[layer], imp_slots=self._slots, sel=sel)
+        self._imp_end = max(self._imp_end, pos0 + T)
+        self._has_imp[layer] = True
+        self._order[layer] = None
+        return out
 
     def commit(self, n: int) -> None:
         self.offset += n
@@ -151,7 +212,7 @@ class KVCache:
     def trim(self, n: int) -> None:
         """Keep the first `n` tokens; blocks past them are freed, their importance cleared."""
         self.offset = min(n, self.offset)
-        keep = -(-self.offset // self.kv_bs)
+        keep = -(-self.offset // KV_BLOCK)
         for layer in range(self.n_layers):
             del self.k_blocks[layer][keep:]
             del self.v_blocks[layer][keep:]
@@ -178,7 +239,7 @@ class KVCache:
             return np.concatenate(blocks)[:self.offset]
         rows = []
         for i, b in enumerate(blocks):
-            n = min(self.kv_bs, self.offset - i * self.kv_bs)    # rows written
+            n = min(KV_BLOCK, self.offset - i * KV_BLOCK)    # rows written
             if n <= 0:
                 break
             vals, scales = self._q8_views(b)

@@ -4,7 +4,8 @@ divergence of the next-token distributions from exact float32 attention (`--kld-
 The token stream is cut into consecutive windows of `ctx` tokens (the last one may be
 shorter; a window needs two tokens). Each window runs as one fresh prefill with the
 engine's attention settings (f32 or int8 KV, exact or block-sparse), so sparse rows use
-SPEC §5's selection exactly as a long prompt would; row t's logits score token t + 1.
+the selection of docs/DESIGN.md §3 Sparse selection exactly as a long prompt would; row
+t's logits score token t + 1.
 `kld_ref` runs every window a second time through a float32 exact cache and averages
 KL(P_exact || P_this) over the same rows.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import KestrelError
+from .kv_cache import CacheSpec
 
 ROWS = 256             # logits rows turned into log-probabilities at a time (float64)
 
@@ -78,8 +80,8 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
     if not spans:
         raise KestrelError(f"the text has {ids.size} token(s); perplexity needs at least 2")
     model = engine.model
-    cache = model.make_cache(ctx)
-    ref_cache = model.make_cache(ctx, kv_q8=False, sparse_k=0) if kld_ref else None
+    cache = engine.make_cache(ctx)
+    ref_cache = model.make_cache(ctx, CacheSpec()) if kld_ref else None   # f32, exact
     nll_sum, kl_sum, n_scored = 0.0, 0.0, 0
     t0 = time.perf_counter()
     for w, (s, e) in enumerate(spans):

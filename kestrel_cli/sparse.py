@@ -1,4 +1,5 @@
-"""Block-sparse attention, SPEC §5, as pure NumPy: the reference of the C kernel.
+"""Block-sparse attention as pure NumPy, the reference of the C kernel (docs/DESIGN.md
+§3 Sparse selection).
 
 The engine never calls `select_blocks`: the selection runs inside the attention kernel
 (pyx/attention.h: `ka_probe`, `ka_pick`), per layer, per query head, and picks the same
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-BS = 32                  # tokens per block
+from .kernels import KV_BLOCK
+
+BS = KV_BLOCK            # tokens per block: one KV cache block
 
 
 def block_importance(importance: np.ndarray, seq_len: int, bs: int = BS) -> np.ndarray:
@@ -29,7 +32,7 @@ def block_importance(importance: np.ndarray, seq_len: int, bs: int = BS) -> np.n
 
 def importance_order(importance: np.ndarray, seq_len: int, bs: int = BS) -> np.ndarray:
     """Blocks of the first seq_len tokens by importance, descending, ties to the lower
-    index: int32 (n_blocks,). Taking its leading entries is SPEC §5 step 2."""
+    index: int32 (n_blocks,). Taking its leading entries is step 2 of the selection."""
     imp = block_importance(importance, seq_len, bs)
     return np.lexsort((np.arange(imp.shape[0]), -imp)).astype(np.int32)
 
@@ -48,7 +51,7 @@ def probe_scores(q: np.ndarray, keys: np.ndarray, n_probe: int = 8, bs: int = BS
 
 def select_blocks(q: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
                   n_probe: int = 8, bs: int = BS) -> np.ndarray:
-    """The blocks one query head attends to (SPEC §5), in pick order.
+    """The blocks one query head attends to (docs/DESIGN.md §3), in pick order.
 
     Args:
         q: float32 (head_dim,) the query head.

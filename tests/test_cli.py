@@ -17,6 +17,7 @@ from kestrel_cli import cli
 from kestrel_cli.cli import (EngineOptions, OutputOptions, SamplingOptions, app,
                              engine_from_options, with_options)
 from kestrel_cli.generate import Stats, TokenTiming
+from kestrel_cli.kv_cache import CacheSpec
 from kestrel_cli.timing import (DEC_KEYS, PERF_KEYS, TimingPrinter, format_dec, format_perf,
                                 parse_line, parse_lines)
 
@@ -138,6 +139,34 @@ def test_default_context_is_the_model_s_capped():
 LONG = "word " * 200
 
 
+def test_engine_and_cli_share_one_validation():
+    """The library and the flags fail on the same values with the same message, before
+    any file is read; the context cap is an Engine option."""
+    from kestrel_cli.engine import Engine, LoadOptions, default_threads
+    from kestrel_cli.errors import KestrelError
+    for kw, needle in ((dict(threads=0), "-t/--threads must be >= 1, got 0"),
+                       (dict(ctx_size=0), "-c/--ctx-size must be >= 1, got 0"),
+                       (dict(sparse_k=0), "--sparse-k must be >= 1, got 0"),
+                       (dict(sparse_probes=0), "--sparse-probes must be >= 1, got 0")):
+        with pytest.raises(KestrelError, match=re.escape(needle)):
+            Engine.from_pretrained("/no/such/model_dir", **kw)
+        with pytest.raises(KestrelError, match=re.escape(needle)):
+            EngineOptions(**kw).check()
+    with pytest.raises(KestrelError, match="--quant must be one of none"):
+        Engine.from_pretrained("/no/such/model_dir", quant="q3")
+    # -c wins; without it the model's context length, at most the cap
+    assert LoadOptions(ctx_size=100, ctx_cap=50).context(8192) == 100
+    assert LoadOptions(ctx_cap=4096).context(8192) == 4096
+    assert LoadOptions(ctx_cap=4096).context(1000) == 1000
+    assert LoadOptions().context(8192) == 8192
+    assert EngineOptions().load_options().ctx_cap == cli.DEFAULT_CTX_CAP
+    eng = Engine.from_pretrained(None, threads=1, ctx_cap=300)
+    assert eng.ctx_size == 300 and eng.cache.max_tokens == 300 and eng.threads == 1
+    # serve --parallel N without -t: the cores split N ways, at least one each
+    assert default_threads(share=2) == max(1, default_threads() // 2)
+    assert default_threads(share=10 ** 6) == 1
+
+
 @pytest.fixture
 def not_a_file(tmp_path):
     d = tmp_path / "a_directory"
@@ -195,7 +224,7 @@ def test_path_flags_take_effect(tmp_path):
                              sparse_attn=True, sparse_k=4, sparse_probes=2)
     eng = cli.engine_from_options(opts, spinner=False)
     assert eng.model.layers[0].mlp.gate_proj.fmt == "q8_0"
-    assert eng.model.cache_opts == dict(kv_q8=True, sparse_k=4, sparse_probes=2)
+    assert eng.spec == CacheSpec("q8", sparse_k=4, sparse_probes=2) == eng.cache.spec
     sparse_out, _ = perf("--sparse-attn", "--sparse-k", "1")
     assert base_out.strip() and sparse_out.strip()
 

@@ -1,4 +1,5 @@
-"""--kv-q8 (SPEC §4): int8 K and V with one float scale per (token, kv head), symmetric.
+"""--kv-q8 (docs/DESIGN.md §2 KV cache layout): int8 K and V with one float scale per
+(token, kv head), symmetric.
 
 Quantisation round trip within scale / 2, the block layout and its bytes, and on the
 bundled SmolLM2 the next-token distributions over 512+ tokens of text within
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from kestrel_cli import kernels
-from kestrel_cli.kv_cache import KVCache
+from kestrel_cli.kv_cache import CacheSpec, KVCache
 
 # Plain English prose (written for these tests), repeated to the length needed.
 TEXT = (
@@ -64,7 +65,7 @@ def test_cache_layout_and_bytes():
     rng = np.random.default_rng(2)
     n_layers, n_kv, hd, n = 2, 3, 64, 75
     f32 = KVCache(n_layers, n_kv, hd, 256)
-    q8 = KVCache(n_layers, n_kv, hd, 256, kv_q8=True)
+    q8 = KVCache(n_layers, n_kv, hd, 256, CacheSpec("q8"))
     K = rng.standard_normal((n, n_kv * hd)).astype(np.float32)
     V = rng.standard_normal((n, n_kv * hd)).astype(np.float32)
     for c in (f32, q8):
@@ -95,8 +96,7 @@ def engines(smollm2_engine):
     cache."""
     from kestrel_cli import Engine
     f32 = smollm2_engine
-    q8 = Engine(f32.model, f32.tokenizer, f32.config, f32.path, 1024, f32.threads, f32.store)
-    q8.cache = f32.model.make_cache(1024, kv_q8=True)
+    q8 = Engine(f32.model, f32.tokenizer, f32.config, f32.path, f32.store, 1024, CacheSpec("q8"))
     return f32, q8
 
 
@@ -122,8 +122,8 @@ def test_q8_prefill_then_decode_equals_full_forward(engines):
     ids = q8.tokenizer.encode(TEXT, add_special_tokens=True)[:80]
     full = q8.logits(ids)
     q8.reset()
-    q8._prefill(ids[:-4])
-    rows = np.stack([q8._decode(t)[0] for t in ids[-4:-1]])
+    q8.prefill(ids[:-4])
+    rows = np.stack([q8.decode_step(t)[0] for t in ids[-4:-1]])
     # K and V come out of the matmuls a few ulps apart in prefill and decode; now and then
     # that moves a value across an int8 rounding boundary (one step = max|x| / 127), so
     # the bound is that of one step, not of float32 round-off (1e-5 with the f32 cache)
@@ -136,7 +136,7 @@ def test_engine_flag_generates():
     eng = Engine.from_pretrained(None, kv_q8=True, sparse_attn=True, sparse_k=2,
                                  sparse_probes=4, threads=2, ctx_size=512)
     assert eng.cache.q8 and (eng.cache.sparse_k, eng.cache.sparse_probes) == (2, 4)
-    eng.cache = eng.model.make_cache(256)                   # e.g. the CLI's -c re-make
+    eng.cache = eng.make_cache(256)                         # a new cache keeps the spec
     assert eng.cache.q8 and eng.cache.sparse_k == 2
     text = "".join(eng.generate([{"role": "user", "content": "What is the capital of France?"}],
                                 max_tokens=8))

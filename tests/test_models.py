@@ -59,8 +59,8 @@ def test_prefill_then_decode_equals_full_forward(case):
     ids = rand_ids(N, seed=2)
     full = eng.logits(ids)
     eng.reset()
-    eng._prefill(ids[:-5])
-    rows = [eng._decode(t)[0] for t in ids[-5:-1]]
+    eng.prefill(ids[:-5])
+    rows = [eng.decode_step(t)[0] for t in ids[-5:-1]]
     np.testing.assert_allclose(np.stack(rows), full[-5:-1], atol=1e-5, rtol=0)
 
 

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kestrel_cli.cli import app
+from kestrel_cli.kv_cache import CacheSpec
 from kestrel_cli.ppl import perplexity, windows
 from test_kv_q8 import TEXT
 
@@ -50,12 +51,12 @@ def test_perplexity_matches_direct_computation(eng, ids):
 def test_kld_ref(eng, ids):
     exact = perplexity(eng, ids, CTX, kld_ref=True)
     assert exact.kld == 0.0                           # same computation as the reference
-    base = eng.model.cache_opts
+    base = eng.spec
     try:
-        eng.model.cache_opts = dict(sparse_k=1, kv_q8=True)
+        eng.spec = CacheSpec("q8", sparse_k=1)
         sparse = perplexity(eng, ids, CTX, kld_ref=True)
     finally:
-        eng.model.cache_opts = base
+        eng.spec = base
     assert sparse.kld > 0.05 and sparse.ppl > exact.ppl
     assert "kld=" in sparse.line()
 

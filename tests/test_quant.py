@@ -56,8 +56,8 @@ def test_quantised_logits_match_dequantised_reference(tmp_path, arch, over, quan
     assert ours.shape == (40, VOCAB) and diff < ATOL
     # decode (one-token kernels) continues the prompt exactly as the full forward
     eng.reset()
-    eng._prefill(ids[:-4])
-    rows = [eng._decode(t)[0] for t in ids[-4:-1]]
+    eng.prefill(ids[:-4])
+    rows = [eng.decode_step(t)[0] for t in ids[-4:-1]]
     np.testing.assert_allclose(np.stack(rows), ours[-4:-1], atol=1e-5, rtol=0)
 
 

@@ -99,9 +99,9 @@ def test_prompt_cache_reuse(smollm2_engine):
     # the reused prefix gives the same logits as a fresh prefill
     ids = smollm2_engine.encode_prompt(msgs2)
     smollm2_engine.reset()
-    fresh = smollm2_engine._prefill(ids)[0]
+    fresh = smollm2_engine.prefill(ids)[0]
     smollm2_engine.reset()
-    smollm2_engine._prefill(ids[:20])
-    reused, n = smollm2_engine._prefill(ids)
+    smollm2_engine.prefill(ids[:20])
+    reused, n = smollm2_engine.prefill(ids)
     assert n == 20
     np.testing.assert_allclose(reused, fresh, atol=1e-4)

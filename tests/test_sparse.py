@@ -1,5 +1,6 @@
-"""Block-sparse attention (SPEC §5): kestrel_cli.sparse.select_blocks against a plain-Python
-transcription of the SPEC written here, the C kernel's picks against select_blocks, and
+"""Block-sparse attention (docs/DESIGN.md §3 Sparse selection):
+kestrel_cli.sparse.select_blocks against a plain-Python transcription of the design doc's
+steps, the C kernel's picks against select_blocks, and
 the engine-level contract on the bundled SmolLM2 (determinism, k >= n_blocks exact,
 ~2K-token chat prompt: k = 32 keeps the greedy answer, k = 1 loses it)."""
 from __future__ import annotations
@@ -10,15 +11,16 @@ import numpy as np
 import pytest
 
 from kestrel_cli import kernels
+from kestrel_cli.kv_cache import CacheSpec
 from kestrel_cli.sparse import importance_order, select_blocks
 
 BS = 32
 
 
-# ----------------------------------------------------------------------- the SPEC, verbatim
+# ------------------------------------------------------ the design doc's steps, verbatim
 
 def spec_select(q, keys, importance, k, n_probe=8, bs=BS):
-    """SPEC §5 steps 1-4, transcribed with plain Python lists and loops."""
+    """docs/DESIGN.md §3 steps 1-4, transcribed with plain Python lists and loops."""
     seq_len = len(keys)
     n_blocks = math.ceil(seq_len / bs)
     if n_blocks <= k:
@@ -190,8 +192,8 @@ def eng(smollm2_engine):
     e.cache, e.cached_ids = saved
 
 
-def use_cache(eng, **opts):
-    eng.cache = eng.model.make_cache(eng.ctx_size, **opts)
+def use_cache(eng, spec=CacheSpec()):
+    eng.cache = eng.model.make_cache(eng.ctx_size, spec)
     eng.cached_ids = []
     return eng.cache
 
@@ -204,25 +206,25 @@ def test_k_at_least_n_blocks_is_bit_identical(eng):
     ids = eng.encode_prompt(needle_prompt(12))               # ~170 tokens
     nb = -(-len(ids) // BS)
 
-    def run(**opts):
+    def run(spec=CacheSpec()):
         """Last-row logits of the prompt and of 3 decode steps after it."""
-        cache = use_cache(eng, **opts)
+        cache = use_cache(eng, spec)
         rows = [eng.model(ids, cache)[0]]
         for t in (504, 4911, 8824):
             rows.append(eng.model([t], cache)[0])
         return np.stack(rows)
 
     exact = run()
-    assert np.array_equal(run(sparse_k=nb), exact)
-    assert np.array_equal(run(sparse_k=nb + 5, kv_q8=True), run(kv_q8=True))
-    assert not np.array_equal(run(sparse_k=2), exact)
+    assert np.array_equal(run(CacheSpec(sparse_k=nb)), exact)
+    assert np.array_equal(run(CacheSpec("q8", sparse_k=nb + 5)), run(CacheSpec("q8")))
+    assert not np.array_equal(run(CacheSpec(sparse_k=2)), exact)
 
 
 def test_same_prompt_same_selections_and_tokens(eng):
     ids = eng.encode_prompt(needle_prompt(30))
     runs = []
     for _ in range(2):
-        cache = use_cache(eng, sparse_k=2, kv_q8=True)
+        cache = use_cache(eng, CacheSpec("q8", sparse_k=2))
         cache.record_selection = True
         toks = greedy(eng, ids, 6)
         runs.append((toks, [s.copy() for s in cache.selection]))
@@ -235,12 +237,12 @@ def test_same_prompt_same_selections_and_tokens(eng):
 def test_importance_recorded_per_layer(eng):
     ids = eng.encode_prompt(needle_prompt(10))
     cache = use_cache(eng)
-    eng._prefill(ids)
+    eng.prefill(ids)
     n, H = len(ids), eng.config.num_attention_heads
     mass = cache.importance[:, :n].sum(axis=1)               # each row's softmax sums to 1
     np.testing.assert_allclose(mass, n * H, rtol=1e-4)
     assert np.all(cache.importance[:, n:] == 0)
-    eng._decode(ids[-1])                                     # decode adds nothing
+    eng.decode_step(ids[-1])                                     # decode adds nothing
     np.testing.assert_allclose(cache.importance[:, :n].sum(axis=1), mass, rtol=0)
     assert np.all(cache.importance[:, n] == 0)
 
@@ -251,9 +253,9 @@ def test_2k_chat_prompt_k32_keeps_the_answer_k1_loses_it(eng):
     use_cache(eng)
     exact = greedy(eng, ids)
     assert "blue kestrel" in eng.tokenizer.decode(exact)
-    use_cache(eng, sparse_k=32)
+    use_cache(eng, CacheSpec(sparse_k=32))
     assert greedy(eng, ids) == exact
-    use_cache(eng, sparse_k=1)
+    use_cache(eng, CacheSpec(sparse_k=1))
     assert greedy(eng, ids) != exact
 
 

@@ -5,14 +5,13 @@ sequence is a kernel (kestrel_cli.kernels). Weights keep their safetensors names
 """
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
 
 from .. import kernels as K
 from ..config import Config
-from ..kv_cache import KVCache
+from ..kv_cache import CacheSpec, KVCache
 from ..loader import TensorStore
 
 
@@ -28,47 +27,21 @@ class Profile:
         return self.attn, self.matmul
 
 
-class Ctx:
-    """What one forward call shares across layers: threads, positions, timers."""
+class ForwardPass:
+    """What one model call shares across its layers: threads, the positions of its tokens,
+    the RoPE tables and the timing profile."""
 
-    def __init__(self, threads: int, positions: np.ndarray, pos0: int, prof: Profile):
-        self.threads = int(threads) if threads else 0        # 0: OpenMP default
-        self.positions, self.pos0, self.prof = positions, pos0, prof
+    __slots__ = ("threads", "positions", "rope", "prof")
 
-    def mm(self, x: np.ndarray, w, bias=None, residual=None) -> np.ndarray:
-        """x (T, n) @ w.T -> (T, d) float32 (+ bias); with `residual` (T, d), added into it
-        (one token: inside the kernel) and residual returned."""
-        if residual is not None and bias is None and x.shape[0] == 1:
-            t0 = time.perf_counter()
-            K.GemvGroup.of(w)(x, residual, self.threads, accumulate=True)
-            self.prof.matmul += time.perf_counter() - t0
-            return residual
-        out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    def __init__(self, threads: int, positions: np.ndarray, rope, prof: Profile):
+        self.threads, self.positions, self.rope, self.prof = threads, positions, rope, prof
+
+    def project(self, proj: K.Projection, x: np.ndarray, residual=None) -> list[np.ndarray]:
+        """proj's outputs for the rows of x (or [residual] after adding into it), timed as
+        matmul."""
         t0 = time.perf_counter()
-        K.matmul(x, w, out, self.threads)
+        outs = proj(x, self.threads, residual)
         self.prof.matmul += time.perf_counter() - t0
-        if bias is not None:
-            out += bias
-        if residual is not None:
-            residual += out
-            return residual
-        return out
-
-    def mm_group(self, x: np.ndarray, group: K.GemvGroup, biases=(), norm=None
-                 ) -> list[np.ndarray]:
-        """One token: x (1, n) @ w.T for each weight of `group` in one kernel call (decode's
-        q/k/v, gate/up + SwiGLU), of RMSNorm(x) when norm = (weight, eps); (1, d_i) views
-        of one new buffer (+ bias_i)."""
-        out = np.empty((1, group.d), dtype=np.float32)
-        t0 = time.perf_counter()
-        if norm is None:
-            outs = group(x, out, self.threads)
-        else:
-            outs = group(x, out, self.threads, norm=norm[0], eps=norm[1])
-        self.prof.matmul += time.perf_counter() - t0
-        for o, b in zip(outs, biases):
-            if b is not None:
-                o += b
         return outs
 
 
@@ -80,9 +53,10 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, threads: int) -> np.
 
 
 class Attention:
+    """Self-attention of RMSNorm(x): q/k/v projections, RoPE, the KV cache, o_proj."""
     has_qkv_bias = False          # qwen2 overrides
 
-    def __init__(self, cfg: Config, store: TensorStore, p: str):
+    def __init__(self, cfg: Config, store: TensorStore, p: str, norm: np.ndarray):
         H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg, self.n_heads, self.n_kv_heads, self.head_dim = cfg, nh, nkv, hd
         self.q_proj = store.matrix(f"{p}.q_proj.weight", (nh * hd, H))      # (nh*hd, H)
@@ -94,101 +68,78 @@ class Attention:
         self.k_bias = store.vector(f"{p}.k_proj.bias", (nkv * hd,)) if bias else None
         self.v_bias = store.vector(f"{p}.v_proj.bias", (nkv * hd,)) if bias else None
         self.o_bias = store.vector(f"{p}.o_proj.bias", (H,)) if cfg.attention_bias else None
-        self.qkv = K.GemvGroup([self.q_proj, self.k_proj, self.v_proj])
-        self.scale = 1.0 / math.sqrt(hd)
+        # norm (H,): the layer's input_layernorm, applied inside the q/k/v projection
+        self.qkv = K.Projection([self.q_proj, self.k_proj, self.v_proj],
+                                [self.q_bias, self.k_bias, self.v_bias], norm=norm,
+                                eps=cfg.rms_norm_eps)
+        self.out = K.Projection([self.o_proj], [self.o_bias])
 
     def pre_rope(self, q: np.ndarray, k: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
         """Hook before RoPE on q (T, nh, hd) and k (T, nkv, hd); llama: identity."""
         return q, k
 
-    def __call__(self, x, cache: KVCache, layer: int, ctx: Ctx, rope, norm=None,
+    def __call__(self, x, cache: KVCache, layer: int, fwd: ForwardPass,
                  residual=None) -> np.ndarray:
-        """Attention of x (T, H), or of RMSNorm(x) with norm = (weight, eps); with
-        `residual`, the output is added into it (and it is returned)."""
+        """Attention of RMSNorm(x), x (T, H); with `residual` (T, H), the output is added
+        into it (and it is returned)."""
         T = x.shape[0]
-        if T == 1:      # decode: (RMSNorm,) q, k, v in one kernel call
-            q, k, v = ctx.mm_group(x, self.qkv, (self.q_bias, self.k_bias, self.v_bias), norm)
-        else:
-            if norm is not None:
-                x = rms_norm(x, norm[0], norm[1], ctx.threads)
-            q = ctx.mm(x, self.q_proj, self.q_bias)
-            k = ctx.mm(x, self.k_proj, self.k_bias)
-            v = ctx.mm(x, self.v_proj, self.v_bias)
+        q, k, v = fwd.project(self.qkv, x)
         q = q.reshape(T, self.n_heads, self.head_dim)
         k = k.reshape(T, self.n_kv_heads, self.head_dim)
-        q, k = self.pre_rope(q, k, ctx.threads)
-        inv_freq, attn_scale = rope
-        rope_fn = K.rope_step if T == 1 else K.rope      # decode: the unchecked entries
-        rope_fn(q, ctx.positions, inv_freq, attn_scale, ctx.threads)
-        rope_fn(k, ctx.positions, inv_freq, attn_scale, ctx.threads)
+        q, k = self.pre_rope(q, k, fwd.threads)
+        inv_freq, attn_scale = fwd.rope
+        K.rope_unchecked(q, fwd.positions, inv_freq, attn_scale, fwd.threads)
+        K.rope_unchecked(k, fwd.positions, inv_freq, attn_scale, fwd.threads)
         cache.write(layer, k.reshape(T, -1), v)
-        k_ptrs, v_ptrs = cache.views(layer, ctx.pos0 + T)
         out = np.empty((T, self.n_heads * self.head_dim), dtype=np.float32)
         t0 = time.perf_counter()
-        # exact or block-sparse, float32 or int8 KV: how the cache is read is the cache's
-        if T == 1:
-            K.attention_step(q.reshape(T, -1), k_ptrs, v_ptrs, cache.kv_bs, self.n_kv_heads,
-                             self.head_dim, ctx.pos0, self.scale, out, ctx.threads,
-                             *cache.decode_args(layer, self.n_heads))
-        else:
-            K.attention(q.reshape(T, -1), k_ptrs, v_ptrs, cache.kv_bs, self.n_kv_heads,
-                        self.head_dim, ctx.pos0, self.scale, out, ctx.threads,
-                        **cache.attention_opts(layer, T, self.n_heads))
-        ctx.prof.attn += time.perf_counter() - t0
-        return ctx.mm(out, self.o_proj, self.o_bias, residual)
+        cache.attend(layer, q.reshape(T, -1), out)
+        fwd.prof.attn += time.perf_counter() - t0
+        return fwd.project(self.out, out, residual)[0]
 
 
 class MLP:
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), of RMSNorm(x) when given a norm weight."""
 
-    def __init__(self, cfg: Config, store: TensorStore, p: str, inter: int | None = None):
+    def __init__(self, cfg: Config, store: TensorStore, p: str, inter: int | None = None,
+                 norm: np.ndarray | None = None):
         H, inter = cfg.hidden_size, inter or cfg.intermediate_size
         self.gate_proj = store.matrix(f"{p}.gate_proj.weight", (inter, H))   # (I, H)
         self.up_proj = store.matrix(f"{p}.up_proj.weight", (inter, H))       # (I, H)
         self.down_proj = store.matrix(f"{p}.down_proj.weight", (H, inter))   # (H, I)
-        self.gate_up = K.GemvGroup([self.gate_proj, self.up_proj], swiglu=True)
+        self.gate_up = K.Projection([self.gate_proj, self.up_proj], norm=norm,
+                                    eps=cfg.rms_norm_eps, swiglu=True)
+        self.down = K.Projection([self.down_proj])
 
-    def __call__(self, x, ctx: Ctx, norm=None, residual=None) -> np.ndarray:
-        """MLP of x (T, H), or of RMSNorm(x) with norm = (weight, eps); with `residual`,
-        the output is added into it (and it is returned)."""
-        if x.shape[0] == 1:     # decode: (RMSNorm,) gate, up and SwiGLU in one kernel call
-            g = ctx.mm_group(x, self.gate_up, norm=norm)[0]
-        else:
-            if norm is not None:
-                x = rms_norm(x, norm[0], norm[1], ctx.threads)
-            g = ctx.mm(x, self.gate_proj)
-            u = ctx.mm(x, self.up_proj)
-            K.swiglu(g, u, g, ctx.threads)
-        return ctx.mm(g, self.down_proj, residual=residual)
+    def __call__(self, x, fwd: ForwardPass, residual=None) -> np.ndarray:
+        """MLP of x (T, H) (of RMSNorm(x) with a norm); with `residual` (T, H), the output
+        is added into it (and it is returned)."""
+        (g,) = fwd.project(self.gate_up, x)
+        return fwd.project(self.down, g, residual)[0]
 
 
 class DecoderLayer:
+    """Pre-norm residual block: h += attn(RMSNorm(h)); h += mlp(RMSNorm(h)). Each RMSNorm
+    runs inside the projections after it, and o_proj / down_proj add into h (for one
+    token: all inside the kernel calls)."""
+
     def __init__(self, model: "Model", cfg: Config, store: TensorStore, i: int):
         p = f"{model.prefix}.layers.{i}"
         H = cfg.hidden_size
-        self.eps = cfg.rms_norm_eps
         self.input_layernorm = store.vector(f"{p}.input_layernorm.weight", (H,))
         self.post_attention_layernorm = store.vector(f"{p}.post_attention_layernorm.weight", (H,))
-        self.self_attn = model.attention_cls(cfg, store, f"{p}.self_attn")
+        self.self_attn = model.attention_cls(cfg, store, f"{p}.self_attn", self.input_layernorm)
         self.mlp = self.make_mlp(cfg, store, f"{p}.mlp", i)
 
     def make_mlp(self, cfg: Config, store: TensorStore, p: str, i: int):
-        return MLP(cfg, store, p)
+        """The feed-forward block of layer i, reading RMSNorm(h) with
+        post_attention_layernorm."""
+        return MLP(cfg, store, p, norm=self.post_attention_layernorm)
 
-    def __call__(self, h, cache, layer, ctx, rope) -> None:
+    def __call__(self, h, cache: KVCache, layer: int, fwd: ForwardPass) -> None:
         """Updates the residual stream h (T, H) in place."""
-        if h.shape[0] == 1:
-            # decode: each RMSNorm runs inside the kernel call of the projections after it
-            # and o_proj / down_proj add into h: 5 kernel calls fewer per layer and token
-            self.self_attn(h, cache, layer, ctx, rope, (self.input_layernorm, self.eps), h)
-            post = (self.post_attention_layernorm, self.eps)
-            if isinstance(self.mlp, MLP):
-                self.mlp(h, ctx, post, h)
-            else:
-                h += self.mlp(rms_norm(h, post[0], post[1], ctx.threads), ctx)
-            return
-        h += self.self_attn(rms_norm(h, self.input_layernorm, self.eps, ctx.threads), cache, layer, ctx, rope)
-        h += self.mlp(rms_norm(h, self.post_attention_layernorm, self.eps, ctx.threads), ctx)
+        self.self_attn(h, cache, layer, fwd, residual=h)
+        self.mlp(h, fwd, residual=h)
 
 
 class Model:
@@ -198,7 +149,8 @@ class Model:
 
     def __init__(self, cfg: Config, store: TensorStore, threads: int = 1):
         V, H = cfg.vocab_size, cfg.hidden_size
-        self.cfg, self.threads = cfg, threads
+        self.cfg = cfg
+        self.threads = int(threads or 0)     # OpenMP threads of every kernel call (0: default)
         self.embed_tokens = store.matrix(f"{self.prefix}.embed_tokens.weight", (V, H))  # (V, H)
         self.layers = [self.layer_cls(self, cfg, store, i) for i in range(cfg.num_hidden_layers)]
         self.norm = store.vector(f"{self.prefix}.norm.weight", (H,))
@@ -206,30 +158,29 @@ class Model:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = store.matrix("lm_head.weight", (V, H))                      # (V, H)
+        self.head = K.Projection([self.lm_head])
         self.rope = cfg.rope_inv_freq()
         self.prof = Profile()
 
-    cache_opts: dict = {}                # KVCache options (kv_q8, sparse_k, ...) the Engine sets
-
-    def make_cache(self, max_tokens: int, kv_bs: int = 32, **opts) -> KVCache:
-        """A KV cache for this model; `opts` (kv_q8, sparse_k, sparse_probes) override
-        `self.cache_opts`."""
+    def make_cache(self, max_tokens: int, spec: CacheSpec = CacheSpec()) -> KVCache:
+        """An empty KV cache for this model, of `max_tokens` tokens, as `spec` says."""
         c = self.cfg
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_tokens, kv_bs,
-                       **{"threads": self.threads, **self.cache_opts, **opts})
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_tokens,
+                       spec, self.threads)
 
     def __call__(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
         """Run tokens `ids` after the cached ones; logits (T, V) or of the last token (1, V)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         T, pos0 = ids.shape[0], cache.offset
         cache.reserve(T)
-        ctx = Ctx(self.threads, np.arange(pos0, pos0 + T, dtype=np.int64), pos0, self.prof)
+        fwd = ForwardPass(self.threads, np.arange(pos0, pos0 + T, dtype=np.int64), self.rope,
+                          self.prof)
         h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)    # residual stream (T, H)
         K.get_rows(self.embed_tokens, ids, h)
         for i, layer in enumerate(self.layers):
-            layer(h, cache, i, ctx, self.rope)
+            layer(h, cache, i, fwd)
         cache.commit(T)
         if not all_logits:
             h = h[-1:]
-        return ctx.mm(rms_norm(np.ascontiguousarray(h), self.norm, self.cfg.rms_norm_eps, self.threads),
-                      self.lm_head)
+        h = rms_norm(np.ascontiguousarray(h), self.norm, self.cfg.rms_norm_eps, self.threads)
+        return fwd.project(self.head, h)[0]

@@ -3,8 +3,8 @@ from . import llama
 
 
 class Attention(llama.Attention):
-    def __init__(self, cfg, store, p):
-        super().__init__(cfg, store, p)
+    def __init__(self, cfg, store, p, norm):
+        super().__init__(cfg, store, p, norm)
         self.q_norm = store.vector(f"{p}.q_norm.weight", (cfg.head_dim,))   # (hd,)
         self.k_norm = store.vector(f"{p}.k_norm.weight", (cfg.head_dim,))   # (hd,)
         self.eps = cfg.rms_norm_eps

@@ -10,20 +10,26 @@ from . import llama, qwen3
 class MoeBlock:
     """Router softmax over experts, top-k, optional renormalisation, weighted SwiGLU experts.
 
-    Experts stay as the checkpoint stores them (`experts.E.{gate,up,down}_proj`, memory-
-    mapped views); only the tokens routed to an expert are gathered for its matmuls.
+    Called as the dense MLP is. Experts stay as the checkpoint stores them
+    (`experts.E.{gate,up,down}_proj`, memory-mapped views); only the tokens routed to an
+    expert are gathered for its matmuls.
     """
 
-    def __init__(self, cfg, store, p):
+    def __init__(self, cfg, store, p, norm):
         H, E = cfg.hidden_size, cfg.num_experts
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.norm, self.eps = norm, cfg.rms_norm_eps                 # (H,) the layer's
         self.gate = store.matrix(f"{p}.gate.weight", (E, H))        # router (E, H)
+        self.router = K.Projection([self.gate])
         self.experts = [llama.MLP(cfg, store, f"{p}.experts.{e}", cfg.moe_intermediate_size)
                         for e in range(E)]
 
-    def __call__(self, x, ctx) -> np.ndarray:
+    def __call__(self, x, fwd, residual=None) -> np.ndarray:
+        """MoE of RMSNorm(x), x (T, H); with `residual` (T, H), the output is added into it
+        (and it is returned)."""
         T = x.shape[0]
-        logits = ctx.mm(x, self.gate)                               # (T, E)
+        x = llama.rms_norm(x, self.norm, self.eps, fwd.threads)     # the experts' input
+        (logits,) = fwd.project(self.router, x)                     # (T, E)
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
         top = np.argsort(-probs, axis=1, kind="stable")[:, :self.top_k]   # (T, k)
@@ -39,9 +45,12 @@ class MoeBlock:
         ends = np.append(starts[1:], len(order))
         for e, s, t in zip(experts, starts, ends):
             r = rows[s:t]
-            y = self.experts[e](np.ascontiguousarray(x[r]), ctx)
-            K.scatter_add(out, y, r, weights[s:t], ctx.threads)
-        return out
+            y = self.experts[e](np.ascontiguousarray(x[r]), fwd)
+            K.scatter_add(out, y, r, weights[s:t], fwd.threads)
+        if residual is None:
+            return out
+        residual += out
+        return residual
 
 
 class DecoderLayer(llama.DecoderLayer):
@@ -49,8 +58,8 @@ class DecoderLayer(llama.DecoderLayer):
         # differs from llama: MoE unless listed in mlp_only_layers or off the sparse step
         if cfg.num_experts > 0 and i not in cfg.mlp_only_layers \
                 and (i + 1) % cfg.decoder_sparse_step == 0:
-            return MoeBlock(cfg, store, p)
-        return llama.MLP(cfg, store, p)
+            return MoeBlock(cfg, store, p, self.post_attention_layernorm)
+        return super().make_mlp(cfg, store, p, i)
 
 
 class Model(qwen3.Model):

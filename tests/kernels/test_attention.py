@@ -111,15 +111,15 @@ def test_attention_rejects_bad_input():
 # int8 cache, block-sparse selection, prefill importance (SPEC.md sections 4-5)
 
 from kestrel_cli._kernels import attention as _attn          # noqa: E402
-from kestrel_cli.kv_cache import KVCache                       # noqa: E402
+from kestrel_cli.kv_cache import CacheSpec, KVCache            # noqa: E402
 from kestrel_cli.sparse import importance_order, select_blocks  # noqa: E402
 
 
-def q8_cache(K, V, kv_bs=32):
+def q8_cache(K, V, kv_bs=32):        # kv_bs: the cache's block, kernels.KV_BLOCK
     """An int8 KVCache (one layer) holding K, V (n_tok, n_kv, hd); returns it and the
     dequantised K, V it holds."""
     n_tok, n_kv, hd = K.shape
-    c = KVCache(1, n_kv, hd, n_tok + kv_bs, kv_bs, kv_q8=True)
+    c = KVCache(1, n_kv, hd, n_tok + kv_bs, CacheSpec("q8"))
     c.reserve(n_tok)
     c.write(0, K.reshape(n_tok, -1), V.reshape(n_tok, -1))
     c.commit(n_tok)

@@ -1,0 +1,92 @@
+"""kestrel_cli/kv_cache.py: the cache attends as its spec says (the kernel entry, the
+format, the sparse settings, importance only from prefill); CacheSpec checks itself."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kestrel_cli import kernels
+from kestrel_cli.errors import KestrelError
+from kestrel_cli.kv_cache import CacheSpec, KVCache, q8_layout
+from kestrel_cli.sparse import importance_order
+
+N_KV, HD, N_HEADS = 2, 32, 4
+
+
+def filled(spec, n, seed=0):
+    """A one-layer cache of `spec` holding n random tokens, and the K, V written."""
+    rng = np.random.default_rng(seed)
+    c = KVCache(1, N_KV, HD, 512, spec, threads=2)
+    K = rng.standard_normal((n, N_KV * HD)).astype(np.float32)
+    V = rng.standard_normal((n, N_KV * HD)).astype(np.float32)
+    c.reserve(n)
+    c.write(0, K, V)
+    c.commit(n)
+    return c, rng
+
+
+@pytest.mark.parametrize("spec", [CacheSpec(), CacheSpec("q8"), CacheSpec(sparse_k=2),
+                                  CacheSpec("q8", sparse_k=3, sparse_probes=4)])
+@pytest.mark.parametrize("T", [1, 7])
+def test_attend_is_the_kernel_over_its_blocks(spec, T):
+    """attend(layer, q, out) == kernels.attention over the cache's block tables with the
+    spec's settings, for a decode row and a prefill block after 200 cached tokens."""
+    c, rng = filled(spec, 200)
+    k_new = rng.standard_normal((T, N_KV * HD)).astype(np.float32)
+    c.reserve(T)
+    c.write(0, k_new, k_new)
+    q = rng.standard_normal((T, N_HEADS * HD)).astype(np.float32)
+    kp, vp = c.views(0, 200 + T)
+    ref = kernels.attention(q, kp, vp, kernels.KV_BLOCK, N_KV, HD, 200, HD ** -0.5,
+                            np.empty_like(q), 2, kv_q8=spec.dtype == "q8",
+                            sparse_k=spec.sparse_k, sparse_probes=spec.sparse_probes)
+    out = np.full_like(q, np.nan)
+    assert c.attend(0, q, out) is out
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+    # importance: a prefill block records (T query rows x heads of mass), a decode row nothing
+    mass = float(c.importance[0].sum())
+    assert mass == pytest.approx(T * N_HEADS, rel=1e-4) if T > 1 else mass == 0
+
+
+def test_sparse_decode_uses_prefill_importance():
+    """After a prefill, a sparse decode row picks importance blocks first (the cache
+    passes the importance order to the kernel): the recorded picks show it."""
+    c, rng = filled(CacheSpec(sparse_k=4), 0)
+    c.record_selection = True
+    n = 300
+    kv = rng.standard_normal((n, N_KV * HD)).astype(np.float32)
+    c.reserve(n)
+    c.write(0, kv, kv)
+    q = rng.standard_normal((n, N_HEADS * HD)).astype(np.float32)
+    c.attend(0, q, np.empty_like(q))
+    c.commit(n)
+    imp_first = importance_order(c.importance[0], c.max_tokens)[:2]     # (k + 1) // 2
+    c.reserve(1)
+    c.write(0, kv[:1], kv[:1])
+    c.attend(0, q[:1], np.empty((1, N_HEADS * HD), np.float32))
+    sel = c.selection[0]
+    assert sel.shape == (1, N_HEADS, 4)
+    for h in range(N_HEADS):
+        assert list(sel[0, h, :2]) == list(imp_first)
+
+
+def test_q8_layout_is_the_block_layout():
+    off, nbytes = q8_layout(3, 64)
+    assert off % 64 == 0 and off >= 32 * 3 * 64 and nbytes == off + 32 * 3 * 4
+    c = KVCache(1, 3, 64, 64, CacheSpec("q8"))
+    c.reserve(1)
+    assert (c.scale_offset, c.block_bytes) == (off, nbytes)
+    assert c.k_blocks[0][0].nbytes == nbytes
+    assert CacheSpec.block == kernels.KV_BLOCK == c.kv_bs == 32
+
+
+def test_spec_rejects_bad_values():
+    with pytest.raises(KestrelError, match="dtype must be one of f32, q8"):
+        CacheSpec("q4")
+    with pytest.raises(KestrelError, match="sparse_k must be >= 0"):
+        CacheSpec(sparse_k=-1)
+    with pytest.raises(KestrelError, match="sparse_probes must be >= 1"):
+        CacheSpec(sparse_probes=0)
+    spec = CacheSpec("q8", 4)
+    with pytest.raises(Exception):
+        spec.sparse_k = 8                          # frozen: a spec is a value
