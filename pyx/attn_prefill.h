@@ -184,7 +184,10 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float sca
                 ws->m[i] = bmax;
             }
             ws->l[i] += ka_exp_sum(s, nr, ws->m[i]);
-            ka_pv_scaled(s, vs, vrows, vst, nr, hd, acc);
+            if (vs != NULL)
+                ka_pv_scaled(s, vs, vrows, vst, nr, hd, acc);
+            else
+                ka_pv_f32(s, vrows, vst, nr, hd, acc);
             if (imp != NULL)
                 ws->mb[i * nch + c] = ws->m[i];
         }

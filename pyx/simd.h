@@ -165,7 +165,12 @@ KF_INLINE uint16_t kf_f32_f16(float f)
  * -ffast-math): exp(x) = 2^n e^r, n = round(x / ln 2), |r| <= ln2 / 2, e^r by Cephes'
  * degree-6 polynomial; within 1 ulp of expf over [-87, 0] (tests/kernels). x < -87.3
  * (and -inf) gives 0, x > 88.7 +inf; softmax only feeds it x <= 0. Its clamps vectorise
- * only without -ftrapping-math (attention.h turns that off for its callers). */
+ * only without -ftrapping-math (see attention.h), which must hold where the body is
+ * compiled, not only in its callers: GCC turns the ?: into branches there otherwise. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+#endif
 KF_INLINE float kf_expf(float x)
 {
     const float hi = 88.72283f, lo = -87.33654f;
@@ -185,6 +190,9 @@ KF_INLINE float kf_expf(float x)
     y = x < lo ? 0.0f : y;
     return x > hi ? INFINITY : y;
 }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 /* ---------------------------------------------------------------- float vectors */
 
