@@ -20,7 +20,6 @@
 #define KA_W 32          /* keys per chunk (the L1 buffers' width) */
 #define KA_VD 16         /* output columns kept in registers while P.V runs over keys */
 
-
 /* The cache of one layer as the kernels see it (ka_kv_init fills it). */
 typedef struct {
     const uint64_t *k_ptrs;   /* (n_blocks,) K block addresses */
