@@ -37,16 +37,6 @@ typedef struct {
 #define KF_VSIGNED 1
 #define KF_VQ4_LOOP
 #include "matmul_isa.h"
-#undef KF_V
-#undef KF_TARGET
-#undef KF_VL
-#undef KF_VG
-#undef KF_VMR
-#undef KF_VNT
-#undef KF_VF16
-#undef KF_VF16E
-#undef KF_VSIGNED
-#undef KF_VQ4_LOOP
 
 #if KF_X86_DISPATCH
 #include "matmul_x86.h"
@@ -74,17 +64,6 @@ typedef struct {
 #define KF_VFAST_ROWS KF_AVX2_ROWS
 #define KF_VFAST_ROWS_DOT(f) kf_avx2_xdot2_##f
 #include "matmul_isa.h"
-#undef KF_VFAST
-#undef KF_VFAST_ROWS
-#undef KF_VFAST_ROWS_DOT
-#undef KF_V
-#undef KF_TARGET
-#undef KF_VL
-#undef KF_VG
-#undef KF_VMR
-#undef KF_VNT
-#undef KF_VSIGNED
-#undef KF_VQ4_LOOP
 
 /* ---------------------------------------------------------------- avx512 variant */
 #define KF_V(name) kf_avx512_##name
@@ -97,6 +76,12 @@ typedef struct {
 #endif
 #define KF_VMR KF_AVX512_MR
 #define KF_VNT KF_AVX512_NT
+#if KF_HAVE_F16
+#define KF_VF16(p) kf_half_at(p)       /* vcvtph2ps */
+#else
+#define KF_VF16(p) kf_f16_at(p)
+#endif
+#define KF_VF16E(h) kf_f16_f32(h)
 #define KF_VSIGNED 0
 #define KF_VQ4_LOOP
 #define KF_VFAST(name) kf_avx512_x##name
@@ -106,22 +91,6 @@ typedef struct {
 #define KF_VIDOT_ROWS_DOT kf_avx512_idot4
 #define KF_VIDOT_ONE kf_avx512_idot1
 #include "matmul_isa.h"
-#undef KF_VIDOT_ROWS
-#undef KF_VIDOT_ROWS_DOT
-#undef KF_VIDOT_ONE
-#undef KF_VFAST
-#undef KF_VFAST_ROWS
-#undef KF_VFAST_ROWS_DOT
-#undef KF_V
-#undef KF_TARGET
-#undef KF_VL
-#undef KF_VG
-#undef KF_VMR
-#undef KF_VNT
-#undef KF_VF16
-#undef KF_VF16E
-#undef KF_VSIGNED
-#undef KF_VQ4_LOOP
 #endif /* KF_X86_DISPATCH */
 
 /* ---------------------------------------------------------------- dispatch */

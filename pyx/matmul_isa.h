@@ -18,6 +18,7 @@
  *   KF_VFAST(name)                  float dots kf_NAME_xdot_f32 / _f16 / _bf16
  *   KF_VFAST_ROWS, _ROWS_DOT(f)     q8_0 / q4 float dots, that many rows per call
  *   KF_VIDOT_ROWS, _ROWS_DOT, _ONE  int8-activation dots, rows per call
+ * It undefines all of these at its end, ready for the next variant.
  * The portable code is plain C, no intrinsics and no -ffast-math: loops the vectoriser
  * maps onto lanes without reassociating, so every float sum has an order fixed by the
  * source (thread count and row split never change a bit). It is the base variant, the
@@ -426,3 +427,19 @@ KF_TARGET KF_NO_CONTRACT static void KF_V(quantize_q4_0)(const float *restrict x
 }
 
 #undef KF_VDOT
+#undef KF_V
+#undef KF_TARGET
+#undef KF_VL
+#undef KF_VG
+#undef KF_VMR
+#undef KF_VNT
+#undef KF_VF16
+#undef KF_VF16E
+#undef KF_VSIGNED
+#undef KF_VQ4_LOOP
+#undef KF_VFAST
+#undef KF_VFAST_ROWS
+#undef KF_VFAST_ROWS_DOT
+#undef KF_VIDOT_ROWS
+#undef KF_VIDOT_ROWS_DOT
+#undef KF_VIDOT_ONE
