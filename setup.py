@@ -1,12 +1,14 @@
-"""Build only: one Extension per pyx/*.pyx, compiled to kestrel_cli._kernels.<name>.
+"""Build only: the kernels are one Extension, pyx/lib.pyx (which includes the other
+pyx/*.pxi) compiled to kestrel_cli._kernels.lib.
 
 -O3 and OpenMP on both compile and link; without a working OpenMP the kernels still
 build (prange runs single-threaded). KESTREL_NATIVE=1 adds -march=native (opt-in);
 KESTREL_CFLAGS adds flags of your own (e.g. -march=armv8.2-a+dotprod for the int8 dots
 on aarch64); KESTREL_CYTHON_DEBUG=1 turns bounds checks on.
 
-The build stays portable without them: the matmul kernels carry their own AVX2 and
-AVX-512 variants on x86-64 and choose at run time (pyx/matmul_kernels.h).
+The build stays portable without them: the kernels carry their own AVX2 and AVX-512
+variants on x86-64 and choose at run time (pyx/isa.h); -DKF_NO_DISPATCH in
+KESTREL_CFLAGS builds the portable variant alone.
 """
 import os
 import subprocess
@@ -48,15 +50,15 @@ if omp and not _compiler_accepts(omp):
 
 extensions = [
     Extension(
-        f"kestrel_cli._kernels.{p.stem}",
-        [str(p.relative_to(HERE))],
+        "kestrel_cli._kernels.lib",
+        ["pyx/lib.pyx"],
         include_dirs=[np.get_include(), "pyx"],
         extra_compile_args=cflags + omp,
         extra_link_args=omp,
-        depends=[str(h.relative_to(HERE)) for h in sorted((HERE / "pyx").glob("*.h"))],
+        depends=[str(h.relative_to(HERE)) for h in sorted((HERE / "pyx").glob("*.[hp]*"))
+                 if h.suffix in (".h", ".pxi")],
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
-    for p in sorted((HERE / "pyx").glob("*.pyx"))
 ]
 
 setup(

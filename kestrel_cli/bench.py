@@ -48,7 +48,7 @@ class BenchReport:
     params: int                  # their elements
     quant: str                   # --quant given ("none", "q8", "q4")
     threads: int
-    isa: str                     # matmul kernel variant (base / avx2 / avx512)
+    isa: str                     # kernel variant (base / avx2 / avx512)
     rows: list[BenchRow] = field(default_factory=list)
     peak_rss_bytes: int = 0
     checkpoint_bytes: int = 0    # the checkpoint's weight files on disk
@@ -141,10 +141,10 @@ def run_bench(engine, n_prompt: int = 512, n_gen: int = 128, depths: Iterable[in
     cache = engine.make_cache(need)
     nbytes, nelem, fmts = model_weights(model)
     fmt_names = "+".join(sorted(fmts, key=lambda f: -fmts[f]))
-    from .kernels import matmul_isa
+    from .kernels import isa
     report = BenchReport(model=f"{cfg.model_type} {fmt_names}", path=str(engine.path),
                          size_bytes=nbytes, params=nelem, quant=quant or "none",
-                         threads=int(engine.threads), isa=matmul_isa(),
+                         threads=int(engine.threads), isa=isa(),
                          checkpoint_bytes=checkpoint_bytes(engine.path))
     # warm-up: page the weights in, start the OpenMP threads
     cache.reset()

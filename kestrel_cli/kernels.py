@@ -1,6 +1,7 @@
 """The engine's numeric kernels: checked entry points over kestrel_cli._kernels.
 
-The only importer of the compiled Cython kernels. Every function checks dtypes,
+The only importer of the compiled Cython kernels (one extension module,
+kestrel_cli._kernels.lib, built from pyx/). Every function checks dtypes,
 contiguity and shapes (ValueError with the offending argument's name), then calls the
 kernel. Callers allocate outputs; each function also returns its output array.
 
@@ -11,18 +12,24 @@ small inputs (one decode token runs single-threaded).
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 
-from kestrel_cli._kernels import attention as _attention
-from kestrel_cli._kernels import matmul as _matmul
-from kestrel_cli._kernels import ops as _ops
+from kestrel_cli._kernels import lib as _lib
 from kestrel_cli.weights import BLOCK_BYTES, FORMATS, QK, Weight
+
+# The kernels are one module; these names say which family each call belongs to.
+_attention = _matmul = _ops = _lib
+
+if _lib.ISA_ENV_ERROR:
+    warnings.warn(f"KESTREL_ISA={os.environ.get('KESTREL_ISA')!r} names no kernel variant "
+                  f"(base, avx2, avx512); using {_lib.isa()}", RuntimeWarning, stacklevel=2)
 
 # Opt-in int8 activations for one-token matmuls on quantised weights (see `matmul`).
 ACT_Q8 = os.environ.get("KESTREL_ACT_Q8", "") == "1"
 
-# Format codes of pyx/kernels.h (enum KF_*), and the dtype each format's `data` has.
+# Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
 FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
 _DATA_DTYPE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16,
                "q8_0": np.uint8, "q4_0": np.uint8, "q4_1": np.uint8}
@@ -204,19 +211,37 @@ def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
     return out
 
 
-def matmul_isa() -> str:
-    """The matmul kernel variant in use: "base" (portable C), "avx2" or "avx512"."""
-    return _matmul.isa()
+def isa() -> str:
+    """The instruction-set variant every kernel runs: "base" (portable C), "avx2" or
+    "avx512" (attention has no AVX-512 code of its own: it runs its avx2 code there)."""
+    return _lib.isa()
 
 
-def matmul_isa_variants() -> list[str]:
-    """Every matmul kernel variant this CPU can run (tests run each)."""
-    return _matmul.isa_variants()
+def isa_variants() -> list[str]:
+    """Every kernel variant this CPU can run, portable first (tests run each)."""
+    return _lib.isa_variants()
 
 
-def set_matmul_isa(name: str) -> str:
-    """Use matmul kernel variant `name` (tests; KESTREL_ISA does it for a process)."""
-    return _matmul.set_isa(name)
+def set_isa(name: str) -> str:
+    """Use kernel variant `name` for every kernel (tests; KESTREL_ISA=name does it for a
+    process); returns the variant now in use. ValueError when this CPU cannot run it."""
+    return _lib.set_isa(name)
+
+
+def kv_q8_layout(kv_bs: int, n_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """The int8 KV cache block the attention kernel reads: kv_bs * n_kv_heads * head_dim
+    int8 values (token-major), then float32 scales (n_kv_heads, kv_bs) at a 64-byte
+    aligned offset.
+
+    Returns:
+        (scale_offset, block_bytes): the byte offset of the scales, the block's size.
+    """
+    kv_bs, n_kv_heads, head_dim = int(kv_bs), int(n_kv_heads), int(head_dim)
+    if kv_bs < 1 or n_kv_heads < 1 or head_dim < 1:
+        raise ValueError(f"kv_q8_layout: bad geometry kv_bs={kv_bs} n_kv_heads={n_kv_heads} "
+                         f"head_dim={head_dim}")
+    off, nbytes = _lib.kv_q8_layout(kv_bs, n_kv_heads, head_dim)
+    return int(off), int(nbytes)
 
 
 def get_rows(w: Weight, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -314,7 +339,7 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray,
     return out
 
 
-SPARSE_BS = 32        # SPEC §5: tokens per sparse block (= the KV cache's kv_bs)
+SPARSE_BS = 32        # tokens per sparse block (= the KV cache's kv_bs; docs/DESIGN.md §3)
 SLOTS = _attention.SLOTS   # rows of the importance scratch (`imp_slots`)
 
 
@@ -328,12 +353,13 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
 
     Block b of K (V) is a C-contiguous buffer at address k_ptrs[b] (v_ptrs[b]) holding
     tokens b*kv_bs.. as rows of n_kv_heads * head_dim values: float32, or with kv_q8 int8
-    followed, at byte kv_bs * n_kv_heads * head_dim rounded up to a multiple of 64, by
-    float32 scales (n_kv_heads, kv_bs): x = scale * q. Query row i sits at position
-    pos0 + i and attends to tokens 0..pos0+i, which the cache must already hold; query
-    head h reads kv head h // (n_heads // n_kv_heads).
+    followed by float32 scales (n_kv_heads, kv_bs) where `kv_q8_layout` places them:
+    x = scale * q. Query row i sits at position pos0 + i and attends to tokens
+    0..pos0+i, which the cache must already hold; query head h reads kv head
+    h // (n_heads // n_kv_heads).
     out[i, h] = softmax(scale * q[i, h] . K) @ V over those tokens (exact), or with
-    sparse_k > 0 and more than sparse_k blocks, over the blocks SPEC §5 selects for (i, h).
+    sparse_k > 0 and more than sparse_k blocks, over the blocks the sparse selection
+    (docs/DESIGN.md §3 Sparse selection) picks for (i, h).
 
     Args:
         q: float32 (T, n_heads * head_dim), C-contiguous.

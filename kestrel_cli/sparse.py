@@ -2,7 +2,7 @@
 §3 Sparse selection).
 
 The engine never calls `select_blocks`: the selection runs inside the attention kernel
-(pyx/attention.h: `ka_probe`, `ka_pick`), per layer, per query head, and picks the same
+(pyx/attn_select.h: `ka_probe`, `ka_pick`), per layer, per query head, and picks the same
 blocks (tests/test_sparse.py). `importance_order` is shared: the KV cache computes it
 once per prefill and the kernel takes its first (k + 1) // 2 existing blocks as the
 importance picks.

@@ -1,6 +1,6 @@
 /* Kestrel matmul hot loops, compiled once per instruction-set variant.
  *
- * matmul_kernels.h includes this file once per variant (no include guard on purpose):
+ * matmul.h includes this file once per variant (no include guard on purpose):
  *   KF_V(name)      the variant's name for `name` (kf_base_name, kf_avx2_name, ...)
  *   KF_TARGET       its function attribute (a GCC/Clang target(...) list, or empty)
  *   KF_VL           float partial sums of one dot product (SIMD lanes x accumulators)
@@ -18,6 +18,7 @@
  *   KF_VFAST(name)                  float dots kf_NAME_xdot_f32 / _f16 / _bf16
  *   KF_VFAST_ROWS, _ROWS_DOT(f)     q8_0 / q4 float dots, that many rows per call
  *   KF_VIDOT_ROWS, _ROWS_DOT, _ONE  int8-activation dots, rows per call
+ * It undefines all of these at its end, ready for the next variant.
  * The portable code is plain C, no intrinsics and no -ffast-math: loops the vectoriser
  * maps onto lanes without reassociating, so every float sum has an order fixed by the
  * source (thread count and row split never change a bit). It is the base variant, the
@@ -39,50 +40,10 @@
 #else
 #define KF_VDOT(name) KF_V(name)
 
-/* sum_j x[j] * w[j] */
-KF_TARGET static float KF_V(dot_f32)(const float *restrict x, const float *restrict w,
-                                     ptrdiff_t n)
-{
-    float acc[KF_VL] = {0};
-    ptrdiff_t nv = n - n % KF_VL, j;
-    for (j = 0; j < nv; j += KF_VL)
-        for (int k = 0; k < KF_VL; k++)
-            acc[k] += x[j + k] * w[j + k];
-    float tail = 0.0f;
-    for (j = nv; j < n; j++)
-        tail += x[j] * w[j];
-    return kf_hsum(acc, KF_VL) + tail;
-}
-
-/* sum_j x[j] * f16(w[j]) */
-KF_TARGET static float KF_V(dot_f16)(const float *restrict x, const uint16_t *restrict w,
-                                     ptrdiff_t n)
-{
-    float acc[KF_VL] = {0};
-    ptrdiff_t nv = n - n % KF_VL, j;
-    for (j = 0; j < nv; j += KF_VL)
-        for (int k = 0; k < KF_VL; k++)
-            acc[k] += x[j + k] * KF_VF16E(w[j + k]);
-    float tail = 0.0f;
-    for (j = nv; j < n; j++)
-        tail += x[j] * kf_f16_f32(w[j]);
-    return kf_hsum(acc, KF_VL) + tail;
-}
-
-/* sum_j x[j] * bf16(w[j]): widened in registers (a shift) */
-KF_TARGET static float KF_V(dot_bf16)(const float *restrict x, const uint16_t *restrict w,
-                                      ptrdiff_t n)
-{
-    float acc[KF_VL] = {0};
-    ptrdiff_t nv = n - n % KF_VL, j;
-    for (j = 0; j < nv; j += KF_VL)
-        for (int k = 0; k < KF_VL; k++)
-            acc[k] += x[j + k] * kf_bf16_f32(w[j + k]);
-    float tail = 0.0f;
-    for (j = nv; j < n; j++)
-        tail += x[j] * kf_bf16_f32(w[j]);
-    return kf_hsum(acc, KF_VL) + tail;
-}
+/* sum_j x[j] * w[j], with w f32, f16 (KF_VF16E) or bf16 (widened in registers: a shift) */
+KF_DOT_FN(KF_TARGET static, KF_V(dot_f32), float, , KF_VL)
+KF_DOT_FN(KF_TARGET static, KF_V(dot_f16), uint16_t, KF_VF16E, KF_VL)
+KF_DOT_FN(KF_TARGET static, KF_V(dot_bf16), uint16_t, kf_bf16_f32, KF_VL)
 
 /* q8_0 row of nb blocks: sum_b d_b * sum_k q_bk x_bk; lanes k of KF_VG blocks at once */
 KF_TARGET static float KF_V(dot_q8_0)(const float *restrict x, const uint8_t *restrict w,
@@ -466,3 +427,19 @@ KF_TARGET KF_NO_CONTRACT static void KF_V(quantize_q4_0)(const float *restrict x
 }
 
 #undef KF_VDOT
+#undef KF_V
+#undef KF_TARGET
+#undef KF_VL
+#undef KF_VG
+#undef KF_VMR
+#undef KF_VNT
+#undef KF_VF16
+#undef KF_VF16E
+#undef KF_VSIGNED
+#undef KF_VQ4_LOOP
+#undef KF_VFAST
+#undef KF_VFAST_ROWS
+#undef KF_VFAST_ROWS_DOT
+#undef KF_VIDOT_ROWS
+#undef KF_VIDOT_ROWS_DOT
+#undef KF_VIDOT_ONE

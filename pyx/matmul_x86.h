@@ -1,5 +1,5 @@
 /* x86 GEMV dot products written with AVX2 / AVX-512 intrinsics under target attributes
- * (the translation unit itself stays baseline; matmul_kernels.h calls these only after
+ * (the translation unit itself stays baseline; matmul.h calls these only after
  * __builtin_cpu_supports said yes).
  *
  * Why not the portable loops of matmul_isa.h: GCC 12 vectorises the per-block
@@ -24,11 +24,8 @@
 
 #include <immintrin.h>
 
-#define KF_T_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2,popcnt")))
 #define KF_AVX2_ROWS 2               /* rows per call of the block-format dots */
 #define KF_AVX512_ROWS 4
-#define KF_T_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd," \
-    "avx512vnni,avx2,fma,f16c,bmi,bmi2,popcnt,prefer-vector-width=512")))
 
 /* Rows are read R at a time: R short interleaved streams the hardware prefetcher keeps
  * losing. Each block also asks for the same place some rows ahead. Measured from DRAM
@@ -44,14 +41,14 @@
 /* ---------------------------------------------------------------- AVX2 */
 
 /* lanes of a into s[0..7], then their pairwise sum */
-KF_T_AVX2 static inline float kf_avx2_hsum(__m256 a)
+KF_TARGET_AVX2 static inline float kf_avx2_hsum(__m256 a)
 {
     float s[8];
     _mm256_storeu_ps(s, a);
     return kf_hsum(s, 8);
 }
 
-KF_T_AVX2 static float kf_avx2_xdot_f32(const float *restrict x, const float *restrict w,
+KF_TARGET_AVX2 static float kf_avx2_xdot_f32(const float *restrict x, const float *restrict w,
                                         ptrdiff_t n)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -68,7 +65,7 @@ KF_T_AVX2 static float kf_avx2_xdot_f32(const float *restrict x, const float *re
     return kf_avx2_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + tail;
 }
 
-KF_T_AVX2 static float kf_avx2_xdot_f16(const float *restrict x, const uint16_t *restrict w,
+KF_TARGET_AVX2 static float kf_avx2_xdot_f16(const float *restrict x, const uint16_t *restrict w,
                                         ptrdiff_t n)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -93,7 +90,7 @@ KF_T_AVX2 static float kf_avx2_xdot_f16(const float *restrict x, const uint16_t 
 #define KF_AVX2_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32( \
     _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 
-KF_T_AVX2 static float kf_avx2_xdot_bf16(const float *restrict x, const uint16_t *restrict w,
+KF_TARGET_AVX2 static float kf_avx2_xdot_bf16(const float *restrict x, const uint16_t *restrict w,
                                          ptrdiff_t n)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -118,7 +115,7 @@ KF_T_AVX2 static float kf_avx2_xdot_bf16(const float *restrict x, const uint16_t
  * in-order block sums, so a row's result does not depend on R (the thread split decides
  * which rows share a call; it must not change a bit). R = 1 is the remainder. */
 #define KF_AVX2_Q8_ROWS(R)                                                                  \
-KF_T_AVX2 static void kf_avx2_xdot##R##_q8_0(const float *restrict x,                      \
+KF_TARGET_AVX2 static void kf_avx2_xdot##R##_q8_0(const float *restrict x,                      \
                                              const uint8_t *restrict w, ptrdiff_t ldw,     \
                                              ptrdiff_t nb, float *restrict out)            \
 {                                                                                           \
@@ -151,7 +148,7 @@ KF_AVX2_Q8_ROWS(1)
 KF_AVX2_Q8_ROWS(2)
 
 #define KF_AVX2_Q4_ROWS(R)                                                                  \
-KF_T_AVX2 static void kf_avx2_xdot##R##_q4(int fmt, const float *restrict x,               \
+KF_TARGET_AVX2 static void kf_avx2_xdot##R##_q4(int fmt, const float *restrict x,               \
                                            const float *restrict sx,                       \
                                            const uint8_t *restrict w, ptrdiff_t ldw,       \
                                            ptrdiff_t nb, float *restrict out)              \
@@ -195,14 +192,14 @@ KF_AVX2_Q4_ROWS(2)
 
 /* ---------------------------------------------------------------- AVX-512 */
 
-KF_T_AVX512 static inline float kf_avx512_hsum(__m512 a)
+KF_TARGET_AVX512 static inline float kf_avx512_hsum(__m512 a)
 {
     float s[16];
     _mm512_storeu_ps(s, a);
     return kf_hsum(s, 16);
 }
 
-KF_T_AVX512 static float kf_avx512_xdot_f32(const float *restrict x, const float *restrict w,
+KF_TARGET_AVX512 static float kf_avx512_xdot_f32(const float *restrict x, const float *restrict w,
                                             ptrdiff_t n)
 {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -221,7 +218,7 @@ KF_T_AVX512 static float kf_avx512_xdot_f32(const float *restrict x, const float
 
 #define KF_AVX512_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 
-KF_T_AVX512 static float kf_avx512_xdot_f16(const float *restrict x,
+KF_TARGET_AVX512 static float kf_avx512_xdot_f16(const float *restrict x,
                                             const uint16_t *restrict w, ptrdiff_t n)
 {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -241,7 +238,7 @@ KF_T_AVX512 static float kf_avx512_xdot_f16(const float *restrict x,
 #define KF_AVX512_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32( \
     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 
-KF_T_AVX512 static float kf_avx512_xdot_bf16(const float *restrict x,
+KF_TARGET_AVX512 static float kf_avx512_xdot_bf16(const float *restrict x,
                                              const uint16_t *restrict w, ptrdiff_t n)
 {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -262,7 +259,7 @@ KF_T_AVX512 static float kf_avx512_xdot_bf16(const float *restrict x,
 #define KF_AVX512_S8(v) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v))
 
 #define KF_AVX512_Q8_ROWS(R)                                                                \
-KF_T_AVX512 static void kf_avx512_xdot##R##_q8_0(const float *restrict x,                  \
+KF_TARGET_AVX512 static void kf_avx512_xdot##R##_q8_0(const float *restrict x,                  \
                                                  const uint8_t *restrict w, ptrdiff_t ldw, \
                                                  ptrdiff_t nb, float *restrict out)        \
 {                                                                                           \
@@ -290,7 +287,7 @@ KF_AVX512_Q8_ROWS(1)
 KF_AVX512_Q8_ROWS(4)
 
 #define KF_AVX512_Q4_ROWS(R)                                                                \
-KF_T_AVX512 static void kf_avx512_xdot##R##_q4(int fmt, const float *restrict x,           \
+KF_TARGET_AVX512 static void kf_avx512_xdot##R##_q4(int fmt, const float *restrict x,           \
                                                const float *restrict sx,                   \
                                                const uint8_t *restrict w, ptrdiff_t ldw,   \
                                                ptrdiff_t nb, float *restrict out)          \
@@ -334,7 +331,7 @@ KF_AVX512_Q4_ROWS(4)
  * |w| x sign(x, w)), converted and scaled by d_w * d_x into float lanes per row, as
  * llama.cpp does. Same R-row scheme as the float dots. */
 #define KF_AVX512_I8_ROWS(R)                                                                \
-KF_T_AVX512 static void kf_avx512_idot##R(int fmt, const int8_t *restrict xq,              \
+KF_TARGET_AVX512 static void kf_avx512_idot##R(int fmt, const int8_t *restrict xq,              \
                                           const float *restrict xd,                        \
                                           const int32_t *restrict xs,                      \
                                           const float *restrict sx,                        \

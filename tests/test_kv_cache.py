@@ -7,7 +7,7 @@ import pytest
 
 from kestrel_cli import kernels
 from kestrel_cli.errors import KestrelError
-from kestrel_cli.kv_cache import CacheSpec, KVCache, q8_layout
+from kestrel_cli.kv_cache import CacheSpec, KVCache
 from kestrel_cli.sparse import importance_order
 
 N_KV, HD, N_HEADS = 2, 32, 4
@@ -71,7 +71,7 @@ def test_sparse_decode_uses_prefill_importance():
 
 
 def test_q8_layout_is_the_block_layout():
-    off, nbytes = q8_layout(3, 64)
+    off, nbytes = kernels.kv_q8_layout(32, 3, 64)
     assert off % 64 == 0 and off >= 32 * 3 * 64 and nbytes == off + 32 * 3 * 4
     c = KVCache(1, 3, 64, 64, CacheSpec("q8"))
     c.reserve(1)

@@ -98,7 +98,7 @@ def test_bad_quant_value(tmp_path):
 
 def test_drop_pages_keeps_the_data(tmp_path):
     """Dropping a read-only mapping's pages only releases memory: the data reads back."""
-    from kestrel_cli.weights import drop_pages
+    from kestrel_cli.quantize import drop_pages
     a = np.arange(1 << 20, dtype=np.float32)
     a.tofile(tmp_path / "a.bin")
     m = np.memmap(tmp_path / "a.bin", dtype=np.float32, mode="r")

@@ -1,4 +1,4 @@
-"""pyx/attention.pyx (through kestrel_cli.kernels) against a NumPy float64 causal softmax.
+"""pyx/attention.pxi (through kestrel_cli.kernels) against a NumPy float64 causal softmax.
 
 The cache is built the way SPEC.md section 4 lays it out: float32 blocks of
 (kv_bs, n_kv_heads * head_dim), token t at block t // kv_bs, row t % kv_bs, passed by
@@ -110,7 +110,6 @@ def test_attention_rejects_bad_input():
 # ---------------------------------------------------------------------------------------
 # int8 cache, block-sparse selection, prefill importance (SPEC.md sections 4-5)
 
-from kestrel_cli._kernels import attention as _attn          # noqa: E402
 from kestrel_cli.kv_cache import CacheSpec, KVCache            # noqa: E402
 from kestrel_cli.sparse import importance_order, select_blocks  # noqa: E402
 
@@ -317,9 +316,43 @@ def test_sparse_rejects_bad_input():
                           sel=np.zeros((1, 4, 2), np.int32))
 
 
-def test_q8_dot_variant_is_the_documented_one():
-    # float query x int8 key (x the key's scale) won on speed and error: see attention.pyx
-    assert _attn.Q8_INT_DOT is False
+@pytest.mark.parametrize("T,pos0,kv_bs,n_kv,hd", [(1, 40, 32, 3, 17), (6, 10, 8, 2, 20),
+                                                   (1, 70, 32, 2, 64)])
+def test_kv_q8_layout_is_what_the_kernel_reads(T, pos0, kv_bs, n_kv, hd):
+    """Blocks built by hand from kv_q8_layout alone (NaN bytes everywhere else, the
+    padding before the scales included) attend as the float reference does."""
+    off, nbytes = kernels.kv_q8_layout(kv_bs, n_kv, hd)
+    ld = n_kv * hd
+    assert off % 64 == 0 and 0 <= off - kv_bs * ld < 64
+    assert nbytes == off + n_kv * kv_bs * 4
+    rng = np.random.default_rng([T, pos0, kv_bs, n_kv, hd])
+    n, n_heads = pos0 + T, 2 * n_kv
+    q = rng.standard_normal((T, n_heads, hd)).astype(np.float32)
+    Kq = rng.integers(-127, 128, (n, n_kv, hd)).astype(np.int8)
+    Vq = rng.integers(-127, 128, (n, n_kv, hd)).astype(np.int8)
+    Ks = (rng.random((n, n_kv)) * 0.02 + 0.001).astype(np.float32)
+    Vs = (rng.random((n, n_kv)) * 0.02 + 0.001).astype(np.float32)
+    blocks = {"k": [], "v": []}
+    for name, vals, scales in (("k", Kq, Ks), ("v", Vq, Vs)):
+        for b in range(-(-n // kv_bs)):
+            blk = np.full(nbytes, 0xFF, np.uint8)            # 0xFFFFFFFF is a float NaN
+            t = np.arange(b * kv_bs, min(n, b * kv_bs + kv_bs))
+            blk[:kv_bs * ld].view(np.int8).reshape(kv_bs, ld)[:len(t)] = vals[t].reshape(len(t), -1)
+            blk[off:].view(np.float32).reshape(n_kv, kv_bs)[:, :len(t)] = scales[t].T
+            blocks[name].append(blk)
+    kp = np.array([b.ctypes.data for b in blocks["k"]], np.uint64)
+    vp = np.array([b.ctypes.data for b in blocks["v"]], np.uint64)
+    out = np.full((T, n_heads * hd), np.nan, np.float32)
+    kernels.attention(q.reshape(T, -1), kp, vp, kv_bs, n_kv, hd, pos0, 0.25, out, 2, kv_q8=True)
+    K = Kq.astype(np.float32) * Ks[..., None]
+    V = Vq.astype(np.float32) * Vs[..., None]
+    ref = attention_ref(q, K, V, pos0, 0.25).reshape(T, -1)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=2e-5 * np.abs(V).max())
+
+
+def test_kv_q8_layout_rejects_bad_geometry():
+    with pytest.raises(ValueError, match="kv_q8_layout"):
+        kernels.kv_q8_layout(0, 2, 64)
 
 
 # ------------------------------------------------------------------ decode variants
@@ -327,26 +360,26 @@ def test_q8_dot_variant_is_the_documented_one():
 # best one picked at import. Every variant this CPU runs must pass the decode tests: the
 # portable one is what aarch64 boards run.
 
-ATTN_VARIANTS = _attn.isa_variants()
+ATTN_VARIANTS = kernels.isa_variants()
 
 
 @pytest.fixture(params=ATTN_VARIANTS)
 def attn_isa(request):
-    before = _attn.ISA
-    _attn.set_isa(request.param)
+    before = kernels.isa()
+    kernels.set_isa(request.param)
     yield request.param
-    _attn.set_isa(before)
+    kernels.set_isa(before)
 
 
 def test_attn_variants_listed():
-    assert ATTN_VARIANTS[0] == "base" and _attn.ISA == ATTN_VARIANTS[-1]
+    assert ATTN_VARIANTS[0] == "base" and kernels.isa() == ATTN_VARIANTS[-1]
     with pytest.raises(ValueError, match="does not run here"):
-        _attn.set_isa("sse9")
+        kernels.set_isa("sse9")
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] == 1] + [(1, 77, 6, 2, 64, 32)])
 def test_decode_every_variant(attn_isa, case):
-    assert _attn.ISA == attn_isa
+    assert kernels.isa() == attn_isa
     test_attention(*case, threads=2)
     for T, pos0 in ((1, 0), (1, 100)):
         test_attention_q8_cache(T, pos0)

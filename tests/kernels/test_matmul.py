@@ -1,4 +1,4 @@
-"""pyx/matmul.pyx (through kestrel_cli.kernels) against NumPy float64 references.
+"""pyx/matmul.pxi (through kestrel_cli.kernels) against NumPy float64 references.
 
 Tolerance: |out - ref| <= 1e-5 * (|x| @ |W|.T) elementwise, i.e. relative to the sum of
 magnitudes of the products (float32 accumulation over n terms), which implies the
@@ -174,21 +174,21 @@ def test_get_rows_rejects_bad_input():
 # "avx512"), the best the CPU runs is picked at import. Every variant this CPU can run
 # is checked against NumPy here; "base" is the code aarch64 and old x86 run.
 
-VARIANTS = kernels.matmul_isa_variants()
+VARIANTS = kernels.isa_variants()
 
 
 @pytest.fixture(params=VARIANTS)
 def isa(request):
-    before = kernels.matmul_isa()
-    kernels.set_matmul_isa(request.param)
+    before = kernels.isa()
+    kernels.set_isa(request.param)
     yield request.param
-    kernels.set_matmul_isa(before)
+    kernels.set_isa(before)
 
 
 def test_variants_listed():
-    assert VARIANTS[0] == "base" and kernels.matmul_isa() == VARIANTS[-1]
+    assert VARIANTS[0] == "base" and kernels.isa() == VARIANTS[-1]
     with pytest.raises(ValueError, match="unknown"):
-        kernels.set_matmul_isa("sse9")
+        kernels.set_isa("sse9")
 
 
 @pytest.mark.parametrize("fmt,d,n", CASES + [("q8_0", 33, 64), ("q4_1", 17, 96),
@@ -214,20 +214,20 @@ def test_matmul_long_rows_every_variant(isa, fmt):
 def test_variants_agree_closely():
     """Different variants sum in different orders; they agree to float32 rounding."""
     rng = np.random.default_rng(21)
-    before = kernels.matmul_isa()
+    before = kernels.isa()
     try:
         for fmt in FORMATS:
             w = make_weight(fmt, 64, 576, rng)
             x = rng.standard_normal((1, 576)).astype(np.float32)
             outs = []
             for v in VARIANTS:
-                kernels.set_matmul_isa(v)
+                kernels.set_isa(v)
                 outs.append(kernels.matmul(x, w, np.empty((1, 64), np.float32), 2))
             scale = np.abs(x) @ np.abs(w.dequantize()).T
             for o in outs[1:]:
                 assert np.all(np.abs(o - outs[0]) <= 2e-6 * scale)
     finally:
-        kernels.set_matmul_isa(before)
+        kernels.set_isa(before)
 
 
 # ------------------------------------------------------------------ int8 activations
@@ -354,7 +354,7 @@ def test_gemv_group_rejects_bad_input():
 
 def test_f32_to_f16_exact():
     """The quantisers' scale store rounds like numpy, normals to subnormals to inf."""
-    from kestrel_cli._kernels import matmul as M
+    from kestrel_cli._kernels import lib as M
     rng = np.random.default_rng(4)
     x = (rng.standard_normal(200000) * np.exp2(rng.integers(-40, 20, 200000))).astype(np.float32)
     x = np.concatenate([x, np.float32([0, -0.0, 65504, 65519.99, 65520, 1e-8, 2.0 ** -24,

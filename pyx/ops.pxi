@@ -1,11 +1,6 @@
-# Row-wise and elementwise kernels: RMSNorm, rotary embedding, SwiGLU, MoE combine.
-# All float32 arithmetic in the order Hugging Face's torch code uses.
-from cython.parallel cimport parallel, prange
+# Row-wise and elementwise kernels: RMSNorm, rotary embedding, SwiGLU, MoE combine
+# (included by lib.pyx). All float32 arithmetic in the order Hugging Face's torch code uses.
 from libc.math cimport cos, expf, sin, sqrtf
-from libc.stdint cimport int64_t
-from libc.stdlib cimport free, malloc
-
-from _common cimport kf_dot_f32, team_size
 
 
 def rms_norm(const float[:, ::1] x,        # IN  (R, n)

@@ -1,27 +1,16 @@
 # Weight matmuls for every storage format of kestrel_cli/weights.py, embedding rows and
-# load-time quantisation. Weights arrive as raw bytes (d, row_bytes) plus a KF_* format
-# code; the per-format loops live in matmul_isa.h, compiled once per instruction set
-# (matmul_kernels.h picks the variant at import).
-from cython.parallel cimport parallel, prange
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint64_t
+# load-time quantisation (included by lib.pyx). Weights arrive as raw bytes
+# (d, row_bytes) plus a KF_* format code; the per-format loops live in matmul_isa.h,
+# compiled once per instruction set (matmul.h lists them for isa.h's dispatcher).
 
-from _common cimport KF_Q4_0, KF_Q8_0, KF_QK, kf_deq_row, team_size
-from libc.stdint cimport uint16_t
-
-
-cdef extern from "kernels.h" nogil:
-    uint16_t kf_f32_f16(float f) noexcept
-
-
-cdef extern from "matmul_kernels.h" nogil:
+cdef extern from "matmul.h" nogil:
+    enum:
+        KF_QK
+        KF_Q8_0
+        KF_Q4_0
+    void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
     ctypedef struct kf_act:
         pass
-    int KF_N_ISA
-    int kf_isa
-    int kf_isa_max
-    const char *kf_isa_names[3]
-    void kf_isa_init() noexcept
-    int kf_set_isa(int isa) noexcept
     void kf_gemv_rows(int fmt, const kf_act *a, Py_ssize_t n, const uint8_t *w,
                       Py_ssize_t ldw, Py_ssize_t r0, Py_ssize_t r1, float *out) noexcept
     void kf_gemm_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t nr,
@@ -42,31 +31,6 @@ cdef extern from "matmul_kernels.h" nogil:
     void kf_gemv_swiglu(const int32_t *fmts, const uint64_t *w, const int64_t *ldws,
                         const kf_act *a, Py_ssize_t n, Py_ssize_t r0, Py_ssize_t r1,
                         float *out, int accumulate) noexcept
-
-
-kf_isa_init()
-
-
-def isa():
-    """The instruction-set variant in use: 'base', 'avx2' or 'avx512'."""
-    return kf_isa_names[kf_isa].decode()
-
-
-def isa_variants():
-    """Every variant this CPU runs, slowest first."""
-    return [kf_isa_names[i].decode() for i in range(kf_isa_max + 1)]
-
-
-def set_isa(str name):
-    """Use variant `name` (tests; KESTREL_ISA does it at import); returns the one in use."""
-    cdef int i
-    for i in range(KF_N_ISA):
-        if kf_isa_names[i].decode() == name:
-            if i > kf_isa_max:
-                raise ValueError(f"this CPU cannot run the {name} kernels")
-            kf_set_isa(i)
-            return isa()
-    raise ValueError(f"unknown kernel variant {name!r}")
 
 
 cdef inline Py_ssize_t rows_per_block(Py_ssize_t n, Py_ssize_t d, int n_threads,

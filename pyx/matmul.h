@@ -1,21 +1,15 @@
-/* Weight matmuls: the variants of matmul_isa.h and the runtime choice between them.
+/* Weight matmuls: the variants of matmul_isa.h, their table for isa.h's dispatcher, and
+ * the drivers around them (GEMV groups, activation prep, quantisation of rows).
  *
- * One portable C source, compiled here several times:
- *   base     the build's own flags (x86-64 baseline: SSE2; aarch64: NEON, and sdot when
- *            built with -march=...+dotprod); the only variant off x86 or without GCC/Clang;
- *   avx2     x86-64-v3 (AVX2, FMA, F16C);
- *   avx512   x86-64-v4 + AVX512-VNNI (Ice Lake, Sapphire Rapids, Zen 4 and later).
- * Each variant is the portable C under a target attribute, plus for x86 the GEMV dots of
- * matmul_x86.h (intrinsics under the same attributes, where GCC's vectoriser fell short:
- * measured there). No ifunc: the CPU is asked once (__builtin_cpu_supports) and the best
- * variant it runs is used, unless KESTREL_ISA=base|avx2|avx512 or kf_set_isa() asks for
- * a lower one (tests run them all).
+ * One portable C source (matmul_isa.h) is compiled here once per variant of isa.h; for
+ * x86 each variant adds the GEMV dots of matmul_x86.h (intrinsics under the same target
+ * attributes, where GCC's vectoriser fell short: measured there).
  */
-#ifndef KESTREL_MATMUL_KERNELS_H
-#define KESTREL_MATMUL_KERNELS_H
+#ifndef KESTREL_MATMUL_H
+#define KESTREL_MATMUL_H
 
-#include <stdlib.h>
-#include "kernels.h"
+#include "formats.h"
+#include "isa.h"
 
 /* A matmul's activation row, prepared once per call (see matmul_isa.h). */
 typedef struct {
@@ -25,34 +19,6 @@ typedef struct {
     const float *xd;           /* (n/32,) their scales */
     const int32_t *xs;         /* (n/32,) sum of each block of xq */
 } kf_act;
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(KF_NO_DISPATCH)
-#define KF_X86_DISPATCH 1
-#else
-#define KF_X86_DISPATCH 0
-#endif
-
-#if defined(__FLT16_MAX__) && (defined(__GNUC__) || defined(__clang__))
-#define KF_HAVE_F16 1
-typedef _Float16 kf_half __attribute__((may_alias));
-/* f16 at byte address p via the compiler's conversion (vcvtph2ps with F16C, fcvt) */
-static inline __attribute__((always_inline)) float kf_half_at(const uint8_t *p)
-{
-    kf_half h;
-    memcpy(&h, p, 2);
-    return (float)h;
-}
-static inline __attribute__((always_inline)) float kf_half_f32(uint16_t u)
-{
-    kf_half h;
-    memcpy(&h, &u, 2);
-    return (float)h;
-}
-#else
-#define KF_HAVE_F16 0
-#endif
-
-enum { KF_ISA_BASE = 0, KF_ISA_AVX2 = 1, KF_ISA_AVX512 = 2, KF_N_ISA = 3 };
 
 /* ---------------------------------------------------------------- base variant */
 #define KF_V(name) kf_base_##name
@@ -71,23 +37,13 @@ enum { KF_ISA_BASE = 0, KF_ISA_AVX2 = 1, KF_ISA_AVX512 = 2, KF_N_ISA = 3 };
 #define KF_VSIGNED 1
 #define KF_VQ4_LOOP
 #include "matmul_isa.h"
-#undef KF_V
-#undef KF_TARGET
-#undef KF_VL
-#undef KF_VG
-#undef KF_VMR
-#undef KF_VNT
-#undef KF_VF16
-#undef KF_VF16E
-#undef KF_VSIGNED
-#undef KF_VQ4_LOOP
 
 #if KF_X86_DISPATCH
 #include "matmul_x86.h"
 
 /* ---------------------------------------------------------------- avx2 variant */
 #define KF_V(name) kf_avx2_##name
-#define KF_TARGET __attribute__((target("avx2,fma,f16c,bmi,bmi2,popcnt")))
+#define KF_TARGET KF_TARGET_AVX2
 #define KF_VL 32                       /* 4 x 8 lanes */
 #define KF_VG 2
 #ifndef KF_AVX2_MR                     /* measured (Zen 4, GCC 12): 16 x 4 ~ 90 GFLOPS, */
@@ -108,22 +64,10 @@ enum { KF_ISA_BASE = 0, KF_ISA_AVX2 = 1, KF_ISA_AVX512 = 2, KF_N_ISA = 3 };
 #define KF_VFAST_ROWS KF_AVX2_ROWS
 #define KF_VFAST_ROWS_DOT(f) kf_avx2_xdot2_##f
 #include "matmul_isa.h"
-#undef KF_VFAST
-#undef KF_VFAST_ROWS
-#undef KF_VFAST_ROWS_DOT
-#undef KF_V
-#undef KF_TARGET
-#undef KF_VL
-#undef KF_VG
-#undef KF_VMR
-#undef KF_VNT
-#undef KF_VSIGNED
-#undef KF_VQ4_LOOP
 
 /* ---------------------------------------------------------------- avx512 variant */
 #define KF_V(name) kf_avx512_##name
-#define KF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd," \
-    "avx512vnni,avx2,fma,f16c,bmi,bmi2,popcnt,prefer-vector-width=512")))
+#define KF_TARGET KF_TARGET_AVX512
 #define KF_VL 64                       /* 4 x 16 lanes */
 #define KF_VG 2
 #ifndef KF_AVX512_MR                   /* measured: 16 x 4..12 ~ 100 GFLOPS (1 zmm FMA */
@@ -132,6 +76,12 @@ enum { KF_ISA_BASE = 0, KF_ISA_AVX2 = 1, KF_ISA_AVX512 = 2, KF_N_ISA = 3 };
 #endif
 #define KF_VMR KF_AVX512_MR
 #define KF_VNT KF_AVX512_NT
+#if KF_HAVE_F16
+#define KF_VF16(p) kf_half_at(p)       /* vcvtph2ps */
+#else
+#define KF_VF16(p) kf_f16_at(p)
+#endif
+#define KF_VF16E(h) kf_f16_f32(h)
 #define KF_VSIGNED 0
 #define KF_VQ4_LOOP
 #define KF_VFAST(name) kf_avx512_x##name
@@ -141,22 +91,6 @@ enum { KF_ISA_BASE = 0, KF_ISA_AVX2 = 1, KF_ISA_AVX512 = 2, KF_N_ISA = 3 };
 #define KF_VIDOT_ROWS_DOT kf_avx512_idot4
 #define KF_VIDOT_ONE kf_avx512_idot1
 #include "matmul_isa.h"
-#undef KF_VIDOT_ROWS
-#undef KF_VIDOT_ROWS_DOT
-#undef KF_VIDOT_ONE
-#undef KF_VFAST
-#undef KF_VFAST_ROWS
-#undef KF_VFAST_ROWS_DOT
-#undef KF_V
-#undef KF_TARGET
-#undef KF_VL
-#undef KF_VG
-#undef KF_VMR
-#undef KF_VNT
-#undef KF_VF16
-#undef KF_VF16E
-#undef KF_VSIGNED
-#undef KF_VQ4_LOOP
 #endif /* KF_X86_DISPATCH */
 
 /* ---------------------------------------------------------------- dispatch */
@@ -188,45 +122,6 @@ static const kf_quant_fn kf_q4_tab[KF_N_ISA] = {
     kf_base_quantize_q4_0, kf_base_quantize_q4_0, kf_base_quantize_q4_0};
 static const int kf_mr_tab[KF_N_ISA] = {8, 8, 8};
 #endif
-
-static const char *const kf_isa_names[KF_N_ISA] = {"base", "avx2", "avx512"};
-static int kf_isa_max = KF_ISA_BASE;     /* best variant this CPU runs */
-static int kf_isa = KF_ISA_BASE;         /* variant in use */
-
-/* The best variant the CPU supports (called once, at import). */
-static int kf_isa_detect(void)
-{
-#if KF_X86_DISPATCH
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
-        && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma")
-        && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
-        return KF_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-        && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
-        return KF_ISA_AVX2;
-#endif
-    return KF_ISA_BASE;
-}
-
-/* Use variant `isa` (clamped to what the CPU runs); returns the one now in use. */
-static int kf_set_isa(int isa)
-{
-    kf_isa = isa < KF_ISA_BASE ? KF_ISA_BASE : (isa > kf_isa_max ? kf_isa_max : isa);
-    return kf_isa;
-}
-
-static void kf_isa_init(void)
-{
-    kf_isa_max = kf_isa_detect();
-    kf_isa = kf_isa_max;
-    const char *env = getenv("KESTREL_ISA");
-    if (env != NULL)
-        for (int i = 0; i < KF_N_ISA; i++)
-            if (strcmp(env, kf_isa_names[i]) == 0)
-                kf_set_isa(i);
-}
 
 static inline void kf_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t *w,
                                 ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1, float *out)
@@ -398,4 +293,4 @@ static inline void kf_quantize_row(int fmt, const uint8_t *w, ptrdiff_t n, int t
     }
 }
 
-#endif /* KESTREL_MATMUL_KERNELS_H */
+#endif /* KESTREL_MATMUL_H */

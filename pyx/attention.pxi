@@ -1,42 +1,36 @@
-# Causal attention over the block KV cache (SPEC.md sections 4-5): exact, or block-sparse
-# (each query head attends to the k blocks of 32 tokens it selects), over a float32 or an
-# int8 cache, recording during prefill the attention mass each token receives
-# ("importance", the input of the sparse selection). The per-unit work is C in
-# attention.h; this file owns the parallel loops and the thread scratch.
+# Causal attention over the block KV cache (docs/DESIGN.md §2 KV cache layout, §3 Sparse
+# selection; included by lib.pyx): exact, or block-sparse (each query head attends to the
+# k blocks of 32 tokens it selects), over a float32 or an int8 cache, recording during
+# prefill the attention mass each token receives ("importance", the input of the sparse
+# selection). The per-unit work is C (attention.h and its attn_*.h); this file owns the
+# parallel loops and the thread scratch.
 #
 # Decode (T == 1): loops over (kv head, part of 16 blocks) units -- probes, then softmax
 # states of the part's (picked) blocks for each of the kv head's query heads, so K/V
 # leave memory once per kv head -- then one over query heads that merges the parts;
-# attention.h, "decode".
+# attn_decode.h.
 # Prefill (T > 1): units are (tile of query rows, kv head); the tile's exact queries (its
 # rows x the kv head's query heads) share each K/V chunk read (ka_tile), the (row, head)
 # pairs past k blocks run the sparse ka_row one by one.
 # Importance without races or thread-count dependence: unit u adds into partial row
 # u % KA_SLOTS of `imp_slots`; a slot's units run in order on one thread (prange over
 # slots), and the slots are summed in slot order into `importance` at the end.
-from cython.parallel cimport parallel, prange
-from libc.stdint cimport int8_t, int32_t, uint8_t, uint64_t
-from libc.stdlib cimport free
-from libc.string cimport memset
-
 cdef extern from "attention.h" nogil:
     enum:
-        KA_RT
         KA_SLOTS
-        KA_Q8_INT_DOT
         KA_PB
         KA_GMAX
 
     ctypedef struct ka_kv:
-        const uint64_t *k_ptrs
-        const uint64_t *v_ptrs
-        Py_ssize_t bs, n_kv, hd, ld, soff
-        int q8
+        pass
 
     ctypedef struct ka_ws:
         pass
 
-    int ka_max_threads() noexcept
+    void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t *v_ptrs, Py_ssize_t bs,
+                    Py_ssize_t n_kv, Py_ssize_t hd, int q8) noexcept
+    Py_ssize_t ka_q8_scale_offset(Py_ssize_t bs, Py_ssize_t ld) noexcept
+    Py_ssize_t ka_q8_block_bytes(Py_ssize_t bs, Py_ssize_t n_kv, Py_ssize_t hd) noexcept
     float ka_quant_row(const float *x, Py_ssize_t n, int8_t *q) noexcept
     ka_ws *ka_ws_new(Py_ssize_t cap, Py_ssize_t bs, Py_ssize_t hd, int nq, int k,
                      int tile_e) noexcept
@@ -47,8 +41,6 @@ cdef extern from "attention.h" nogil:
         KA_DEC_STATES
         KA_DEC_PROBES
         KA_DEC_PICKED
-    const char *ka_isa_init() noexcept
-    int ka_isa_set(const char *name) noexcept
     void ka_decode_a_run(const ka_kv *kv, const float *q, Py_ssize_t u, Py_ssize_t n_heads,
                          Py_ssize_t n_ctx, float scale, int mode, int k, int n_probe,
                          const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws, float *tab,
@@ -65,44 +57,12 @@ cdef extern from "attention.h" nogil:
                              Py_ssize_t ldo) noexcept
 
 SLOTS = KA_SLOTS            # rows of the importance scratch the caller provides
-ISA = ka_isa_init().decode()   # instruction set of the decode loops: "base" or "avx2"
-# int8 cache, key dot: float query x int8 key (False) or int8 x int8 with int32 sums (True,
-# build with -DKA_Q8_INT_DOT=1). Measured on this repo's baseline x86-64 build (SSE2, one
-# thread, SmolLM2 geometry, 30 layers): float x int8 was 1.6-1.9x faster at 2K-8K tokens
-# and its output error (max |q8 - f32| / max |f32|) 3-5e-3 against 5-7e-3, so it ships.
-Q8_INT_DOT = bool(KA_Q8_INT_DOT)
-_ISA_DEFAULT = ISA
 
 
-def isa_variants():
-    """The decode variants this CPU runs, portable first: ["base"] or ["base", "avx2"]."""
-    return ["base", "avx2"] if _ISA_DEFAULT == "avx2" or _can("avx2") else ["base"]
-
-
-cdef bint _can(str name):
-    cdef bytes b = name.encode()
-    if ka_isa_set(b) != 0:
-        return False
-    ka_isa_set(_ISA_DEFAULT.encode())
-    return True
-
-
-def set_isa(str name):
-    """Use decode variant `name` (tests; KESTREL_ISA=base does it at import)."""
-    global ISA
-    cdef bytes b = name.encode()
-    if ka_isa_set(b) != 0:
-        raise ValueError(f"attention variant {name!r} does not run here; have {isa_variants()}")
-    ISA = name
-
-
-cdef inline int team_size(int n_threads, Py_ssize_t work) noexcept nogil:
-    """Threads for `work` units: n_threads (<= 0: OpenMP's default), at most one per unit."""
-    if n_threads <= 0:
-        n_threads = ka_max_threads()
-    if n_threads > work:
-        n_threads = <int> work
-    return n_threads if n_threads > 0 else 1
+def kv_q8_layout(Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim):
+    """(byte offset of the scales, bytes) of one int8 cache block: attn_kv.h's layout."""
+    return (ka_q8_scale_offset(kv_bs, n_kv_heads * head_dim),
+            ka_q8_block_bytes(kv_bs, n_kv_heads, head_dim))
 
 
 def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row i at pos0 + i
@@ -116,7 +76,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
               float[:, ::1] out,              # OUT (T, n_heads * head_dim)
               int n_threads,
               bint kv_q8=False,               # int8 blocks: values, then (n_kv, kv_bs) float scales
-                                              # at byte kv_bs * ld rounded up to 64
+                                              # at kv_q8_layout's offset
               int sparse_k=0,                 # blocks per query head; 0: exact
               int n_probe=8,
               const int32_t[::1] imp_order=None,   # IN  (n_order,) blocks by importance
@@ -125,9 +85,9 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
               int32_t[:, :, ::1] sel=None,    # OUT (T, n_heads, sparse_k) sparse rows' picks
               float[::1] dec_tab=None):       # scratch (decode_tab_size(..),), T == 1
     """out[i, h] := softmax_j(scale * q[i, h] . K[j, h // group]) @ V[:, h // group] over
-    j <= pos0 + i (exact) or over the tokens of the blocks SPEC 5 selects"""
+    j <= pos0 + i (exact) or over the tokens of the blocks attn_select.h selects"""
     cdef Py_ssize_t T = q.shape[0], n_heads = q.shape[1] // head_dim
-    cdef Py_ssize_t n_ctx = pos0 + T, ld = n_kv_heads * head_dim
+    cdef Py_ssize_t n_ctx = pos0 + T
     cdef Py_ssize_t cap = (n_ctx + kv_bs - 1) // kv_bs * kv_bs
     cdef Py_ssize_t U, u, h, j, pp, kh, n_parts, slot, rt, nb, group, dec_cap, n_order = 0
     cdef int sparse
@@ -145,16 +105,13 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     cdef int nt, k = sparse_k if sparse_k > 0 else 0
     if T == 0 or n_heads == 0:
         return
-    kv.k_ptrs = &k_ptrs[0]
-    kv.v_ptrs = &v_ptrs[0]
-    kv.bs, kv.n_kv, kv.hd, kv.ld = kv_bs, n_kv_heads, head_dim, ld
-    kv.soff, kv.q8 = (kv_bs * ld + 63) // 64 * 64, 1 if kv_q8 else 0
+    ka_kv_init(&kv, &k_ptrs[0], &v_ptrs[0], kv_bs, n_kv_heads, head_dim, 1 if kv_q8 else 0)
     if imp_order is not None and imp_order.shape[0] > 0:
         order_p, n_order = &imp_order[0], imp_order.shape[0]
     if sel is not None and k > 0:
         sel_p = &sel[0, 0, 0]
 
-    if T == 1:                # decode: attention.h's phases, see "decode" there
+    if T == 1:                # decode: attn_decode.h's phases
         nb = (n_ctx + kv_bs - 1) // kv_bs
         sparse = 1 if 0 < k < nb else 0
         if dec_tab is None or dec_tab.shape[0] < ka_decode_tab(nb, n_heads, head_dim):
@@ -165,7 +122,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
             raise ValueError(f"attention: at most {KA_GMAX} query heads per kv head")
         dec_cap = group * KA_PB * kv_bs
         n_parts = ka_decode_parts(nb)
-        nt = team_size(n_threads, n_parts if n_parts > n_heads else n_heads)
+        nt = team_size(n_threads, n_parts if n_parts > n_heads else n_heads, 1)
         with nogil, parallel(num_threads=nt):
             # decode units score the part's tokens of `group` heads at once
             ws = ka_ws_new(cap if cap > dec_cap else dec_cap, kv_bs, head_dim, <int> group, k,
@@ -203,7 +160,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
         ld_slot = imp_slots.shape[1]
     rt = ka_tile_rows(n_heads // n_kv_heads)
     U = (T + rt - 1) // rt * n_kv_heads
-    nt = team_size(n_threads, KA_SLOTS if U > KA_SLOTS else U)
+    nt = team_size(n_threads, KA_SLOTS if U > KA_SLOTS else U, 1)
     with nogil, parallel(num_threads=nt):
         ws = ka_ws_new(cap, kv_bs, head_dim, <int> (rt * (n_heads // n_kv_heads)), k, imp_p != NULL)
         if ws == NULL:
@@ -226,7 +183,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     if failed:
         raise MemoryError("attention: could not allocate thread scratch")
     if imp_p != NULL:
-        nt = team_size(n_threads, n_ctx // 4096 + 1)
+        nt = team_size(n_threads, n_ctx // 4096 + 1, 1)
         for j in prange(n_ctx, nogil=True, schedule="static", num_threads=nt):
             acc = 0
             for slot in range(U if U < KA_SLOTS else KA_SLOTS):
@@ -247,7 +204,7 @@ def quantize_q8(const float[:, ::1] x,        # IN  (T, n_kv_heads * head_dim)
                 int n_threads):
     """values[t, h] := round(x[t, h] / s), scales[t, h] := s = max|x[t, h]| / 127"""
     cdef Py_ssize_t T = x.shape[0], n_kv = x.shape[1] // head_dim, p, t, h
-    cdef int nt = team_size(n_threads, T * n_kv // 256 + 1)
+    cdef int nt = team_size(n_threads, T * n_kv // 256 + 1, 1)
     for p in prange(T * n_kv, nogil=True, schedule="static", num_threads=nt):
         t = p // n_kv
         h = p % n_kv

@@ -1,0 +1,220 @@
+/* Decode attention (T == 1, docs/DESIGN.md §5 Kernels and ISAs): the phases below, over
+ * the block cache of attn_kv.h, exact or with the block selection of attn_select.h.
+ * attention.h compiles ka_decode_a once per ISA variant; the .pxi runs the phases.
+ *
+ * Decode works in phases, so that the keys and values of a kv head leave memory
+ * once for all of its query heads (the 2nd and later read them from L1/L2):
+ *   A. unit u = (kv head u % n_kv, part u / n_kv of KA_PB blocks): for each query head of
+ *      the kv head, the part's softmax state over its blocks: max m, sum l of exp(s - m),
+ *      acc = sum exp(s - m) V;
+ *   M. unit = query head: merge the parts' states in part order into the output.
+ * Sparse (more than k blocks), a probe phase comes first:
+ *   A1. the same units compute the probes of the part's blocks for each query head;
+ *   P.  unit = query head: its picks from all its probes (attn_select.h), as a mask;
+ *   A2. as A over the blocks some query head of the kv head picked (each head's softmax
+ *       over its own picks);
+ *   M.  as above.
+ * Every float sum runs in an order fixed by the block and part indices (KA_PB is a
+ * constant), so no result depends on the thread count.
+ * tab: part states (n_parts, n_heads, hd + 2), then the probes (n_heads, nb), then the
+ * picked-block masks (n_heads, nb) bytes. */
+#ifndef KESTREL_ATTN_DECODE_H
+#define KESTREL_ATTN_DECODE_H
+
+#include "attn_select.h"
+
+#define KA_PB 16
+#define KA_GMAX 64    /* most query heads per kv head in a decode unit */
+
+enum { KA_DEC_STATES = 0, KA_DEC_PROBES = 1, KA_DEC_PICKED = 2 };
+
+KF_INLINE ptrdiff_t ka_decode_parts(ptrdiff_t nb) { return (nb + KA_PB - 1) / KA_PB; }
+
+KF_INLINE ptrdiff_t ka_decode_states(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
+{
+    return ka_decode_parts(nb) * n_heads * (hd + 2);
+}
+
+/* Floats of tab a decode over nb blocks needs. */
+KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
+{
+    return ka_decode_states(nb, n_heads, hd) + n_heads * nb + (n_heads * nb + 3) / 4;
+}
+
+/* Phase P for query head h: its picks (pick order into sel + h * k when sel is given) and
+ * its row of the mask table. */
+KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptrdiff_t hd,
+                              int k, const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws,
+                              float *tab, int32_t *sel)
+{
+    const float *probe = tab + ka_decode_states(nb, n_heads, hd) + h * nb;
+    uint8_t *mask = (uint8_t *)(tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb)
+                    + h * nb;
+    int nsel = ka_pick(probe, nb, k, imp_order, n_order, ws->used, ws->sel);
+    memset(mask, 0, (size_t)nb);
+    for (int i = 0; i < nsel; i++)
+        mask[ws->sel[i]] = 1;
+    if (sel != NULL)
+        memcpy(sel + h * k, ws->sel, (size_t)nsel * sizeof(int32_t));
+}
+
+/* Whether a decode unit reads block b: always when exact (mask NULL), else when one of
+ * the group's query heads picked it. */
+KF_INLINE int ka_read(const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb, ptrdiff_t b)
+{
+    if (mask == NULL)
+        return 1;
+    for (ptrdiff_t g = 0; g < group; g++)
+        if (mask[g * nb + b])
+            return 1;
+    return 0;
+}
+
+/* Prefetch for a decode pass (K or V: `ptrs`) reading blocks up to b_end - 1, now at
+ * block b: exact, the blocks KA_PFD ahead (from the first block, all those up to it);
+ * sparse, the next picked one (reads are scattered). */
+KF_INLINE void ka_fetch_ahead(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
+                              const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb,
+                              ptrdiff_t n_ctx, ptrdiff_t b, int first, ptrdiff_t b_end)
+{
+    const ptrdiff_t bs = kv->bs;
+    if (mask == NULL) {
+        for (ptrdiff_t c = first ? b + 1 : b + KA_PFD; c <= b + KA_PFD && c < b_end; c++)
+            ka_prefetch_blk(kv, ptrs, kh, c, 1, n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
+        return;
+    }
+    for (ptrdiff_t c = b + 1; c < b_end; c++)
+        if (ka_read(mask, group, nb, c)) {
+            ka_prefetch_blk(kv, ptrs, kh, c, 1, n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
+            return;
+        }
+}
+
+KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads,
+                           ptrdiff_t n_ctx, float scale, int mode, int k, int n_probe,
+                           const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws,
+                           float *tab, int32_t *sel)
+{
+    const ptrdiff_t bs = kv->bs, hd = kv->hd, nb = (n_ctx + bs - 1) / bs;
+    const ptrdiff_t group = n_heads / kv->n_kv, kh = u % kv->n_kv, p = u / kv->n_kv;
+    const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
+    float *probe = tab + ka_decode_states(nb, n_heads, hd);
+    /* mask[g * nb + b]: query head kh * group + g attends block b (phase P's table) */
+    const uint8_t *mask = mode != KA_DEC_PICKED ? NULL
+        : (const uint8_t *)(probe + n_heads * nb) + kh * group * nb;
+    (void)k; (void)imp_order; (void)n_order; (void)sel;
+    float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
+    ka_q *qv = ws->qv;                                   /* (group,) */
+    for (ptrdiff_t g = 0; g < group; g++) {
+        qv[g].q = q + (kh * group + g) * hd;
+        qv[g].kh = kh;
+        qv[g].n = n_ctx;
+    }
+    if (mode == KA_DEC_PROBES) {
+        /* each block's probe rows are read (and converted) once for the group's heads */
+        for (ptrdiff_t b = b0; b < b1; b++) {
+            ptrdiff_t len = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
+            ptrdiff_t step = len / n_probe > 1 ? len / n_probe : 1;
+            ptrdiff_t np = (len + step - 1) / step;
+            if ((b + KA_PF + 1) * bs < n_ctx)
+                ka_prefetch_rows(kv, kh, b + KA_PF, step, np);
+            for (ptrdiff_t i0 = 0; i0 < np; i0 += KA_W) {
+                ptrdiff_t w = np - i0 < KA_W ? np - i0 : KA_W, st;
+                const float *rows = ka_rows(kv, kv->k_ptrs, kh, b, i0 * step, step, w, buf, &st);
+                const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, i0 * step);
+                for (ptrdiff_t g = 0; g < group; g++) {
+                    float *pr = probe + (kh * group + g) * nb + b;
+                    for (ptrdiff_t i = 0; i < w; i++) {
+                        float v = kf_dot_f32(qv[g].q, rows + i * st, hd);
+                        v = ks != NULL ? v * ks[(i0 + i) * step] : v;
+                        *pr = (i0 + i == 0 || v > *pr) ? v : *pr;
+                    }
+                }
+            }
+        }
+        return;
+    }
+    /* softmax states of the part's (picked) blocks: scores per head, blocks ascending */
+    const ptrdiff_t pt = KA_PB * bs;                     /* a head's score slots */
+    ptrdiff_t cnt[KA_GMAX];
+    float mx[KA_GMAX];
+    for (ptrdiff_t g = 0; g < group; g++) {
+        cnt[g] = 0;
+        mx[g] = -INFINITY;
+    }
+    ptrdiff_t last = -1;
+    for (ptrdiff_t b = b0; b < b1; b++) {
+        if (!ka_read(mask, group, nb, b))
+            continue;
+        last = b;
+        ka_fetch_ahead(kv, kv->k_ptrs, kh, mask, group, nb, n_ctx, b, b == b0, b1);
+        const ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
+        for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_W) {
+            ptrdiff_t w = nr - j0 < KA_W ? nr - j0 : KA_W, st;
+            const float *rows = ka_rows(kv, kv->k_ptrs, kh, b, j0, 1, w, buf, &st);
+            const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, j0);
+            for (ptrdiff_t g = 0; g < group; g++) {
+                if (mask != NULL && !mask[g * nb + b])
+                    continue;
+                float *sg = ws->s + g * pt + cnt[g];
+                for (ptrdiff_t j = 0; j < w; j++) {
+                    float v = kf_dot_f32(qv[g].q, rows + j * st, hd);
+                    v = ks != NULL ? v * ks[j] : v;
+                    sg[j] = v * scale;
+                    mx[g] = sg[j] > mx[g] ? sg[j] : mx[g];
+                }
+                cnt[g] += w;
+            }
+        }
+    }
+    for (ptrdiff_t g = 0; g < group; g++) {
+        float *st = tab + (p * n_heads + kh * group + g) * (hd + 2);
+        st[0] = mx[g];
+        st[1] = ka_exp_sum(ws->s + g * pt, cnt[g], mx[g]);
+        memset(st + 2, 0, (size_t)hd * sizeof(float));
+        cnt[g] = 0;
+    }
+    for (ptrdiff_t b = b0; b <= last; b++) {
+        if (!ka_read(mask, group, nb, b))
+            continue;
+        ka_fetch_ahead(kv, kv->v_ptrs, kh, mask, group, nb, n_ctx, b, b == b0, last + 1);
+        const ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
+        for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_W) {
+            ptrdiff_t w = nr - j0 < KA_W ? nr - j0 : KA_W, st;
+            const float *rows = ka_rows(kv, kv->v_ptrs, kh, b, j0, 1, w, buf, &st);
+            const float *vs = ka_row_scales(kv, kv->v_ptrs, kh, b, j0);
+            for (ptrdiff_t g = 0; g < group; g++) {
+                if (mask != NULL && !mask[g * nb + b])
+                    continue;
+                ka_pv_scaled(ws->s + g * pt + cnt[g], vs, rows, st, w, hd,
+                             tab + (p * n_heads + kh * group + g) * (hd + 2) + 2);
+                cnt[g] += w;
+            }
+        }
+    }
+}
+
+/* Phase M for query head h: out[h] = the merge of the parts' states. */
+KF_INLINE void ka_decode_merge(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptrdiff_t hd,
+                               ka_ws *ws, const float *tab, float *out)
+{
+    const ptrdiff_t np = ka_decode_parts(nb), ld = n_heads * (hd + 2);
+    float m = -INFINITY, l = 0.0f, *acc = ws->acc, *o = out + h * hd;
+    for (ptrdiff_t p = 0; p < np; p++)
+        m = tab[p * ld + h * (hd + 2)] > m ? tab[p * ld + h * (hd + 2)] : m;
+    memset(acc, 0, (size_t)hd * sizeof(float));
+    for (ptrdiff_t p = 0; p < np; p++) {
+        const float *st = tab + p * ld + h * (hd + 2);
+        if (!(st[1] > 0.0f))                     /* a part this head attends nothing in */
+            continue;
+        const float f = kf_expf(st[0] - m);
+        l += st[1] * f;
+        for (ptrdiff_t d = 0; d < hd; d++)
+            acc[d] += st[2 + d] * f;
+    }
+    const float inv = 1.0f / l;
+    for (ptrdiff_t d = 0; d < hd; d++)
+        o[d] = acc[d] * inv;
+}
+
+#endif /* KESTREL_ATTN_DECODE_H */

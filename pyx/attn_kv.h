@@ -1,0 +1,287 @@
+/* Attention's view of the KV cache (docs/DESIGN.md §2 KV cache layout), the loops every
+ * attention phase shares (scores of one block, P.V, rows as floats, prefetch), and a
+ * thread's workspace. Included through attention.h only.
+ *
+ * Block b of a layer holds tokens b*bs .. b*bs+bs-1, token-major:
+ *   float32: (bs, ld) floats, ld = n_kv * hd; token t, kv head h at row t % bs, column h*hd.
+ *   int8:    (bs, ld) int8 values in the same places, then at byte offset `soff`
+ *            (ka_q8_scale_offset) the (n_kv, bs) float32 scales: x ~ scale[h][t % bs] * q,
+ *            scale = max|x| / 127 (head-major, so a probe's scales share cache lines with
+ *            its neighbours').
+ * Kernels read the int8 values where they lie (no dequantised copy of the cache): a key
+ * dot is float query x int8 key, times the key's scale; chunks read by several queries
+ * are converted to floats in L1 once (ka_rows).
+ */
+#ifndef KESTREL_ATTN_KV_H
+#define KESTREL_ATTN_KV_H
+
+#include "simd.h"
+
+#define KA_W 32          /* keys per chunk (the L1 buffers' width) */
+#define KA_VD 16         /* output columns kept in registers while P.V runs over keys */
+
+/* The cache of one layer as the kernels see it (ka_kv_init fills it). */
+typedef struct {
+    const uint64_t *k_ptrs;   /* (n_blocks,) K block addresses */
+    const uint64_t *v_ptrs;   /* (n_blocks,) V block addresses */
+    ptrdiff_t bs;             /* tokens per block (= the sparse block size) */
+    ptrdiff_t n_kv, hd;
+    ptrdiff_t ld;             /* values per cached token: n_kv * hd */
+    ptrdiff_t soff;           /* int8 cache: byte offset of the scales in a block */
+    int q8;                   /* 0: float32 cache, 1: int8 cache */
+} ka_kv;
+
+/* The int8 block layout, defined here only (kestrel_cli.kernels.kv_q8_layout gives it to
+ * the cache that allocates the blocks): bs * ld int8 values, then, at the next multiple
+ * of 64 bytes, the (n_kv, bs) float32 scales. */
+static inline ptrdiff_t ka_q8_scale_offset(ptrdiff_t bs, ptrdiff_t ld)
+{
+    return (bs * ld + 63) / 64 * 64;
+}
+
+static inline ptrdiff_t ka_q8_block_bytes(ptrdiff_t bs, ptrdiff_t n_kv, ptrdiff_t hd)
+{
+    return ka_q8_scale_offset(bs, n_kv * hd) + n_kv * bs * (ptrdiff_t)sizeof(float);
+}
+
+static inline void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t *v_ptrs,
+                              ptrdiff_t bs, ptrdiff_t n_kv, ptrdiff_t hd, int q8)
+{
+    kv->k_ptrs = k_ptrs;
+    kv->v_ptrs = v_ptrs;
+    kv->bs = bs;
+    kv->n_kv = n_kv;
+    kv->hd = hd;
+    kv->ld = n_kv * hd;
+    kv->soff = ka_q8_scale_offset(bs, n_kv * hd);
+    kv->q8 = q8 != 0;
+}
+
+/* One query head of one row. */
+typedef struct ka_q_ {
+    const float *q;           /* (hd,) the query head */
+    float *o;                 /* (hd,) its output */
+    ptrdiff_t kh;             /* kv head it reads */
+    ptrdiff_t n;              /* tokens it sees: 0 .. n-1 */
+} ka_q;
+
+KF_INLINE const uint8_t *ka_blk(const uint64_t *ptrs, ptrdiff_t b)
+{
+    return (const uint8_t *)(uintptr_t)ptrs[b];
+}
+
+/* d[i] = q . K[t_i] (unscaled) for t_i = b*bs + j0 + i*step, i < n: keys of kv head kh. */
+KF_INLINE void ka_dots(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrdiff_t j0,
+                       ptrdiff_t step, ptrdiff_t n, float *restrict d)
+{
+    const uint8_t *blk = ka_blk(kv->k_ptrs, b);
+    const ptrdiff_t hd = kv->hd, ld = kv->ld;
+    if (!kv->q8) {
+        const float *k = (const float *)blk + j0 * ld + q->kh * hd;
+        for (ptrdiff_t i = 0; i < n; i++)
+            d[i] = kf_dot_f32(q->q, k + i * step * ld, hd);
+        return;
+    }
+    const int8_t *k = (const int8_t *)blk + j0 * ld + q->kh * hd;
+    const float *ks = (const float *)(blk + kv->soff) + q->kh * kv->bs + j0;
+    for (ptrdiff_t i = 0; i < n; i++)
+        d[i] = kf_dot_f32_i8(q->q, k + i * step * ld, hd) * ks[i * step];
+}
+
+/* Prefetch hint for rows 0, step, .. (n of them) of kv head kh in block b of `ptrs`
+ * (K or V), and their scales: the probe loop asks for the block KA_PF ahead of the one it
+ * reads, the sparse attention for the next picked block. */
+#define KA_PF 4
+#ifndef KA_PFD
+#define KA_PFD 2     /* exact decode: blocks of keys (values) fetched ahead */
+#endif
+KF_INLINE void ka_prefetch_blk(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
+                               ptrdiff_t b, ptrdiff_t step, ptrdiff_t n)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    const uint8_t *blk = ka_blk(ptrs, b);
+    const ptrdiff_t es = kv->q8 ? 1 : 4, row = kv->ld * es, len = kv->hd * es;
+    const uint8_t *k = blk + kh * len;
+    for (ptrdiff_t i = 0; i < n; i++)
+        for (ptrdiff_t c = 0; c < len; c += 64)
+            __builtin_prefetch(k + i * step * row + c, 0, 3);
+    if (kv->q8)
+        for (ptrdiff_t c = 0; c < kv->bs * 4; c += 64)
+            __builtin_prefetch(blk + kv->soff + kh * kv->bs * 4 + c, 0, 3);
+#else
+    (void)kv; (void)ptrs; (void)kh; (void)b; (void)step; (void)n;
+#endif
+}
+
+KF_INLINE void ka_prefetch_rows(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b,
+                                ptrdiff_t step, ptrdiff_t n)
+{
+    ka_prefetch_blk(kv, kv->k_ptrs, kh, b, step, n);
+}
+
+/* Rows t = j0, j0 + step, .. (n of them) of kv head kh in block b of `ptrs` as floats:
+ * float32 blocks give their own rows (stride ld), int8 ones are converted (the integer
+ * values; the caller applies the scales) into buf, stride hd. Returns the first row;
+ * *stride gets the stride. */
+KF_INLINE const float *ka_rows(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
+                               ptrdiff_t b, ptrdiff_t j0, ptrdiff_t step, ptrdiff_t n,
+                               float *restrict buf, ptrdiff_t *stride)
+{
+    const uint8_t *blk = ka_blk(ptrs, b);
+    const ptrdiff_t hd = kv->hd, ld = kv->ld;
+    if (!kv->q8) {
+        *stride = step * ld;
+        return (const float *)blk + j0 * ld + kh * hd;
+    }
+    const int8_t *x = (const int8_t *)blk + j0 * ld + kh * hd;
+    for (ptrdiff_t i = 0; i < n; i++)
+        for (ptrdiff_t d = 0; d < hd; d++)
+            buf[i * hd + d] = (float)x[i * step * ld + d];
+    *stride = hd;
+    return buf;
+}
+
+/* The scales of those rows (int8 cache; NULL for float32), stride `step`. */
+KF_INLINE const float *ka_row_scales(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
+                                     ptrdiff_t b, ptrdiff_t j0)
+{
+    if (!kv->q8)
+        return NULL;
+    return (const float *)(ka_blk(ptrs, b) + kv->soff) + kh * kv->bs + j0;
+}
+
+/* The int8 cache's quantiser: q[j] = round(x[j] / s) (ties to even),
+ * s = max_j |x[j]| / 127; returns s (0: all zero). */
+KF_INLINE float ka_quant_row(const float *restrict x, ptrdiff_t n, int8_t *restrict q)
+{
+    float mx = 0.0f;
+    for (ptrdiff_t j = 0; j < n; j++) {
+        float a = fabsf(x[j]);
+        mx = a > mx ? a : mx;
+    }
+    float s = mx / 127.0f;
+    if (!(s > 0.0f)) {
+        memset(q, 0, (size_t)n);
+        return 0.0f;
+    }
+    for (ptrdiff_t j = 0; j < n; j++) {
+        float v = kf_rint(x[j] / s);
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        q[j] = (int8_t)v;
+    }
+    return s;
+}
+
+
+/* s[j] = exp(s[j] - m) for j < n; returns their sum, in j order */
+KF_INLINE float ka_exp_sum(float *restrict s, ptrdiff_t n, float m)
+{
+    for (ptrdiff_t j = 0; j < n; j++)
+        s[j] = kf_expf(s[j] - m);
+    float sum = 0.0f;
+    for (ptrdiff_t j = 0; j < n; j++)
+        sum += s[j];
+    return sum;
+}
+
+/* acc[d] += sum_{i < n} p[i] * v[i * ld + d], d < hd, each in i order: KA_VD columns at a
+ * time stay in registers while i runs. */
+KF_INLINE void ka_pv_f32(const float *restrict p, const float *restrict v, ptrdiff_t ld,
+                         ptrdiff_t n, ptrdiff_t hd, float *restrict acc)
+{
+    ptrdiff_t d0 = 0;
+    for (; d0 + KA_VD <= hd; d0 += KA_VD) {
+        float a[KA_VD];
+        for (int d = 0; d < KA_VD; d++)
+            a[d] = acc[d0 + d];
+        for (ptrdiff_t i = 0; i < n; i++) {
+            const float pi = p[i], *vi = v + i * ld + d0;
+            for (int d = 0; d < KA_VD; d++)
+                a[d] += pi * vi[d];
+        }
+        for (int d = 0; d < KA_VD; d++)
+            acc[d0 + d] = a[d];
+    }
+    for (; d0 < hd; d0++)
+        for (ptrdiff_t i = 0; i < n; i++)
+            acc[d0] += p[i] * v[i * ld + d0];
+}
+
+/* acc (hd) += sum_{i < n} p[i] * s[i] * rows[i] (rows `st` floats apart; s NULL: 1), in
+ * i order; n <= KA_W: a chunk of V with its int8 scales folded into p. */
+KF_INLINE void ka_pv_scaled(const float *restrict p, const float *restrict s,
+                            const float *restrict rows, ptrdiff_t st, ptrdiff_t n,
+                            ptrdiff_t hd, float *restrict acc)
+{
+    float ps[KA_W];
+    if (s != NULL) {
+        for (ptrdiff_t i = 0; i < n; i++)
+            ps[i] = p[i] * s[i];
+        p = ps;
+    }
+    ka_pv_f32(p, rows, st, n, hd, acc);
+}
+
+/* acc (hd) += sum_{i < n} p[i] * V[b*bs + j0 + i] (kv head kh), in i order; n <= KA_W.
+ * buf: (KA_W, hd) floats for int8 rows. */
+KF_INLINE void ka_accum(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t j0,
+                        ptrdiff_t n, const float *restrict p, float *restrict buf,
+                        float *restrict acc)
+{
+    ptrdiff_t st;
+    const float *rows = ka_rows(kv, kv->v_ptrs, kh, b, j0, 1, n, buf, &st);
+    ka_pv_scaled(p, ka_row_scales(kv, kv->v_ptrs, kh, b, j0), rows, st, n, kv->hd, acc);
+}
+
+/* ---------------------------------------------------------------- workspace */
+
+/* One thread's scratch: one malloc, carved. cap: most tokens a query sees (a multiple of
+ * bs); nq: most queries per tile; k: most picks; tile_e: keep the tile's exp values. */
+typedef struct {
+    float *s;            /* (cap,) one row's scores, then exp values */
+    float *e;            /* (nq, cap) a tile's exp values (importance only) */
+    float *mb;           /* (nq, nch) running max after each chunk (importance only) */
+    float *acc;          /* (nq, hd) weighted sums of V */
+    float *m, *l;        /* (nq,) running max and denominator */
+    float *kt;           /* (hd, KA_W) a chunk's keys, transposed (decode: rows as floats) */
+    float *vf;           /* (KA_W, hd) a chunk's int8 values as floats */
+    float *probe;        /* (nbc,) block probes */
+    int32_t *sel;        /* (k,) picks in pick order */
+    int32_t *blk;        /* (k,) picks ascending (the order they are read in) */
+    uint8_t *used;       /* (nbc,) taken by importance */
+    struct ka_q_ *qv;    /* (nq,) a tile's queries */
+    ptrdiff_t cap, nch;
+} ka_ws;
+
+static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq, int k,
+                               int tile_e)
+{
+    ptrdiff_t nbc = cap / bs + 1, nch = cap / bs * ((bs + KA_W - 1) / KA_W) + 1;
+    ptrdiff_t kk = k > 0 ? k : 1;
+    size_t nf = (size_t)(cap + (tile_e ? nq * (cap + nch) : 0) + nq * (hd + 2)
+                         + 2 * hd * KA_W + nbc);
+    size_t bytes = sizeof(ka_ws) + 64 + nf * sizeof(float) + 16 + (size_t)nq * sizeof(ka_q)
+                   + 2 * (size_t)kk * sizeof(int32_t) + (size_t)nbc;
+    ka_ws *w = (ka_ws *)malloc(bytes);
+    if (w == NULL)
+        return NULL;
+    float *f = (float *)(((uintptr_t)(w + 1) + 63) / 64 * 64);
+    w->cap = cap;
+    w->nch = nch;
+    w->kt = f; f += hd * KA_W;
+    w->vf = f; f += hd * KA_W;
+    w->s = f; f += cap;
+    w->e = tile_e ? f : NULL; f += tile_e ? nq * cap : 0;
+    w->mb = tile_e ? f : NULL; f += tile_e ? nq * nch : 0;
+    w->acc = f; f += nq * hd;
+    w->m = f; f += nq;
+    w->l = f; f += nq;
+    w->probe = f; f += nbc;
+    w->qv = (ka_q *)(((uintptr_t)f + 15) / 16 * 16);
+    w->sel = (int32_t *)(w->qv + nq);
+    w->blk = w->sel + kk;
+    w->used = (uint8_t *)(w->blk + kk);
+    return w;
+}
+
+#endif /* KESTREL_ATTN_KV_H */

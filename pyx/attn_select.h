@@ -1,0 +1,103 @@
+/* Block-sparse selection (docs/DESIGN.md §3 Sparse selection): which k blocks of 32
+ * tokens a query head attends to. Step 1 probes each block (max of q . K over a few of
+ * its keys); steps 2-4 pick: the most important blocks of the prefill, then the best
+ * probes, then the most recent block. Deterministic: ties go to the lower block index,
+ * and nothing depends on the thread count. The decode phases (attn_decode.h) and the
+ * sparse prefill rows (attn_prefill.h) both select through these. Included through
+ * attention.h only.
+ */
+#ifndef KESTREL_ATTN_SELECT_H
+#define KESTREL_ATTN_SELECT_H
+
+#include "attn_kv.h"
+
+/* Step 1 for block b of tokens t < n_ctx: max of q . K over the keys p0, p0 + step,
+ * .. < p_end, step = max(1, (p_end - p0) // n_probe). tmp: bs floats of scratch. */
+KF_INLINE float ka_probe(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrdiff_t n_ctx,
+                         int n_probe, float *restrict tmp)
+{
+    const ptrdiff_t bs = kv->bs;
+    ptrdiff_t len = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
+    ptrdiff_t step = len / n_probe > 1 ? len / n_probe : 1;
+    ptrdiff_t np = (len + step - 1) / step;
+    if ((b + KA_PF + 1) * bs < n_ctx)    /* probe reads are scattered: fetch ahead */
+        ka_prefetch_rows(kv, q->kh, b + KA_PF, step, np);
+    ka_dots(kv, q, b, 0, step, np, tmp);
+    float mx = tmp[0];
+    for (ptrdiff_t i = 1; i < np; i++)
+        mx = tmp[i] > mx ? tmp[i] : mx;
+    return mx;
+}
+
+/* Steps 2-4 over nb > k blocks with probes `probe`. imp_order (NULL: no
+ * importance) lists blocks by prefill importance, descending, ties to the lower index
+ * (kv_cache.py computes it once per prefill); blocks >= nb are skipped. Writes the picks
+ * to sel in pick order (importance picks, then probe picks descending, the recency swap
+ * in place) and returns their count (k). used: nb bytes of scratch. */
+KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k,
+                      const int32_t *imp_order, ptrdiff_t n_order, uint8_t *restrict used,
+                      int32_t *restrict sel)
+{
+    memset(used, 0, (size_t)nb);
+    /* 2. importance: the first (k + 1) / 2 blocks of the order that exist here */
+    int n_imp = 0;
+    if (imp_order != NULL) {
+        int budget = (k + 1) / 2;
+        for (ptrdiff_t i = 0; i < n_order && n_imp < budget; i++) {
+            int32_t b = imp_order[i];
+            if (b >= 0 && b < nb && !used[b]) {
+                sel[n_imp++] = b;
+                used[b] = 1;
+            }
+        }
+    }
+    /* 3. probe fill: top m by (probe desc, index asc), kept sorted by insertion */
+    int m = k - n_imp, cnt = 0;
+    int32_t *top = sel + n_imp;
+    if (m > 0) {
+        for (ptrdiff_t b = 0; b < nb; b++) {
+            if (used[b])
+                continue;
+            float v = probe[b];
+            int pos;
+            if (cnt < m) {
+                pos = cnt++;
+            } else if (v > probe[top[m - 1]]) {
+                pos = m - 1;                 /* drops the current last */
+            } else {
+                continue;                    /* equal: the lower index already holds it */
+            }
+            while (pos > 0 && probe[top[pos - 1]] < v) {
+                top[pos] = top[pos - 1];
+                pos--;
+            }
+            top[pos] = (int32_t)b;
+        }
+    }
+    /* 4. recency: the last block replaces the lowest probe pick (ties: the higher index),
+     * which is the sorted list's last entry; importance picks are never replaced */
+    if (cnt > 0 && !used[nb - 1]) {
+        int have = 0;
+        for (int i = 0; i < cnt; i++)
+            have |= top[i] == (int32_t)(nb - 1);
+        if (!have)
+            top[cnt - 1] = (int32_t)(nb - 1);
+    }
+    return n_imp + cnt;
+}
+
+/* The picks sel[0..n) in ascending order into blk (insertion sort; n <= k is small). */
+KF_INLINE void ka_sorted(const int32_t *sel, ptrdiff_t n, int32_t *blk)
+{
+    for (ptrdiff_t i = 0; i < n; i++) {
+        int32_t b = sel[i];
+        ptrdiff_t j = i;
+        while (j > 0 && blk[j - 1] > b) {
+            blk[j] = blk[j - 1];
+            j--;
+        }
+        blk[j] = b;
+    }
+}
+
+#endif /* KESTREL_ATTN_SELECT_H */

@@ -1,0 +1,235 @@
+/* Kestrel's portable helpers, shared by every kernel (matmul, attention, ops): thread
+ * count, compiler hints, f16/bf16 conversions, rounding, exp, and the float dot product.
+ *
+ * Portable C99 for GCC/Clang at -O3, no intrinsics and no -ffast-math: every float sum
+ * has a fixed order written in the source, and the code is shaped so the compiler can
+ * vectorise it without reassociating anything:
+ *   - a single dot product keeps KF_L independent partial sums (acc[k] += a[j+k]*b[j+k]);
+ *     the k-loop maps onto SIMD lanes and the lanes are summed pairwise at the end;
+ *   - conversions are branch-free masks, so loops over them vectorise.
+ * The helpers are KF_INLINE (always inlined): they are compiled inside each ISA variant
+ * of the kernels that call them (isa.h), with that variant's instructions.
+ * Multi-byte fields are little-endian, as on x86-64 and aarch64.
+ */
+#ifndef KESTREL_SIMD_H
+#define KESTREL_SIMD_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+static inline int kf_max_threads(void) { return omp_get_max_threads(); }
+#else
+static inline int kf_max_threads(void) { return 1; }
+#endif
+
+/* Partial sums in one dot product: 4 vector registers' worth (SSE2/NEON: 4 x 4). */
+#ifndef KF_L
+#if defined(__AVX__)
+#define KF_L 32
+#else
+#define KF_L 16
+#endif
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+/* Inlined into every caller, so compiled with the caller's ISA (a target attribute) and
+ * its optimisation options (attention's no-trapping-math): GCC inlines a plain `inline`
+ * helper into a caller whose FP options differ only when it is always_inline. */
+#define KF_INLINE static inline __attribute__((always_inline))
+/* Loops over the 16 or 32 elements of one block: GCC would otherwise unroll them
+ * completely before the loop vectoriser runs and then pack scalar int->float
+ * conversions (3-5x slower than the vectorised loop). */
+#define KF_BLOCK_LOOP _Pragma("GCC unroll 1")
+/* A short constant-count loop whose iterations must become straight-line code (so that
+ * arrays indexed by its counter stay in registers). */
+#define KF_UNROLL_ALL _Pragma("GCC unroll 32")
+#else
+#define KF_INLINE static inline
+#define KF_BLOCK_LOOP
+#define KF_UNROLL_ALL
+#endif
+
+/* The matmul micro-kernel's j loop is a chain of in-order sums. GCC's loop vectoriser
+ * (x86) "vectorises" such a chain as an in-order lane-by-lane reduction with shuffles
+ * (4x slower) instead of leaving it to SLP across the rows; turn it off for that one. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define KF_SLP_ONLY __attribute__((optimize("no-tree-loop-vectorize")))
+#else
+#define KF_SLP_ONLY
+#endif
+
+/* Quantisers round products to integers; GCC would contract x * id + C into one fma
+ * (a different rounding), which would break bit-exactness with the NumPy reference.
+ * Clang contracts only within one source expression, which kf_rint never sees. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define KF_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define KF_NO_CONTRACT
+#endif
+
+/* ---------------------------------------------------------------- scalars */
+
+KF_INLINE float kf_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+KF_INLINE uint32_t kf_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+/* Round to the nearest integer, ties to even (np.rint), for |v| < 2^22: adding
+ * 1.5 * 2^23 leaves no fraction bits. Vectorises on every ISA (no roundps needed). */
+KF_INLINE float kf_rint(float v) { return (v + 12582912.0f) - 12582912.0f; }
+
+/* ---------------------------------------------------------------- f16 and bf16 */
+
+/* IEEE half bits -> float, exact for normals, subnormals, zeros, inf and NaN.
+ * Masks instead of branches or ?: so loops over it vectorise. */
+KF_INLINE float kf_f16_f32(uint16_t h)
+{
+    uint32_t o = ((uint32_t)h & 0x7fffu) << 13;          /* exponent+mantissa, f32 place */
+    uint32_t e = o & 0x0f800000u;                         /* the 5 exponent bits */
+    uint32_t is_inf = 0u - (uint32_t)(e == 0x0f800000u); /* all ones for inf/NaN */
+    uint32_t is_sub = 0u - (uint32_t)(e == 0);           /* all ones for zero/subnormal */
+    /* rebias the exponent 15 -> 127, and 31 (inf/NaN) -> 255 */
+    uint32_t r = o + 0x38000000u + (is_inf & 0x38000000u);
+    /* zero/subnormal: 2^-14 * (1 + m/1024) - 2^-14 = m * 2^-24, exact, no denormal maths */
+    uint32_t sub = kf_f32_bits(kf_bits_f32(o + 0x38800000u) - kf_bits_f32(0x38800000u));
+    r = (r & ~is_sub) | (sub & is_sub);
+    return kf_bits_f32(r | (((uint32_t)h & 0x8000u) << 16));
+}
+
+/* bfloat16 bits -> float: the upper half of a float32 */
+KF_INLINE float kf_bf16_f32(uint16_t h) { return kf_bits_f32((uint32_t)h << 16); }
+
+/* f16 at an unaligned byte address (a block scale). Branchy on purpose: it runs once
+ * per block, and the branch stops the compiler "vectorising" it across a broadcast. */
+KF_INLINE float kf_f16_at(const uint8_t *p)
+{
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t e = (uint32_t)h & 0x7c00u;
+    if (e != 0 && e != 0x7c00u)                           /* normal: rebias 15 -> 127 */
+        return kf_bits_f32((((uint32_t)h & 0x8000u) << 16)
+                           | ((((uint32_t)h & 0x7fffu) << 13) + 0x38000000u));
+    return kf_f16_f32(h);
+}
+
+/* The same through the compiler's own half type, where it has one: one instruction
+ * (vcvtph2ps with F16C, fcvt on aarch64), which the ISA variants choose where it wins. */
+#if defined(__FLT16_MAX__) && (defined(__GNUC__) || defined(__clang__))
+#define KF_HAVE_F16 1
+typedef _Float16 kf_half __attribute__((may_alias));
+KF_INLINE float kf_half_at(const uint8_t *p)
+{
+    kf_half h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+KF_INLINE float kf_half_f32(uint16_t u)
+{
+    kf_half h;
+    memcpy(&h, &u, 2);
+    return (float)h;
+}
+#else
+#define KF_HAVE_F16 0
+#endif
+
+/* float -> IEEE half bits, round to nearest even (numpy's astype(float16)), incl.
+ * subnormal halves, overflow to inf, inf and NaN. */
+KF_INLINE uint16_t kf_f32_f16(float f)
+{
+    uint32_t u = kf_f32_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u)                                 /* inf, NaN (stays quiet) */
+        return (uint16_t)(sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u));
+    if (a >= 0x477ff000u)                                 /* >= 65520 rounds to inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a < 0x38800000u) {                                /* < 2^-14: subnormal half */
+        /* units of 2^-24: exact scaling, then round to nearest even (2^10 -> 0x400,
+         * the smallest normal, which is also the right encoding) */
+        float v = kf_bits_f32(a) * 16777216.0f;
+        return (uint16_t)(sign | (uint16_t)kf_rint(v));
+    }
+    /* normal: round the 23-bit mantissa to 10 bits (ties to even), rebias 127 -> 15;
+     * a mantissa carry correctly bumps the exponent */
+    uint32_t r = (a + 0x0fffu + ((a >> 13) & 1u)) >> 13;
+    return (uint16_t)(sign | (r - 0x1c000u));
+}
+
+/* ---------------------------------------------------------------- exp */
+
+/* e^x, branch-free so loops over it vectorise (libm's expf does not without
+ * -ffast-math): exp(x) = 2^n e^r, n = round(x / ln 2), |r| <= ln2 / 2, e^r by Cephes'
+ * degree-6 polynomial; within 1 ulp of expf over [-87, 0] (tests/kernels). x < -87.3
+ * (and -inf) gives 0, x > 88.7 +inf; softmax only feeds it x <= 0. Its clamps vectorise
+ * only without -ftrapping-math (see attention.h), which must hold where the body is
+ * compiled, not only in its callers: GCC turns the ?: into branches there otherwise. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+#endif
+KF_INLINE float kf_expf(float x)
+{
+    const float hi = 88.72283f, lo = -87.33654f;
+    float xc = x > hi ? hi : (x < lo ? lo : x);
+    float n = kf_rint(xc * 1.44269504088896341f);
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;                 /* 2^n, n in [-126, 128] */
+    float y = p * kf_bits_f32((uint32_t)e);
+    y = x < lo ? 0.0f : y;
+    return x > hi ? INFINITY : y;
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+/* ---------------------------------------------------------------- float vectors */
+
+/* Pairwise sum of n (a power of two) partial sums; clobbers a. */
+KF_INLINE float kf_hsum(float *a, int n)
+{
+    KF_UNROLL_ALL
+    for (int w = n / 2; w > 0; w /= 2) {
+        KF_UNROLL_ALL
+        for (int k = 0; k < w; k++)
+            a[k] += a[k + w];
+    }
+    return a[0];
+}
+
+/* A dot product over n elements, sum_j a[j] * CONV(b[j]) (b of element type T): L
+ * partial sums (the SIMD lanes: acc[k] += a[j + k] * b[j + k]), summed pairwise, then the
+ * tail in j order. One body for every dot of the kernels: the float ones here, the
+ * matmul variants' f32 / f16 / bf16 rows (matmul_isa.h, with their own L). */
+#define KF_DOT_FN(ATTR, NAME, T, CONV, L)                                                \
+    ATTR float NAME(const float *restrict a, const T *restrict b, ptrdiff_t n)          \
+    {                                                                                    \
+        float acc[L] = {0};                                                              \
+        ptrdiff_t nv = n - n % (L), j;                                                   \
+        for (j = 0; j < nv; j += (L))                                                    \
+            for (int k = 0; k < (L); k++)                                                \
+                acc[k] += a[j + k] * CONV(b[j + k]);                                     \
+        float tail = 0.0f;                                                               \
+        for (j = nv; j < n; j++)                                                         \
+            tail += a[j] * CONV(b[j]);                                                   \
+        return kf_hsum(acc, (L)) + tail;                                                 \
+    }
+
+/* sum_j a[j] * b[j] */
+KF_DOT_FN(KF_INLINE, kf_dot_f32, float, , KF_L)
+
+/* sum_j a[j] * (float)b[j], b int8 (an int8 KV cache row) */
+KF_DOT_FN(KF_INLINE, kf_dot_f32_i8, int8_t, (float), KF_L)
+
+#endif /* KESTREL_SIMD_H */
