@@ -19,9 +19,7 @@ import numpy as np
 from kestrel_cli._kernels import lib as _lib
 from kestrel_cli.weights import BLOCK_BYTES, FORMATS, QK, Weight
 
-# The kernels are one module; these names say which family each call belongs to.
-_attention = _matmul = _ops = _lib
-
+# the compiled kernels are one module (pyx/lib.pyx): one ISA choice for all of them
 if _lib.ISA_ENV_ERROR:
     warnings.warn(f"KESTREL_ISA={os.environ.get('KESTREL_ISA')!r} names no kernel variant "
                   f"(base, avx2, avx512); using {_lib.isa()}", RuntimeWarning, stacklevel=2)
@@ -122,7 +120,7 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
         raise ValueError(f"x: expected (T, {n}) for a weight of shape {w.shape}, got {x.shape}")
     _array(out, "out", np.float32, 2, writable=True)
     _shape(out, "out", (x.shape[0], d))
-    _matmul.matmul(x, raw, FMT_CODE[w.fmt], out, _threads(threads),
+    _lib.matmul(x, raw, FMT_CODE[w.fmt], out, _threads(threads),
                    ACT_Q8 if act_q8 is None else bool(act_q8))
     return out
 
@@ -151,7 +149,7 @@ class GemvGroup:
                              f"{[w.shape for w in self.weights]}")
         raws = [_weight_bytes(w) for w in self.weights]
         self.swiglu = bool(swiglu)
-        self._plan = _matmul.GemvPlan(raws, [FMT_CODE[w.fmt] for w in self.weights], self.n,
+        self._plan = _lib.GemvPlan(raws, [FMT_CODE[w.fmt] for w in self.weights], self.n,
                                       1 if swiglu else 0)
         self.d = int(self._plan.d)                   # outputs per call
         offs = np.cumsum([0] + [w.shape[0] for w in self.weights])
@@ -207,7 +205,7 @@ def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
         raise ValueError(f"w: rows of {n} elements are not whole blocks of {QK}")
     _array(out, "out", np.uint8, 2, writable=True)
     _shape(out, "out", (d, n // QK * BLOCK_BYTES[to_fmt]))
-    _matmul.quantize(raw, FMT_CODE[w.fmt], n, FMT_CODE[to_fmt], out, _threads(threads))
+    _lib.quantize(raw, FMT_CODE[w.fmt], n, FMT_CODE[to_fmt], out, _threads(threads))
     return out
 
 
@@ -261,7 +259,7 @@ def get_rows(w: Weight, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
     _shape(out, "out", (ids.shape[0], n))
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= d):
         raise ValueError(f"ids: out of range [0, {d}): min {ids.min()}, max {ids.max()}")
-    _matmul.get_rows(raw, FMT_CODE[w.fmt], ids, out)
+    _lib.get_rows(raw, FMT_CODE[w.fmt], ids, out)
     return out
 
 
@@ -284,7 +282,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray,
     _shape(out, "out", x.shape)
     x2 = _rows2d(x, "x")
     _shape(weight, "weight", (x2.shape[1],))
-    _ops.rms_norm(x2, weight, float(eps), out.reshape(x2.shape), _threads(threads))
+    _lib.rms_norm(x2, weight, float(eps), out.reshape(x2.shape), _threads(threads))
     return out
 
 
@@ -313,7 +311,7 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, attn_scale:
     _shape(positions, "positions", (T,))
     _array(inv_freq, "inv_freq", np.float32, 1)
     _shape(inv_freq, "inv_freq", (head_dim // 2,))
-    _ops.rope(x, positions, inv_freq, float(attn_scale), _threads(threads))
+    _lib.rope(x, positions, inv_freq, float(attn_scale), _threads(threads))
     return x
 
 
@@ -335,12 +333,12 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray,
     _shape(up, "up", gate.shape)
     _shape(out, "out", gate.shape)
     g2 = _rows2d(gate, "gate")
-    _ops.swiglu(g2, up.reshape(g2.shape), out.reshape(g2.shape), _threads(threads))
+    _lib.swiglu(g2, up.reshape(g2.shape), out.reshape(g2.shape), _threads(threads))
     return out
 
 
 SPARSE_BS = 32        # tokens per sparse block (= the KV cache's kv_bs; docs/DESIGN.md §3)
-SLOTS = _attention.SLOTS   # rows of the importance scratch (`imp_slots`)
+SLOTS = _lib.SLOTS   # rows of the importance scratch (`imp_slots`)
 
 
 def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
@@ -425,20 +423,20 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         if imp_slots is None:
             raise ValueError("imp_slots: required with importance")
         _array(imp_slots, "imp_slots", np.float32, 2, writable=True)
-        if imp_slots.shape[0] != _attention.SLOTS or imp_slots.shape[1] < n_ctx:
-            raise ValueError(f"imp_slots: expected ({_attention.SLOTS}, >= {n_ctx}), "
+        if imp_slots.shape[0] != _lib.SLOTS or imp_slots.shape[1] < n_ctx:
+            raise ValueError(f"imp_slots: expected ({_lib.SLOTS}, >= {n_ctx}), "
                              f"got {imp_slots.shape}")
     if sel is not None:
         _array(sel, "sel", np.int32, 3, writable=True)
         _shape(sel, "sel", (T, n_heads, sparse_k))
     if T == 1:
-        need = _attention.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs)
+        need = _lib.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs)
         if dec_tab is None:
             dec_tab = np.empty(need, np.float32)
         _array(dec_tab, "dec_tab", np.float32, 1, writable=True)
         if dec_tab.shape[0] < need:
             raise ValueError(f"dec_tab: needs >= {need} floats, got {dec_tab.shape[0]}")
-    _attention.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, float(scale),
+    _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, float(scale),
                          out, _threads(threads), bool(kv_q8), sparse_k, sparse_probes,
                          imp_order, importance, imp_slots, sel, dec_tab)
     return out
@@ -453,7 +451,7 @@ def attention_unchecked(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, k
     the per-layer, per-token path of `KVCache.attend`, which owns every argument (the
     kernel still checks dtypes, contiguity and the scratch size). Positional, as
     `attention`; threads an int (0: OpenMP default)."""
-    _attention.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, scale, out,
+    _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, scale, out,
                          threads, kv_q8, sparse_k, sparse_probes, imp_order, None, None, sel,
                          dec_tab)
     return out
@@ -464,13 +462,13 @@ def rope_unchecked(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
     """`rope` without the Python-side shape checks: the model's per-layer path, whose
     arrays it shapes itself (the kernel still checks dtypes and contiguity); threads an
     int (0: OpenMP default)."""
-    _ops.rope(x, positions, inv_freq, attn_scale, threads)
+    _lib.rope(x, positions, inv_freq, attn_scale, threads)
     return x
 
 
 def decode_tab_size(n_ctx: int, n_heads: int, head_dim: int, kv_bs: int = 32) -> int:
     """Floats of the decode scratch `attention` needs for a context of n_ctx tokens."""
-    return int(_attention.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs))
+    return int(_lib.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs))
 
 
 def quantize_q8(x: np.ndarray, head_dim: int, values: np.ndarray, scales: np.ndarray,
@@ -499,7 +497,7 @@ def quantize_q8(x: np.ndarray, head_dim: int, values: np.ndarray, scales: np.nda
     if not scales.flags.writeable:
         raise ValueError("scales: must be writable")
     _shape(scales, "scales", (x.shape[0], x.shape[1] // head_dim))
-    _attention.quantize_q8(x, head_dim, values, scales, _threads(threads))
+    _lib.quantize_q8(x, head_dim, values, scales, _threads(threads))
     return values, scales
 
 
@@ -526,7 +524,7 @@ def scatter_add(out: np.ndarray, src: np.ndarray, rows: np.ndarray, weights: np.
     if M and (int(rows.min()) < 0 or int(rows.max()) >= out.shape[0]):
         raise ValueError(f"rows: out of range [0, {out.shape[0]}): min {rows.min()}, "
                          f"max {rows.max()}")
-    _ops.scatter_add(out, src, rows, weights, _threads(threads))
+    _lib.scatter_add(out, src, rows, weights, _threads(threads))
     return out
 
 
