@@ -1,4 +1,4 @@
-"""Kestrel: a CPU inference engine for the Qwen3 family (public API: SPEC.md §2)."""
+"""Kestrel: a CPU inference engine for the Qwen3 family (public API: README.md, design: docs/DESIGN.md)."""
 from .engine import Engine
 from .errors import KestrelError
 from .generate import Chunk, Stats, stream_generate

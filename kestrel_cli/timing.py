@@ -1,4 +1,5 @@
-"""The timing lines of SPEC §3 on stderr: format, parse, and print them (rich on a terminal).
+"""The timing lines on stderr: format, parse, and print them (rich on a terminal); the
+contract is docs/DESIGN.md §4 Timing lines.
 
     [DEC-SINGLE] tok=12 pos=2073 ms=56.2 attn=12.8 matmul=40.1 other=3.3
     [PERF] prefill_tokens=2061 prefill_ms=... prefill_tps=... decode_tokens=... decode_ms=...

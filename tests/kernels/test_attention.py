@@ -1,6 +1,6 @@
 """pyx/attention.pxi (through kestrel_cli.kernels) against a NumPy float64 causal softmax.
 
-The cache is built the way SPEC.md section 4 lays it out: float32 blocks of
+The cache is built the way docs/DESIGN.md §2 lays it out: float32 blocks of
 (kv_bs, n_kv_heads * head_dim), token t at block t // kv_bs, row t % kv_bs, passed by
 address. Tolerance: 2e-6 relative to max|V| (float32 online softmax vs float64).
 """
@@ -108,7 +108,7 @@ def test_attention_rejects_bad_input():
 
 
 # ---------------------------------------------------------------------------------------
-# int8 cache, block-sparse selection, prefill importance (SPEC.md sections 4-5)
+# int8 cache, block-sparse selection, prefill importance (docs/DESIGN.md §2-§3)
 
 from kestrel_cli.kv_cache import CacheSpec, KVCache            # noqa: E402
 from kestrel_cli.sparse import importance_order, select_blocks  # noqa: E402
