@@ -337,7 +337,7 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray,
     return out
 
 
-SPARSE_BS = 32        # tokens per sparse block (= the KV cache's kv_bs; docs/DESIGN.md §3)
+KV_BLOCK = 32         # tokens per KV cache block, which is also one sparse-selection block
 SLOTS = _lib.SLOTS   # rows of the importance scratch (`imp_slots`)
 
 
@@ -411,9 +411,9 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
     if sparse_k < 0 or sparse_probes < 1:
         raise ValueError(f"attention: sparse_k must be >= 0 and sparse_probes >= 1, got "
                          f"{sparse_k}, {sparse_probes}")
-    if sparse_k and kv_bs != SPARSE_BS:
+    if sparse_k and kv_bs != KV_BLOCK:
         # a sparse block is one cache block: the kernel selects cache blocks
-        raise ValueError(f"attention: sparse attention needs kv_bs == {SPARSE_BS}, got {kv_bs}")
+        raise ValueError(f"attention: sparse attention needs kv_bs == {KV_BLOCK}, got {kv_bs}")
     if imp_order is not None:
         _array(imp_order, "imp_order", np.int32, 1)
     if importance is not None:
@@ -528,7 +528,6 @@ def scatter_add(out: np.ndarray, src: np.ndarray, rows: np.ndarray, weights: np.
     return out
 
 
-KV_BLOCK = 32         # tokens per KV cache block, which is also one sparse-selection block
                       # (docs/DESIGN.md §2 KV cache layout)
 
 
