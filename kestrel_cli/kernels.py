@@ -12,7 +12,7 @@ small inputs (one decode token runs single-threaded).
 from __future__ import annotations
 
 import os
-import warnings
+import sys
 
 import numpy as np
 
@@ -20,9 +20,9 @@ from kestrel_cli._kernels import lib as _lib
 from kestrel_cli.weights import BLOCK_BYTES, FORMATS, QK, Weight
 
 # the compiled kernels are one module (pyx/lib.pyx): one ISA choice for all of them
-if _lib.ISA_ENV_ERROR:
-    warnings.warn(f"KESTREL_ISA={os.environ.get('KESTREL_ISA')!r} names no kernel variant "
-                  f"(base, avx2, avx512); using {_lib.isa()}", RuntimeWarning, stacklevel=2)
+if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
+    print(f"warning: KESTREL_ISA={os.environ.get('KESTREL_ISA')!r} names no kernel variant "
+          f"(base, avx2, avx512); using {_lib.isa()}", file=sys.stderr)
 
 # Opt-in int8 activations for one-token matmuls on quantised weights (see `matmul`).
 ACT_Q8 = os.environ.get("KESTREL_ACT_Q8", "") == "1"

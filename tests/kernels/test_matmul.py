@@ -416,3 +416,16 @@ def test_quantize_rows_rejects_bad_input():
         kernels.quantize_rows(make_weight("f32", 4, 71, rng), "q8_0", np.empty((4, 68), np.uint8))
     with pytest.raises(ValueError, match="out: expected shape"):
         kernels.quantize_rows(w, "q8_0", np.empty((4, 69), np.uint8))
+
+
+def test_unknown_kestrel_isa_is_one_warning_line():
+    """KESTREL_ISA naming no variant: one plain stderr line, the detected variant is kept."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "KESTREL_ISA": "sse9"}
+    r = subprocess.run([sys.executable, "-c", "import kestrel_cli.kernels as K; print(K.isa())"],
+                       env=env, capture_output=True, text=True, check=True)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: KESTREL_ISA='sse9'"), r.stderr
+    assert r.stdout.strip() == kernels.isa_variants()[-1]
