@@ -73,6 +73,9 @@ class EngineOptions:
     sparse_probes: Annotated[int, typer.Option(
         "--sparse-probes", help="Keys probed per block (--sparse-attn).",
         rich_help_panel=_MODEL)] = 8
+    f32_act: Annotated[bool, typer.Option(
+        "--f32-act", help="Exact mode: quantised weights multiply float32 activations, not "
+        "int8 blocks (slower).", rich_help_panel=_MODEL)] = False
 
     def load_options(self) -> LoadOptions:
         """The Engine's options these flags give (-c default: the model's, at most
@@ -80,7 +83,8 @@ class EngineOptions:
         return LoadOptions(kv_q8=self.kv_q8, sparse_attn=self.sparse_attn,
                            sparse_k=self.sparse_k, sparse_probes=self.sparse_probes,
                            quant=Quant(self.quant).value, threads=self.threads,
-                           ctx_size=self.ctx_size, ctx_cap=DEFAULT_CTX_CAP)
+                           ctx_size=self.ctx_size, ctx_cap=DEFAULT_CTX_CAP,
+                           f32_act=self.f32_act)
 
     def check(self) -> None:
         """Fail fast, before any file is read (the Engine's own validation)."""
@@ -431,12 +435,14 @@ def ppl(
         rich_help_panel=_PROMPT)],
     kld_ref: Annotated[bool, typer.Option(
         "--kld-ref", help="Also the mean KL divergence of the next-token distributions "
-        "from exact float32 attention over the same windows (runs each window twice).",
+        "from the exact path (float32 exact attention, float32 activations) over the same "
+        "windows (runs each window twice).",
         rich_help_panel=_OUTPUT)] = False,
     engine: EngineOptions = None,
 ):
     """Perplexity of a text in windows of the context size (-c), with this run's attention
-    settings: prints tokens, windows, ppl (and kld) and the time, as key=value."""
+    and activation settings: prints tokens, windows, ppl (and kld) and the time, as
+    key=value."""
     from .ppl import perplexity
     engine.check()
     text = read_prompt(None, file)

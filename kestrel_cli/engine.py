@@ -42,6 +42,9 @@ class LoadOptions:
         threads: OpenMP threads (-t); None: every core this process may use.
         ctx_size: context size in tokens (-c); None: the model's context length, at most
             ctx_cap (None: no cap).
+        f32_act: quantised weights multiply float32 activations (--f32-act: the exact,
+            slower mode) instead of int8 activation blocks (llama.cpp's choice, the default;
+            docs/DESIGN.md §5 Kernels and ISAs). Float weights always take float32.
     """
     kv_q8: bool = False
     sparse_attn: bool = False
@@ -51,6 +54,7 @@ class LoadOptions:
     threads: int | None = None
     ctx_size: int | None = None
     ctx_cap: int | None = None
+    f32_act: bool = False
 
     def validate(self) -> "LoadOptions":
         """Raise KestrelError naming the flag of the first bad value; self when all are ok."""
@@ -108,13 +112,13 @@ class Engine:
     def from_pretrained(cls, path=None, kv_q8: bool = False, sparse_attn: bool = False,
                         sparse_k: int = 32, sparse_probes: int = 8, quant: str | None = None,
                         threads: int | None = None, ctx_size: int | None = None,
-                        ctx_cap: int | None = None) -> "Engine":
+                        ctx_cap: int | None = None, f32_act: bool = False) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 
         Args: as `LoadOptions` (they mirror the CLI flags).
         """
         return cls.load(path, LoadOptions(kv_q8, sparse_attn, sparse_k, sparse_probes, quant,
-                                          threads, ctx_size, ctx_cap))
+                                          threads, ctx_size, ctx_cap, f32_act))
 
     @classmethod
     def load(cls, path, options: LoadOptions) -> "Engine":
@@ -123,7 +127,7 @@ class Engine:
         threads = options.threads or default_threads()
         cfg, store, tok, p = open_checkpoint(path)
         store.quantize_to(QUANT_FORMATS.get(options.quant), threads)   # --quant: at load
-        model = resolve(cfg.model_type).Model(cfg, store, threads)
+        model = resolve(cfg.model_type).Model(cfg, store, threads, act_q8=not options.f32_act)
         return cls(model, tok, cfg, p, store, options.context(cfg.max_position_embeddings),
                    options.cache_spec)
 

@@ -24,9 +24,6 @@ if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
     print(f"warning: KESTREL_ISA={os.environ.get('KESTREL_ISA')!r} names no kernel variant "
           f"(base, avx2, avx512); using {_lib.isa()}", file=sys.stderr)
 
-# Opt-in int8 activations for one-token matmuls on quantised weights (see `matmul`).
-ACT_Q8 = os.environ.get("KESTREL_ACT_Q8", "") == "1"
-
 # Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
 FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
 _DATA_DTYPE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16,
@@ -94,7 +91,7 @@ def _check_weight_bytes(w) -> np.ndarray:
 
 
 def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
-           act_q8: bool | None = None) -> np.ndarray:
+           act_q8: bool = False) -> np.ndarray:
     """out = x @ W.T with W the dequantised weight.
 
     One token (T == 1) runs a GEMV, more run a blocked GEMM (row panels dequantised to
@@ -109,7 +106,6 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
         act_q8: with T == 1 and a q8_0/q4_0/q4_1 weight, quantise x to int8 blocks of 32
             (llama.cpp's Q8_0 activations) and use integer block dots: faster, but not
             the exact float result (relative error ~1e-2 per output). Ignored otherwise.
-            None: the process default, KESTREL_ACT_Q8=1 in the environment (off).
     Returns:
         out.
     """
@@ -121,7 +117,7 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
     _array(out, "out", np.float32, 2, writable=True)
     _shape(out, "out", (x.shape[0], d))
     _lib.matmul(x, raw, FMT_CODE[w.fmt], out, _threads(threads),
-                   ACT_Q8 if act_q8 is None else bool(act_q8))
+                   bool(act_q8))
     return out
 
 
@@ -157,7 +153,7 @@ class GemvGroup:
         self.slices = [slice(int(a), int(b)) for a, b in zip(offs[:-1], offs[1:])]
 
     def __call__(self, x: np.ndarray, out: np.ndarray, threads: int | None,
-                 act_q8: bool | None = None, norm: np.ndarray | None = None,
+                 act_q8: bool = False, norm: np.ndarray | None = None,
                  eps: float = 0.0, accumulate: bool = False) -> list[np.ndarray]:
         """out = x @ W_i.T for every i (stacked), or silu(x @ G.T) * (x @ U.T) (swiglu).
 
@@ -165,7 +161,7 @@ class GemvGroup:
             x: float32 (1, n), C-contiguous.
             out: float32 (1, d), written (or added to, with accumulate).
             threads: OpenMP threads (None/0: default).
-            act_q8: as for `matmul` (None: the KESTREL_ACT_Q8 default).
+            act_q8: as for `matmul`.
             norm: float32 (n,): multiply RMSNorm(x) (with eps), not x.
             accumulate: out += the products instead of out = .
         Returns:
@@ -173,7 +169,7 @@ class GemvGroup:
         """
         # no re-checks beyond the kernel's own (dtypes, shapes)
         self._plan.run(x, out, threads if threads else 0,
-                       ACT_Q8 if act_q8 is None else act_q8, norm, eps, accumulate)
+                       bool(act_q8), norm, eps, accumulate)
         if self.swiglu or len(self.slices) == 1:
             return [out]
         return [out[:, s] for s in self.slices]
@@ -574,13 +570,14 @@ class Projection:
         self._slices = None if self.swiglu or len(self.weights) == 1 else self.gemv.slices
 
     def __call__(self, x: np.ndarray, threads: int,
-                 residual: np.ndarray | None = None) -> list[np.ndarray]:
+                 residual: np.ndarray | None = None, act_q8: bool = False) -> list[np.ndarray]:
         """The outputs for the rows of x.
 
         Args:
             x: float32 (T, n), C-contiguous.
             threads: OpenMP threads, an int (0: default).
             residual: float32 (T, d), with one output: the output is added into it.
+            act_q8: int8 activation blocks for the quantised weights (see `matmul`).
         Returns:
             one float32 (T, d_i) array per weight ([the SwiGLU output] with swiglu), or
             [residual] when given. One row: (1, d_i) views of one new buffer.
@@ -588,15 +585,16 @@ class Projection:
         if x.shape[0] == 1:
             # decode: positional, no checks beyond the kernel's own (it runs per layer)
             if residual is not None and not self.has_bias:
-                self._run(x, residual, threads, ACT_Q8, self.norm, self.eps, True)
+                self._run(x, residual, threads, act_q8, self.norm, self.eps, True)
                 return [residual]
             out = np.empty((1, self.d), dtype=np.float32)
-            self._run(x, out, threads, ACT_Q8, self.norm, self.eps, False)
+            self._run(x, out, threads, act_q8, self.norm, self.eps, False)
             outs = [out] if self._slices is None else [out[:, s] for s in self._slices]
         else:
             if self.norm is not None:
                 x = rms_norm(x, self.norm, self.eps, np.empty_like(x), threads)
-            outs = [matmul(x, w, np.empty((x.shape[0], w.shape[0]), dtype=np.float32), threads)
+            outs = [matmul(x, w, np.empty((x.shape[0], w.shape[0]), dtype=np.float32), threads,
+                           act_q8)
                     for w in self.weights]
             if self.swiglu:
                 outs = [swiglu(outs[0], outs[1], outs[0], threads)]

@@ -1,13 +1,15 @@
 """Perplexity of a text in windows of the context size (`kestrel ppl`), and the mean KL
-divergence of the next-token distributions from exact float32 attention (`--kld-ref`).
+divergence of the next-token distributions from the exact path (`--kld-ref`): float32
+exact attention and float32 activations.
 
 The token stream is cut into consecutive windows of `ctx` tokens (the last one may be
 shorter; a window needs two tokens). Each window runs as one fresh prefill with the
 engine's attention settings (f32 or int8 KV, exact or block-sparse), so sparse rows use
 the selection of docs/DESIGN.md §3 Sparse selection exactly as a long prompt would; row
 t's logits score token t + 1.
-`kld_ref` runs every window a second time through a float32 exact cache and averages
-KL(P_exact || P_this) over the same rows.
+`kld_ref` runs every window a second time through a float32 exact cache with float32
+activations in every matmul (--f32-act) and averages KL(P_exact || P_this) over the same
+rows: the cost of the int8 KV cache, of sparse attention and of int8 activations together.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ class PplResult:
     ctx: int              # window length
     nll: float            # mean negative log-likelihood (nats)
     seconds: float
-    kld: float | None = None   # mean KL(exact f32 || this run), nats; None without kld_ref
+    kld: float | None = None   # mean KL(exact || this run), nats; None without kld_ref
 
     @property
     def ppl(self) -> float:
@@ -65,7 +67,8 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
         engine: a loaded Engine; its own conversation cache is left alone.
         ids: token ids of the text.
         ctx: window length (default: the engine's context size).
-        kld_ref: also compute the mean KL divergence from exact float32 attention.
+        kld_ref: also compute the mean KL divergence from the exact path (float32 exact
+            attention, float32 activations).
         progress: optional callable(window_index, n_windows) called after each window.
     Returns:
         PplResult.
@@ -91,7 +94,7 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
         ref = None
         if ref_cache is not None:
             ref_cache.reset()
-            ref = model(win, ref_cache, all_logits=True)
+            ref = model(win, ref_cache, all_logits=True, act_q8=False)
         n = win.size - 1                                        # rows 0..n-1 score 1..n
         for r0 in range(0, n, ROWS):
             r1 = min(r0 + ROWS, n)

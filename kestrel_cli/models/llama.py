@@ -29,18 +29,21 @@ class Profile:
 
 class ForwardPass:
     """What one model call shares across its layers: threads, the positions of its tokens,
-    the RoPE tables and the timing profile."""
+    the RoPE tables, the timing profile and the activation mode of quantised matmuls
+    (act_q8: int8 activation blocks, else float32; see kernels.matmul)."""
 
-    __slots__ = ("threads", "positions", "rope", "prof")
+    __slots__ = ("threads", "positions", "rope", "prof", "act_q8")
 
-    def __init__(self, threads: int, positions: np.ndarray, rope, prof: Profile):
+    def __init__(self, threads: int, positions: np.ndarray, rope, prof: Profile,
+                 act_q8: bool):
         self.threads, self.positions, self.rope, self.prof = threads, positions, rope, prof
+        self.act_q8 = act_q8
 
     def project(self, proj: K.Projection, x: np.ndarray, residual=None) -> list[np.ndarray]:
         """proj's outputs for the rows of x (or [residual] after adding into it), timed as
         matmul."""
         t0 = time.perf_counter()
-        outs = proj(x, self.threads, residual)
+        outs = proj(x, self.threads, residual, self.act_q8)
         self.prof.matmul += time.perf_counter() - t0
         return outs
 
@@ -147,10 +150,13 @@ class Model:
     attention_cls = Attention
     layer_cls = DecoderLayer
 
-    def __init__(self, cfg: Config, store: TensorStore, threads: int = 1):
+    def __init__(self, cfg: Config, store: TensorStore, threads: int = 1, act_q8: bool = True):
         V, H = cfg.vocab_size, cfg.hidden_size
         self.cfg = cfg
         self.threads = int(threads or 0)     # OpenMP threads of every kernel call (0: default)
+        # quantised weights meet int8 activation blocks (llama.cpp's choice; False: the
+        # float32 activations of the exact mode, --f32-act)
+        self.act_q8 = bool(act_q8)
         self.embed_tokens = store.matrix(f"{self.prefix}.embed_tokens.weight", (V, H))  # (V, H)
         self.layers = [self.layer_cls(self, cfg, store, i) for i in range(cfg.num_hidden_layers)]
         self.norm = store.vector(f"{self.prefix}.norm.weight", (H,))
@@ -168,13 +174,15 @@ class Model:
         return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_tokens,
                        spec, self.threads)
 
-    def __call__(self, ids, cache: KVCache, all_logits: bool = False) -> np.ndarray:
-        """Run tokens `ids` after the cached ones; logits (T, V) or of the last token (1, V)."""
+    def __call__(self, ids, cache: KVCache, all_logits: bool = False,
+                 act_q8: bool | None = None) -> np.ndarray:
+        """Run tokens `ids` after the cached ones; logits (T, V) or of the last token (1, V).
+        act_q8: this call's activation mode (None: the model's)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         T, pos0 = ids.shape[0], cache.offset
         cache.reserve(T)
         fwd = ForwardPass(self.threads, np.arange(pos0, pos0 + T, dtype=np.int64), self.rope,
-                          self.prof)
+                          self.prof, self.act_q8 if act_q8 is None else bool(act_q8))
         h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)    # residual stream (T, H)
         K.get_rows(self.embed_tokens, ids, h)
         for i, layer in enumerate(self.layers):
