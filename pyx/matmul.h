@@ -63,6 +63,9 @@ typedef struct {
 #define KF_VFAST(name) kf_avx2_x##name
 #define KF_VFAST_ROWS KF_AVX2_ROWS
 #define KF_VFAST_ROWS_DOT(f) kf_avx2_xdot2_##f
+#define KF_VIDOT_ROWS KF_AVX2_IROWS
+#define KF_VIDOT_ROWS_DOT kf_avx2_idot4
+#define KF_VIDOT_ONE kf_avx2_idot1
 #include "matmul_isa.h"
 
 /* ---------------------------------------------------------------- avx512 variant */
