@@ -213,7 +213,7 @@ KF_AVX2_Q4_ROWS(2)
 
 /* The 32 nibbles of a q4 block's 16 bytes at q: low nibbles (elements 0..15) in the low
  * 128 bits, high nibbles (16..31) in the high ones, as u8. */
-KF_TARGET_AVX2 static inline __m256i kf_avx2_nibbles(const uint8_t *q)
+KF_TARGET_AVX2 static inline __m256i kf_avx2_nib32(const uint8_t *q)
 {
     /* both halves get the 16 bytes; the high half's dwords shift right by 4 (the bits
      * crossing a byte boundary are masked off with the other nibble) */
@@ -278,7 +278,7 @@ KF_TARGET_AVX2 static void kf_avx2_idot##R##_q4_0(const int8_t *restrict xq,    
             const uint8_t *blk = w + r * ldw + b * 18;                                      \
             KF_PREFETCH(blk + R * ldw);                                                     \
             const __m256i p = _mm256_sub_epi16(                                             \
-                _mm256_maddubs_epi16(kf_avx2_nibbles(blk + 2), xv), x8);                    \
+                _mm256_maddubs_epi16(kf_avx2_nib32(blk + 2), xv), x8);                    \
             const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));                \
             const __m128 d = _mm_mul_ss(kf_avx2_f16x2(blk), dx);                            \
             acc[r] = _mm256_fmadd_ps(s, _mm256_broadcastss_ps(d), acc[r]);                  \
@@ -308,7 +308,7 @@ KF_TARGET_AVX2 static void kf_avx2_idot##R##_q4_1(const int8_t *restrict xq,    
         for (int r = 0; r < R; r++) {                                                       \
             const uint8_t *blk = w + r * ldw + b * 20;                                      \
             KF_PREFETCH(blk + R * ldw);                                                     \
-            const __m256i p = _mm256_maddubs_epi16(kf_avx2_nibbles(blk + 4), xv);           \
+            const __m256i p = _mm256_maddubs_epi16(kf_avx2_nib32(blk + 4), xv);           \
             const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));                \
             const __m128 dm = _mm_mul_ps(kf_avx2_f16x2(blk), xdm);    /* d dx, m sx[b] */   \
             acc[r] = _mm256_fmadd_ps(s, _mm256_broadcastss_ps(dm), acc[r]);                 \
