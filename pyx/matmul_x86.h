@@ -232,53 +232,33 @@ KF_TARGET_AVX2 static inline __m128 kf_avx2_f16x2(const uint8_t *p)
 }
 
 #define KF_AVX2_I8_ROWS(R)                                                                  \
-KF_TARGET_AVX2 static void kf_avx2_idot##R##_q8_0(const int8_t *restrict xq,               \
-                                                 const float *restrict xd,                 \
-                                                 const uint8_t *restrict w, ptrdiff_t ldw, \
-                                                 ptrdiff_t nb, float *restrict out)        \
+/* q8_0 (q8 = 1) or q4_0 (q8 = 0, a constant where inlined): symmetric weights */        \
+KF_TARGET_AVX2 KF_INLINE void kf_avx2_idot##R##_sym(int q8, const int8_t *restrict xq,     \
+                                                  const float *restrict xd,                \
+                                                  const uint8_t *restrict w, ptrdiff_t ldw,\
+                                                  ptrdiff_t nb, float *restrict out)       \
 {                                                                                           \
-    const __m256i ones = _mm256_set1_epi16(1);                                              \
-    __m256 acc[R];                                                                          \
-    for (int r = 0; r < R; r++)                                                             \
-        acc[r] = _mm256_setzero_ps();                                                       \
-    for (ptrdiff_t b = 0; b < nb; b++) {                                                    \
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * KF_QK));           \
-        const __m128 dx = _mm_set_ss(xd[b]);                                                \
-        KF_UNROLL_ALL                                                                       \
-        for (int r = 0; r < R; r++) {                                                       \
-            const uint8_t *blk = w + r * ldw + b * 34;                                      \
-            KF_PREFETCH_FAR(blk + 4 * R * ldw);                                             \
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));              \
-            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv),                     \
-                                                   _mm256_sign_epi8(xv, wv));               \
-            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));                \
-            const __m128 d = _mm_mul_ss(kf_avx2_f16x2(blk), dx);                            \
-            acc[r] = _mm256_fmadd_ps(s, _mm256_broadcastss_ps(d), acc[r]);                  \
-        }                                                                                   \
-    }                                                                                       \
-    for (int r = 0; r < R; r++)                                                             \
-        out[r] = kf_avx2_hsum(acc[r]);                                                      \
-}                                                                                           \
-                                                                                            \
-KF_TARGET_AVX2 static void kf_avx2_idot##R##_q4_0(const int8_t *restrict xq,               \
-                                                 const float *restrict xd,                 \
-                                                 const uint8_t *restrict w, ptrdiff_t ldw, \
-                                                 ptrdiff_t nb, float *restrict out)        \
-{                                                                                           \
+    const ptrdiff_t bb = q8 ? 34 : 18;                                                      \
     const __m256i ones = _mm256_set1_epi16(1), eights = _mm256_set1_epi8(8);                \
     __m256 acc[R];                                                                          \
     for (int r = 0; r < R; r++)                                                             \
         acc[r] = _mm256_setzero_ps();                                                       \
     for (ptrdiff_t b = 0; b < nb; b++) {                                                    \
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * KF_QK));           \
-        const __m256i x8 = _mm256_maddubs_epi16(eights, xv);                                \
+        const __m256i x8 = q8 ? xv : _mm256_maddubs_epi16(eights, xv);   /* q4_0: 8 x */    \
         const __m128 dx = _mm_set_ss(xd[b]);                                                \
         KF_UNROLL_ALL                                                                       \
         for (int r = 0; r < R; r++) {                                                       \
-            const uint8_t *blk = w + r * ldw + b * 18;                                      \
-            KF_PREFETCH(blk + R * ldw);                                                     \
-            const __m256i p = _mm256_sub_epi16(                                             \
-                _mm256_maddubs_epi16(kf_avx2_nib32(blk + 2), xv), x8);                    \
+            const uint8_t *blk = w + r * ldw + b * bb;                                      \
+            __m256i p;                                     /* int16 pairs of products */    \
+            if (q8) {                                                                       \
+                KF_PREFETCH_FAR(blk + 4 * R * ldw);                                         \
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));          \
+                p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));    \
+            } else {                                                                        \
+                KF_PREFETCH(blk + R * ldw);                                                 \
+                p = _mm256_sub_epi16(_mm256_maddubs_epi16(kf_avx2_nib32(blk + 2), xv), x8); \
+            }                                                                               \
             const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));                \
             const __m128 d = _mm_mul_ss(kf_avx2_f16x2(blk), dx);                            \
             acc[r] = _mm256_fmadd_ps(s, _mm256_broadcastss_ps(d), acc[r]);                  \
@@ -329,9 +309,9 @@ KF_TARGET_AVX2 static void kf_avx2_idot##R(int fmt, const int8_t *restrict xq,  
 {                                                                                           \
     (void)xs;                                                                               \
     if (fmt == KF_Q8_0)                                                                     \
-        kf_avx2_idot##R##_q8_0(xq, xd, w, ldw, nb, out);                                    \
+        kf_avx2_idot##R##_sym(1, xq, xd, w, ldw, nb, out);                                  \
     else if (fmt == KF_Q4_0)                                                                \
-        kf_avx2_idot##R##_q4_0(xq, xd, w, ldw, nb, out);                                    \
+        kf_avx2_idot##R##_sym(0, xq, xd, w, ldw, nb, out);                                  \
     else                                                                                    \
         kf_avx2_idot##R##_q4_1(xq, xd, sx, w, ldw, nb, out);                                \
 }
