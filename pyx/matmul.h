@@ -63,6 +63,9 @@ typedef struct {
 #define KF_VFAST(name) kf_avx2_x##name
 #define KF_VFAST_ROWS KF_AVX2_ROWS
 #define KF_VFAST_ROWS_DOT(f) kf_avx2_xdot2_##f
+#define KF_VIDOT_ROWS KF_AVX2_IROWS
+#define KF_VIDOT_ROWS_DOT kf_avx2_idot4
+#define KF_VIDOT_ONE kf_avx2_idot1
 #include "matmul_isa.h"
 
 /* ---------------------------------------------------------------- avx512 variant */
@@ -235,11 +238,14 @@ static inline size_t kf_act_bytes(ptrdiff_t n)
 }
 
 /* Fill a for x[n] in `scratch` (kf_act_bytes(n)): block sums always, the int8 form when
- * `int8` (n a multiple of 32): d = amax / 127, xq = rint(x / d), as llama.cpp's Q8_1. */
+ * `int8` (n a multiple of 32): d = amax / 127, xq = rint(x / d), as llama.cpp's Q8_1.
+ * Once per call, so it must cost next to nothing beside the GEMV. Measured (one Zen 3
+ * core, this baseline SSE2 code): n = 8192 ~10 us (2.6 of it the float sums), n = 2048
+ * ~3 us, against ~900 us for a 2048 x 8192 q4_0 int8 GEMV from DRAM: ~1%. */
 KF_NO_CONTRACT static void kf_prep_act(const float *x, ptrdiff_t n, int int8, void *scratch,
                                        kf_act *a)
 {
-    ptrdiff_t nb = n / KF_QK;
+    ptrdiff_t nb = n / KF_QK, b = 0;
     float *sx = (float *)scratch;                         /* (nb,) */
     float *xd = sx + nb + 1;                              /* (nb,) */
     int32_t *xs = (int32_t *)(xd + nb + 1);               /* (nb,) */
@@ -249,22 +255,35 @@ KF_NO_CONTRACT static void kf_prep_act(const float *x, ptrdiff_t n, int int8, vo
     a->xq = NULL;
     a->xd = xd;
     a->xs = xs;
-    for (ptrdiff_t b = 0; b < nb; b++) {
-        const float *xb = x + b * KF_QK;
+    /* each block's sum in k order; 8 blocks side by side (independent chains) */
+    for (; b + 8 <= nb; b += 8) {
+        float s[8] = {0};
+        for (int k = 0; k < KF_QK; k++)
+            for (int j = 0; j < 8; j++)
+                s[j] += x[(b + j) * KF_QK + k];
+        memcpy(sx + b, s, sizeof s);
+    }
+    for (; b < nb; b++) {
         float s = 0.0f;
         for (int k = 0; k < KF_QK; k++)
-            s += xb[k];
+            s += x[b * KF_QK + k];
         sx[b] = s;
     }
     if (!int8)
         return;
-    for (ptrdiff_t b = 0; b < nb; b++) {
+    for (b = 0; b < nb; b++) {
         const float *xb = x + b * KF_QK;
-        float amax = 0.0f;
+        /* amax through the bits of |x|: ordered as the floats (NaN aside), and an
+         * integer max the vectoriser takes (a float one it must keep in order) */
+        uint32_t m = 0;
         for (int k = 0; k < KF_QK; k++) {
-            float v = fabsf(xb[k]);
-            amax = v > amax ? v : amax;
+            uint32_t u;
+            memcpy(&u, xb + k, sizeof u);
+            u &= 0x7fffffffu;
+            m = u > m ? u : m;
         }
+        float amax;
+        memcpy(&amax, &m, sizeof amax);
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
         int32_t s = 0;
         for (int k = 0; k < KF_QK; k++) {

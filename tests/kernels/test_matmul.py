@@ -281,6 +281,118 @@ def test_int8_activations(isa, fmt, n):
                                                       act_q8=True))
 
 
+def q8_weight(qs: np.ndarray, d: float = 0.01) -> Weight:
+    """A q8_0 weight with the given int8 values (rows, n) and one scale d everywhere."""
+    rows, n = qs.shape
+    blocks = np.empty((rows, n // QK, 34), np.uint8)
+    blocks[:, :, 0:2] = np.full((rows, n // QK), d, np.float16).view(np.uint8).reshape(
+        rows, n // QK, 2)
+    blocks[:, :, 2:] = qs.astype(np.int8).view(np.uint8).reshape(rows, n // QK, QK)
+    return Weight("q8_0", blocks.reshape(rows, -1), (rows, n))
+
+
+def q4_weight(fmt: str, nib: np.ndarray, d: float = 0.01, m: float = -0.03) -> Weight:
+    """A q4_0 / q4_1 weight with the given nibbles (rows, n) in 0..15."""
+    rows, n = nib.shape
+    nb, o = n // QK, 2 if fmt == "q4_0" else 4
+    blocks = np.zeros((rows, nb, BLOCK_BYTES[fmt]), np.uint8)
+    blocks[:, :, 0:2] = np.full((rows, nb), d, np.float16).view(np.uint8).reshape(rows, nb, 2)
+    if fmt == "q4_1":
+        blocks[:, :, 2:4] = np.full((rows, nb), m, np.float16).view(np.uint8).reshape(
+            rows, nb, 2)
+    u = nib.reshape(rows, nb, QK).astype(np.uint8)
+    blocks[:, :, o:o + 16] = u[:, :, :16] | (u[:, :, 16:] << 4)
+    return Weight(fmt, blocks.reshape(rows, -1), (rows, n))
+
+
+def extreme_activations(n: int) -> np.ndarray:
+    """(4, n) rows whose int8 form is +-127 (or 0) everywhere: every block all +c, all -c,
+    alternating in pairs, a sign per element."""
+    rng = np.random.default_rng(5)
+    c = np.float32(3.5)
+    alt = np.tile(np.array([1, 1, -1, -1], np.float32), n // 4)
+    signs = rng.choice(np.array([-1, 1], np.float32), n)
+    return np.stack([np.full(n, c), np.full(n, -c), c * alt, c * signs]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_int8_activations_extremes(isa, fmt):
+    """Weights and int8 activations at the ends of their ranges (q8_0 -128 / 127, nibbles
+    0 / 15, x at +-127): the integer block sums must not saturate anywhere (the x86
+    vpmaddubsw sums pairs of products in int16), so the result stays within float32
+    rounding of the exact model."""
+    n = 256
+    rng = np.random.default_rng(6)
+    if fmt == "q8_0":
+        lo, hi = -128, 127
+        pats = [np.full(n, hi), np.full(n, lo), np.tile([hi, lo], n // 2),
+                np.tile([lo, lo, hi, hi], n // 4), rng.choice([lo, hi], n),
+                np.tile([hi, hi, lo, lo], n // 4)]
+        w = q8_weight(np.stack(pats * 2)[:11])
+    else:
+        pats = [np.full(n, 15), np.zeros(n, int), np.tile([15, 0], n // 2),
+                rng.choice([0, 15], n), np.tile([0, 0, 15, 15], n // 4)]
+        w = q4_weight(fmt, np.stack(pats * 2)[:9])
+    d = w.shape[0]
+    for x in extreme_activations(n):
+        x = x[None, :]
+        q, _ = q8_activations(x[0])
+        assert np.all(np.abs(q) == 127)
+        out = kernels.matmul(x, w, np.empty((1, d), np.float32), 1, act_q8=True)
+        ref = int8_reference(x, w)
+        scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+        assert np.all(np.abs(out - ref) <= 1e-6 * scale), (out, ref)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_int8_activations_rows_and_threads(isa, fmt):
+    """Every row's result is the same bits whichever rows share its kernel call (rows
+    per call, remainders, the thread split, grouped weights): computed alone, in row
+    counts that are not a multiple of the rows per call, with 1 and 2 threads."""
+    n = 320
+    rng = np.random.default_rng([FORMATS.index(fmt), 77])
+    w = make_weight(fmt, 263, n, rng)
+    x = rng.standard_normal((1, n)).astype(np.float32)
+    full = kernels.matmul(x, w, np.empty((1, 263), np.float32), 1, act_q8=True)
+    np.testing.assert_array_equal(
+        full, kernels.matmul(x, w, np.empty((1, 263), np.float32), 2, act_q8=True))
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+    assert np.all(np.abs(full - int8_reference(x, w)) <= 1e-5 * scale)
+    for r0, r1 in [(0, 1), (5, 6), (3, 10), (1, 8), (130, 133), (259, 263), (7, 262)]:
+        sub = Weight(fmt, w.data[r0:r1], (r1 - r0, n))
+        for threads in (1, 2):
+            np.testing.assert_array_equal(
+                kernels.matmul(x, sub, np.empty((1, r1 - r0), np.float32), threads,
+                               act_q8=True), full[:, r0:r1])
+    parts = [Weight(fmt, w.data[a:b], (b - a, n)) for a, b in [(0, 3), (3, 134), (134, 263)]]
+    g = kernels.GemvGroup(parts)
+    for threads in (1, 2):
+        out = np.empty((1, 263), np.float32)
+        g(x, out, threads, act_q8=True)
+        np.testing.assert_array_equal(out, full)
+
+
+def test_int8_activations_variants_agree():
+    """Each variant's int8 dots against the portable ones: float32 rounding apart."""
+    rng = np.random.default_rng(23)
+    before = kernels.isa()
+    try:
+        for fmt in ("q8_0", "q4_0", "q4_1"):
+            for d, n in ((67, 576), (9, 2048)):
+                w = make_weight(fmt, d, n, rng)
+                x = rng.standard_normal((1, n)).astype(np.float32)
+                outs = []
+                for v in VARIANTS:
+                    kernels.set_isa(v)
+                    outs.append(kernels.matmul(x, w, np.empty((1, d), np.float32), 2,
+                                               act_q8=True))
+                scale = np.abs(x) @ np.abs(w.dequantize()).T
+                for o in outs[1:]:
+                    assert np.all(np.abs(o - outs[0]) <= 2e-6 * scale)
+    finally:
+        kernels.set_isa(before)
+
+
 def test_int8_activations_only_for_one_token_and_blocks():
     """act_q8 leaves float weights and prompts (T > 1) on the exact float path."""
     rng = np.random.default_rng(2)
