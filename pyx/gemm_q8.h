@@ -22,10 +22,12 @@
  * 8 pmaddubsw (q4: summed in int16, <= 8 * 2 * 15 * 127 < 2^15; q8_0: each widened with
  * pmaddwd first) or 8 vpdpbusd, one int32 -> float conversion and one FMA.
  *
- * Work: the (row block, token block) grid, items row-block major; each thread runs one
- * contiguous range of items and packs a row block's panel when it reaches it (a weight row
- * is read from memory ~once per thread boundary). The token blocks exist only to keep many
- * threads busy when there are few row blocks.
+ * Work: one parallel region (kf_gemm_q8_thread): each thread quantises a slice of the
+ * tokens, then, after one barrier, runs one contiguous range of the items of the
+ * (row block, token block) grid, row-block major, packing a row block's panel when it
+ * reaches it (a weight row is read from memory ~once, twice where a thread boundary cuts
+ * its row block). The token blocks exist only to keep many threads busy when there are
+ * few row blocks.
  */
 #ifndef KESTREL_GEMM_Q8_H
 #define KESTREL_GEMM_Q8_H
@@ -451,6 +453,25 @@ static void kf_gemm_q8_items(const kf_q8_plan *p, const uint8_t *w, ptrdiff_t ld
             t += nt;
         }
     }
+}
+
+/* One thread's whole share of the matmul, called by every thread of one OpenMP parallel
+ * region (or alone): its slice of the tokens quantised, a barrier, its contiguous range of
+ * the grid's items. The partition follows the team OpenMP actually gave (at most the nt
+ * the plan was made for: one panel each). */
+static void kf_gemm_q8_thread(kf_q8_plan *p, const float *x, ptrdiff_t ldx, const uint8_t *w,
+                              ptrdiff_t ldw, float *out, ptrdiff_t ldo)
+{
+#ifdef _OPENMP
+    const ptrdiff_t c = omp_get_thread_num(), m = omp_get_num_threads();
+#else
+    const ptrdiff_t c = 0, m = 1;
+#endif
+    kf_gemm_q8_prep(p, x, ldx, p->T * c / m, p->T * (c + 1) / m);
+#ifdef _OPENMP
+    _Pragma("omp barrier")
+#endif
+    kf_gemm_q8_items(p, w, ldw, out, ldo, p->items * c / m, p->items * (c + 1) / m, (int)c);
 }
 
 #endif /* KESTREL_GEMM_Q8_H */

@@ -35,10 +35,8 @@ cdef extern from "matmul.h" nogil:
     void kf_gemm_q8_plan(int fmt, Py_ssize_t d, Py_ssize_t n, Py_ssize_t T, int nt,
                          kf_q8_plan *p) noexcept
     void kf_gemm_q8_bind(kf_q8_plan *p, void *mem) noexcept
-    void kf_gemm_q8_prep(kf_q8_plan *p, const float *x, Py_ssize_t ldx, Py_ssize_t t0,
-                         Py_ssize_t t1) noexcept
-    void kf_gemm_q8_items(const kf_q8_plan *p, const uint8_t *w, Py_ssize_t ldw, float *out,
-                          Py_ssize_t ldo, Py_ssize_t i0, Py_ssize_t i1, int thread) noexcept
+    void kf_gemm_q8_thread(kf_q8_plan *p, const float *x, Py_ssize_t ldx, const uint8_t *w,
+                           Py_ssize_t ldw, float *out, Py_ssize_t ldo) noexcept
     void kf_gemv_swiglu(const int32_t *fmts, const uint64_t *w, const int64_t *ldws,
                         const kf_act *a, Py_ssize_t n, Py_ssize_t r0, Py_ssize_t r1,
                         float *out, int accumulate) noexcept
@@ -124,10 +122,10 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
 
 cdef _gemm_q8(const float[:, ::1] x, const uint8_t[:, ::1] w, int fmt, float[:, ::1] out,
               int n_threads):
-    """The T > 1 matmul with int8 activations (gemm_q8.h): the tokens are quantised once
-    (threads over tokens), then the threads split the (row block, token block) grid into
-    contiguous ranges of items, each with its own packed panel."""
-    cdef Py_ssize_t T = x.shape[0], n = x.shape[1], d = w.shape[0], c, t0, t1
+    """The T > 1 matmul with int8 activations (gemm_q8.h), one parallel region: each
+    thread quantises a slice of the tokens, then (after a barrier) runs a contiguous range
+    of the (row block, token block) grid with its own packed panel."""
+    cdef Py_ssize_t T = x.shape[0], n = x.shape[1], d = w.shape[0]
     cdef kf_q8_plan plan
     cdef kf_q8_plan *pp = &plan
     cdef void *scratch
@@ -142,16 +140,10 @@ cdef _gemm_q8(const float[:, ::1] x, const uint8_t[:, ::1] w, int fmt, float[:, 
     kf_gemm_q8_bind(&plan, scratch)
     if nt == 1:
         with nogil:
-            kf_gemm_q8_prep(&plan, &x[0, 0], n, 0, T)
-            kf_gemm_q8_items(&plan, &w[0, 0], w.shape[1], &out[0, 0], d, 0, plan.items, 0)
+            kf_gemm_q8_thread(&plan, &x[0, 0], n, &w[0, 0], w.shape[1], &out[0, 0], d)
         return
     with nogil, parallel(num_threads=nt):
-        for c in prange(nt, schedule="static", chunksize=1):
-            kf_gemm_q8_prep(pp, &x[0, 0], n, T * c // nt, T * (c + 1) // nt)
-    with nogil, parallel(num_threads=nt):
-        for c in prange(nt, schedule="static", chunksize=1):
-            kf_gemm_q8_items(pp, &w[0, 0], w.shape[1], &out[0, 0], d,
-                             pp.items * c // nt, pp.items * (c + 1) // nt, <int>c)
+        kf_gemm_q8_thread(pp, &x[0, 0], n, &w[0, 0], w.shape[1], &out[0, 0], d)
 
 
 DEF MAX_GROUP = 8
