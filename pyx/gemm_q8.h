@@ -15,19 +15,21 @@
  *   q4_0: u = the nibble 0..15, c = 8;  q4_1: u = the nibble, c = 0, plus m_w * sx.
  *
  * Weights are repacked, one row block at a time (an L2-sized panel, kq_pack), so that the
- * SIMD lanes are weight rows (lanes = int32 dot sums of KQ_GR rows): for a group of GR rows
- * and block b the panel holds 8 vectors, vector g = for each row r the 4 bytes u_r[4g..4g+3]
- * (the vpdpbusd / pmaddubsw+pmaddwd operand order), then GR float scales d_w (then GR m_w for
- * q4_1). A token's 4 activation bytes are broadcast to every lane. Per group x token x block:
- * 8 pmaddubsw (q4: summed in int16, <= 8 * 2 * 15 * 127 < 2^15; q8_0: each widened with
- * pmaddwd first) or 8 vpdpbusd, one int32 -> float conversion and one FMA.
+ * SIMD lanes are weight rows (int32 dot sums of GR rows: 8, 16 under AVX-512): for a group
+ * of GR rows and block b the panel holds 8 vectors, vector g = for each row r the 4 bytes
+ * u_r[4g..4g+3] (the vpdpbusd / pmaddubsw+pmaddwd operand order), then GR float scales d_w
+ * (then GR m_w for q4_1). A token's 4 activation bytes are broadcast to every lane. Per
+ * group x token x block: 8 pmaddubsw (q4: summed in int16, <= 8 * 2 * 15 * 127 < 2^15;
+ * q8_0: each widened with pmaddwd first) or 8 vpdpbusd, one int32 -> float conversion, a
+ * multiply and an FMA.
  *
  * Work: one parallel region (kf_gemm_q8_thread): each thread quantises a slice of the
  * tokens, then, after one barrier, runs one contiguous range of the items of the
  * (row block, token block) grid, row-block major, packing a row block's panel when it
  * reaches it (a weight row is read from memory ~once, twice where a thread boundary cuts
- * its row block). The token blocks exist only to keep many threads busy when there are
- * few row blocks.
+ * its row block). Row blocks are sized evenly, as many as a multiple of the threads where
+ * the rows allow; token blocks exist only to keep many threads busy when there are few
+ * row blocks.
  */
 #ifndef KESTREL_GEMM_Q8_H
 #define KESTREL_GEMM_Q8_H
@@ -50,7 +52,10 @@
 /* formats as kernel kinds */
 enum { KQ_Q8_0 = 0, KQ_Q4_0 = 1, KQ_Q4_1 = 2 };
 
-static inline int kq_kind(int fmt) { return fmt == KF_Q8_0 ? KQ_Q8_0 : fmt == KF_Q4_0 ? KQ_Q4_0 : KQ_Q4_1; }
+static inline int kq_kind(int fmt)
+{
+    return fmt == KF_Q8_0 ? KQ_Q8_0 : (fmt == KF_Q4_0 ? KQ_Q4_0 : KQ_Q4_1);
+}
 
 /* Panel bytes per block of one group of gr rows: 32 gr quant bytes, gr d_w (and m_w). */
 static inline ptrdiff_t kq_block_bytes(int kind, int gr)
@@ -391,13 +396,19 @@ static void kf_gemm_q8_plan(int fmt, ptrdiff_t d, ptrdiff_t n, ptrdiff_t T, int 
     const ptrdiff_t row_bytes = kq_block_bytes(p->kind, v->gr) / v->gr * (p->nb > 0 ? p->nb : 1);
     ptrdiff_t rb = KQ_PANEL_BYTES / row_bytes / v->gr * v->gr;
     rb = rb < v->gr ? v->gr : (rb > 256 ? 256 : rb);
-    const ptrdiff_t dr = (d + v->gr - 1) / v->gr * v->gr;
-    p->rb = rb < dr ? rb : dr;
-    p->nrb = (d + p->rb - 1) / p->rb;
-    /* token blocks only when the row blocks alone leave threads idle: >= 8 items a thread */
-    ptrdiff_t ntb = (8 * (ptrdiff_t)nt + p->nrb - 1) / p->nrb;
-    const ptrdiff_t tiles = (T + v->rn - 1) / v->rn;
-    ntb = ntb < 1 ? 1 : (ntb > tiles ? tiles : ntb);
+    /* Balance: items of equal size, a multiple of nt of them where the rows allow (the row
+     * blocks), else at least 4 a thread (token blocks: few row blocks, many threads). */
+    ptrdiff_t nrb = (d + rb - 1) / rb, ntb = 1;
+    if (nrb >= nt) {
+        nrb = (nrb + nt - 1) / nt * nt;
+    } else {
+        const ptrdiff_t tiles = (T + v->rn - 1) / v->rn;
+        ntb = (4 * (ptrdiff_t)nt + nrb - 1) / nrb;
+        ntb = ntb > tiles ? tiles : ntb;
+    }
+    rb = ((d + nrb - 1) / nrb + v->gr - 1) / v->gr * v->gr;
+    p->rb = rb;
+    p->nrb = (d + rb - 1) / rb;
     p->tb = ((T + ntb - 1) / ntb + v->rn - 1) / v->rn * v->rn;
     p->ntb = (T + p->tb - 1) / p->tb;
     p->items = p->nrb * p->ntb;

@@ -293,7 +293,8 @@ def test_int8_activations_only_for_quantised_weights():
         for T in (1, 3):
             x = rng.standard_normal((T, 64)).astype(np.float32)
             a = kernels.matmul(x, w, np.empty((T, 16), np.float32), 1, act_q8=True)
-            np.testing.assert_array_equal(a, kernels.matmul(x, w, np.empty((T, 16), np.float32), 1))
+            b = kernels.matmul(x, w, np.empty((T, 16), np.float32), 1)
+            np.testing.assert_array_equal(a, b)
     w = make_weight("q8_0", 16, 64, rng)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     out = kernels.matmul(x, w, np.empty((3, 16), np.float32), 1, True)
@@ -329,10 +330,11 @@ def test_int8_gemm_block_model(isa, fmt, d, n, T):
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_int8_gemm_threads_bit_identical(isa, fmt):
-    """Big enough for several row blocks, token blocks and threads: the tiling differs
-    between 1 and 2 threads, the bits do not; long rows (8192) stay within rounding."""
+    """Big enough for two threads: several row blocks (300 x 2048), or one row block split
+    into token blocks (200 x 96); the tiling differs between 1 and 2 threads, the bits do
+    not. Long rows (8192) stay within rounding."""
     rng = np.random.default_rng([FORMATS.index(fmt), 5])
-    for d, n, T in ((300, 2048, 37), (45, 8192, 9)):
+    for d, n, T in ((300, 2048, 37), (200, 96, 67), (45, 8192, 9)):
         w = make_weight(fmt, d, n, rng)
         x = rng.standard_normal((T, n)).astype(np.float32)
         out = int8_gemm(x, w, 1)
