@@ -95,17 +95,19 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
     """out = x @ W.T with W the dequantised weight.
 
     One token (T == 1) runs a GEMV, more run a blocked GEMM (row panels dequantised to
-    float32 once, register-tiled micro-kernel); both sum each output in a fixed order,
-    so the thread count never changes a bit.
+    float32 once, register-tiled micro-kernel; with act_q8, an int8 GEMM over repacked
+    row panels, docs/DESIGN.md §5); all sum each output in a fixed order, so the thread
+    count never changes a bit.
 
     Args:
         x: float32 (T, n), C-contiguous.
         w: Weight of any format, logical shape (d, n); its data may be a read-only memmap.
         out: float32 (T, d), C-contiguous, written.
         threads: OpenMP threads (None/0: default).
-        act_q8: with T == 1 and a q8_0/q4_0/q4_1 weight, quantise x to int8 blocks of 32
-            (llama.cpp's Q8_0 activations) and use integer block dots: faster, but not
-            the exact float result (relative error ~1e-2 per output). Ignored otherwise.
+        act_q8: with a q8_0/q4_0/q4_1 weight, quantise each row of x to int8 blocks of
+            32 (llama.cpp's Q8_0 activations, the same int8 form for one token and for
+            many) and use integer block dots: faster, but not the exact float result
+            (relative error ~1e-2 per output). Float weights ignore it.
     Returns:
         out.
     """

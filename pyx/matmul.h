@@ -312,4 +312,7 @@ static inline void kf_quantize_row(int fmt, const uint8_t *w, ptrdiff_t n, int t
     }
 }
 
+/* The prefill GEMM with int8 activations (matmul act_q8, T > 1): its own header. */
+#include "gemm_q8.h"
+
 #endif /* KESTREL_MATMUL_H */

@@ -8,6 +8,7 @@ cdef extern from "matmul.h" nogil:
         KF_QK
         KF_Q8_0
         KF_Q4_0
+        KF_Q4_1
     void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
     ctypedef struct kf_act:
         pass
@@ -28,6 +29,14 @@ cdef extern from "matmul.h" nogil:
     void kf_gemv_multi_acc(int k, const int32_t *fmts, const uint64_t *w, const int64_t *offs,
                            const int64_t *ldws, const kf_act *a, Py_ssize_t n, Py_ssize_t r0,
                            Py_ssize_t r1, float *out, int accumulate) noexcept
+    ctypedef struct kf_q8_plan:
+        Py_ssize_t items
+        size_t bytes
+    void kf_gemm_q8_plan(int fmt, Py_ssize_t d, Py_ssize_t n, Py_ssize_t T, int nt,
+                         kf_q8_plan *p) noexcept
+    void kf_gemm_q8_bind(kf_q8_plan *p, void *mem) noexcept
+    void kf_gemm_q8_thread(kf_q8_plan *p, const float *x, Py_ssize_t ldx, const uint8_t *w,
+                           Py_ssize_t ldw, float *out, Py_ssize_t ldo) noexcept
     void kf_gemv_swiglu(const int32_t *fmts, const uint64_t *w, const int64_t *ldws,
                         const kf_act *a, Py_ssize_t n, Py_ssize_t r0, Py_ssize_t r1,
                         float *out, int accumulate) noexcept
@@ -58,7 +67,7 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
            int fmt,                        # IN  KF_* code of w's format
            float[:, ::1] out,              # OUT (T, d)
            int n_threads,
-           bint act_q8=False):             # IN  one token: int8 activations (q formats)
+           bint act_q8=False):             # IN  int8 activations (q formats, n % 32 == 0)
     """out := x @ dequantise(w).T"""
     cdef Py_ssize_t T = x.shape[0], n = x.shape[1], d = w.shape[0], ldw = w.shape[1]
     cdef Py_ssize_t b, c, nb, rb, i0, nr, mr
@@ -89,6 +98,9 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
                 kf_gemv_rows(fmt, &a, n, &w[0, 0], ldw, split(d, c, nt), split(d, c + 1, nt),
                              &out[0, 0])
         return
+    if act_q8 and n % KF_QK == 0 and (fmt == KF_Q8_0 or fmt == KF_Q4_0 or fmt == KF_Q4_1):
+        _gemm_q8(x, w, fmt, out, n_threads)
+        return
     # GEMM: each row block is dequantised once into panels, then dotted with every token
     nt = team_size(n_threads, d, 16)
     mr = kf_gemm_mr()
@@ -106,6 +118,32 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
             kf_gemm_rows(fmt, &w[i0, 0], ldw, nr, n, &x[0, 0], n, T, &out[0, i0], d, panels)
     if failed:
         raise MemoryError("matmul: could not allocate thread scratch")
+
+
+cdef _gemm_q8(const float[:, ::1] x, const uint8_t[:, ::1] w, int fmt, float[:, ::1] out,
+              int n_threads):
+    """The T > 1 matmul with int8 activations (gemm_q8.h), one parallel region: each
+    thread quantises a slice of the tokens, then (after a barrier) runs a contiguous range
+    of the (row block, token block) grid with its own packed panel."""
+    cdef Py_ssize_t T = x.shape[0], n = x.shape[1], d = w.shape[0]
+    cdef kf_q8_plan plan
+    cdef kf_q8_plan *pp = &plan
+    cdef void *scratch
+    cdef int nt = team_size(n_threads, d * T, 4096)
+    kf_gemm_q8_plan(fmt, d, n, T, nt, &plan)
+    if plan.items < nt:
+        nt = <int>plan.items
+        kf_gemm_q8_plan(fmt, d, n, T, nt, &plan)
+    scratch = kf_scratch(plan.bytes)
+    if scratch == NULL:
+        raise MemoryError("matmul: could not allocate scratch")
+    kf_gemm_q8_bind(&plan, scratch)
+    if nt == 1:
+        with nogil:
+            kf_gemm_q8_thread(&plan, &x[0, 0], n, &w[0, 0], w.shape[1], &out[0, 0], d)
+        return
+    with nogil, parallel(num_threads=nt):
+        kf_gemm_q8_thread(pp, &x[0, 0], n, &w[0, 0], w.shape[1], &out[0, 0], d)
 
 
 DEF MAX_GROUP = 8

@@ -243,9 +243,12 @@ def q8_activations(x: np.ndarray):
 
 
 def int8_reference(x: np.ndarray, w: Weight) -> np.ndarray:
-    """sum_b d_w d_x sum_k q_w q_x (+ m_b sum_k x for q4_1), in float64."""
-    q, dx = q8_activations(x[0])
-    nb = q.shape[0]
+    """(T, d): per token row of x, sum_b d_w d_x sum_k q_w q_x (+ m_b sum_k x for q4_1),
+    in float64."""
+    T, n = x.shape
+    nb = n // QK
+    q, dx = q8_activations(x)
+    q, dx = q.reshape(T, nb, QK), dx.reshape(T, nb)
     blocks = w.data.reshape(w.shape[0], nb, BLOCK_BYTES[w.fmt])
     dw = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float64)[:, :, 0]
     if w.fmt == "q8_0":
@@ -256,11 +259,11 @@ def int8_reference(x: np.ndarray, w: Weight) -> np.ndarray:
         qw = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.float64)
         if w.fmt == "q4_0":
             qw -= 8
-    isum = np.einsum("rbk,bk->rb", qw, q.astype(np.float64))
-    out = (dw * dx[None, :].astype(np.float64) * isum).sum(axis=1)
+    isum = np.einsum("rbk,tbk->trb", qw, q.astype(np.float64))
+    out = (dw[None] * dx[:, None, :].astype(np.float64) * isum).sum(axis=2)
     if w.fmt == "q4_1":
         m = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64)[:, :, 0]
-        out += (m * x[0].reshape(nb, QK).astype(np.float64).sum(axis=1)[None, :]).sum(axis=1)
+        out += x.reshape(T, nb, QK).astype(np.float64).sum(axis=2) @ m.T
     return out
 
 
@@ -393,18 +396,96 @@ def test_int8_activations_variants_agree():
         kernels.set_isa(before)
 
 
-def test_int8_activations_only_for_one_token_and_blocks():
-    """act_q8 leaves float weights and prompts (T > 1) on the exact float path."""
+def test_int8_activations_only_for_quantised_weights():
+    """act_q8 leaves float weights on the exact float path; a prompt (T > 1) on a quantised
+    weight takes the int8 GEMM (was: the float path; the int8 GEMM tests are below)."""
     rng = np.random.default_rng(2)
     for fmt in ("f32", "bf16"):
         w = make_weight(fmt, 16, 64, rng)
-        x = rng.standard_normal((1, 64)).astype(np.float32)
-        a = kernels.matmul(x, w, np.empty((1, 16), np.float32), 1, act_q8=True)
-        np.testing.assert_array_equal(a, kernels.matmul(x, w, np.empty((1, 16), np.float32), 1))
+        for T in (1, 3):
+            x = rng.standard_normal((T, 64)).astype(np.float32)
+            a = kernels.matmul(x, w, np.empty((T, 16), np.float32), 1, act_q8=True)
+            b = kernels.matmul(x, w, np.empty((T, 16), np.float32), 1)
+            np.testing.assert_array_equal(a, b)
     w = make_weight("q8_0", 16, 64, rng)
     x = rng.standard_normal((3, 64)).astype(np.float32)
-    np.testing.assert_array_equal(kernels.matmul(x, w, np.empty((3, 16), np.float32), 1, True),
-                                  kernels.matmul(x, w, np.empty((3, 16), np.float32), 1))
+    out = kernels.matmul(x, w, np.empty((3, 16), np.float32), 1, True)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+    assert np.all(np.abs(out - int8_reference(x, w)) <= 1e-5 * scale)
+
+
+# ------------------------------------------------------------------ int8 GEMM (T > 1)
+
+def int8_gemm(x, w, threads):
+    out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
+    return kernels.matmul(x, w, out, threads, act_q8=True)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("d,n", [(53, 96), (37, 576), (19, 32)])
+@pytest.mark.parametrize("T", [2, 3, 17, 67])
+def test_int8_gemm_block_model(isa, fmt, d, n, T):
+    """T > 1 with act_q8: within float32 rounding of the integer-block model, row t within
+    rounding of token t's GEMV (the same int8 form of the token), d not a multiple of any
+    tile's rows, T of any tile's tokens."""
+    rng = np.random.default_rng([FORMATS.index(fmt), d, n, T])
+    w = make_weight(fmt, d, n, rng)
+    x = rng.standard_normal((T, n)).astype(np.float32)
+    x[1, :QK] = 0.0                                      # an all-zero block: d_x = 0
+    out = int8_gemm(x, w, 2)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+    assert np.all(np.abs(out - int8_reference(x, w)) <= 1e-5 * scale)
+    gemv = np.concatenate([kernels.matmul(x[t:t + 1], w, np.empty((1, d), np.float32), 1,
+                                          act_q8=True) for t in range(T)])
+    assert np.all(np.abs(out - gemv) <= 2e-6 * scale)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_int8_gemm_threads_bit_identical(isa, fmt):
+    """Big enough for two threads: several row blocks (300 x 2048), or one row block split
+    into token blocks (200 x 96); the tiling differs between 1 and 2 threads, the bits do
+    not. Long rows (8192) stay within rounding."""
+    rng = np.random.default_rng([FORMATS.index(fmt), 5])
+    for d, n, T in ((300, 2048, 37), (200, 96, 67), (45, 8192, 9)):
+        w = make_weight(fmt, d, n, rng)
+        x = rng.standard_normal((T, n)).astype(np.float32)
+        out = int8_gemm(x, w, 1)
+        np.testing.assert_array_equal(out, int8_gemm(x, w, 2))
+        scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+        assert np.all(np.abs(out - int8_reference(x, w)) <= 1e-5 * scale)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_int8_gemm_saturation_extremes(isa, fmt):
+    """Largest products of every sign: q8_0 weights -128 / 127 (a u8 x s8 pair sum of
+    2 * 128 * 127 must not saturate int16), q4 nibbles 15 / 0 (int16 sums of 8 pairs), with
+    activations at +-127 after quantisation; scales 1 make every integer visible."""
+    rng = np.random.default_rng(9)
+    d, n, T = 24, 128, 5
+    nb = n // QK
+    raw = np.zeros((d, nb, BLOCK_BYTES[fmt]), np.uint8)
+    one = np.array([1.0], np.float16).view(np.uint8)
+    raw[:, :, 0:2] = one
+    if fmt == "q8_0":
+        q = rng.choice(np.array([-128, 127, -127], np.int8), size=(d, nb, QK))
+        q[0], q[1] = -128, 127
+        raw[:, :, 2:] = q.view(np.uint8)
+    else:
+        o = 2 if fmt == "q4_0" else 4
+        if fmt == "q4_1":
+            raw[:, :, 2:4] = np.array([-3.0], np.float16).view(np.uint8)
+        nib = rng.choice(np.array([0, 15], np.uint8), size=(d, nb, QK))
+        nib[0], nib[1] = 15, 0
+        raw[:, :, o:o + 16] = nib[:, :, :16] | (nib[:, :, 16:] << 4)
+    w = Weight(fmt, raw.reshape(d, -1), (d, n))
+    x = rng.choice(np.array([-1.0, 1.0], np.float32), size=(T, n))
+    x[0], x[1] = 1.0, -1.0
+    out = int8_gemm(x, w, 2)
+    ref = int8_reference(x, w)
+    scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
+    assert np.all(np.abs(out - ref) <= 1e-6 * scale)
+    q8x = q8_activations(x)[0]
+    assert np.abs(q8x).max() == 127
 
 
 # ------------------------------------------------------------------ grouped GEMV

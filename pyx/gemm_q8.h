@@ -1,0 +1,488 @@
+/* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 weights with int8 activations
+ * (kestrel_cli.kernels.matmul act_q8; docs/DESIGN.md §5 Kernels and ISAs).
+ *
+ * The model: every token row is quantised once per matmul by kf_prep_act (matmul.h), the
+ * same code the GEMV uses, so a token's int8 form is the same in both: per block b of 32,
+ * xd = amax / 127, xq = rint(x / xd), xs = sum_k xq, sx = sum_k x. Then per weight row r,
+ * token t and block b the integer dot is exact in int32:
+ *     I = sum_k u_rk xq_tk - c xs_tb        (u: the weight as stored in the panel)
+ *     acc[r][t] += (d_w[r] * xd[t]) * I     (q4_1 also: acc[r][t] += m_w[r] * sx[t])
+ * in float, one chain per output in block order, so a result depends neither on the thread
+ * count nor on the tiling (the same vector operations for every tile and tail).
+ *   q8_0: u = q (s8, c = 0) where the variant multiplies s8 (base; AVX2 through
+ *         |u| x sign(x, u) with pmaddubsw: a u8 x s8 pair sum stays <= 2 * 128 * 127, no
+ *         int16 saturation), u = q + 128 (u8, c = 128) with VNNI's vpdpbusd (int32 sums);
+ *   q4_0: u = the nibble 0..15, c = 8;  q4_1: u = the nibble, c = 0, plus m_w * sx.
+ *
+ * Weights are repacked, one row block at a time (an L2-sized panel, kq_pack), so that the
+ * SIMD lanes are weight rows (int32 dot sums of GR rows: 8, 16 under AVX-512): for a group
+ * of GR rows and block b the panel holds 8 vectors, vector g = for each row r the 4 bytes
+ * u_r[4g..4g+3] (the vpdpbusd / pmaddubsw+pmaddwd operand order), then GR float scales d_w
+ * (then GR m_w for q4_1). A token's 4 activation bytes are broadcast to every lane. Per
+ * group x token x block: 8 pmaddubsw (q4: summed in int16, <= 8 * 2 * 15 * 127 < 2^15;
+ * q8_0: each widened with pmaddwd first) or 8 vpdpbusd, one int32 -> float conversion, a
+ * multiply and an FMA.
+ *
+ * Work: one parallel region (kf_gemm_q8_thread): each thread quantises a slice of the
+ * tokens, then, after one barrier, runs one contiguous range of the items of the
+ * (row block, token block) grid, row-block major, packing a row block's panel when it
+ * reaches it (a weight row is read from memory ~once, twice where a thread boundary cuts
+ * its row block). Row blocks are sized evenly, as many as a multiple of the threads where
+ * the rows allow; token blocks exist only to keep many threads busy when there are few
+ * row blocks.
+ */
+#ifndef KESTREL_GEMM_Q8_H
+#define KESTREL_GEMM_Q8_H
+
+#if KF_X86_DISPATCH
+#include <immintrin.h>
+#endif
+
+#define KQ_PANEL_BYTES (256 * 1024)       /* a thread's packed row block: half an L2 */
+
+/* The tiles' loop over the 8 groups of a block: unrolled twice. Unrolled fully, GCC
+ * regroups the int16 / int32 sums into trees that keep every product live (spills);
+ * measured (Zen 3, q4_0 2048 x 2048, T = 256): full 78, none 110, twice 135 GFLOP/s. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define KQ_UNROLL2 _Pragma("GCC unroll 2")
+#else
+#define KQ_UNROLL2
+#endif
+
+/* formats as kernel kinds */
+enum { KQ_Q8_0 = 0, KQ_Q4_0 = 1, KQ_Q4_1 = 2 };
+
+static inline int kq_kind(int fmt)
+{
+    return fmt == KF_Q8_0 ? KQ_Q8_0 : (fmt == KF_Q4_0 ? KQ_Q4_0 : KQ_Q4_1);
+}
+
+/* Panel bytes per block of one group of gr rows: 32 gr quant bytes, gr d_w (and m_w). */
+static inline ptrdiff_t kq_block_bytes(int kind, int gr)
+{
+    return (ptrdiff_t)gr * (KF_QK + (kind == KQ_Q4_1 ? 8 : 4));
+}
+
+KF_INLINE int32_t kq_ld32(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Pack nr <= gr raw rows (w, ldw bytes apart, nb blocks each) into one group of the panel
+ * (layout above); rows nr..gr-1 get zero scales. xor8: 0x80 stores q8_0 as q + 128. */
+static void kq_pack(int kind, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t nb, int gr,
+                    uint8_t xor8, uint8_t *restrict p)
+{
+    const ptrdiff_t bs = kq_block_bytes(kind, gr);
+    const ptrdiff_t bb = kind == KQ_Q8_0 ? 34 : (kind == KQ_Q4_0 ? 18 : 20);
+    const ptrdiff_t qo = kind == KQ_Q4_1 ? 4 : 2;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        uint8_t *restrict dst = p + b * bs;
+        float *restrict dw = (float *)(dst + (ptrdiff_t)gr * KF_QK);
+        for (int r = 0; r < gr; r++) {
+            uint8_t e[KF_QK];
+            if (r >= nr) {
+                memset(e, 0, sizeof e);
+                dw[r] = 0.0f;
+                if (kind == KQ_Q4_1)
+                    dw[gr + r] = 0.0f;
+            } else {
+                const uint8_t *blk = w + r * ldw + b * bb;
+                if (kind == KQ_Q8_0) {
+                    for (int k = 0; k < KF_QK; k++)
+                        e[k] = blk[2 + k] ^ xor8;
+                } else {
+                    for (int k = 0; k < 16; k++) {
+                        e[k] = blk[qo + k] & 0x0f;
+                        e[k + 16] = blk[qo + k] >> 4;
+                    }
+                }
+                dw[r] = kf_f16_at(blk);
+                if (kind == KQ_Q4_1)
+                    dw[gr + r] = kf_f16_at(blk + 2);
+            }
+            for (int g = 0; g < KF_QK / 4; g++)
+                memcpy(dst + (g * gr + r) * 4, e + 4 * g, 4);
+        }
+    }
+}
+
+/* A tile: nt tokens (a[0..nt-1], nt = the variant's KQ_RN or 1) x one group of gr rows
+ * (panel group pg, nb blocks); out[t * ldo + r] for r < nr. */
+typedef void (*kq_tile_fn)(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
+                           float *out, ptrdiff_t ldo, int nr);
+
+/* ---------------------------------------------------------------- base (portable C) */
+
+#define KQ_BASE_GR 8
+#define KQ_BASE_RN 4
+
+/* One tile of RN_ tokens for kind KIND_ (constants: the loops unroll, the arrays stay in
+ * registers). The r loops are the SIMD lanes; q8_0 reads u as s8. */
+#define KQ_BASE_TILE(KIND_, RN_)                                                          \
+static void kq_base_tile_##KIND_##_##RN_(const uint8_t *restrict pg, ptrdiff_t nb,        \
+                                         const kf_act *a, float *out, ptrdiff_t ldo,      \
+                                         int nr)                                          \
+{                                                                                         \
+    enum { GR = KQ_BASE_GR };                                                             \
+    const ptrdiff_t bs = kq_block_bytes(KIND_, GR);                                       \
+    const int8_t *xq[RN_];                                                                \
+    float acc[RN_][GR] = {{0}};                                                           \
+    for (int t = 0; t < (RN_); t++)                                                       \
+        xq[t] = a[t].xq;                                                                  \
+    for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
+        const uint8_t *restrict q = pg + b * bs;                                          \
+        const float *restrict dw = (const float *)(q + GR * KF_QK);                       \
+        int32_t is[RN_][GR] = {{0}};                                                      \
+        for (int g = 0; g < KF_QK / 4; g++) {                                             \
+            const uint8_t *restrict wg = q + g * GR * 4;                                  \
+            KF_UNROLL_ALL                                                                 \
+            for (int t = 0; t < (RN_); t++) {                                             \
+                const int8_t *xt = xq[t] + b * KF_QK + 4 * g;                             \
+                const int32_t x0 = xt[0], x1 = xt[1], x2 = xt[2], x3 = xt[3];             \
+                for (int r = 0; r < GR; r++)                                              \
+                    is[t][r] += KQ_BASE_U(KIND_, wg[4 * r]) * x0                          \
+                                + KQ_BASE_U(KIND_, wg[4 * r + 1]) * x1                    \
+                                + KQ_BASE_U(KIND_, wg[4 * r + 2]) * x2                    \
+                                + KQ_BASE_U(KIND_, wg[4 * r + 3]) * x3;                   \
+            }                                                                             \
+        }                                                                                 \
+        KF_UNROLL_ALL                                                                     \
+        for (int t = 0; t < (RN_); t++) {                                                 \
+            const float dx = a[t].xd[b];                                                  \
+            const int32_t cx = (KIND_) == KQ_Q4_0 ? 8 * a[t].xs[b] : 0;                   \
+            for (int r = 0; r < GR; r++)                                                  \
+                acc[t][r] += (dw[r] * dx) * (float)(is[t][r] - cx);                       \
+            if ((KIND_) == KQ_Q4_1) {                                                     \
+                const float sx = a[t].sx[b];                                              \
+                for (int r = 0; r < GR; r++)                                              \
+                    acc[t][r] += dw[GR + r] * sx;                                         \
+            }                                                                             \
+        }                                                                                 \
+    }                                                                                     \
+    for (int t = 0; t < (RN_); t++)                                                       \
+        for (int r = 0; r < nr; r++)                                                      \
+            out[t * ldo + r] = acc[t][r];                                                 \
+}
+#define KQ_BASE_U(KIND_, v) ((KIND_) == KQ_Q8_0 ? (int32_t)(int8_t)(v) : (int32_t)(v))
+KQ_BASE_TILE(0, 4)
+KQ_BASE_TILE(0, 1)
+KQ_BASE_TILE(1, 4)
+KQ_BASE_TILE(1, 1)
+KQ_BASE_TILE(2, 4)
+KQ_BASE_TILE(2, 1)
+#undef KQ_BASE_U
+#undef KQ_BASE_TILE
+
+static void kq_base_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
+                         float *out, ptrdiff_t ldo, int nr)
+{
+    static void (*const tab[3][2])(const uint8_t *, ptrdiff_t, const kf_act *, float *,
+                                   ptrdiff_t, int) = {
+        {kq_base_tile_0_1, kq_base_tile_0_4}, {kq_base_tile_1_1, kq_base_tile_1_4},
+        {kq_base_tile_2_1, kq_base_tile_2_4}};
+    tab[kind][nt == KQ_BASE_RN](pg, nb, a, out, ldo, nr);
+}
+
+#if KF_X86_DISPATCH
+/* ---------------------------------------------------------------- AVX2 */
+
+#define KQ_AVX2_GR 8
+#define KQ_AVX2_RN 6
+
+/* Lanes: 8 rows. Per group g: u (32 bytes) once, then for each token its 4 bytes broadcast;
+ * q8_0: pmaddubsw(|u|, sign(x, u)) widened by pmaddwd into the int32 sums; q4: pmaddubsw(u, x)
+ * summed in int16 over the 8 groups, widened once per block. */
+#define KQ_AVX2_TILE(KIND_, RN_)                                                          \
+KF_TARGET_AVX2 static void kq_avx2_tile_##KIND_##_##RN_(const uint8_t *restrict pg,       \
+                                                        ptrdiff_t nb, const kf_act *a,    \
+                                                        float *out, ptrdiff_t ldo, int nr)\
+{                                                                                         \
+    enum { GR = KQ_AVX2_GR };                                                             \
+    const ptrdiff_t bs = kq_block_bytes(KIND_, GR);                                       \
+    const __m256i ones = _mm256_set1_epi16(1);                                            \
+    const int8_t *xq[RN_];                                                                \
+    __m256 acc[RN_];                                                                      \
+    KF_UNROLL_ALL                                                                         \
+    for (int t = 0; t < (RN_); t++) {                                                     \
+        xq[t] = a[t].xq;                                                                  \
+        acc[t] = _mm256_setzero_ps();                                                     \
+    }                                                                                     \
+    for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
+        const uint8_t *q = pg + b * bs;                                                   \
+        __m256i is[RN_];                                                                  \
+        KF_UNROLL_ALL                                                                     \
+        for (int t = 0; t < (RN_); t++)                                                   \
+            is[t] = _mm256_setzero_si256();                                               \
+        KQ_UNROLL2                                                                        \
+        for (int g = 0; g < KF_QK / 4; g++) {                                             \
+            const __m256i u = _mm256_loadu_si256((const __m256i *)(q + 32 * g));          \
+            const __m256i au = (KIND_) == KQ_Q8_0 ? _mm256_abs_epi8(u) : u;               \
+            KF_UNROLL_ALL                                                                 \
+            for (int t = 0; t < (RN_); t++) {                                             \
+                __m256i xb = _mm256_set1_epi32(kq_ld32(xq[t] + b * KF_QK + 4 * g));       \
+                if ((KIND_) == KQ_Q8_0)                                                   \
+                    is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(                    \
+                        _mm256_maddubs_epi16(au, _mm256_sign_epi8(xb, u)), ones));        \
+                else                                                                      \
+                    is[t] = _mm256_add_epi16(is[t], _mm256_maddubs_epi16(au, xb));        \
+            }                                                                             \
+        }                                                                                 \
+        const __m256 dw = _mm256_loadu_ps((const float *)(q + GR * KF_QK));               \
+        KF_UNROLL_ALL                                                                     \
+        for (int t = 0; t < (RN_); t++) {                                                 \
+            __m256i v = (KIND_) == KQ_Q8_0 ? is[t] : _mm256_madd_epi16(is[t], ones);      \
+            if ((KIND_) == KQ_Q4_0)                                                       \
+                v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * a[t].xs[b]));              \
+            const __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(a[t].xd[b]));               \
+            acc[t] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(v), acc[t]);                   \
+            if ((KIND_) == KQ_Q4_1)                                                       \
+                acc[t] = _mm256_fmadd_ps(                                                 \
+                    _mm256_loadu_ps((const float *)(q + GR * KF_QK) + GR),                \
+                    _mm256_set1_ps(a[t].sx[b]), acc[t]);                                  \
+        }                                                                                 \
+    }                                                                                     \
+    for (int t = 0; t < (RN_); t++) {                                                     \
+        float s[GR];                                                                      \
+        _mm256_storeu_ps(s, acc[t]);                                                      \
+        for (int r = 0; r < nr; r++)                                                      \
+            out[t * ldo + r] = s[r];                                                      \
+    }                                                                                     \
+}
+KQ_AVX2_TILE(0, 6)
+KQ_AVX2_TILE(0, 1)
+KQ_AVX2_TILE(1, 6)
+KQ_AVX2_TILE(1, 1)
+KQ_AVX2_TILE(2, 6)
+KQ_AVX2_TILE(2, 1)
+#undef KQ_AVX2_TILE
+
+static void kq_avx2_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
+                         float *out, ptrdiff_t ldo, int nr)
+{
+    static void (*const tab[3][2])(const uint8_t *, ptrdiff_t, const kf_act *, float *,
+                                   ptrdiff_t, int) = {
+        {kq_avx2_tile_0_1, kq_avx2_tile_0_6}, {kq_avx2_tile_1_1, kq_avx2_tile_1_6},
+        {kq_avx2_tile_2_1, kq_avx2_tile_2_6}};
+    tab[kind][nt == KQ_AVX2_RN](pg, nb, a, out, ldo, nr);
+}
+
+/* ---------------------------------------------------------------- AVX-512 VNNI */
+
+#define KQ_AVX512_GR 16
+#define KQ_AVX512_RN 8
+
+/* The AVX2 tile with 16 rows a vector and vpdpbusd (u8 x s8, int32 sums, no int16 step):
+ * q8_0 is stored as q + 128 and corrected by 128 xs, q4_0 by 8 xs. */
+#define KQ_AVX512_TILE(KIND_, RN_)                                                        \
+KF_TARGET_AVX512 static void kq_avx512_tile_##KIND_##_##RN_(const uint8_t *restrict pg,   \
+                                                            ptrdiff_t nb, const kf_act *a,\
+                                                            float *out, ptrdiff_t ldo,    \
+                                                            int nr)                       \
+{                                                                                         \
+    enum { GR = KQ_AVX512_GR };                                                           \
+    const ptrdiff_t bs = kq_block_bytes(KIND_, GR);                                       \
+    const int c = (KIND_) == KQ_Q8_0 ? 128 : ((KIND_) == KQ_Q4_0 ? 8 : 0);                \
+    const int8_t *xq[RN_];                                                                \
+    __m512 acc[RN_];                                                                      \
+    KF_UNROLL_ALL                                                                         \
+    for (int t = 0; t < (RN_); t++) {                                                     \
+        xq[t] = a[t].xq;                                                                  \
+        acc[t] = _mm512_setzero_ps();                                                     \
+    }                                                                                     \
+    for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
+        const uint8_t *q = pg + b * bs;                                                   \
+        __m512i is[RN_];                                                                  \
+        KF_UNROLL_ALL                                                                     \
+        for (int t = 0; t < (RN_); t++)                                                   \
+            is[t] = _mm512_setzero_si512();                                               \
+        KQ_UNROLL2                                                                        \
+        for (int g = 0; g < KF_QK / 4; g++) {                                             \
+            const __m512i u = _mm512_loadu_si512((const void *)(q + 64 * g));             \
+            KF_UNROLL_ALL                                                                 \
+            for (int t = 0; t < (RN_); t++)                                               \
+                is[t] = _mm512_dpbusd_epi32(                                              \
+                    is[t], u, _mm512_set1_epi32(kq_ld32(xq[t] + b * KF_QK + 4 * g)));     \
+        }                                                                                 \
+        const __m512 dw = _mm512_loadu_ps((const float *)(q + GR * KF_QK));               \
+        KF_UNROLL_ALL                                                                     \
+        for (int t = 0; t < (RN_); t++) {                                                 \
+            __m512i v = is[t];                                                            \
+            if (c)                                                                        \
+                v = _mm512_sub_epi32(v, _mm512_set1_epi32(c * a[t].xs[b]));              \
+            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(a[t].xd[b]));               \
+            acc[t] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(v), acc[t]);                   \
+            if ((KIND_) == KQ_Q4_1)                                                       \
+                acc[t] = _mm512_fmadd_ps(                                                 \
+                    _mm512_loadu_ps((const float *)(q + GR * KF_QK) + GR),                \
+                    _mm512_set1_ps(a[t].sx[b]), acc[t]);                                  \
+        }                                                                                 \
+    }                                                                                     \
+    for (int t = 0; t < (RN_); t++) {                                                     \
+        float s[GR];                                                                      \
+        _mm512_storeu_ps(s, acc[t]);                                                      \
+        for (int r = 0; r < nr; r++)                                                      \
+            out[t * ldo + r] = s[r];                                                      \
+    }                                                                                     \
+}
+KQ_AVX512_TILE(0, 8)
+KQ_AVX512_TILE(0, 1)
+KQ_AVX512_TILE(1, 8)
+KQ_AVX512_TILE(1, 1)
+KQ_AVX512_TILE(2, 8)
+KQ_AVX512_TILE(2, 1)
+#undef KQ_AVX512_TILE
+
+static void kq_avx512_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
+                           float *out, ptrdiff_t ldo, int nr)
+{
+    static void (*const tab[3][2])(const uint8_t *, ptrdiff_t, const kf_act *, float *,
+                                   ptrdiff_t, int) = {
+        {kq_avx512_tile_0_1, kq_avx512_tile_0_8}, {kq_avx512_tile_1_1, kq_avx512_tile_1_8},
+        {kq_avx512_tile_2_1, kq_avx512_tile_2_8}};
+    tab[kind][nt == KQ_AVX512_RN](pg, nb, a, out, ldo, nr);
+}
+#endif /* KF_X86_DISPATCH */
+
+/* ---------------------------------------------------------------- variants */
+
+typedef struct {
+    kq_tile_fn tile;
+    int gr, rn;                   /* rows per group (lanes), tokens per full tile */
+    uint8_t xor8;                 /* q8_0 stored as q ^ xor8 */
+} kq_variant;
+
+#if KF_X86_DISPATCH
+static const kq_variant kq_tab[KF_N_ISA] = {
+    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0},
+    {kq_avx2_tile, KQ_AVX2_GR, KQ_AVX2_RN, 0},
+    {kq_avx512_tile, KQ_AVX512_GR, KQ_AVX512_RN, 0x80}};
+#else
+static const kq_variant kq_tab[KF_N_ISA] = {
+    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0},
+    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0},
+    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0}};
+#endif
+
+/* ---------------------------------------------------------------- driver */
+
+/* One matmul's plan (kf_gemm_q8_plan), its scratch and its activations. */
+typedef struct {
+    int fmt, kind, isa;
+    ptrdiff_t d, n, nb, T;
+    ptrdiff_t rb, tb, nrb, ntb, items;  /* row block, token block, the grid, its items */
+    size_t act_bytes, panel_bytes;      /* one token's kf_prep_act scratch, one panel */
+    size_t bytes;                       /* all scratch: acts, then one panel per thread */
+    kf_act *acts;                       /* (T,) set by kf_gemm_q8_bind */
+    uint8_t *act_mem, *panels;
+} kf_q8_plan;
+
+/* Plan out = x @ W.T for a (d, n) weight of format fmt (q8_0 / q4_0 / q4_1, n % 32 == 0),
+ * T tokens, nt threads, with the variant in use. */
+static void kf_gemm_q8_plan(int fmt, ptrdiff_t d, ptrdiff_t n, ptrdiff_t T, int nt,
+                            kf_q8_plan *p)
+{
+    const kq_variant *v = &kq_tab[kf_isa];
+    memset(p, 0, sizeof *p);
+    p->fmt = fmt;
+    p->kind = kq_kind(fmt);
+    p->isa = kf_isa;
+    p->d = d;
+    p->n = n;
+    p->nb = n / KF_QK;
+    p->T = T;
+    const ptrdiff_t row_bytes = kq_block_bytes(p->kind, v->gr) / v->gr * (p->nb > 0 ? p->nb : 1);
+    ptrdiff_t rb = KQ_PANEL_BYTES / row_bytes / v->gr * v->gr;
+    rb = rb < v->gr ? v->gr : (rb > 256 ? 256 : rb);
+    /* Balance: items of equal size, a multiple of nt of them where the rows allow (the row
+     * blocks), else at least 4 a thread (token blocks: few row blocks, many threads). */
+    ptrdiff_t nrb = (d + rb - 1) / rb, ntb = 1;
+    if (nrb >= nt) {
+        nrb = (nrb + nt - 1) / nt * nt;
+    } else {
+        const ptrdiff_t tiles = (T + v->rn - 1) / v->rn;
+        ntb = (4 * (ptrdiff_t)nt + nrb - 1) / nrb;
+        ntb = ntb > tiles ? tiles : ntb;
+    }
+    rb = ((d + nrb - 1) / nrb + v->gr - 1) / v->gr * v->gr;
+    p->rb = rb;
+    p->nrb = (d + rb - 1) / rb;
+    p->tb = ((T + ntb - 1) / ntb + v->rn - 1) / v->rn * v->rn;
+    p->ntb = (T + p->tb - 1) / p->tb;
+    p->items = p->nrb * p->ntb;
+    p->act_bytes = (kf_act_bytes(n) + 63) / 64 * 64;
+    p->panel_bytes = ((size_t)(p->rb / v->gr) * (size_t)(p->nb * kq_block_bytes(p->kind, v->gr))
+                      + 63) / 64 * 64;
+    const size_t acts = ((size_t)T * sizeof(kf_act) + 63) / 64 * 64;
+    p->bytes = acts + (size_t)T * p->act_bytes + (size_t)nt * p->panel_bytes;
+}
+
+/* Lay the plan's scratch out in `mem` (p->bytes, 64-byte aligned). */
+static void kf_gemm_q8_bind(kf_q8_plan *p, void *mem)
+{
+    const size_t acts = ((size_t)p->T * sizeof(kf_act) + 63) / 64 * 64;
+    p->acts = (kf_act *)mem;
+    p->act_mem = (uint8_t *)mem + acts;
+    p->panels = p->act_mem + (size_t)p->T * p->act_bytes;
+}
+
+/* Quantise tokens t0 <= t < t1 of x (rows ldx floats apart): kf_prep_act, as the GEMV. */
+static void kf_gemm_q8_prep(kf_q8_plan *p, const float *x, ptrdiff_t ldx, ptrdiff_t t0,
+                            ptrdiff_t t1)
+{
+    for (ptrdiff_t t = t0; t < t1; t++)
+        kf_prep_act(x + t * ldx, p->n, 1, p->act_mem + (size_t)t * p->act_bytes, &p->acts[t]);
+}
+
+/* Items i0 <= i < i1 of the grid (row block i / ntb, token block i % ntb) with the panel of
+ * thread `thread`: out[t * ldo + r] for the items' rows and tokens. */
+static void kf_gemm_q8_items(const kf_q8_plan *p, const uint8_t *w, ptrdiff_t ldw,
+                             float *out, ptrdiff_t ldo, ptrdiff_t i0, ptrdiff_t i1, int thread)
+{
+    const kq_variant *v = &kq_tab[p->isa];
+    const ptrdiff_t gs = p->nb * kq_block_bytes(p->kind, v->gr);    /* one group's bytes */
+    uint8_t *panel = p->panels + (size_t)thread * p->panel_bytes;
+    ptrdiff_t packed = -1;
+    for (ptrdiff_t i = i0; i < i1; i++) {
+        const ptrdiff_t ib = i / p->ntb, r0 = ib * p->rb;
+        const ptrdiff_t nr = p->d - r0 < p->rb ? p->d - r0 : p->rb;
+        if (ib != packed) {
+            for (ptrdiff_t r = 0; r < nr; r += v->gr)
+                kq_pack(p->kind, w + (r0 + r) * ldw, ldw, nr - r < v->gr ? (int)(nr - r) : v->gr,
+                        p->nb, v->gr, v->xor8, panel + r / v->gr * gs);
+            packed = ib;
+        }
+        const ptrdiff_t t0 = i % p->ntb * p->tb;
+        const ptrdiff_t t1 = p->T - t0 < p->tb ? p->T : t0 + p->tb;
+        for (ptrdiff_t t = t0; t < t1;) {
+            const int nt = t1 - t >= v->rn ? v->rn : 1;
+            for (ptrdiff_t r = 0; r < nr; r += v->gr)
+                v->tile(p->kind, panel + r / v->gr * gs, p->nb, p->acts + t, nt,
+                        out + t * ldo + r0 + r, ldo, nr - r < v->gr ? (int)(nr - r) : v->gr);
+            t += nt;
+        }
+    }
+}
+
+/* One thread's whole share of the matmul, called by every thread of one OpenMP parallel
+ * region (or alone): its slice of the tokens quantised, a barrier, its contiguous range of
+ * the grid's items. The partition follows the team OpenMP actually gave (at most the nt
+ * the plan was made for: one panel each). */
+static void kf_gemm_q8_thread(kf_q8_plan *p, const float *x, ptrdiff_t ldx, const uint8_t *w,
+                              ptrdiff_t ldw, float *out, ptrdiff_t ldo)
+{
+#ifdef _OPENMP
+    const ptrdiff_t c = omp_get_thread_num(), m = omp_get_num_threads();
+#else
+    const ptrdiff_t c = 0, m = 1;
+#endif
+    kf_gemm_q8_prep(p, x, ldx, p->T * c / m, p->T * (c + 1) / m);
+#ifdef _OPENMP
+    _Pragma("omp barrier")
+#endif
+    kf_gemm_q8_items(p, w, ldw, out, ldo, p->items * c / m, p->items * (c + 1) / m, (int)c);
+}
+
+#endif /* KESTREL_GEMM_Q8_H */
