@@ -57,7 +57,7 @@ def llama_rates(text: str) -> dict[tuple[int, str], tuple[float, str]]:
             key = (int(r["n_threads"]), _test(int(r["n_prompt"]), int(r["n_gen"]),
                                               int(r.get("n_depth", 0))))
             fa = r.get("flash_attn")
-            fa = {True: "1", False: "0"}.get(fa, str(fa))
+            fa = str(int(fa)) if isinstance(fa, (bool, int)) else str(fa)   # bool in older builds
             ts = float(r["avg_ts"])
             if key not in out or ts > out[key][0]:
                 out[key] = (ts, fa)

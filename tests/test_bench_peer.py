@@ -27,19 +27,27 @@ def gguf_file(tmp_path_factory) -> Path:
                     "--shape", "tiny-llama", "--gguf", "q4_1"], check=True, capture_output=True)
     return out
 
-# llama-bench -o json (this llama.cpp version), trimmed to the fields that matter plus a few
-# neighbours: -t 1 -p 16 -n 4 -r 1 -fa 0,1 on smollm2-1.7b q4_1
+# llama-bench -o json as this llama.cpp build (0c1e570) writes it (flash_attn an int, -1 =
+# auto), the first row recorded whole but samples_*, the others trimmed to what is read;
+# -t 1 -p 16 -n 4 -r 1 -fa 0,1
 LLAMA_JSON = """[
-  {"build_commit": "0000000", "build_number": 1, "cpu_info": "AMD EPYC", "backends": "CPU",
-   "model_filename": "s.gguf", "model_type": "llama 1.7B Q4_1", "model_size": 1069547520,
-   "n_batch": 2048, "n_ubatch": 512, "n_threads": 1, "type_k": "f16", "type_v": "f16",
-   "flash_attn": false, "repack": true, "n_prompt": 16, "n_gen": 0, "n_depth": 0,
-   "avg_ns": 1000000000, "stddev_ns": 0, "avg_ts": 16.0, "stddev_ts": 0.0},
-  {"n_threads": 1, "flash_attn": false, "n_prompt": 0, "n_gen": 4, "n_depth": 0,
+  {"build_commit": "0c1e570", "build_number": 1, "cpu_info": "AMD EPYC", "gpu_info": "",
+   "backends": "CPU", "model_filename": "/tmp/big/qwen3-1.7b.q8_0.gguf",
+   "model_type": "qwen3 1.7B Q8_0", "model_size": 1828474880, "model_n_params": 1720574976,
+   "n_batch": 2048, "n_ubatch": 512, "n_threads": 1, "cpu_mask": "0x0", "cpu_strict": false,
+   "poll": 50, "type_k": "f16", "type_v": "f16", "n_gpu_layers": -1, "n_cpu_moe": 0,
+   "split_mode": "layer", "main_gpu": 0, "no_kv_offload": false, "flash_attn": 0,
+   "devices": "auto", "tensor_split": "0.00", "tensor_buft_overrides": "none",
+   "load_mode": "auto", "lazy_mode": "auto", "embeddings": false, "no_op_offload": 0,
+   "no_host": false, "repack": true, "fit_target": 0, "fit_min_ctx": 0, "n_prompt": 16,
+   "n_gen": 0, "n_depth": 0, "test_time": "2026-12-01T06:10:55Z", "avg_ns": 1000000000,
+   "stddev_ns": 0, "avg_ts": 16.0, "stddev_ts": 0.0, "samples_ns": [1000000000],
+   "samples_ts": [16.0]},
+  {"n_threads": 1, "flash_attn": 0, "n_prompt": 0, "n_gen": 4, "n_depth": 0,
    "avg_ts": 5.5, "stddev_ts": 0.1},
-  {"n_threads": 1, "flash_attn": true, "n_prompt": 16, "n_gen": 0, "n_depth": 0,
+  {"n_threads": 1, "flash_attn": 1, "n_prompt": 16, "n_gen": 0, "n_depth": 0,
    "avg_ts": 17.5, "stddev_ts": 0.2},
-  {"n_threads": 1, "flash_attn": true, "n_prompt": 0, "n_gen": 4, "n_depth": 0,
+  {"n_threads": 1, "flash_attn": 1, "n_prompt": 0, "n_gen": 4, "n_depth": 0,
    "avg_ts": 5.0, "stddev_ts": 0.1}
 ]"""
 
@@ -56,8 +64,8 @@ def test_llama_rates_keep_the_faster_flash_attention():
 
 
 def test_llama_rates_depth_and_errors():
-    rows = [{"n_threads": 1, "flash_attn": 1, "n_prompt": 32, "n_gen": 0, "n_depth": 512,
-             "avg_ts": 3.0}]
+    rows = [{"n_threads": 1, "flash_attn": True, "n_prompt": 32, "n_gen": 0, "n_depth": 512,
+             "avg_ts": 3.0}]                                    # older builds: a bool
     assert peer.llama_rates(json.dumps(rows)) == {(1, "pp32@d512"): (3.0, "1")}
     for bad in ("not json", "[{}]", '{"a": 1}'):
         with pytest.raises(peer.PeerError, match="llama-bench: unreadable JSON"):
