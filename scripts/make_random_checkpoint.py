@@ -446,9 +446,10 @@ def _gguf_type(s: str) -> str:
     if s in GGUF_TYPES:
         return s
     if re.fullmatch(r"(q\d_k.*|iq\d.*|q5_[01]|tq\d_0|mxfp4)", s):
+        why = ("the gguf package cannot quantise K-quants and i-quants" if "k" in s or "iq" in s
+               else f"Kestrel reads {', '.join(GGUF_TYPES)}")
         raise argparse.ArgumentTypeError(
-            f"{s!r} is not written here (Kestrel reads {', '.join(GGUF_TYPES)}; the gguf "
-            f"package cannot quantise K-quants): write --gguf f16 and run llama.cpp's "
+            f"{s!r} is not written here ({why}): write --gguf f16 and run llama.cpp's "
             f"llama-quantize --pure F16.gguf OUT.gguf {s.upper()}")
     raise argparse.ArgumentTypeError(f"unknown type {s!r} (choose from {', '.join(GGUF_TYPES)})")
 

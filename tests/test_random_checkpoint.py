@@ -192,7 +192,9 @@ def test_moe_safetensors_layout(made):
 @pytest.mark.parametrize("args, message", [
     (["--shape", "qwen9"], "argument --shape: invalid choice: 'qwen9'"),
     (["--gguf", "q3"], "unknown type 'q3'"),
-    (["--gguf", "q4_k"], "llama-quantize --pure F16.gguf OUT.gguf Q4_K"),
+    (["--gguf", "q4_k"], "cannot quantise K-quants and i-quants): write --gguf f16 and run "
+                         "llama.cpp's llama-quantize --pure F16.gguf OUT.gguf Q4_K"),
+    (["--gguf", "q5_0"], "(Kestrel reads f32, f16, bf16, q8_0, q4_0, q4_1)"),
     (["--layers", "0"], "--layers must be >= 1"),
     (["--shape", "qwen3-1.7b", "--with-vision"], "qwen3-1.7b has no vision tower"),
 ])
