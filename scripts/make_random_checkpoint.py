@@ -382,7 +382,6 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
     _gguf_tokenizer(w, V)
 
     plan = gguf_plan(config, tensors)
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     kinds = []
     for g, shape, _ in plan:
         t = gguf.GGMLQuantizationType.F32 if len(shape) == 1 or ".ffn_gate_inp." in g else qtype
