@@ -1,98 +1,190 @@
 #!/usr/bin/env python3
-"""Write a random-weight Hugging Face checkpoint with Qwen3-VL-2B-Instruct's exact config.
+"""Write a random-weight checkpoint with a published model's exact text config, as safetensors or GGUF.
 
-    python scripts/make_random_checkpoint.py OUT_DIR [--dtype bf16] [--seed 0]
-        [--layers N] [--with-vision]
+    python scripts/make_random_checkpoint.py OUT [--shape NAME] [--dtype bf16] [--seed 0]
+        [--layers N] [--with-vision] [--gguf TYPE]
 
-The text decoder is Qwen3-VL-2B-Instruct's (hidden 2048, 28 layers, 16 query / 8 KV heads
-of 128, MLP 6144, vocab 151936, tied embeddings, interleaved M-RoPE 24/20/20, theta 5e6),
-stored as bf16 (~3.4 GB of text weights) under the published tensor names
-(`model.language_model.*`), in safetensors shards of <= 2 GiB with
-model.safetensors.index.json. For speed and scale measurements only: the weights are
-N(0, 0.02) noise (norms 1), so the text it generates is noise too. Never commit it.
+--shape picks the published config.json (default qwen3-vl-2b):
 
-The vision tower is not written unless --with-vision (its names and shapes then come
-from transformers, on the meta device); Kestrel reads the text decoder only, and
-transformers loads the directory either way (missing vision weights are initialised).
-A small byte-level BPE tokenizer.json with the Qwen chat template is written with it.
+    smollm2-1.7b   LlamaForCausalLM: hidden 2048, 24 layers, 32 heads / 32 KV of 64, MLP 8192,
+                   vocab 49152, tied, theta 130000, eps 1e-5
+    qwen3-0.6b     Qwen3ForCausalLM: 1024, 28 layers, 16 / 8 heads of 128, MLP 3072, tied
+    qwen3-1.7b     Qwen3ForCausalLM: 2048, 28 layers, 16 / 8 heads of 128, MLP 6144, tied
+    qwen3-4b       Qwen3ForCausalLM: 2560, 36 layers, 32 / 8 heads of 128, MLP 9728, tied
+    qwen3-8b       Qwen3ForCausalLM: 4096, 36 layers, 32 / 8 heads of 128, MLP 12288, untied
+    qwen3-30b-a3b  Qwen3MoeForCausalLM: 2048, 48 layers, 32 / 4 heads of 128, 128 experts
+                   (8 active) of MLP 768, untied
+    qwen3-vl-2b    Qwen3VLForConditionalGeneration: 2048, 28 layers, 16 / 8 heads of 128,
+                   MLP 6144, tied, interleaved M-RoPE 24/20/20, theta 5e6
+    qwen3-vl-8b    Qwen3VLForConditionalGeneration: 4096, 36 layers, 32 / 8 heads of 128,
+                   MLP 12288, untied, M-RoPE 24/20/20, theta 5e6
+    (the Qwen3 models: vocab 151936, theta 1e6 unless said, eps 1e-6, q/k RMSNorm)
+    tiny-llama, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3-vl: the same layouts at hidden 64 and
+                   vocab 1024, for tests
 
-Memory stays small: tensors are generated and streamed to disk one chunk at a time.
-`--layers` makes a shallower model of the same width (tests).
+Safetensors (the default): OUT is a directory; the weights go under the published tensor names
+(`model.language_model.*` for Qwen3-VL, `model.*` otherwise, one `experts.E.*` set per MoE
+expert) in --dtype, in shards of <= 2 GiB with model.safetensors.index.json, plus config.json,
+generation_config.json and a small byte-level BPE tokenizer.json with the Qwen chat template.
+Kestrel and transformers load the directory. The vision tower of the VL shapes is not written
+unless --with-vision (its names and shapes then come from transformers, on the meta device);
+transformers initialises it when missing and Kestrel reads the text decoder only.
+
+--gguf TYPE (f32, f16, bf16, q8_0, q4_0, q4_1): OUT is one .gguf file holding the same weights
+(the same --seed and --dtype give the same values, rounded to --dtype, then stored as TYPE),
+laid out as llama.cpp's convert_hf_to_gguf.py writes them: arch `llama` (q/k rows permuted
+as its converter does), `qwen3` or `qwen3moe` (experts merged into ffn_*_exps, the router
+ffn_gate_inp in f32), tensor names from the gguf package's own name map, and the quantisation
+of llama-quantize --pure: every matrix, token_embd included, in TYPE; norms in f32. The
+tokenizer is the small one above (tokenizer.ggml.model gpt2, padded with [PADn] unused
+tokens to the shape's vocab). The VL shapes are written as `qwen3`: their text decoder is
+Qwen3's and, for text-only prompts, M-RoPE's three position streams are equal, so plain RoPE
+computes the same (llama.cpp's converter writes `qwen3vl` with M-RoPE sections, which
+Kestrel does not read). K-quants (q4_k, ...) are not written here: the gguf package cannot
+quantise them; run llama.cpp's `llama-quantize --pure F16.gguf OUT.gguf Q4_K` on an f16 file.
+
+For speed and scale measurements only: the weights are N(0, 0.02) noise (norms 1), so the
+text the model generates is noise too. Never commit the output. Memory stays small: tensors
+are generated, converted and streamed to disk a few rows at a time (the q/k matrices of the
+llama arch whole, for the permute). `--layers N` makes a shallower model of the same width.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import struct
 import sys
 from pathlib import Path
 
 import numpy as np
 
-TEXT_CONFIG = {
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "dtype": "bfloat16",
-    "eos_token_id": 151645,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 6144,
-    "max_position_embeddings": 262144,
-    "model_type": "qwen3_vl_text",
-    "num_attention_heads": 16,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
-                     "rope_type": "default"},
-    "rope_theta": 5000000,
-    "tie_word_embeddings": True,
-    "use_cache": True,
-    "vocab_size": 151936,
-}
-VISION_CONFIG = {
-    "deepstack_visual_indexes": [5, 11, 17],
-    "depth": 24,
-    "hidden_act": "gelu_pytorch_tanh",
-    "hidden_size": 1024,
-    "in_channels": 3,
-    "initializer_range": 0.02,
-    "intermediate_size": 4096,
-    "model_type": "qwen3_vl",
-    "num_heads": 16,
-    "num_position_embeddings": 2304,
-    "out_hidden_size": 2048,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-}
-CONFIG = {
-    "architectures": ["Qwen3VLForConditionalGeneration"],
-    "image_token_id": 151655,
-    "model_type": "qwen3_vl",
-    "text_config": TEXT_CONFIG,
-    "tie_word_embeddings": True,
-    "transformers_version": "4.57.0.dev0",
-    "video_token_id": 151656,
-    "vision_config": VISION_CONFIG,
-    "vision_end_token_id": 151653,
-    "vision_start_token_id": 151652,
-}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SHARD_BYTES = 2 << 30
 CHUNK = 1 << 24                          # elements generated at a time
+TOKENIZER_VOCAB = 1000                   # the small BPE tokenizer's size (<= every shape's vocab)
 
 
-def text_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of the text decoder, in the order HF lists them."""
+def _qwen3(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool, **extra) -> dict:
+    """A Qwen3ForCausalLM config.json as published (Qwen/Qwen3-*)."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": inter,
+        "max_position_embeddings": 40960, "max_window_layers": layers, "model_type": "qwen3",
+        "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": kv,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": tied, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936, **extra}
+
+
+def _qwen3_vl(hidden: int, inter: int, layers: int, heads: int, tied: bool, vision: dict) -> dict:
+    """A Qwen3VLForConditionalGeneration config.json as published (Qwen/Qwen3-VL-*-Instruct)."""
+    text = {
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+        "dtype": "bfloat16", "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": inter,
+        "max_position_embeddings": 262144, "model_type": "qwen3_vl_text",
+        "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                         "rope_type": "default"},
+        "rope_theta": 5000000, "tie_word_embeddings": tied, "use_cache": True,
+        "vocab_size": 151936}
+    vision = {"hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "initializer_range": 0.02,
+              "model_type": "qwen3_vl", "num_heads": 16, "num_position_embeddings": 2304,
+              "out_hidden_size": hidden, "patch_size": 16, "spatial_merge_size": 2,
+              "temporal_patch_size": 2, **vision}
+    return {"architectures": ["Qwen3VLForConditionalGeneration"], "image_token_id": 151655,
+            "model_type": "qwen3_vl", "text_config": text, "tie_word_embeddings": tied,
+            "transformers_version": "4.57.0.dev0", "video_token_id": 151656,
+            "vision_config": dict(sorted(vision.items())), "vision_end_token_id": 151653,
+            "vision_start_token_id": 151652}
+
+
+SMOLLM2_1_7B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 8192,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 24,
+    "num_key_value_heads": 32, "pad_token_id": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": None, "rope_theta": 130000, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "transformers_version": "4.42.3", "use_cache": True,
+    "vocab_size": 49152}
+
+SHAPES = {
+    "smollm2-1.7b": SMOLLM2_1_7B,
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, True),
+    "qwen3-1.7b": _qwen3(2048, 6144, 28, 16, 8, True),
+    "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
+    "qwen3-30b-a3b": _qwen3(
+        2048, 6144, 48, 32, 4, False, architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe", decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=768, norm_topk_prob=True, num_experts=128, num_experts_per_tok=8,
+        output_router_logits=False, rope_theta=1000000.0, router_aux_loss_coef=0.001),
+    "qwen3-vl-2b": _qwen3_vl(2048, 6144, 28, 16, True, {
+        "deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_size": 1024,
+        "intermediate_size": 4096}),
+    "qwen3-vl-8b": _qwen3_vl(4096, 12288, 36, 32, False, {
+        "deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_size": 1152,
+        "intermediate_size": 4304}),
+}
+# the test shapes: each layout at hidden 64 (rows of whole 32-blocks), 2 layers, vocab 1024
+_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+         "max_position_embeddings": 2048, "bos_token_id": 0, "eos_token_id": 2}
+
+
+def _tiny(config: dict, **over) -> dict:
+    cfg = json.loads(json.dumps(config))
+    text = cfg.get("text_config", cfg)
+    text.update(_TINY, **over)
+    if "text_config" in cfg:
+        text["rope_scaling"]["mrope_section"] = [8, 4, 4]           # head_dim 32
+        cfg["vision_config"].update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                    out_hidden_size=64, deepstack_visual_indexes=[])
+    if text.get("max_window_layers"):
+        text["max_window_layers"] = text["num_hidden_layers"]
+    return cfg
+
+
+SHAPES.update({
+    "tiny-llama": _tiny(SMOLLM2_1_7B, pad_token_id=2),
+    "tiny-qwen3": _tiny(SHAPES["qwen3-1.7b"], head_dim=32),
+    "tiny-qwen3-moe": _tiny(SHAPES["qwen3-30b-a3b"], head_dim=32, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=64),
+    "tiny-qwen3-vl": _tiny(SHAPES["qwen3-vl-2b"], head_dim=32),
+})
+
+# GGUF: llama.cpp's arch per model_type (VL text decoders as qwen3: see the docstring), the
+# types written (those Kestrel reads; K-quants come from llama-quantize) and general.file_type
+GGUF_ARCH = {"llama": "LLAMA", "qwen3": "QWEN3", "qwen3_vl": "QWEN3", "qwen3_moe": "QWEN3MOE"}
+GGUF_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"),
+              "bf16": ("BF16", "MOSTLY_BF16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+              "q4_0": ("Q4_0", "MOSTLY_Q4_0"), "q4_1": ("Q4_1", "MOSTLY_Q4_1")}
+
+
+def text_config(config: dict) -> dict:
+    return config.get("text_config", config)
+
+
+def text_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the text decoder, as the checkpoint names them.
+
+    Within an MoE layer the experts come all gate_proj first, then up_proj, then down_proj:
+    the order of llama.cpp's merged ffn_{gate,up,down}_exps, so the GGUF writer walks this
+    same list (and the same random stream) one tensor after the other.
+    """
+    cfg = text_config(config)
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    p = "model.language_model"
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or H // nh
+    E = cfg.get("num_experts", 0)
+    p = "model.language_model" if "text_config" in config else "model"
     out = [(f"{p}.embed_tokens.weight", (V, H))]
     for i in range(cfg["num_hidden_layers"]):
         q = f"{p}.layers.{i}"
@@ -100,15 +192,23 @@ def text_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
                 (f"{q}.self_attn.q_proj.weight", (nh * hd, H)),
                 (f"{q}.self_attn.k_proj.weight", (nkv * hd, H)),
                 (f"{q}.self_attn.v_proj.weight", (nkv * hd, H)),
-                (f"{q}.self_attn.o_proj.weight", (H, nh * hd)),
-                (f"{q}.self_attn.q_norm.weight", (hd,)),
-                (f"{q}.self_attn.k_norm.weight", (hd,)),
-                (f"{q}.post_attention_layernorm.weight", (H,)),
-                (f"{q}.mlp.gate_proj.weight", (I, H)),
-                (f"{q}.mlp.up_proj.weight", (I, H)),
-                (f"{q}.mlp.down_proj.weight", (H, I))]
+                (f"{q}.self_attn.o_proj.weight", (H, nh * hd))]
+        if config["model_type"] != "llama":
+            out += [(f"{q}.self_attn.q_norm.weight", (hd,)),
+                    (f"{q}.self_attn.k_norm.weight", (hd,))]
+        out.append((f"{q}.post_attention_layernorm.weight", (H,)))
+        if E and i not in cfg["mlp_only_layers"] and (i + 1) % cfg["decoder_sparse_step"] == 0:
+            Im = cfg["moe_intermediate_size"]
+            out.append((f"{q}.mlp.gate.weight", (E, H)))
+            for proj, shape in (("gate_proj", (Im, H)), ("up_proj", (Im, H)),
+                                ("down_proj", (H, Im))):
+                out += [(f"{q}.mlp.experts.{e}.{proj}.weight", shape) for e in range(E)]
+        else:
+            out += [(f"{q}.mlp.gate_proj.weight", (I, H)),
+                    (f"{q}.mlp.up_proj.weight", (I, H)),
+                    (f"{q}.mlp.down_proj.weight", (H, I))]
     out.append((f"{p}.norm.weight", (H,)))
-    if not cfg["tie_word_embeddings"]:
+    if not config["tie_word_embeddings"]:
         out.append(("lm_head.weight", (V, H)))
     return out
 
@@ -130,15 +230,37 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _fill(f, shape, dtype: str, rng, std: float) -> None:
-    """Stream one random tensor (norm-like 1-D tensors are ones) into file f."""
-    n = int(np.prod(shape))
-    for s in range(0, n, CHUNK):
-        m = min(CHUNK, n - s)
-        x = np.ones(m, np.float32) if len(shape) == 1 else \
-            rng.standard_normal(m, dtype=np.float32) * np.float32(std)
-        f.write((_bf16(x) if dtype == "bf16" else x.astype(np.float16 if dtype == "f16"
-                                                            else np.float32)).tobytes())
+def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to `dtype` (still float32)."""
+    if dtype == "bf16":
+        return (_bf16(x).astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float16).astype(np.float32) if dtype == "f16" else x
+
+
+def _rows(shape, dtype: str, rng, std: float):
+    """One random tensor as float32 blocks of whole rows, rounded to `dtype` (1-D: ones)."""
+    if len(shape) == 1:
+        yield np.ones(shape, np.float32)
+        return
+    cols = shape[-1]
+    rows = math.prod(shape[:-1])
+    step = max(1, CHUNK // cols)
+    for r in range(0, rows, step):
+        m = min(step, rows - r)
+        x = rng.standard_normal(m * cols, dtype=np.float32) * np.float32(std)
+        yield _rounded(x, dtype).reshape(m, cols)
+
+
+def _store(x: np.ndarray, dtype: str) -> bytes:
+    """The safetensors bytes of values already rounded to `dtype`."""
+    return (_bf16(x) if dtype == "bf16" else
+            x.astype(np.float16 if dtype == "f16" else np.float32)).tobytes()
+
+
+def _log(name, shape) -> None:
+    if "layers" not in name or name.endswith("layers.0.mlp.down_proj.weight") \
+            or name.endswith("layers.0.mlp.experts.0.down_proj.weight"):
+        print(f"  {name} {list(shape)}", file=sys.stderr)
 
 
 def write_shards(out: Path, tensors, dtype: str, rng, std: float) -> int:
@@ -146,7 +268,7 @@ def write_shards(out: Path, tensors, dtype: str, rng, std: float) -> int:
     st_dtype, size = {"bf16": ("BF16", 2), "f16": ("F16", 2), "f32": ("F32", 4)}[dtype]
     shards, cur, cur_bytes = [], [], 0
     for name, shape in tensors:
-        nb = int(np.prod(shape)) * size
+        nb = math.prod(shape) * size
         if cur and cur_bytes + nb > SHARD_BYTES:
             shards.append(cur)
             cur, cur_bytes = [], 0
@@ -167,58 +289,226 @@ def write_shards(out: Path, tensors, dtype: str, rng, std: float) -> int:
             f.write(struct.pack("<Q", len(h)))
             f.write(h)
             for name, shape, nb in shard:
-                _fill(f, shape, dtype, rng, std)
-                print(f"  {name} {list(shape)}", file=sys.stderr) if "layers" not in name or \
-                    name.endswith("layers.0.mlp.down_proj.weight") else None
+                for x in _rows(shape, dtype, rng, std):
+                    f.write(_store(x, dtype))
+                _log(name, shape)
         total += off
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return total
 
 
-def write_tokenizer(out: Path) -> None:
-    """A small byte-level BPE tokenizer.json and tokenizer_config.json (Qwen template)."""
+def build_tokenizer():
+    """A small byte-level BPE (`tokenizers.Tokenizer`) with the three Qwen special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=specials,
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     corpus = ["The kestrel hovers over the field and drops on a mouse.",
               "Small models run on small boards; weights stream from memory each token.",
               "def f(x):\n    return x * 2  # double it"] * 50
     tok.train_from_iterator(corpus, trainer)
-    tok.save(str(out / "tokenizer.json"))
+    return tok
+
+
+def write_tokenizer(out: Path) -> None:
+    """The small tokenizer.json and a tokenizer_config.json (Qwen template)."""
+    build_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
         "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
 
 
-def main(argv=None) -> int:
+def gguf_plan(config: dict, tensors) -> list[tuple[str, tuple[int, ...], list]]:
+    """[(GGUF name, numpy shape, [(checkpoint name, shape), ...])] in `tensors` order: names
+    from the gguf package's map for the arch, consecutive experts merged into one tensor."""
+    import gguf
+    arch = gguf.MODEL_ARCH[GGUF_ARCH[config["model_type"]]]
+    names = gguf.get_tensor_name_map(arch, text_config(config)["num_hidden_layers"])
+    plan: list = []
+    for name, shape in tensors:
+        hf = re.sub(r"^model\.language_model\.", "model.", name)
+        hf = re.sub(r"\.experts\.\d+\.", ".experts.", hf)
+        g = names.get_name(hf, try_suffixes=(".weight",))
+        if g is None:
+            raise ValueError(f"{name}: no GGUF name for arch {gguf.MODEL_ARCH_NAMES[arch]}")
+        if plan and plan[-1][0] == g:
+            plan[-1][2].append((name, shape))
+        else:
+            plan.append((g, shape, [(name, shape)]))
+    return [(g, (len(parts), *shape) if len(parts) > 1 else shape, parts)
+            for g, shape, parts in plan]
+
+
+def _permute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf's llama q/k permute: each head's rows (2, hd/2) -> (hd/2, 2)."""
+    return x.reshape(n_head, 2, x.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(x.shape)
+
+
+def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, std: float,
+               name: str) -> int:
+    """One GGUF file (see the docstring); returns the bytes of tensor data written."""
+    import gguf
+    from gguf.quants import quantize
+    cfg = text_config(config)
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[GGUF_ARCH[config["model_type"]]]]
+    qname, ftype = GGUF_TYPES[gtype]
+    qtype = gguf.GGMLQuantizationType[qname]
+    H, nh, V = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"]
+    hd = cfg.get("head_dim") or H // nh
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"random {name}")
+    w.add_file_type(gguf.LlamaFileType[ftype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(H)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(float(cfg["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(V)
+    if cfg.get("num_experts"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    _gguf_tokenizer(w, V)
+
+    plan = gguf_plan(config, tensors)
+    kinds = []
+    for g, shape, _ in plan:
+        t = gguf.GGMLQuantizationType.F32 if len(shape) == 1 or ".ffn_gate_inp." in g else qtype
+        b, s = gguf.GGML_QUANT_SIZES[t]
+        if shape[-1] % b:
+            raise ValueError(f"{g}: rows of {shape[-1]} are not whole {qname} blocks of {b}")
+        nbytes = math.prod(shape) // b * s
+        w.add_tensor_info(g, shape, np.dtype(np.float32), nbytes, raw_dtype=t)
+        kinds.append((t, nbytes))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    f = w.fout[0]
+    total = 0
+    for (g, shape, parts), (t, nbytes) in zip(plan, kinds):
+        w.write_padding(f, f.tell())
+        start = f.tell()
+        for hf_name, hf_shape in parts:
+            rows = _rows(hf_shape, dtype, rng, std)
+            heads = {"attn_q": nh, "attn_k": cfg["num_key_value_heads"]}.get(g.split(".")[-2])
+            if arch == "llama" and heads:
+                rows = [_permute_qk(np.concatenate(list(rows)), heads)]
+            for x in rows:
+                f.write(quantize(x, t).tobytes())
+            _log(hf_name, hf_shape)
+        assert f.tell() - start == nbytes, g
+        total += nbytes
+    w.close()
+    return total
+
+
+def _gguf_tokenizer(w, vocab_size: int) -> None:
+    """The small tokenizer as llama.cpp's converter writes a byte-level BPE vocabulary."""
+    import gguf
+    tok = build_tokenizer()
+    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    if len(by_id) > vocab_size:
+        raise ValueError(f"the tokenizer's {len(by_id)} tokens exceed the vocab of {vocab_size}")
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    tokens, types = [], []
+    for i in range(vocab_size):                       # ids past the tokenizer: unused padding
+        t = by_id.get(i, f"[PAD{i}]")
+        tokens.append(t)
+        types.append(gguf.TokenType.UNUSED if i not in by_id else
+                     gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL)
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")                      # ByteLevel with GPT-2's split regex
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(tok.token_to_id("<|endoftext|>"))
+    w.add_eos_token_id(tok.token_to_id("<|im_end|>"))
+    w.add_pad_token_id(tok.token_to_id("<|endoftext|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def _gguf_type(s: str) -> str:
+    s = s.lower()
+    if s in GGUF_TYPES:
+        return s
+    if re.fullmatch(r"(q\d_k.*|iq\d.*|q5_[01]|tq\d_0|mxfp4)", s):
+        why = ("the gguf package cannot quantise K-quants and i-quants" if "k" in s or "iq" in s
+               else f"Kestrel reads {', '.join(GGUF_TYPES)}")
+        raise argparse.ArgumentTypeError(
+            f"{s!r} is not written here ({why}): write --gguf f16 and run llama.cpp's "
+            f"llama-quantize --pure F16.gguf OUT.gguf {s.upper()}")
+    raise argparse.ArgumentTypeError(f"unknown type {s!r} (choose from {', '.join(GGUF_TYPES)})")
+
+
+def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16")
+    ap.add_argument("out", type=Path, help="output directory (safetensors) or .gguf file (--gguf)")
+    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-vl-2b", metavar="NAME",
+                    help=f"published config to copy (default qwen3-vl-2b): {', '.join(SHAPES)}")
+    ap.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16",
+                    help="safetensors dtype; with --gguf, the precision the values are "
+                         "rounded to before TYPE (default bf16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None,
-                    help="decoder layers (default: the real 28)")
+                    help="decoder layers (default: the shape's)")
     ap.add_argument("--with-vision", action="store_true",
-                    help="also write a random vision tower (needs transformers)")
+                    help="also write a random vision tower (VL shapes; needs transformers)")
+    ap.add_argument("--gguf", type=_gguf_type, default=None, metavar="TYPE",
+                    help=f"write one GGUF file instead: {', '.join(GGUF_TYPES)} (llama-quantize "
+                         f"--pure layout). K-quants: the gguf package cannot quantise them; "
+                         f"use llama.cpp's llama-quantize on an f16 GGUF")
     a = ap.parse_args(argv)
-    config = json.loads(json.dumps(CONFIG))
+    if a.layers is not None and a.layers < 1:
+        ap.error(f"--layers must be >= 1 (got {a.layers})")
+    if a.with_vision and "vision_config" not in SHAPES[a.shape]:
+        ap.error(f"--with-vision: {a.shape} has no vision tower")
+    if a.with_vision and a.gguf:
+        ap.error("--with-vision: a GGUF holds the text decoder only")
+    if a.gguf and a.out.is_dir():
+        ap.error(f"--gguf: {a.out} is a directory; give the .gguf file to write")
+    return a
+
+
+def main(argv=None) -> int:
+    a = _parse(argv)
+    config = json.loads(json.dumps(SHAPES[a.shape]))
+    text = text_config(config)
     if a.layers is not None:
-        config["text_config"]["num_hidden_layers"] = a.layers
-    config["text_config"]["dtype"] = {"bf16": "bfloat16", "f16": "float16",
-                                      "f32": "float32"}[a.dtype]
+        text["num_hidden_layers"] = a.layers
+    text["dtype" if "text_config" in config else "torch_dtype"] = {
+        "bf16": "bfloat16", "f16": "float16", "f32": "float32"}[a.dtype]
+    tensors = text_tensors(config)
+    rng = np.random.default_rng(a.seed)
+    std = text["initializer_range"]
+    if a.gguf:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        total = write_gguf(a.out, config, tensors, a.gguf, a.dtype, rng, std, a.shape)
+        print(f"{a.out}: {a.shape} {a.gguf}, {len(tensors)} checkpoint tensors, "
+              f"{total / 2**30:.2f} GiB of weights", file=sys.stderr)
+        return 0
     a.out.mkdir(parents=True, exist_ok=True)
-    tensors = text_tensors(config["text_config"])
     if a.with_vision:
         tensors = vision_tensors(config) + tensors
-    rng = np.random.default_rng(a.seed)
-    total = write_shards(a.out, tensors, a.dtype, rng, config["text_config"]["initializer_range"])
+    total = write_shards(a.out, tensors, a.dtype, rng, std)
     (a.out / "config.json").write_text(json.dumps(config, indent=2))
+    eos = text["eos_token_id"]
     (a.out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 151643, "eos_token_id": [151645, 151643], "do_sample": False}, indent=2))
+        {"bos_token_id": text["bos_token_id"],
+         "eos_token_id": [eos, 151643] if eos == 151645 else eos, "do_sample": False},
+        indent=2))
     write_tokenizer(a.out)
     print(f"{a.out}: {len(tensors)} tensors, {total / 2**30:.2f} GiB of weights", file=sys.stderr)
     return 0
