@@ -18,7 +18,6 @@
 #include "simd.h"
 
 #define KA_W 32          /* keys per chunk (the L1 buffers' width) */
-#define KA_VD 16         /* output columns kept in registers while P.V runs over keys */
 
 /* The cache of one layer as the kernels see it (ka_kv_init fills it). */
 typedef struct {
@@ -184,27 +183,106 @@ KF_INLINE float ka_exp_sum(float *restrict s, ptrdiff_t n, float m)
     return sum;
 }
 
-/* acc[d] += sum_{i < n} p[i] * v[i * ld + d], d < hd, each in i order: KA_VD columns at a
- * time stay in registers while i runs. */
+/* acc[d] += sum_{i < n} p[i] * v[i * ld + d], d < hd, each in i order. Four keys per
+ * pass over acc: acc[d] is loaded and stored once per four rows, and the four products
+ * are added to it one after the other (the same sum, in the same order, as one key at a
+ * time); the d loop is the vector one, its hd / lanes chains independent. */
 KF_INLINE void ka_pv_f32(const float *restrict p, const float *restrict v, ptrdiff_t ld,
                          ptrdiff_t n, ptrdiff_t hd, float *restrict acc)
 {
-    ptrdiff_t d0 = 0;
-    for (; d0 + KA_VD <= hd; d0 += KA_VD) {
-        float a[KA_VD];
-        for (int d = 0; d < KA_VD; d++)
-            a[d] = acc[d0 + d];
-        for (ptrdiff_t i = 0; i < n; i++) {
-            const float pi = p[i], *vi = v + i * ld + d0;
-            for (int d = 0; d < KA_VD; d++)
-                a[d] += pi * vi[d];
+    ptrdiff_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float p0 = p[i], p1 = p[i + 1], p2 = p[i + 2], p3 = p[i + 3];
+        const float *v0 = v + i * ld, *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;
+        for (ptrdiff_t d = 0; d < hd; d++) {
+            float a = acc[d];
+            a += p0 * v0[d];
+            a += p1 * v1[d];
+            a += p2 * v2[d];
+            a += p3 * v3[d];
+            acc[d] = a;
         }
-        for (int d = 0; d < KA_VD; d++)
-            acc[d0 + d] = a[d];
     }
-    for (; d0 < hd; d0++)
-        for (ptrdiff_t i = 0; i < n; i++)
-            acc[d0] += p[i] * v[i * ld + d0];
+    for (; i < n; i++) {
+        const float pi = p[i], *vi = v + i * ld;
+        for (ptrdiff_t d = 0; d < hd; d++)
+            acc[d] += pi * vi[d];
+    }
+}
+
+/* s[i] = q . rows[i * st] (hd values each), i < n. Four keys per pass with the query
+ * read once for all four: each dot keeps KA_SL partial sums (lane k: columns d = k mod
+ * KA_SL), summed pairwise, then the columns past the last multiple of KA_SL in order.
+ * With GCC/Clang the lanes are a vector type (plain element-wise arithmetic, the same
+ * sums; GCC's loop vectoriser otherwise interleaves the four keys' rows with shuffles),
+ * without them plain arrays. */
+#define KA_SL 8
+#if defined(__GNUC__) || defined(__clang__)
+typedef float ka_v8 __attribute__((vector_size(KA_SL * sizeof(float))));
+KF_INLINE ka_v8 ka_ld8(const float *p)
+{
+    ka_v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+KF_INLINE float ka_hsum8(ka_v8 v)
+{
+    float a[KA_SL];
+    memcpy(a, &v, sizeof a);
+    return kf_hsum(a, KA_SL);
+}
+#define KA_SCORE_LANES(NAME) ka_v8 NAME = {0}
+#define KA_SCORE_STEP(A, Q, R) (A) += (Q) * ka_ld8(R)
+#define KA_SCORE_Q(d) const ka_v8 qv = ka_ld8(q + (d))
+#define KA_SCORE_SUM(A) ka_hsum8(A)
+#else
+#define KA_SCORE_LANES(NAME) float NAME[KA_SL] = {0}
+#define KA_SCORE_STEP(A, Q, R) for (int k_ = 0; k_ < KA_SL; k_++) (A)[k_] += (Q)[k_] * (R)[k_]
+#define KA_SCORE_Q(d) const float *qv = q + (d)
+#define KA_SCORE_SUM(A) kf_hsum(A, KA_SL)
+#endif
+KF_INLINE void ka_scores(const float *restrict q, const float *restrict rows, ptrdiff_t st,
+                         ptrdiff_t n, ptrdiff_t hd, float *restrict s)
+{
+    const ptrdiff_t hv = hd - hd % KA_SL;
+    ptrdiff_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float *r0 = rows + i * st, *r1 = r0 + st, *r2 = r1 + st, *r3 = r2 + st;
+        KA_SCORE_LANES(a0);
+        KA_SCORE_LANES(a1);
+        KA_SCORE_LANES(a2);
+        KA_SCORE_LANES(a3);
+        for (ptrdiff_t d = 0; d < hv; d += KA_SL) {
+            KA_SCORE_Q(d);
+            KA_SCORE_STEP(a0, qv, r0 + d);
+            KA_SCORE_STEP(a1, qv, r1 + d);
+            KA_SCORE_STEP(a2, qv, r2 + d);
+            KA_SCORE_STEP(a3, qv, r3 + d);
+        }
+        float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+        for (ptrdiff_t d = hv; d < hd; d++) {
+            t0 += q[d] * r0[d];
+            t1 += q[d] * r1[d];
+            t2 += q[d] * r2[d];
+            t3 += q[d] * r3[d];
+        }
+        s[i] = KA_SCORE_SUM(a0) + t0;
+        s[i + 1] = KA_SCORE_SUM(a1) + t1;
+        s[i + 2] = KA_SCORE_SUM(a2) + t2;
+        s[i + 3] = KA_SCORE_SUM(a3) + t3;
+    }
+    for (; i < n; i++) {
+        const float *r = rows + i * st;
+        KA_SCORE_LANES(a);
+        float t = 0.0f;
+        for (ptrdiff_t d = 0; d < hv; d += KA_SL) {
+            KA_SCORE_Q(d);
+            KA_SCORE_STEP(a, qv, r + d);
+        }
+        for (ptrdiff_t d = hv; d < hd; d++)
+            t += q[d] * r[d];
+        s[i] = KA_SCORE_SUM(a) + t;
+    }
 }
 
 /* acc (hd) += sum_{i < n} p[i] * s[i] * rows[i] (rows `st` floats apart; s NULL: 1), in
