@@ -23,7 +23,7 @@
 
 #include "attn_select.h"
 
-#define KA_PB 16
+#define KA_PB 4       /* blocks per decode part: 16 -> 4 measured ~10% faster decode */
 #define KA_GMAX 64    /* most query heads per kv head in a decode unit */
 
 enum { KA_DEC_STATES = 0, KA_DEC_PROBES = 1, KA_DEC_PICKED = 2 };
