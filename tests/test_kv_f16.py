@@ -77,15 +77,21 @@ def _run(spec, k, v, q_pre, q_dec, n_pre, layer_threads=2):
 HD = 32
 
 
-@pytest.mark.parametrize("n_heads,n_kv,sparse_k", [(4, 2, 0), (4, 2, 3), (3, 3, 2),
-                                                   (4, 1, 100)])
-def test_attention_equals_float32_over_rounded_values(isa, n_heads, n_kv, sparse_k):
-    rng = np.random.default_rng(n_heads * 10 + sparse_k)
-    n, n_pre = 230, 200
+def _data(seed, n, n_pre, n_heads, n_kv):
+    """Random K, V (n, n_kv * HD) and the queries of the prefill rows and decode steps."""
+    rng = np.random.default_rng(seed)
     k = rng.standard_normal((n, n_kv * HD)).astype(np.float32)
     v = rng.standard_normal((n, n_kv * HD)).astype(np.float32)
     q_pre = rng.standard_normal((n_pre, n_heads * HD)).astype(np.float32)
     q_dec = rng.standard_normal((n - n_pre, n_heads * HD)).astype(np.float32)
+    return k, v, q_pre, q_dec
+
+
+@pytest.mark.parametrize("n_heads,n_kv,sparse_k", [(4, 2, 0), (4, 2, 3), (3, 3, 2),
+                                                   (4, 1, 100)])
+def test_attention_equals_float32_over_rounded_values(isa, n_heads, n_kv, sparse_k):
+    n, n_pre = 230, 200
+    k, v, q_pre, q_dec = _data(n_heads * 10 + sparse_k, n, n_pre, n_heads, n_kv)
     kr, vr = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
     half = _run(CacheSpec("f16", sparse_k=sparse_k), k, v, q_pre, q_dec, n_pre)
     ref = _run(CacheSpec("f32", sparse_k=sparse_k), kr, vr, q_pre, q_dec, n_pre)
@@ -104,12 +110,8 @@ def test_attention_equals_float32_over_rounded_values(isa, n_heads, n_kv, sparse
 
 
 def test_sparse_with_k_past_the_blocks_is_exact(isa):
-    rng = np.random.default_rng(5)
     n, n_pre = 140, 130
-    k = rng.standard_normal((n, 2 * HD)).astype(np.float32)
-    v = rng.standard_normal((n, 2 * HD)).astype(np.float32)
-    q_pre = rng.standard_normal((n_pre, 4 * HD)).astype(np.float32)
-    q_dec = rng.standard_normal((n - n_pre, 4 * HD)).astype(np.float32)
+    k, v, q_pre, q_dec = _data(5, n, n_pre, 4, 2)
     exact = _run(CacheSpec("f16"), k, v, q_pre, q_dec, n_pre)
     sparse = _run(CacheSpec("f16", sparse_k=5), k, v, q_pre, q_dec, n_pre)
     np.testing.assert_array_equal(exact[0], sparse[0])
@@ -117,12 +119,8 @@ def test_sparse_with_k_past_the_blocks_is_exact(isa):
 
 
 def test_thread_count_does_not_change_results():
-    rng = np.random.default_rng(6)
     n, n_pre = 300, 290
-    k = rng.standard_normal((n, 2 * HD)).astype(np.float32)
-    v = rng.standard_normal((n, 2 * HD)).astype(np.float32)
-    q_pre = rng.standard_normal((n_pre, 4 * HD)).astype(np.float32)
-    q_dec = rng.standard_normal((n - n_pre, 4 * HD)).astype(np.float32)
+    k, v, q_pre, q_dec = _data(6, n, n_pre, 4, 2)
     for sk in (0, 2):
         one = _run(CacheSpec("f16", sparse_k=sk), k, v, q_pre, q_dec, n_pre, 1)
         two = _run(CacheSpec("f16", sparse_k=sk), k, v, q_pre, q_dec, n_pre, 2)
