@@ -65,6 +65,9 @@ class EngineOptions:
         "--quant", help="Quantise the weights at load.", rich_help_panel=_MODEL)] = Quant.none
     kv_q8: Annotated[bool, typer.Option(
         "--kv-q8", help="Store the KV cache as int8.", rich_help_panel=_MODEL)] = False
+    kv_f16: Annotated[bool, typer.Option(
+        "--kv-f16", help="Store the KV cache as float16 (not with --kv-q8).",
+        rich_help_panel=_MODEL)] = False
     sparse_attn: Annotated[bool, typer.Option(
         "--sparse-attn", help="Block-sparse decode attention.", rich_help_panel=_MODEL)] = False
     sparse_k: Annotated[int, typer.Option(
@@ -84,7 +87,7 @@ class EngineOptions:
                            sparse_k=self.sparse_k, sparse_probes=self.sparse_probes,
                            quant=Quant(self.quant).value, threads=self.threads,
                            ctx_size=self.ctx_size, ctx_cap=DEFAULT_CTX_CAP,
-                           f32_act=self.f32_act)
+                           f32_act=self.f32_act, kv_f16=self.kv_f16)
 
     def check(self) -> None:
         """Fail fast, before any file is read (the Engine's own validation)."""

@@ -36,6 +36,7 @@ class LoadOptions:
 
     Args:
         kv_q8: store the KV cache as int8 (--kv-q8).
+        kv_f16: store the KV cache as float16 (--kv-f16); not with kv_q8.
         sparse_attn: block-sparse attention (--sparse-attn) with sparse_k blocks of 32
             tokens per query head and sparse_probes keys probed per block.
         quant: None/"none", or a --quant format: quantise float weights at load.
@@ -55,6 +56,7 @@ class LoadOptions:
     ctx_size: int | None = None
     ctx_cap: int | None = None
     f32_act: bool = False
+    kv_f16: bool = False
 
     def validate(self) -> "LoadOptions":
         """Raise KestrelError naming the flag of the first bad value; self when all are ok."""
@@ -67,6 +69,8 @@ class LoadOptions:
             raise KestrelError(f"context cap must be >= 1, got {self.ctx_cap}")
         if self.threads is not None and self.threads < 1:
             raise KestrelError(f"-t/--threads must be >= 1, got {self.threads}")
+        if self.kv_q8 and self.kv_f16:
+            raise KestrelError("--kv-q8 and --kv-f16 exclude each other: give one")
         if self.sparse_k < 1:
             raise KestrelError(f"--sparse-k must be >= 1, got {self.sparse_k}")
         if self.sparse_probes < 1:
@@ -76,7 +80,7 @@ class LoadOptions:
     @property
     def cache_spec(self) -> CacheSpec:
         """The KV cache these options describe."""
-        return CacheSpec("q8" if self.kv_q8 else "f32",
+        return CacheSpec("q8" if self.kv_q8 else ("f16" if self.kv_f16 else "f32"),
                          self.sparse_k if self.sparse_attn else 0, self.sparse_probes)
 
     def context(self, model_ctx: int | None) -> int:
@@ -112,13 +116,14 @@ class Engine:
     def from_pretrained(cls, path=None, kv_q8: bool = False, sparse_attn: bool = False,
                         sparse_k: int = 32, sparse_probes: int = 8, quant: str | None = None,
                         threads: int | None = None, ctx_size: int | None = None,
-                        ctx_cap: int | None = None, f32_act: bool = False) -> "Engine":
+                        ctx_cap: int | None = None, f32_act: bool = False,
+                        kv_f16: bool = False) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 
         Args: as `LoadOptions` (they mirror the CLI flags).
         """
         return cls.load(path, LoadOptions(kv_q8, sparse_attn, sparse_k, sparse_probes, quant,
-                                          threads, ctx_size, ctx_cap, f32_act))
+                                          threads, ctx_size, ctx_cap, f32_act, kv_f16))
 
     @classmethod
     def load(cls, path, options: LoadOptions) -> "Engine":

@@ -341,7 +341,8 @@ SLOTS = _lib.SLOTS   # rows of the importance scratch (`imp_slots`)
 
 def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
               n_kv_heads: int, head_dim: int, pos0: int, scale: float, out: np.ndarray,
-              threads: int | None, *, kv_q8: bool = False, sparse_k: int = 0,
+              threads: int | None, *, kv_q8: bool = False, kv_f16: bool = False,
+              sparse_k: int = 0,
               sparse_probes: int = 8, imp_order: np.ndarray | None = None,
               importance: np.ndarray | None = None, imp_slots: np.ndarray | None = None,
               sel: np.ndarray | None = None, dec_tab: np.ndarray | None = None) -> np.ndarray:
@@ -350,7 +351,7 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
     Block b of K (V) is a C-contiguous buffer at address k_ptrs[b] (v_ptrs[b]) holding
     tokens b*kv_bs.. as rows of n_kv_heads * head_dim values: float32, or with kv_q8 int8
     followed by float32 scales (n_kv_heads, kv_bs) where `kv_q8_layout` places them:
-    x = scale * q. Query row i sits at position pos0 + i and attends to tokens
+    x = scale * q, or with kv_f16 IEEE half. Query row i sits at position pos0 + i and attends to tokens
     0..pos0+i, which the cache must already hold; query head h reads kv head
     h // (n_heads // n_kv_heads).
     out[i, h] = softmax(scale * q[i, h] . K) @ V over those tokens (exact), or with
@@ -368,6 +369,7 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         out: float32, q's shape, written.
         threads: OpenMP threads (None/0: default).
         kv_q8: the blocks are int8 with scales.
+        kv_f16: the blocks are float16 (not with kv_q8).
         sparse_k: blocks per query head (0: exact attention).
         sparse_probes: keys probed per block.
         imp_order: int32 (n,) blocks by prior prefill importance, descending, ties to the
@@ -405,6 +407,11 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
                          f"positions 0..{n_ctx - 1}")
     if T and (not k_ptrs[:n_used].all() or not v_ptrs[:n_used].all()):
         raise ValueError("attention: null block address among the blocks in use")
+    if kv_q8 and kv_f16:
+        raise ValueError("attention: kv_q8 and kv_f16 exclude each other")
+    if kv_f16 and head_dim > _lib.HD_MAX_F16:
+        raise ValueError(f"attention: a float16 cache needs head_dim <= {_lib.HD_MAX_F16}, "
+                         f"got {head_dim}")
     sparse_k, sparse_probes = int(sparse_k), int(sparse_probes)
     if sparse_k < 0 or sparse_probes < 1:
         raise ValueError(f"attention: sparse_k must be >= 0 and sparse_probes >= 1, got "
@@ -435,22 +442,28 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         if dec_tab.shape[0] < need:
             raise ValueError(f"dec_tab: needs >= {need} floats, got {dec_tab.shape[0]}")
     _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, float(scale),
-                         out, _threads(threads), bool(kv_q8), sparse_k, sparse_probes,
+                         out, _threads(threads), kv_kind(bool(kv_q8), bool(kv_f16)),
+                         sparse_k, sparse_probes,
                          imp_order, importance, imp_slots, sel, dec_tab)
     return out
 
 
+def kv_kind(kv_q8: bool, kv_f16: bool) -> int:
+    """The kernel's code for a cache's value type (attention_unchecked's kv_kind)."""
+    return _lib.KV_Q8 if kv_q8 else (_lib.KV_F16 if kv_f16 else _lib.KV_F32)
+
+
 def attention_unchecked(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
                         n_kv_heads: int, head_dim: int, pos0: int, scale: float,
-                        out: np.ndarray, threads: int, kv_q8: bool, sparse_k: int,
+                        out: np.ndarray, threads: int, kv_kind: int, sparse_k: int,
                         sparse_probes: int, imp_order: np.ndarray | None,
                         sel: np.ndarray | None, dec_tab: np.ndarray) -> np.ndarray:
     """`attention` for one decode row (T == 1) without the Python-side argument checks:
     the per-layer, per-token path of `KVCache.attend`, which owns every argument (the
     kernel still checks dtypes, contiguity and the scratch size). Positional, as
-    `attention`; threads an int (0: OpenMP default)."""
+    `attention`; threads an int (0: OpenMP default); kv_kind as `kv_kind` returns."""
     _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, scale, out,
-                         threads, kv_q8, sparse_k, sparse_probes, imp_order, None, None, sel,
+                         threads, kv_kind, sparse_k, sparse_probes, imp_order, None, None, sel,
                          dec_tab)
     return out
 

@@ -9,7 +9,8 @@ float32 cache: a block is float32 (KV_BLOCK, kv_dim). int8 cache (spec dtype "q8
 block is one byte buffer, the int8 values (KV_BLOCK, kv_dim) in the same places, then at
 byte `scale_offset` (64-byte aligned) the float32 scales (n_kv_heads, KV_BLOCK), one per
 (token, kv head), symmetric: scale = max|x| / 127, x ~ scale * q; the kernels define this layout
-(`kernels.kv_q8_layout`).
+(`kernels.kv_q8_layout`). float16 cache (dtype "f16"): a block is IEEE half
+(KV_BLOCK, kv_dim), values rounded to nearest even (numpy's astype(float16)).
 
 A `CacheSpec` says what the cache is: value type, and how attention reads it (exact, or
 block-sparse with `sparse_k` blocks per query head, docs/DESIGN.md §3 Sparse selection).
@@ -32,7 +33,7 @@ from .errors import KestrelError
 from .kernels import KV_BLOCK
 from .sparse import importance_order
 
-DTYPES = ("f32", "q8")
+DTYPES = ("f32", "q8", "f16")
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,8 @@ class CacheSpec:
     """What a KV cache is: its value type and how attention reads it.
 
     Args:
-        dtype: "f32" (float32 values) or "q8" (int8 values, a float32 scale per token and
-            kv head).
+        dtype: "f32" (float32 values), "q8" (int8 values, a float32 scale per token and
+            kv head) or "f16" (IEEE half values).
         sparse_k: blocks of `block` tokens each query head attends to; 0: exact attention.
         sparse_probes: keys probed per block to rank it (with sparse_k > 0).
     """
@@ -79,12 +80,15 @@ class KVCache:
         self.scale = 1.0 / math.sqrt(head_dim)        # softmax(q . k * scale)
         # read on every attend: plain attributes, not spec lookups
         self.q8 = spec.dtype == "q8"
+        self.f16 = spec.dtype == "f16"
+        self.kv_kind = K.kv_kind(self.q8, self.f16)
         self.sparse_k, self.sparse_probes = spec.sparse_k, spec.sparse_probes
         self.threads = int(threads or 0)               # 0: OpenMP default
         if self.q8:
             self.scale_offset, self.block_bytes = K.kv_q8_layout(KV_BLOCK, n_kv_heads, head_dim)
         else:
-            self.scale_offset, self.block_bytes = 0, KV_BLOCK * self.kv_dim * 4
+            self.scale_offset = 0
+            self.block_bytes = KV_BLOCK * self.kv_dim * (2 if self.f16 else 4)
         self.k_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         self.v_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         cap = -(-max_tokens // KV_BLOCK)
@@ -108,7 +112,7 @@ class KVCache:
     def _new_block(self) -> np.ndarray:
         if self.q8:
             return np.empty(self.block_bytes, dtype=np.uint8)
-        return np.empty((KV_BLOCK, self.kv_dim), dtype=np.float32)
+        return np.empty((KV_BLOCK, self.kv_dim), dtype=np.float16 if self.f16 else np.float32)
 
     def _q8_views(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values int8 (KV_BLOCK, kv_dim), scales float32 (n_kv_heads, KV_BLOCK)) of an
@@ -146,9 +150,10 @@ class KVCache:
                     vals, scales = self._q8_views(blocks[layer][b])
                     K.quantize_q8(src[done:done + m], self.head_dim, vals[r:r + m],
                                   scales[:, r:r + m].T, self.threads)
-            else:
-                self.k_blocks[layer][b][r:r + m] = k[done:done + m]
-                self.v_blocks[layer][b][r:r + m] = v[done:done + m]
+            else:   # float16: numpy rounds to nearest even, |x| > 65504 becomes inf
+                with np.errstate(over="ignore"):
+                    self.k_blocks[layer][b][r:r + m] = k[done:done + m]
+                    self.v_blocks[layer][b][r:r + m] = v[done:done + m]
             done += m
 
     def views(self, layer: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -159,7 +164,7 @@ class KVCache:
     def attend(self, layer: int, q: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Causal attention of T query rows at positions offset..offset+T-1 over the
         tokens 0..offset+T-1 of `layer` (`write` them first): exact or block-sparse, over
-        float32 or int8 K and V, as the spec says. A prefill block (T > 1) also records
+        float32, int8 or float16 K and V, as the spec says. A prefill block (T > 1) also records
         the attention mass each token receives (`importance`).
 
         Args:
@@ -187,12 +192,13 @@ class KVCache:
                     dtype=np.float32)
             return K.attention_unchecked(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads,
                                          self.head_dim, pos0, self.scale, out, self.threads,
-                                         self.q8, self.sparse_k, self.sparse_probes, order,
+                                         self.kv_kind, self.sparse_k, self.sparse_probes, order,
                                          sel, self._dec_tab)
         if self._slots is None:
             self._slots = np.zeros((K.SLOTS, self.max_tokens), dtype=np.float32)
         K.attention(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads, self.head_dim, pos0,
-                    self.scale, out, self.threads, kv_q8=self.q8, sparse_k=self.sparse_k,
+                    self.scale, out, self.threads, kv_q8=self.q8, kv_f16=self.f16,
+                    sparse_k=self.sparse_k,
                     sparse_probes=self.sparse_probes, imp_order=order,
                     importance=self.importance[layer], imp_slots=self._slots, sel=sel)
         self._imp_end = max(self._imp_end, pos0 + T)
@@ -230,7 +236,7 @@ class KVCache:
         if not self.offset:
             return np.zeros((0, self.kv_dim), np.float32)
         if not self.q8:
-            return np.concatenate(blocks)[:self.offset]
+            return np.concatenate(blocks)[:self.offset].astype(np.float32)
         rows = []
         for i, b in enumerate(blocks):
             n = min(KV_BLOCK, self.offset - i * KV_BLOCK)    # rows written
@@ -243,7 +249,7 @@ class KVCache:
 
     def keys(self, layer: int) -> np.ndarray:
         """K of the committed tokens as one float32 (offset, kv_dim) array, dequantised
-        from an int8 cache (tests and the sparse reference; not used by the engine)."""
+        from an int8 cache or widened from a float16 one (tests and the sparse reference; not used by the engine)."""
         return self._gather(self.k_blocks[layer])
 
     def values(self, layer: int) -> np.ndarray:

@@ -9,7 +9,8 @@
  * this file compiles the decode and prefill units per ISA variant and lists them for
  * isa.h's dispatcher; attention.pxi owns the parallel loops and the thread scratch.
  *
- * Same rules as simd.h: portable C99, no intrinsics, no -ffast-math, every float sum in
+ * Same rules as simd.h: portable C99, no intrinsics (one exception: F16C half->float,
+ * attn_kv.h), no -ffast-math, every float sum in
  * a fixed order written in the source, so no result depends on the thread count.
  */
 #ifndef KESTREL_ATTENTION_H
@@ -41,7 +42,9 @@
  * these short rows, so the avx512 variant runs the avx2 units. The prefill unit runs
  * `base` under every variant: its AVX2 build measured no faster (the score loop's 4 FMA
  * chains are latency-bound). Results differ between variants in the last bits (FMA),
- * never between runs or thread counts on one of them. */
+ * never between runs or thread counts on one of them. A float16 cache's rows are
+ * converted exactly on every variant (F16C under avx2), so the conversion adds no
+ * difference of its own. */
 #define KA_DECODE_A_ARGS const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads, \
     ptrdiff_t n_ctx, float scale, int mode, int k, int n_probe, const int32_t *imp_order, \
     ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel
@@ -50,16 +53,20 @@
     const int32_t *imp_order, ptrdiff_t n_order, ptrdiff_t u, ka_ws *ws, float *imp, \
     int32_t *sel, float *out, ptrdiff_t ldo
 
-#define KA_DECODE_ENTRY(SUF, ATTR)                                                       \
+/* F16C: whether the variant converts float16 cache rows with vcvtph2ps (attn_kv.h)
+ * instead of simd.h's portable masks. */
+#define KA_DECODE_ENTRY(SUF, ATTR, F16C)                                                 \
     ATTR static void ka_decode_a_##SUF(KA_DECODE_A_ARGS)                                 \
     {                                                                                    \
-        ka_decode_a(kv, q, u, n_heads, n_ctx, scale, mode, k, n_probe, imp_order, n_order, \
-                    ws, tab, sel);                                                       \
+        ka_kv kv2 = *kv;                                                                 \
+        kv2.f16c = (F16C);                                                               \
+        ka_decode_a(&kv2, q, u, n_heads, n_ctx, scale, mode, k, n_probe, imp_order,      \
+                    n_order, ws, tab, sel);                                              \
     }
 
-KA_DECODE_ENTRY(base, )
+KA_DECODE_ENTRY(base, , 0)
 #if KF_X86_DISPATCH
-KA_DECODE_ENTRY(avx2, KF_TARGET_AVX2)
+KA_DECODE_ENTRY(avx2, KF_TARGET_AVX2, 1)
 #endif
 
 typedef void (*ka_decode_a_fn)(KA_DECODE_A_ARGS);

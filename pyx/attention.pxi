@@ -1,11 +1,11 @@
 # Causal attention over the block KV cache (docs/DESIGN.md §2 KV cache layout, §3 Sparse
 # selection; included by lib.pyx): exact, or block-sparse (each query head attends to the
-# k blocks of 32 tokens it selects), over a float32 or an int8 cache, recording during
+# k blocks of 32 tokens it selects), over a float32, int8 or float16 cache, recording during
 # prefill the attention mass each token receives ("importance", the input of the sparse
 # selection). The per-unit work is C (attention.h and its attn_*.h); this file owns the
 # parallel loops and the thread scratch.
 #
-# Decode (T == 1): loops over (kv head, part of 16 blocks) units -- probes, then softmax
+# Decode (T == 1): loops over (kv head, part of 4 blocks) units -- probes, then softmax
 # states of the part's (picked) blocks for each of the kv head's query heads, so K/V
 # leave memory once per kv head -- then one over query heads that merges the parts;
 # attn_decode.h.
@@ -27,8 +27,13 @@ cdef extern from "attention.h" nogil:
     ctypedef struct ka_ws:
         pass
 
+    enum:
+        KA_KV_F32
+        KA_KV_Q8
+        KA_KV_F16
+        KA_HDMAX
     void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t *v_ptrs, Py_ssize_t bs,
-                    Py_ssize_t n_kv, Py_ssize_t hd, int q8) noexcept
+                    Py_ssize_t n_kv, Py_ssize_t hd, int kind) noexcept
     Py_ssize_t ka_q8_scale_offset(Py_ssize_t bs, Py_ssize_t ld) noexcept
     Py_ssize_t ka_q8_block_bytes(Py_ssize_t bs, Py_ssize_t n_kv, Py_ssize_t hd) noexcept
     float ka_quant_row(const float *x, Py_ssize_t n, int8_t *q) noexcept
@@ -57,6 +62,8 @@ cdef extern from "attention.h" nogil:
                              Py_ssize_t ldo) noexcept
 
 SLOTS = KA_SLOTS            # rows of the importance scratch the caller provides
+KV_F32, KV_Q8, KV_F16 = KA_KV_F32, KA_KV_Q8, KA_KV_F16   # kv_kind values
+HD_MAX_F16 = KA_HDMAX       # most head_dim with a float16 cache
 
 
 def kv_q8_layout(Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim):
@@ -75,8 +82,9 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
               float scale,
               float[:, ::1] out,              # OUT (T, n_heads * head_dim)
               int n_threads,
-              bint kv_q8=False,               # int8 blocks: values, then (n_kv, kv_bs) float scales
-                                              # at kv_q8_layout's offset
+              int kv_kind=0,                  # KV_F32; KV_Q8 (1): int8 blocks: values, then
+                                              # (n_kv, kv_bs) float scales at kv_q8_layout's
+                                              # offset; KV_F16 (2): float16 blocks
               int sparse_k=0,                 # blocks per query head; 0: exact
               int n_probe=8,
               const int32_t[::1] imp_order=None,   # IN  (n_order,) blocks by importance
@@ -105,7 +113,11 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     cdef int nt, k = sparse_k if sparse_k > 0 else 0
     if T == 0 or n_heads == 0:
         return
-    ka_kv_init(&kv, &k_ptrs[0], &v_ptrs[0], kv_bs, n_kv_heads, head_dim, 1 if kv_q8 else 0)
+    if kv_kind not in (KA_KV_F32, KA_KV_Q8, KA_KV_F16):
+        raise ValueError(f"attention: kv_kind must be 0, 1 or 2, got {kv_kind}")
+    if kv_kind == KA_KV_F16 and head_dim > KA_HDMAX:
+        raise ValueError(f"attention: a float16 cache needs head_dim <= {KA_HDMAX}")
+    ka_kv_init(&kv, &k_ptrs[0], &v_ptrs[0], kv_bs, n_kv_heads, head_dim, kv_kind)
     if imp_order is not None and imp_order.shape[0] > 0:
         order_p, n_order = &imp_order[0], imp_order.shape[0]
     if sel is not None and k > 0:

@@ -23,7 +23,7 @@
 
 #include "attn_select.h"
 
-#define KA_PB 16
+#define KA_PB 4       /* blocks per decode part: 16 -> 4 measured ~10% faster decode */
 #define KA_GMAX 64    /* most query heads per kv head in a decode unit */
 
 enum { KA_DEC_STATES = 0, KA_DEC_PROBES = 1, KA_DEC_PICKED = 2 };
@@ -123,10 +123,10 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
                 const float *rows = ka_rows(kv, kv->k_ptrs, kh, b, i0 * step, step, w, buf, &st);
                 const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, i0 * step);
                 for (ptrdiff_t g = 0; g < group; g++) {
-                    float *pr = probe + (kh * group + g) * nb + b;
+                    float *pr = probe + (kh * group + g) * nb + b, sc[KA_W];
+                    ka_scores(qv[g].q, rows, st, w, hd, sc);
                     for (ptrdiff_t i = 0; i < w; i++) {
-                        float v = kf_dot_f32(qv[g].q, rows + i * st, hd);
-                        v = ks != NULL ? v * ks[(i0 + i) * step] : v;
+                        float v = ks != NULL ? sc[i] * ks[(i0 + i) * step] : sc[i];
                         *pr = (i0 + i == 0 || v > *pr) ? v : *pr;
                     }
                 }
@@ -156,13 +156,14 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
             for (ptrdiff_t g = 0; g < group; g++) {
                 if (mask != NULL && !mask[g * nb + b])
                     continue;
-                float *sg = ws->s + g * pt + cnt[g];
+                float *sg = ws->s + g * pt + cnt[g], m = mx[g];
+                ka_scores(qv[g].q, rows, st, w, hd, sg);
                 for (ptrdiff_t j = 0; j < w; j++) {
-                    float v = kf_dot_f32(qv[g].q, rows + j * st, hd);
-                    v = ks != NULL ? v * ks[j] : v;
+                    float v = ks != NULL ? sg[j] * ks[j] : sg[j];
                     sg[j] = v * scale;
-                    mx[g] = sg[j] > mx[g] ? sg[j] : mx[g];
+                    m = sg[j] > m ? sg[j] : m;
                 }
+                mx[g] = m;
                 cnt[g] += w;
             }
         }

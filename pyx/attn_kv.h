@@ -8,17 +8,20 @@
  *            (ka_q8_scale_offset) the (n_kv, bs) float32 scales: x ~ scale[h][t % bs] * q,
  *            scale = max|x| / 127 (head-major, so a probe's scales share cache lines with
  *            its neighbours').
+ *   float16: (bs, ld) IEEE half values (--kv-f16), in the same places as float32.
  * Kernels read the int8 values where they lie (no dequantised copy of the cache): a key
  * dot is float query x int8 key, times the key's scale; chunks read by several queries
- * are converted to floats in L1 once (ka_rows).
+ * are converted to floats in L1 once (ka_rows); half rows likewise (F16C under the avx2
+ * variant, simd.h's portable conversion under base).
  */
 #ifndef KESTREL_ATTN_KV_H
 #define KESTREL_ATTN_KV_H
 
 #include "simd.h"
+#include "isa.h"
 
 #define KA_W 32          /* keys per chunk (the L1 buffers' width) */
-#define KA_VD 16         /* output columns kept in registers while P.V runs over keys */
+#define KA_HDMAX 1024    /* most head_dim with a float16 cache (kernels.attention checks) */
 
 /* The cache of one layer as the kernels see it (ka_kv_init fills it). */
 typedef struct {
@@ -28,8 +31,13 @@ typedef struct {
     ptrdiff_t n_kv, hd;
     ptrdiff_t ld;             /* values per cached token: n_kv * hd */
     ptrdiff_t soff;           /* int8 cache: byte offset of the scales in a block */
-    int q8;                   /* 0: float32 cache, 1: int8 cache */
+    int q8;                   /* 1: int8 cache */
+    int f16;                  /* 1: float16 cache (q8 and f16 0: float32) */
+    int f16c;                 /* convert halves with F16C (the avx2 decode entry) */
 } ka_kv;
+
+/* The cache's value types (ka_kv_init's `kind`; kernels.attention's kv_kind). */
+enum { KA_KV_F32 = 0, KA_KV_Q8 = 1, KA_KV_F16 = 2 };
 
 /* The int8 block layout, defined here only (kestrel_cli.kernels.kv_q8_layout gives it to
  * the cache that allocates the blocks): bs * ld int8 values, then, at the next multiple
@@ -45,7 +53,7 @@ static inline ptrdiff_t ka_q8_block_bytes(ptrdiff_t bs, ptrdiff_t n_kv, ptrdiff_
 }
 
 static inline void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t *v_ptrs,
-                              ptrdiff_t bs, ptrdiff_t n_kv, ptrdiff_t hd, int q8)
+                              ptrdiff_t bs, ptrdiff_t n_kv, ptrdiff_t hd, int kind)
 {
     kv->k_ptrs = k_ptrs;
     kv->v_ptrs = v_ptrs;
@@ -54,7 +62,44 @@ static inline void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t 
     kv->hd = hd;
     kv->ld = n_kv * hd;
     kv->soff = ka_q8_scale_offset(bs, n_kv * hd);
-    kv->q8 = q8 != 0;
+    kv->q8 = kind == KA_KV_Q8;
+    kv->f16 = kind == KA_KV_F16;
+    kv->f16c = 0;             /* the avx2 entries set it (attention.h) */
+}
+
+/* n rows of hd halves (ldx halves apart) as floats into y (hd floats apart), exactly:
+ * with F16C (kv->f16c, set by the avx2 decode entry) 8 at a time by vcvtph2ps (GCC 12
+ * does not vectorise a _Float16 cast), else simd.h's portable masks, which vectorise. */
+#if KF_X86_DISPATCH
+#include <immintrin.h>
+KF_TARGET_AVX2 static void ka_f16_rows_f16c(const uint16_t *restrict x, ptrdiff_t ldx,
+                                           ptrdiff_t n, ptrdiff_t hd, float *restrict y)
+{
+    for (ptrdiff_t i = 0; i < n; i++) {
+        const uint16_t *xi = x + i * ldx;
+        float *yi = y + i * hd;
+        ptrdiff_t d = 0;
+        for (; d + 8 <= hd; d += 8)
+            _mm256_storeu_ps(yi + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(xi + d))));
+        for (; d < hd; d++)
+            yi[d] = kf_f16_f32(xi[d]);
+    }
+}
+#endif
+
+KF_INLINE void ka_f16_rows(const ka_kv *kv, const uint16_t *restrict x, ptrdiff_t ldx,
+                           ptrdiff_t n, ptrdiff_t hd, float *restrict y)
+{
+#if KF_X86_DISPATCH
+    if (kv->f16c) {
+        ka_f16_rows_f16c(x, ldx, n, hd, y);
+        return;
+    }
+#endif
+    (void)kv;
+    for (ptrdiff_t i = 0; i < n; i++)
+        for (ptrdiff_t d = 0; d < hd; d++)
+            y[i * hd + d] = kf_f16_f32(x[i * ldx + d]);
 }
 
 /* One query head of one row. */
@@ -76,6 +121,16 @@ KF_INLINE void ka_dots(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrdiff_t j0
 {
     const uint8_t *blk = ka_blk(kv->k_ptrs, b);
     const ptrdiff_t hd = kv->hd, ld = kv->ld;
+    if (kv->f16) {
+        /* a row at a time through a float row on the stack (hd <= KA_HDMAX) */
+        const uint16_t *k = (const uint16_t *)blk + j0 * ld + q->kh * hd;
+        float row[KA_HDMAX];
+        for (ptrdiff_t i = 0; i < n; i++) {
+            ka_f16_rows(kv, k + i * step * ld, 0, 1, hd, row);
+            d[i] = kf_dot_f32(q->q, row, hd);
+        }
+        return;
+    }
     if (!kv->q8) {
         const float *k = (const float *)blk + j0 * ld + q->kh * hd;
         for (ptrdiff_t i = 0; i < n; i++)
@@ -100,7 +155,7 @@ KF_INLINE void ka_prefetch_blk(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t 
 {
 #if defined(__GNUC__) || defined(__clang__)
     const uint8_t *blk = ka_blk(ptrs, b);
-    const ptrdiff_t es = kv->q8 ? 1 : 4, row = kv->ld * es, len = kv->hd * es;
+    const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), row = kv->ld * es, len = kv->hd * es;
     const uint8_t *k = blk + kh * len;
     for (ptrdiff_t i = 0; i < n; i++)
         for (ptrdiff_t c = 0; c < len; c += 64)
@@ -121,7 +176,8 @@ KF_INLINE void ka_prefetch_rows(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b,
 
 /* Rows t = j0, j0 + step, .. (n of them) of kv head kh in block b of `ptrs` as floats:
  * float32 blocks give their own rows (stride ld), int8 ones are converted (the integer
- * values; the caller applies the scales) into buf, stride hd. Returns the first row;
+ * values; the caller applies the scales) and float16 ones (their values) into buf,
+ * stride hd. Returns the first row;
  * *stride gets the stride. */
 KF_INLINE const float *ka_rows(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
                                ptrdiff_t b, ptrdiff_t j0, ptrdiff_t step, ptrdiff_t n,
@@ -129,6 +185,12 @@ KF_INLINE const float *ka_rows(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t 
 {
     const uint8_t *blk = ka_blk(ptrs, b);
     const ptrdiff_t hd = kv->hd, ld = kv->ld;
+    *stride = hd;
+    if (kv->f16) {
+        const uint16_t *x = (const uint16_t *)blk + j0 * ld + kh * hd;
+        ka_f16_rows(kv, x, step * ld, n, hd, buf);
+        return buf;
+    }
     if (!kv->q8) {
         *stride = step * ld;
         return (const float *)blk + j0 * ld + kh * hd;
@@ -137,11 +199,10 @@ KF_INLINE const float *ka_rows(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t 
     for (ptrdiff_t i = 0; i < n; i++)
         for (ptrdiff_t d = 0; d < hd; d++)
             buf[i * hd + d] = (float)x[i * step * ld + d];
-    *stride = hd;
     return buf;
 }
 
-/* The scales of those rows (int8 cache; NULL for float32), stride `step`. */
+/* The scales of those rows (int8 cache; NULL for float32 and float16), stride `step`. */
 KF_INLINE const float *ka_row_scales(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
                                      ptrdiff_t b, ptrdiff_t j0)
 {
@@ -184,27 +245,106 @@ KF_INLINE float ka_exp_sum(float *restrict s, ptrdiff_t n, float m)
     return sum;
 }
 
-/* acc[d] += sum_{i < n} p[i] * v[i * ld + d], d < hd, each in i order: KA_VD columns at a
- * time stay in registers while i runs. */
+/* acc[d] += sum_{i < n} p[i] * v[i * ld + d], d < hd, each in i order. Four keys per
+ * pass over acc: acc[d] is loaded and stored once per four rows, and the four products
+ * are added to it one after the other (the same sum, in the same order, as one key at a
+ * time); the d loop is the vector one, its hd / lanes chains independent. */
 KF_INLINE void ka_pv_f32(const float *restrict p, const float *restrict v, ptrdiff_t ld,
                          ptrdiff_t n, ptrdiff_t hd, float *restrict acc)
 {
-    ptrdiff_t d0 = 0;
-    for (; d0 + KA_VD <= hd; d0 += KA_VD) {
-        float a[KA_VD];
-        for (int d = 0; d < KA_VD; d++)
-            a[d] = acc[d0 + d];
-        for (ptrdiff_t i = 0; i < n; i++) {
-            const float pi = p[i], *vi = v + i * ld + d0;
-            for (int d = 0; d < KA_VD; d++)
-                a[d] += pi * vi[d];
+    ptrdiff_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float p0 = p[i], p1 = p[i + 1], p2 = p[i + 2], p3 = p[i + 3];
+        const float *v0 = v + i * ld, *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;
+        for (ptrdiff_t d = 0; d < hd; d++) {
+            float a = acc[d];
+            a += p0 * v0[d];
+            a += p1 * v1[d];
+            a += p2 * v2[d];
+            a += p3 * v3[d];
+            acc[d] = a;
         }
-        for (int d = 0; d < KA_VD; d++)
-            acc[d0 + d] = a[d];
     }
-    for (; d0 < hd; d0++)
-        for (ptrdiff_t i = 0; i < n; i++)
-            acc[d0] += p[i] * v[i * ld + d0];
+    for (; i < n; i++) {
+        const float pi = p[i], *vi = v + i * ld;
+        for (ptrdiff_t d = 0; d < hd; d++)
+            acc[d] += pi * vi[d];
+    }
+}
+
+/* s[i] = q . rows[i * st] (hd values each), i < n. Four keys per pass with the query
+ * read once for all four: each dot keeps KA_SL partial sums (lane k: columns d = k mod
+ * KA_SL), summed pairwise, then the columns past the last multiple of KA_SL in order.
+ * With GCC/Clang the lanes are a vector type (plain element-wise arithmetic, the same
+ * sums; GCC's loop vectoriser otherwise interleaves the four keys' rows with shuffles),
+ * without them plain arrays. */
+#define KA_SL 8
+#if defined(__GNUC__) || defined(__clang__)
+typedef float ka_v8 __attribute__((vector_size(KA_SL * sizeof(float))));
+KF_INLINE ka_v8 ka_ld8(const float *p)
+{
+    ka_v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+KF_INLINE float ka_hsum8(ka_v8 v)
+{
+    float a[KA_SL];
+    memcpy(a, &v, sizeof a);
+    return kf_hsum(a, KA_SL);
+}
+#define KA_SCORE_LANES(NAME) ka_v8 NAME = {0}
+#define KA_SCORE_STEP(A, Q, R) (A) += (Q) * ka_ld8(R)
+#define KA_SCORE_Q(d) const ka_v8 qv = ka_ld8(q + (d))
+#define KA_SCORE_SUM(A) ka_hsum8(A)
+#else
+#define KA_SCORE_LANES(NAME) float NAME[KA_SL] = {0}
+#define KA_SCORE_STEP(A, Q, R) for (int k_ = 0; k_ < KA_SL; k_++) (A)[k_] += (Q)[k_] * (R)[k_]
+#define KA_SCORE_Q(d) const float *qv = q + (d)
+#define KA_SCORE_SUM(A) kf_hsum(A, KA_SL)
+#endif
+KF_INLINE void ka_scores(const float *restrict q, const float *restrict rows, ptrdiff_t st,
+                         ptrdiff_t n, ptrdiff_t hd, float *restrict s)
+{
+    const ptrdiff_t hv = hd - hd % KA_SL;
+    ptrdiff_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float *r0 = rows + i * st, *r1 = r0 + st, *r2 = r1 + st, *r3 = r2 + st;
+        KA_SCORE_LANES(a0);
+        KA_SCORE_LANES(a1);
+        KA_SCORE_LANES(a2);
+        KA_SCORE_LANES(a3);
+        for (ptrdiff_t d = 0; d < hv; d += KA_SL) {
+            KA_SCORE_Q(d);
+            KA_SCORE_STEP(a0, qv, r0 + d);
+            KA_SCORE_STEP(a1, qv, r1 + d);
+            KA_SCORE_STEP(a2, qv, r2 + d);
+            KA_SCORE_STEP(a3, qv, r3 + d);
+        }
+        float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+        for (ptrdiff_t d = hv; d < hd; d++) {
+            t0 += q[d] * r0[d];
+            t1 += q[d] * r1[d];
+            t2 += q[d] * r2[d];
+            t3 += q[d] * r3[d];
+        }
+        s[i] = KA_SCORE_SUM(a0) + t0;
+        s[i + 1] = KA_SCORE_SUM(a1) + t1;
+        s[i + 2] = KA_SCORE_SUM(a2) + t2;
+        s[i + 3] = KA_SCORE_SUM(a3) + t3;
+    }
+    for (; i < n; i++) {
+        const float *r = rows + i * st;
+        KA_SCORE_LANES(a);
+        float t = 0.0f;
+        for (ptrdiff_t d = 0; d < hv; d += KA_SL) {
+            KA_SCORE_Q(d);
+            KA_SCORE_STEP(a, qv, r + d);
+        }
+        for (ptrdiff_t d = hv; d < hd; d++)
+            t += q[d] * r[d];
+        s[i] = KA_SCORE_SUM(a) + t;
+    }
 }
 
 /* acc (hd) += sum_{i < n} p[i] * s[i] * rows[i] (rows `st` floats apart; s NULL: 1), in

@@ -96,7 +96,8 @@ KF_INLINE void ka_row(const ka_kv *kv, ka_q *q, float scale, int k, int n_probe,
 /* ---------------------------------------------------------------- prefill tile */
 
 /* kt[d * KA_W + j] = K[t0 + j][d] of kv head kh for j < n (int8: the integer values as
- * floats; the scale multiplies the score), 0 for n <= j < KA_W. */
+ * floats; the scale multiplies the score; float16: the values), 0 for n <= j < KA_W.
+ */
 KF_INLINE void ka_load_kt(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t j0,
                           ptrdiff_t n, float *restrict kt)
 {
@@ -104,7 +105,15 @@ KF_INLINE void ka_load_kt(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t 
     const ptrdiff_t hd = kv->hd, ld = kv->ld;
     if (n < KA_W)
         memset(kt, 0, (size_t)(hd * KA_W) * sizeof(float));
-    if (!kv->q8) {
+    if (kv->f16) {
+        const uint16_t *k = (const uint16_t *)blk + j0 * ld + kh * hd;
+        float row[KA_HDMAX];
+        for (ptrdiff_t j = 0; j < n; j++) {
+            ka_f16_rows(kv, k + j * ld, 0, 1, hd, row);
+            for (ptrdiff_t d = 0; d < hd; d++)
+                kt[d * KA_W + j] = row[d];
+        }
+    } else if (!kv->q8) {
         const float *k = (const float *)blk + j0 * ld + kh * hd;
         for (ptrdiff_t j = 0; j < n; j++)
             for (ptrdiff_t d = 0; d < hd; d++)
