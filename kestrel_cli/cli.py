@@ -41,6 +41,11 @@ SPINNER_BYTES = 200 << 20         # show a spinner while loading weights larger 
 _MODEL, _SAMPLING, _OUTPUT, _PROMPT = "Model", "Sampling", "Output", "Prompt"
 
 
+class Act(str, Enum):
+    f32 = "f32"
+    q8 = "q8"
+
+
 class Quant(str, Enum):
     none = "none"
     q8 = "q8"
@@ -76,9 +81,9 @@ class EngineOptions:
     sparse_probes: Annotated[int, typer.Option(
         "--sparse-probes", help="Keys probed per block (--sparse-attn).",
         rich_help_panel=_MODEL)] = 8
-    f32_act: Annotated[bool, typer.Option(
-        "--f32-act", help="Exact mode: quantised weights multiply float32 activations, not "
-        "int8 blocks (slower).", rich_help_panel=_MODEL)] = False
+    act: Annotated[Act, typer.Option(
+        "--act", help="Activations of quantised matmuls: f32 = float32 (exact); q8 = int8 "
+        "blocks of 32 as llama.cpp (faster, not exact).", rich_help_panel=_MODEL)] = Act.f32
 
     def load_options(self) -> LoadOptions:
         """The Engine's options these flags give (-c default: the model's, at most
@@ -87,7 +92,7 @@ class EngineOptions:
                            sparse_k=self.sparse_k, sparse_probes=self.sparse_probes,
                            quant=Quant(self.quant).value, threads=self.threads,
                            ctx_size=self.ctx_size, ctx_cap=DEFAULT_CTX_CAP,
-                           f32_act=self.f32_act, kv_f16=self.kv_f16)
+                           act=Act(self.act).value, kv_f16=self.kv_f16)
 
     def check(self) -> None:
         """Fail fast, before any file is read (the Engine's own validation)."""

@@ -13,6 +13,7 @@ from .generate import Chunk, stream_generate
 from .kv_cache import CacheSpec
 from .loader import open_checkpoint
 from .models import resolve
+from .models.llama import ACT_MODES
 from .sampling import check_params, make_sampler
 from .weights import QUANT_FORMATS
 
@@ -43,9 +44,10 @@ class LoadOptions:
         threads: OpenMP threads (-t); None: every core this process may use.
         ctx_size: context size in tokens (-c); None: the model's context length, at most
             ctx_cap (None: no cap).
-        f32_act: quantised weights multiply float32 activations (--f32-act: the exact,
-            slower mode) instead of int8 activation blocks (llama.cpp's choice, the default;
-            docs/DESIGN.md §5 Kernels and ISAs). Float weights always take float32.
+        act: the activations quantised weights multiply (--act; docs/DESIGN.md §5 Kernels
+            and ISAs): "f32" float32 (exact, the default) or "q8" int8 blocks of 32
+            (llama.cpp's choice: faster, ppl +1.4% on the bundled model). Float weights
+            always take float32.
     """
     kv_q8: bool = False
     sparse_attn: bool = False
@@ -55,7 +57,7 @@ class LoadOptions:
     threads: int | None = None
     ctx_size: int | None = None
     ctx_cap: int | None = None
-    f32_act: bool = False
+    act: str = "f32"
     kv_f16: bool = False
 
     def validate(self) -> "LoadOptions":
@@ -63,6 +65,8 @@ class LoadOptions:
         if self.quant not in (None, "none", *QUANT_FORMATS):
             raise KestrelError(f"--quant must be one of none, {', '.join(QUANT_FORMATS)}; "
                                f"got {self.quant!r}")
+        if self.act not in ACT_MODES:
+            raise KestrelError(f"--act must be one of {', '.join(ACT_MODES)}; got {self.act!r}")
         if self.ctx_size is not None and self.ctx_size < 1:
             raise KestrelError(f"-c/--ctx-size must be >= 1, got {self.ctx_size}")
         if self.ctx_cap is not None and self.ctx_cap < 1:
@@ -116,14 +120,14 @@ class Engine:
     def from_pretrained(cls, path=None, kv_q8: bool = False, sparse_attn: bool = False,
                         sparse_k: int = 32, sparse_probes: int = 8, quant: str | None = None,
                         threads: int | None = None, ctx_size: int | None = None,
-                        ctx_cap: int | None = None, f32_act: bool = False,
+                        ctx_cap: int | None = None, act: str = "f32",
                         kv_f16: bool = False) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 
         Args: as `LoadOptions` (they mirror the CLI flags).
         """
         return cls.load(path, LoadOptions(kv_q8, sparse_attn, sparse_k, sparse_probes, quant,
-                                          threads, ctx_size, ctx_cap, f32_act, kv_f16))
+                                          threads, ctx_size, ctx_cap, act, kv_f16))
 
     @classmethod
     def load(cls, path, options: LoadOptions) -> "Engine":
@@ -132,7 +136,7 @@ class Engine:
         threads = options.threads or default_threads()
         cfg, store, tok, p = open_checkpoint(path)
         store.quantize_to(QUANT_FORMATS.get(options.quant), threads)   # --quant: at load
-        model = resolve(cfg.model_type).Model(cfg, store, threads, act_q8=not options.f32_act)
+        model = resolve(cfg.model_type).Model(cfg, store, threads, act=options.act)
         return cls(model, tok, cfg, p, store, options.context(cfg.max_position_embeddings),
                    options.cache_spec)
 

@@ -94,7 +94,7 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
         ref = None
         if ref_cache is not None:
             ref_cache.reset()
-            ref = model(win, ref_cache, all_logits=True, act_q8=False)
+            ref = model(win, ref_cache, all_logits=True, act="f32")
         n = win.size - 1                                        # rows 0..n-1 score 1..n
         for r0 in range(0, n, ROWS):
             r1 = min(r0 + ROWS, n)

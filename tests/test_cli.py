@@ -359,3 +359,23 @@ def test_timing_printer_plain_rich_deferred_off():
     p.token(t)
     p.perf(Stats())
     assert off.getvalue() == ""
+
+
+def test_act_flag_reaches_the_model(monkeypatch):
+    """--act q8 loads the model with int8 activations (and --act f32, the default, not);
+    a bad value is one usage error."""
+    from kestrel_cli import cli
+    seen = []
+    real = cli.engine_from_options
+
+    def spy(opts, *a, **kw):
+        eng = real(opts, *a, **kw)
+        seen.append(eng.model.act)
+        return eng
+    monkeypatch.setattr(cli, "engine_from_options", spy)
+    for flag, want in (([], "f32"), (["--act", "q8"], "q8")):
+        r = invoke("run", "-p", "Hi", "-n", "2", "--temp", "0", "--no-timing", *flag)
+        assert r.exit_code == 0, (r.output, r.exception)
+        assert seen[-1] == want
+    r = invoke("run", "-p", "Hi", "--act", "int4")
+    assert r.exit_code == 2 and "--act" in r.output and "Traceback" not in r.output

@@ -81,3 +81,17 @@ def test_cli_ppl_bad_input(tmp_path):
         r = CliRunner().invoke(app, ["ppl", "-t", "1", *args])
         assert r.exit_code == 1 and "Traceback" not in r.output
         assert r.stderr.startswith("error: ") and needle in r.stderr, r.stderr
+
+
+def test_int8_activations_cost_measured_by_kld_ref(eng, ids):
+    """--act q8 (int8 activation blocks) against the exact path: a small, nonzero KL
+    divergence; the same model with --act f32 is the reference itself (kld 0)."""
+    exact = perplexity(eng, ids, CTX, kld_ref=True)
+    assert exact.kld == 0.0
+    eng.model.act = "q8"
+    try:
+        q8 = perplexity(eng, ids, CTX, kld_ref=True)
+    finally:
+        eng.model.act = "f32"
+    assert 1e-4 < q8.kld < 0.05 and q8.ppl != exact.ppl
+    assert abs(math.log(q8.ppl / exact.ppl)) < 0.1

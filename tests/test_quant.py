@@ -106,3 +106,26 @@ def test_drop_pages_keeps_the_data(tmp_path):
     drop_pages(m[4096:])
     drop_pages(a)                                   # not a mapping: no-op
     np.testing.assert_array_equal(m, a)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_int8_activations_end_to_end(tmp_path, arch):
+    """--act q8: prompt (int8 GEMM) and decode (int8 GEMV) rows agree to float rounding,
+    and stay within int8 activation error of the exact (--act f32) logits, not equal."""
+    make_checkpoint(tmp_path, arch)
+    exact = Engine.from_pretrained(tmp_path, threads=2, quant="q4")
+    q8 = Engine.from_pretrained(tmp_path, threads=2, quant="q4", act="q8")
+    assert (exact.model.act, q8.model.act) == ("f32", "q8")
+    ids = rand_ids(40, seed=9)
+    ref, ours = exact.logits(ids), q8.logits(ids)
+    err = float(np.abs(ours - ref).max())
+    assert 0 < err < 0.05 * float(np.abs(ref).max())
+    q8.reset()
+    q8.prefill(ids[:-4])
+    rows = np.stack([q8.decode_step(t)[0] for t in ids[-4:-1]])
+    np.testing.assert_allclose(rows, ours[-4:-1], atol=1e-4, rtol=0)
+
+
+def test_bad_act_mode_is_one_error():
+    with pytest.raises(KestrelError, match="--act must be one of f32, q8"):
+        Engine.from_pretrained(None, act="int4")

@@ -14,6 +14,8 @@ from ..config import Config
 from ..kv_cache import CacheSpec, KVCache
 from ..loader import TensorStore
 
+ACT_MODES = ("f32", "q8")        # activations of quantised matmuls (Model.act)
+
 
 class Profile:
     """Wall time spent in attention kernels and in weight matmuls (seconds, cumulative)."""
@@ -150,13 +152,15 @@ class Model:
     attention_cls = Attention
     layer_cls = DecoderLayer
 
-    def __init__(self, cfg: Config, store: TensorStore, threads: int = 1, act_q8: bool = True):
+    def __init__(self, cfg: Config, store: TensorStore, threads: int = 1, act: str = "f32"):
         V, H = cfg.vocab_size, cfg.hidden_size
         self.cfg = cfg
         self.threads = int(threads or 0)     # OpenMP threads of every kernel call (0: default)
-        # quantised weights meet int8 activation blocks (llama.cpp's choice; False: the
-        # float32 activations of the exact mode, --f32-act)
-        self.act_q8 = bool(act_q8)
+        # activations of quantised matmuls (--act, docs/DESIGN.md §5 Kernels and ISAs):
+        # "f32" float32 (exact, the default), "q8" int8 blocks (llama.cpp's choice)
+        if act not in ACT_MODES:
+            raise ValueError(f"act must be one of {', '.join(ACT_MODES)}, got {act!r}")
+        self.act = act
         self.embed_tokens = store.matrix(f"{self.prefix}.embed_tokens.weight", (V, H))  # (V, H)
         self.layers = [self.layer_cls(self, cfg, store, i) for i in range(cfg.num_hidden_layers)]
         self.norm = store.vector(f"{self.prefix}.norm.weight", (H,))
@@ -175,14 +179,15 @@ class Model:
                        spec, self.threads)
 
     def __call__(self, ids, cache: KVCache, all_logits: bool = False,
-                 act_q8: bool | None = None) -> np.ndarray:
+                 act: str | None = None) -> np.ndarray:
         """Run tokens `ids` after the cached ones; logits (T, V) or of the last token (1, V).
-        act_q8: this call's activation mode (None: the model's)."""
+        act: this call's activation mode (None: the model's)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         T, pos0 = ids.shape[0], cache.offset
         cache.reserve(T)
+        act = act or self.act
         fwd = ForwardPass(self.threads, np.arange(pos0, pos0 + T, dtype=np.int64), self.rope,
-                          self.prof, self.act_q8 if act_q8 is None else bool(act_q8))
+                          self.prof, act == "q8")
         h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)    # residual stream (T, H)
         K.get_rows(self.embed_tokens, ids, h)
         for i, layer in enumerate(self.layers):
