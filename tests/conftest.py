@@ -107,3 +107,18 @@ def smollm2_engine():
 
 def rand_ids(n: int, seed: int = 0, vocab: int = VOCAB) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
+
+
+# The kernel variants this CPU runs (base first, the detected best last); the `isa`
+# fixture runs a test once under each, so the portable one (aarch64's) is always tested.
+from kestrel_cli import kernels as _kernels   # noqa: E402
+
+VARIANTS = _kernels.isa_variants()
+
+
+@pytest.fixture(params=VARIANTS)
+def isa(request):
+    before = _kernels.isa()
+    _kernels.set_isa(request.param)
+    yield request.param
+    _kernels.set_isa(before)

@@ -17,15 +17,6 @@ from kestrel_cli.errors import KestrelError
 from kestrel_cli.kv_cache import CacheSpec, KVCache
 from kestrel_cli.timing import parse_lines
 
-VARIANTS = [v for v in kernels.isa_variants() if v != "avx512" or kernels.isa() == "avx512"]
-
-
-@pytest.fixture(params=VARIANTS)
-def isa(request):
-    before = kernels.isa()
-    kernels.set_isa(request.param)
-    yield request.param
-    kernels.set_isa(before)
 
 
 def test_round_trip_is_numpy_half():

@@ -7,6 +7,7 @@ address. Tolerance: 2e-6 relative to max|V| (float32 online softmax vs float64).
 import numpy as np
 import pytest
 
+from conftest import VARIANTS
 from kestrel_cli import kernels
 
 
@@ -360,33 +361,24 @@ def test_kv_q8_layout_rejects_bad_geometry():
 # best one picked at import. Every variant this CPU runs must pass the decode tests: the
 # portable one is what aarch64 boards run.
 
-ATTN_VARIANTS = kernels.isa_variants()
-
-
-@pytest.fixture(params=ATTN_VARIANTS)
-def attn_isa(request):
-    before = kernels.isa()
-    kernels.set_isa(request.param)
-    yield request.param
-    kernels.set_isa(before)
 
 
 def test_attn_variants_listed():
-    assert ATTN_VARIANTS[0] == "base" and kernels.isa() == ATTN_VARIANTS[-1]
+    assert VARIANTS[0] == "base" and kernels.isa() == VARIANTS[-1]
     with pytest.raises(ValueError, match="does not run here"):
         kernels.set_isa("sse9")
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] == 1] + [(1, 77, 6, 2, 64, 32)])
-def test_decode_every_variant(attn_isa, case):
-    assert kernels.isa() == attn_isa
+def test_decode_every_variant(isa, case):
+    assert kernels.isa() == isa
     test_attention(*case, threads=2)
     for T, pos0 in ((1, 0), (1, 100)):
         test_attention_q8_cache(T, pos0)
 
 
 @pytest.mark.parametrize("q8", [False, True])
-def test_sparse_decode_every_variant(attn_isa, q8):
+def test_sparse_decode_every_variant(isa, q8):
     for seed in range(3):
         test_sparse_decode_matches_reference(q8, seed)
     test_sparse_with_k_at_least_n_blocks_is_bit_identical(q8)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kestrel_cli import kernels
+from conftest import VARIANTS
 from kestrel_cli.weights import BLOCK_BYTES, QK, Weight, quantize_q8_0
 
 RTOL = 1e-5
@@ -174,15 +175,6 @@ def test_get_rows_rejects_bad_input():
 # "avx512"), the best the CPU runs is picked at import. Every variant this CPU can run
 # is checked against NumPy here; "base" is the code aarch64 and old x86 run.
 
-VARIANTS = kernels.isa_variants()
-
-
-@pytest.fixture(params=VARIANTS)
-def isa(request):
-    before = kernels.isa()
-    kernels.set_isa(request.param)
-    yield request.param
-    kernels.set_isa(before)
 
 
 def test_variants_listed():
