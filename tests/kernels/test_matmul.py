@@ -340,11 +340,12 @@ def test_int8_activations_extremes(isa, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
-def test_int8_activations_rows_and_threads(isa, fmt):
+@pytest.mark.parametrize("n", [320, 352])
+def test_int8_activations_rows_and_threads(isa, fmt, n):
     """Every row's result is the same bits whichever rows share its kernel call (rows
     per call, remainders, the thread split, grouped weights): computed alone, in row
-    counts that are not a multiple of the rows per call, with 1 and 2 threads."""
-    n = 320
+    counts that are not a multiple of the rows per call, with 1 and 2 threads; an even
+    and an odd number of blocks (the AVX-512 q4 dots take blocks in pairs)."""
     rng = np.random.default_rng([FORMATS.index(fmt), 77])
     w = make_weight(fmt, 263, n, rng)
     x = rng.standard_normal((1, n)).astype(np.float32)
