@@ -1,0 +1,224 @@
+"""GGUF qwen3moe and qwen3vl: tiny transformers checkpoints written as llama.cpp lays them
+out (scripts/make_random_checkpoint.py's writer, the checkpoint's own values), against
+transformers' logits; the experts as views of the mapped file; routing reads only the
+selected experts; inconsistent expert metadata."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kestrel_cli import Engine, KestrelError
+from kestrel_cli.loader import open_checkpoint
+from kestrel_cli.models import llama
+from conftest import make_checkpoint, rand_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF_VOCAB = 1024          # the writer's tokenizer has 1000 tokens: the vocab must hold them
+N = 40
+ATOL = 1e-4                # as test_models: fp32 logits, max abs difference
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "make_random_checkpoint", ROOT / "scripts" / "make_random_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+mrc = _script()
+
+
+def to_gguf(d: Path, out: Path, gtype: str = "f32") -> Path:
+    """The transformers checkpoint in `d` as a GGUF of `gtype`, its values unchanged."""
+    config = json.loads((d / "config.json").read_text())
+    _, store, _, _ = open_checkpoint(d)
+
+    def values(name, shape):
+        fmt, raw, actual, _ = store.entries[name]
+        assert tuple(actual) == tuple(shape), name
+        yield np.asarray(raw, np.float32).reshape(shape)
+    mrc.write_gguf(out, config, mrc.text_tensors(config), gtype, "f32", None, 0.0, "tiny",
+                   values=values)
+    return out
+
+
+def hf_logits(model, ids):
+    import torch
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.fixture(scope="module", params=[[], [1]], ids=["all-moe", "dense-layer-1"])
+def moe(request, tmp_path_factory):
+    """A tiny Qwen3MoeForCausalLM (6 experts, top-2, 2 layers; llama.cpp's layout has every
+    layer sparse, the second case keeps layer 1 dense) and its f32 / q8_0 GGUFs."""
+    d = tmp_path_factory.mktemp("moe")
+    model = make_checkpoint(d / "hf", "qwen3_moe", vocab_size=GGUF_VOCAB,
+                            mlp_only_layers=request.param)
+    for t in ("f32", "q8_0"):
+        to_gguf(d / "hf", d / f"m.{t}.gguf", t)
+    return d, model, request.param
+
+
+def test_moe_gguf_logits_match_transformers(moe):
+    d, model, dense = moe
+    eng = Engine.from_pretrained(d / "m.f32.gguf", threads=2)
+    assert eng.config.model_type == "qwen3_moe" and eng.config.num_experts == 6
+    assert eng.config.num_experts_per_tok == 2 and eng.config.norm_topk_prob
+    assert eng.config.mlp_only_layers == dense
+    ids = rand_ids(N, seed=1)
+    ref = hf_logits(model, ids)
+    diff = float(np.abs(eng.logits(ids) - ref).max())
+    assert diff < ATOL, diff
+    q8 = Engine.from_pretrained(d / "m.q8_0.gguf", threads=2)
+    assert q8.model.layers[0].mlp.experts[5].down_proj.fmt == "q8_0"
+    assert np.corrcoef(q8.logits(ids).ravel(), ref.ravel())[0, 1] > 0.99
+
+
+def test_moe_gguf_prefill_then_decode(moe):
+    d, _, _ = moe
+    eng = Engine.from_pretrained(d / "m.q8_0.gguf", threads=2)
+    ids = rand_ids(N, seed=2)
+    full = eng.logits(ids)
+    eng.reset()
+    eng.prefill(ids[:-5])
+    rows = [eng.decode_step(t)[0] for t in ids[-5:-1]]
+    np.testing.assert_allclose(np.stack(rows), full[-5:-1], atol=1e-5, rtol=0)
+
+
+def test_experts_are_views_of_the_mapped_file(moe):
+    """Each expert's matrix is a slice of the stacked tensor in the memory-mapped file (one
+    mapping for all, expert e at e * its size): no copy."""
+    import gguf
+    import mmap
+    d, _, _ = moe
+    path = d / "m.q8_0.gguf"
+    eng = Engine.from_pretrained(path, threads=1)
+    on_disk = np.fromfile(path, np.uint8)
+    stacked = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    block = eng.model.layers[0].mlp
+    roots = set()
+    for proj, g in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                    ("down_proj", "ffn_down_exps")):
+        first = getattr(block.experts[0], proj).data
+        for e, ex in enumerate(block.experts):
+            a = getattr(ex, proj).data
+            assert not a.flags.owndata and a.flags.c_contiguous
+            root = a
+            while not isinstance(root, mmap.mmap):
+                root = root.base
+            roots.add(id(root))
+            assert a.ctypes.data - first.ctypes.data == e * a.nbytes
+            off = int(stacked[f"blk.0.{g}.weight"].data_offset) + e * a.nbytes
+            assert np.array_equal(a.reshape(-1), on_disk[off:off + a.nbytes])
+    assert len(roots) == 1
+
+
+def test_routing_reads_only_the_selected_experts(moe, monkeypatch):
+    """Decode runs top_k experts per sparse layer; prefill runs each expert at most once per
+    layer (its tokens grouped into one matmul)."""
+    d, _, dense = moe
+    eng = Engine.from_pretrained(d / "m.q8_0.gguf", threads=1)
+    calls = []
+    orig = llama.MLP.__call__
+
+    def spy(self, x, fwd, residual=None):
+        calls.append((id(self), x.shape[0]))
+        return orig(self, x, fwd, residual)
+    monkeypatch.setattr(llama.MLP, "__call__", spy)
+    ids = rand_ids(12, seed=3)
+    eng.prefill(ids)
+    sparse = [i for i in range(len(eng.model.layers)) if i not in dense]
+    experts = {id(ex): i for i in sparse for ex in eng.model.layers[i].mlp.experts}
+    pre = [(experts[c], n) for c, n in calls if c in experts]
+    for i in sparse:
+        mine = [n for layer, n in pre if layer == i]
+        assert len(mine) <= 6 and sum(mine) == 12 * 2      # every token routed to 2 experts
+    assert len({c for c, _ in calls if c in experts}) == len([c for c, _ in calls if c in experts])
+    calls.clear()
+    eng.decode_step(ids[-1])
+    dec = [experts[c] for c, _ in calls if c in experts]
+    assert sorted(dec) == sorted(sparse * 2)
+
+
+# ---------------------------------------------------------------- qwen3vl
+
+def test_qwen3vl_gguf_logits_match_transformers(tmp_path):
+    """Qwen3-VL's text decoder as convert_hf_to_gguf writes it (arch qwen3vl, interleaved M-RoPE
+    sections): with text positions it is plain RoPE, and Kestrel runs it as qwen3."""
+    import gguf
+    model = make_checkpoint(tmp_path / "hf", "qwen3_vl", vocab_size=GGUF_VOCAB)
+    path = to_gguf(tmp_path / "hf", tmp_path / "vl.gguf")
+    r = gguf.GGUFReader(str(path))
+    assert r.fields["general.architecture"].contents() == "qwen3vl"
+    assert r.fields["qwen3vl.rope.dimension_sections"].contents() == [8, 4, 4, 0]
+    eng = Engine.from_pretrained(path, threads=2)
+    assert eng.config.model_type == "qwen3"
+    assert eng.config.rope["rope_theta"] == 500000.0
+    ids = rand_ids(N, seed=4)
+    diff = float(np.abs(eng.logits(ids) - hf_logits(model, ids)).max())
+    assert diff < ATOL, diff
+
+
+# ---------------------------------------------------------------- bad metadata
+
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    out = d / "ok.gguf"
+    assert mrc.main([str(out), "--shape", "tiny-qwen3-moe", "--dtype", "f32",
+                     "--gguf", "q8_0"]) == 0
+    return out
+
+
+def _edited(src: Path, dst: Path, key: str, value=None, rename: str | None = None) -> Path:
+    """A copy of src with one integer metadata value changed, or its key renamed (same length)."""
+    import gguf
+    import shutil
+    shutil.copy(src, dst)
+    r = gguf.GGUFReader(str(dst), "r+")
+    f = r.fields[key]
+    if rename is not None:
+        assert len(rename) == len(key)
+        f.parts[1][:] = np.frombuffer(rename.encode(), np.uint8)
+    else:
+        f.parts[f.data[0]][0] = value
+    r.data.flush()
+    return dst
+
+
+@pytest.mark.parametrize("key, value, rename, needle", [
+    ("qwen3moe.expert_count", 3, None,
+     "blk.0.ffn_gate_inp.weight routes to 4 experts, qwen3moe.expert_count is 3"),
+    ("qwen3moe.expert_used_count", 5, None,
+     "qwen3moe.expert_used_count=5 must be in 1..qwen3moe.expert_count=4"),
+    ("qwen3moe.expert_used_count", 0, None, "qwen3moe.expert_used_count=0 must be in 1.."),
+    ("qwen3moe.expert_feed_forward_length", 48, None,
+     "blk.0.ffn_gate_exps.weight has expert MLP size 64, "
+     "qwen3moe.expert_feed_forward_length is 48"),
+    ("qwen3moe.expert_count", None, "qwen3moe.expert_cnnnt",
+     "qwen3moe.expert_count and qwen3moe.expert_used_count are required"),
+])
+def test_inconsistent_expert_metadata(small_moe, tmp_path, key, value, rename, needle):
+    path = _edited(small_moe, tmp_path / "bad.gguf", key, value, rename)
+    with pytest.raises(KestrelError) as e:
+        Engine.from_pretrained(path, threads=1)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("bad.gguf: inconsistent MoE metadata: ")
+    assert needle in msg, msg
+
+
+def test_cli_names_the_file(small_moe, tmp_path):
+    """Through the CLI: one line on stderr naming the file, no traceback, non-zero exit."""
+    import subprocess
+    import sys
+    path = _edited(small_moe, tmp_path / "bad.gguf", "qwen3moe.expert_count", 7)
+    p = subprocess.run([sys.executable, "-m", "kestrel_cli.cli", "run", "-m", str(path),
+                        "-p", "hi", "-n", "1"], capture_output=True, text=True)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "bad.gguf: inconsistent MoE metadata" in p.stderr
