@@ -13,7 +13,6 @@ import pytest
 
 from kestrel_cli import Engine, KestrelError
 from kestrel_cli.loader import open_checkpoint
-from kestrel_cli.models import llama
 from conftest import make_checkpoint, rand_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,30 +119,40 @@ def test_experts_are_views_of_the_mapped_file(moe):
 
 
 def test_routing_reads_only_the_selected_experts(moe, monkeypatch):
-    """Decode runs top_k experts per sparse layer; prefill runs each expert at most once per
-    layer (its tokens grouped into one matmul)."""
+    """Decode multiplies by the weights of top_k experts per sparse layer, no others; prefill
+    runs each expert's projections at most once per layer (its tokens grouped, one matmul)."""
+    from kestrel_cli import kernels
     d, _, dense = moe
     eng = Engine.from_pretrained(d / "m.q8_0.gguf", threads=1)
+    sparse = [i for i in range(len(eng.model.layers)) if i not in dense]
+    owner = {}                               # id(Projection) -> (layer, expert, which)
+    for i in sparse:
+        for e, ex in enumerate(eng.model.layers[i].mlp.experts):
+            owner[id(ex.gate_up)] = (i, e, "gate_up")
+            owner[id(ex.down)] = (i, e, "down")
     calls = []
-    orig = llama.MLP.__call__
+    orig = kernels.Projection.__call__
 
-    def spy(self, x, fwd, residual=None):
-        calls.append((id(self), x.shape[0]))
-        return orig(self, x, fwd, residual)
-    monkeypatch.setattr(llama.MLP, "__call__", spy)
+    def spy(self, x, *args, **kw):
+        if id(self) in owner:
+            calls.append((*owner[id(self)], x.shape[0]))
+        return orig(self, x, *args, **kw)
+    monkeypatch.setattr(kernels.Projection, "__call__", spy)
     ids = rand_ids(12, seed=3)
     eng.prefill(ids)
-    sparse = [i for i in range(len(eng.model.layers)) if i not in dense]
-    experts = {id(ex): i for i in sparse for ex in eng.model.layers[i].mlp.experts}
-    pre = [(experts[c], n) for c, n in calls if c in experts]
     for i in sparse:
-        mine = [n for layer, n in pre if layer == i]
-        assert len(mine) <= 6 and sum(mine) == 12 * 2      # every token routed to 2 experts
-    assert len({c for c, _ in calls if c in experts}) == len([c for c, _ in calls if c in experts])
+        for which in ("gate_up", "down"):
+            rows = [(e, n) for layer, e, w, n in calls if layer == i and w == which]
+            assert len({e for e, _ in rows}) == len(rows) <= 6
+            assert sum(n for _, n in rows) == 12 * 2        # every token routed to 2 experts
     calls.clear()
     eng.decode_step(ids[-1])
-    dec = [experts[c] for c, _ in calls if c in experts]
-    assert sorted(dec) == sorted(sparse * 2)
+    for i in sparse:
+        mine = [(e, w, n) for layer, e, w, n in calls if layer == i]
+        experts = {e for e, _, _ in mine}
+        assert len(experts) == 2 and sorted(mine) == sorted(
+            (e, w, 1) for e in experts for w in ("gate_up", "down"))
+    assert len(calls) == 4 * len(sparse)
 
 
 # ---------------------------------------------------------------- qwen3vl
