@@ -231,3 +231,19 @@ def test_cli_names_the_file(small_moe, tmp_path):
                         "-p", "hi", "-n", "1"], capture_output=True, text=True)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert "bad.gguf: inconsistent MoE metadata" in p.stderr
+
+
+def test_qwen3vlmoe_gguf_runs_as_qwen3moe(small_moe, tmp_path, monkeypatch):
+    """Qwen3-VL-MoE's text decoder (arch qwen3vlmoe, llama.cpp's tensor names of qwen3moe):
+    the same logits as the qwen3moe file of the same weights."""
+    import gguf
+    monkeypatch.setitem(mrc.GGUF_ARCH, "qwen3_moe", "QWEN3VLMOE")
+    out = tmp_path / "vlmoe.gguf"
+    assert mrc.main([str(out), "--shape", "tiny-qwen3-moe", "--dtype", "f32",
+                     "--gguf", "q8_0"]) == 0
+    assert gguf.GGUFReader(str(out)).fields["general.architecture"].contents() == "qwen3vlmoe"
+    eng = Engine.from_pretrained(out, threads=1)
+    assert eng.config.model_type == "qwen3_moe" and eng.config.num_experts == 4
+    ids = rand_ids(12, seed=5)
+    np.testing.assert_array_equal(eng.logits(ids),
+                                  Engine.from_pretrained(small_moe, threads=1).logits(ids))
