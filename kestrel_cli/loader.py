@@ -289,6 +289,9 @@ def _gguf_moe(path: Path, arch: str, field, reader, raw: dict) -> None:
     scale = field(f"{arch}.expert_weights_scale")
     if scale not in (None, 0.0, 1.0):            # llama.cpp: 0 means unset
         raise bad(f"{arch}.expert_weights_scale={scale} is not supported")
+    shared = field(f"{arch}.expert_shared_count")
+    if shared not in (None, 0):
+        raise bad(f"{arch}.expert_shared_count={shared}: shared experts are not supported")
     gating = field(f"{arch}.expert_gating_func")
     if gating not in (None, 1):                  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise bad(f"{arch}.expert_gating_func={gating}: only softmax (1) is supported")

@@ -222,6 +222,37 @@ def test_inconsistent_expert_metadata(small_moe, tmp_path, key, value, rename, n
     assert needle in msg, msg
 
 
+def test_shared_experts_refused(tmp_path):
+    """Keys this MoE does not compute are refused, not ignored (here: shared experts)."""
+    import gguf
+    path = tmp_path / "shared.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    for k, v in (("block_count", 1), ("embedding_length", 64), ("attention.head_count", 4),
+                 ("expert_count", 4), ("expert_used_count", 2), ("expert_shared_count", 1)):
+        w.add_uint32(f"qwen3moe.{k}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(KestrelError, match="shared.gguf: inconsistent MoE metadata: "
+                       "qwen3moe.expert_shared_count=1: shared experts are not supported"):
+        Engine.from_pretrained(path, threads=1)
+
+
+def test_unknown_gguf_architecture_lists_the_supported(tmp_path):
+    import gguf
+    path = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(path, "qwen2moe")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(KestrelError) as e:
+        Engine.from_pretrained(path, threads=1)
+    assert str(e.value) == ("g.gguf: unsupported GGUF architecture 'qwen2moe' (supported: "
+                            "llama, qwen2, qwen3, qwen3moe, qwen3vl, qwen3vlmoe)")
+
+
 def test_cli_names_the_file(small_moe, tmp_path):
     """Through the CLI: one line on stderr naming the file, no traceback, non-zero exit."""
     import subprocess
@@ -247,3 +278,18 @@ def test_qwen3vlmoe_gguf_runs_as_qwen3moe(small_moe, tmp_path, monkeypatch):
     ids = rand_ids(12, seed=5)
     np.testing.assert_array_equal(eng.logits(ids),
                                   Engine.from_pretrained(small_moe, threads=1).logits(ids))
+
+
+def test_missing_metadata_key_is_named(tmp_path):
+    import gguf
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(path, "qwen3")
+    w.add_uint32("qwen3.attention.head_count", 4)
+    w.add_uint32("qwen3.embedding_length", 64)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(KestrelError, match=r"^m.gguf: lacks the GGUF metadata key "
+                                           r"qwen3.block_count$"):
+        Engine.from_pretrained(path, threads=1)
