@@ -422,7 +422,7 @@ def _random_kblocks(qtype: str, n_blocks: int, rng, std: float) -> np.ndarray:
     Q4_K (144 bytes: f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of
     nibbles), x = d*sc*q - dmin*m: random nibbles, sc in [32, 63], m = round(sc*15/16) with
     dmin = 8d, so each sub-block is ~ d*sc*(q - 7.5), zero-centred. Q6_K (210 bytes: ql 128,
-    qh 64, int8 scales 16, f16 d), x = d*sc*(q - 32): random 6-bit q, sc in [4, 16].
+    qh 64, int8 scales 16, f16 d), x = d*sc*(q - 32): random 6-bit q, sc in +-[4, 16].
     d per block is std / (rms of the rest) times U(0.75, 1.25): the values' spread is ~std.
     """
     jitter = rng.uniform(0.75, 1.25, n_blocks).astype(np.float32)
@@ -443,7 +443,9 @@ def _random_kblocks(qtype: str, n_blocks: int, rng, std: float) -> np.ndarray:
     if qtype == "Q6_K":
         out = np.empty((n_blocks, 210), np.uint8)
         out[:, :192] = rng.integers(0, 256, (n_blocks, 192), dtype=np.uint8)
-        out[:, 192:208] = rng.integers(4, 17, (n_blocks, 16), dtype=np.int8).view(np.uint8)
+        sc = rng.integers(4, 17, (n_blocks, 16), dtype=np.int8)
+        sc *= rng.choice(np.array([-1, 1], np.int8), (n_blocks, 16))      # zero-centred
+        out[:, 192:208] = sc.view(np.uint8)
         d = (np.float32(std / (10.6 * 18.47)) * jitter).astype(np.float16)
         out[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
         return out
