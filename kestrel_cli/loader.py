@@ -232,13 +232,23 @@ def _load_hf_dir(path: Path):
 
 # ---------------------------------------------------------------- GGUF
 
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF architecture -> model_type. qwen3vl is Qwen3-VL's text decoder: Qwen3 with interleaved
+# M-RoPE sections (qwen3vl.rope.dimension_sections); for text, transformers gives the t/h/w
+# position streams one value per token, so it is plain RoPE and runs as qwen3 (the vision
+# tower is a separate mmproj file). qwen3vlmoe likewise runs as qwen3_moe.
+_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
+              "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_moe"}
+_GGUF_MOE = ("qwen3moe", "qwen3vlmoe")
+# MoE layers: the router, and the experts stacked in one 3-D tensor per projection
+# (expert-major: (n_expert, rows, cols) in numpy order), served as per-expert views
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                 "ffn_down_exps": "down_proj"}
 _GGUF_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
 }
 
 
@@ -250,7 +260,78 @@ def _hf_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES:
         return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
+        # "*" stands for the expert index (see _add_experts)
+        return f"model.layers.{parts[1]}.mlp.experts.*.{_GGUF_EXPERTS[parts[2]]}.{parts[3]}"
     return None
+
+
+def _gguf_moe(path: Path, arch: str, field, reader, raw: dict) -> None:
+    """The MoE keys of a qwen3moe file into `raw`, checked against its stacked expert tensors.
+
+    llama.cpp's qwen3moe: every layer is sparse, softmax router, top-k weights renormalised
+    (Qwen3-MoE's norm_topk_prob). A layer with a dense ffn_gate instead of ffn_gate_exps runs
+    as a dense MLP (transformers' mlp_only_layers).
+    """
+    def bad(why):
+        return KestrelError(f"{path.name}: inconsistent MoE metadata: {why}")
+    n_exp, n_used = field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count")
+    if n_exp is None or n_used is None:
+        raise bad(f"{arch}.expert_count and {arch}.expert_used_count are required")
+    n_exp, n_used = int(n_exp), int(n_used)
+    if n_exp < 1 or not 1 <= n_used <= n_exp:
+        raise bad(f"{arch}.expert_used_count={n_used} must be in 1..{arch}.expert_count={n_exp}")
+    ff = field(f"{arch}.expert_feed_forward_length")
+    if isinstance(ff, list):                   # per-layer form: one length only
+        if len(set(ff)) != 1:
+            raise bad(f"{arch}.expert_feed_forward_length differs across layers: {ff}")
+        ff = ff[0]
+    scale = field(f"{arch}.expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):            # llama.cpp: 0 means unset
+        raise bad(f"{arch}.expert_weights_scale={scale} is not supported")
+    shared = field(f"{arch}.expert_shared_count")
+    if shared not in (None, 0):
+        raise bad(f"{arch}.expert_shared_count={shared}: shared experts are not supported")
+    gating = field(f"{arch}.expert_gating_func")
+    if gating not in (None, 1):                  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise bad(f"{arch}.expert_gating_func={gating}: only softmax (1) is supported")
+    n_layers = raw["num_hidden_layers"]
+    shapes = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
+    dense = []
+    for i in range(n_layers):
+        have = {k: f"blk.{i}.{k}.weight" in shapes
+                for k in ("ffn_gate_inp", "ffn_gate", *_GGUF_EXPERTS)}
+        if have["ffn_gate"] and not any(have[k] for k in ("ffn_gate_inp", *_GGUF_EXPERTS)):
+            dense.append(i)
+            continue
+        for k in ("ffn_gate_inp", *_GGUF_EXPERTS):
+            if not have[k]:
+                raise bad(f"layer {i} lacks blk.{i}.{k}.weight")
+        router = shapes[f"blk.{i}.ffn_gate_inp.weight"]
+        if router[0] != n_exp:
+            raise bad(f"blk.{i}.ffn_gate_inp.weight routes to {router[0]} experts, "
+                      f"{arch}.expert_count is {n_exp}")
+        for k in _GGUF_EXPERTS:
+            s = shapes[f"blk.{i}.{k}.weight"]
+            if len(s) != 3 or s[0] != n_exp:
+                raise bad(f"blk.{i}.{k}.weight has shape {list(s)}, expected "
+                          f"{n_exp} stacked experts ({arch}.expert_count)")
+            inter = s[2] if k == "ffn_down_exps" else s[1]
+            if ff is None:
+                ff = inter
+            if inter != int(ff):
+                raise bad(f"blk.{i}.{k}.weight has expert MLP size {inter}, "
+                          f"{arch}.expert_feed_forward_length is {int(ff)}")
+    raw.update(num_experts=n_exp, num_experts_per_tok=n_used,
+               moe_intermediate_size=int(ff or 0), norm_topk_prob=True,
+               decoder_sparse_step=1, mlp_only_layers=dense)
+
+
+def _add_experts(store: TensorStore, name: str, fmt: str, data: np.ndarray, shape, source):
+    """Register each expert of a stacked (E, d, ...) tensor as its own matrix: data[e] is a
+    view into the memory-mapped file (expert-major, each expert's rows contiguous)."""
+    for e in range(shape[0]):
+        store.add(name.replace("*", str(e)), fmt, data[e], shape[1:], source)
 
 
 def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
@@ -281,10 +362,62 @@ def _gguf_refuse_ignored(path: Path, arch: str, field, raw: dict) -> None:
                                "factor": field(f"{arch}.rope.scaling.factor")}
 
 
+def _gguf_reader(path: Path):
+    """gguf.GGUFReader, with metadata arrays parsed in bulk: the stock reader slices its
+    memmap once or twice per array element, ~1 minute for a Qwen vocabulary (152K tokens,
+    151K merges) on a slow core; this one reads the same fields and tensors in about a
+    second. Fields keep the package's layout (ReaderField parts / data / types), so
+    `contents()` and the tensors' memory-mapped `data` are unchanged."""
+    import gguf
+    from gguf.constants import GGUFValueType
+
+    class Reader(gguf.GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:                 # one plain view: slicing a memmap is slow
+                plain = self._plain = self.data.view(np.ndarray)
+            dt = np.dtype(dtype)
+            arr = plain[offset:offset + dt.itemsize * int(count)].view(dt)
+            order = self.byte_order if override_order is None else override_order
+            return arr if order == "I" else arr.view(dt.newbyteorder(order))
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            itype, n, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+            parts = [raw_itype, alen]
+            if n == 0:
+                return 12, parts, [], [GGUFValueType.ARRAY]
+            if itype == GGUFValueType.STRING:
+                buf = self._plain
+                lens = memoryview(buf)
+                for _ in range(n):            # per string: its u64 length, then its bytes
+                    m = int.from_bytes(lens[offs:offs + 8], "little")
+                    parts.append(buf[offs:offs + 8].view(np.uint64))
+                    parts.append(buf[offs + 8:offs + 8 + m])
+                    offs += 8 + m
+                if offs > buf.shape[0]:
+                    raise ValueError("a string array runs past the end of the file")
+                return (offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)),
+                        [GGUFValueType.ARRAY, GGUFValueType.STRING])
+            nptype = self.gguf_scalar_to_np.get(GGUFValueType(itype))
+            if nptype is None:                # nested arrays: the package's own walk
+                return super()._get_field_parts(orig_offs, raw_type)
+            vals = self._get(offs, nptype, n)
+            if vals.shape[0] != n:
+                raise ValueError("an array runs past the end of the file")
+            parts += [vals[i:i + 1] for i in range(n)]
+            return (12 + int(vals.nbytes), parts, list(range(2, 2 + n)),
+                    [GGUFValueType.ARRAY, GGUFValueType(itype)])
+
+    return Reader(str(path))
+
+
 def _load_gguf(path: Path):
     try:
-        import gguf
-        reader = gguf.GGUFReader(str(path))
+        reader = _gguf_reader(path)
     except Exception as e:  # the gguf package raises bare ValueError/struct errors
         raise KestrelError(f"{path.name}: not a readable GGUF file ({e})") from None
 
@@ -296,17 +429,25 @@ def _load_gguf(path: Path):
     if arch not in _GGUF_ARCH:
         raise KestrelError(f"{path.name}: unsupported GGUF architecture {arch!r} "
                            f"(supported: {', '.join(_GGUF_ARCH)})")
-    n_head = int(field(f"{arch}.attention.head_count"))
+    moe = arch in _GGUF_MOE
+
+    def need(key, default=None):
+        v = field(f"{arch}.{key}", default)
+        if v is None:
+            raise KestrelError(f"{path.name}: lacks the GGUF metadata key {arch}.{key}")
+        return v
+    n_head = int(need("attention.head_count"))
     n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
-    hidden = int(field(f"{arch}.embedding_length"))
+    hidden = int(need("embedding_length"))
     tok_field = reader.fields.get("tokenizer.ggml.tokens")
     raw = {
         "model_type": _GGUF_ARCH[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(field(f"{arch}.block_count")),
+        "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
-        "intermediate_size": int(field(f"{arch}.feed_forward_length")),
+        # qwen3moe: the (unused) dense size, 0 when absent
+        "intermediate_size": int(need("feed_forward_length", 0 if moe else None)),
         "max_position_embeddings": int(field(f"{arch}.context_length", 4096)),
         "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
@@ -316,6 +457,8 @@ def _load_gguf(path: Path):
     if key_len is not None:
         raw["head_dim"] = int(key_len)
     _gguf_refuse_ignored(path, arch, field, raw)
+    if moe:
+        _gguf_moe(path, arch, field, reader, raw)
     store = TensorStore()
     qtypes = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
               "Q4_1": "q4_1"}
@@ -336,6 +479,9 @@ def _load_gguf(path: Path):
             data = data.view(np.uint16)
         elif fmt == "f16":
             data = data.view(np.uint16)
+        if "*" in name:
+            _add_experts(store, name, fmt, data, shape, path.name)
+            continue
         if len(shape) == 2:
             data = data.reshape(shape[0], -1)
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

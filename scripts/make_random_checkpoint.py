@@ -20,7 +20,7 @@
                    MLP 12288, untied, M-RoPE 24/20/20, theta 5e6
     (the Qwen3 models: vocab 151936, theta 1e6 unless said, eps 1e-6, q/k RMSNorm)
     tiny-llama, tiny-qwen3, tiny-qwen3-moe, tiny-qwen3-vl: the same layouts at hidden 64 and
-                   vocab 1024, for tests
+                   vocab 1024, for tests; tiny-qwen3-moe-k: the MoE at hidden 256 (K-quant rows)
 
 Safetensors (the default): OUT is a directory; the weights go under the published tensor names
 (`model.language_model.*` for Qwen3-VL, `model.*` otherwise, one `experts.E.*` set per MoE
@@ -33,15 +33,20 @@ transformers initialises it when missing and Kestrel reads the text decoder only
 --gguf TYPE (f32, f16, bf16, q8_0, q4_0, q4_1): OUT is one .gguf file holding the same weights
 (the same --seed and --dtype give the same values, rounded to --dtype, then stored as TYPE),
 laid out as llama.cpp's convert_hf_to_gguf.py writes them: arch `llama` (q/k rows permuted
-as its converter does), `qwen3` or `qwen3moe` (experts merged into ffn_*_exps, the router
-ffn_gate_inp in f32), tensor names from the gguf package's own name map, and the quantisation
-of llama-quantize --pure: every matrix, token_embd included, in TYPE; norms in f32. The
-tokenizer is the small one above (tokenizer.ggml.model gpt2, padded with [PADn] unused
-tokens to the shape's vocab). The VL shapes are written as `qwen3`: their text decoder is
-Qwen3's and, for text-only prompts, M-RoPE's three position streams are equal, so plain RoPE
-computes the same (llama.cpp's converter writes `qwen3vl` with M-RoPE sections, which
-Kestrel does not read). K-quants (q4_k, ...) are not written here: the gguf package cannot
-quantise them; run llama.cpp's `llama-quantize --pure F16.gguf OUT.gguf Q4_K` on an f16 file.
+as its converter does), `qwen3`, `qwen3moe` (experts merged into ffn_*_exps, the router
+ffn_gate_inp in f32) or `qwen3vl` (the VL shapes' text decoder, with its M-RoPE sections in
+qwen3vl.rope.dimension_sections; the vision tower would be a separate mmproj file), tensor
+names from the gguf package's own name map, and the quantisation of llama-quantize --pure:
+every matrix, token_embd included, in TYPE; norms in f32. The tokenizer is the small one
+above (tokenizer.ggml.model gpt2, padded with [PADn] unused tokens to the shape's vocab).
+
+--gguf q4_k_m: the tensor types llama-quantize Q4_K_M picks (see mix_type: Q4_K, Q6_K for
+output and for attn_v / ffn_down(_exps) on its "more bits" layers, f32 norms and router),
+general.file_type MOSTLY_Q4_K_M. The gguf package cannot quantise K-quants, so their blocks
+are random valid bytes (random quants, 6-bit scales and f16 super-block scales chosen so the
+values spread like N(0, 0.02)); the rest is as above. Written one tensor at a time, a few
+rows at a time: `--shape qwen3-30b-a3b --gguf q4_k_m` makes a ~17 GiB file in bounded memory.
+Other K-quants: llama.cpp's `llama-quantize F16.gguf OUT.gguf Q4_K_S` on an f16 file.
 
 For speed and scale measurements only: the weights are N(0, 0.02) noise (norms 1), so the
 text the model generates is noise too. Never commit the output. Memory stays small: tensors
@@ -158,18 +163,38 @@ SHAPES.update({
     "tiny-qwen3-moe": _tiny(SHAPES["qwen3-30b-a3b"], head_dim=32, num_experts=4,
                             num_experts_per_tok=2, moe_intermediate_size=64),
     "tiny-qwen3-vl": _tiny(SHAPES["qwen3-vl-2b"], head_dim=32),
+    # rows of whole 256-blocks everywhere, for the K-quant mixes
+    "tiny-qwen3-moe-k": _tiny(SHAPES["qwen3-30b-a3b"], hidden_size=256, head_dim=64,
+                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256),
 })
 
-# GGUF: llama.cpp's arch per model_type (VL text decoders as qwen3: see the docstring), the
-# types written (those Kestrel reads; K-quants come from llama-quantize) and general.file_type
-GGUF_ARCH = {"llama": "LLAMA", "qwen3": "QWEN3", "qwen3_vl": "QWEN3", "qwen3_moe": "QWEN3MOE"}
+# GGUF: llama.cpp's arch per model_type, the types written (every matrix in one type, as
+# llama-quantize --pure) and general.file_type
+GGUF_ARCH = {"llama": "LLAMA", "qwen3": "QWEN3", "qwen3_vl": "QWEN3VL", "qwen3_moe": "QWEN3MOE"}
 GGUF_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"),
               "bf16": ("BF16", "MOSTLY_BF16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
               "q4_0": ("Q4_0", "MOSTLY_Q4_0"), "q4_1": ("Q4_1", "MOSTLY_Q4_1")}
+# llama-quantize mixes written directly (random K-quant blocks, see mix_type)
+GGUF_MIXES = {"q4_k_m": ("Q4_K", "MOSTLY_Q4_K_M")}
 
 
 def text_config(config: dict) -> dict:
     return config.get("text_config", config)
+
+
+def _hparams(config: dict) -> dict:
+    """The text config with the keys the writers read, whichever spelling it came in
+    (transformers 5 saves num_local_experts and rope_parameters)."""
+    cfg = dict(text_config(config))
+    rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
+    cfg["rope_theta"] = cfg["rope_theta"] if cfg["rope_theta"] is not None else \
+        rope.get("rope_theta", 10000.0)
+    cfg["mrope_section"] = rope.get("mrope_section")
+    cfg["num_experts"] = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    cfg.setdefault("mlp_only_layers", [])
+    cfg.setdefault("decoder_sparse_step", 1)
+    return cfg
 
 
 def text_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -179,11 +204,11 @@ def text_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     the order of llama.cpp's merged ffn_{gate,up,down}_exps, so the GGUF writer walks this
     same list (and the same random stream) one tensor after the other.
     """
-    cfg = text_config(config)
+    cfg = _hparams(config)
     H, I, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim") or H // nh
-    E = cfg.get("num_experts", 0)
+    E = cfg["num_experts"]
     p = "model.language_model" if "text_config" in config else "model"
     out = [(f"{p}.embed_tokens.weight", (V, H))]
     for i in range(cfg["num_hidden_layers"]):
@@ -208,7 +233,7 @@ def text_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
                     (f"{q}.mlp.up_proj.weight", (I, H)),
                     (f"{q}.mlp.down_proj.weight", (H, I))]
     out.append((f"{p}.norm.weight", (H,)))
-    if not config["tie_word_embeddings"]:
+    if not config.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", (V, H)))
     return out
 
@@ -324,22 +349,26 @@ def write_tokenizer(out: Path) -> None:
 
 def gguf_plan(config: dict, tensors) -> list[tuple[str, tuple[int, ...], list]]:
     """[(GGUF name, numpy shape, [(checkpoint name, shape), ...])] in `tensors` order: names
-    from the gguf package's map for the arch, consecutive experts merged into one tensor."""
+    from the gguf package's map for the arch, consecutive experts merged into one tensor
+    (a dense layer of a MoE model, mlp_only_layers, is named as in the dense arch)."""
     import gguf
     arch = gguf.MODEL_ARCH[GGUF_ARCH[config["model_type"]]]
-    names = gguf.get_tensor_name_map(arch, text_config(config)["num_hidden_layers"])
+    n_layers = _hparams(config)["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(arch, n_layers)
+    dense = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, n_layers)
     plan: list = []
     for name, shape in tensors:
         hf = re.sub(r"^model\.language_model\.", "model.", name)
         hf = re.sub(r"\.experts\.\d+\.", ".experts.", hf)
-        g = names.get_name(hf, try_suffixes=(".weight",))
+        g = names.get_name(hf, try_suffixes=(".weight",)) or (
+            dense.get_name(hf, try_suffixes=(".weight",)) if ".experts." not in hf else None)
         if g is None:
             raise ValueError(f"{name}: no GGUF name for arch {gguf.MODEL_ARCH_NAMES[arch]}")
         if plan and plan[-1][0] == g:
             plan[-1][2].append((name, shape))
         else:
             plan.append((g, shape, [(name, shape)]))
-    return [(g, (len(parts), *shape) if len(parts) > 1 else shape, parts)
+    return [(g, (len(parts), *shape) if "_exps." in g else shape, parts)
             for g, shape, parts in plan]
 
 
@@ -348,24 +377,118 @@ def _permute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
     return x.reshape(n_head, 2, x.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(x.shape)
 
 
+def _more_bits(i_layer: int, n_layers: int) -> bool:
+    """llama-quant.cpp's use_more_bits: the layers Q4_K_M gives Q6_K attn_v / ffn_down."""
+    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
+            or (i_layer - n_layers // 8) % 3 == 2)
+
+
+def mix_type(g: str, shape, mix: str, n_layers: int, tied: bool) -> str:
+    """The GGML type of tensor `g` (numpy shape) in a llama-quantize mix (without imatrix).
+
+    q4_k_m, as llama_tensor_get_type_impl chooses it: norms and the MoE router F32; output
+    (token_embd when tied) Q6_K; attn_v and ffn_down(_exps) Q6_K on the layers of
+    use_more_bits (the first and last eighth, every third in between), Q4_K elsewhere; every
+    other matrix (token_embd untied, attn_q/k/output, ffn_gate/up(_exps)) Q4_K. Rows that
+    are not whole 256-blocks fall back as llama.cpp does: Q4_K -> Q5_0, Q6_K -> Q8_0 (then
+    F16). The 8-expert (Mixtral) special cases are not reproduced.
+    """
+    if mix != "q4_k_m":
+        raise ValueError(f"unknown mix {mix!r}")
+    if len(shape) == 1 or ".ffn_gate_inp." in g:
+        return "F32"
+    kind = g.split(".")[-2]
+    layer = int(g.split(".")[1]) if g.startswith("blk.") else -1
+    if kind == "output" or (tied and kind == "token_embd"):
+        t = "Q6_K"
+    elif kind in ("attn_v", "ffn_down", "ffn_down_exps") and _more_bits(layer, n_layers):
+        t = "Q6_K"
+    else:
+        t = "Q4_K"
+    if shape[-1] % 256:
+        t = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[t]
+        if shape[-1] % 32:
+            t = "F16"
+    return t
+
+
+# random K-quant blocks: value spread of one block ~ N(0, std) weights
+_K_RANDOM = ("Q4_K", "Q6_K")
+
+
+def _random_kblocks(qtype: str, n_blocks: int, rng, std: float) -> np.ndarray:
+    """n_blocks random valid super-blocks of 256 values (uint8 (n_blocks, bytes)).
+
+    Q4_K (144 bytes: f16 d, f16 dmin, 12 bytes of packed 6-bit scales/mins, 128 bytes of
+    nibbles), x = d*sc*q - dmin*m: random nibbles, sc in [32, 63], m = round(sc*15/16) with
+    dmin = 8d, so each sub-block is ~ d*sc*(q - 7.5), zero-centred. Q6_K (210 bytes: ql 128,
+    qh 64, int8 scales 16, f16 d), x = d*sc*(q - 32): random 6-bit q, sc in +-[4, 16].
+    d per block is std / (rms of the rest) times U(0.75, 1.25): the values' spread is ~std.
+    """
+    jitter = rng.uniform(0.75, 1.25, n_blocks).astype(np.float32)
+    if qtype == "Q4_K":
+        out = np.empty((n_blocks, 144), np.uint8)
+        d = (np.float32(std / 223.6) * jitter).astype(np.float16)
+        out[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        out[:, 2:4] = (d.astype(np.float32) * 8).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        sc = rng.integers(32, 64, (n_blocks, 8), dtype=np.uint8)
+        m = np.rint(sc.astype(np.float32) * np.float32(15 / 16)).astype(np.uint8)
+        # llama.cpp's get_scale_min_k4 layout: bytes 0-3 sc[0:4] | sc[4:8]>>4 << 6,
+        # 4-7 m[0:4] | m[4:8]>>4 << 6, 8-11 sc[4:8] & 15 | (m[4:8] & 15) << 4
+        out[:, 4:8] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+        out[:, 8:12] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+        out[:, 12:16] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+        out[:, 16:] = rng.integers(0, 256, (n_blocks, 128), dtype=np.uint8)
+        return out
+    if qtype == "Q6_K":
+        out = np.empty((n_blocks, 210), np.uint8)
+        out[:, :192] = rng.integers(0, 256, (n_blocks, 192), dtype=np.uint8)
+        sc = rng.integers(4, 17, (n_blocks, 16), dtype=np.int8)
+        sc *= rng.choice(np.array([-1, 1], np.int8), (n_blocks, 16))      # zero-centred
+        out[:, 192:208] = sc.view(np.uint8)
+        d = (np.float32(std / (10.6 * 18.47)) * jitter).astype(np.float16)
+        out[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
+        return out
+    raise ValueError(qtype)
+
+
+def _random_kquant_rows(shape, qtype: str, rng, std: float):
+    """One tensor of random `qtype` blocks, a few rows at a time (bytes)."""
+    cols, rows = shape[-1], math.prod(shape[:-1])
+    step = max(1, CHUNK // cols)
+    for r in range(0, rows, step):
+        m = min(step, rows - r)
+        yield _random_kblocks(qtype, m * cols // 256, rng, std).tobytes()
+
+
 def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, std: float,
-               name: str) -> int:
-    """One GGUF file (see the docstring); returns the bytes of tensor data written."""
+               name: str, values=None) -> int:
+    """One GGUF file (see the docstring); returns the bytes of tensor data written.
+
+    gtype: a type of GGUF_TYPES (every matrix in it), or a mix of GGUF_MIXES (mix_type).
+    values: (checkpoint name, shape) -> iterable of float32 row blocks, the weights to store
+        (default: N(0, std) rounded to `dtype`, norms 1); K-quant blocks are always random.
+    """
     import gguf
     from gguf.quants import quantize
-    cfg = text_config(config)
+    cfg = _hparams(config)
     arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[GGUF_ARCH[config["model_type"]]]]
-    qname, ftype = GGUF_TYPES[gtype]
-    qtype = gguf.GGMLQuantizationType[qname]
+    mix = gtype if gtype in GGUF_MIXES else None
+    qname, ftype = GGUF_MIXES[gtype] if mix else GGUF_TYPES[gtype]
     H, nh, V = cfg["hidden_size"], cfg["num_attention_heads"], cfg["vocab_size"]
     hd = cfg.get("head_dim") or H // nh
+    n_layers = cfg["num_hidden_layers"]
+    tied = bool(config.get("tie_word_embeddings", False))
+    if values is None:
+        def values(_name, shape):
+            return _rows(shape, dtype, rng, std)
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"random {name}")
     w.add_file_type(gguf.LlamaFileType[ftype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(H)
-    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_block_count(n_layers)
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(nh)
     w.add_head_count_kv(cfg["num_key_value_heads"])
@@ -375,19 +498,27 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
     w.add_rope_freq_base(float(cfg["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(V)
-    if cfg.get("num_experts"):
+    if cfg["num_experts"]:
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "qwen3vl":                 # as convert_hf_to_gguf's Qwen3VLTextModel writes it
+        w.add_rope_dimension_sections((list(cfg["mrope_section"]) + [0] * 4)[:4])
+        w.add_num_deepstack_layers(len(config.get("vision_config", {})
+                                       .get("deepstack_visual_indexes", [])))
     _gguf_tokenizer(w, V)
 
     plan = gguf_plan(config, tensors)
     kinds = []
     for g, shape, _ in plan:
-        t = gguf.GGMLQuantizationType.F32 if len(shape) == 1 or ".ffn_gate_inp." in g else qtype
+        if mix:
+            t = gguf.GGMLQuantizationType[mix_type(g, shape, mix, n_layers, tied)]
+        else:
+            t = gguf.GGMLQuantizationType.F32 if len(shape) == 1 or ".ffn_gate_inp." in g \
+                else gguf.GGMLQuantizationType[qname]
         b, s = gguf.GGML_QUANT_SIZES[t]
         if shape[-1] % b:
-            raise ValueError(f"{g}: rows of {shape[-1]} are not whole {qname} blocks of {b}")
+            raise ValueError(f"{g}: rows of {shape[-1]} are not whole {t.name} blocks of {b}")
         nbytes = math.prod(shape) // b * s
         w.add_tensor_info(g, shape, np.dtype(np.float32), nbytes, raw_dtype=t)
         kinds.append((t, nbytes))
@@ -400,12 +531,16 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
         w.write_padding(f, f.tell())
         start = f.tell()
         for hf_name, hf_shape in parts:
-            rows = _rows(hf_shape, dtype, rng, std)
-            heads = {"attn_q": nh, "attn_k": cfg["num_key_value_heads"]}.get(g.split(".")[-2])
-            if arch == "llama" and heads:
-                rows = [_permute_qk(np.concatenate(list(rows)), heads)]
-            for x in rows:
-                f.write(quantize(x, t).tobytes())
+            if t.name in _K_RANDOM:
+                for chunk in _random_kquant_rows(hf_shape, t.name, rng, std):
+                    f.write(chunk)
+            else:
+                rows = values(hf_name, hf_shape)
+                heads = {"attn_q": nh, "attn_k": cfg["num_key_value_heads"]}.get(g.split(".")[-2])
+                if arch == "llama" and heads:
+                    rows = [_permute_qk(np.concatenate(list(rows)), heads)]
+                for x in rows:
+                    f.write(quantize(np.asarray(x, np.float32), t).tobytes())
             _log(hf_name, hf_shape)
         assert f.tell() - start == nbytes, g
         total += nbytes
@@ -442,15 +577,14 @@ def _gguf_tokenizer(w, vocab_size: int) -> None:
 
 def _gguf_type(s: str) -> str:
     s = s.lower()
-    if s in GGUF_TYPES:
+    if s in GGUF_TYPES or s in GGUF_MIXES:
         return s
+    choices = ", ".join([*GGUF_TYPES, *GGUF_MIXES])
     if re.fullmatch(r"(q\d_k.*|iq\d.*|q5_[01]|tq\d_0|mxfp4)", s):
-        why = ("the gguf package cannot quantise K-quants and i-quants" if "k" in s or "iq" in s
-               else f"Kestrel reads {', '.join(GGUF_TYPES)}")
         raise argparse.ArgumentTypeError(
-            f"{s!r} is not written here ({why}): write --gguf f16 and run llama.cpp's "
-            f"llama-quantize --pure F16.gguf OUT.gguf {s.upper()}")
-    raise argparse.ArgumentTypeError(f"unknown type {s!r} (choose from {', '.join(GGUF_TYPES)})")
+            f"{s!r} is not written here (choose from {choices}): write --gguf f16 and run "
+            f"llama.cpp's llama-quantize F16.gguf OUT.gguf {s.upper()}")
+    raise argparse.ArgumentTypeError(f"unknown type {s!r} (choose from {choices})")
 
 
 def _parse(argv):
@@ -468,8 +602,9 @@ def _parse(argv):
                     help="also write a random vision tower (VL shapes; needs transformers)")
     ap.add_argument("--gguf", type=_gguf_type, default=None, metavar="TYPE",
                     help=f"write one GGUF file instead: {', '.join(GGUF_TYPES)} (llama-quantize "
-                         f"--pure layout). K-quants: the gguf package cannot quantise them; "
-                         f"use llama.cpp's llama-quantize on an f16 GGUF")
+                         f"--pure layout) or the mix {', '.join(GGUF_MIXES)} (llama-quantize "
+                         f"Q4_K_M's types, random K-quant blocks); other K-quants: use "
+                         f"llama.cpp's llama-quantize on an f16 GGUF")
     a = ap.parse_args(argv)
     if a.layers is not None and a.layers < 1:
         ap.error(f"--layers must be >= 1 (got {a.layers})")

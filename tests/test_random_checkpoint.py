@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ def _load_script():
 mrc = _load_script()
 TINY = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-vl"]
 GGUF_ARCH = {"tiny-llama": "llama", "tiny-qwen3": "qwen3", "tiny-qwen3-moe": "qwen3moe",
-             "tiny-qwen3-vl": "qwen3"}
+             "tiny-qwen3-vl": "qwen3vl"}
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +88,17 @@ def test_moe_gguf_plan_at_full_size():
         "output.weight": (151936, 2048)}
 
 
-@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-vl"])
+@pytest.mark.parametrize("shape", TINY)
 def test_gguf_logits_match_safetensors(made, shape):
-    """f32 GGUF = the safetensors' logits (the llama q/k permute undone by the loader);
-    q8_0 / q4_1 close to them."""
+    """f32 GGUF = the safetensors' logits (the llama q/k permute undone by the loader, the
+    qwen3moe experts read from their stacked tensors); q8_0 / q4_1 close to them."""
     ref = Engine.from_pretrained(made / shape, threads=2).logits(IDS)
     f32 = Engine.from_pretrained(made / f"{shape}.f32.gguf", threads=2).logits(IDS)
     np.testing.assert_allclose(f32, ref, rtol=1e-5, atol=1e-5)
     for t, min_corr in (("q8_0", 0.999), ("q4_1", 0.95)):
         eng = Engine.from_pretrained(made / f"{shape}.{t}.gguf", threads=2)
-        assert eng.model.layers[0].mlp.up_proj.fmt == t
+        mlp = eng.model.layers[0].mlp
+        assert (mlp.experts[1] if "moe" in shape else mlp).up_proj.fmt == t
         q = eng.logits(IDS)
         assert np.corrcoef(q.ravel(), ref.ravel())[0, 1] > min_corr
 
@@ -143,6 +145,9 @@ def test_gguf_metadata_for_llama_cpp(made, shape):
     assert f(f"{arch}.rope.freq_base") == pytest.approx(cfg["rope_theta"])
     assert f(f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(cfg["rms_norm_eps"])
     assert f(f"{arch}.feed_forward_length") == 128
+    if arch == "qwen3vl":             # convert_hf_to_gguf's Qwen3VLTextModel keys
+        assert f("qwen3vl.rope.dimension_sections") == [8, 4, 4, 0]
+        assert f("qwen3vl.n_deepstack_layers") == 0
     if arch == "qwen3moe":
         assert (f("qwen3moe.expert_count"), f("qwen3moe.expert_used_count"),
                 f("qwen3moe.expert_feed_forward_length")) == (4, 2, 64)
@@ -192,9 +197,10 @@ def test_moe_safetensors_layout(made):
 @pytest.mark.parametrize("args, message", [
     (["--shape", "qwen9"], "argument --shape: invalid choice: 'qwen9'"),
     (["--gguf", "q3"], "unknown type 'q3'"),
-    (["--gguf", "q4_k"], "cannot quantise K-quants and i-quants): write --gguf f16 and run "
-                         "llama.cpp's llama-quantize --pure F16.gguf OUT.gguf Q4_K"),
-    (["--gguf", "q5_0"], "(Kestrel reads f32, f16, bf16, q8_0, q4_0, q4_1)"),
+    (["--gguf", "q4_k"], "'q4_k' is not written here (choose from f32, f16, bf16, q8_0, q4_0, "
+                         "q4_1, q4_k_m): write --gguf f16 and run llama.cpp's llama-quantize "
+                         "F16.gguf OUT.gguf Q4_K"),
+    (["--gguf", "q5_0"], "'q5_0' is not written here"),
     (["--layers", "0"], "--layers must be >= 1"),
     (["--shape", "qwen3-1.7b", "--with-vision"], "qwen3-1.7b has no vision tower"),
 ])
@@ -212,3 +218,96 @@ def test_gguf_out_is_a_directory(tmp_path, capsys):
         mrc.main([str(tmp_path), "--shape", "tiny-qwen3", "--gguf", "q8_0"])
     assert e.value.code == 2
     assert "is a directory; give the .gguf file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- --gguf q4_k_m
+
+def _q4_k_m_types(shape_name, layers=None):
+    cfg = json.loads(json.dumps(mrc.SHAPES[shape_name]))
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    n = cfg["num_hidden_layers"]
+    plan = mrc.gguf_plan(cfg, mrc.text_tensors(cfg))
+    return {g: (shape, mrc.mix_type(g, shape, "q4_k_m", n, cfg["tie_word_embeddings"]))
+            for g, shape, _ in plan}
+
+
+def test_q4_k_m_mix_at_full_size():
+    """Qwen3-30B-A3B as llama-quantize Q4_K_M types it (llama-quant.cpp, 128 experts): Q6_K on
+    output and on attn_v / ffn_down_exps of use_more_bits' 24 layers of 48, Q4_K elsewhere."""
+    import gguf
+    types = _q4_k_m_types("qwen3-30b-a3b")
+    more = [i for i in range(48) if i < 6 or i >= 42 or (i - 6) % 3 == 2]
+    assert more == [0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41,
+                    42, 43, 44, 45, 46, 47]
+    for g, (shape, t) in types.items():
+        kind = g.split(".")[-2]
+        layer = int(g.split(".")[1]) if g.startswith("blk.") else None
+        if len(shape) == 1 or kind == "ffn_gate_inp":
+            want = "F32"
+        elif kind == "output" or (kind in ("attn_v", "ffn_down_exps") and layer in more):
+            want = "Q6_K"
+        else:
+            want = "Q4_K"
+        assert t == want, g
+    assert types["token_embd.weight"] == ((151936, 2048), "Q4_K")
+    assert types["blk.47.ffn_down_exps.weight"] == ((128, 2048, 768), "Q6_K")
+    size = 0
+    for shape, t in types.values():
+        b, s = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]]
+        size += math.prod(shape) // b * s
+    assert 17.0 < size / 2**30 < 17.6         # bartowski's Qwen3-30B-A3B-Q4_K_M: 17.3 GiB
+
+
+def test_q4_k_m_tied_and_fallback_types():
+    """Tied embeddings take output's Q6_K; rows that are not whole 256-blocks fall back as
+    llama.cpp's tensor_type_fallback (Q4_K -> Q5_0, Q6_K -> Q8_0)."""
+    types = _q4_k_m_types("qwen3-1.7b", layers=8)
+    assert types["token_embd.weight"][1] == "Q6_K" and "output.weight" not in types
+    assert types["blk.0.ffn_down.weight"][1] == "Q6_K" and types["blk.1.ffn_down.weight"][1] == "Q4_K"
+    tiny = _q4_k_m_types("tiny-qwen3-moe")                        # hidden 64
+    assert tiny["blk.0.attn_q.weight"][1] == "Q5_0" and tiny["output.weight"][1] == "Q8_0"
+
+
+def test_q4_k_m_written_and_read_back(tmp_path):
+    """The tiny K-quant MoE as a Q4_K_M file: each tensor's type and shape as planned, its
+    blocks dequantise (gguf.quants) to finite values spread like the other random weights."""
+    import gguf
+    out = tmp_path / "k.gguf"
+    assert mrc.main([str(out), "--shape", "tiny-qwen3-moe-k", "--gguf", "q4_k_m"]) == 0
+    r = gguf.GGUFReader(str(out))
+    assert r.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    assert r.fields["general.architecture"].contents() == "qwen3moe"
+    want = _q4_k_m_types("tiny-qwen3-moe-k")
+    got = {t.name: t for t in r.tensors}
+    assert set(got) == set(want)
+    seen = set()
+    for name, t in got.items():
+        shape, kind = want[name]
+        assert t.tensor_type.name == kind, name
+        assert tuple(int(s) for s in reversed(t.shape.tolist())) == shape, name
+        x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        assert x.shape == shape and np.isfinite(x).all(), name
+        if kind in ("Q4_K", "Q6_K"):
+            seen.add(kind)
+            assert 0.01 < float(x.std()) < 0.04 and abs(float(x.mean())) < 0.002, name
+    assert seen == {"Q4_K", "Q6_K"}
+    assert got["blk.1.attn_v.weight"].tensor_type.name == "Q6_K"       # use_more_bits(1, 2)
+    assert got["blk.0.ffn_down_exps.weight"].tensor_type.name == "Q4_K"
+
+
+def test_q4_k_m_streams(tmp_path, monkeypatch):
+    """The writer streams tensor by tensor, a few rows at a time: with 64 Ki-element chunks
+    the Python heap's peak stays far below the file (17 GiB at full size)."""
+    import tracemalloc
+    monkeypatch.setattr(mrc, "CHUNK", 1 << 16)
+    out = tmp_path / "k.gguf"
+    tracemalloc.start()
+    try:
+        assert mrc.main([str(out), "--shape", "tiny-qwen3-moe-k", "--layers", "6",
+                         "--gguf", "q4_k_m"]) == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    size = out.stat().st_size
+    assert size > 3 << 20 and peak < size / 4, (peak, size)

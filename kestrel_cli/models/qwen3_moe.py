@@ -1,6 +1,8 @@
 """Qwen3-MoE: Qwen3 attention; sparse MoE blocks replace the MLP on most layers."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .. import kernels as K
@@ -11,8 +13,9 @@ class MoeBlock:
     """Router softmax over experts, top-k, optional renormalisation, weighted SwiGLU experts.
 
     Called as the dense MLP is. Experts stay as the checkpoint stores them
-    (`experts.E.{gate,up,down}_proj`, memory-mapped views); only the tokens routed to an
-    expert are gathered for its matmuls.
+    (`experts.E.{gate,up,down}_proj`, memory-mapped views; a GGUF's stacked ffn_*_exps are
+    served as per-expert views by the loader); only the tokens routed to an expert are
+    gathered for its matmuls, and only the selected experts' weights are read.
     """
 
     def __init__(self, cfg, store, p, norm):
@@ -36,6 +39,8 @@ class MoeBlock:
         w = np.take_along_axis(probs, top, axis=1)                   # (T, k)
         if self.norm_topk_prob:
             w /= w.sum(axis=1, keepdims=True)
+        if T == 1:
+            return self._decode(x, top[0], w[0], fwd, residual)
         out = np.zeros_like(x)
         flat = top.reshape(-1)
         order = np.argsort(flat, kind="stable")
@@ -51,6 +56,22 @@ class MoeBlock:
             return out
         residual += out
         return residual
+
+    def _decode(self, x, top, w, fwd, residual) -> np.ndarray:
+        """One token: for each selected expert (ascending), g = SwiGLU(x) scaled by its
+        routing weight, then down_proj(g) added straight into the output, two kernel calls
+        an expert (down is linear: down(w*g) = w*down(g)); no gather, no scatter."""
+        out = np.zeros_like(x) if residual is None else residual
+        order = np.argsort(top)
+        threads, act_q8 = fwd.threads, fwd.act_q8
+        t0 = time.perf_counter()
+        for e, we in zip(top[order].tolist(), w[order].tolist()):
+            ex = self.experts[e]
+            (g,) = ex.gate_up(x, threads, None, act_q8)             # (1, I) SwiGLU
+            g *= we
+            ex.down(g, threads, out, act_q8)                       # out += down(g)
+        fwd.prof.matmul += time.perf_counter() - t0
+        return out
 
 
 class DecoderLayer(llama.DecoderLayer):

@@ -1,0 +1,295 @@
+"""GGUF qwen3moe and qwen3vl: tiny transformers checkpoints written as llama.cpp lays them
+out (scripts/make_random_checkpoint.py's writer, the checkpoint's own values), against
+transformers' logits; the experts as views of the mapped file; routing reads only the
+selected experts; inconsistent expert metadata."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kestrel_cli import Engine, KestrelError
+from kestrel_cli.loader import open_checkpoint
+from conftest import make_checkpoint, rand_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+GGUF_VOCAB = 1024          # the writer's tokenizer has 1000 tokens: the vocab must hold them
+N = 40
+ATOL = 1e-4                # as test_models: fp32 logits, max abs difference
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "make_random_checkpoint", ROOT / "scripts" / "make_random_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+mrc = _script()
+
+
+def to_gguf(d: Path, out: Path, gtype: str = "f32") -> Path:
+    """The transformers checkpoint in `d` as a GGUF of `gtype`, its values unchanged."""
+    config = json.loads((d / "config.json").read_text())
+    _, store, _, _ = open_checkpoint(d)
+
+    def values(name, shape):
+        fmt, raw, actual, _ = store.entries[name]
+        assert tuple(actual) == tuple(shape), name
+        yield np.asarray(raw, np.float32).reshape(shape)
+    mrc.write_gguf(out, config, mrc.text_tensors(config), gtype, "f32", None, 0.0, "tiny",
+                   values=values)
+    return out
+
+
+def hf_logits(model, ids):
+    import torch
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.fixture(scope="module", params=[[], [1]], ids=["all-moe", "dense-layer-1"])
+def moe(request, tmp_path_factory):
+    """A tiny Qwen3MoeForCausalLM (6 experts, top-2, 2 layers; llama.cpp's layout has every
+    layer sparse, the second case keeps layer 1 dense) and its f32 / q8_0 GGUFs."""
+    d = tmp_path_factory.mktemp("moe")
+    model = make_checkpoint(d / "hf", "qwen3_moe", vocab_size=GGUF_VOCAB,
+                            mlp_only_layers=request.param)
+    for t in ("f32", "q8_0"):
+        to_gguf(d / "hf", d / f"m.{t}.gguf", t)
+    return d, model, request.param
+
+
+def test_moe_gguf_logits_match_transformers(moe):
+    d, model, dense = moe
+    eng = Engine.from_pretrained(d / "m.f32.gguf", threads=2)
+    assert eng.config.model_type == "qwen3_moe" and eng.config.num_experts == 6
+    assert eng.config.num_experts_per_tok == 2 and eng.config.norm_topk_prob
+    assert eng.config.mlp_only_layers == dense
+    ids = rand_ids(N, seed=1)
+    ref = hf_logits(model, ids)
+    diff = float(np.abs(eng.logits(ids) - ref).max())
+    assert diff < ATOL, diff
+    q8 = Engine.from_pretrained(d / "m.q8_0.gguf", threads=2)
+    assert q8.model.layers[0].mlp.experts[5].down_proj.fmt == "q8_0"
+    assert np.corrcoef(q8.logits(ids).ravel(), ref.ravel())[0, 1] > 0.99
+
+
+def test_moe_gguf_prefill_then_decode(moe):
+    d, _, _ = moe
+    eng = Engine.from_pretrained(d / "m.q8_0.gguf", threads=2)
+    ids = rand_ids(N, seed=2)
+    full = eng.logits(ids)
+    eng.reset()
+    eng.prefill(ids[:-5])
+    rows = [eng.decode_step(t)[0] for t in ids[-5:-1]]
+    np.testing.assert_allclose(np.stack(rows), full[-5:-1], atol=1e-5, rtol=0)
+
+
+def test_experts_are_views_of_the_mapped_file(moe):
+    """Each expert's matrix is a slice of the stacked tensor in the memory-mapped file (one
+    mapping for all, expert e at e * its size): no copy."""
+    import gguf
+    import mmap
+    d, _, _ = moe
+    path = d / "m.q8_0.gguf"
+    eng = Engine.from_pretrained(path, threads=1)
+    on_disk = np.fromfile(path, np.uint8)
+    stacked = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    block = eng.model.layers[0].mlp
+    roots = set()
+    for proj, g in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"),
+                    ("down_proj", "ffn_down_exps")):
+        first = getattr(block.experts[0], proj).data
+        for e, ex in enumerate(block.experts):
+            a = getattr(ex, proj).data
+            assert not a.flags.owndata and a.flags.c_contiguous
+            root = a
+            while not isinstance(root, mmap.mmap):
+                root = root.base
+            roots.add(id(root))
+            assert a.ctypes.data - first.ctypes.data == e * a.nbytes
+            off = int(stacked[f"blk.0.{g}.weight"].data_offset) + e * a.nbytes
+            assert np.array_equal(a.reshape(-1), on_disk[off:off + a.nbytes])
+    assert len(roots) == 1
+
+
+def test_routing_reads_only_the_selected_experts(moe, monkeypatch):
+    """Decode multiplies by the weights of top_k experts per sparse layer, no others; prefill
+    runs each expert's projections at most once per layer (its tokens grouped, one matmul)."""
+    from kestrel_cli import kernels
+    d, _, dense = moe
+    eng = Engine.from_pretrained(d / "m.q8_0.gguf", threads=1)
+    sparse = [i for i in range(len(eng.model.layers)) if i not in dense]
+    owner = {}                               # id(Projection) -> (layer, expert, which)
+    for i in sparse:
+        for e, ex in enumerate(eng.model.layers[i].mlp.experts):
+            owner[id(ex.gate_up)] = (i, e, "gate_up")
+            owner[id(ex.down)] = (i, e, "down")
+    calls = []
+    orig = kernels.Projection.__call__
+
+    def spy(self, x, *args, **kw):
+        if id(self) in owner:
+            calls.append((*owner[id(self)], x.shape[0]))
+        return orig(self, x, *args, **kw)
+    monkeypatch.setattr(kernels.Projection, "__call__", spy)
+    ids = rand_ids(12, seed=3)
+    eng.prefill(ids)
+    for i in sparse:
+        for which in ("gate_up", "down"):
+            rows = [(e, n) for layer, e, w, n in calls if layer == i and w == which]
+            assert len({e for e, _ in rows}) == len(rows) <= 6
+            assert sum(n for _, n in rows) == 12 * 2        # every token routed to 2 experts
+    calls.clear()
+    eng.decode_step(ids[-1])
+    for i in sparse:
+        mine = [(e, w, n) for layer, e, w, n in calls if layer == i]
+        experts = {e for e, _, _ in mine}
+        assert len(experts) == 2 and sorted(mine) == sorted(
+            (e, w, 1) for e in experts for w in ("gate_up", "down"))
+    assert len(calls) == 4 * len(sparse)
+
+
+# ---------------------------------------------------------------- qwen3vl
+
+def test_qwen3vl_gguf_logits_match_transformers(tmp_path):
+    """Qwen3-VL's text decoder as convert_hf_to_gguf writes it (arch qwen3vl, interleaved M-RoPE
+    sections): with text positions it is plain RoPE, and Kestrel runs it as qwen3."""
+    import gguf
+    model = make_checkpoint(tmp_path / "hf", "qwen3_vl", vocab_size=GGUF_VOCAB)
+    path = to_gguf(tmp_path / "hf", tmp_path / "vl.gguf")
+    r = gguf.GGUFReader(str(path))
+    assert r.fields["general.architecture"].contents() == "qwen3vl"
+    assert r.fields["qwen3vl.rope.dimension_sections"].contents() == [8, 4, 4, 0]
+    eng = Engine.from_pretrained(path, threads=2)
+    assert eng.config.model_type == "qwen3"
+    assert eng.config.rope["rope_theta"] == 500000.0
+    ids = rand_ids(N, seed=4)
+    diff = float(np.abs(eng.logits(ids) - hf_logits(model, ids)).max())
+    assert diff < ATOL, diff
+
+
+# ---------------------------------------------------------------- bad metadata
+
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    out = d / "ok.gguf"
+    assert mrc.main([str(out), "--shape", "tiny-qwen3-moe", "--dtype", "f32",
+                     "--gguf", "q8_0"]) == 0
+    return out
+
+
+def _edited(src: Path, dst: Path, key: str, value=None, rename: str | None = None) -> Path:
+    """A copy of src with one integer metadata value changed, or its key renamed (same length)."""
+    import gguf
+    import shutil
+    shutil.copy(src, dst)
+    r = gguf.GGUFReader(str(dst), "r+")
+    f = r.fields[key]
+    if rename is not None:
+        assert len(rename) == len(key)
+        f.parts[1][:] = np.frombuffer(rename.encode(), np.uint8)
+    else:
+        f.parts[f.data[0]][0] = value
+    r.data.flush()
+    return dst
+
+
+@pytest.mark.parametrize("key, value, rename, needle", [
+    ("qwen3moe.expert_count", 3, None,
+     "blk.0.ffn_gate_inp.weight routes to 4 experts, qwen3moe.expert_count is 3"),
+    ("qwen3moe.expert_used_count", 5, None,
+     "qwen3moe.expert_used_count=5 must be in 1..qwen3moe.expert_count=4"),
+    ("qwen3moe.expert_used_count", 0, None, "qwen3moe.expert_used_count=0 must be in 1.."),
+    ("qwen3moe.expert_feed_forward_length", 48, None,
+     "blk.0.ffn_gate_exps.weight has expert MLP size 64, "
+     "qwen3moe.expert_feed_forward_length is 48"),
+    ("qwen3moe.expert_count", None, "qwen3moe.expert_cnnnt",
+     "qwen3moe.expert_count and qwen3moe.expert_used_count are required"),
+])
+def test_inconsistent_expert_metadata(small_moe, tmp_path, key, value, rename, needle):
+    path = _edited(small_moe, tmp_path / "bad.gguf", key, value, rename)
+    with pytest.raises(KestrelError) as e:
+        Engine.from_pretrained(path, threads=1)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("bad.gguf: inconsistent MoE metadata: ")
+    assert needle in msg, msg
+
+
+def test_shared_experts_refused(tmp_path):
+    """Keys this MoE does not compute are refused, not ignored (here: shared experts)."""
+    import gguf
+    path = tmp_path / "shared.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    for k, v in (("block_count", 1), ("embedding_length", 64), ("attention.head_count", 4),
+                 ("expert_count", 4), ("expert_used_count", 2), ("expert_shared_count", 1)):
+        w.add_uint32(f"qwen3moe.{k}", v)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(KestrelError, match="shared.gguf: inconsistent MoE metadata: "
+                       "qwen3moe.expert_shared_count=1: shared experts are not supported"):
+        Engine.from_pretrained(path, threads=1)
+
+
+def test_unknown_gguf_architecture_lists_the_supported(tmp_path):
+    import gguf
+    path = tmp_path / "g.gguf"
+    w = gguf.GGUFWriter(path, "qwen2moe")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(KestrelError) as e:
+        Engine.from_pretrained(path, threads=1)
+    assert str(e.value) == ("g.gguf: unsupported GGUF architecture 'qwen2moe' (supported: "
+                            "llama, qwen2, qwen3, qwen3moe, qwen3vl, qwen3vlmoe)")
+
+
+def test_cli_names_the_file(small_moe, tmp_path):
+    """Through the CLI: one line on stderr naming the file, no traceback, non-zero exit."""
+    import subprocess
+    import sys
+    path = _edited(small_moe, tmp_path / "bad.gguf", "qwen3moe.expert_count", 7)
+    p = subprocess.run([sys.executable, "-m", "kestrel_cli.cli", "run", "-m", str(path),
+                        "-p", "hi", "-n", "1"], capture_output=True, text=True)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert "bad.gguf: inconsistent MoE metadata" in p.stderr
+
+
+def test_qwen3vlmoe_gguf_runs_as_qwen3moe(small_moe, tmp_path, monkeypatch):
+    """Qwen3-VL-MoE's text decoder (arch qwen3vlmoe, llama.cpp's tensor names of qwen3moe):
+    the same logits as the qwen3moe file of the same weights."""
+    import gguf
+    monkeypatch.setitem(mrc.GGUF_ARCH, "qwen3_moe", "QWEN3VLMOE")
+    out = tmp_path / "vlmoe.gguf"
+    assert mrc.main([str(out), "--shape", "tiny-qwen3-moe", "--dtype", "f32",
+                     "--gguf", "q8_0"]) == 0
+    assert gguf.GGUFReader(str(out)).fields["general.architecture"].contents() == "qwen3vlmoe"
+    eng = Engine.from_pretrained(out, threads=1)
+    assert eng.config.model_type == "qwen3_moe" and eng.config.num_experts == 4
+    ids = rand_ids(12, seed=5)
+    np.testing.assert_array_equal(eng.logits(ids),
+                                  Engine.from_pretrained(small_moe, threads=1).logits(ids))
+
+
+def test_missing_metadata_key_is_named(tmp_path):
+    import gguf
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(path, "qwen3")
+    w.add_uint32("qwen3.attention.head_count", 4)
+    w.add_uint32("qwen3.embedding_length", 64)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    with pytest.raises(KestrelError, match=r"^m.gguf: lacks the GGUF metadata key "
+                                           r"qwen3.block_count$"):
+        Engine.from_pretrained(path, threads=1)
