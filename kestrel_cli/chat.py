@@ -7,6 +7,7 @@ message and the assistant header. The `[TURN]` line after each answer shows it (
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable, TextIO
 
 from .engine import Engine
@@ -16,6 +17,7 @@ from .timing import TimingPrinter, format_turn
 HELP = """commands:
   /reset         forget the conversation (keeps the system message)
   /system TEXT   set the system message and start over; /system alone shows it
+  /image PATH    attach an image to your next message (Qwen3-VL); repeat for several
   /stats         tokens in the context, cache reuse, speed so far
   /help          this list
   /exit          leave (or Ctrl-D); Ctrl-C stops an answer"""
@@ -32,6 +34,7 @@ class ChatSession:
         self.timing = timing or TimingPrinter(False)
         self.out = out or sys.stdout
         self.messages: list[dict] = []
+        self.pending_images: list[str] = []    # /image files for the next user message
         self.turn = 0
         self.last_stats = None
         self.totals = dict(prefill_tokens=0, cached_tokens=0, prefill_ms=0.0,
@@ -44,6 +47,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.messages = []
+        self.pending_images = []
         self.turn = 0
         self.engine.reset()
 
@@ -64,7 +68,12 @@ class ChatSession:
         """Answer one user message, streaming it to `out`; the reply, or None when it did
         not fit. Ctrl-C (KeyboardInterrupt) stops the answer and keeps what was said."""
         eng = self.engine
-        msgs = self.conversation() + [{"role": "user", "content": text}]
+        content = text
+        if self.pending_images:
+            content = [{"type": "image", "image": f} for f in self.pending_images] + \
+                [{"type": "text", "text": text}]
+            self.pending_images = []         # used by this turn, whatever comes of it
+        msgs = self.conversation() + [{"role": "user", "content": content}]
         ids = eng.encode_prompt(msgs)
         if len(ids) >= eng.ctx_size:
             self.say(f"[context full: this turn needs {len(ids)} tokens, the context holds "
@@ -86,13 +95,13 @@ class ChatSession:
             self.timing.flush()
             reply = "".join(pieces)
             if reply:                    # keep what was said, as a chat UI does
-                self.messages += [{"role": "user", "content": text},
+                self.messages += [{"role": "user", "content": content},
                                   {"role": "assistant", "content": reply}]
                 self.turn += 1
             return reply
         self.say("\n")
         reply = "".join(pieces)
-        self.messages += [{"role": "user", "content": text},
+        self.messages += [{"role": "user", "content": content},
                           {"role": "assistant", "content": reply}]
         self.turn += 1
         self.last_stats = stats
@@ -134,6 +143,16 @@ class ChatSession:
                 self.say("[system message set; conversation cleared]\n")
             else:
                 self.say(f"[system message: {self.system if self.system is not None else '(model default)'}]\n")
+        elif name == "/image":
+            if not arg:
+                self.say(f"[usage: /image PATH; {len(self.pending_images)} image(s) attached "
+                         f"to your next message]\n")
+            else:
+                from .images import load_image
+                path = str(Path(arg).expanduser())
+                load_image(path)                 # unreadable: one clear error, nothing kept
+                self.pending_images.append(path)
+                self.say(f"[image {arg} attached to your next message]\n")
         elif name == "/stats":
             self.say(self.stats_text() + "\n")
         elif name in ("/help", "/?"):

@@ -276,6 +276,9 @@ def run(
     raw: Annotated[bool, typer.Option(
         "--raw", help="Send the text as is, without the chat template.",
         rich_help_panel=_PROMPT)] = False,
+    image: Annotated[Optional[list[Path]], typer.Option(
+        "--image", help="An image file (JPEG, PNG, WebP) shown before the prompt; repeat "
+        "for several (Qwen3-VL).", rich_help_panel=_PROMPT)] = None,
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
@@ -285,13 +288,20 @@ def run(
     sampling.check()
     if raw and system is not None:
         raise KestrelError("-s/--system needs the chat template; drop --raw")
+    if raw and image:
+        raise KestrelError("--image needs the chat template; drop --raw")
+    for f in image or []:
+        if not Path(f).expanduser().is_file():
+            raise KestrelError(f"image {f}: no such file")
     text = read_prompt(prompt, file)
     eng = engine_from_options(engine)
     if raw:
         request = text
     else:
+        content = text if not image else \
+            [{"type": "image", "image": str(f)} for f in image] + [{"type": "text", "text": text}]
         request = ([{"role": "system", "content": system}] if system is not None else []) + \
-            [{"role": "user", "content": text}]
+            [{"role": "user", "content": content}]
     tp = TimingPrinter(output.timing)
     out = sys.stdout
     stats = None

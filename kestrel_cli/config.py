@@ -47,6 +47,10 @@ class Config:
     mlp_only_layers: list = field(default_factory=list)
     eos_token_id: int | list | None = None
     bos_token_id: int | None = None
+    # qwen3_vl: the wrapper's vision tower config and special token ids (models/qwen3_vl.py)
+    vision_config: dict | None = None
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
 
     @classmethod
     def from_hf(cls, raw: dict) -> "Config":
@@ -54,7 +58,8 @@ class Config:
         if "text_config" in raw and raw.get("model_type", "").endswith("_vl"):
             text = dict(raw["text_config"])
             text["model_type"] = raw["model_type"]
-            for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+            for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "vision_config",
+                      "image_token_id", "vision_start_token_id"):
                 if k in raw:                 # the wrapper's value is the one transformers uses
                     text[k] = raw[k]
             raw = text

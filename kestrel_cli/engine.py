@@ -96,6 +96,60 @@ class LoadOptions:
         return model_ctx
 
 
+class VisionPrompt(list):
+    """Prompt token ids (a list, so everything that takes ids takes it) with the images
+    behind its image tokens: their preprocessed pixels, the (3, T) M-RoPE positions, the
+    rope delta after the prompt, and the keys the KV cache prefix is matched on (an image
+    token's key names its image, so two images of one size never share cached K/V)."""
+
+    def __init__(self, ids, images, positions, rope_delta, keys, image_token_id):
+        super().__init__(ids)
+        self.images, self.positions, self.rope_delta = images, positions, rope_delta
+        self.keys, self.image_token_id = keys, image_token_id
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(im.n_tokens for im in self.images)
+
+    def spans(self):
+        """(start, end) token range of each image, in order."""
+        out, i, k = [], 0, 0
+        while k < len(self.images):
+            while self[i] != self.image_token_id:
+                i += 1
+            n = self.images[k].n_tokens
+            out.append((i, i + n))
+            i, k = i + n, k + 1
+        return out
+
+
+IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+def _image_source(part: dict):
+    """The image a content part names: HF {"type": "image", "image"/"url"/"path": X} or
+    OpenAI {"type": "image_url", "image_url": {"url": X}}."""
+    for key in ("image", "url", "path"):
+        if part.get(key) is not None:
+            return part[key]
+    u = part.get("image_url")
+    if isinstance(u, dict):
+        u = u.get("url")
+    if u is None:
+        raise KestrelError(f"image content part without an image: {sorted(part)}")
+    return u
+
+
+def _image_parts(messages) -> list:
+    """The image content parts of chat messages, in order."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            out += [p for p in content if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES]
+    return out
+
+
 class Engine:
     """Load once, then `logits`, `generate` or `stream`.
 
@@ -110,6 +164,12 @@ class Engine:
         self.store, self.ctx_size, self.spec = store, ctx_size, spec
         self.cache = self.make_cache()
         self.cached_ids: list[int] = []     # tokens whose K/V the cache holds
+        self.cached_keys: list = []         # their keys (VisionPrompt.keys; ids for text)
+        self.rope_delta = 0                 # M-RoPE: position minus token index after them
+        self.vision_ms = 0.0                # vision tower time of the last prefill
+        self.image_tokens = 0               # image tokens of the last prompt
+        self._vision_cache: dict = {}       # image digest -> (embeds, deepstack)
+        self._image_config = None
 
     @property
     def threads(self) -> int:
@@ -157,35 +217,99 @@ class Engine:
         """Forget the conversation: the cache is emptied."""
         self.cache.reset()
         self.cached_ids = []
+        self.cached_keys = []
+        self.rope_delta = 0
 
     def prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
         """Run a prompt, reusing the longest prefix the cache holds from the previous calls.
 
+        Args:
+            ids: token ids, or a VisionPrompt (encode_prompt's, for messages with images).
         Returns:
             (logits (1, V) of its last token, the number of prompt tokens reused).
         """
-        ids = [int(t) for t in ids]
         if not ids:
             raise KestrelError("empty prompt")
-        if len(ids) > self.ctx_size:
-            raise KestrelError(f"prompt has {len(ids)} tokens, more than the context size "
-                               f"{self.ctx_size} (raise -c/--ctx-size)")
+        self._check_fits(ids)
+        keys = ids.keys if isinstance(ids, VisionPrompt) else [int(t) for t in ids]
         n = 0
-        for a, b in zip(self.cached_ids, ids):
+        for a, b in zip(self.cached_keys, keys):
             if a != b:
                 break
             n += 1
         n = min(n, len(ids) - 1)                 # at least one token to compute logits from
         self.cache.trim(n)
-        self.cached_ids = self.cached_ids[:n]
-        logits = self.model(ids[n:], self.cache)
-        self.cached_ids = list(ids)
+        self.cached_ids, self.cached_keys = self.cached_ids[:n], self.cached_keys[:n]
+        logits = self._forward(ids, n, all_logits=False)
         return logits, n
+
+    def _check_fits(self, ids) -> None:
+        if len(ids) > self.ctx_size:
+            extra = ""
+            if isinstance(ids, VisionPrompt) and ids.images:
+                extra = f" ({ids.image_tokens} of them for {len(ids.images)} image(s))"
+            raise KestrelError(f"prompt has {len(ids)} tokens{extra}, more than the context "
+                               f"size {self.ctx_size} (raise -c/--ctx-size)")
+
+    def _forward(self, ids, n: int, all_logits: bool) -> np.ndarray:
+        """Run ids[n:] after the n cached tokens; records ids as cached."""
+        import time
+        self.vision_ms, self.image_tokens = 0.0, 0
+        if isinstance(ids, VisionPrompt):
+            t0 = time.perf_counter()
+            vision = self._vision_input(ids, n)
+            self.vision_ms = (time.perf_counter() - t0) * 1e3
+            self.image_tokens = ids.image_tokens
+            ints = [int(t) for t in ids]
+            logits = self.model(ints[n:], self.cache, all_logits=all_logits,
+                                positions=ids.positions[:, n:], vision=vision)
+            self.cached_ids, self.cached_keys = ints, list(ids.keys)
+            self.rope_delta = ids.rope_delta
+        else:
+            # no image in the prompt: positions are the token indices (a reused prefix
+            # holds no image either: image tokens' keys never equal token ids)
+            ints = [int(t) for t in ids]
+            logits = self.model(ints[n:], self.cache, all_logits=all_logits)
+            self.cached_ids, self.cached_keys = ints, list(ints)
+            self.rope_delta = 0
+        return logits
+
+    def _vision_input(self, ids: "VisionPrompt", n: int):
+        """The image rows of the tokens ids[n:], with their embeddings and deepstack
+        features (the vision tower runs on the images not yet encoded)."""
+        from .models.qwen3_vl import VisionInput
+        rows, embeds, deep = [], [], []
+        for im, (s, e) in zip(ids.images, ids.spans()):
+            if e <= n:
+                continue
+            emb, ds = self._encode_image(im)
+            a = max(s, n)
+            rows.append(np.arange(a, e, dtype=np.int64) - n)
+            embeds.append(emb[a - s:])
+            deep.append([d[a - s:] for d in ds])
+        if not rows:
+            return None
+        return VisionInput(np.concatenate(rows), np.concatenate(embeds),
+                           [np.concatenate(parts) for parts in zip(*deep)])
+
+    def _encode_image(self, im):
+        hit = self._vision_cache.get(im.digest)
+        if hit is None:
+            hit = self.model.vision.encode(im.patches, [im.grid])
+            if len(self._vision_cache) >= 8:
+                self._vision_cache.pop(next(iter(self._vision_cache)))
+            self._vision_cache[im.digest] = hit
+        return hit
 
     def decode_step(self, token: int) -> np.ndarray:
         """Run one token after the cached ones; its logits (1, V)."""
-        logits = self.model([token], self.cache)
+        if self.rope_delta:
+            pos = np.array([self.cache.offset + self.rope_delta], dtype=np.int64)
+            logits = self.model([token], self.cache, positions=pos)
+        else:
+            logits = self.model([token], self.cache)
         self.cached_ids.append(int(token))
+        self.cached_keys.append(int(token))
         return logits
 
     # ------------------------------------------------------------------ public API
@@ -201,19 +325,67 @@ class Engine:
         self.reset()
         out = self.model(ids, self.cache, all_logits=True)
         self.cached_ids = [int(t) for t in ids]
+        self.cached_keys = list(self.cached_ids)
         return out
 
+    def prompt_logits(self, messages, **template_kwargs) -> np.ndarray:
+        """float32 [T, vocab] for a whole chat prompt (fresh context): the chat template
+        applied, images (content parts {"type": "image", "image": path or PIL image})
+        preprocessed and encoded; T is the prompt's length with its image tokens."""
+        ids = self.encode_prompt(list(messages), **template_kwargs)
+        if not ids:
+            raise KestrelError("empty prompt")
+        self._check_fits(ids)
+        self.reset()
+        return self._forward(ids, 0, all_logits=True)
+
     def encode_prompt(self, prompt, **template_kwargs) -> list[int]:
-        """messages -> chat template; str -> raw text; list of ints -> as is."""
+        """messages -> chat template (with images: a VisionPrompt); str -> raw text; list
+        of ints (or a VisionPrompt) -> as is."""
+        if isinstance(prompt, VisionPrompt):
+            return prompt
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt) and prompt:
-            return self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
-                                                      tokenize=True, **template_kwargs)
+            parts = _image_parts(prompt)
+            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                     tokenize=True, **template_kwargs)
+            return self._with_images(ids, parts) if parts else ids
         ids = [int(t) for t in prompt]
         if any(t < 0 or t >= self.config.vocab_size for t in ids):
             raise KestrelError(f"token id out of range [0, {self.config.vocab_size})")
         return ids
+
+    def _with_images(self, ids: list[int], parts: list) -> VisionPrompt:
+        """The template's ids with each image token expanded to its image's tokens."""
+        from .images import ImageConfig, load_image, preprocess
+        from .models.qwen3_vl import rope_index
+        model = self.model
+        if not getattr(model, "has_vision", False):
+            raise KestrelError(f"{self.config.model_type} model {self.path.name} has no vision "
+                               f"tower: images need a Qwen3-VL checkpoint with its "
+                               f"model.visual.* weights")
+        tok_id = self.config.image_token_id
+        found = sum(1 for t in ids if t == tok_id)
+        if found != len(parts):
+            raise KestrelError(f"the chat template wrote {found} image token(s) for "
+                               f"{len(parts)} image(s)")
+        if self._image_config is None:
+            self._image_config = ImageConfig.from_dir(
+                self.path if self.path.is_dir() else None, self.config.vision_config)
+        images = [preprocess(load_image(_image_source(p)), self._image_config) for p in parts]
+        out, keys, k = [], [], 0
+        for t in ids:
+            if t == tok_id:
+                im = images[k]
+                out += [tok_id] * im.n_tokens
+                keys += [(im.digest, j) for j in range(im.n_tokens)]
+                k += 1
+            else:
+                out.append(t)
+                keys.append(t)
+        positions, delta = rope_index(out, tok_id, images, self._image_config.merge_size)
+        return VisionPrompt(out, images, positions, delta, keys, tok_id)
 
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,

@@ -33,6 +33,8 @@ class Stats:
     generated_tokens: int = 0    # all tokens sampled, incl. the first and any EOS
     attn_ms: float = 0.0         # attention time over the decode steps
     kv_bytes: int = 0
+    vision_ms: float = 0.0       # vision tower time within prefill_ms (prompts with images)
+    image_tokens: int = 0        # image tokens in the prompt
 
     @property
     def prefill_tps(self) -> float:
@@ -87,6 +89,8 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
     logits, cached = engine.prefill(prompt_ids)
     stats.cached_tokens, stats.prefill_tokens = cached, len(prompt_ids) - cached
     stats.prefill_ms = (time.perf_counter() - t0) * 1e3
+    stats.vision_ms = float(getattr(engine, "vision_ms", 0.0))
+    stats.image_tokens = int(getattr(engine, "image_tokens", 0))
     history = list(prompt_ids)
     detok = engine.tokenizer.detokenizer()
     pending, finish, stopped = "", "length", False

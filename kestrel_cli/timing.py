@@ -3,7 +3,7 @@ contract is docs/DESIGN.md §4 Timing lines.
 
     [DEC-SINGLE] tok=12 pos=2073 ms=56.2 attn=12.8 matmul=40.1 other=3.3
     [PERF] prefill_tokens=2061 prefill_ms=... prefill_tps=... decode_tokens=... decode_ms=...
-           decode_tps=... attn_ms_per_tok=... kv_bytes=...          (one line)
+           decode_tps=... attn_ms_per_tok=... kv_bytes=... [vision_ms=... image_tokens=...]
 
 Keys and their order are stable for scripts (scripts/*.sh parse them with awk). Times are
 milliseconds with one decimal, rates tokens/second with one decimal, counts integers.
@@ -20,6 +20,9 @@ from .generate import Stats, TokenTiming
 DEC_KEYS = ("tok", "pos", "ms", "attn", "matmul", "other")
 PERF_KEYS = ("prefill_tokens", "prefill_ms", "prefill_tps", "decode_tokens", "decode_ms",
              "decode_tps", "attn_ms_per_tok", "kv_bytes")
+# appended to [PERF] when the prompt had images (Qwen3-VL): vision tower time (part of
+# prefill_ms) and the prompt's image tokens
+PERF_VISION_KEYS = ("vision_ms", "image_tokens")
 TURN_KEYS = ("turn", "prompt_tokens", "cached", "prefill_tokens", "generated_tokens",
              "ctx_used", "ctx_size")
 
@@ -49,7 +52,9 @@ def format_perf(s: Stats) -> str:
         prefill_tokens=int(s.prefill_tokens), prefill_ms=float(s.prefill_ms),
         prefill_tps=float(s.prefill_tps), decode_tokens=int(s.decode_tokens),
         decode_ms=float(s.decode_ms), decode_tps=float(s.decode_tps),
-        attn_ms_per_tok=float(s.attn_ms_per_tok), kv_bytes=int(s.kv_bytes)))
+        attn_ms_per_tok=float(s.attn_ms_per_tok), kv_bytes=int(s.kv_bytes),
+        **(dict(vision_ms=float(s.vision_ms), image_tokens=int(s.image_tokens))
+           if s.image_tokens else {})))
 
 
 def format_turn(turn: int, s: Stats, ctx_used: int, ctx_size: int) -> str:

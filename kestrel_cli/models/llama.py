@@ -83,6 +83,12 @@ class Attention:
         """Hook before RoPE on q (T, nh, hd) and k (T, nkv, hd); llama: identity."""
         return q, k
 
+    def apply_rope(self, q: np.ndarray, k: np.ndarray, fwd: ForwardPass) -> None:
+        """RoPE in place on q (T, nh, hd) and k (T, nkv, hd) at fwd.positions (T,)."""
+        inv_freq, attn_scale = fwd.rope
+        K.rope_unchecked(q, fwd.positions, inv_freq, attn_scale, fwd.threads)
+        K.rope_unchecked(k, fwd.positions, inv_freq, attn_scale, fwd.threads)
+
     def __call__(self, x, cache: KVCache, layer: int, fwd: ForwardPass,
                  residual=None) -> np.ndarray:
         """Attention of RMSNorm(x), x (T, H); with `residual` (T, H), the output is added
@@ -92,9 +98,7 @@ class Attention:
         q = q.reshape(T, self.n_heads, self.head_dim)
         k = k.reshape(T, self.n_kv_heads, self.head_dim)
         q, k = self.pre_rope(q, k, fwd.threads)
-        inv_freq, attn_scale = fwd.rope
-        K.rope_unchecked(q, fwd.positions, inv_freq, attn_scale, fwd.threads)
-        K.rope_unchecked(k, fwd.positions, inv_freq, attn_scale, fwd.threads)
+        self.apply_rope(q, k, fwd)
         cache.write(layer, k.reshape(T, -1), v)
         out = np.empty((T, self.n_heads * self.head_dim), dtype=np.float32)
         t0 = time.perf_counter()
@@ -179,15 +183,17 @@ class Model:
                        spec, self.threads)
 
     def __call__(self, ids, cache: KVCache, all_logits: bool = False,
-                 act: str | None = None) -> np.ndarray:
+                 act: str | None = None, positions: np.ndarray | None = None) -> np.ndarray:
         """Run tokens `ids` after the cached ones; logits (T, V) or of the last token (1, V).
-        act: this call's activation mode (None: the model's)."""
+        act: this call's activation mode (None: the model's). positions: int64 (T,) RoPE
+        positions (None: the cache offsets; qwen3_vl shifts them after an image)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         T, pos0 = ids.shape[0], cache.offset
         cache.reserve(T)
         act = act or self.act
-        fwd = ForwardPass(self.threads, np.arange(pos0, pos0 + T, dtype=np.int64), self.rope,
-                          self.prof, act == "q8")
+        if positions is None:
+            positions = np.arange(pos0, pos0 + T, dtype=np.int64)
+        fwd = ForwardPass(self.threads, positions, self.rope, self.prof, act == "q8")
         h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)    # residual stream (T, H)
         K.get_rows(self.embed_tokens, ids, h)
         for i, layer in enumerate(self.layers):

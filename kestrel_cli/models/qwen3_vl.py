@@ -1,11 +1,155 @@
-"""Qwen3-VL, text decoder: Qwen3 under `model.language_model.*` with a top-level lm_head.
+"""Qwen3-VL: the Qwen3 decoder under `model.language_model.*` (top-level lm_head), the
+vision tower (`model.visual.*`, models/qwen3_vl_vision.py, loaded on the first image) and
+interleaved M-RoPE.
 
-Text-only prompts give the three interleaved M-RoPE position streams (t, h, w) the same
-value per token, so M-RoPE reduces to plain 1-D RoPE with the same inv_freq; the vision
-tower (`model.visual.*`) is left unread until image input lands.
+M-RoPE: each token has three positions (t, h, w). Rotary frequency i of a head follows
+h when i % 3 == 1 and i < 3 * mrope_section[1], w when i % 3 == 2 and i < 3 *
+mrope_section[2], t otherwise (transformers' interleaved layout). Text tokens have
+t = h = w, so a text-only prompt is plain 1-D RoPE with the same inv_freq (the fast path,
+one rope call); only a forward pass with image tokens runs the three streams, as three rope
+calls whose inv_freq keep only the frequencies of one stream (a zero frequency rotates by
+exactly nothing, so every value is rotated once, by its own angle).
+
+Positions (transformers' get_rope_index): text continues from the previous position; an
+image of (gh, gw) patches, merged m x m, takes t = p, h = p + row, w = p + col over its
+gh/m x gw/m tokens, and the text after it resumes at p + max(gh, gw) / m. After the
+prompt the position runs `rope_delta` = (last position + 1 - tokens) ahead of the token
+count, which the engine keeps for the decode steps and later turns.
+
+DeepStack: the vision tower's deepstack features j = 0, 1, ... are added to the hidden
+states at the image tokens after decoder layer j.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import kernels as K
+from ..errors import KestrelError
 from . import qwen3
+from .llama import ForwardPass, rms_norm
+
+
+def mrope_axes(cfg) -> np.ndarray:
+    """int (head_dim / 2,): the position stream (0 t, 1 h, 2 w) of each rotary frequency."""
+    half = cfg.head_dim // 2
+    sec = cfg.rope.get("mrope_section") or [half, 0, 0]
+    axes = np.zeros(half, dtype=np.int64)
+    i = np.arange(half)
+    axes[(i % 3 == 1) & (i < 3 * sec[1])] = 1
+    axes[(i % 3 == 2) & (i < 3 * sec[2])] = 2
+    return axes
+
+
+def rope_index(ids, image_token_id: int, images, merge: int) -> tuple[np.ndarray, int]:
+    """(positions int64 (3, T), rope_delta) for a prompt whose image tokens are the runs
+    of `image_token_id`, `images[k].n_tokens` of them per image in order."""
+    ids = np.asarray(ids, dtype=np.int64)
+    T = ids.shape[0]
+    pos = np.empty((3, T), dtype=np.int64)
+    cur, i, k = 0, 0, 0
+    while i < T:
+        if ids[i] == image_token_id:
+            if k >= len(images):
+                raise KestrelError("more image tokens in the prompt than images")
+            t, gh, gw = images[k].grid
+            lh, lw = gh // merge, gw // merge
+            n = t * lh * lw
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
+            pos[0, i:i + n] = tt.reshape(-1) + cur
+            pos[1, i:i + n] = hh.reshape(-1) + cur
+            pos[2, i:i + n] = ww.reshape(-1) + cur
+            cur += max(lh, lw)
+            i += n
+            k += 1
+        else:
+            j = i
+            while j < T and ids[j] != image_token_id:
+                j += 1
+            pos[:, i:j] = np.arange(cur, cur + j - i)
+            cur += j - i
+            i = j
+    return pos, int(pos.max()) + 1 - T if T else 0
+
+
+@dataclass
+class VisionInput:
+    """What a forward pass adds for its image tokens."""
+    rows: np.ndarray            # int64 (n,): the image tokens' rows in this call
+    embeds: np.ndarray          # float32 (n, H): replace their token embeddings
+    deepstack: list             # [float32 (n, H)]: added after decoder layer j
+
+
+class Attention(qwen3.Attention):
+    def __init__(self, cfg, store, p, norm):
+        super().__init__(cfg, store, p, norm)
+        inv_freq, scale = cfg.rope_inv_freq()
+        if scale != 1.0:
+            raise KestrelError("qwen3_vl: M-RoPE with an attention scaling is not supported")
+        axes = mrope_axes(cfg)
+        self.inv_axes = [np.where(axes == a, inv_freq, np.float32(0)).astype(np.float32)
+                         for a in range(3)]
+
+    def apply_rope(self, q, k, fwd):
+        # differs from qwen3: (3, T) positions take one rope call per stream
+        pos = fwd.positions
+        if pos.ndim == 1:
+            return super().apply_rope(q, k, fwd)
+        for a in range(3):
+            K.rope_unchecked(q, pos[a], self.inv_axes[a], 1.0, fwd.threads)
+            K.rope_unchecked(k, pos[a], self.inv_axes[a], 1.0, fwd.threads)
 
 
 class Model(qwen3.Model):
     prefix = "model.language_model"     # differs from qwen3: decoder nested under the VL wrapper
+    attention_cls = Attention
+
+    def __init__(self, cfg, store, threads=1, act="f32"):
+        super().__init__(cfg, store, threads, act)
+        self.store = store
+        self._vision = None
+
+    @property
+    def has_vision(self) -> bool:
+        from .qwen3_vl_vision import VisionTower
+        return self.cfg.vision_config is not None and VisionTower.check_tensors(self.store)
+
+    @property
+    def vision(self):
+        """The vision tower, loaded on first use."""
+        if self._vision is None:
+            from .qwen3_vl_vision import VisionConfig, VisionTower
+            if not self.has_vision:
+                raise KestrelError("this checkpoint has no vision tower (model.visual.*): "
+                                   "images need a full Qwen3-VL checkpoint")
+            self._vision = VisionTower(VisionConfig.from_hf(self.cfg.vision_config), self.store,
+                                       self.threads)
+        return self._vision
+
+    def __call__(self, ids, cache, all_logits=False, act=None, positions=None,
+                 vision: VisionInput | None = None):
+        """As llama.Model, plus positions (3, T) for M-RoPE and the image tokens' inputs."""
+        if vision is None and (positions is None or positions.ndim == 1):
+            return super().__call__(ids, cache, all_logits, act, positions)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        T, pos0 = ids.shape[0], cache.offset
+        cache.reserve(T)
+        act = act or self.act
+        if positions is None:
+            positions = np.arange(pos0, pos0 + T, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)   # rows contiguous
+        fwd = ForwardPass(self.threads, positions, self.rope, self.prof, act == "q8")
+        h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)
+        K.get_rows(self.embed_tokens, ids, h)
+        if vision is not None and len(vision.rows):
+            h[vision.rows] = vision.embeds
+        for i, layer in enumerate(self.layers):
+            layer(h, cache, i, fwd)
+            if vision is not None and i < len(vision.deepstack) and len(vision.rows):
+                h[vision.rows] += vision.deepstack[i]
+        cache.commit(T)
+        if not all_logits:
+            h = h[-1:]
+        h = rms_norm(np.ascontiguousarray(h), self.norm, self.cfg.rms_norm_eps, self.threads)
+        return fwd.project(self.head, h)[0]

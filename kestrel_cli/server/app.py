@@ -21,7 +21,7 @@ from ..engine import Engine
 from ..errors import KestrelError
 from ..generate import Stats
 from .models import (COMPLETIONS_MAX_TOKENS, APIError, Options, check_unsupported,
-                     parse_messages, parse_prompt)
+                     parse_messages, parse_prompt, content_chars)
 from .scheduler import Job, Scheduler
 
 log = logging.getLogger("kestrel.server")
@@ -273,7 +273,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         messages = parse_messages(body)
         opts = Options.parse(body)
         kwargs = opts.template_kwargs()
-        bound_prompt(sum(len(m["content"]) for m in messages), "messages")
+        bound_prompt(sum(content_chars(m["content"]) for m in messages), "messages")
         return await answer(request, opts, messages, "messages", "chat", max_chars=max_chars,
                             **kwargs)
 

@@ -147,26 +147,49 @@ def check_unsupported(body: dict) -> None:
             raise unsupported(name, why)
 
 
-def text_content(content, param: str) -> str:
-    """A message's content: a string, or an array of text parts (joined with newlines)."""
+def text_content(content, param: str):
+    """A message's content: a string, or an array of content parts. Text parts only: their
+    texts joined with newlines; with image parts (OpenAI `image_url`, a base64 data: URL;
+    remote URLs are refused, nothing is fetched): Hugging Face content parts, images as
+    {"type": "image", "image": data URL}, for the engine to decode."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(f"'{param}' must be a string or an array of content parts", param=param)
-    texts = []
+    parts, has_image = [], False
     for j, part in enumerate(content):
         p = f"{param}[{j}]"
         if not isinstance(part, dict):
             raise APIError(f"'{p}' must be an object", param=p)
         kind = part.get("type")
+        if kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise APIError(f"'{p}.image_url.url' must be a string", param=f"{p}.image_url.url")
+            if not url.startswith("data:"):
+                raise APIError(f"'{p}.image_url.url': remote image URLs are not fetched; send "
+                               f"the image inline as a base64 data: URL", param=f"{p}.image_url.url")
+            parts.append({"type": "image", "image": url})
+            has_image = True
+            continue
         if kind != "text":
             if isinstance(kind, str):
-                raise unsupported(f"{p}.type", f": only text parts (got {kind!r})")
+                raise unsupported(f"{p}.type", f": only text and image_url parts (got {kind!r})")
             raise APIError(f"'{p}.type' must be a string", param=f"{p}.type")
         if not isinstance(part.get("text"), str):
             raise APIError(f"'{p}.text' must be a string", param=f"{p}.text")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    if has_image:
+        return parts
+    return "\n".join(q["text"] for q in parts)
+
+
+def content_chars(content) -> int:
+    """Characters of text in a parsed message content (images not counted)."""
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(q["text"]) for q in content if q["type"] == "text")
 
 
 def parse_messages(body: dict) -> list[dict]:

@@ -1,0 +1,356 @@
+"""Qwen3-VL vision tower (`model.visual.*`): pixels -> image embeddings for the decoder.
+
+transformers' Qwen3VLVisionModel is the numerical reference (fp32):
+  patch embedding   Conv3d(3, H, (2, 16, 16), stride = kernel) over flattened patches, so
+                    one matmul (N, 3*2*16*16) @ W.T + b; a still image is its frame twice
+                    (the preprocessing repeats it, images.py)
+  position          the learned (S, S) table, bilinear-resampled (align_corners) to the
+                    image's (gh, gw) patch grid, added to the patch embeddings
+  blocks            h += proj(attn(LN1(h))); h += fc2(gelu_tanh(fc1(LN2(h)))); attention is
+                    full (not causal) within one image, with 2-D RoPE: the first half of
+                    each head's rotary angles follow the patch row, the second its column
+  merger            LN(H) per patch, then 2x2 neighbouring patches (consecutive in the
+                    merge-block order images.py emits) concatenated: fc2(gelu(fc1(.)))
+                    into the decoder's width
+  deepstack         after the blocks in deepstack_visual_indexes, a merger with LN over the
+                    concatenated 4H (postshuffle norm); its output j is added to the
+                    decoder's hidden states at the image positions after decoder layer j
+                    (qwen3_vl.Model)
+
+Kernels: the matmuls are `kernels.matmul` (any weight format), the rotary embedding is
+`kernels.rope` (two calls, rows then columns, each with the other half's frequencies zeroed:
+a zero angle rotates by exactly nothing), attention is `kernels.attention` (see
+`full_attention`). LayerNorm, the GELUs and the bias adds are NumPy (no kernel has them).
+The weights are used as stored (--quant does not touch the vision tower).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from .. import kernels as K
+from ..errors import KestrelError
+from ..weights import Weight
+
+PREFIX = "model.visual"
+
+
+@dataclass
+class VisionConfig:
+    """config.json's vision_config (Hugging Face keys)."""
+    depth: int = 27
+    hidden_size: int = 1152
+    hidden_act: str = "gelu_pytorch_tanh"
+    intermediate_size: int = 4304
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 16
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    out_hidden_size: int = 3584
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: list = field(default_factory=lambda: [8, 16, 24])
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> "VisionConfig":
+        known = {f.name for f in fields(cls)}
+        cfg = cls(**{k: v for k, v in raw.items() if k in known})
+        rp = raw.get("rope_parameters") or {}
+        if "rope_theta" in rp:
+            cfg.rope_theta = float(rp["rope_theta"])
+        if cfg.hidden_act not in ("gelu_pytorch_tanh",):
+            raise KestrelError(f"vision_config hidden_act={cfg.hidden_act!r} is not supported "
+                               f"(only gelu_pytorch_tanh)")
+        if cfg.hidden_size % cfg.num_heads or (cfg.hidden_size // cfg.num_heads) % 4:
+            raise KestrelError(f"vision_config: head size {cfg.hidden_size}/{cfg.num_heads} "
+                               f"must be a multiple of 4")
+        return cfg
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
+# ------------------------------------------------------------------------ NumPy pieces
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """LayerNorm over the last axis, float32 (a new array)."""
+    mu = x.mean(axis=-1, keepdims=True, dtype=np.float32)
+    xc = x - mu
+    var = np.mean(xc * xc, axis=-1, keepdims=True, dtype=np.float32)
+    xc *= (np.float32(1.0) / np.sqrt(var + np.float32(eps)))
+    xc *= w
+    xc += b
+    return xc
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation (gelu_pytorch_tanh), in place."""
+    inner = x * x
+    inner *= np.float32(0.044715)
+    inner += np.float32(1.0)
+    inner *= x
+    inner *= np.float32(math.sqrt(2.0 / math.pi))
+    np.tanh(inner, out=inner)
+    inner += np.float32(1.0)
+    x *= np.float32(0.5)
+    x *= inner
+    return x
+
+
+def _erfc64(z: np.ndarray) -> np.ndarray:
+    """erfc in float64, relative error < 1.2e-7 everywhere (Chebyshev fit, Numerical
+    Recipes' erfcc): well under float32's resolution of the GELU that uses it."""
+    a = np.abs(z)
+    t = 1.0 / (1.0 + 0.5 * a)
+    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    r = t * np.exp(-a * a + poly)
+    return np.where(z >= 0, r, 2.0 - r)
+
+
+def gelu_erf(x: np.ndarray) -> np.ndarray:
+    """Exact GELU x * Phi(x) (torch.nn.GELU()), in place: 0.5 * x * erfc(-x / sqrt 2)."""
+    y = 0.5 * x.astype(np.float64) * _erfc64(-x.astype(np.float64) * (1.0 / math.sqrt(2.0)))
+    x[...] = y
+    return x
+
+
+class Linear:
+    """y = x @ W.T + b with the matmul kernel (b: NumPy add)."""
+
+    def __init__(self, w: Weight, b: np.ndarray | None):
+        self.w, self.b = w, b
+
+    def __call__(self, x: np.ndarray, threads: int) -> np.ndarray:
+        out = np.empty((x.shape[0], self.w.shape[0]), dtype=np.float32)
+        K.matmul(np.ascontiguousarray(x), self.w, out, threads)
+        if self.b is not None:
+            out += self.b
+        return out
+
+
+def _matrix(store, name: str, shape) -> Weight:
+    """A weight as stored (never quantised: the vision tower stays in its float format);
+    n-D (conv) weights as their (d, prod(rest)) rows."""
+    fmt, raw, actual = store._get(name, shape)
+    d = actual[0]
+    n = int(np.prod(actual[1:]))
+    return Weight(fmt, raw.reshape(d, n), (d, n))
+
+
+def _linear(store, p: str, d: int, n: int) -> Linear:
+    return Linear(_matrix(store, f"{p}.weight", (d, n)), store.vector(f"{p}.bias", (d,)))
+
+
+# ------------------------------------------------------------------------ attention
+
+ATTN_BS = 32           # keys per block handed to the attention kernel
+ATTN_GROUP = 64        # query rows per kernel call (the kernel's most heads per kv head)
+
+
+def full_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, head_dim: int,
+                   threads: int) -> np.ndarray:
+    """Non-causal attention of every row of q over all rows of k / v (one image):
+    out[i, h] = softmax(q[i, h] . k[:, h] / sqrt(hd)) @ v[:, h]. q, k, v float32 (N, nh*hd).
+
+    Runs `kernels.attention`'s decode path (a query at position N - 1 sees all N keys):
+    up to ATTN_GROUP query rows per call, laid out as that many query heads per kv head
+    (head j*g + i is row i of head j, which reads kv head j), so each call is exact full
+    attention for its rows over the token-major (N, nh*hd) K and V, read in place as
+    blocks of ATTN_BS rows.
+    """
+    N = q.shape[0]
+    nb = -(-N // ATTN_BS)
+    width = n_heads * head_dim
+    if nb * ATTN_BS != N:               # whole blocks: the kernel may read a block's tail
+        kp = np.zeros((nb * ATTN_BS, width), np.float32)
+        vp = np.zeros((nb * ATTN_BS, width), np.float32)
+        kp[:N], vp[:N] = k, v
+        k, v = kp, vp
+    step = np.uint64(ATTN_BS * width * 4)
+    idx = np.arange(nb, dtype=np.uint64)
+    k_ptrs = np.uint64(k.ctypes.data) + idx * step
+    v_ptrs = np.uint64(v.ctypes.data) + idx * step
+    G = min(ATTN_GROUP, N)
+    tab = np.empty(K.decode_tab_size(N, n_heads * G, head_dim, ATTN_BS), np.float32)
+    scale = float(head_dim) ** -0.5
+    qh = q.reshape(N, n_heads, head_dim)
+    out = np.empty((N, n_heads, head_dim), np.float32)
+    for s in range(0, N, G):
+        g = min(G, N - s)
+        qc = np.ascontiguousarray(qh[s:s + g].transpose(1, 0, 2)).reshape(1, n_heads * g * head_dim)
+        oc = np.empty_like(qc)
+        K.attention(qc, k_ptrs, v_ptrs, ATTN_BS, n_heads, head_dim, N - 1, scale, oc, threads,
+                    dec_tab=tab)
+        out[s:s + g] = oc.reshape(n_heads, g, head_dim).transpose(1, 0, 2)
+    return out.reshape(N, width)
+
+
+# ------------------------------------------------------------------------ grid helpers
+
+def merge_order_coords(gh: int, gw: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, col) of each patch in the order the processor emits them: m x m merge blocks
+    in raster order, the patches of a block in raster order."""
+    r = np.arange(gh).reshape(gh // m, m, 1, 1)
+    c = np.arange(gw).reshape(1, 1, gw // m, m)
+    rows = np.broadcast_to(r, (gh // m, m, gw // m, m)).transpose(0, 2, 1, 3).reshape(-1)
+    cols = np.broadcast_to(c, (gh // m, m, gw // m, m)).transpose(0, 2, 1, 3).reshape(-1)
+    return rows.astype(np.int64), cols.astype(np.int64)
+
+
+def _axis_taps(index: np.ndarray, size: int, side: int):
+    """Bilinear, align_corners=True taps (floor, floor+1, clamped) and weights along one
+    axis, float32 as transformers computes them."""
+    src = index.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+    fl = np.floor(src)
+    taps = np.stack([fl, fl + 1], axis=1).astype(np.int64)
+    dist = np.abs(src[:, None] - taps.astype(np.float32))
+    w = np.clip(np.float32(1) - dist, 0, None).astype(np.float32)
+    return np.clip(taps, 0, side - 1), w
+
+
+def pos_embed_taps(gh: int, gw: int, side: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices (N, 4) into the flattened (side, side) table, weights (N, 4) float32) of
+    the bilinear resampling to a (gh, gw) grid, patches in merge-block order."""
+    rows, cols = merge_order_coords(gh, gw, m)
+    ht, hw = _axis_taps(rows, gh, side)
+    wt, ww = _axis_taps(cols, gw, side)
+    idx = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
+    wts = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
+    return idx, wts
+
+
+# ------------------------------------------------------------------------ the tower
+
+class Block:
+    def __init__(self, cfg: VisionConfig, store, p: str):
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.norm1 = (store.vector(f"{p}.norm1.weight", (H,)), store.vector(f"{p}.norm1.bias", (H,)))
+        self.norm2 = (store.vector(f"{p}.norm2.weight", (H,)), store.vector(f"{p}.norm2.bias", (H,)))
+        qkv = _matrix(store, f"{p}.attn.qkv.weight", (3 * H, H))
+        qkv_b = store.vector(f"{p}.attn.qkv.bias", (3 * H,))
+        # q, k and v as three row ranges of the fused weight: three contiguous outputs
+        self.qkv = [Linear(Weight(qkv.fmt, qkv.data[i * H:(i + 1) * H], (H, H)),
+                           qkv_b[i * H:(i + 1) * H].copy()) for i in range(3)]
+        self.proj = _linear(store, f"{p}.attn.proj", H, H)
+        self.fc1 = _linear(store, f"{p}.mlp.linear_fc1", I, H)
+        self.fc2 = _linear(store, f"{p}.mlp.linear_fc2", H, I)
+        self.n_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+
+    def __call__(self, h: np.ndarray, rope, segments, threads: int) -> None:
+        """h (N, H) updated in place; rope: [(positions, inv_freq)] per call of the rope
+        kernel; segments: (start, end) row ranges attending among themselves (images)."""
+        N = h.shape[0]
+        x = layer_norm(h, *self.norm1)
+        q, k, v = (lin(x, threads) for lin in self.qkv)
+        q3 = q.reshape(N, self.n_heads, self.head_dim)
+        k3 = k.reshape(N, self.n_heads, self.head_dim)
+        for pos, inv in rope:
+            K.rope(q3, pos, inv, 1.0, threads)
+            K.rope(k3, pos, inv, 1.0, threads)
+        att = np.empty_like(q)
+        for a, b in segments:
+            att[a:b] = full_attention(q[a:b], k[a:b], v[a:b], self.n_heads, self.head_dim,
+                                      threads)
+        h += self.proj(att, threads)
+        x = layer_norm(h, *self.norm2)
+        h += self.fc2(gelu_tanh(self.fc1(x, threads)), threads)
+
+
+class Merger:
+    """LN, 2x2 patches concatenated, fc1, GELU (exact), fc2 into the decoder width."""
+
+    def __init__(self, cfg: VisionConfig, store, p: str, postshuffle: bool):
+        H = cfg.hidden_size
+        M = H * cfg.spatial_merge_size ** 2
+        n = M if postshuffle else H
+        self.postshuffle, self.M = postshuffle, M
+        self.norm = (store.vector(f"{p}.norm.weight", (n,)), store.vector(f"{p}.norm.bias", (n,)))
+        self.fc1 = _linear(store, f"{p}.linear_fc1", M, M)
+        self.fc2 = _linear(store, f"{p}.linear_fc2", cfg.out_hidden_size, M)
+
+    def __call__(self, h: np.ndarray, threads: int) -> np.ndarray:
+        if self.postshuffle:
+            x = layer_norm(h.reshape(-1, self.M), *self.norm)
+        else:
+            x = layer_norm(h, *self.norm).reshape(-1, self.M)
+        return self.fc2(gelu_erf(self.fc1(x, threads)), threads)
+
+
+class VisionTower:
+    """The vision encoder of a Qwen3-VL checkpoint; `encode` runs it on preprocessed
+    images."""
+
+    def __init__(self, cfg: VisionConfig, store, threads: int):
+        self.cfg, self.threads = cfg, int(threads or 0)
+        H = cfg.hidden_size
+        p = PREFIX
+        pe = _matrix(store, f"{p}.patch_embed.proj.weight",
+                     (H, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size))
+        self.patch_embed = Linear(pe, store.vector(f"{p}.patch_embed.proj.bias", (H,)))
+        P = cfg.num_position_embeddings
+        self.side = int(P ** 0.5)
+        self.pos_embed = _matrix(store, f"{p}.pos_embed.weight", (P, H))
+        self.blocks = [Block(cfg, store, f"{p}.blocks.{i}") for i in range(cfg.depth)]
+        self.merger = Merger(cfg, store, f"{p}.merger", False)
+        self.deepstack = [Merger(cfg, store, f"{p}.deepstack_merger_list.{j}", True)
+                          for j in range(len(cfg.deepstack_visual_indexes))]
+        hd = cfg.head_dim
+        # axial RoPE: inv_freq over head_dim / 2, used for rows then for columns
+        base = np.float32(cfg.rope_theta)
+        exps = np.arange(0, hd // 2, 2, dtype=np.int64).astype(np.float32) / np.float32(hd // 2)
+        inv = (np.float32(1.0) / (base ** exps)).astype(np.float32)          # (hd / 4,)
+        zero = np.zeros_like(inv)
+        self.inv_rows = np.concatenate([inv, zero])                           # (hd / 2,)
+        self.inv_cols = np.concatenate([zero, inv])
+
+    @staticmethod
+    def check_tensors(store) -> bool:
+        """Whether the checkpoint has a vision tower."""
+        return f"{PREFIX}.patch_embed.proj.weight" in store
+
+    def encode(self, patches: np.ndarray, grids) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Image embeddings of one or more images.
+
+        Args:
+            patches: float32 (sum of gh*gw, patch_dim), the images' patches one after the
+                other (images.py's order).
+            grids: [(t, gh, gw)] per image (t == 1: still images).
+        Returns:
+            (embeds (sum of gh*gw/4, out_hidden), [deepstack features, same shape]).
+        """
+        cfg, threads = self.cfg, self.threads
+        m = cfg.spatial_merge_size
+        h = self.patch_embed(np.ascontiguousarray(patches, dtype=np.float32), threads)
+        rows, cols, segs, start = [], [], [], 0
+        pos = []
+        for t, gh, gw in grids:
+            idx, wts = pos_embed_taps(gh, gw, self.side, m)
+            tab = self.pos_embed.rows(idx.reshape(-1)).reshape(-1, 4, cfg.hidden_size)
+            pe = (tab * wts[:, :, None]).sum(axis=1, dtype=np.float32)
+            r, c = merge_order_coords(gh, gw, m)
+            for _ in range(t):
+                pos.append(pe)
+                rows.append(r)
+                cols.append(c)
+                segs.append((start, start + gh * gw))
+                start += gh * gw
+        h += np.concatenate(pos)
+        rope = [(np.ascontiguousarray(np.concatenate(rows)), self.inv_rows),
+                (np.ascontiguousarray(np.concatenate(cols)), self.inv_cols)]
+        feats = []
+        for i, blk in enumerate(self.blocks):
+            blk(h, rope, segs, threads)
+            if i in cfg.deepstack_visual_indexes:
+                j = cfg.deepstack_visual_indexes.index(i)
+                feats.append(self.deepstack[j](h, threads))
+        return self.merger(h, threads), feats

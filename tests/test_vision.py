@@ -1,0 +1,305 @@
+"""Qwen3-VL with images against transformers (fp32, CPU) on a tiny random checkpoint with a
+vision tower (deepstack on): preprocessing, the vision tower, M-RoPE positions, logits of
+whole prompts with one and two images, greedy tokens, and the KV cache across turns."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import CORPUS
+from kestrel_cli import Engine
+from kestrel_cli.errors import KestrelError
+
+VOCAB = 320
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+            "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' or 'image' in c or 'image_url' in c %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 12      # 4..12 image tokens an image
+ATOL = 1e-4
+
+
+def write_vl_tokenizer(d: Path) -> dict:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 10, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": VL_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return {s: tok.token_to_id(s) for s in SPECIALS}
+
+
+def make_vl_checkpoint(d: Path, seed: int = 0):
+    import transformers as tf
+    d.mkdir(parents=True, exist_ok=True)
+    ids = write_vl_tokenizer(d)
+    torch.manual_seed(seed)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-6, head_dim=32,
+                rope_scaling={"rope_type": "default", "mrope_section": [8, 4, 4],
+                              "mrope_interleaved": True})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=64, deepstack_visual_indexes=[0, 2],
+                  num_position_embeddings=36, patch_size=16, temporal_patch_size=2,
+                  spatial_merge_size=2)
+    cfg = tf.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                           image_token_id=ids["<|image_pad|>"],
+                           video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"],
+                           vision_end_token_id=ids["<|vision_end|>"])
+    model = tf.Qwen3VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm1.weight") \
+                    or name.endswith("norm2.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "pos_embed" in name:
+                p.copy_(0.5 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    model.save_pretrained(d)
+    (d / "preprocessor_config.json").write_text(json.dumps({
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor"}))
+    return model
+
+
+def hf_processor(d: Path):
+    import transformers as tf
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    ip = Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+                                  patch_size=16, temporal_patch_size=2, merge_size=2,
+                                  image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    tok = tf.AutoTokenizer.from_pretrained(d)
+
+    class Processor(tf.Qwen3VLProcessor):           # images only: no video processor here
+        def check_argument_for_proper_class(self, name, arg):
+            if name != "video_processor":
+                return super().check_argument_for_proper_class(name, arg)
+
+    return Processor(image_processor=ip, tokenizer=tok, video_processor=None,
+                     chat_template=VL_TEMPLATE)
+
+
+def hf_inputs(proc, messages):
+    return proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                    return_dict=True, return_tensors="pt")
+
+
+def hf_prompt_logits(model, inputs) -> np.ndarray:
+    with torch.no_grad():
+        return model(**inputs).logits[0].float().numpy()
+
+
+def picture(w: int, h: int, seed: int, mode: str = "RGB") -> Image.Image:
+    """A smooth random picture (bicubic resampling has something to do)."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w]
+    chans = [np.sin(xx / rng.uniform(3, 9) + rng.uniform(0, 6)) *
+             np.cos(yy / rng.uniform(3, 9)) * 110 + 128 + rng.normal(0, 12, (h, w))
+             for _ in range(len(mode))]
+    a = np.clip(np.stack(chans, -1), 0, 255).astype(np.uint8)
+    return Image.fromarray(a[..., 0] if mode == "L" else a, mode)
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3vl")
+    model = make_vl_checkpoint(d)
+    eng = Engine.from_pretrained(d, threads=2)
+    imgs = {"a": d / "a.png", "b": d / "b.jpg"}
+    picture(100, 70, 1).save(imgs["a"])                  # -> 96x64: 6x4 patches, 6 tokens
+    picture(60, 130, 2).save(imgs["b"], quality=95)       # -> 64x128 (min 4 tokens): 8 tokens
+    return d, model, eng, hf_processor(d), imgs
+
+
+def one_image(path, text="What is in this picture?"):
+    return [{"role": "user", "content": [{"type": "image", "image": str(path)},
+                                         {"type": "text", "text": text}]}]
+
+
+def two_images(a, b):
+    return [{"role": "system", "content": "You look closely."},
+            {"role": "user", "content": [{"type": "text", "text": "Compare "},
+                                         {"type": "image", "image": str(a)},
+                                         {"type": "text", "text": " with "},
+                                         {"type": "image", "image": str(b)},
+                                         {"type": "text", "text": " please."}]}]
+
+
+# ------------------------------------------------------------------ preprocessing
+
+@pytest.mark.parametrize("size,mode", [((100, 70), "RGB"), ((60, 130), "RGB"),
+                                       ((333, 517), "RGB"), ((45, 40), "L"),
+                                       ((90, 64), "RGBA")])
+def test_preprocess_matches_processor(vl, tmp_path, size, mode):
+    from kestrel_cli.images import ImageConfig, load_image, preprocess
+    d, _, _, proc, _ = vl
+    f = tmp_path / "x.png"
+    picture(*size, seed=sum(size), mode=mode).save(f)
+    ours = preprocess(load_image(str(f)), ImageConfig.from_dir(d))
+    ref = proc.image_processor(images=[str(f)], return_tensors="np")
+    assert list(ours.grid) == ref["image_grid_thw"][0].tolist()
+    assert ours.patches.shape == ref["pixel_values"].shape
+    np.testing.assert_array_equal(ours.patches, ref["pixel_values"])
+
+
+def test_preprocess_pil_alpha_composited_like_processor(vl):
+    from kestrel_cli.images import ImageConfig, load_image, preprocess
+    d, _, _, proc, _ = vl
+    img = picture(70, 50, 7, "RGBA")
+    ours = preprocess(load_image(img), ImageConfig.from_dir(d))
+    ref = proc.image_processor(images=[img], return_tensors="np")
+    np.testing.assert_array_equal(ours.patches, ref["pixel_values"])
+
+
+def test_exif_orientation_applied(tmp_path):
+    from kestrel_cli.images import load_image
+    img = picture(40, 20, 3)
+    exif = Image.Exif()
+    exif[0x0112] = 6                                    # rotate 90 degrees on display
+    f = tmp_path / "r.jpg"
+    img.save(f, exif=exif)
+    assert load_image(str(f)).size == (20, 40)
+
+
+# ------------------------------------------------------------------ vision tower, positions
+
+def test_vision_tower_matches_transformers(vl):
+    d, model, eng, proc, imgs = vl
+    inputs = hf_inputs(proc, two_images(imgs["a"], imgs["b"]))
+    with torch.no_grad():
+        out = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+    grids = [tuple(g) for g in inputs["image_grid_thw"].tolist()]
+    emb, deep = eng.model.vision.encode(inputs["pixel_values"].numpy(), grids)
+    np.testing.assert_allclose(emb, out.pooler_output.numpy(), atol=1e-5, rtol=0)
+    assert len(deep) == 2
+    for ours, ref in zip(deep, out.deepstack_features):
+        np.testing.assert_allclose(ours, ref.numpy(), atol=1e-5, rtol=0)
+
+
+def test_rope_index_matches_transformers(vl):
+    d, model, eng, proc, imgs = vl
+    msgs = two_images(imgs["a"], imgs["b"])
+    inputs = hf_inputs(proc, msgs)
+    ref_pos, ref_delta = model.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"])
+    prompt = eng.encode_prompt(msgs)
+    assert list(prompt) == inputs["input_ids"][0].tolist()
+    np.testing.assert_array_equal(prompt.positions, ref_pos[:, 0].numpy())
+    assert prompt.rope_delta == int(ref_delta[0, 0]) != 0
+
+
+# ------------------------------------------------------------------ whole prompts
+
+@pytest.mark.parametrize("which", ["a", "b", "ab"])
+def test_prompt_logits_match_transformers(vl, which):
+    d, model, eng, proc, imgs = vl
+    msgs = one_image(imgs[which]) if len(which) == 1 else two_images(imgs["a"], imgs["b"])
+    inputs = hf_inputs(proc, msgs)
+    ref = hf_prompt_logits(model, inputs)
+    ours = eng.prompt_logits(msgs)
+    n_img = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    assert eng.image_tokens == n_img > 0
+    assert ours.shape == ref.shape and ours.dtype == np.float32
+    diff = float(np.abs(ours - ref).max())
+    print(f"{which}: {ours.shape[0]} tokens, {n_img} image tokens, max abs diff {diff:.2e}")
+    assert diff < ATOL
+
+
+def test_greedy_tokens_identical(vl):
+    d, model, eng, proc, imgs = vl
+    msgs = two_images(imgs["b"], imgs["a"])
+    inputs = hf_inputs(proc, msgs)
+    with torch.no_grad():
+        ref = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, inputs["input_ids"].shape[1]:].tolist()
+    eng.reset()
+    ours = [c.token for c in eng.stream(msgs, max_tokens=12, ignore_eos=True)
+            if c.token is not None]
+    assert ours == ref
+
+
+def test_kv_cache_reuse_across_turns(vl):
+    """A second turn reuses the first's cache (image included) and its logits equal a fresh
+    prefill of the whole conversation: the positions after the image stay right."""
+    d, model, eng, proc, imgs = vl
+    turn1 = one_image(imgs["a"], "Describe it.")
+    eng.reset()
+    reply = [c.token for c in eng.stream(turn1, max_tokens=5, ignore_eos=True)
+             if c.token is not None]
+    answer = eng.tokenizer.decode(reply)
+    turn2 = turn1 + [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": [{"type": "text", "text": "And then?"}]}]
+    ids2 = eng.encode_prompt(turn2)
+    logits, reused = eng.prefill(ids2)
+    assert reused > eng.encode_prompt(turn1).index(model.config.image_token_id) + 6
+    fresh = eng.prompt_logits(turn2)
+    np.testing.assert_allclose(logits[-1], fresh[-1], atol=1e-5, rtol=0)
+    ref = hf_prompt_logits(model, hf_inputs(proc, turn2))
+    assert float(np.abs(fresh - ref).max()) < ATOL
+
+
+def test_same_size_images_do_not_share_cache(vl, tmp_path):
+    d, model, eng, proc, imgs = vl
+    other = tmp_path / "a2.png"
+    picture(100, 70, 99).save(other)
+    eng.reset()
+    eng.prefill(eng.encode_prompt(one_image(imgs["a"])))
+    logits, reused = eng.prefill(eng.encode_prompt(one_image(other)))
+    start = eng.encode_prompt(one_image(other)).index(model.config.image_token_id)
+    assert reused == start
+    ref = hf_prompt_logits(model, hf_inputs(proc, one_image(other)))
+    assert float(np.abs(logits[-1] - ref[-1]).max()) < ATOL
+
+
+# ------------------------------------------------------------------ errors
+
+def test_text_only_model_refuses_images(tmp_path):
+    from conftest import make_checkpoint
+    make_checkpoint(tmp_path, "qwen3")
+    eng = Engine.from_pretrained(tmp_path, threads=1)
+    f = tmp_path / "x.png"
+    picture(40, 40, 0).save(f)
+    with pytest.raises(KestrelError, match="no vision tower"):
+        eng.prompt_logits(one_image(f))
+
+
+def test_bad_images_one_clear_error(vl, tmp_path):
+    d, model, eng, proc, imgs = vl
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a png at all")
+    with pytest.raises(KestrelError, match="not a readable image"):
+        eng.prompt_logits(one_image(bad))
+    with pytest.raises(KestrelError, match="no such file"):
+        eng.prompt_logits(one_image(tmp_path / "missing.png"))
+    with pytest.raises(KestrelError, match="not fetched"):
+        eng.prompt_logits(one_image("https://example.com/cat.jpg"))
+
+
+def test_too_many_image_tokens_for_context(vl):
+    d, model, eng, proc, imgs = vl
+    small = Engine.from_pretrained(d, threads=1, ctx_size=24)
+    with pytest.raises(KestrelError, match="image"):
+        small.prompt_logits(two_images(imgs["a"], imgs["b"]))
