@@ -68,6 +68,22 @@ import numpy as np
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# the VL shapes: image parts as Qwen3-VL's template writes them
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' or 'image' in c or 'image_url' in c %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>",
+                 "vision_end_token_id": "<|vision_end|>",
+                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+# Qwen3-VL's published preprocessor_config.json
+PREPROCESSOR = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
+                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+                "image_processor_type": "Qwen2VLImageProcessorFast"}
 SHARD_BYTES = 2 << 30
 CHUNK = 1 << 24                          # elements generated at a time
 TOKENIZER_VOCAB = 1000                   # the small BPE tokenizer's size (<= every shape's vocab)
@@ -339,11 +355,22 @@ def build_tokenizer():
     return tok
 
 
-def write_tokenizer(out: Path) -> None:
-    """The small tokenizer.json and a tokenizer_config.json (Qwen template)."""
-    build_tokenizer().save(str(out / "tokenizer.json"))
+def write_tokenizer(out: Path, config: dict | None = None) -> None:
+    """The small tokenizer.json and a tokenizer_config.json (Qwen template). A VL config
+    also gets the vision special tokens (added after the small vocabulary: `config`'s
+    image_token_id etc. are set to their ids, in place), its image-aware template and
+    Qwen3-VL's preprocessor_config.json."""
+    tok = build_tokenizer()
+    template = CHAT_TEMPLATE
+    if config is not None and "vision_config" in config:
+        tok.add_special_tokens(list(VISION_TOKENS.values()))
+        for key, content in VISION_TOKENS.items():
+            config[key] = tok.token_to_id(content)
+        (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+        template = VL_CHAT_TEMPLATE
+    tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+        "chat_template": template, "eos_token": "<|im_end|>", "bos_token": None,
         "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
 
 
@@ -638,13 +665,13 @@ def main(argv=None) -> int:
     if a.with_vision:
         tensors = vision_tensors(config) + tensors
     total = write_shards(a.out, tensors, a.dtype, rng, std)
+    write_tokenizer(a.out, config)          # sets a VL config's vision token ids
     (a.out / "config.json").write_text(json.dumps(config, indent=2))
     eos = text["eos_token_id"]
     (a.out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": text["bos_token_id"],
          "eos_token_id": [eos, 151643] if eos == 151645 else eos, "do_sample": False},
         indent=2))
-    write_tokenizer(a.out)
     print(f"{a.out}: {len(tensors)} tensors, {total / 2**30:.2f} GiB of weights", file=sys.stderr)
     return 0
 

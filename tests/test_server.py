@@ -237,6 +237,9 @@ CHAT = object()
      "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages[0].content[0].image_url.url"),          # remote URLs are never fetched
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
      "messages[0].content[0].type"),
     (CHAT, {"temperature": "hot"}, "temperature"),
     (CHAT, {"temperature": -1}, "temperature"),

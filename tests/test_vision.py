@@ -303,3 +303,133 @@ def test_too_many_image_tokens_for_context(vl):
     small = Engine.from_pretrained(d, threads=1, ctx_size=24)
     with pytest.raises(KestrelError, match="image"):
         small.prompt_logits(two_images(imgs["a"], imgs["b"]))
+
+
+# ------------------------------------------------------------------ kestrel run / chat / serve
+
+def greedy_text(eng, msgs, n):
+    eng.reset()
+    return "".join(c.text for c in eng.stream(msgs, max_tokens=n, ignore_eos=True))
+
+
+def test_cli_run_with_images(vl):
+    from typer.testing import CliRunner
+    from kestrel_cli.cli import app
+    from kestrel_cli.timing import parse_lines
+    d, model, eng, proc, imgs = vl
+    r = CliRunner().invoke(app, ["run", "-m", str(d), "--image", str(imgs["a"]), "--image",
+                                 str(imgs["b"]), "-p", "Compare them.", "-n", "6", "--temp",
+                                 "0", "--ignore-eos", "-t", "1"])
+    assert r.exit_code == 0, r.output
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(imgs["a"])},
+                                         {"type": "image", "image": str(imgs["b"])},
+                                         {"type": "text", "text": "Compare them."}]}]
+    assert r.stdout.rstrip("\n") == greedy_text(eng, msgs, 6)
+    perf = parse_lines(r.stderr, "PERF")[-1]
+    assert perf["image_tokens"] == 14 and perf["vision_ms"] > 0
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--image", "MISSING"], "no such file"),
+    (["--image", "BAD"], "not a readable image"),
+    (["--image", "A", "--raw"], "--image needs the chat template"),
+])
+def test_cli_run_image_errors_are_one_line(vl, tmp_path, extra, needle):
+    from typer.testing import CliRunner
+    from kestrel_cli.cli import app
+    d, model, eng, proc, imgs = vl
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(b"\xff\xd8\xff garbage")
+    extra = [{"MISSING": str(tmp_path / "none.png"), "BAD": str(bad), "A": str(imgs["a"])}
+             .get(x, x) for x in extra]
+    r = CliRunner().invoke(app, ["run", "-m", str(d), "-p", "hi", "-n", "2", "-t", "1", *extra])
+    assert r.exit_code == 1, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.output
+
+
+def test_cli_run_image_on_text_model(tmp_path):
+    from typer.testing import CliRunner
+    from conftest import make_checkpoint
+    from kestrel_cli.cli import app
+    make_checkpoint(tmp_path, "qwen3")
+    f = tmp_path / "x.png"
+    picture(40, 40, 0).save(f)
+    r = CliRunner().invoke(app, ["run", "-m", str(tmp_path), "--image", str(f), "-p", "hi",
+                                 "-n", "2", "-t", "1"])
+    assert r.exit_code == 1 and "error:" in r.output and "no vision tower" in r.output
+
+
+def test_chat_image_command_and_cache_across_turns(vl, tmp_path):
+    import io
+    from kestrel_cli.chat import ChatSession, repl
+    d, model, eng, proc, imgs = vl
+    out = io.StringIO()
+    s = ChatSession(eng, sampling=dict(max_tokens=4, temperature=0.0, ignore_eos=True), out=out)
+    s.reset()
+    lines = iter(["/image " + str(tmp_path / "none.png"), "/image " + str(imgs["a"]),
+                  "What is it?", "And the colours?"])
+
+    def read(_):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    repl(s, read=read)
+    text = out.getvalue()
+    assert "[error: image" in text and "attached to your next message" in text
+    assert s.turn == 2 and isinstance(s.messages[0]["content"], list)
+    assert s.messages[0]["content"][0] == {"type": "image", "image": str(imgs["a"])}
+    assert s.last_stats.cached_tokens > s.engine.encode_prompt(
+        s.messages[:1]).index(model.config.image_token_id) + 6   # the image came from the cache
+    # the second turn's answer is the greedy continuation of the whole conversation
+    first_reply = s.messages[1]["content"]
+    assert first_reply == greedy_text(eng, s.messages[:1], 4)
+    assert s.messages[3]["content"] == greedy_text(eng, s.messages[:3], 4)
+
+
+def _data_url(path: Path) -> str:
+    import base64
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_server_image_url_parts(vl, tmp_path):
+    import openai
+    from starlette.testclient import TestClient
+    from kestrel_cli.server import create_app
+    d, model, eng, proc, imgs = vl
+    srv_eng = Engine.from_pretrained(d, threads=1, ctx_size=256)
+    png = tmp_path / "a.png"
+    Image.open(imgs["a"]).save(png)
+    with TestClient(create_app([srv_eng], queue_size=2)) as c:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=c,
+                               max_retries=0)
+        r = client.chat.completions.create(model="m", temperature=0, max_tokens=5, messages=[
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": _data_url(png)}},
+                {"type": "text", "text": "What is in this picture?"}]}],
+            extra_body={"ignore_eos": True})
+        msgs = one_image(png)
+        assert r.choices[0].message.content == greedy_text(eng, msgs, 5)
+        assert r.usage.prompt_tokens == len(eng.encode_prompt(msgs))
+
+        def post(content):
+            return c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": content}], "max_tokens": 2})
+        for url, param in [("https://example.com/cat.png", "image_url.url"),
+                           ("data:image/png;base64,bm90IGFuIGltYWdl", "messages"),
+                           ("data:image/png;base64,@@@", "messages")]:
+            r = post([{"type": "image_url", "image_url": {"url": url}},
+                      {"type": "text", "text": "hi"}])
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert param in err["param"] and err["message"]
+        # too many image tokens for the context: 400, context_length_exceeded
+        small = Engine.from_pretrained(d, threads=1, ctx_size=20)
+        with TestClient(create_app([small], queue_size=2)) as c2:
+            r = c2.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
+                {"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": _data_url(png)}},
+                    {"type": "image_url", "image_url": {"url": _data_url(png)}},
+                    {"type": "text", "text": "hi"}]}]})
+            assert r.status_code == 400 and "context" in r.json()["error"]["message"]
