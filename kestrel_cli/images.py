@@ -124,7 +124,6 @@ def _pil():
         from PIL import Image, ImageOps
     except ImportError:
         raise KestrelError("image input needs Pillow: pip install pillow") from None
-    Image.MAX_IMAGE_PIXELS = MAX_DECODE_PIXELS
     return Image, ImageOps
 
 
@@ -172,7 +171,9 @@ def load_image(src):
         raise KestrelError(f"image must be a path, bytes, a data: URL or a PIL image, got "
                            f"{type(src).__name__}")
     try:
-        img = Image.open(fp)
+        img = Image.open(fp)                     # reads the header only
+        if img.size[0] * img.size[1] > MAX_DECODE_PIXELS:
+            raise Image.DecompressionBombError
         img = ImageOps.exif_transpose(img)
         return img.convert("RGB")
     except Image.DecompressionBombError:

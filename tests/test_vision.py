@@ -298,6 +298,20 @@ def test_bad_images_one_clear_error(vl, tmp_path):
         eng.prompt_logits(one_image("https://example.com/cat.jpg"))
 
 
+def test_huge_image_refused_before_decoding(vl, tmp_path, monkeypatch):
+    import kestrel_cli.images as images
+    d, model, eng, proc, imgs = vl
+    monkeypatch.setattr(images, "MAX_DECODE_PIXELS", 100 * 69)
+    with pytest.raises(KestrelError, match="too large"):
+        eng.prompt_logits(one_image(imgs["a"]))             # 100 x 70 pixels
+
+
+def test_forks_share_the_vision_tower(vl):
+    d, model, eng, proc, imgs = vl
+    fork = eng.fork()
+    assert fork.model.vision is eng.model.vision
+
+
 def test_too_many_image_tokens_for_context(vl):
     d, model, eng, proc, imgs = vl
     small = Engine.from_pretrained(d, threads=1, ctx_size=24)

@@ -108,7 +108,7 @@ class Model(qwen3.Model):
     def __init__(self, cfg, store, threads=1, act="f32"):
         super().__init__(cfg, store, threads, act)
         self.store = store
-        self._vision = None
+        self._vision = [None]           # shared by Engine.fork's shallow copies
 
     @property
     def has_vision(self) -> bool:
@@ -118,14 +118,14 @@ class Model(qwen3.Model):
     @property
     def vision(self):
         """The vision tower, loaded on first use."""
-        if self._vision is None:
+        if self._vision[0] is None:
             from .qwen3_vl_vision import VisionConfig, VisionTower
             if not self.has_vision:
                 raise KestrelError("this checkpoint has no vision tower (model.visual.*): "
                                    "images need a full Qwen3-VL checkpoint")
-            self._vision = VisionTower(VisionConfig.from_hf(self.cfg.vision_config), self.store,
-                                       self.threads)
-        return self._vision
+            self._vision[0] = VisionTower(VisionConfig.from_hf(self.cfg.vision_config),
+                                          self.store, self.threads)
+        return self._vision[0]
 
     def __call__(self, ids, cache, all_logits=False, act=None, positions=None,
                  vision: VisionInput | None = None):
