@@ -213,10 +213,14 @@ def test_rope_index_matches_transformers(vl):
 
 # ------------------------------------------------------------------ whole prompts
 
-@pytest.mark.parametrize("which", ["a", "b", "ab"])
+@pytest.mark.parametrize("which", ["a", "b", "ab", "pil"])
 def test_prompt_logits_match_transformers(vl, which):
     d, model, eng, proc, imgs = vl
-    msgs = one_image(imgs[which]) if len(which) == 1 else two_images(imgs["a"], imgs["b"])
+    if which == "pil":                 # a PIL image in the content part, with alpha
+        msgs = [{"role": "user", "content": [{"type": "image", "image": picture(80, 90, 5, "RGBA")},
+                                             {"type": "text", "text": "What is it?"}]}]
+    else:
+        msgs = one_image(imgs[which]) if len(which) == 1 else two_images(imgs["a"], imgs["b"])
     inputs = hf_inputs(proc, msgs)
     ref = hf_prompt_logits(model, inputs)
     ours = eng.prompt_logits(msgs)
