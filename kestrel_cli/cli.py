@@ -52,6 +52,15 @@ class Quant(str, Enum):
     q4 = "q4"
 
 
+class GGUFType(str, Enum):
+    q8_0 = "q8_0"
+    q4_0 = "q4_0"
+    q4_1 = "q4_1"
+    q4_k_m = "q4_k_m"
+    q5_k_m = "q5_k_m"
+    q6_k = "q6_k"
+
+
 # ---------------------------------------------------------------------------- shared flags
 
 @dataclass
@@ -504,6 +513,29 @@ def bench(
                        quant=Quant(engine.quant).value,
                        progress=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True))
     print(render(report) if output == "md" else report.to_json())
+
+
+@app.command()
+def quantize(
+    src: Annotated[Path, typer.Argument(
+        metavar="IN", help="Hugging Face checkpoint directory (config.json, *.safetensors, "
+        "tokenizer.json).", show_default=False)],
+    out: Annotated[Path, typer.Argument(
+        metavar="OUT", help="GGUF file to write.", show_default=False)],
+    type_: Annotated[GGUFType, typer.Option(
+        "--type", help="GGUF file type; the tensor mix llama-quantize picks for it "
+        "(q4_k_m/q5_k_m: Q6_K on attn_v and ffn_down of some layers; output Q6_K "
+        "except in q8_0).", show_default=False)],
+    pure: Annotated[bool, typer.Option(
+        "--pure", help="Every matrix in the type's own quantisation, output and token "
+        "embeddings included (llama-quantize --pure).")] = False,
+):
+    """Write a checkpoint as a GGUF file (llama.cpp's layout), tensor by tensor in
+    bounded memory; OUT appears only once complete (OUT.part while writing)."""
+    from .gguf_export import quantize_checkpoint
+    quantize_checkpoint(src, out, GGUFType(type_).value, pure=pure,
+                        progress=sys.stderr.isatty(),
+                        log=lambda s: print(s, file=sys.stderr, flush=True))
 
 
 def main() -> None:
