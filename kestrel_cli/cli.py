@@ -529,13 +529,16 @@ def quantize(
     pure: Annotated[bool, typer.Option(
         "--pure", help="Every matrix in the type's own quantisation, output and token "
         "embeddings included (llama-quantize --pure).")] = False,
+    threads: Annotated[Optional[int], typer.Option(
+        "-t", "--threads", help="Threads quantising.",
+        show_default="all available cores")] = None,
 ):
     """Write a checkpoint as a GGUF file (llama.cpp's layout), tensor by tensor in
     bounded memory; OUT appears only once complete (OUT.part while writing)."""
     from .gguf_export import quantize_checkpoint
     quantize_checkpoint(src, out, GGUFType(type_).value, pure=pure,
                         progress=sys.stderr.isatty(),
-                        log=lambda s: print(s, file=sys.stderr, flush=True))
+                        log=lambda s: print(s, file=sys.stderr, flush=True), threads=threads)
 
 
 def main() -> None:

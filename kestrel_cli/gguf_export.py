@@ -55,6 +55,7 @@ FILE_TYPES = {
 QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k_m", "q5_k_m", "q6_k")     # `kestrel quantize`
 _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}          # rows not whole 256s
 CHUNK_VALUES = 1 << 22           # source values converted and quantised at a time (16 MiB f32)
+WORK_BYTES = 1 << 30             # the quantisers' scratch across threads (~60 B a value, K-quants)
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -151,6 +152,11 @@ def gguf_plan(config, tensors) -> list[tuple[str, tuple[int, ...], list]]:
     arch = gguf.MODEL_ARCH[GGUF_ARCH[cfg.model_type]] if cfg.model_type in GGUF_ARCH else None
     if arch is None:
         gguf_arch(cfg)                                   # raises, naming the supported types
+    dense = [i for i in range(cfg.num_hidden_layers) if not _is_moe_layer(cfg, i)]
+    if cfg.num_experts and dense:
+        raise KestrelError(f"layer(s) {dense[:4]} of this {cfg.model_type} are dense MLPs "
+                           f"(mlp_only_layers / decoder_sparse_step): llama.cpp's "
+                           f"{gguf.MODEL_ARCH_NAMES[arch]} has experts in every layer")
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     plan: list = []
     for name, shape in tensors:
@@ -415,15 +421,24 @@ def rope_freqs(cfg: Config) -> np.ndarray | None:
 RowSource = Callable[[str, tuple[int, ...], "np.ndarray | None"], Iterator[np.ndarray]]
 
 
+def chunk_values(threads: int) -> int:
+    """Source values per chunk: CHUNK_VALUES, less with many threads (bounded scratch)."""
+    return max(1 << 16, min(CHUNK_VALUES, WORK_BYTES // 64 // max(1, threads)))
+
+
 def write_gguf(path: Path, cfg: Config, plan: list[PlanTensor], rows: RowSource,
-               add_metadata: Callable, progress: Callable[[PlanTensor, int], None] | None = None
-               ) -> int:
+               add_metadata: Callable, progress: Callable[[PlanTensor, int], None] | None = None,
+               threads: int = 1) -> int:
     """Write one GGUF file: metadata (`add_metadata(writer)`), the tensor infos of `plan`,
     then each tensor's data, quantised a chunk of rows at a time. `rows(name, shape, order)`
     yields a checkpoint tensor's float32 rows in chunks (`order`: the rows' order, or None).
-    Returns the bytes of tensor data written."""
+    With threads > 1 up to 2*threads chunks are quantised at once (NumPy releases the GIL),
+    written in order. Returns the bytes of tensor data written."""
+    import collections
     import gguf
+    from concurrent.futures import ThreadPoolExecutor
     w = gguf.GGUFWriter(path, gguf_arch(cfg))
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
     try:
         add_metadata(w)
         for t in plan:
@@ -440,18 +455,29 @@ def write_gguf(path: Path, cfg: Config, plan: list[PlanTensor], rows: RowSource,
             start = f.tell()
             if t.data is not None:
                 f.write(quantize_rows(t.data.reshape(1, -1), t.qtype).tobytes())
+            pending: collections.deque = collections.deque()
+
+            def drain(keep: int):
+                while len(pending) > keep:
+                    fut, n = pending.popleft()
+                    f.write((fut.result() if pool else fut).tobytes())
+                    if progress is not None:
+                        progress(t, n)
             for name, shape in t.parts:
                 order = permutation(shape[0], t.permute_heads) if t.permute_heads else None
                 for x in rows(name, shape, order):
-                    f.write(quantize_rows(x, t.qtype).tobytes())
-                    if progress is not None:
-                        progress(t, x.size)
+                    pending.append((pool.submit(quantize_rows, x, t.qtype) if pool
+                                    else quantize_rows(x, t.qtype), x.size))
+                    drain(2 * threads - 1)
+            drain(0)
             if f.tell() - start != t.nbytes:
                 raise KestrelError(f"{t.name}: wrote {f.tell() - start} bytes, expected "
                                    f"{t.nbytes}")
             total += t.nbytes
         w.write_padding(f, f.tell())
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         w.close()
     return total
 
@@ -543,9 +569,12 @@ def _progress_bar(plan: list[PlanTensor], enabled: bool):
 
 
 def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool = False,
-                        log: Callable[[str], None] | None = None) -> dict:
+                        log: Callable[[str], None] | None = None,
+                        threads: int | None = None) -> dict:
     """Write Hugging Face checkpoint directory `src` as GGUF file `out` of type `ftype`
-    (QUANT_TYPES, or f32/f16/bf16). Returns a summary dict (types, bytes, tensors)."""
+    (QUANT_TYPES, or f32/f16/bf16) with `threads` quantising (default: the cores).
+    Returns a summary dict (types, bytes, tensors)."""
+    from .engine import default_threads
     from .loader import _load_hf_dir
     from .models import resolve
     src, out = Path(src).expanduser(), Path(out).expanduser()
@@ -560,6 +589,9 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
         raise KestrelError(f"{out} is a directory; give the .gguf file to write")
     if not out.parent.is_dir():
         raise KestrelError(f"{out.parent}: no such directory")
+    threads = default_threads() if threads is None else threads
+    if threads < 1:
+        raise KestrelError(f"threads must be >= 1, got {threads}")
     raw, store, _tok = _load_hf_dir(src)
     resolve(raw.get("model_type"))                # unknown architectures name the supported
     try:
@@ -580,8 +612,8 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
     update, bar = _progress_bar(plan, progress)
     try:
         with bar:
-            total = write_gguf(part, cfg, plan, _store_rows(store, CHUNK_VALUES), metadata,
-                               update)
+            total = write_gguf(part, cfg, plan, _store_rows(store, chunk_values(threads)),
+                               metadata, update, threads)
         os.replace(part, out)
     except BaseException:
         part.unlink(missing_ok=True)
