@@ -403,7 +403,7 @@ def test_kquants_round_trip(name, qtype):
     x[1, 300] = -0.75
     back = gguf.quants.dequantize(q(x), t).reshape(x.shape)
     assert np.all(back[0] == 0) and np.all(back[1, :256] == 0)
-    np.testing.assert_allclose(back[1, 256:], x[1, 256:], atol=6e-3)   # 6-bit sub-scales
+    np.testing.assert_allclose(back[1, 256:], x[1, 256:], atol=0.01)   # 6-/8-bit sub-scales
 
 
 def test_kquants_layout_by_hand():
