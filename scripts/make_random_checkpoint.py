@@ -65,6 +65,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's kestrel_cli
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -577,18 +579,9 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
 
 def _gguf_tokenizer(w, vocab_size: int) -> None:
     """The small tokenizer as llama.cpp's converter writes a byte-level BPE vocabulary."""
-    import gguf
+    from kestrel_cli.gguf_export import token_list
     tok = build_tokenizer()
-    by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
-    if len(by_id) > vocab_size:
-        raise ValueError(f"the tokenizer's {len(by_id)} tokens exceed the vocab of {vocab_size}")
-    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
-    tokens, types = [], []
-    for i in range(vocab_size):                       # ids past the tokenizer: unused padding
-        t = by_id.get(i, f"[PAD{i}]")
-        tokens.append(t)
-        types.append(gguf.TokenType.UNUSED if i not in by_id else
-                     gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL)
+    tokens, types = token_list(tok, vocab_size)      # ids past the tokenizer: [PADn], unused
     merges = json.loads(tok.to_str())["model"]["merges"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")                      # ByteLevel with GPT-2's split regex
