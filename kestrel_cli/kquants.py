@@ -36,7 +36,8 @@ def _f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _min_scale_search(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
     """llama.cpp's make_qkx2_quants on each column of x (32, n): x ~ scale*L - the_min with
     L in 0..nmax, chosen by weighted least squares over nstep+1 trial scales. The sums run
-    over axis 0, element after element, as the C loop adds them.
+    over axis 0, element after element, as the C loop adds them; the big temporaries are
+    reused (out=), the arithmetic is the C code's, operation for operation.
     Returns (scale (n,), the_min (n,), L (32, n) uint8)."""
     w = np.sqrt((x * x).sum(axis=0) / _F(32)) + np.abs(x)
     mn = np.minimum(x.min(axis=0), _F(0))
@@ -44,37 +45,54 @@ def _min_scale_search(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nste
     sum_w = w.sum(axis=0)
     sum_x = (w * x).sum(axis=0)
     flat = mx == mn
+    la, t1, t2 = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+
+    def quants(iscale, out):
+        """clip(rint(iscale * (x - mn)), 0, nmax) into `out`."""
+        np.subtract(x, mn, out=out)
+        np.multiply(iscale, out, out=out)
+        np.rint(out, out=out)
+        return np.clip(out, 0, nmax, out=out)
+
+    def error(scale, lv, m):
+        """sum(w * (scale*lv + m - x)^2) over axis 0."""
+        np.multiply(scale, lv, out=t1)
+        np.add(t1, m, out=t1)
+        np.subtract(t1, x, out=t1)
+        np.multiply(t1, t1, out=t1)
+        np.multiply(w, t1, out=t1)
+        return t1.sum(axis=0)
+
     with np.errstate(divide="ignore", invalid="ignore"):
         rng = np.where(flat, _F(1), mx - mn)
         iscale = _F(nmax) / rng
         scale = _F(1) / iscale
-        L = np.clip(np.rint(iscale * (x - mn)), 0, nmax)
-        diff = scale * L + mn - x
-        best = (w * (diff * diff)).sum(axis=0)
+        L = quants(iscale, np.empty_like(x))
+        best = error(scale, L, mn)
         for i in range(nstep + 1):
             rng = np.where(flat, _F(1), mx - mn)          # the C loop moves min as it goes
             iscale = (_F(rmin) + _F(rdelta) * _F(i) + _F(nmax)) / rng
-            la = np.clip(np.rint(iscale * (x - mn)), 0, nmax)
-            wl = w * la
-            sum_l = wl.sum(axis=0)
-            sum_l2 = (wl * la).sum(axis=0)
-            sum_xl = (wl * x).sum(axis=0)
+            quants(iscale, la)
+            np.multiply(w, la, out=t2)                    # w*l
+            sum_l = t2.sum(axis=0)
+            sum_l2 = np.multiply(t2, la, out=t1).sum(axis=0)
+            sum_xl = np.multiply(t2, x, out=t1).sum(axis=0)
             D = sum_w * sum_l2 - sum_l * sum_l
             this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
             this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
             pos = this_min > 0
             this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
             this_min = np.where(pos, _F(0), this_min)
-            diff = this_scale * la + this_min - x
-            cur = (w * (diff * diff)).sum(axis=0)
+            cur = error(this_scale, la, this_min)
             better = (D > 0) & (cur < best) & ~flat
-            L = np.where(better, la, L)
-            best = np.where(better, cur, best)
-            scale = np.where(better, this_scale, scale)
-            mn = np.where(better, this_min, mn)
+            if better.any():
+                np.copyto(L, la, where=better)
+                best = np.where(better, cur, best)
+                scale = np.where(better, this_scale, scale)
+                mn = np.where(better, this_min, mn)
     scale = np.where(flat, _F(0), scale).astype(np.float32)
-    L = np.where(flat, 0, L).astype(np.uint8)
-    return scale, (-mn).astype(np.float32), L
+    L[:, flat] = 0
+    return scale, (-mn).astype(np.float32), L.astype(np.uint8)
 
 
 def _scale_min_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
@@ -145,27 +163,34 @@ def _signed_scale_search(x: np.ndarray, nmax: int):
     mx = np.where(zero, _F(1), mx)
     w = x * x
     wx = w * x
+    lv, t = np.empty_like(x), np.empty_like(x)
 
-    def trial(iscale):
-        lv = np.clip(np.rint(iscale * x), -nmax, nmax - 1)
-        return lv, (wx * lv).sum(axis=0), ((w * lv) * lv).sum(axis=0)
+    def trial(iscale, out):
+        np.multiply(iscale, x, out=out)
+        np.rint(out, out=out)
+        np.clip(out, -nmax, nmax - 1, out=out)
+        sumlx = np.multiply(wx, out, out=t).sum(axis=0)
+        np.multiply(w, out, out=t)
+        return sumlx, np.multiply(t, out, out=t).sum(axis=0)
 
-    lv, sumlx, suml2 = trial(_F(-nmax) / mx)
+    L = np.empty_like(x)
+    sumlx, suml2 = trial(_F(-nmax) / mx, L)
     with np.errstate(divide="ignore", invalid="ignore"):
         scale = np.where(suml2 != 0, sumlx / suml2, _F(0))
         best = scale * sumlx
-        L = lv
         for i in range(-9, 10):
             if i == 0:
                 continue
-            lv, sumlx, suml2 = trial(-(_F(nmax) + _F(0.1) * _F(i)) / mx)
+            sumlx, suml2 = trial(-(_F(nmax) + _F(0.1) * _F(i)) / mx, lv)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-            L = np.where(better, lv, L)
-            scale = np.where(better, sumlx / suml2, scale)
-            best = np.where(better, scale * sumlx, best)
+            if better.any():
+                np.copyto(L, lv, where=better)
+                scale = np.where(better, sumlx / suml2, scale)
+                best = np.where(better, scale * sumlx, best)
     scale = np.where(zero, _F(0), scale).astype(np.float32)
-    L = np.where(zero, 0, L + nmax).astype(np.uint8)
-    return scale, L
+    L += nmax
+    L[:, zero] = 0
+    return scale, L.astype(np.uint8)
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
