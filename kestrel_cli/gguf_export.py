@@ -546,25 +546,25 @@ def _checked_tensors(cfg: Config, store, path: Path) -> list[tuple[str, tuple[in
 
 
 def _progress_bar(plan: list[PlanTensor], enabled: bool):
-    """(callback, context manager): a rich bar of tensors and source values on stderr."""
+    """(callback, context manager): a rich bar on stderr of the GGUF bytes written and the
+    tensor being written (n of N, name, type)."""
     import contextlib
     if not enabled:
         return None, contextlib.nullcontext()
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
                                TimeRemainingColumn)
-    total_values = sum(math.prod(t.shape) for t in plan if t.data is None)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("{task.fields[tensors]}"), TimeRemainingColumn(),
-                   console=Console(stderr=True), transient=False)
-    task = bar.add_task("quantising", total=total_values, tensors="")
-    seen: list[str] = []
+    for t in plan:
+        t.nbytes = type_nbytes(t.qtype, t.shape)
+    bar = Progress(TextColumn("quantising"), BarColumn(), DownloadColumn(binary_units=True),
+                   TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"),
+                   console=Console(stderr=True))
+    task = bar.add_task("quantising", total=sum(t.nbytes for t in plan), tensor="")
+    index = {t.name: i for i, t in enumerate(plan, 1)}
 
     def update(t: PlanTensor, values: int):
-        if not seen or seen[-1] != t.name:
-            seen.append(t.name)
-        bar.update(task, advance=values, tensors=f"tensor {len(seen)}/{len(plan)} {t.name} "
-                                                  f"{t.qtype}")
+        bar.update(task, advance=values * t.nbytes / math.prod(t.shape),
+                   tensor=f"tensor {index[t.name]}/{len(plan)} {t.name} {t.qtype}")
     return update, bar
 
 
