@@ -491,3 +491,34 @@ def test_bad_checkpoints(tmp_path, damage, needle):
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         tok.save(str(ck / "tokenizer.json"))
     _fails(invoke(ck, tmp_path / "m.gguf", "--type", "q8_0"), needle, tmp_path)
+
+
+def test_memory_while_writing_is_a_few_chunks(ckpts, tmp_path, monkeypatch):
+    """Streaming: once the tensors are being written, Python/NumPy allocations stay within a
+    few chunks' scratch, below the float32 size of the largest tensor (the file never holds
+    a whole tensor, let alone the model)."""
+    import tracemalloc
+    monkeypatch.setattr(gguf_export, "chunk_values", lambda threads: 1024)
+    real, base = gguf_export.quantize_rows, []
+
+    def first(x, q):
+        if not base:
+            base.append(tracemalloc.get_traced_memory()[0])
+            tracemalloc.reset_peak()
+        return real(x, q)
+    monkeypatch.setattr(gguf_export, "quantize_rows", first)
+    tracemalloc.start()
+    try:
+        gguf_export.quantize_checkpoint(ckpts["qwen3"], tmp_path / "m.gguf", "q4_k_m", threads=1)
+        peak = tracemalloc.get_traced_memory()[1] - base[0]
+    finally:
+        tracemalloc.stop()
+    largest = 512 * 256 * 4                            # gate_proj / up_proj as float32
+    assert peak < largest / 3, (peak, largest)
+
+
+def test_progress_bar(ckpts, tmp_path, capsys):
+    gguf_export.quantize_checkpoint(ckpts["qwen3"], tmp_path / "m.gguf", "q8_0", progress=True,
+                                    threads=1)
+    err = capsys.readouterr().err
+    assert "quantising" in err and "tensor 25/25 output.weight Q8_0" in err
