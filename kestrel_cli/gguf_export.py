@@ -375,10 +375,21 @@ def add_tokenizer_from_dir(w, path: Path, vocab_size: int) -> None:
 
 # ------------------------------------------------------------------------------- metadata
 
-def add_hparams(w, cfg: Config, name: str, ftype: str) -> None:
-    """The model metadata convert_hf_to_gguf writes (KestrelError for RoPE it cannot say)."""
+def add_hparams(w, cfg: Config, name: str, ftype: str,
+                plan: list[PlanTensor] | None = None) -> None:
+    """The model metadata convert_hf_to_gguf writes (KestrelError for RoPE it cannot say);
+    with the `plan`, general.type and the size label (e.g. 1.7B, 128x3.3B for MoE) too.
+    rope.dimension_count, vocab_size and key/value_length are written for every arch (the
+    converter: for llama, and key lengths when config.json names head_dim); llama.cpp
+    reads the same values either way."""
     import gguf
     w.add_name(name)
+    if plan is not None:
+        total = sum(math.prod(t.shape) for t in plan if t.data is None)
+        experts = sum(math.prod(t.shape) for t in plan if "_exps." in t.name)
+        E = cfg.num_experts
+        w.add_type("model")
+        w.add_size_label(gguf.size_label(total, total - experts, experts // E if E else 0, E))
     w.add_file_type(gguf.LlamaFileType[FILE_TYPES[ftype][0]])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_context_length(cfg.max_position_embeddings)
@@ -605,7 +616,7 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
     plan = build_plan(cfg, tensors, ftype, pure)
 
     def metadata(w):
-        add_hparams(w, cfg, src.resolve().name, ftype)
+        add_hparams(w, cfg, src.resolve().name, ftype, plan)
         add_tokenizer_from_dir(w, src, cfg.vocab_size)
 
     part = out.with_name(out.name + ".part")

@@ -239,6 +239,7 @@ def test_metadata(ckpts, files, arch):
             f[f"{a}.context_length"]) == \
         (2, 256, 512, 4, 2, cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings)
     assert f[f"{a}.rope.freq_base"] == pytest.approx(cfg.rope["rope_theta"])
+    assert f["general.type"] == "model" and f["general.size_label"] == "1.3M"
     assert f[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg.rms_norm_eps)
     assert f["tokenizer.ggml.model"] == "gpt2" and f["tokenizer.ggml.pre"] == "gpt-2"
     tokens, kinds = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
