@@ -536,9 +536,14 @@ def quantize(
     """Write a checkpoint as a GGUF file (llama.cpp's layout), tensor by tensor in
     bounded memory; OUT appears only once complete (OUT.part while writing)."""
     from .gguf_export import quantize_checkpoint
-    quantize_checkpoint(src, out, GGUFType(type_).value, pure=pure,
-                        progress=sys.stderr.isatty(),
-                        log=lambda s: print(s, file=sys.stderr, flush=True), threads=threads)
+    try:
+        quantize_checkpoint(src, out, GGUFType(type_).value, pure=pure,
+                            progress=sys.stderr.isatty(),
+                            log=lambda s: print(s, file=sys.stderr, flush=True),
+                            threads=threads)
+    except KeyboardInterrupt:
+        print(f"interrupted: {out} not written", file=sys.stderr)
+        raise typer.Exit(130)
 
 
 def main() -> None:

@@ -375,6 +375,10 @@ def test_interrupted_run_leaves_no_file(ckpts, tmp_path, monkeypatch):
         gguf_export.quantize_checkpoint(ckpts["qwen3"], out, "q8_0", threads=1)
     assert out.read_bytes() == b"old" and not (tmp_path / "m.gguf.part").exists()
     calls.clear()
+    r = invoke(ckpts["qwen3"], out, "--type", "q8_0", "-t", "1")          # the CLI: status 130
+    assert r.exit_code == 130 and r.stderr == f"interrupted: {out} not written\n"
+    assert out.read_bytes() == b"old" and not (tmp_path / "m.gguf.part").exists()
+    calls.clear()
     monkeypatch.setattr(gguf_export, "quantize_rows",
                         lambda x, q: (_ for _ in ()).throw(MemoryError()))
     r = invoke(ckpts["qwen3"], out, "--type", "q8_0", "-t", "2")
