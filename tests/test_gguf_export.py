@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -19,8 +20,6 @@ from kestrel_cli import Engine, gguf_export, kquants
 from kestrel_cli.cli import app
 from kestrel_cli.engine import LoadOptions
 from kestrel_cli.loader import _hf_name, _unpermute_rows, open_checkpoint
-
-gguf = pytest.importorskip("gguf")
 
 # the tiny shapes, at hidden 256 so rows are whole K-quant super-blocks
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
