@@ -502,7 +502,7 @@ def test_memory_while_writing_is_a_few_chunks(ckpts, tmp_path, monkeypatch):
     few chunks' scratch, below the float32 size of the largest tensor (the file never holds
     a whole tensor, let alone the model)."""
     import tracemalloc
-    monkeypatch.setattr(gguf_export, "chunk_values", lambda threads: 1024)
+    monkeypatch.setattr(gguf_export, "chunk_values", lambda threads: 2048)
     real, base = gguf_export.quantize_rows, []
 
     def first(x, q):
@@ -513,7 +513,7 @@ def test_memory_while_writing_is_a_few_chunks(ckpts, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_export, "quantize_rows", first)
     tracemalloc.start()
     try:
-        gguf_export.quantize_checkpoint(ckpts["qwen3"], tmp_path / "m.gguf", "q4_k_m", threads=1)
+        gguf_export.quantize_checkpoint(ckpts["qwen3"], tmp_path / "m.gguf", "q6_k", threads=1)
         peak = tracemalloc.get_traced_memory()[1] - base[0]
     finally:
         tracemalloc.stop()
