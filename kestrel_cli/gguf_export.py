@@ -2,8 +2,9 @@
 convert_hf_to_gguf.py followed by llama-quantize would write it, streamed tensor by tensor.
 
 Layout (what llama.cpp expects):
-- arch `llama` (Llama, Mistral), `qwen2`, `qwen3` (Qwen3-VL's text decoder too: for text
-  prompts M-RoPE's three streams are equal and plain RoPE computes the same) or `qwen3moe`;
+- arch `llama` (Llama, Mistral), `qwen2`, `qwen3`, `qwen3moe` or `qwen3vl` (Qwen3-VL's text
+  decoder, with its M-RoPE sections; the vision tower is not written: llama.cpp keeps it in
+  a separate mmproj file);
   tensor names from the gguf package's map; MoE experts stacked into one ffn_*_exps tensor;
   the llama arch's q/k rows permuted as the converter does (each head's two rotary halves
   interleaved), biases included.
@@ -45,7 +46,7 @@ from .errors import KestrelError
 
 # llama.cpp's arch per config.json model_type
 GGUF_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3",
-             "qwen3_vl": "QWEN3", "qwen3_moe": "QWEN3MOE"}
+             "qwen3_vl": "QWEN3VL", "qwen3_moe": "QWEN3MOE"}
 # type name -> (general.file_type, the type of most matrices)
 FILE_TYPES = {
     "f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "bf16": ("MOSTLY_BF16", "BF16"),
@@ -83,7 +84,7 @@ def as_config(config) -> Config:
 
 
 def gguf_arch(cfg: Config) -> str:
-    """The GGUF architecture name (llama, qwen2, qwen3, qwen3moe) of a model_type."""
+    """The GGUF architecture name (llama, qwen2, qwen3, qwen3moe, qwen3vl) of a model_type."""
     import gguf
     if cfg.model_type not in GGUF_ARCH:
         raise KestrelError(f"model_type {cfg.model_type!r} cannot be written as GGUF; supported: "
@@ -376,7 +377,7 @@ def add_tokenizer_from_dir(w, path: Path, vocab_size: int) -> None:
 # ------------------------------------------------------------------------------- metadata
 
 def add_hparams(w, cfg: Config, name: str, ftype: str,
-                plan: list[PlanTensor] | None = None) -> None:
+                plan: list[PlanTensor] | None = None, deepstack_layers: int = 0) -> None:
     """The model metadata convert_hf_to_gguf writes (KestrelError for RoPE it cannot say);
     with the `plan`, general.type and the size label (e.g. 1.7B, 128x3.3B for MoE) too.
     rope.dimension_count, vocab_size and key/value_length are written for every arch (the
@@ -408,6 +409,10 @@ def add_hparams(w, cfg: Config, name: str, ftype: str,
         w.add_rope_scaling_factor(float(rope["factor"]))
     elif rope["rope_type"] not in ("default", "llama3"):        # llama3: the rope_freqs tensor
         raise KestrelError(f"rope_type {rope['rope_type']!r} cannot be written as GGUF")
+    if rope.get("mrope_section"):                   # qwen3vl: [t, h, w] padded to 4
+        w.add_rope_dimension_sections((list(rope["mrope_section"]) + [0] * 4)[:4])
+    if cfg.model_type == "qwen3_vl":
+        w.add_num_deepstack_layers(deepstack_layers)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     if cfg.num_experts:
@@ -616,7 +621,9 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
     plan = build_plan(cfg, tensors, ftype, pure)
 
     def metadata(w):
-        add_hparams(w, cfg, src.resolve().name, ftype, plan)
+        vision = raw.get("vision_config") or {}
+        add_hparams(w, cfg, src.resolve().name, ftype, plan,
+                    len(vision.get("deepstack_visual_indexes") or []))
         add_tokenizer_from_dir(w, src, cfg.vocab_size)
 
     part = out.with_name(out.name + ".part")

@@ -526,3 +526,19 @@ def test_progress_bar(ckpts, tmp_path, capsys):
                                     threads=1)
     err = capsys.readouterr().err
     assert "quantising" in err and "tensor 25/25 output.weight Q8_0" in err
+
+
+def test_qwen3_vl_text_decoder(tmp_path):
+    """Qwen3-VL: the text decoder as llama.cpp's qwen3vl (M-RoPE sections, deepstack count),
+    the vision tower left out; Kestrel runs it as the checkpoint."""
+    make_checkpoint(tmp_path / "ck", "qwen3_vl")
+    r = invoke(tmp_path / "ck", tmp_path / "m.gguf", "--type", "q8_0")
+    assert r.exit_code == 0, r.output
+    f, back, types, arch = read_back(tmp_path / "m.gguf")
+    assert arch == "qwen3vl" and f["qwen3vl.rope.dimension_sections"] == [8, 4, 4, 0]
+    assert f["qwen3vl.n_deepstack_layers"] == 0
+    assert not any("visual" in n or n.startswith("v.") for n in types)
+    ids = rand_ids(24, seed=9)
+    ref = Engine.from_pretrained(tmp_path / "ck", threads=1).logits(ids)
+    got = Engine.from_pretrained(tmp_path / "m.gguf", threads=1).logits(ids)
+    assert rel(got, ref) < LOGIT_RTOL["q8_0"]
