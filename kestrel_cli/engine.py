@@ -233,7 +233,8 @@ class Engine:
         self._check_fits(ids)
         keys = ids.keys if isinstance(ids, VisionPrompt) else [int(t) for t in ids]
         n = 0
-        for a, b in zip(self.cached_keys, keys):
+        # keys beyond cached_ids are stale (a caller that swapped the cache reset only the ids)
+        for a, b in zip(self.cached_keys[:len(self.cached_ids)], keys):
             if a != b:
                 break
             n += 1

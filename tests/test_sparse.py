@@ -187,14 +187,14 @@ def eng(smollm2_engine):
     """The session's bundled engine; each test gives it the cache it needs, the original
     comes back at the end."""
     e = smollm2_engine
-    saved = e.cache, e.cached_ids
+    saved = e.cache, e.cached_ids, e.cached_keys
     yield e
-    e.cache, e.cached_ids = saved
+    e.cache, e.cached_ids, e.cached_keys = saved
 
 
 def use_cache(eng, spec=CacheSpec()):
     eng.cache = eng.model.make_cache(eng.ctx_size, spec)
-    eng.cached_ids = []
+    eng.cached_ids, eng.cached_keys = [], []
     return eng.cache
 
 
