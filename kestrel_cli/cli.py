@@ -465,6 +465,10 @@ def ppl(
         "from the exact path (float32 exact attention, float32 activations) over the same "
         "windows (runs each window twice).",
         rich_help_panel=_OUTPUT)] = False,
+    llama_cpp: Annotated[bool, typer.Option(
+        "--llama-cpp", help="Score as llama.cpp's llama-perplexity does (whole windows, "
+        "BOS first when the model adds one, the second half of each window scored), to "
+        "compare the two engines on one file and text.", rich_help_panel=_OUTPUT)] = False,
     engine: EngineOptions = None,
 ):
     """Perplexity of a text in windows of the context size (-c), with this run's attention
@@ -475,7 +479,7 @@ def ppl(
     text = read_prompt(None, file)
     eng = engine_from_options(engine)
     ids = eng.tokenizer.encode(text, add_special_tokens=True)
-    res = perplexity(eng, ids, eng.ctx_size, kld_ref=kld_ref)
+    res = perplexity(eng, ids, eng.ctx_size, kld_ref=kld_ref, llama_cpp=llama_cpp)
     print(res.line())
 
 

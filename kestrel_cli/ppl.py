@@ -60,7 +60,7 @@ def windows(n_tokens: int, ctx: int) -> list[tuple[int, int]]:
 
 
 def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
-               progress=None) -> PplResult:
+               progress=None, llama_cpp: bool = False) -> PplResult:
     """Perplexity of token ids under `engine` (its model and attention settings).
 
     Args:
@@ -70,6 +70,10 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
         kld_ref: also compute the mean KL divergence from the exact path (float32 exact
             attention, float32 activations).
         progress: optional callable(window_index, n_windows) called after each window.
+        llama_cpp: score as llama.cpp's llama-perplexity does: whole windows only, each
+            window's first token replaced by BOS when the tokenizer adds one, and only the
+            tokens of its second half scored (the first ctx / 2 are context), so the two
+            engines' figures on one file and text are comparable.
     Returns:
         PplResult.
     """
@@ -80,6 +84,17 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
     if ctx > engine.ctx_size:
         raise KestrelError(f"window {ctx} exceeds the context size {engine.ctx_size}")
     spans = windows(ids.size, ctx)
+    first = 0                                   # first scored row of a window
+    bos = None
+    if llama_cpp:
+        spans = [(s, e) for s, e in spans if e - s == ctx]
+        first = ctx // 2 - 1                    # row ctx/2 - 1 scores token ctx/2
+        tok = engine.tokenizer
+        if getattr(tok, "add_bos_token", False) and tok.bos_token_id is not None:
+            bos = int(tok.bos_token_id)
+        if ctx < 4 or not spans:
+            raise KestrelError(f"--llama-cpp scoring needs at least one whole window of "
+                               f"{ctx} >= 4 tokens; the text has {ids.size}")
     if not spans:
         raise KestrelError(f"the text has {ids.size} token(s); perplexity needs at least 2")
     model = engine.model
@@ -89,6 +104,9 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
     t0 = time.perf_counter()
     for w, (s, e) in enumerate(spans):
         win = ids[s:e]
+        if bos is not None:
+            win = win.copy()
+            win[0] = bos
         cache.reset()
         logits = model(win, cache, all_logits=True)            # (n, V) float32
         ref = None
@@ -96,14 +114,14 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
             ref_cache.reset()
             ref = model(win, ref_cache, all_logits=True, act="f32")
         n = win.size - 1                                        # rows 0..n-1 score 1..n
-        for r0 in range(0, n, ROWS):
+        for r0 in range(first, n, ROWS):
             r1 = min(r0 + ROWS, n)
             lp = _log_softmax(logits[r0:r1])
             nll_sum -= float(lp[np.arange(r1 - r0), win[r0 + 1:r1 + 1]].sum())
             if ref is not None:
                 lq = _log_softmax(ref[r0:r1])
                 kl_sum += float((np.exp(lq) * (lq - lp)).sum())
-        n_scored += n
+        n_scored += n - first
         del logits, ref
         if progress is not None:
             progress(w, len(spans))

@@ -48,6 +48,24 @@ def test_perplexity_matches_direct_computation(eng, ids):
     assert line.startswith(f"tokens={n} windows=3 ctx={CTX} ppl=")
 
 
+def test_llama_cpp_scoring(eng, ids):
+    """--llama-cpp: whole windows only, the second half of each scored (SmolLM2 adds no
+    BOS, so the windows' tokens are the text's)."""
+    assert not eng.tokenizer.add_bos_token
+    res = perplexity(eng, ids, CTX, llama_cpp=True)
+    nll, n = 0.0, 0
+    for s in range(0, len(ids) - CTX + 1, CTX):
+        lg = eng.logits(ids[s:s + CTX]).astype(np.float64)
+        lg -= lg.max(axis=1, keepdims=True)
+        lp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
+        rows = np.arange(CTX // 2 - 1, CTX - 1)
+        nll -= lp[rows, np.asarray(ids[s + 1:s + CTX])[rows]].sum()
+        n += rows.size
+    assert (res.tokens, res.windows) == (n, 2) and n == CTX       # the 40-token tail is dropped
+    assert res.ppl == pytest.approx(math.exp(nll / n), rel=1e-6)
+    assert res.ppl != pytest.approx(perplexity(eng, ids, CTX).ppl, rel=1e-3)
+
+
 def test_kld_ref(eng, ids):
     exact = perplexity(eng, ids, CTX, kld_ref=True)
     assert exact.kld == 0.0                           # same computation as the reference
