@@ -126,6 +126,10 @@ class Scheduler:
             slot.job, job.state = job, "running"
             slot.inbox.put(job)
 
+    def _finished(self, slot: Slot, job: "Job") -> None:
+        self._released(slot)
+        job.events.put_nowait(_END)
+
     def _released(self, slot: Slot) -> None:
         if slot.job is not None:
             slot.job.state = "done"
@@ -169,8 +173,9 @@ class Scheduler:
             try:
                 self._run(slot.engine, job)
             finally:
-                job.post(_END)
-                self.loop.call_soon_threadsafe(self._released, slot)
+                # one callback: the slot is idle again before the handler sees the end, so
+                # a client that sends its next request at once never finds it still busy
+                self.loop.call_soon_threadsafe(self._finished, slot, job)
 
     @staticmethod
     def _run(eng: Engine, job: Job) -> None:
