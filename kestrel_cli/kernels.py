@@ -25,9 +25,10 @@ if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
           f"(base, avx2, avx512); using {_lib.isa()}", file=sys.stderr)
 
 # Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
-FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
+FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6,
+            "q5_1": 7, "q2_k": 8, "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12}
 _DATA_DTYPE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16,
-               "q8_0": np.uint8, "q4_0": np.uint8, "q4_1": np.uint8}
+               **{f: np.uint8 for f in BLOCK_BYTES}}
 assert set(FMT_CODE) == set(FORMATS)
 
 
