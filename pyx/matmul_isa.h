@@ -135,6 +135,7 @@ KF_TARGET KF_INLINE void KF_V(unpack_q5)(const uint8_t *restrict blk, uint8_t *r
     }
 }
 
+#ifndef KF_VKFAST        /* else the variant's own (matmul_x86.h) */
 /* q5_0: sum_b d_b (sum_k q_bk x_bk - 16 sx[b]) */
 KF_TARGET static float KF_V(dot_q5_0)(const float *restrict x, const float *restrict sx,
                                       const uint8_t *restrict w, ptrdiff_t nb)
@@ -242,6 +243,7 @@ KF_TARGET static float KF_V(dot_k)(int fmt, const float *restrict x, const float
     default: return KF_V(dot_k_body)(KF_Q6_K, x, sx, w, nsb);
     }
 }
+#endif /* KF_VKFAST */
 
 /* ---------------------------------------------------------------- int8 activations */
 
@@ -354,16 +356,17 @@ KF_TARGET static float KF_V(idot_q4_1)(const int8_t *restrict xq, const float *r
     return acc[0] + macc[0];
 }
 
-/* sum_k u_k xq_k over 16 elements (half a block) */
-KF_TARGET KF_INLINE int KF_V(idot16)(const KF_IW *restrict u, const int8_t *restrict xb)
+/* sum_k v_k xq_k over 16 elements (half a block), weights as s8 */
+KF_TARGET KF_INLINE int KF_V(idot16)(const int8_t *restrict v, const int8_t *restrict xb)
 {
     int s = 0;
     KF_BLOCK_LOOP
     for (int k = 0; k < 16; k++)
-        s += (int)u[k] * (int)xb[k];
+        s += (int)v[k] * (int)xb[k];
     return s;
 }
 
+#ifndef KF_VKFAST
 /* q5_0 weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk - 16 xs_b) */
 KF_TARGET static float KF_V(idot_q5_0)(const int8_t *restrict xq, const float *restrict xd,
                                        const int32_t *restrict xs,
@@ -409,22 +412,11 @@ KF_TARGET KF_INLINE float KF_V(idot_k_body)(const int fmt, const int8_t *restric
             for (int t = 0; t < 8; t++) {
                 const ptrdiff_t b = 8 * B + t;
                 const int8_t *xb = xq + b * KF_QK;
+                int8_t v[KF_QK];                  /* q - 32 as s8, whatever KF_IW */
                 KF_V(unpack_k)(fmt, blk, t, u8);
-#if KF_VSIGNED
                 for (int k = 0; k < KF_QK; k++)
-                    u[k] = (int8_t)((int)u8[k] - 32);
-                const int sa = KF_V(idot16)(u, xb), sb = KF_V(idot16)(u + 16, xb + 16);
-#else
-                int xa = 0, xb2 = 0;
-                for (int k = 0; k < 16; k++) {
-                    xa += xb[k];
-                    xb2 += xb[k + 16];
-                }
-                for (int k = 0; k < KF_QK; k++)
-                    u[k] = u8[k];
-                const int sa = KF_V(idot16)(u, xb) - 32 * xa;
-                const int sb = KF_V(idot16)(u + 16, xb + 16) - 32 * xb2;
-#endif
+                    v[k] = (int8_t)((int)u8[k] - 32);
+                const int sa = KF_V(idot16)(v, xb), sb = KF_V(idot16)(v + 16, xb + 16);
                 acc[t & 1] += (d * xd[b]) * (float)(sc[2 * t] * sa + sc[2 * t + 1] * sb);
             }
         } else {
@@ -457,6 +449,7 @@ KF_TARGET static float KF_V(idot_k)(int fmt, const int8_t *restrict xq,
     default: return KF_V(idot_k_body)(KF_Q6_K, xq, xd, sx, w, nsb);
     }
 }
+#endif /* KF_VKFAST */
 
 #undef KF_IW
 #undef KF_IQ8_C
@@ -464,7 +457,7 @@ KF_TARGET static float KF_V(idot_k)(int fmt, const int8_t *restrict xq,
 /* ---------------------------------------------------------------- GEMV rows */
 
 /* KF_VKFAST(name): the variant's own q5_0 / K-quant dots (matmul_x86.h:
- * kf_NAME_xdot_k, _xdot_q5_0, _idot_k, _idot_q5_0), else the portable ones above. */
+ * kf_NAME_kx_xdot_k, _xdot_q5_0, _idot_k, _idot_q5_0), else the portable ones above. */
 #ifdef KF_VKFAST
 #define KF_VDOTK(name) KF_VKFAST(x##name)
 #define KF_VIDOTK(name) KF_VKFAST(name)
