@@ -1,4 +1,4 @@
-/* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 weights with int8 activations
+/* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 / q4_k weights with int8 activations
  * (kestrel_cli.kernels.matmul act_q8; docs/DESIGN.md §5 Kernels and ISAs).
  *
  * The model: every token row is quantised once per matmul by kf_prep_act (matmul.h), the
@@ -12,7 +12,10 @@
  *   q8_0: u = q (s8, c = 0) where the variant multiplies s8 (base; AVX2 through
  *         |u| x sign(x, u) with pmaddubsw: a u8 x s8 pair sum stays <= 2 * 128 * 127, no
  *         int16 saturation), u = q + 128 (u8, c = 128) with VNNI's vpdpbusd (int32 sums);
- *   q4_0: u = the nibble 0..15, c = 8;  q4_1: u = the nibble, c = 0, plus m_w * sx.
+ *   q4_0: u = the nibble 0..15, c = 8;  q4_1: u = the nibble, c = 0, plus m_w * sx;
+ *   q4_k: as q4_1, block b being sub-block b % 8 of super-block b / 8: d_w = d sc_j,
+ *         m_w = -dmin m_j (q5_k, q6_k, q5_0 take the float GEMM: their quants reach
+ *         31 / 63, which the int16 sums of the AVX2 tile cannot hold).
  *
  * Weights are repacked, one row block at a time (an L2-sized panel, kq_pack), so that the
  * SIMD lanes are weight rows (int32 dot sums of GR rows: 8, 16 under AVX-512): for a group
@@ -52,6 +55,8 @@
 /* formats as kernel kinds */
 enum { KQ_Q8_0 = 0, KQ_Q4_0 = 1, KQ_Q4_1 = 2 };
 
+/* q4_k runs as q4_1: per activation block (its sub-block j of 32) the nibbles, the scale
+ * d sc_j and the offset m = -dmin m_j, both exact products (kq_pack). */
 static inline int kq_kind(int fmt)
 {
     return fmt == KF_Q8_0 ? KQ_Q8_0 : (fmt == KF_Q4_0 ? KQ_Q4_0 : KQ_Q4_1);
@@ -72,9 +77,10 @@ KF_INLINE int32_t kq_ld32(const int8_t *p)
 
 /* Pack nr <= gr raw rows (w, ldw bytes apart, nb blocks each) into one group of the panel
  * (layout above); rows nr..gr-1 get zero scales. xor8: 0x80 stores q8_0 as q + 128. */
-static void kq_pack(int kind, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t nb, int gr,
+static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t nb, int gr,
                     uint8_t xor8, uint8_t *restrict p)
 {
+    const int kind = kq_kind(fmt);
     const ptrdiff_t bs = kq_block_bytes(kind, gr);
     const ptrdiff_t bb = kind == KQ_Q8_0 ? 34 : (kind == KQ_Q4_0 ? 18 : 20);
     const ptrdiff_t qo = kind == KQ_Q4_1 ? 4 : 2;
@@ -88,6 +94,16 @@ static void kq_pack(int kind, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t
                 dw[r] = 0.0f;
                 if (kind == KQ_Q4_1)
                     dw[gr + r] = 0.0f;
+            } else if (fmt == KF_Q4_K) {
+                const uint8_t *sb = w + r * ldw + b / 8 * 144;      /* its super-block */
+                const int t = (int)(b % 8), sh = 4 * (t % 2);
+                const uint8_t *q = sb + 16 + 32 * (t / 2);
+                uint8_t sc[8], mn[8];
+                kf_k4_scales(sb + 4, sc, mn);
+                for (int k = 0; k < KF_QK; k++)
+                    e[k] = (q[k] >> sh) & 0x0f;
+                dw[r] = kf_f16_at(sb) * (float)sc[t];
+                dw[gr + r] = -(kf_f16_at(sb + 2) * (float)mn[t]);
             } else {
                 const uint8_t *blk = w + r * ldw + b * bb;
                 if (kind == KQ_Q8_0) {
@@ -379,7 +395,8 @@ typedef struct {
     uint8_t *act_mem, *panels;
 } kf_q8_plan;
 
-/* Plan out = x @ W.T for a (d, n) weight of format fmt (q8_0 / q4_0 / q4_1, n % 32 == 0),
+/* Plan out = x @ W.T for a (d, n) weight of format fmt (q8_0 / q4_0 / q4_1 with
+ * n % 32 == 0, or q4_k with n % 256 == 0),
  * T tokens, nt threads, with the variant in use. */
 static void kf_gemm_q8_plan(int fmt, ptrdiff_t d, ptrdiff_t n, ptrdiff_t T, int nt,
                             kf_q8_plan *p)
@@ -450,7 +467,7 @@ static void kf_gemm_q8_items(const kf_q8_plan *p, const uint8_t *w, ptrdiff_t ld
         const ptrdiff_t nr = p->d - r0 < p->rb ? p->d - r0 : p->rb;
         if (ib != packed) {
             for (ptrdiff_t r = 0; r < nr; r += v->gr)
-                kq_pack(p->kind, w + (r0 + r) * ldw, ldw, nr - r < v->gr ? (int)(nr - r) : v->gr,
+                kq_pack(p->fmt, w + (r0 + r) * ldw, ldw, nr - r < v->gr ? (int)(nr - r) : v->gr,
                         p->nb, v->gr, v->xor8, panel + r / v->gr * gs);
             packed = ib;
         }

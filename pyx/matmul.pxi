@@ -9,6 +9,7 @@ cdef extern from "matmul.h" nogil:
         KF_Q8_0
         KF_Q4_0
         KF_Q4_1
+        KF_Q4_K
     void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
     ctypedef struct kf_act:
         pass
@@ -98,7 +99,8 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
                 kf_gemv_rows(fmt, &a, n, &w[0, 0], ldw, split(d, c, nt), split(d, c + 1, nt),
                              &out[0, 0])
         return
-    if act_q8 and n % KF_QK == 0 and (fmt == KF_Q8_0 or fmt == KF_Q4_0 or fmt == KF_Q4_1):
+    if act_q8 and n % KF_QK == 0 and (fmt == KF_Q8_0 or fmt == KF_Q4_0 or fmt == KF_Q4_1
+                                      or fmt == KF_Q4_K):
         _gemm_q8(x, w, fmt, out, n_threads)
         return
     # GEMM: each row block is dequantised once into panels, then dotted with every token
