@@ -26,7 +26,8 @@ if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
 
 # Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
 FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6,
-            "q5_1": 7, "q2_k": 8, "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12}
+            "q5_1": 7, "q2_k": 8, "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12,
+            "iq4_nl": 13, "iq4_xs": 14}
 _DATA_DTYPE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16,
                **{f: np.uint8 for f in BLOCK_BYTES}}
 assert set(FMT_CODE) == set(FORMATS)

@@ -1,8 +1,8 @@
 """Open a checkpoint as published: an HF directory (safetensors, single or sharded) or a GGUF.
 
 Tensors are memory-mapped and used in place (f32, f16, bf16 and GGUF's Q8_0/Q4_0/Q4_1/
-Q5_0/Q5_1 blocks and Q2_K..Q6_K K-quants); only 1-D tensors (norms, biases) are widened to
-float32 copies. The store hands
+Q5_0/Q5_1 blocks, Q2_K..Q6_K K-quants, IQ4_NL/IQ4_XS); only 1-D tensors (norms, biases)
+are widened to float32 copies. The store hands
 out `Weight` matrices and float32 vectors by their Hugging Face names.
 
 The safetensors header is read here, not with the `safetensors` package: its numpy API copies
@@ -321,7 +321,8 @@ def _load_gguf(path: Path):
     store = TensorStore()
     qtypes = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
               "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_k", "Q3_K": "q3_k",
-              "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+              "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl",
+              "IQ4_XS": "iq4_xs"}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:

@@ -17,6 +17,8 @@ Formats and the layout of `data` (rows = output features, d x n logical):
   q4_k  uint8   (d, n/256*144)  8 sub-blocks of 32, 6-bit scale and min each, 4-bit q
   q5_k  uint8   (d, n/256*176)  as q4_k with a 5th bit per element
   q6_k  uint8   (d, n/256*210)  16 sub-blocks of 16, int8 scales, 6-bit q
+  and its non-linear 4-bit formats (a 16-value table): iq4_nl (d, n/32*18), blocks of 32
+  with one f16 scale; iq4_xs (d, n/256*136), super-blocks of 256, 6-bit sub-block scales
   (pyx/formats.h spells out each layout). The NumPy reference for these is the gguf
   package's own dequantisation (gguf.quants.dequantize).
 The block layouts are GGUF's (llama.cpp's), so GGUF tensors are used in place.
@@ -30,13 +32,15 @@ import numpy as np
 QK = 32                                   # elements per block of 32 (and activation block)
 QK_K = 256                                # elements per K-quant super-block
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24,
-               "q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210}
-BLOCK_ELEMS = {f: (QK_K if f.endswith("_k") else QK) for f in BLOCK_BYTES}
+               "q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
+               "iq4_nl": 18, "iq4_xs": 136}
+BLOCK_ELEMS = {f: (QK_K if f.endswith(("_k", "_xs")) else QK) for f in BLOCK_BYTES}
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
-           "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+           "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 # the gguf package's type of each format whose reference is gguf.quants.dequantize
 _GGUF_REFERENCE = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k": "Q3_K",
-                   "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}
+                   "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "iq4_nl": "IQ4_NL",
+                   "iq4_xs": "IQ4_XS"}
 
 
 @dataclass

@@ -1,6 +1,7 @@
 /* The weight storage formats of kestrel_cli/weights.py and their dequantisation: GGUF's
  * (llama.cpp's) blocks of 32 elements for q8_0 / q4_0 / q4_1 / q5_0 / q5_1, its K-quant
- * super-blocks of 256 (q2_k, q3_k, q4_k, q5_k, q6_k), f16 and bf16 bits, f32.
+ * super-blocks of 256 (q2_k, q3_k, q4_k, q5_k, q6_k), its non-linear 4-bit iq4_nl (32) and
+ * iq4_xs (256), f16 and bf16 bits, f32.
  * Plain elementwise loops per block (simd.h's rules); the matmul variants (matmul.h)
  * dequantise through these, and get_rows reads embedding rows with them.
  */
@@ -15,13 +16,16 @@
 
 enum { KF_F32 = 0, KF_F16 = 1, KF_BF16 = 2, KF_Q8_0 = 3, KF_Q4_0 = 4, KF_Q4_1 = 5,
        KF_Q5_0 = 6, KF_Q5_1 = 7, KF_Q2_K = 8, KF_Q3_K = 9, KF_Q4_K = 10, KF_Q5_K = 11,
-       KF_Q6_K = 12, KF_N_FMT = 13 };
+       KF_Q6_K = 12, KF_IQ4_NL = 13, KF_IQ4_XS = 14, KF_N_FMT = 15 };
 
 /* Bytes of one block (elements kf_block_elems) of each format; 0 for the float ones. */
 static const int kf_block_bytes[KF_N_FMT] = {0, 0, 0, 34, 18, 20, 22, 24, 84, 110, 144, 176,
-                                             210};
+                                             210, 18, 136};
 
-static inline int kf_is_k(int fmt) { return fmt >= KF_Q2_K && fmt <= KF_Q6_K; }
+static inline int kf_is_k(int fmt)
+{
+    return (fmt >= KF_Q2_K && fmt <= KF_Q6_K) || fmt == KF_IQ4_XS;
+}
 static inline int kf_block_elems(int fmt) { return kf_is_k(fmt) ? KF_QK_K : KF_QK; }
 
 /* ---------------------------------------------------------------- row dequantisation */
@@ -243,6 +247,36 @@ static inline void kf_deq_q6_k(const uint8_t *restrict w, float *restrict out, p
     }
 }
 
+/* ---------------------------------------------------------------- 4-bit non-linear
+ * iq4_nl (18 bytes, 32 elements): f16 d, 16 bytes of nibbles as q4_0; x = d kf_iq4_val[q].
+ * iq4_xs (136 bytes, 256 elements): f16 d, uint16 scales_h, scales_l[4], qs[128]; 8
+ *     sub-blocks of 32 with 6-bit scales ls_j (low 4 bits nibble j % 2 of scales_l[j / 2],
+ *     high 2 bits at shift 2 j of scales_h), nibbles of sub-block j in qs[16 j..16 j + 15]
+ *     as q4_0; x = d (ls_j - 32) kf_iq4_val[q]. Products of exact factors (<= 24 bits). */
+static const int8_t kf_iq4_val[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1, 13, 25, 38, 53, 69, 89, 113};
+
+/* iq4_nl blocks (n elements), or the sub-blocks of 32 of iq4_xs when xs */
+static inline void kf_deq_iq4(int xs, const uint8_t *restrict w, float *restrict out,
+                              ptrdiff_t n)
+{
+    const int nsub = xs ? 8 : 1, bb = xs ? 136 : 18, qo = xs ? 8 : 2;
+    for (ptrdiff_t b = 0; b < n / (KF_QK * nsub); b++, w += bb) {
+        const float d = kf_f16_at(w);
+        const unsigned sh = (unsigned)w[2] | ((unsigned)w[3] << 8);
+        for (int j = 0; j < nsub; j++, out += KF_QK) {
+            const int ls = xs ? (int)(((w[4 + j / 2] >> (4 * (j % 2))) & 15)
+                                      | (((sh >> (2 * j)) & 3) << 4)) - 32 : 1;
+            const float dl = xs ? d * (float)ls : d;
+            const uint8_t *restrict q = w + qo + 16 * j;
+            for (int k = 0; k < 16; k++) {
+                out[k] = dl * (float)kf_iq4_val[q[k] & 15];
+                out[k + 16] = dl * (float)kf_iq4_val[q[k] >> 4];
+            }
+        }
+    }
+}
+
 /* Elements [j0, j0 + m) of one raw weight row -> float32 out[m]; for the block formats
  * j0 and m are multiples of the block (kf_block_elems). */
 static inline void kf_deq_span(int fmt, const uint8_t *restrict w, ptrdiff_t j0,
@@ -262,6 +296,8 @@ static inline void kf_deq_span(int fmt, const uint8_t *restrict w, ptrdiff_t j0,
     case KF_Q4_K: kf_deq_q45_k(KF_Q4_K, w + j0 / KF_QK_K * 144, out, m); break;
     case KF_Q5_K: kf_deq_q45_k(KF_Q5_K, w + j0 / KF_QK_K * 176, out, m); break;
     case KF_Q6_K: kf_deq_q6_k(w + j0 / KF_QK_K * 210, out, m); break;
+    case KF_IQ4_NL: kf_deq_iq4(0, w + j0 / KF_QK * 18, out, m); break;
+    case KF_IQ4_XS: kf_deq_iq4(1, w + j0 / KF_QK_K * 136, out, m); break;
     }
 }
 

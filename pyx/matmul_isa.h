@@ -106,7 +106,7 @@ KF_TARGET static float KF_V(dot_q4)(int fmt, const float *restrict x,
 
 /* ---------------------------------------------------------------- q5 and K-quants, float x */
 
-/* Formats without a dot of their own (q5_1, q2_k, q3_k): KF_CHUNK elements at a time
+/* Formats without a dot of their own (q5_1, q2_k, q3_k, iq4_*): KF_CHUNK elements at a time
  * dequantised into an L1 buffer by formats.h (the code of the GEMM packing and
  * get_rows), then dotted; the chunks' sums added in order. */
 KF_TARGET static float KF_V(dot_deq)(int fmt, const float *restrict x,
@@ -560,7 +560,7 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
         for (i = r0; i < r1; i++)
             out[i] = KF_VDOTK(dot_k)(fmt, a->x, a->sx, w + i * ldw, nsb);
         break;
-    default:                                          /* q5_1, q2_k, q3_k */
+    default:                              /* q5_1, q2_k, q3_k, iq4_nl, iq4_xs */
         for (i = r0; i < r1; i++)
             out[i] = KF_V(dot_deq)(fmt, a->x, w + i * ldw, n);
         break;

@@ -1,6 +1,6 @@
-"""GGUF files with K-quant and 5-bit tensors (as llama.cpp's Q4_K_M / Q5_K_M / Q6_K files
-mix them) load and run: a tiny Qwen3 written with every new type, its embedding (tied to
-the output) in Q6_K, against a twin GGUF holding the same values as F32."""
+"""GGUF files with K-quant, 5-bit and IQ4 tensors (as llama.cpp's Q4_K_M / Q5_K_M / Q6_K /
+IQ4_XS files mix them) load and run: a tiny Qwen3 written with every new type, its
+embedding (tied to the output) in Q6_K, against a twin GGUF holding the same values as F32."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,8 +17,11 @@ IDS = [5, 17, 300, 2, 999, 40, 41]
 H, NH, NKV, HD, FF, V = 256, 2, 1, 128, 512, 1000
 F16_AT = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,),
           "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
-TYPES = {"token_embd": "q6_k", "attn_q": "q4_k", "attn_k": "q5_k", "attn_v": "q6_k",
-         "attn_output": "q3_k", "ffn_gate": "q2_k", "ffn_up": "q5_0", "ffn_down": "q5_1"}
+TYPES = [{"token_embd": "q6_k", "attn_q": "q4_k", "attn_k": "q5_k", "attn_v": "q6_k",
+          "attn_output": "q3_k", "ffn_gate": "q2_k", "ffn_up": "q5_0", "ffn_down": "q5_1"},
+         {"attn_q": "iq4_nl", "attn_k": "iq4_xs", "attn_v": "q8_0", "attn_output": "q4_k",
+          "ffn_gate": "q6_k", "ffn_up": "q5_k", "ffn_down": "q4_k"}]          # per layer
+F16_AT.update({"q8_0": (0,), "iq4_nl": (0,), "iq4_xs": (0,)})
 
 
 def _script():
@@ -47,14 +50,14 @@ def random_blocks(fmt: str, shape, rng, std: float = 0.05) -> np.ndarray:
 
 
 def write(path: Path, tensors: dict, as_f32: bool) -> None:
-    """A one-layer qwen3 GGUF of `tensors` (GGUF name -> (fmt, raw or float32 array))."""
+    """A two-layer qwen3 GGUF of `tensors` (GGUF name -> (fmt, raw or float32 array))."""
     import gguf
     from kestrel_cli.weights import dequantize
     mrc = _script()
     w = gguf.GGUFWriter(path, "qwen3")
     w.add_context_length(512)
     w.add_embedding_length(H)
-    w.add_block_count(1)
+    w.add_block_count(2)
     w.add_feed_forward_length(FF)
     w.add_head_count(NH)
     w.add_head_count_kv(NKV)
@@ -83,13 +86,16 @@ def twins(tmp_path_factory):
               "attn_v": (NKV * HD, H), "attn_output": (H, NH * HD), "ffn_gate": (FF, H),
               "ffn_up": (FF, H), "ffn_down": (H, FF)}
     tensors = {}
-    for g, shape in shapes.items():
-        name = g + ".weight" if g == "token_embd" else f"blk.0.{g}.weight"
-        tensors[name] = (TYPES[g], random_blocks(TYPES[g], shape, rng), shape)
-    for name, n in (("blk.0.attn_norm.weight", H), ("blk.0.ffn_norm.weight", H),
-                    ("blk.0.attn_q_norm.weight", HD), ("blk.0.attn_k_norm.weight", HD),
-                    ("output_norm.weight", H)):
-        tensors[name] = ("f32", (1 + 0.1 * rng.standard_normal(n)).astype(np.float32), (n,))
+    for i, types in enumerate(TYPES):
+        for g, fmt in types.items():
+            name = g + ".weight" if g == "token_embd" else f"blk.{i}.{g}.weight"
+            tensors[name] = (fmt, random_blocks(fmt, shapes[g], rng), shapes[g])
+        for name, n in (("attn_norm", H), ("ffn_norm", H), ("attn_q_norm", HD),
+                        ("attn_k_norm", HD)):
+            tensors[f"blk.{i}.{name}.weight"] = (
+                "f32", (1 + 0.1 * rng.standard_normal(n)).astype(np.float32), (n,))
+    tensors["output_norm.weight"] = ("f32", (1 + 0.1 * rng.standard_normal(H)).astype(
+        np.float32), (H,))
     d = tmp_path_factory.mktemp("kquants")
     write(d / "k.gguf", tensors, as_f32=False)
     write(d / "f32.gguf", tensors, as_f32=True)
@@ -101,10 +107,12 @@ def test_kquant_gguf_loads_and_matches_f32(twins):
     m = eng.model
     assert eng.config.tie_word_embeddings
     assert m.embed_tokens.fmt == "q6_k" and m.lm_head is m.embed_tokens
-    layer = m.layers[0]
-    assert (layer.self_attn.q_proj.fmt, layer.self_attn.k_proj.fmt, layer.self_attn.v_proj.fmt,
-            layer.self_attn.o_proj.fmt, layer.mlp.gate_proj.fmt, layer.mlp.up_proj.fmt,
-            layer.mlp.down_proj.fmt) == ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k", "q5_0", "q5_1")
+    for layer, types in zip(m.layers, TYPES):
+        assert (layer.self_attn.q_proj.fmt, layer.self_attn.k_proj.fmt,
+                layer.self_attn.v_proj.fmt, layer.self_attn.o_proj.fmt,
+                layer.mlp.gate_proj.fmt, layer.mlp.up_proj.fmt, layer.mlp.down_proj.fmt) == \
+            tuple(types[g] for g in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                     "ffn_up", "ffn_down"))
     ref = Engine.from_pretrained(twins / "f32.gguf", threads=2)
     assert ref.model.embed_tokens.fmt == "f32"
     a, b = eng.logits(IDS), ref.logits(IDS)

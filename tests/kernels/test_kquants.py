@@ -1,7 +1,8 @@
-"""GGUF's 5-bit blocks and K-quants (q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k) in the
-kernels: dequantisation bit-exact against the gguf package, the float GEMV / GEMM within
-the float32 tolerance of test_matmul, the int8-activation GEMV against an integer-block
-model, on every kernel variant this CPU runs."""
+"""GGUF's 5-bit blocks, K-quants and 4-bit non-linear formats (q5_0, q5_1, q2_k, q3_k,
+q4_k, q5_k, q6_k, iq4_nl, iq4_xs) in the kernels: dequantisation bit-exact against the
+gguf package, the float GEMV / GEMM within the float32 tolerance of test_matmul, the
+int8-activation GEMV against an integer-block model, on every kernel variant this CPU
+runs."""
 import numpy as np
 import pytest
 
@@ -10,10 +11,10 @@ from kestrel_cli.weights import BLOCK_BYTES, BLOCK_ELEMS, QK, Weight
 from conftest import VARIANTS
 from test_matmul import check_matmul, q8_activations
 
-NEW = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
+NEW = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
 # byte offsets of each format's f16 fields (scales, mins)
 F16_AT = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,),
-          "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+          "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
 INT8_DOTS = ["q5_0", "q4_k", "q5_k", "q6_k"]        # formats with int8-activation dots
 
 
@@ -39,7 +40,7 @@ def test_dequantize_is_gguf(fmt):
     """weights.dequantize and the C dequantisation (get_rows) equal gguf.quants.dequantize
     bit for bit, subnormal and zero f16 scales included."""
     rng = np.random.default_rng(NEW.index(fmt))
-    n = 2 * BLOCK_ELEMS[fmt] if fmt.endswith("_k") else 96
+    n = 2 * BLOCK_ELEMS[fmt] if BLOCK_ELEMS[fmt] > QK else 96
     w = make_kweight(fmt, 40, n, rng)
     blocks = w.data.reshape(40, -1, BLOCK_BYTES[fmt])
     o = F16_AT[fmt][0]
@@ -135,7 +136,7 @@ def int8_block_reference(x: np.ndarray, w: Weight) -> np.ndarray:
 @pytest.mark.parametrize("n", [256, 1024, 4096])
 def test_int8_activations(isa, fmt, n):
     """act_q8: the formats with int8 dots within float32 rounding of the integer-block
-    model; the others (q5_1, q2_k, q3_k) take the exact float path."""
+    model; the others (q5_1, q2_k, q3_k, iq4_*) take the exact float path."""
     rng = np.random.default_rng([NEW.index(fmt), n])
     w = make_kweight(fmt, 45, n, rng)
     x = rng.standard_normal((1, n)).astype(np.float32)
