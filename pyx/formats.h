@@ -256,6 +256,13 @@ static inline void kf_deq_q6_k(const uint8_t *restrict w, float *restrict out, p
 static const int8_t kf_iq4_val[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1, 13, 25, 38, 53, 69, 89, 113};
 
+/* iq4_xs: sub-block j's scale ls_j - 32 */
+static inline int kf_iq4xs_scale(const uint8_t *restrict blk, int j)
+{
+    const unsigned sh = (unsigned)blk[2] | ((unsigned)blk[3] << 8);
+    return (int)(((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+}
+
 /* iq4_nl blocks (n elements), or the sub-blocks of 32 of iq4_xs when xs */
 static inline void kf_deq_iq4(int xs, const uint8_t *restrict w, float *restrict out,
                               ptrdiff_t n)
@@ -263,11 +270,8 @@ static inline void kf_deq_iq4(int xs, const uint8_t *restrict w, float *restrict
     const int nsub = xs ? 8 : 1, bb = xs ? 136 : 18, qo = xs ? 8 : 2;
     for (ptrdiff_t b = 0; b < n / (KF_QK * nsub); b++, w += bb) {
         const float d = kf_f16_at(w);
-        const unsigned sh = (unsigned)w[2] | ((unsigned)w[3] << 8);
         for (int j = 0; j < nsub; j++, out += KF_QK) {
-            const int ls = xs ? (int)(((w[4 + j / 2] >> (4 * (j % 2))) & 15)
-                                      | (((sh >> (2 * j)) & 3) << 4)) - 32 : 1;
-            const float dl = xs ? d * (float)ls : d;
+            const float dl = xs ? d * (float)kf_iq4xs_scale(w, j) : d;
             const uint8_t *restrict q = w + qo + 16 * j;
             for (int k = 0; k < 16; k++) {
                 out[k] = dl * (float)kf_iq4_val[q[k] & 15];

@@ -106,7 +106,7 @@ KF_TARGET static float KF_V(dot_q4)(int fmt, const float *restrict x,
 
 /* ---------------------------------------------------------------- q5 and K-quants, float x */
 
-/* Formats without a dot of their own (q5_1, q2_k, q3_k, iq4_*): KF_CHUNK elements at a time
+/* Formats without a dot of their own (q5_1, q2_k, q3_k): KF_CHUNK elements at a time
  * dequantised into an L1 buffer by formats.h (the code of the GEMM packing and
  * get_rows), then dotted; the chunks' sums added in order. */
 KF_TARGET static float KF_V(dot_deq)(int fmt, const float *restrict x,
@@ -132,6 +132,16 @@ KF_TARGET KF_INLINE void KF_V(unpack_q5)(const uint8_t *restrict blk, uint8_t *r
     for (int k = 0; k < 16; k++) {
         u[k] = (uint8_t)((q[k] & 0x0f) | (((qh >> k) & 1u) << 4));
         u[k + 16] = (uint8_t)((q[k] >> 4) | (((qh >> (k + 16)) & 1u) << 4));
+    }
+}
+
+/* An iq4 block's (or iq4_xs sub-block's) 16 bytes q as its 32 values kf_iq4_val[nibble]
+ * (element k low nibble, k + 16 high nibble). */
+KF_TARGET KF_INLINE void KF_V(unpack_iq4)(const uint8_t *restrict q, int8_t *restrict v)
+{
+    for (int k = 0; k < 16; k++) {
+        v[k] = kf_iq4_val[q[k] & 15];
+        v[k + 16] = kf_iq4_val[q[k] >> 4];
     }
 }
 
@@ -242,6 +252,27 @@ KF_TARGET static float KF_V(dot_k)(int fmt, const float *restrict x, const float
     case KF_Q5_K: return KF_V(dot_k_body)(KF_Q5_K, x, sx, w, nsb);
     default: return KF_V(dot_k_body)(KF_Q6_K, x, sx, w, nsb);
     }
+}
+
+/* iq4_nl (xs = 0, nb blocks of 32) or iq4_xs (xs = 1, nb super-blocks of 256): per
+ * sub-block of 32, (d (ls - 32)) sum_k kf_iq4_val[q_k] x_k, 32 lanes */
+KF_TARGET static float KF_V(dot_iq4)(int xs, const float *restrict x,
+                                     const uint8_t *restrict w, ptrdiff_t nb)
+{
+    float acc[KF_QK] = {0};
+    int8_t v[KF_QK];
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_VF16(blk);
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const float *xb = x + (b * (xs ? 8 : 1) + j) * KF_QK;
+            const float dl = xs ? d * (float)kf_iq4xs_scale(blk, j) : d;
+            KF_V(unpack_iq4)(blk + (xs ? 8 + 16 * j : 2), v);
+            for (int k = 0; k < KF_QK; k++)
+                acc[k] += dl * ((float)v[k] * xb[k]);
+        }
+    }
+    return kf_hsum(acc, KF_QK);
 }
 #endif /* KF_VKFAST */
 
@@ -449,6 +480,28 @@ KF_TARGET static float KF_V(idot_k)(int fmt, const int8_t *restrict xq,
     default: return KF_V(idot_k_body)(KF_Q6_K, xq, xd, sx, w, nsb);
     }
 }
+
+/* iq4_nl / iq4_xs weights . int8 x: per sub-block = activation block b,
+ * (d xd_b) (ls - 32) sum_k kf_iq4_val[q_k] xq_k (s8 x s8) */
+KF_TARGET static float KF_V(idot_iq4)(int xs, const int8_t *restrict xq,
+                                      const float *restrict xd, const uint8_t *restrict w,
+                                      ptrdiff_t nb)
+{
+    float acc[2] = {0.0f, 0.0f};
+    int8_t v[KF_QK];
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_VF16(blk);
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const ptrdiff_t a = b * (xs ? 8 : 1) + j;
+            const int8_t *xb = xq + a * KF_QK;
+            KF_V(unpack_iq4)(blk + (xs ? 8 + 16 * j : 2), v);
+            const int s = KF_V(idot16)(v, xb) + KF_V(idot16)(v + 16, xb + 16);
+            acc[a & 1] += (d * xd[a]) * (float)(xs ? kf_iq4xs_scale(blk, j) * s : s);
+        }
+    }
+    return acc[0] + acc[1];
+}
 #endif /* KF_VKFAST */
 
 #undef KF_IW
@@ -457,7 +510,8 @@ KF_TARGET static float KF_V(idot_k)(int fmt, const int8_t *restrict xq,
 /* ---------------------------------------------------------------- GEMV rows */
 
 /* KF_VKFAST(name): the variant's own q5_0 / K-quant dots (matmul_x86.h:
- * kf_NAME_kx_xdot_k, _xdot_q5_0, _idot_k, _idot_q5_0), else the portable ones above. */
+ * kf_NAME_kx_xdot_k, _xdot_q5_0, _xdot_iq4, _idot_k, _idot_q5_0, _idot_iq4), else the
+ * portable ones above. */
 #ifdef KF_VKFAST
 #define KF_VDOTK(name) KF_VKFAST(x##name)
 #define KF_VIDOTK(name) KF_VKFAST(name)
@@ -477,6 +531,12 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
     if (a->xq != NULL && (fmt == KF_Q4_K || fmt == KF_Q5_K || fmt == KF_Q6_K)) {
         for (i = r0; i < r1; i++)
             out[i] = KF_VIDOTK(idot_k)(fmt, a->xq, a->xd, a->sx, w + i * ldw, nsb);
+        return;
+    }
+    if (a->xq != NULL && (fmt == KF_IQ4_NL || fmt == KF_IQ4_XS)) {
+        const int xs = fmt == KF_IQ4_XS;
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VIDOTK(idot_iq4)(xs, a->xq, a->xd, w + i * ldw, xs ? nsb : nb);
         return;
     }
     if (a->xq != NULL && fmt == KF_Q5_0) {
@@ -560,7 +620,13 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
         for (i = r0; i < r1; i++)
             out[i] = KF_VDOTK(dot_k)(fmt, a->x, a->sx, w + i * ldw, nsb);
         break;
-    default:                              /* q5_1, q2_k, q3_k, iq4_nl, iq4_xs */
+    case KF_IQ4_NL:
+    case KF_IQ4_XS:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOTK(dot_iq4)(fmt == KF_IQ4_XS, a->x, w + i * ldw,
+                                       fmt == KF_IQ4_XS ? nsb : nb);
+        break;
+    default:                                          /* q5_1, q2_k, q3_k */
         for (i = r0; i < r1; i++)
             out[i] = KF_V(dot_deq)(fmt, a->x, w + i * ldw, n);
         break;

@@ -321,7 +321,8 @@ KF_AVX2_I8_ROWS(4)
 
 /* ---------------------------------------------------------------- q5_0 and K-quants */
 
-/* The q5_0 and K-quant (q4_k, q5_k, q6_k) dots of both variants: matmul_isa.h's
+/* The q5_0, K-quant (q4_k, q5_k, q6_k) and iq4 (iq4_nl, iq4_xs: the table lookup by
+ * vpshufb, then as q8_0) dots of both variants: matmul_isa.h's
  * KF_VKFAST names (kf_NAME_kx_...), one row per call (a K-quant row is long: 256 elements a block). Per
  * activation block of 32 (one 32-element sub-block of q4_k / q5_k, two of 16 of q6_k),
  * the 32 quants are unpacked into one vector of u8 (kf_avx2_kq, kf_avx2_q5_0), then
@@ -568,6 +569,81 @@ KF_TARGET_AVX2 static float kf_avx2_kx_idot_q5_0(const int8_t *restrict xq,
             acc0 = _mm256_fmadd_ps(s, dv, acc0);
     }
     return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+}
+
+/* An iq4 block's (iq4_xs sub-block's) 16 bytes q as its 32 values, s8 in element order:
+ * the nibbles looked up in kf_iq4_val by vpshufb. */
+KF_TARGET_AVX2 KF_INLINE __m256i kf_avx2_iq4(const uint8_t *q)
+{
+    const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kf_iq4_val));
+    return _mm256_shuffle_epi8(tbl, kf_avx2_nib32(q));
+}
+
+/* iq4_nl (xs = 0) / iq4_xs (xs = 1), float x: per sub-block (d (ls - 32)) sum_k v_k x_k */
+KF_TARGET_AVX2 KF_INLINE float kf_avx2_kx_xdot_iq4_body(const int xs, const float *restrict x,
+                                                       const uint8_t *restrict w, ptrdiff_t nb)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_X86_F16(blk);
+        KF_UNROLL_ALL
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const float *xb = x + (b * (xs ? 8 : 1) + j) * KF_QK;
+            __m256 f[4];
+            kf_avx2_u8x32(kf_avx2_iq4(blk + (xs ? 8 + 16 * j : 2)), 1, f);
+            __m256 ta = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
+            __m256 tb = _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16));
+            ta = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), ta);
+            tb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), tb);
+            const __m256 dl = _mm256_set1_ps(xs ? d * (float)kf_iq4xs_scale(blk, j) : d);
+            acc0 = _mm256_fmadd_ps(dl, ta, acc0);
+            acc1 = _mm256_fmadd_ps(dl, tb, acc1);
+        }
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+}
+
+KF_TARGET_AVX2 static float kf_avx2_kx_xdot_iq4(int xs, const float *restrict x,
+                                                const uint8_t *restrict w, ptrdiff_t nb)
+{
+    return xs ? kf_avx2_kx_xdot_iq4_body(1, x, w, nb) : kf_avx2_kx_xdot_iq4_body(0, x, w, nb);
+}
+
+/* iq4, int8 x: |v| x sign(x, v) by vpmaddubsw (|v| <= 127: pairs <= 2 * 127 * 127), then
+ * vpmaddwd by ls - 32 (iq4_xs) or ones */
+KF_TARGET_AVX2 KF_INLINE float kf_avx2_kx_idot_iq4_body(const int xs, const int8_t *restrict xq,
+                                                       const float *restrict xd,
+                                                       const uint8_t *restrict w, ptrdiff_t nb)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_X86_F16(blk);
+        KF_UNROLL_ALL
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const ptrdiff_t a = b * (xs ? 8 : 1) + j;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + a * KF_QK));
+            const __m256i v = kf_avx2_iq4(blk + (xs ? 8 + 16 * j : 2));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));
+            const __m256i s16 = _mm256_set1_epi16((short)(xs ? kf_iq4xs_scale(blk, j) : 1));
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16));
+            const __m256 dv = _mm256_set1_ps(d * xd[a]);
+            if (a & 1)
+                acc1 = _mm256_fmadd_ps(s, dv, acc1);
+            else
+                acc0 = _mm256_fmadd_ps(s, dv, acc0);
+        }
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+}
+
+KF_TARGET_AVX2 static float kf_avx2_kx_idot_iq4(int xs, const int8_t *restrict xq,
+                                                const float *restrict xd,
+                                                const uint8_t *restrict w, ptrdiff_t nb)
+{
+    return xs ? kf_avx2_kx_idot_iq4_body(1, xq, xd, w, nb)
+              : kf_avx2_kx_idot_iq4_body(0, xq, xd, w, nb);
 }
 
 /* ---------------------------------------------------------------- AVX-512 */
@@ -936,6 +1012,73 @@ KF_TARGET_AVX512 static float kf_avx512_kx_idot_q5_0(const int8_t *restrict xq,
             acc0 = _mm256_fmadd_ps(s, dv, acc0);
     }
     return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+}
+
+KF_TARGET_AVX512 KF_INLINE float kf_avx512_kx_xdot_iq4_body(const int xs,
+                                                           const float *restrict x,
+                                                           const uint8_t *restrict w,
+                                                           ptrdiff_t nb)
+{
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_X86_F16(blk);
+        KF_UNROLL_ALL
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const float *xb = x + (b * (xs ? 8 : 1) + j) * KF_QK;
+            __m512 f0, f1;
+            const __m256i v = kf_avx2_iq4(blk + (xs ? 8 + 16 * j : 2));
+            KF_AVX512_U8X32(v, 1, f0, f1);
+            const __m512 dl = _mm512_set1_ps(xs ? d * (float)kf_iq4xs_scale(blk, j) : d);
+            acc0 = _mm512_fmadd_ps(dl, _mm512_mul_ps(f0, _mm512_loadu_ps(xb)), acc0);
+            acc1 = _mm512_fmadd_ps(dl, _mm512_mul_ps(f1, _mm512_loadu_ps(xb + 16)), acc1);
+        }
+    }
+    return kf_avx512_hsum(_mm512_add_ps(acc0, acc1));
+}
+
+KF_TARGET_AVX512 static float kf_avx512_kx_xdot_iq4(int xs, const float *restrict x,
+                                                    const uint8_t *restrict w, ptrdiff_t nb)
+{
+    return xs ? kf_avx512_kx_xdot_iq4_body(1, x, w, nb)
+              : kf_avx512_kx_xdot_iq4_body(0, x, w, nb);
+}
+
+KF_TARGET_AVX512 KF_INLINE float kf_avx512_kx_idot_iq4_body(const int xs,
+                                                           const int8_t *restrict xq,
+                                                           const float *restrict xd,
+                                                           const uint8_t *restrict w,
+                                                           ptrdiff_t nb)
+{
+    const __m256i zero = _mm256_setzero_si256();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_X86_F16(blk);
+        KF_UNROLL_ALL
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const ptrdiff_t a = b * (xs ? 8 : 1) + j;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + a * KF_QK));
+            const __m256i v = kf_avx2_iq4(blk + (xs ? 8 + 16 * j : 2));
+            __m256i dp = _mm256_dpbusd_epi32(zero, _mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));
+            if (xs)
+                dp = _mm256_mullo_epi32(dp, _mm256_set1_epi32(kf_iq4xs_scale(blk, j)));
+            const __m256 dv = _mm256_set1_ps(d * xd[a]);
+            if (a & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), dv, acc1);
+            else
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), dv, acc0);
+        }
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+}
+
+KF_TARGET_AVX512 static float kf_avx512_kx_idot_iq4(int xs, const int8_t *restrict xq,
+                                                    const float *restrict xd,
+                                                    const uint8_t *restrict w, ptrdiff_t nb)
+{
+    return xs ? kf_avx512_kx_idot_iq4_body(1, xq, xd, w, nb)
+              : kf_avx512_kx_idot_iq4_body(0, xq, xd, w, nb);
 }
 
 #endif /* KESTREL_MATMUL_X86_H */

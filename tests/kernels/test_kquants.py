@@ -15,7 +15,7 @@ NEW = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs
 # byte offsets of each format's f16 fields (scales, mins)
 F16_AT = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,),
           "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
-INT8_DOTS = ["q5_0", "q4_k", "q5_k", "q6_k"]        # formats with int8-activation dots
+INT8_DOTS = ["q5_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]   # with int8 dots
 
 
 def make_kweight(fmt: str, d: int, n: int, rng, scale: float = 0.01) -> Weight:
@@ -136,7 +136,7 @@ def int8_block_reference(x: np.ndarray, w: Weight) -> np.ndarray:
 @pytest.mark.parametrize("n", [256, 1024, 4096])
 def test_int8_activations(isa, fmt, n):
     """act_q8: the formats with int8 dots within float32 rounding of the integer-block
-    model; the others (q5_1, q2_k, q3_k, iq4_*) take the exact float path."""
+    model; the others (q5_1, q2_k, q3_k) take the exact float path."""
     rng = np.random.default_rng([NEW.index(fmt), n])
     w = make_kweight(fmt, 45, n, rng)
     x = rng.standard_normal((1, n)).astype(np.float32)
@@ -156,7 +156,8 @@ def test_int8_activations(isa, fmt, n):
 @pytest.mark.parametrize("fmt", INT8_DOTS)
 def test_int8_activations_extremes(isa, fmt):
     """Every quant at its largest (and smallest) value, activations at +-127, scales at
-    their ends (q6_k: int8 -128 / 127; q4_k / q5_k: 6-bit 63): no integer sum saturates
+    their ends (q6_k: int8 -128 / 127; q4_k / q5_k: 6-bit 63; iq4: -127 and 113, iq4_xs's
+    scales -32): no integer sum saturates
     (x86 vpmaddubsw sums pairs in int16)."""
     n = 512
     nb = n // BLOCK_ELEMS[fmt]
@@ -165,8 +166,10 @@ def test_int8_activations_extremes(isa, fmt):
         raw = np.full((nb, BLOCK_BYTES[fmt]), fill, np.uint8)
         if fmt == "q6_k":
             raw[:, 192:208] = np.array([127, -128] * 8, np.int8).view(np.uint8)
-        elif fmt != "q5_0":
+        elif fmt in ("q4_k", "q5_k"):
             raw[:, 4:16] = 0xFF                          # every scale and min 63
+        elif fmt == "iq4_xs":
+            raw[:, 2:8] = 0x00                           # every scale 0 - 32
         for o in F16_AT[fmt]:
             raw[:, o:o + 2] = np.array([1.0], np.float16).view(np.uint8)
         rows.append(raw.reshape(-1))
