@@ -1,4 +1,5 @@
-/* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 / q4_k weights with int8 activations
+/* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 (and q4_k, q5_0, iq4_nl, iq4_xs as
+ * them) weights with int8 activations
  * (kestrel_cli.kernels.matmul act_q8; docs/DESIGN.md §5 Kernels and ISAs).
  *
  * The model: every token row is quantised once per matmul by kf_prep_act (matmul.h), the
@@ -14,8 +15,10 @@
  *         int16 saturation), u = q + 128 (u8, c = 128) with VNNI's vpdpbusd (int32 sums);
  *   q4_0: u = the nibble 0..15, c = 8;  q4_1: u = the nibble, c = 0, plus m_w * sx;
  *   q4_k: as q4_1, block b being sub-block b % 8 of super-block b / 8: d_w = d sc_j,
- *         m_w = -dmin m_j (q5_k, q6_k, q5_0 take the float GEMM: their quants reach
- *         31 / 63, which the int16 sums of the AVX2 tile cannot hold).
+ *         m_w = -dmin m_j;  q5_0, iq4_nl, iq4_xs: as q8_0, u = q - 16 or the iq4 table's
+ *         value (s8), d_w = d (iq4_xs: d (ls_j - 32)). q5_1, q5_k (quants up to 31, which
+ *         the q4 tiles' int16 sums cannot hold), q6_k (two scales per block), q2_k and
+ *         q3_k take the float GEMM.
  *
  * Weights are repacked, one row block at a time (an L2-sized panel, kq_pack), so that the
  * SIMD lanes are weight rows (int32 dot sums of GR rows: 8, 16 under AVX-512): for a group
@@ -56,10 +59,14 @@
 enum { KQ_Q8_0 = 0, KQ_Q4_0 = 1, KQ_Q4_1 = 2 };
 
 /* q4_k runs as q4_1: per activation block (its sub-block j of 32) the nibbles, the scale
- * d sc_j and the offset m = -dmin m_j, both exact products (kq_pack). */
+ * d sc_j and the offset m = -dmin m_j, both exact products; q5_0, iq4_nl and iq4_xs as
+ * q8_0: their values as s8 (q - 16; the iq4 table's) and one scale (d; d (ls_j - 32))
+ * (kq_pack). */
 static inline int kq_kind(int fmt)
 {
-    return fmt == KF_Q8_0 ? KQ_Q8_0 : (fmt == KF_Q4_0 ? KQ_Q4_0 : KQ_Q4_1);
+    if (fmt == KF_Q8_0 || fmt == KF_Q5_0 || fmt == KF_IQ4_NL || fmt == KF_IQ4_XS)
+        return KQ_Q8_0;
+    return fmt == KF_Q4_0 ? KQ_Q4_0 : KQ_Q4_1;
 }
 
 /* Panel bytes per block of one group of gr rows: 32 gr quant bytes, gr d_w (and m_w). */
@@ -94,6 +101,36 @@ static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t 
                 dw[r] = 0.0f;
                 if (kind == KQ_Q4_1)
                     dw[gr + r] = 0.0f;
+            } else if (fmt == KF_Q5_0 || fmt == KF_IQ4_NL || fmt == KF_IQ4_XS) {
+                int8_t v[KF_QK];
+                const uint8_t *q;
+                float s;
+                if (fmt == KF_IQ4_XS) {
+                    const uint8_t *sb = w + r * ldw + b / 8 * 136;
+                    const int j = (int)(b % 8);
+                    q = sb + 8 + 16 * j;
+                    s = kf_f16_at(sb) * (float)kf_iq4xs_scale(sb, j);
+                } else {
+                    const uint8_t *blk = w + r * ldw + b * (fmt == KF_Q5_0 ? 22 : 18);
+                    q = blk + (fmt == KF_Q5_0 ? 6 : 2);
+                    s = kf_f16_at(blk);
+                }
+                if (fmt == KF_Q5_0) {
+                    uint32_t qh;
+                    memcpy(&qh, q - 4, 4);
+                    for (int k = 0; k < 16; k++) {
+                        v[k] = (int8_t)(((q[k] & 0x0f) | (((qh >> k) & 1u) << 4)) - 16);
+                        v[k + 16] = (int8_t)(((q[k] >> 4) | (((qh >> (k + 16)) & 1u) << 4)) - 16);
+                    }
+                } else {
+                    for (int k = 0; k < 16; k++) {
+                        v[k] = kf_iq4_val[q[k] & 0x0f];
+                        v[k + 16] = kf_iq4_val[q[k] >> 4];
+                    }
+                }
+                for (int k = 0; k < KF_QK; k++)
+                    e[k] = (uint8_t)v[k] ^ xor8;
+                dw[r] = s;
             } else if (fmt == KF_Q4_K) {
                 const uint8_t *sb = w + r * ldw + b / 8 * 144;      /* its super-block */
                 const int t = (int)(b % 8), sh = 4 * (t % 2);
@@ -395,8 +432,8 @@ typedef struct {
     uint8_t *act_mem, *panels;
 } kf_q8_plan;
 
-/* Plan out = x @ W.T for a (d, n) weight of format fmt (q8_0 / q4_0 / q4_1 with
- * n % 32 == 0, or q4_k with n % 256 == 0),
+/* Plan out = x @ W.T for a (d, n) weight of format fmt (q8_0 / q4_0 / q4_1 / q5_0 / iq4_nl
+ * with n % 32 == 0, or q4_k / iq4_xs with n % 256 == 0),
  * T tokens, nt threads, with the variant in use. */
 static void kf_gemm_q8_plan(int fmt, ptrdiff_t d, ptrdiff_t n, ptrdiff_t T, int nt,
                             kf_q8_plan *p)

@@ -16,6 +16,7 @@ NEW = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs
 F16_AT = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,),
           "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
 INT8_DOTS = ["q5_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]   # with int8 dots
+INT8_GEMM = ["q4_k", "q5_0", "iq4_nl", "iq4_xs"]                 # ... and int8 GEMM
 
 
 def make_kweight(fmt: str, d: int, n: int, rng, scale: float = 0.01) -> Weight:
@@ -183,7 +184,7 @@ def test_int8_activations_extremes(isa, fmt):
         scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
         assert np.all(np.abs(out - int8_block_reference(x, w)) <= 1e-6 * scale + 1e-3), \
             (out, int8_block_reference(x, w))
-    if fmt == "q4_k":                                    # and the int8 GEMM (T > 1)
+    if fmt in INT8_GEMM:                                 # and the int8 GEMM (T > 1)
         xs = np.stack([np.full(n, c), np.full(n, -c), np.full(n, c)]).astype(np.float32)
         out = kernels.matmul(xs, w, np.empty((3, len(rows)), np.float32), 1, act_q8=True)
         scale = np.abs(xs.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
@@ -228,7 +229,7 @@ def test_int8_variants_agree():
             assert np.all(np.abs(o - outs[0]) <= 2e-6 * scale)
 
 
-@pytest.mark.parametrize("fmt", [f for f in NEW if f != "q4_k"])
+@pytest.mark.parametrize("fmt", [f for f in NEW if f not in INT8_GEMM])
 def test_prompt_with_act_q8_is_float_gemm(fmt):
     """T > 1 with act_q8 on these formats: the float GEMM over dequantised panels (no int8
     GEMM of their own yet), i.e. the same bits as without act_q8."""
@@ -240,13 +241,15 @@ def test_prompt_with_act_q8_is_float_gemm(fmt):
         kernels.matmul(x, w, np.empty((6, 21), np.float32), 2))
 
 
+@pytest.mark.parametrize("fmt", INT8_GEMM)
 @pytest.mark.parametrize("d,n,T", [(53, 256, 2), (37, 512, 17), (19, 1024, 67),
                                    (300, 2048, 9)])
-def test_q4_k_int8_gemm(isa, d, n, T):
-    """q4_k with act_q8, T > 1: the int8 GEMM (as q4_1 per sub-block) within float32
-    rounding of the integer-block model and of each token's GEMV; threads change no bit."""
-    rng = np.random.default_rng([d, n, T])
-    w = make_kweight("q4_k", d, n, rng)
+def test_int8_gemm(isa, fmt, d, n, T):
+    """act_q8, T > 1: the int8 GEMM (q4_k as q4_1 per sub-block, the others as q8_0) within
+    float32 rounding of the integer-block model and of each token's GEMV; threads change
+    no bit."""
+    rng = np.random.default_rng([NEW.index(fmt), d, n, T])
+    w = make_kweight(fmt, d, n, rng)
     x = rng.standard_normal((T, n)).astype(np.float32)
     x[1, :QK] = 0.0                                      # an all-zero block: xd = 0
     out = kernels.matmul(x, w, np.full((T, d), np.nan, np.float32), 1, act_q8=True)
