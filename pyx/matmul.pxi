@@ -11,6 +11,8 @@ cdef extern from "matmul.h" nogil:
         KF_Q4_1
         KF_Q4_K
         KF_Q5_0
+        KF_Q5_K
+        KF_Q6_K
         KF_IQ4_NL
         KF_IQ4_XS
     void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
@@ -103,8 +105,9 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
                              &out[0, 0])
         return
     if act_q8 and n % KF_QK == 0 and (fmt == KF_Q8_0 or fmt == KF_Q4_0 or fmt == KF_Q4_1
-                                      or fmt == KF_Q4_K or fmt == KF_Q5_0
-                                      or fmt == KF_IQ4_NL or fmt == KF_IQ4_XS):
+                                      or fmt == KF_Q4_K or fmt == KF_Q5_0 or fmt == KF_Q5_K
+                                      or fmt == KF_Q6_K or fmt == KF_IQ4_NL
+                                      or fmt == KF_IQ4_XS):
         _gemm_q8(x, w, fmt, out, n_threads)
         return
     # GEMM: each row block is dequantised once into panels, then dotted with every token

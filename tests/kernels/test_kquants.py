@@ -16,7 +16,7 @@ NEW = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs
 F16_AT = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,),
           "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
 INT8_DOTS = ["q5_0", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]   # with int8 dots
-INT8_GEMM = ["q4_k", "q5_0", "iq4_nl", "iq4_xs"]                 # ... and int8 GEMM
+INT8_GEMM = INT8_DOTS                                             # ... and int8 GEMM
 
 
 def make_kweight(fmt: str, d: int, n: int, rng, scale: float = 0.01) -> Weight:
@@ -118,12 +118,11 @@ def int8_block_reference(x: np.ndarray, w: Weight) -> np.ndarray:
     W = w.dequantize().astype(np.float64).reshape(w.shape[0], nb, QK)
     off = np.zeros((w.shape[0], nb))
     blocks = w.data.reshape(w.shape[0], -1, BLOCK_BYTES[w.fmt])
-    if w.fmt in ("q4_k", "q5_k"):
+    if w.fmt in ("q4_k", "q5_k", "q5_1"):
         from kestrel_cli.weights import dequantize
-        # the min term of sub-block j is -dmin * m_j: the value of a zero quant
+        # the offset of a block (q4_k, q5_k: -dmin m_j; q5_1: m): the value of a zero quant
         zero = blocks.copy()
-        qo = 16 if w.fmt == "q4_k" else 16      # q5_k: qh (16..47) and qs (48..) zeroed too
-        zero[:, :, qo:] = 0
+        zero[:, :, 4 if w.fmt == "q5_1" else 16:] = 0      # every quant (and 5th bit) 0
         off = dequantize(w.fmt, zero.reshape(w.shape[0], -1), n).astype(np.float64).reshape(
             w.shape[0], nb, QK)[:, :, 0]
         W = W - off[:, :, None]
@@ -154,7 +153,7 @@ def test_int8_activations(isa, fmt, n):
     assert np.all(np.abs(out - exact) <= 2e-2 * scale)
 
 
-@pytest.mark.parametrize("fmt", INT8_DOTS)
+@pytest.mark.parametrize("fmt", sorted(set(INT8_DOTS + INT8_GEMM)))
 def test_int8_activations_extremes(isa, fmt):
     """Every quant at its largest (and smallest) value, activations at +-127, scales at
     their ends (q6_k: int8 -128 / 127; q4_k / q5_k: 6-bit 63; iq4: -127 and 113, iq4_xs's
@@ -178,6 +177,8 @@ def test_int8_activations_extremes(isa, fmt):
     c = np.float32(3.5)
     rng = np.random.default_rng(5)
     for x in (np.full(n, c), np.full(n, -c), c * rng.choice(np.float32([-1, 1]), n)):
+        if fmt not in INT8_DOTS:
+            break
         x = x.astype(np.float32)[None, :]
         assert np.all(np.abs(q8_activations(x[0])[0]) == 127)
         out = kernels.matmul(x, w, np.empty((1, len(rows)), np.float32), 1, act_q8=True)
