@@ -1,5 +1,5 @@
 /* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 weights, and of the GGUF formats that
- * map onto them (q4_k, q5_0, q5_k, q6_k, iq4_nl, iq4_xs), with int8 activations
+ * map onto them (q4_k, q5_0, q5_1, q5_k, q6_k, iq4_nl, iq4_xs), with int8 activations
  * (kestrel_cli.kernels.matmul act_q8; docs/DESIGN.md §5 Kernels and ISAs).
  *
  * The model: every token row is quantised once per matmul by kf_prep_act (matmul.h), the
@@ -17,14 +17,15 @@
  *   q4_k: as q4_1, block b being sub-block b % 8 of super-block b / 8: d_w = d sc_j,
  *         m_w = -dmin m_j;  q5_0, iq4_nl, iq4_xs: as q8_0, u = q - 16 or the iq4 table's
  *         value (s8), d_w = d (iq4_xs: d (ls_j - 32));
- *   q5_k: u = the 5-bit quant 0..31, plus m_w * sx as q4_1 (d sc_j, -dmin m_j); the AVX2
+ *   q5_1, q5_k: u = the 5-bit quant 0..31, plus m_w * sx as q4_1 (q5_k: d sc_j,
+ *         -dmin m_j); the AVX2
  *         tile widens each group's pair sums to int32 (8 groups of 2 * 31 * 127 would pass
  *         2^15);
  *   q6_k: u = q - 32 as q8_0 (s8; q + 96 as u8 under VNNI, corrected by 128 times each
  *         half's sum of x), two integer sums a block (groups 0-3 and 4-7: its two
  *         sub-blocks of 16) scaled by their own d_w = d sc.
- * q5_1, q2_k and q3_k take the float GEMM, as their GEMV takes the float dot (a token's
- * result must not depend on whether it came in a prompt or alone).
+ * q2_k and q3_k take the float GEMM, as their GEMV takes the float dot (a token's result
+ * must not depend on whether it came in a prompt or alone).
  *
  * Weights are repacked, one row block at a time (an L2-sized panel, kq_pack), so that the
  * SIMD lanes are weight rows (int32 dot sums of GR rows: 8, 16 under AVX-512): for a group
@@ -76,7 +77,7 @@ static inline int kq_kind(int fmt)
 {
     if (fmt == KF_Q8_0 || fmt == KF_Q5_0 || fmt == KF_IQ4_NL || fmt == KF_IQ4_XS)
         return KQ_Q8_0;
-    if (fmt == KF_Q5_K)
+    if (fmt == KF_Q5_1 || fmt == KF_Q5_K)
         return KQ_Q5_1;
     if (fmt == KF_Q6_K)
         return KQ_Q6_K;
@@ -145,6 +146,17 @@ static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t 
                 for (int k = 0; k < KF_QK; k++)
                     e[k] = (uint8_t)v[k] ^ xor8;
                 dw[r] = s;
+            } else if (fmt == KF_Q5_1) {
+                const uint8_t *blk = w + r * ldw + b * 24;
+                uint32_t qh;
+                memcpy(&qh, blk + 4, 4);
+                const uint8_t *q = blk + 8;
+                for (int k = 0; k < 16; k++) {
+                    e[k] = (uint8_t)((q[k] & 0x0f) | (((qh >> k) & 1u) << 4));
+                    e[k + 16] = (uint8_t)((q[k] >> 4) | (((qh >> (k + 16)) & 1u) << 4));
+                }
+                dw[r] = kf_f16_at(blk);
+                dw[gr + r] = kf_f16_at(blk + 2);
             } else if (fmt == KF_Q6_K) {
                 const uint8_t *sb = w + r * ldw + b / 8 * 210;      /* its super-block */
                 const int t = (int)(b % 8), h = t / 4, i = t % 4;

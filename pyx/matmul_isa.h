@@ -106,7 +106,7 @@ KF_TARGET static float KF_V(dot_q4)(int fmt, const float *restrict x,
 
 /* ---------------------------------------------------------------- q5 and K-quants, float x */
 
-/* Formats without a dot of their own (q5_1, q2_k, q3_k): KF_CHUNK elements at a time
+/* Formats without a dot of their own (q2_k, q3_k): KF_CHUNK elements at a time
  * dequantised into an L1 buffer by formats.h (the code of the GEMM packing and
  * get_rows), then dotted; the chunks' sums added in order. */
 KF_TARGET static float KF_V(dot_deq)(int fmt, const float *restrict x,
@@ -146,23 +146,25 @@ KF_TARGET KF_INLINE void KF_V(unpack_iq4)(const uint8_t *restrict q, int8_t *res
 }
 
 #ifndef KF_VKFAST        /* else the variant's own (matmul_x86.h) */
-/* q5_0: sum_b d_b (sum_k q_bk x_bk - 16 sx[b]) */
-KF_TARGET static float KF_V(dot_q5_0)(const float *restrict x, const float *restrict sx,
-                                      const uint8_t *restrict w, ptrdiff_t nb)
+/* q5_0 (q51 = 0) and q5_1 (q51 = 1): sum_b (d_b sum_k q_bk x_bk + m_b sx[b]), q5_0's
+ * m = -16 d */
+KF_TARGET static float KF_V(dot_q5)(const int q51, const float *restrict x,
+                                    const float *restrict sx, const uint8_t *restrict w,
+                                    ptrdiff_t nb)
 {
     float acc[KF_VG][KF_QK] = {{0}};
     float macc = 0.0f;
     for (ptrdiff_t b = 0; b < nb; b += KF_VG) {
         int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
         for (int g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (b + g) * 22;
+            const uint8_t *blk = w + (b + g) * (q51 ? 24 : 22);
             const float *xb = x + (b + g) * KF_QK;
-            const float d = KF_VF16(blk);
+            const float d = KF_VF16(blk), m = q51 ? KF_VF16(blk + 2) : -16.0f * d;
             uint8_t u[KF_QK];
-            KF_V(unpack_q5)(blk, u);
+            KF_V(unpack_q5)(blk + 2 * q51, u);
             for (int k = 0; k < KF_QK; k++)
                 acc[g][k] += d * ((float)u[k] * xb[k]);
-            macc += (-16.0f * d) * sx[b + g];
+            macc += m * sx[b + g];
         }
     }
     for (int g = 1; g < KF_VG; g++)
@@ -398,28 +400,32 @@ KF_TARGET KF_INLINE int KF_V(idot16)(const int8_t *restrict v, const int8_t *res
 }
 
 #ifndef KF_VKFAST
-/* q5_0 weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk - 16 xs_b) */
-KF_TARGET static float KF_V(idot_q5_0)(const int8_t *restrict xq, const float *restrict xd,
-                                       const int32_t *restrict xs,
-                                       const uint8_t *restrict w, ptrdiff_t nb)
+/* q5_0 / q5_1 (q51) weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk - 16 xs_b) (q5_0),
+ * sum_b (d_b xd_b sum_k q_bk xq_bk + m_b sx[b]) (q5_1) */
+KF_TARGET static float KF_V(idot_q5)(const int q51, const int8_t *restrict xq,
+                                     const float *restrict xd, const int32_t *restrict xs,
+                                     const float *restrict sx, const uint8_t *restrict w,
+                                     ptrdiff_t nb)
 {
-    float acc[KF_VG] = {0};
+    float acc[KF_VG] = {0}, macc = 0.0f;
     for (ptrdiff_t b = 0; b < nb; b += KF_VG) {
         int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
         for (int g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (b + g) * 22;
+            const uint8_t *blk = w + (b + g) * (q51 ? 24 : 22);
             uint8_t u8[KF_QK];
             KF_IW u[KF_QK];
-            KF_V(unpack_q5)(blk, u8);
+            KF_V(unpack_q5)(blk + 2 * q51, u8);
             for (int k = 0; k < KF_QK; k++)
                 u[k] = (KF_IW)u8[k];
-            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - 16 * xs[b + g];
+            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - (q51 ? 0 : 16 * xs[b + g]);
             acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
+            if (q51)
+                macc += KF_VF16(blk + 2) * sx[b + g];
         }
     }
     for (int g = 1; g < KF_VG; g++)
         acc[0] += acc[g];
-    return acc[0];
+    return acc[0] + macc;
 }
 
 /* q4_k / q5_k / q6_k weights . int8 x, one integer sum per activation block b (exact in
@@ -509,8 +515,8 @@ KF_TARGET static float KF_V(idot_iq4)(int xs, const int8_t *restrict xq,
 
 /* ---------------------------------------------------------------- GEMV rows */
 
-/* KF_VKFAST(name): the variant's own q5_0 / K-quant dots (matmul_x86.h:
- * kf_NAME_kx_xdot_k, _xdot_q5_0, _xdot_iq4, _idot_k, _idot_q5_0, _idot_iq4), else the
+/* KF_VKFAST(name): the variant's own q5 / K-quant / iq4 dots (matmul_x86.h:
+ * kf_NAME_kx_xdot_k, _xdot_q5, _xdot_iq4, _idot_k, _idot_q5, _idot_iq4), else the
  * portable ones above. */
 #ifdef KF_VKFAST
 #define KF_VDOTK(name) KF_VKFAST(x##name)
@@ -539,9 +545,10 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
             out[i] = KF_VIDOTK(idot_iq4)(xs, a->xq, a->xd, w + i * ldw, xs ? nsb : nb);
         return;
     }
-    if (a->xq != NULL && fmt == KF_Q5_0) {
+    if (a->xq != NULL && (fmt == KF_Q5_0 || fmt == KF_Q5_1)) {
+        const int q51 = fmt == KF_Q5_1;
         for (i = r0; i < r1; i++)
-            out[i] = KF_VIDOTK(idot_q5_0)(a->xq, a->xd, a->xs, w + i * ldw, nb);
+            out[i] = KF_VIDOTK(idot_q5)(q51, a->xq, a->xd, a->xs, a->sx, w + i * ldw, nb);
         return;
     }
     if (a->xq != NULL && (fmt == KF_Q8_0 || fmt == KF_Q4_0 || fmt == KF_Q4_1)) {
@@ -611,8 +618,9 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
         break;
 #endif
     case KF_Q5_0:
+    case KF_Q5_1:
         for (i = r0; i < r1; i++)
-            out[i] = KF_VDOTK(dot_q5_0)(a->x, a->sx, w + i * ldw, nb);
+            out[i] = KF_VDOTK(dot_q5)(fmt == KF_Q5_1, a->x, a->sx, w + i * ldw, nb);
         break;
     case KF_Q4_K:
     case KF_Q5_K:
@@ -626,7 +634,7 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
             out[i] = KF_VDOTK(dot_iq4)(fmt == KF_IQ4_XS, a->x, w + i * ldw,
                                        fmt == KF_IQ4_XS ? nsb : nb);
         break;
-    default:                                          /* q5_1, q2_k, q3_k */
+    default:                                          /* q2_k, q3_k */
         for (i = r0; i < r1; i++)
             out[i] = KF_V(dot_deq)(fmt, a->x, w + i * ldw, n);
         break;

@@ -319,11 +319,11 @@ KF_TARGET_AVX2 static void kf_avx2_idot##R(int fmt, const int8_t *restrict xq,  
 KF_AVX2_I8_ROWS(1)
 KF_AVX2_I8_ROWS(4)
 
-/* ---------------------------------------------------------------- q5_0 and K-quants */
+/* ---------------------------------------------------------------- q5, K-quants, iq4 */
 
-/* The q5_0, K-quant (q4_k, q5_k, q6_k) and iq4 (iq4_nl, iq4_xs: the table lookup by
- * vpshufb, then as q8_0) dots of both variants: matmul_isa.h's
- * KF_VKFAST names (kf_NAME_kx_...), one row per call (a K-quant row is long: 256 elements a block). Per
+/* The q5_0 / q5_1, K-quant (q4_k, q5_k, q6_k) and iq4 (iq4_nl, iq4_xs: the table lookup by
+ * vpshufb, then as q8_0) dots of both variants: matmul_isa.h's KF_VKFAST names
+ * (kf_NAME_kx_...), one row per call (a K-quant row is long: 256 elements a block). Per
  * activation block of 32 (one 32-element sub-block of q4_k / q5_k, two of 16 of q6_k),
  * the 32 quants are unpacked into one vector of u8 (kf_avx2_kq, kf_avx2_q5_0), then
  *   float x: widened to floats, multiplied by x, summed per sub-block, scaled by d sc;
@@ -331,7 +331,8 @@ KF_AVX2_I8_ROWS(4)
  *            offset formats (q6_k: 32, q5_0: 16) the offset times x subtracted in int16,
  *            the same as q4_0's), vpmaddwd by the sub-block scales (int32); AVX-512 VNNI
  *            vpdpbusd, vpmulld by the scales; then one conversion and one FMA by d xd_b.
- * The q4_k / q5_k mins enter as dmin sum_j m_j sx[b] (float block sums of x), as q4_1's.
+ * The q4_k / q5_k mins (q5_1's m) enter as dmin sum_j m_j sx[b] (float block sums of x),
+ * as q4_1's.
  * Every integer sum is exact; each row is a fixed sequence of float operations. */
 
 /* Activation block t (0..7) of the q4_k / q5_k / q6_k super-block at blk: its 32 quants
@@ -461,17 +462,18 @@ KF_TARGET_AVX2 static float kf_avx2_kx_xdot_k(int fmt, const float *restrict x,
     }
 }
 
-/* q5_0, float x: sum_b d_b (sum_k q_bk x_bk - 16 sx[b]) */
-KF_TARGET_AVX2 static float kf_avx2_kx_xdot_q5_0(const float *restrict x, const float *restrict sx,
-                                              const uint8_t *restrict w, ptrdiff_t nb)
+/* q5_0 / q5_1 (q51), float x: sum_b (d_b sum_k q_bk x_bk + m_b sx[b]), q5_0's m = -16 d */
+KF_TARGET_AVX2 static float kf_avx2_kx_xdot_q5(const int q51, const float *restrict x,
+                                               const float *restrict sx,
+                                               const uint8_t *restrict w, ptrdiff_t nb)
 {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     float macc = 0.0f;
     for (ptrdiff_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 22;
+        const uint8_t *blk = w + b * (q51 ? 24 : 22);
         const float *xb = x + b * KF_QK;
         __m256 f[4];
-        kf_avx2_u8x32(kf_avx2_q5_0(blk), 0, f);
+        kf_avx2_u8x32(kf_avx2_q5_0(blk + 2 * q51), 0, f);
         __m256 ta = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
         __m256 tb = _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16));
         ta = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), ta);
@@ -480,7 +482,7 @@ KF_TARGET_AVX2 static float kf_avx2_kx_xdot_q5_0(const float *restrict x, const 
         const __m256 dv = _mm256_set1_ps(d);
         acc0 = _mm256_fmadd_ps(dv, ta, acc0);
         acc1 = _mm256_fmadd_ps(dv, tb, acc1);
-        macc += (-16.0f * d) * sx[b];
+        macc += (q51 ? KF_X86_F16(blk + 2) : -16.0f * d) * sx[b];
     }
     return kf_avx2_hsum(_mm256_add_ps(acc0, acc1)) + macc;
 }
@@ -547,20 +549,26 @@ KF_TARGET_AVX2 static float kf_avx2_kx_idot_k(int fmt, const int8_t *restrict xq
     }
 }
 
-/* q5_0, int8 x: sum_b d_b xd_b sum_k (q_bk - 16) xq_bk */
-KF_TARGET_AVX2 static float kf_avx2_kx_idot_q5_0(const int8_t *restrict xq,
-                                              const float *restrict xd,
-                                              const int32_t *restrict xs,
-                                              const uint8_t *restrict w, ptrdiff_t nb)
+/* q5_0 / q5_1 (q51), int8 x: sum_b d_b xd_b sum_k (q_bk - 16) xq_bk (q5_0, the 16 x
+ * subtracted in int16), sum_b (d_b xd_b sum_k q_bk xq_bk + m_b sx[b]) (q5_1) */
+KF_TARGET_AVX2 static float kf_avx2_kx_idot_q5(const int q51, const int8_t *restrict xq,
+                                               const float *restrict xd,
+                                               const int32_t *restrict xs,
+                                               const float *restrict sx,
+                                               const uint8_t *restrict w, ptrdiff_t nb)
 {
     (void)xs;
     const __m256i ones = _mm256_set1_epi16(1), c16 = _mm256_set1_epi8(16);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    float macc = 0.0f;
     for (ptrdiff_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 22;
+        const uint8_t *blk = w + b * (q51 ? 24 : 22);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * KF_QK));
-        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(kf_avx2_q5_0(blk), xv),
-                                           _mm256_maddubs_epi16(c16, xv));
+        __m256i p = _mm256_maddubs_epi16(kf_avx2_q5_0(blk + 2 * q51), xv);
+        if (q51)
+            macc += KF_X86_F16(blk + 2) * sx[b];
+        else
+            p = _mm256_sub_epi16(p, _mm256_maddubs_epi16(c16, xv));
         const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
         const __m256 dv = _mm256_set1_ps(KF_X86_F16(blk) * xd[b]);
         if (b & 1)
@@ -568,7 +576,7 @@ KF_TARGET_AVX2 static float kf_avx2_kx_idot_q5_0(const int8_t *restrict xq,
         else
             acc0 = _mm256_fmadd_ps(s, dv, acc0);
     }
-    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1)) + macc;
 }
 
 /* An iq4 block's (iq4_xs sub-block's) 16 bytes q as its 32 values, s8 in element order:
@@ -906,23 +914,23 @@ KF_TARGET_AVX512 static float kf_avx512_kx_xdot_k(int fmt, const float *restrict
     }
 }
 
-KF_TARGET_AVX512 static float kf_avx512_kx_xdot_q5_0(const float *restrict x,
-                                                  const float *restrict sx,
-                                                  const uint8_t *restrict w, ptrdiff_t nb)
+KF_TARGET_AVX512 static float kf_avx512_kx_xdot_q5(const int q51, const float *restrict x,
+                                                   const float *restrict sx,
+                                                   const uint8_t *restrict w, ptrdiff_t nb)
 {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
     float macc = 0.0f;
     for (ptrdiff_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 22;
+        const uint8_t *blk = w + b * (q51 ? 24 : 22);
         const float *xb = x + b * KF_QK;
         __m512 f0, f1;
-        const __m256i u = kf_avx2_q5_0(blk);
+        const __m256i u = kf_avx2_q5_0(blk + 2 * q51);
         KF_AVX512_U8X32(u, 0, f0, f1);
         const float d = KF_X86_F16(blk);
         const __m512 dv = _mm512_set1_ps(d);
         acc0 = _mm512_fmadd_ps(dv, _mm512_mul_ps(f0, _mm512_loadu_ps(xb)), acc0);
         acc1 = _mm512_fmadd_ps(dv, _mm512_mul_ps(f1, _mm512_loadu_ps(xb + 16)), acc1);
-        macc += (-16.0f * d) * sx[b];
+        macc += (q51 ? KF_X86_F16(blk + 2) : -16.0f * d) * sx[b];
     }
     return kf_avx512_hsum(_mm512_add_ps(acc0, acc1)) + macc;
 }
@@ -991,19 +999,24 @@ KF_TARGET_AVX512 static float kf_avx512_kx_idot_k(int fmt, const int8_t *restric
     }
 }
 
-KF_TARGET_AVX512 static float kf_avx512_kx_idot_q5_0(const int8_t *restrict xq,
-                                                  const float *restrict xd,
-                                                  const int32_t *restrict xs,
-                                                  const uint8_t *restrict w, ptrdiff_t nb)
+KF_TARGET_AVX512 static float kf_avx512_kx_idot_q5(const int q51, const int8_t *restrict xq,
+                                                   const float *restrict xd,
+                                                   const int32_t *restrict xs,
+                                                   const float *restrict sx,
+                                                   const uint8_t *restrict w, ptrdiff_t nb)
 {
     (void)xs;
     const __m256i zero = _mm256_setzero_si256(), c16 = _mm256_set1_epi8(16);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    float macc = 0.0f;
     for (ptrdiff_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * 22;
+        const uint8_t *blk = w + b * (q51 ? 24 : 22);
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * KF_QK));
-        const __m256i dp = _mm256_sub_epi32(_mm256_dpbusd_epi32(zero, kf_avx2_q5_0(blk), xv),
-                                            _mm256_dpbusd_epi32(zero, c16, xv));
+        __m256i dp = _mm256_dpbusd_epi32(zero, kf_avx2_q5_0(blk + 2 * q51), xv);
+        if (q51)
+            macc += KF_X86_F16(blk + 2) * sx[b];
+        else
+            dp = _mm256_sub_epi32(dp, _mm256_dpbusd_epi32(zero, c16, xv));
         const __m256 s = _mm256_cvtepi32_ps(dp);
         const __m256 dv = _mm256_set1_ps(KF_X86_F16(blk) * xd[b]);
         if (b & 1)
@@ -1011,7 +1024,7 @@ KF_TARGET_AVX512 static float kf_avx512_kx_idot_q5_0(const int8_t *restrict xq,
         else
             acc0 = _mm256_fmadd_ps(s, dv, acc0);
     }
-    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1)) + macc;
 }
 
 KF_TARGET_AVX512 KF_INLINE float kf_avx512_kx_xdot_iq4_body(const int xs,
