@@ -25,9 +25,11 @@ if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
           f"(base, avx2, avx512); using {_lib.isa()}", file=sys.stderr)
 
 # Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
-FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5}
+FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6,
+            "q5_1": 7, "q2_k": 8, "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12,
+            "iq4_nl": 13, "iq4_xs": 14}
 _DATA_DTYPE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16,
-               "q8_0": np.uint8, "q4_0": np.uint8, "q4_1": np.uint8}
+               **{f: np.uint8 for f in BLOCK_BYTES}}
 assert set(FMT_CODE) == set(FORMATS)
 
 
@@ -104,10 +106,11 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
         w: Weight of any format, logical shape (d, n); its data may be a read-only memmap.
         out: float32 (T, d), C-contiguous, written.
         threads: OpenMP threads (None/0: default).
-        act_q8: with a q8_0/q4_0/q4_1 weight, quantise each row of x to int8 blocks of
-            32 (llama.cpp's Q8_0 activations, the same int8 form for one token and for
-            many) and use integer block dots: faster, but not the exact float result
-            (relative error ~1e-2 per output). Float weights ignore it.
+        act_q8: with a q8_0/q4_x/q5_x/q4_k/q5_k/q6_k/iq4_nl/iq4_xs weight, quantise
+            each row of x to int8 blocks of 32 (llama.cpp's Q8_0 activations, the same int8
+            form for one token and for many) and use integer block dots: faster, but not
+            the exact float result (relative error ~1e-2 per output), for one token
+            and for many alike. Float weights, q2_k and q3_k ignore it.
     Returns:
         out.
     """

@@ -1,7 +1,8 @@
 """Open a checkpoint as published: an HF directory (safetensors, single or sharded) or a GGUF.
 
-Tensors are memory-mapped and used in place (f32, f16, bf16 and GGUF's Q8_0/Q4_0/Q4_1
-blocks); only 1-D tensors (norms, biases) are widened to float32 copies. The store hands
+Tensors are memory-mapped and used in place (f32, f16, bf16 and GGUF's Q8_0/Q4_0/Q4_1/
+Q5_0/Q5_1 blocks, Q2_K..Q6_K K-quants, IQ4_NL/IQ4_XS); only 1-D tensors (norms, biases)
+are widened to float32 copies. The store hands
 out `Weight` matrices and float32 vectors by their Hugging Face names.
 
 The safetensors header is read here, not with the `safetensors` package: its numpy API copies
@@ -45,7 +46,8 @@ class TensorStore:
     With `quantize_to(fmt)` set (--quant), float matrices (f32/f16/bf16 rows of whole
     blocks of 32) are quantised to q8_0 / q4_0 when the model asks for them, and their
     mapped float pages are dropped from memory; matrices already in a block format (GGUF
-    Q8_0/Q4_0/Q4_1) stay as they are, and so do MoE routers (as llama.cpp keeps them).
+    Q8_0/Q4_0/Q4_1/Q5_x/K-quants) stay as they are, and so do MoE routers (as llama.cpp
+    keeps them).
     """
 
     def __init__(self):
@@ -461,7 +463,9 @@ def _load_gguf(path: Path):
         _gguf_moe(path, arch, field, reader, raw)
     store = TensorStore()
     qtypes = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
-              "Q4_1": "q4_1"}
+              "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_k", "Q3_K": "q3_k",
+              "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl",
+              "IQ4_XS": "iq4_xs"}
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:

@@ -8,6 +8,19 @@ Formats and the layout of `data` (rows = output features, d x n logical):
   q4_0  uint8   (d, n/32*18)  blocks of 32: f16 d, 16 bytes; byte j holds element j in its
                               low nibble and element j+16 in its high nibble;  x = d*(q-8)
   q4_1  uint8   (d, n/32*20)  blocks of 32: f16 d, f16 m, 16 bytes as q4_0;  x = d*q + m
+  q5_0  uint8   (d, n/32*22)  blocks of 32: f16 d, 4 bytes qh (bit k: element k's 5th bit),
+                              16 bytes as q4_0;  x = d*(q-16)
+  q5_1  uint8   (d, n/32*24)  blocks of 32: f16 d, f16 m, qh, 16 bytes;  x = d*q + m
+  and GGUF's K-quants, super-blocks of 256 elements (n a multiple of 256):
+  q2_k  uint8   (d, n/256*84)   16 sub-blocks of 16, 4-bit scale and min each, 2-bit q
+  q3_k  uint8   (d, n/256*110)  16 sub-blocks of 16, 6-bit scales, 3-bit q (2 + a mask bit)
+  q4_k  uint8   (d, n/256*144)  8 sub-blocks of 32, 6-bit scale and min each, 4-bit q
+  q5_k  uint8   (d, n/256*176)  as q4_k with a 5th bit per element
+  q6_k  uint8   (d, n/256*210)  16 sub-blocks of 16, int8 scales, 6-bit q
+  and its non-linear 4-bit formats (a 16-value table): iq4_nl (d, n/32*18), blocks of 32
+  with one f16 scale; iq4_xs (d, n/256*136), super-blocks of 256, 6-bit sub-block scales
+  (pyx/formats.h spells out each layout). The NumPy reference for these is the gguf
+  package's own dequantisation (gguf.quants.dequantize).
 The block layouts are GGUF's (llama.cpp's), so GGUF tensors are used in place.
 """
 from __future__ import annotations
@@ -16,9 +29,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-QK = 32                                   # elements per quantisation block
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+QK = 32                                   # elements per block of 32 (and activation block)
+QK_K = 256                                # elements per K-quant super-block
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24,
+               "q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
+               "iq4_nl": 18, "iq4_xs": 136}
+BLOCK_ELEMS = {f: (QK_K if f.endswith(("_k", "_xs")) else QK) for f in BLOCK_BYTES}
+FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+           "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
+# the gguf package's type of each format whose reference is gguf.quants.dequantize
+_GGUF_REFERENCE = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k": "Q3_K",
+                   "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "iq4_nl": "IQ4_NL",
+                   "iq4_xs": "IQ4_XS"}
 
 
 @dataclass
@@ -32,8 +54,9 @@ class Weight:
             raise ValueError(f"unknown weight format {self.fmt!r}")
         d, n = self.shape
         if self.fmt in BLOCK_BYTES:
-            assert n % QK == 0, "quantised rows must be whole blocks"
-            assert self.data.shape == (d, n // QK * BLOCK_BYTES[self.fmt]), self.data.shape
+            qk = BLOCK_ELEMS[self.fmt]
+            assert n % qk == 0, f"{self.fmt} rows must be whole blocks of {qk}"
+            assert self.data.shape == (d, n // qk * BLOCK_BYTES[self.fmt]), self.data.shape
         else:
             assert self.data.shape == (d, n), (self.data.shape, self.shape)
 
@@ -64,6 +87,12 @@ def dequantize(fmt: str, data: np.ndarray, n: int) -> np.ndarray:
         return data.view(np.float16).astype(np.float32)
     if fmt == "bf16":
         return (data.astype(np.uint32) << 16).view(np.float32)
+    if fmt in _GGUF_REFERENCE:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+        raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(r, -1)
+        out = gguf_dequantize(raw, GGMLQuantizationType[_GGUF_REFERENCE[fmt]])
+        return np.asarray(out, dtype=np.float32).reshape(r, n)
     nb = n // QK
     blocks = np.ascontiguousarray(data).reshape(r, nb, BLOCK_BYTES[fmt])
     d = _f16(blocks[:, :, 0:2].copy()).reshape(r, nb, 1)

@@ -1,4 +1,5 @@
-/* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 weights with int8 activations
+/* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 weights, and of the GGUF formats that
+ * map onto them (q4_k, q5_0, q5_1, q5_k, q6_k, iq4_nl, iq4_xs), with int8 activations
  * (kestrel_cli.kernels.matmul act_q8; docs/DESIGN.md §5 Kernels and ISAs).
  *
  * The model: every token row is quantised once per matmul by kf_prep_act (matmul.h), the
@@ -12,7 +13,19 @@
  *   q8_0: u = q (s8, c = 0) where the variant multiplies s8 (base; AVX2 through
  *         |u| x sign(x, u) with pmaddubsw: a u8 x s8 pair sum stays <= 2 * 128 * 127, no
  *         int16 saturation), u = q + 128 (u8, c = 128) with VNNI's vpdpbusd (int32 sums);
- *   q4_0: u = the nibble 0..15, c = 8;  q4_1: u = the nibble, c = 0, plus m_w * sx.
+ *   q4_0: u = the nibble 0..15, c = 8;  q4_1: u = the nibble, c = 0, plus m_w * sx;
+ *   q4_k: as q4_1, block b being sub-block b % 8 of super-block b / 8: d_w = d sc_j,
+ *         m_w = -dmin m_j;  q5_0, iq4_nl, iq4_xs: as q8_0, u = q - 16 or the iq4 table's
+ *         value (s8), d_w = d (iq4_xs: d (ls_j - 32));
+ *   q5_1, q5_k: u = the 5-bit quant 0..31, plus m_w * sx as q4_1 (q5_k: d sc_j,
+ *         -dmin m_j); the AVX2
+ *         tile widens each group's pair sums to int32 (8 groups of 2 * 31 * 127 would pass
+ *         2^15);
+ *   q6_k: u = q - 32 as q8_0 (s8; q + 96 as u8 under VNNI, corrected by 128 times each
+ *         half's sum of x), two integer sums a block (groups 0-3 and 4-7: its two
+ *         sub-blocks of 16) scaled by their own d_w = d sc.
+ * q2_k and q3_k take the float GEMM, as their GEMV takes the float dot (a token's result
+ * must not depend on whether it came in a prompt or alone).
  *
  * Weights are repacked, one row block at a time (an L2-sized panel, kq_pack), so that the
  * SIMD lanes are weight rows (int32 dot sums of GR rows: 8, 16 under AVX-512): for a group
@@ -50,17 +63,31 @@
 #endif
 
 /* formats as kernel kinds */
-enum { KQ_Q8_0 = 0, KQ_Q4_0 = 1, KQ_Q4_1 = 2 };
+enum { KQ_Q8_0 = 0, KQ_Q4_0 = 1, KQ_Q4_1 = 2, KQ_Q5_1 = 3, KQ_Q6_K = 4, KQ_N_KIND = 5 };
+/* kinds with an offset m_w per row and block (acc += m_w * sx) */
+#define KQ_HAS_M(kind) ((kind) == KQ_Q4_1 || (kind) == KQ_Q5_1)
+/* kinds with two floats per row and block: m_w, or q6_k's second scale */
+#define KQ_TWO_F(kind) (KQ_HAS_M(kind) || (kind) == KQ_Q6_K)
 
+/* q4_k runs as q4_1: per activation block (its sub-block j of 32) the nibbles, the scale
+ * d sc_j and the offset m = -dmin m_j, both exact products; q5_0, iq4_nl and iq4_xs as
+ * q8_0: their values as s8 (q - 16; the iq4 table's) and one scale (d; d (ls_j - 32))
+ * (kq_pack). */
 static inline int kq_kind(int fmt)
 {
-    return fmt == KF_Q8_0 ? KQ_Q8_0 : (fmt == KF_Q4_0 ? KQ_Q4_0 : KQ_Q4_1);
+    if (fmt == KF_Q8_0 || fmt == KF_Q5_0 || fmt == KF_IQ4_NL || fmt == KF_IQ4_XS)
+        return KQ_Q8_0;
+    if (fmt == KF_Q5_1 || fmt == KF_Q5_K)
+        return KQ_Q5_1;
+    if (fmt == KF_Q6_K)
+        return KQ_Q6_K;
+    return fmt == KF_Q4_0 ? KQ_Q4_0 : KQ_Q4_1;
 }
 
 /* Panel bytes per block of one group of gr rows: 32 gr quant bytes, gr d_w (and m_w). */
 static inline ptrdiff_t kq_block_bytes(int kind, int gr)
 {
-    return (ptrdiff_t)gr * (KF_QK + (kind == KQ_Q4_1 ? 8 : 4));
+    return (ptrdiff_t)gr * (KF_QK + (KQ_TWO_F(kind) ? 8 : 4));
 }
 
 KF_INLINE int32_t kq_ld32(const int8_t *p)
@@ -72,9 +99,10 @@ KF_INLINE int32_t kq_ld32(const int8_t *p)
 
 /* Pack nr <= gr raw rows (w, ldw bytes apart, nb blocks each) into one group of the panel
  * (layout above); rows nr..gr-1 get zero scales. xor8: 0x80 stores q8_0 as q + 128. */
-static void kq_pack(int kind, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t nb, int gr,
+static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t nb, int gr,
                     uint8_t xor8, uint8_t *restrict p)
 {
+    const int kind = kq_kind(fmt);
     const ptrdiff_t bs = kq_block_bytes(kind, gr);
     const ptrdiff_t bb = kind == KQ_Q8_0 ? 34 : (kind == KQ_Q4_0 ? 18 : 20);
     const ptrdiff_t qo = kind == KQ_Q4_1 ? 4 : 2;
@@ -86,8 +114,80 @@ static void kq_pack(int kind, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t
             if (r >= nr) {
                 memset(e, 0, sizeof e);
                 dw[r] = 0.0f;
-                if (kind == KQ_Q4_1)
+                if (KQ_TWO_F(kind))
                     dw[gr + r] = 0.0f;
+            } else if (fmt == KF_Q5_0 || fmt == KF_IQ4_NL || fmt == KF_IQ4_XS) {
+                int8_t v[KF_QK];
+                const uint8_t *q;
+                float s;
+                if (fmt == KF_IQ4_XS) {
+                    const uint8_t *sb = w + r * ldw + b / 8 * 136;
+                    const int j = (int)(b % 8);
+                    q = sb + 8 + 16 * j;
+                    s = kf_f16_at(sb) * (float)kf_iq4xs_scale(sb, j);
+                } else {
+                    const uint8_t *blk = w + r * ldw + b * (fmt == KF_Q5_0 ? 22 : 18);
+                    q = blk + (fmt == KF_Q5_0 ? 6 : 2);
+                    s = kf_f16_at(blk);
+                }
+                if (fmt == KF_Q5_0) {
+                    uint32_t qh;
+                    memcpy(&qh, q - 4, 4);
+                    for (int k = 0; k < 16; k++) {
+                        v[k] = (int8_t)(((q[k] & 0x0f) | (((qh >> k) & 1u) << 4)) - 16);
+                        v[k + 16] = (int8_t)(((q[k] >> 4) | (((qh >> (k + 16)) & 1u) << 4)) - 16);
+                    }
+                } else {
+                    for (int k = 0; k < 16; k++) {
+                        v[k] = kf_iq4_val[q[k] & 0x0f];
+                        v[k + 16] = kf_iq4_val[q[k] >> 4];
+                    }
+                }
+                for (int k = 0; k < KF_QK; k++)
+                    e[k] = (uint8_t)v[k] ^ xor8;
+                dw[r] = s;
+            } else if (fmt == KF_Q5_1) {
+                const uint8_t *blk = w + r * ldw + b * 24;
+                uint32_t qh;
+                memcpy(&qh, blk + 4, 4);
+                const uint8_t *q = blk + 8;
+                for (int k = 0; k < 16; k++) {
+                    e[k] = (uint8_t)((q[k] & 0x0f) | (((qh >> k) & 1u) << 4));
+                    e[k + 16] = (uint8_t)((q[k] >> 4) | (((qh >> (k + 16)) & 1u) << 4));
+                }
+                dw[r] = kf_f16_at(blk);
+                dw[gr + r] = kf_f16_at(blk + 2);
+            } else if (fmt == KF_Q6_K) {
+                const uint8_t *sb = w + r * ldw + b / 8 * 210;      /* its super-block */
+                const int t = (int)(b % 8), h = t / 4, i = t % 4;
+                const uint8_t *ql = sb + 64 * h + 32 * (i % 2), *qh = sb + 128 + 32 * h;
+                const int8_t *sc = (const int8_t *)(sb + 192);
+                const float d = kf_f16_at(sb + 208);
+                for (int k = 0; k < KF_QK; k++)
+                    e[k] = (uint8_t)(((((ql[k] >> (4 * (i / 2))) & 15)
+                                       | (((qh[k] >> (2 * i)) & 3) << 4)) - 32) & 0xff) ^ xor8;
+                dw[r] = d * (float)sc[2 * t];
+                dw[gr + r] = d * (float)sc[2 * t + 1];
+            } else if (fmt == KF_Q5_K) {
+                const uint8_t *sb = w + r * ldw + b / 8 * 176;      /* its super-block */
+                const int t = (int)(b % 8), sh = 4 * (t % 2);
+                const uint8_t *q = sb + 48 + 32 * (t / 2), *qh = sb + 16;
+                uint8_t sc[8], mn[8];
+                kf_k4_scales(sb + 4, sc, mn);
+                for (int k = 0; k < KF_QK; k++)
+                    e[k] = (uint8_t)(((q[k] >> sh) & 0x0f) | (((qh[k] >> t) & 1) << 4));
+                dw[r] = kf_f16_at(sb) * (float)sc[t];
+                dw[gr + r] = -(kf_f16_at(sb + 2) * (float)mn[t]);
+            } else if (fmt == KF_Q4_K) {
+                const uint8_t *sb = w + r * ldw + b / 8 * 144;      /* its super-block */
+                const int t = (int)(b % 8), sh = 4 * (t % 2);
+                const uint8_t *q = sb + 16 + 32 * (t / 2);
+                uint8_t sc[8], mn[8];
+                kf_k4_scales(sb + 4, sc, mn);
+                for (int k = 0; k < KF_QK; k++)
+                    e[k] = (q[k] >> sh) & 0x0f;
+                dw[r] = kf_f16_at(sb) * (float)sc[t];
+                dw[gr + r] = -(kf_f16_at(sb + 2) * (float)mn[t]);
             } else {
                 const uint8_t *blk = w + r * ldw + b * bb;
                 if (kind == KQ_Q8_0) {
@@ -135,7 +235,7 @@ static void kq_base_tile_##KIND_##_##RN_(const uint8_t *restrict pg, ptrdiff_t n
     for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
         const uint8_t *restrict q = pg + b * bs;                                          \
         const float *restrict dw = (const float *)(q + GR * KF_QK);                       \
-        int32_t is[RN_][GR] = {{0}};                                                      \
+        int32_t is[RN_][GR] = {{0}}, ia[RN_][GR];                                         \
         for (int g = 0; g < KF_QK / 4; g++) {                                             \
             const uint8_t *restrict wg = q + g * GR * 4;                                  \
             KF_UNROLL_ALL                                                                 \
@@ -148,14 +248,25 @@ static void kq_base_tile_##KIND_##_##RN_(const uint8_t *restrict pg, ptrdiff_t n
                                 + KQ_BASE_U(KIND_, wg[4 * r + 2]) * x2                    \
                                 + KQ_BASE_U(KIND_, wg[4 * r + 3]) * x3;                   \
             }                                                                             \
+            if ((KIND_) == KQ_Q6_K && g == 3)            /* first half: its own scale */  \
+                for (int t = 0; t < (RN_); t++)                                           \
+                    for (int r = 0; r < GR; r++) {                                        \
+                        ia[t][r] = is[t][r];                                              \
+                        is[t][r] = 0;                                                     \
+                    }                                                                     \
         }                                                                                 \
         KF_UNROLL_ALL                                                                     \
         for (int t = 0; t < (RN_); t++) {                                                 \
             const float dx = a[t].xd[b];                                                  \
             const int32_t cx = (KIND_) == KQ_Q4_0 ? 8 * a[t].xs[b] : 0;                   \
-            for (int r = 0; r < GR; r++)                                                  \
-                acc[t][r] += (dw[r] * dx) * (float)(is[t][r] - cx);                       \
-            if ((KIND_) == KQ_Q4_1) {                                                     \
+            if ((KIND_) == KQ_Q6_K)                                                       \
+                for (int r = 0; r < GR; r++)                                              \
+                    acc[t][r] += (dw[r] * dx) * (float)ia[t][r]                           \
+                                 + (dw[GR + r] * dx) * (float)is[t][r];                   \
+            else                                                                          \
+                for (int r = 0; r < GR; r++)                                              \
+                    acc[t][r] += (dw[r] * dx) * (float)(is[t][r] - cx);                   \
+            if (KQ_HAS_M(KIND_)) {                                                        \
                 const float sx = a[t].sx[b];                                              \
                 for (int r = 0; r < GR; r++)                                              \
                     acc[t][r] += dw[GR + r] * sx;                                         \
@@ -166,23 +277,29 @@ static void kq_base_tile_##KIND_##_##RN_(const uint8_t *restrict pg, ptrdiff_t n
         for (int r = 0; r < nr; r++)                                                      \
             out[t * ldo + r] = acc[t][r];                                                 \
 }
-#define KQ_BASE_U(KIND_, v) ((KIND_) == KQ_Q8_0 ? (int32_t)(int8_t)(v) : (int32_t)(v))
+#define KQ_BASE_U(KIND_, v) ((KIND_) == KQ_Q8_0 || (KIND_) == KQ_Q6_K ? (int32_t)(int8_t)(v) \
+                                                               : (int32_t)(v))
 KQ_BASE_TILE(0, 4)
 KQ_BASE_TILE(0, 1)
 KQ_BASE_TILE(1, 4)
 KQ_BASE_TILE(1, 1)
 KQ_BASE_TILE(2, 4)
 KQ_BASE_TILE(2, 1)
+KQ_BASE_TILE(3, 4)
+KQ_BASE_TILE(3, 1)
+KQ_BASE_TILE(4, 4)
+KQ_BASE_TILE(4, 1)
 #undef KQ_BASE_U
 #undef KQ_BASE_TILE
 
 static void kq_base_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
                          float *out, ptrdiff_t ldo, int nr)
 {
-    static void (*const tab[3][2])(const uint8_t *, ptrdiff_t, const kf_act *, float *,
-                                   ptrdiff_t, int) = {
+    static void (*const tab[KQ_N_KIND][2])(const uint8_t *, ptrdiff_t, const kf_act *,
+                                           float *, ptrdiff_t, int) = {
         {kq_base_tile_0_1, kq_base_tile_0_4}, {kq_base_tile_1_1, kq_base_tile_1_4},
-        {kq_base_tile_2_1, kq_base_tile_2_4}};
+        {kq_base_tile_2_1, kq_base_tile_2_4}, {kq_base_tile_3_1, kq_base_tile_3_4},
+        {kq_base_tile_4_1, kq_base_tile_4_4}};
     tab[kind][nt == KQ_BASE_RN](pg, nb, a, out, ldo, nr);
 }
 
@@ -191,6 +308,7 @@ static void kq_base_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act
 
 #define KQ_AVX2_GR 8
 #define KQ_AVX2_RN 6
+#define KQ_AVX2_S8(KIND_) ((KIND_) == KQ_Q8_0 || (KIND_) == KQ_Q6_K)   /* signed weights */
 
 /* Lanes: 8 rows. Per group g: u (32 bytes) once, then for each token its 4 bytes broadcast;
  * q8_0: pmaddubsw(|u|, sign(x, u)) widened by pmaddwd into the int32 sums; q4: pmaddubsw(u, x)
@@ -212,33 +330,52 @@ KF_TARGET_AVX2 static void kq_avx2_tile_##KIND_##_##RN_(const uint8_t *restrict 
     }                                                                                     \
     for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
         const uint8_t *q = pg + b * bs;                                                   \
-        __m256i is[RN_];                                                                  \
+        __m256i is[RN_], ia[RN_];                                                         \
         KF_UNROLL_ALL                                                                     \
         for (int t = 0; t < (RN_); t++)                                                   \
-            is[t] = _mm256_setzero_si256();                                               \
+            is[t] = ia[t] = _mm256_setzero_si256();                                       \
         KQ_UNROLL2                                                                        \
         for (int g = 0; g < KF_QK / 4; g++) {                                             \
             const __m256i u = _mm256_loadu_si256((const __m256i *)(q + 32 * g));          \
-            const __m256i au = (KIND_) == KQ_Q8_0 ? _mm256_abs_epi8(u) : u;               \
+            const __m256i au = KQ_AVX2_S8(KIND_) ? _mm256_abs_epi8(u) : u;                \
             KF_UNROLL_ALL                                                                 \
             for (int t = 0; t < (RN_); t++) {                                             \
                 __m256i xb = _mm256_set1_epi32(kq_ld32(xq[t] + b * KF_QK + 4 * g));       \
-                if ((KIND_) == KQ_Q8_0)                                                   \
+                if (KQ_AVX2_S8(KIND_))                                                    \
                     is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(                    \
                         _mm256_maddubs_epi16(au, _mm256_sign_epi8(xb, u)), ones));        \
+                else if ((KIND_) == KQ_Q5_1)    /* 5-bit: widened each group */           \
+                    is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(                    \
+                        _mm256_maddubs_epi16(au, xb), ones));                             \
                 else                                                                      \
                     is[t] = _mm256_add_epi16(is[t], _mm256_maddubs_epi16(au, xb));        \
+            }                                                                             \
+            if ((KIND_) == KQ_Q6_K && g == 3) {          /* first half: its own scale */  \
+                KF_UNROLL_ALL                                                             \
+                for (int t = 0; t < (RN_); t++) {                                         \
+                    ia[t] = is[t];                                                        \
+                    is[t] = _mm256_setzero_si256();                                       \
+                }                                                                         \
             }                                                                             \
         }                                                                                 \
         const __m256 dw = _mm256_loadu_ps((const float *)(q + GR * KF_QK));               \
         KF_UNROLL_ALL                                                                     \
         for (int t = 0; t < (RN_); t++) {                                                 \
-            __m256i v = (KIND_) == KQ_Q8_0 ? is[t] : _mm256_madd_epi16(is[t], ones);      \
+            __m256i v = KQ_AVX2_S8(KIND_) || (KIND_) == KQ_Q5_1                           \
+                ? is[t] : _mm256_madd_epi16(is[t], ones);                                 \
             if ((KIND_) == KQ_Q4_0)                                                       \
                 v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * a[t].xs[b]));              \
             const __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(a[t].xd[b]));               \
-            acc[t] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(v), acc[t]);                   \
-            if ((KIND_) == KQ_Q4_1)                                                       \
+            if ((KIND_) == KQ_Q6_K) {                                                     \
+                acc[t] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(ia[t]), acc[t]);           \
+                acc[t] = _mm256_fmadd_ps(                                                 \
+                    _mm256_mul_ps(_mm256_loadu_ps((const float *)(q + GR * KF_QK) + GR),  \
+                                  _mm256_set1_ps(a[t].xd[b])),                            \
+                    _mm256_cvtepi32_ps(v), acc[t]);                                       \
+            } else {                                                                      \
+                acc[t] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(v), acc[t]);               \
+            }                                                                             \
+            if (KQ_HAS_M(KIND_))                                                          \
                 acc[t] = _mm256_fmadd_ps(                                                 \
                     _mm256_loadu_ps((const float *)(q + GR * KF_QK) + GR),                \
                     _mm256_set1_ps(a[t].sx[b]), acc[t]);                                  \
@@ -257,15 +394,20 @@ KQ_AVX2_TILE(1, 6)
 KQ_AVX2_TILE(1, 1)
 KQ_AVX2_TILE(2, 6)
 KQ_AVX2_TILE(2, 1)
+KQ_AVX2_TILE(3, 6)
+KQ_AVX2_TILE(3, 1)
+KQ_AVX2_TILE(4, 6)
+KQ_AVX2_TILE(4, 1)
 #undef KQ_AVX2_TILE
 
 static void kq_avx2_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
                          float *out, ptrdiff_t ldo, int nr)
 {
-    static void (*const tab[3][2])(const uint8_t *, ptrdiff_t, const kf_act *, float *,
-                                   ptrdiff_t, int) = {
+    static void (*const tab[KQ_N_KIND][2])(const uint8_t *, ptrdiff_t, const kf_act *,
+                                           float *, ptrdiff_t, int) = {
         {kq_avx2_tile_0_1, kq_avx2_tile_0_6}, {kq_avx2_tile_1_1, kq_avx2_tile_1_6},
-        {kq_avx2_tile_2_1, kq_avx2_tile_2_6}};
+        {kq_avx2_tile_2_1, kq_avx2_tile_2_6}, {kq_avx2_tile_3_1, kq_avx2_tile_3_6},
+        {kq_avx2_tile_4_1, kq_avx2_tile_4_6}};
     tab[kind][nt == KQ_AVX2_RN](pg, nb, a, out, ldo, nr);
 }
 
@@ -284,7 +426,8 @@ KF_TARGET_AVX512 static void kq_avx512_tile_##KIND_##_##RN_(const uint8_t *restr
 {                                                                                         \
     enum { GR = KQ_AVX512_GR };                                                           \
     const ptrdiff_t bs = kq_block_bytes(KIND_, GR);                                       \
-    const int c = (KIND_) == KQ_Q8_0 ? 128 : ((KIND_) == KQ_Q4_0 ? 8 : 0);                \
+    const int c = (KIND_) == KQ_Q8_0 || (KIND_) == KQ_Q6_K ? 128                          \
+                  : ((KIND_) == KQ_Q4_0 ? 8 : 0);                                         \
     const int8_t *xq[RN_];                                                                \
     __m512 acc[RN_];                                                                      \
     KF_UNROLL_ALL                                                                         \
@@ -294,10 +437,10 @@ KF_TARGET_AVX512 static void kq_avx512_tile_##KIND_##_##RN_(const uint8_t *restr
     }                                                                                     \
     for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
         const uint8_t *q = pg + b * bs;                                                   \
-        __m512i is[RN_];                                                                  \
+        __m512i is[RN_], ia[RN_];                                                         \
         KF_UNROLL_ALL                                                                     \
         for (int t = 0; t < (RN_); t++)                                                   \
-            is[t] = _mm512_setzero_si512();                                               \
+            is[t] = ia[t] = _mm512_setzero_si512();                                       \
         KQ_UNROLL2                                                                        \
         for (int g = 0; g < KF_QK / 4; g++) {                                             \
             const __m512i u = _mm512_loadu_si512((const void *)(q + 64 * g));             \
@@ -305,16 +448,37 @@ KF_TARGET_AVX512 static void kq_avx512_tile_##KIND_##_##RN_(const uint8_t *restr
             for (int t = 0; t < (RN_); t++)                                               \
                 is[t] = _mm512_dpbusd_epi32(                                              \
                     is[t], u, _mm512_set1_epi32(kq_ld32(xq[t] + b * KF_QK + 4 * g)));     \
+            if ((KIND_) == KQ_Q6_K && g == 3) {          /* first half: its own scale */  \
+                KF_UNROLL_ALL                                                             \
+                for (int t = 0; t < (RN_); t++) {                                         \
+                    ia[t] = is[t];                                                        \
+                    is[t] = _mm512_setzero_si512();                                       \
+                }                                                                         \
+            }                                                                             \
         }                                                                                 \
         const __m512 dw = _mm512_loadu_ps((const float *)(q + GR * KF_QK));               \
         KF_UNROLL_ALL                                                                     \
         for (int t = 0; t < (RN_); t++) {                                                 \
             __m512i v = is[t];                                                            \
-            if (c)                                                                        \
-                v = _mm512_sub_epi32(v, _mm512_set1_epi32(c * a[t].xs[b]));              \
             const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(a[t].xd[b]));               \
-            acc[t] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(v), acc[t]);                   \
-            if ((KIND_) == KQ_Q4_1)                                                       \
+            if ((KIND_) == KQ_Q6_K) {       /* 128 times each half's sum of x */          \
+                const int8_t *xt = xq[t] + b * KF_QK;                                     \
+                int32_t xa = 0;                                                           \
+                for (int k = 0; k < 16; k++)                                              \
+                    xa += xt[k];                                                          \
+                const __m512i va = _mm512_sub_epi32(ia[t], _mm512_set1_epi32(128 * xa));  \
+                v = _mm512_sub_epi32(v, _mm512_set1_epi32(128 * (a[t].xs[b] - xa)));      \
+                acc[t] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(va), acc[t]);              \
+                acc[t] = _mm512_fmadd_ps(                                                 \
+                    _mm512_mul_ps(_mm512_loadu_ps((const float *)(q + GR * KF_QK) + GR),  \
+                                  _mm512_set1_ps(a[t].xd[b])),                            \
+                    _mm512_cvtepi32_ps(v), acc[t]);                                       \
+            } else {                                                                      \
+                if (c)                                                                    \
+                    v = _mm512_sub_epi32(v, _mm512_set1_epi32(c * a[t].xs[b]));          \
+                acc[t] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(v), acc[t]);               \
+            }                                                                             \
+            if (KQ_HAS_M(KIND_))                                                          \
                 acc[t] = _mm512_fmadd_ps(                                                 \
                     _mm512_loadu_ps((const float *)(q + GR * KF_QK) + GR),                \
                     _mm512_set1_ps(a[t].sx[b]), acc[t]);                                  \
@@ -333,15 +497,20 @@ KQ_AVX512_TILE(1, 8)
 KQ_AVX512_TILE(1, 1)
 KQ_AVX512_TILE(2, 8)
 KQ_AVX512_TILE(2, 1)
+KQ_AVX512_TILE(3, 8)
+KQ_AVX512_TILE(3, 1)
+KQ_AVX512_TILE(4, 8)
+KQ_AVX512_TILE(4, 1)
 #undef KQ_AVX512_TILE
 
 static void kq_avx512_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
                            float *out, ptrdiff_t ldo, int nr)
 {
-    static void (*const tab[3][2])(const uint8_t *, ptrdiff_t, const kf_act *, float *,
-                                   ptrdiff_t, int) = {
+    static void (*const tab[KQ_N_KIND][2])(const uint8_t *, ptrdiff_t, const kf_act *,
+                                           float *, ptrdiff_t, int) = {
         {kq_avx512_tile_0_1, kq_avx512_tile_0_8}, {kq_avx512_tile_1_1, kq_avx512_tile_1_8},
-        {kq_avx512_tile_2_1, kq_avx512_tile_2_8}};
+        {kq_avx512_tile_2_1, kq_avx512_tile_2_8}, {kq_avx512_tile_3_1, kq_avx512_tile_3_8},
+        {kq_avx512_tile_4_1, kq_avx512_tile_4_8}};
     tab[kind][nt == KQ_AVX512_RN](pg, nb, a, out, ldo, nr);
 }
 #endif /* KF_X86_DISPATCH */
@@ -379,7 +548,8 @@ typedef struct {
     uint8_t *act_mem, *panels;
 } kf_q8_plan;
 
-/* Plan out = x @ W.T for a (d, n) weight of format fmt (q8_0 / q4_0 / q4_1, n % 32 == 0),
+/* Plan out = x @ W.T for a (d, n) weight of format fmt (q8_0 / q4_0 / q4_1 / q5_0 / iq4_nl
+ * with n % 32 == 0, or q4_k / iq4_xs with n % 256 == 0),
  * T tokens, nt threads, with the variant in use. */
 static void kf_gemm_q8_plan(int fmt, ptrdiff_t d, ptrdiff_t n, ptrdiff_t T, int nt,
                             kf_q8_plan *p)
@@ -450,7 +620,7 @@ static void kf_gemm_q8_items(const kf_q8_plan *p, const uint8_t *w, ptrdiff_t ld
         const ptrdiff_t nr = p->d - r0 < p->rb ? p->d - r0 : p->rb;
         if (ib != packed) {
             for (ptrdiff_t r = 0; r < nr; r += v->gr)
-                kq_pack(p->kind, w + (r0 + r) * ldw, ldw, nr - r < v->gr ? (int)(nr - r) : v->gr,
+                kq_pack(p->fmt, w + (r0 + r) * ldw, ldw, nr - r < v->gr ? (int)(nr - r) : v->gr,
                         p->nb, v->gr, v->xor8, panel + r / v->gr * gs);
             packed = ib;
         }

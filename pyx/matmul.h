@@ -66,6 +66,7 @@ typedef struct {
 #define KF_VIDOT_ROWS KF_AVX2_IROWS
 #define KF_VIDOT_ROWS_DOT kf_avx2_idot4
 #define KF_VIDOT_ONE kf_avx2_idot1
+#define KF_VKFAST(name) kf_avx2_kx_##name
 #include "matmul_isa.h"
 
 /* ---------------------------------------------------------------- avx512 variant */
@@ -93,6 +94,7 @@ typedef struct {
 #define KF_VIDOT_ROWS 4
 #define KF_VIDOT_ROWS_DOT kf_avx512_idot4
 #define KF_VIDOT_ONE kf_avx512_idot1
+#define KF_VKFAST(name) kf_avx512_kx_##name
 #include "matmul_isa.h"
 #endif /* KF_X86_DISPATCH */
 

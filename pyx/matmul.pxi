@@ -9,6 +9,13 @@ cdef extern from "matmul.h" nogil:
         KF_Q8_0
         KF_Q4_0
         KF_Q4_1
+        KF_Q4_K
+        KF_Q5_0
+        KF_Q5_1
+        KF_Q5_K
+        KF_Q6_K
+        KF_IQ4_NL
+        KF_IQ4_XS
     void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
     ctypedef struct kf_act:
         pass
@@ -98,7 +105,11 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
                 kf_gemv_rows(fmt, &a, n, &w[0, 0], ldw, split(d, c, nt), split(d, c + 1, nt),
                              &out[0, 0])
         return
-    if act_q8 and n % KF_QK == 0 and (fmt == KF_Q8_0 or fmt == KF_Q4_0 or fmt == KF_Q4_1):
+    if act_q8 and n % KF_QK == 0 and (fmt == KF_Q8_0 or fmt == KF_Q4_0 or fmt == KF_Q4_1
+                                      or fmt == KF_Q4_K or fmt == KF_Q5_0 or fmt == KF_Q5_1
+                                      or fmt == KF_Q5_K
+                                      or fmt == KF_Q6_K or fmt == KF_IQ4_NL
+                                      or fmt == KF_IQ4_XS):
         _gemm_q8(x, w, fmt, out, n_threads)
         return
     # GEMM: each row block is dequantised once into panels, then dotted with every token

@@ -104,6 +104,180 @@ KF_TARGET static float KF_V(dot_q4)(int fmt, const float *restrict x,
 }
 #endif /* KF_VFAST */
 
+/* ---------------------------------------------------------------- q5 and K-quants, float x */
+
+/* Formats without a dot of their own (q2_k, q3_k): KF_CHUNK elements at a time
+ * dequantised into an L1 buffer by formats.h (the code of the GEMM packing and
+ * get_rows), then dotted; the chunks' sums added in order. */
+KF_TARGET static float KF_V(dot_deq)(int fmt, const float *restrict x,
+                                     const uint8_t *restrict w, ptrdiff_t n)
+{
+    float buf[KF_CHUNK];
+    float acc = 0.0f;
+    for (ptrdiff_t j = 0; j < n; j += KF_CHUNK) {
+        ptrdiff_t m = n - j < KF_CHUNK ? n - j : KF_CHUNK;
+        kf_deq_span(fmt, w, j, buf, m);
+        acc += KF_VDOT(dot_f32)(x + j, buf, m);
+    }
+    return acc;
+}
+
+/* A q5_0 block's 32 quants 0..31 (element k: nibble as q4_0, 5th bit k of qh). */
+KF_TARGET KF_INLINE void KF_V(unpack_q5)(const uint8_t *restrict blk, uint8_t *restrict u)
+{
+    uint32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const uint8_t *restrict q = blk + 6;
+    KF_BLOCK_LOOP
+    for (int k = 0; k < 16; k++) {
+        u[k] = (uint8_t)((q[k] & 0x0f) | (((qh >> k) & 1u) << 4));
+        u[k + 16] = (uint8_t)((q[k] >> 4) | (((qh >> (k + 16)) & 1u) << 4));
+    }
+}
+
+/* An iq4 block's (or iq4_xs sub-block's) 16 bytes q as its 32 values kf_iq4_val[nibble]
+ * (element k low nibble, k + 16 high nibble). */
+KF_TARGET KF_INLINE void KF_V(unpack_iq4)(const uint8_t *restrict q, int8_t *restrict v)
+{
+    for (int k = 0; k < 16; k++) {
+        v[k] = kf_iq4_val[q[k] & 15];
+        v[k + 16] = kf_iq4_val[q[k] >> 4];
+    }
+}
+
+#ifndef KF_VKFAST        /* else the variant's own (matmul_x86.h) */
+/* q5_0 (q51 = 0) and q5_1 (q51 = 1): sum_b (d_b sum_k q_bk x_bk + m_b sx[b]), q5_0's
+ * m = -16 d */
+KF_TARGET static float KF_V(dot_q5)(const int q51, const float *restrict x,
+                                    const float *restrict sx, const uint8_t *restrict w,
+                                    ptrdiff_t nb)
+{
+    float acc[KF_VG][KF_QK] = {{0}};
+    float macc = 0.0f;
+    for (ptrdiff_t b = 0; b < nb; b += KF_VG) {
+        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *blk = w + (b + g) * (q51 ? 24 : 22);
+            const float *xb = x + (b + g) * KF_QK;
+            const float d = KF_VF16(blk), m = q51 ? KF_VF16(blk + 2) : -16.0f * d;
+            uint8_t u[KF_QK];
+            KF_V(unpack_q5)(blk + 2 * q51, u);
+            for (int k = 0; k < KF_QK; k++)
+                acc[g][k] += d * ((float)u[k] * xb[k]);
+            macc += m * sx[b + g];
+        }
+    }
+    for (int g = 1; g < KF_VG; g++)
+        for (int k = 0; k < KF_QK; k++)
+            acc[0][k] += acc[g][k];
+    return kf_hsum(acc[0], KF_QK) + macc;
+}
+
+/* Activation block t (0..7, 32 elements) of a q4_k / q5_k / q6_k super-block: its quants
+ * as stored, u 0..15 / 0..31 / 0..63 (q6_k's value is u - 32); formats.h has the layouts. */
+KF_TARGET KF_INLINE void KF_V(unpack_k)(const int fmt, const uint8_t *restrict blk, int t,
+                                        uint8_t *restrict u)
+{
+    if (fmt == KF_Q6_K) {
+        const int h = t / 4, i = t % 4, sl = 4 * (i / 2), sh = 2 * i;
+        const uint8_t *restrict ql = blk + 64 * h + 32 * (i % 2);
+        const uint8_t *restrict qh = blk + 128 + 32 * h;
+        KF_BLOCK_LOOP
+        for (int k = 0; k < 32; k++)
+            u[k] = (uint8_t)(((ql[k] >> sl) & 15) | (((qh[k] >> sh) & 3) << 4));
+    } else {
+        const uint8_t *restrict q = blk + (fmt == KF_Q5_K ? 48 : 16) + 32 * (t / 2);
+        const int sl = 4 * (t % 2);
+        if (fmt == KF_Q5_K) {
+            const uint8_t *restrict qh = blk + 16;
+            KF_BLOCK_LOOP
+            for (int k = 0; k < 32; k++)
+                u[k] = (uint8_t)(((q[k] >> sl) & 15) | (((qh[k] >> t) & 1) << 4));
+        } else {
+            KF_BLOCK_LOOP
+            for (int k = 0; k < 32; k++)
+                u[k] = (uint8_t)((q[k] >> sl) & 15);
+        }
+    }
+}
+
+/* q4_k / q5_k / q6_k rows of nsb super-blocks, 32 lanes (an activation block's elements):
+ * q4_k, q5_k: sum over sub-blocks j (32) of (d sc_j) sum_k q_k x_k - dmin sum_j m_j sx[j];
+ * q6_k: sum over sub-blocks of 16 of (d sc) sum_k (q_k - 32) x_k. */
+KF_TARGET KF_INLINE float KF_V(dot_k_body)(const int fmt, const float *restrict x,
+                                           const float *restrict sx,
+                                           const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    float acc[KF_QK] = {0};
+    float macc = 0.0f;
+    for (ptrdiff_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = w + B * bb;
+        const float *xs = x + B * KF_QK_K;
+        uint8_t u[KF_QK];
+        if (fmt == KF_Q6_K) {
+            const float d = KF_VF16(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int t = 0; t < 8; t++) {
+                const float *xt = xs + KF_QK * t;
+                const float da = d * (float)sc[2 * t], db = d * (float)sc[2 * t + 1];
+                KF_V(unpack_k)(fmt, blk, t, u);
+                for (int k = 0; k < 16; k++)
+                    acc[k] += da * ((float)((int)u[k] - 32) * xt[k]);
+                for (int k = 16; k < 32; k++)
+                    acc[k] += db * ((float)((int)u[k] - 32) * xt[k]);
+            }
+        } else {
+            const float d = KF_VF16(blk), dmin = KF_VF16(blk + 2);
+            uint8_t sc[8], mn[8];
+            kf_k4_scales(blk + 4, sc, mn);
+            float ms = 0.0f;
+            for (int t = 0; t < 8; t++) {
+                const float *xt = xs + KF_QK * t;
+                const float dl = d * (float)sc[t];
+                KF_V(unpack_k)(fmt, blk, t, u);
+                for (int k = 0; k < KF_QK; k++)
+                    acc[k] += dl * ((float)u[k] * xt[k]);
+                ms += (float)mn[t] * sx[8 * B + t];
+            }
+            macc += dmin * ms;
+        }
+    }
+    return kf_hsum(acc, KF_QK) - macc;
+}
+
+KF_TARGET static float KF_V(dot_k)(int fmt, const float *restrict x, const float *restrict sx,
+                                   const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    switch (fmt) {
+    case KF_Q4_K: return KF_V(dot_k_body)(KF_Q4_K, x, sx, w, nsb);
+    case KF_Q5_K: return KF_V(dot_k_body)(KF_Q5_K, x, sx, w, nsb);
+    default: return KF_V(dot_k_body)(KF_Q6_K, x, sx, w, nsb);
+    }
+}
+
+/* iq4_nl (xs = 0, nb blocks of 32) or iq4_xs (xs = 1, nb super-blocks of 256): per
+ * sub-block of 32, (d (ls - 32)) sum_k kf_iq4_val[q_k] x_k, 32 lanes */
+KF_TARGET static float KF_V(dot_iq4)(int xs, const float *restrict x,
+                                     const uint8_t *restrict w, ptrdiff_t nb)
+{
+    float acc[KF_QK] = {0};
+    int8_t v[KF_QK];
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_VF16(blk);
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const float *xb = x + (b * (xs ? 8 : 1) + j) * KF_QK;
+            const float dl = xs ? d * (float)kf_iq4xs_scale(blk, j) : d;
+            KF_V(unpack_iq4)(blk + (xs ? 8 + 16 * j : 2), v);
+            for (int k = 0; k < KF_QK; k++)
+                acc[k] += dl * ((float)v[k] * xb[k]);
+        }
+    }
+    return kf_hsum(acc, KF_QK);
+}
+#endif /* KF_VKFAST */
+
 /* ---------------------------------------------------------------- int8 activations */
 
 /* One block's integer dot sum_k u_k xq_k (exact in int32), the weights u as KF_IW:
@@ -215,10 +389,142 @@ KF_TARGET static float KF_V(idot_q4_1)(const int8_t *restrict xq, const float *r
     return acc[0] + macc[0];
 }
 
+/* sum_k v_k xq_k over 16 elements (half a block), weights as s8 */
+KF_TARGET KF_INLINE int KF_V(idot16)(const int8_t *restrict v, const int8_t *restrict xb)
+{
+    int s = 0;
+    KF_BLOCK_LOOP
+    for (int k = 0; k < 16; k++)
+        s += (int)v[k] * (int)xb[k];
+    return s;
+}
+
+#ifndef KF_VKFAST
+/* q5_0 / q5_1 (q51) weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk - 16 xs_b) (q5_0),
+ * sum_b (d_b xd_b sum_k q_bk xq_bk + m_b sx[b]) (q5_1) */
+KF_TARGET static float KF_V(idot_q5)(const int q51, const int8_t *restrict xq,
+                                     const float *restrict xd, const int32_t *restrict xs,
+                                     const float *restrict sx, const uint8_t *restrict w,
+                                     ptrdiff_t nb)
+{
+    float acc[KF_VG] = {0}, macc = 0.0f;
+    for (ptrdiff_t b = 0; b < nb; b += KF_VG) {
+        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *blk = w + (b + g) * (q51 ? 24 : 22);
+            uint8_t u8[KF_QK];
+            KF_IW u[KF_QK];
+            KF_V(unpack_q5)(blk + 2 * q51, u8);
+            for (int k = 0; k < KF_QK; k++)
+                u[k] = (KF_IW)u8[k];
+            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - (q51 ? 0 : 16 * xs[b + g]);
+            acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
+            if (q51)
+                macc += KF_VF16(blk + 2) * sx[b + g];
+        }
+    }
+    for (int g = 1; g < KF_VG; g++)
+        acc[0] += acc[g];
+    return acc[0] + macc;
+}
+
+/* q4_k / q5_k / q6_k weights . int8 x, one integer sum per activation block b (exact in
+ * int32) scaled once: q4_k, q5_k: (d xd_b) (sc_j sum_k q_k xq_k) - dmin m_j sx[b]
+ * (sub-block j = block b); q6_k: (d xd_b) (sc_a sum_{k<16} (q_k - 32) xq_k + sc_b
+ * sum_{k>=16} ...), its two sub-blocks of 16. Two float chains (even, odd blocks). */
+KF_TARGET KF_INLINE float KF_V(idot_k_body)(const int fmt, const int8_t *restrict xq,
+                                            const float *restrict xd,
+                                            const float *restrict sx,
+                                            const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    float acc[2] = {0.0f, 0.0f}, macc = 0.0f;
+    for (ptrdiff_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = w + B * bb;
+        uint8_t u8[KF_QK];
+        KF_IW u[KF_QK];
+        if (fmt == KF_Q6_K) {
+            const float d = KF_VF16(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            for (int t = 0; t < 8; t++) {
+                const ptrdiff_t b = 8 * B + t;
+                const int8_t *xb = xq + b * KF_QK;
+                int8_t v[KF_QK];                  /* q - 32 as s8, whatever KF_IW */
+                KF_V(unpack_k)(fmt, blk, t, u8);
+                for (int k = 0; k < KF_QK; k++)
+                    v[k] = (int8_t)((int)u8[k] - 32);
+                const int sa = KF_V(idot16)(v, xb), sb = KF_V(idot16)(v + 16, xb + 16);
+                acc[t & 1] += (d * xd[b]) * (float)(sc[2 * t] * sa + sc[2 * t + 1] * sb);
+            }
+        } else {
+            const float d = KF_VF16(blk), dmin = KF_VF16(blk + 2);
+            uint8_t sc[8], mn[8];
+            kf_k4_scales(blk + 4, sc, mn);
+            float ms = 0.0f;
+            for (int t = 0; t < 8; t++) {
+                const ptrdiff_t b = 8 * B + t;
+                KF_V(unpack_k)(fmt, blk, t, u8);
+                for (int k = 0; k < KF_QK; k++)
+                    u[k] = (KF_IW)u8[k];
+                const int s = KF_V(idot_block)(u, xq + b * KF_QK);
+                acc[t & 1] += (d * xd[b]) * (float)(sc[t] * s);
+                ms += (float)mn[t] * sx[b];
+            }
+            macc += dmin * ms;
+        }
+    }
+    return (acc[0] + acc[1]) - macc;
+}
+
+KF_TARGET static float KF_V(idot_k)(int fmt, const int8_t *restrict xq,
+                                    const float *restrict xd, const float *restrict sx,
+                                    const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    switch (fmt) {
+    case KF_Q4_K: return KF_V(idot_k_body)(KF_Q4_K, xq, xd, sx, w, nsb);
+    case KF_Q5_K: return KF_V(idot_k_body)(KF_Q5_K, xq, xd, sx, w, nsb);
+    default: return KF_V(idot_k_body)(KF_Q6_K, xq, xd, sx, w, nsb);
+    }
+}
+
+/* iq4_nl / iq4_xs weights . int8 x: per sub-block = activation block b,
+ * (d xd_b) (ls - 32) sum_k kf_iq4_val[q_k] xq_k (s8 x s8) */
+KF_TARGET static float KF_V(idot_iq4)(int xs, const int8_t *restrict xq,
+                                      const float *restrict xd, const uint8_t *restrict w,
+                                      ptrdiff_t nb)
+{
+    float acc[2] = {0.0f, 0.0f};
+    int8_t v[KF_QK];
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_VF16(blk);
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const ptrdiff_t a = b * (xs ? 8 : 1) + j;
+            const int8_t *xb = xq + a * KF_QK;
+            KF_V(unpack_iq4)(blk + (xs ? 8 + 16 * j : 2), v);
+            const int s = KF_V(idot16)(v, xb) + KF_V(idot16)(v + 16, xb + 16);
+            acc[a & 1] += (d * xd[a]) * (float)(xs ? kf_iq4xs_scale(blk, j) * s : s);
+        }
+    }
+    return acc[0] + acc[1];
+}
+#endif /* KF_VKFAST */
+
 #undef KF_IW
 #undef KF_IQ8_C
 
 /* ---------------------------------------------------------------- GEMV rows */
+
+/* KF_VKFAST(name): the variant's own q5 / K-quant / iq4 dots (matmul_x86.h:
+ * kf_NAME_kx_xdot_k, _xdot_q5, _xdot_iq4, _idot_k, _idot_q5, _idot_iq4), else the
+ * portable ones above. */
+#ifdef KF_VKFAST
+#define KF_VDOTK(name) KF_VKFAST(x##name)
+#define KF_VIDOTK(name) KF_VKFAST(name)
+#else
+#define KF_VDOTK(name) KF_V(name)
+#define KF_VIDOTK(name) KF_V(name)
+#endif
 
 /* out[i] = dot(activation a, weight row i) for rows r0 <= i < r1 of a (., n) weight in
  * format fmt (rows ldw bytes apart); a->xq == NULL selects the float path. */
@@ -226,8 +532,25 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
                                       const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r0,
                                       ptrdiff_t r1, float *restrict out)
 {
-    const ptrdiff_t nb = n / KF_QK;
+    const ptrdiff_t nb = n / KF_QK, nsb = n / KF_QK_K;
     ptrdiff_t i;
+    if (a->xq != NULL && (fmt == KF_Q4_K || fmt == KF_Q5_K || fmt == KF_Q6_K)) {
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VIDOTK(idot_k)(fmt, a->xq, a->xd, a->sx, w + i * ldw, nsb);
+        return;
+    }
+    if (a->xq != NULL && (fmt == KF_IQ4_NL || fmt == KF_IQ4_XS)) {
+        const int xs = fmt == KF_IQ4_XS;
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VIDOTK(idot_iq4)(xs, a->xq, a->xd, w + i * ldw, xs ? nsb : nb);
+        return;
+    }
+    if (a->xq != NULL && (fmt == KF_Q5_0 || fmt == KF_Q5_1)) {
+        const int q51 = fmt == KF_Q5_1;
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VIDOTK(idot_q5)(q51, a->xq, a->xd, a->xs, a->sx, w + i * ldw, nb);
+        return;
+    }
     if (a->xq != NULL && (fmt == KF_Q8_0 || fmt == KF_Q4_0 || fmt == KF_Q4_1)) {
 #ifdef KF_VIDOT_ROWS
         /* the variant's own int8 dots, KF_VIDOT_ROWS rows per call */
@@ -294,6 +617,27 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
             out[i] = KF_VDOT(dot_q4)(KF_Q4_1, a->x, a->sx, w + i * ldw, nb);
         break;
 #endif
+    case KF_Q5_0:
+    case KF_Q5_1:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOTK(dot_q5)(fmt == KF_Q5_1, a->x, a->sx, w + i * ldw, nb);
+        break;
+    case KF_Q4_K:
+    case KF_Q5_K:
+    case KF_Q6_K:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOTK(dot_k)(fmt, a->x, a->sx, w + i * ldw, nsb);
+        break;
+    case KF_IQ4_NL:
+    case KF_IQ4_XS:
+        for (i = r0; i < r1; i++)
+            out[i] = KF_VDOTK(dot_iq4)(fmt == KF_IQ4_XS, a->x, w + i * ldw,
+                                       fmt == KF_IQ4_XS ? nsb : nb);
+        break;
+    default:                                          /* q2_k, q3_k */
+        for (i = r0; i < r1; i++)
+            out[i] = KF_V(dot_deq)(fmt, a->x, w + i * ldw, n);
+        break;
     }
 }
 
@@ -438,6 +782,9 @@ KF_TARGET KF_NO_CONTRACT static void KF_V(quantize_q4_0)(const float *restrict x
 }
 
 #undef KF_VDOT
+#undef KF_VDOTK
+#undef KF_VIDOTK
+#undef KF_VKFAST
 #undef KF_V
 #undef KF_TARGET
 #undef KF_VL

@@ -319,6 +319,341 @@ KF_TARGET_AVX2 static void kf_avx2_idot##R(int fmt, const int8_t *restrict xq,  
 KF_AVX2_I8_ROWS(1)
 KF_AVX2_I8_ROWS(4)
 
+/* ---------------------------------------------------------------- q5, K-quants, iq4 */
+
+/* The q5_0 / q5_1, K-quant (q4_k, q5_k, q6_k) and iq4 (iq4_nl, iq4_xs: the table lookup by
+ * vpshufb, then as q8_0) dots of both variants: matmul_isa.h's KF_VKFAST names
+ * (kf_NAME_kx_...), one row per call (a K-quant row is long: 256 elements a block). Per
+ * activation block of 32 (one 32-element sub-block of q4_k / q5_k, two of 16 of q6_k),
+ * the 32 quants are unpacked into one vector of u8 (kf_avx2_kq, kf_avx2_q5_0), then
+ *   float x: widened to floats, multiplied by x, summed per sub-block, scaled by d sc;
+ *   int8 x:  AVX2 vpmaddubsw (pairs within int16: u <= 63 times |xq| <= 127, and for the
+ *            offset formats (q6_k: 32, q5_0: 16) the offset times x subtracted in int16,
+ *            the same as q4_0's), vpmaddwd by the sub-block scales (int32); AVX-512 VNNI
+ *            vpdpbusd, vpmulld by the scales; then one conversion and one FMA by d xd_b.
+ * The q4_k / q5_k mins (q5_1's m) enter as dmin sum_j m_j sx[b] (float block sums of x),
+ * as q4_1's.
+ * Every integer sum is exact; each row is a fixed sequence of float operations. */
+
+/* Activation block t (0..7) of the q4_k / q5_k / q6_k super-block at blk: its 32 quants
+ * as u8 (byte k = element 32 t + k; q6_k as stored, 0..63). formats.h has the layouts;
+ * the 16-bit shifts move bits across bytes only into places the masks clear. */
+KF_TARGET_AVX2 KF_INLINE __m256i kf_avx2_kq(const int fmt, const uint8_t *blk, const int t)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (fmt == KF_Q6_K) {
+        const int h = t / 4, i = t % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (i % 2)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (i / 2)), m4);
+        const __m256i hi = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * i), 4),
+                                            _mm256_set1_epi8(0x30));
+        return _mm256_or_si256(lo, hi);
+    }
+    const __m256i q = _mm256_loadu_si256(
+        (const __m256i *)(blk + (fmt == KF_Q5_K ? 48 : 16) + 32 * (t / 2)));
+    __m256i u = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (t % 2)), m4);
+    if (fmt == KF_Q5_K) {
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        u = _mm256_or_si256(u, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(qh, t), 4),
+                                                _mm256_set1_epi8(0x10)));
+    }
+    return u;
+}
+
+/* A q5_0 block's 32 quants (0..31) as u8: the nibbles, and 0x10 where bit k of qh is set
+ * (byte k / 8 of qh spread over bytes k, then its bit k % 8 compared). */
+KF_TARGET_AVX2 KF_INLINE __m256i kf_avx2_q5_0(const uint8_t *blk)
+{
+    int32_t qh;
+    memcpy(&qh, blk + 2, 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(qh), _mm256_setr_epi64x(0, 0x0101010101010101LL,
+                                                  0x0202020202020202LL, 0x0303030303030303LL));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i hb = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                                        _mm256_set1_epi8(0x10));
+    return _mm256_or_si256(kf_avx2_nib32(blk + 6), hb);
+}
+
+/* 32 bytes as 4 x 8 floats, elements in order; signed (s8) or not (u8) */
+KF_TARGET_AVX2 KF_INLINE void kf_avx2_u8x32(__m256i u, const int sgn, __m256 f[4])
+{
+    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    if (sgn) {
+        f[0] = KF_AVX2_S8(lo);
+        f[1] = KF_AVX2_S8(_mm_srli_si128(lo, 8));
+        f[2] = KF_AVX2_S8(hi);
+        f[3] = KF_AVX2_S8(_mm_srli_si128(hi, 8));
+    } else {
+        f[0] = KF_AVX2_U8(lo);
+        f[1] = KF_AVX2_U8(_mm_srli_si128(lo, 8));
+        f[2] = KF_AVX2_U8(hi);
+        f[3] = KF_AVX2_U8(_mm_srli_si128(hi, 8));
+    }
+}
+
+/* q4_k / q5_k: dmin sum_t m_t sx[t] of one super-block into 8 lanes of macc */
+KF_TARGET_AVX2 KF_INLINE __m256 kf_avx2_kmins(const uint8_t *mn, const float *sx, float dmin,
+                                             __m256 macc)
+{
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+    return _mm256_fmadd_ps(_mm256_set1_ps(dmin), _mm256_mul_ps(m, _mm256_loadu_ps(sx)), macc);
+}
+
+KF_TARGET_AVX2 KF_INLINE float kf_avx2_kx_xdot_body(const int fmt, const float *restrict x,
+                                                  const float *restrict sx,
+                                                  const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, macc = acc0;
+    for (ptrdiff_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = w + B * bb;
+        const float *xs = x + B * KF_QK_K;
+        if (fmt == KF_Q6_K) {
+            const float d = KF_X86_F16(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            KF_UNROLL_ALL
+            for (int t = 0; t < 8; t++) {
+                const float *xt = xs + KF_QK * t;
+                __m256 f[4];
+                kf_avx2_u8x32(_mm256_sub_epi8(kf_avx2_kq(fmt, blk, t), _mm256_set1_epi8(32)),
+                              1, f);
+                __m256 ta = _mm256_mul_ps(f[0], _mm256_loadu_ps(xt));
+                __m256 tb = _mm256_mul_ps(f[2], _mm256_loadu_ps(xt + 16));
+                ta = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xt + 8), ta);
+                tb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xt + 24), tb);
+                acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * t]), ta, acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d * (float)sc[2 * t + 1]), tb, acc1);
+            }
+        } else {
+            const float d = KF_X86_F16(blk), dmin = KF_X86_F16(blk + 2);
+            uint8_t sc[8], mn[8];
+            kf_k4_scales(blk + 4, sc, mn);
+            KF_UNROLL_ALL
+            for (int t = 0; t < 8; t++) {
+                const float *xt = xs + KF_QK * t;
+                __m256 f[4];
+                kf_avx2_u8x32(kf_avx2_kq(fmt, blk, t), 0, f);
+                __m256 ta = _mm256_mul_ps(f[0], _mm256_loadu_ps(xt));
+                __m256 tb = _mm256_mul_ps(f[2], _mm256_loadu_ps(xt + 16));
+                ta = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xt + 8), ta);
+                tb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xt + 24), tb);
+                const __m256 dl = _mm256_set1_ps(d * (float)sc[t]);
+                if (t & 1)
+                    acc1 = _mm256_fmadd_ps(dl, _mm256_add_ps(ta, tb), acc1);
+                else
+                    acc0 = _mm256_fmadd_ps(dl, _mm256_add_ps(ta, tb), acc0);
+            }
+            macc = kf_avx2_kmins(mn, sx + 8 * B, dmin, macc);
+        }
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1)) - kf_avx2_hsum(macc);
+}
+
+KF_TARGET_AVX2 static float kf_avx2_kx_xdot_k(int fmt, const float *restrict x,
+                                           const float *restrict sx,
+                                           const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    switch (fmt) {
+    case KF_Q4_K: return kf_avx2_kx_xdot_body(KF_Q4_K, x, sx, w, nsb);
+    case KF_Q5_K: return kf_avx2_kx_xdot_body(KF_Q5_K, x, sx, w, nsb);
+    default: return kf_avx2_kx_xdot_body(KF_Q6_K, x, sx, w, nsb);
+    }
+}
+
+/* q5_0 / q5_1 (q51), float x: sum_b (d_b sum_k q_bk x_bk + m_b sx[b]), q5_0's m = -16 d */
+KF_TARGET_AVX2 static float kf_avx2_kx_xdot_q5(const int q51, const float *restrict x,
+                                               const float *restrict sx,
+                                               const uint8_t *restrict w, ptrdiff_t nb)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    float macc = 0.0f;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (q51 ? 24 : 22);
+        const float *xb = x + b * KF_QK;
+        __m256 f[4];
+        kf_avx2_u8x32(kf_avx2_q5_0(blk + 2 * q51), 0, f);
+        __m256 ta = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
+        __m256 tb = _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16));
+        ta = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), ta);
+        tb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), tb);
+        const float d = KF_X86_F16(blk);
+        const __m256 dv = _mm256_set1_ps(d);
+        acc0 = _mm256_fmadd_ps(dv, ta, acc0);
+        acc1 = _mm256_fmadd_ps(dv, tb, acc1);
+        macc += (q51 ? KF_X86_F16(blk + 2) : -16.0f * d) * sx[b];
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1)) + macc;
+}
+
+KF_TARGET_AVX2 KF_INLINE float kf_avx2_kx_idot_body(const int fmt, const int8_t *restrict xq,
+                                                  const float *restrict xd,
+                                                  const float *restrict sx,
+                                                  const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, macc = acc0;
+    for (ptrdiff_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = w + B * bb;
+        const int8_t *xs = xq + B * KF_QK_K;
+        const float *xds = xd + 8 * B;
+        if (fmt == KF_Q6_K) {
+            const float d = KF_X86_F16(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            KF_UNROLL_ALL
+            for (int t = 0; t < 8; t++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs + KF_QK * t));
+                const __m256i p = _mm256_sub_epi16(
+                    _mm256_maddubs_epi16(kf_avx2_kq(fmt, blk, t), xv),
+                    _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv));
+                const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[2 * t + 1]),
+                                                     _mm_set1_epi16(sc[2 * t]));
+                const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16));
+                const __m256 dv = _mm256_set1_ps(d * xds[t]);
+                if (t & 1)
+                    acc1 = _mm256_fmadd_ps(s, dv, acc1);
+                else
+                    acc0 = _mm256_fmadd_ps(s, dv, acc0);
+            }
+        } else {
+            const float d = KF_X86_F16(blk), dmin = KF_X86_F16(blk + 2);
+            uint8_t sc[8], mn[8];
+            kf_k4_scales(blk + 4, sc, mn);
+            KF_UNROLL_ALL
+            for (int t = 0; t < 8; t++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs + KF_QK * t));
+                const __m256i p = _mm256_maddubs_epi16(kf_avx2_kq(fmt, blk, t), xv);
+                const __m256 s = _mm256_cvtepi32_ps(
+                    _mm256_madd_epi16(p, _mm256_set1_epi16((short)sc[t])));
+                const __m256 dv = _mm256_set1_ps(d * xds[t]);
+                if (t & 1)
+                    acc1 = _mm256_fmadd_ps(s, dv, acc1);
+                else
+                    acc0 = _mm256_fmadd_ps(s, dv, acc0);
+            }
+            macc = kf_avx2_kmins(mn, sx + 8 * B, dmin, macc);
+        }
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1)) - kf_avx2_hsum(macc);
+}
+
+KF_TARGET_AVX2 static float kf_avx2_kx_idot_k(int fmt, const int8_t *restrict xq,
+                                           const float *restrict xd, const float *restrict sx,
+                                           const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    switch (fmt) {
+    case KF_Q4_K: return kf_avx2_kx_idot_body(KF_Q4_K, xq, xd, sx, w, nsb);
+    case KF_Q5_K: return kf_avx2_kx_idot_body(KF_Q5_K, xq, xd, sx, w, nsb);
+    default: return kf_avx2_kx_idot_body(KF_Q6_K, xq, xd, sx, w, nsb);
+    }
+}
+
+/* q5_0 / q5_1 (q51), int8 x: sum_b d_b xd_b sum_k (q_bk - 16) xq_bk (q5_0, the 16 x
+ * subtracted in int16), sum_b (d_b xd_b sum_k q_bk xq_bk + m_b sx[b]) (q5_1) */
+KF_TARGET_AVX2 static float kf_avx2_kx_idot_q5(const int q51, const int8_t *restrict xq,
+                                               const float *restrict xd,
+                                               const int32_t *restrict xs,
+                                               const float *restrict sx,
+                                               const uint8_t *restrict w, ptrdiff_t nb)
+{
+    (void)xs;
+    const __m256i ones = _mm256_set1_epi16(1), c16 = _mm256_set1_epi8(16);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    float macc = 0.0f;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (q51 ? 24 : 22);
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * KF_QK));
+        __m256i p = _mm256_maddubs_epi16(kf_avx2_q5_0(blk + 2 * q51), xv);
+        if (q51)
+            macc += KF_X86_F16(blk + 2) * sx[b];
+        else
+            p = _mm256_sub_epi16(p, _mm256_maddubs_epi16(c16, xv));
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+        const __m256 dv = _mm256_set1_ps(KF_X86_F16(blk) * xd[b]);
+        if (b & 1)
+            acc1 = _mm256_fmadd_ps(s, dv, acc1);
+        else
+            acc0 = _mm256_fmadd_ps(s, dv, acc0);
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1)) + macc;
+}
+
+/* An iq4 block's (iq4_xs sub-block's) 16 bytes q as its 32 values, s8 in element order:
+ * the nibbles looked up in kf_iq4_val by vpshufb. */
+KF_TARGET_AVX2 KF_INLINE __m256i kf_avx2_iq4(const uint8_t *q)
+{
+    const __m256i tbl = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kf_iq4_val));
+    return _mm256_shuffle_epi8(tbl, kf_avx2_nib32(q));
+}
+
+/* iq4_nl (xs = 0) / iq4_xs (xs = 1), float x: per sub-block (d (ls - 32)) sum_k v_k x_k */
+KF_TARGET_AVX2 KF_INLINE float kf_avx2_kx_xdot_iq4_body(const int xs, const float *restrict x,
+                                                       const uint8_t *restrict w, ptrdiff_t nb)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_X86_F16(blk);
+        KF_UNROLL_ALL
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const float *xb = x + (b * (xs ? 8 : 1) + j) * KF_QK;
+            __m256 f[4];
+            kf_avx2_u8x32(kf_avx2_iq4(blk + (xs ? 8 + 16 * j : 2)), 1, f);
+            __m256 ta = _mm256_mul_ps(f[0], _mm256_loadu_ps(xb));
+            __m256 tb = _mm256_mul_ps(f[2], _mm256_loadu_ps(xb + 16));
+            ta = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(xb + 8), ta);
+            tb = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(xb + 24), tb);
+            const __m256 dl = _mm256_set1_ps(xs ? d * (float)kf_iq4xs_scale(blk, j) : d);
+            acc0 = _mm256_fmadd_ps(dl, ta, acc0);
+            acc1 = _mm256_fmadd_ps(dl, tb, acc1);
+        }
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+}
+
+KF_TARGET_AVX2 static float kf_avx2_kx_xdot_iq4(int xs, const float *restrict x,
+                                                const uint8_t *restrict w, ptrdiff_t nb)
+{
+    return xs ? kf_avx2_kx_xdot_iq4_body(1, x, w, nb) : kf_avx2_kx_xdot_iq4_body(0, x, w, nb);
+}
+
+/* iq4, int8 x: |v| x sign(x, v) by vpmaddubsw (|v| <= 127: pairs <= 2 * 127 * 127), then
+ * vpmaddwd by ls - 32 (iq4_xs) or ones */
+KF_TARGET_AVX2 KF_INLINE float kf_avx2_kx_idot_iq4_body(const int xs, const int8_t *restrict xq,
+                                                       const float *restrict xd,
+                                                       const uint8_t *restrict w, ptrdiff_t nb)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_X86_F16(blk);
+        KF_UNROLL_ALL
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const ptrdiff_t a = b * (xs ? 8 : 1) + j;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + a * KF_QK));
+            const __m256i v = kf_avx2_iq4(blk + (xs ? 8 + 16 * j : 2));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));
+            const __m256i s16 = _mm256_set1_epi16((short)(xs ? kf_iq4xs_scale(blk, j) : 1));
+            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16));
+            const __m256 dv = _mm256_set1_ps(d * xd[a]);
+            if (a & 1)
+                acc1 = _mm256_fmadd_ps(s, dv, acc1);
+            else
+                acc0 = _mm256_fmadd_ps(s, dv, acc0);
+        }
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+}
+
+KF_TARGET_AVX2 static float kf_avx2_kx_idot_iq4(int xs, const int8_t *restrict xq,
+                                                const float *restrict xd,
+                                                const uint8_t *restrict w, ptrdiff_t nb)
+{
+    return xs ? kf_avx2_kx_idot_iq4_body(1, xq, xd, w, nb)
+              : kf_avx2_kx_idot_iq4_body(0, xq, xd, w, nb);
+}
+
 /* ---------------------------------------------------------------- AVX-512 */
 
 KF_TARGET_AVX512 static inline float kf_avx512_hsum(__m512 a)
@@ -592,5 +927,253 @@ KF_TARGET_AVX512 static void kf_avx512_idot##R(int fmt, const int8_t *restrict x
 }
 KF_AVX512_I8_ROWS(1)
 KF_AVX512_I8_ROWS(4)
+
+/* ---------------------------------------------------------------- AVX-512 q5_0 and K-quants */
+
+/* 32 bytes as 2 x 16 floats, elements in order; signed or not */
+#define KF_AVX512_U8X32(u, sgn, f0, f1) do {                                                \
+        const __m128i lo_ = _mm256_castsi256_si128(u), hi_ = _mm256_extracti128_si256(u, 1); \
+        f0 = _mm512_cvtepi32_ps((sgn) ? _mm512_cvtepi8_epi32(lo_) : _mm512_cvtepu8_epi32(lo_)); \
+        f1 = _mm512_cvtepi32_ps((sgn) ? _mm512_cvtepi8_epi32(hi_) : _mm512_cvtepu8_epi32(hi_)); \
+    } while (0)
+
+KF_TARGET_AVX512 KF_INLINE float kf_avx512_kx_xdot_body(const int fmt, const float *restrict x,
+                                                      const float *restrict sx,
+                                                      const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    __m256 macc = _mm256_setzero_ps();
+    for (ptrdiff_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = w + B * bb;
+        const float *xs = x + B * KF_QK_K;
+        if (fmt == KF_Q6_K) {
+            const float d = KF_X86_F16(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            KF_UNROLL_ALL
+            for (int t = 0; t < 8; t++) {
+                const float *xt = xs + KF_QK * t;
+                __m512 f0, f1;
+                const __m256i u = _mm256_sub_epi8(kf_avx2_kq(fmt, blk, t), _mm256_set1_epi8(32));
+                KF_AVX512_U8X32(u, 1, f0, f1);
+                acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d * (float)sc[2 * t]),
+                                       _mm512_mul_ps(f0, _mm512_loadu_ps(xt)), acc0);
+                acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d * (float)sc[2 * t + 1]),
+                                       _mm512_mul_ps(f1, _mm512_loadu_ps(xt + 16)), acc1);
+            }
+        } else {
+            const float d = KF_X86_F16(blk), dmin = KF_X86_F16(blk + 2);
+            uint8_t sc[8], mn[8];
+            kf_k4_scales(blk + 4, sc, mn);
+            KF_UNROLL_ALL
+            for (int t = 0; t < 8; t++) {
+                const float *xt = xs + KF_QK * t;
+                __m512 f0, f1;
+                const __m256i u = kf_avx2_kq(fmt, blk, t);
+                KF_AVX512_U8X32(u, 0, f0, f1);
+                const __m512 tt = _mm512_fmadd_ps(f1, _mm512_loadu_ps(xt + 16),
+                                                  _mm512_mul_ps(f0, _mm512_loadu_ps(xt)));
+                const __m512 dl = _mm512_set1_ps(d * (float)sc[t]);
+                if (t & 1)
+                    acc1 = _mm512_fmadd_ps(dl, tt, acc1);
+                else
+                    acc0 = _mm512_fmadd_ps(dl, tt, acc0);
+            }
+            macc = kf_avx2_kmins(mn, sx + 8 * B, dmin, macc);
+        }
+    }
+    return kf_avx512_hsum(_mm512_add_ps(acc0, acc1)) - kf_avx2_hsum(macc);
+}
+
+KF_TARGET_AVX512 static float kf_avx512_kx_xdot_k(int fmt, const float *restrict x,
+                                               const float *restrict sx,
+                                               const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    switch (fmt) {
+    case KF_Q4_K: return kf_avx512_kx_xdot_body(KF_Q4_K, x, sx, w, nsb);
+    case KF_Q5_K: return kf_avx512_kx_xdot_body(KF_Q5_K, x, sx, w, nsb);
+    default: return kf_avx512_kx_xdot_body(KF_Q6_K, x, sx, w, nsb);
+    }
+}
+
+KF_TARGET_AVX512 static float kf_avx512_kx_xdot_q5(const int q51, const float *restrict x,
+                                                   const float *restrict sx,
+                                                   const uint8_t *restrict w, ptrdiff_t nb)
+{
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    float macc = 0.0f;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (q51 ? 24 : 22);
+        const float *xb = x + b * KF_QK;
+        __m512 f0, f1;
+        const __m256i u = kf_avx2_q5_0(blk + 2 * q51);
+        KF_AVX512_U8X32(u, 0, f0, f1);
+        const float d = KF_X86_F16(blk);
+        const __m512 dv = _mm512_set1_ps(d);
+        acc0 = _mm512_fmadd_ps(dv, _mm512_mul_ps(f0, _mm512_loadu_ps(xb)), acc0);
+        acc1 = _mm512_fmadd_ps(dv, _mm512_mul_ps(f1, _mm512_loadu_ps(xb + 16)), acc1);
+        macc += (q51 ? KF_X86_F16(blk + 2) : -16.0f * d) * sx[b];
+    }
+    return kf_avx512_hsum(_mm512_add_ps(acc0, acc1)) + macc;
+}
+
+KF_TARGET_AVX512 KF_INLINE float kf_avx512_kx_idot_body(const int fmt, const int8_t *restrict xq,
+                                                      const float *restrict xd,
+                                                      const float *restrict sx,
+                                                      const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    const __m256i zero = _mm256_setzero_si256();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, macc = acc0;
+    for (ptrdiff_t B = 0; B < nsb; B++) {
+        const uint8_t *blk = w + B * bb;
+        const int8_t *xs = xq + B * KF_QK_K;
+        const float *xds = xd + 8 * B;
+        if (fmt == KF_Q6_K) {
+            const float d = KF_X86_F16(blk + 208);
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            KF_UNROLL_ALL
+            for (int t = 0; t < 8; t++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs + KF_QK * t));
+                const __m256i dp = _mm256_sub_epi32(
+                    _mm256_dpbusd_epi32(zero, kf_avx2_kq(fmt, blk, t), xv),
+                    _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(32), xv));
+                const __m256i s32 = _mm256_set_m128i(_mm_set1_epi32(sc[2 * t + 1]),
+                                                     _mm_set1_epi32(sc[2 * t]));
+                const __m256 s = _mm256_cvtepi32_ps(_mm256_mullo_epi32(dp, s32));
+                const __m256 dv = _mm256_set1_ps(d * xds[t]);
+                if (t & 1)
+                    acc1 = _mm256_fmadd_ps(s, dv, acc1);
+                else
+                    acc0 = _mm256_fmadd_ps(s, dv, acc0);
+            }
+        } else {
+            const float d = KF_X86_F16(blk), dmin = KF_X86_F16(blk + 2);
+            uint8_t sc[8], mn[8];
+            kf_k4_scales(blk + 4, sc, mn);
+            KF_UNROLL_ALL
+            for (int t = 0; t < 8; t++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs + KF_QK * t));
+                const __m256i dp = _mm256_dpbusd_epi32(zero, kf_avx2_kq(fmt, blk, t), xv);
+                const __m256 s = _mm256_cvtepi32_ps(
+                    _mm256_mullo_epi32(dp, _mm256_set1_epi32(sc[t])));
+                const __m256 dv = _mm256_set1_ps(d * xds[t]);
+                if (t & 1)
+                    acc1 = _mm256_fmadd_ps(s, dv, acc1);
+                else
+                    acc0 = _mm256_fmadd_ps(s, dv, acc0);
+            }
+            macc = kf_avx2_kmins(mn, sx + 8 * B, dmin, macc);
+        }
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1)) - kf_avx2_hsum(macc);
+}
+
+KF_TARGET_AVX512 static float kf_avx512_kx_idot_k(int fmt, const int8_t *restrict xq,
+                                               const float *restrict xd,
+                                               const float *restrict sx,
+                                               const uint8_t *restrict w, ptrdiff_t nsb)
+{
+    switch (fmt) {
+    case KF_Q4_K: return kf_avx512_kx_idot_body(KF_Q4_K, xq, xd, sx, w, nsb);
+    case KF_Q5_K: return kf_avx512_kx_idot_body(KF_Q5_K, xq, xd, sx, w, nsb);
+    default: return kf_avx512_kx_idot_body(KF_Q6_K, xq, xd, sx, w, nsb);
+    }
+}
+
+KF_TARGET_AVX512 static float kf_avx512_kx_idot_q5(const int q51, const int8_t *restrict xq,
+                                                   const float *restrict xd,
+                                                   const int32_t *restrict xs,
+                                                   const float *restrict sx,
+                                                   const uint8_t *restrict w, ptrdiff_t nb)
+{
+    (void)xs;
+    const __m256i zero = _mm256_setzero_si256(), c16 = _mm256_set1_epi8(16);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    float macc = 0.0f;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (q51 ? 24 : 22);
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * KF_QK));
+        __m256i dp = _mm256_dpbusd_epi32(zero, kf_avx2_q5_0(blk + 2 * q51), xv);
+        if (q51)
+            macc += KF_X86_F16(blk + 2) * sx[b];
+        else
+            dp = _mm256_sub_epi32(dp, _mm256_dpbusd_epi32(zero, c16, xv));
+        const __m256 s = _mm256_cvtepi32_ps(dp);
+        const __m256 dv = _mm256_set1_ps(KF_X86_F16(blk) * xd[b]);
+        if (b & 1)
+            acc1 = _mm256_fmadd_ps(s, dv, acc1);
+        else
+            acc0 = _mm256_fmadd_ps(s, dv, acc0);
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1)) + macc;
+}
+
+KF_TARGET_AVX512 KF_INLINE float kf_avx512_kx_xdot_iq4_body(const int xs,
+                                                           const float *restrict x,
+                                                           const uint8_t *restrict w,
+                                                           ptrdiff_t nb)
+{
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_X86_F16(blk);
+        KF_UNROLL_ALL
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const float *xb = x + (b * (xs ? 8 : 1) + j) * KF_QK;
+            __m512 f0, f1;
+            const __m256i v = kf_avx2_iq4(blk + (xs ? 8 + 16 * j : 2));
+            KF_AVX512_U8X32(v, 1, f0, f1);
+            const __m512 dl = _mm512_set1_ps(xs ? d * (float)kf_iq4xs_scale(blk, j) : d);
+            acc0 = _mm512_fmadd_ps(dl, _mm512_mul_ps(f0, _mm512_loadu_ps(xb)), acc0);
+            acc1 = _mm512_fmadd_ps(dl, _mm512_mul_ps(f1, _mm512_loadu_ps(xb + 16)), acc1);
+        }
+    }
+    return kf_avx512_hsum(_mm512_add_ps(acc0, acc1));
+}
+
+KF_TARGET_AVX512 static float kf_avx512_kx_xdot_iq4(int xs, const float *restrict x,
+                                                    const uint8_t *restrict w, ptrdiff_t nb)
+{
+    return xs ? kf_avx512_kx_xdot_iq4_body(1, x, w, nb)
+              : kf_avx512_kx_xdot_iq4_body(0, x, w, nb);
+}
+
+KF_TARGET_AVX512 KF_INLINE float kf_avx512_kx_idot_iq4_body(const int xs,
+                                                           const int8_t *restrict xq,
+                                                           const float *restrict xd,
+                                                           const uint8_t *restrict w,
+                                                           ptrdiff_t nb)
+{
+    const __m256i zero = _mm256_setzero_si256();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * (xs ? 136 : 18);
+        const float d = KF_X86_F16(blk);
+        KF_UNROLL_ALL
+        for (int j = 0; j < (xs ? 8 : 1); j++) {
+            const ptrdiff_t a = b * (xs ? 8 : 1) + j;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + a * KF_QK));
+            const __m256i v = kf_avx2_iq4(blk + (xs ? 8 + 16 * j : 2));
+            __m256i dp = _mm256_dpbusd_epi32(zero, _mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));
+            if (xs)
+                dp = _mm256_mullo_epi32(dp, _mm256_set1_epi32(kf_iq4xs_scale(blk, j)));
+            const __m256 dv = _mm256_set1_ps(d * xd[a]);
+            if (a & 1)
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), dv, acc1);
+            else
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), dv, acc0);
+        }
+    }
+    return kf_avx2_hsum(_mm256_add_ps(acc0, acc1));
+}
+
+KF_TARGET_AVX512 static float kf_avx512_kx_idot_iq4(int xs, const int8_t *restrict xq,
+                                                    const float *restrict xd,
+                                                    const uint8_t *restrict w, ptrdiff_t nb)
+{
+    return xs ? kf_avx512_kx_idot_iq4_body(1, xq, xd, w, nb)
+              : kf_avx512_kx_idot_iq4_body(0, xq, xd, w, nb);
+}
 
 #endif /* KESTREL_MATMUL_X86_H */
