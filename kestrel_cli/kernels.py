@@ -106,11 +106,11 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
         w: Weight of any format, logical shape (d, n); its data may be a read-only memmap.
         out: float32 (T, d), C-contiguous, written.
         threads: OpenMP threads (None/0: default).
-        act_q8: with a q8_0/q4_x/q5_x/q4_k/q5_k/q6_k/iq4_nl/iq4_xs weight, quantise
+        act_q8: with a q8_0/q4_x/q5_x/q3_k..q6_k/iq4_nl/iq4_xs weight, quantise
             each row of x to int8 blocks of 32 (llama.cpp's Q8_0 activations, the same int8
             form for one token and for many) and use integer block dots: faster, but not
             the exact float result (relative error ~1e-2 per output), for one token
-            and for many alike. Float weights, q2_k and q3_k ignore it.
+            and for many alike. Float weights and q2_k ignore it.
     Returns:
         out.
     """

@@ -163,6 +163,18 @@ static inline void kf_q3k_scales(const uint8_t *restrict s, int8_t *restrict sc)
     }
 }
 
+/* q6_k / q3_k (sub-blocks of 16, quants with an offset): the 16 scales of the super-block
+ * at blk, and the offset of a quant as unpacked (q6_k: 0..63 - 32; q3_k: 0..7 - 4) */
+static inline void kf_k16_scales(int fmt, const uint8_t *restrict blk, int8_t *restrict sc)
+{
+    if (fmt == KF_Q6_K)
+        memcpy(sc, blk + 192, 16);
+    else
+        kf_q3k_scales(blk + 96, sc);
+}
+#define KF_K16_OFF(fmt) ((fmt) == KF_Q6_K ? 32 : 4)
+#define KF_K16_D(fmt) ((fmt) == KF_Q6_K ? 208 : 108)      /* the byte offset of d */
+
 static inline void kf_deq_q2_k(const uint8_t *restrict w, float *restrict out, ptrdiff_t n)
 {
     for (ptrdiff_t b = 0; b < n / KF_QK_K; b++, w += 84, out += KF_QK_K) {

@@ -1,5 +1,6 @@
 /* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 weights, and of the GGUF formats that
- * map onto them (q4_k, q5_0, q5_1, q5_k, q6_k, iq4_nl, iq4_xs), with int8 activations
+ * map onto them (q3_k, q4_k, q5_0, q5_1, q5_k, q6_k, iq4_nl,
+ * iq4_xs), with int8 activations
  * (kestrel_cli.kernels.matmul act_q8; docs/DESIGN.md §5 Kernels and ISAs).
  *
  * The model: every token row is quantised once per matmul by kf_prep_act (matmul.h), the
@@ -21,10 +22,10 @@
  *         -dmin m_j); the AVX2
  *         tile widens each group's pair sums to int32 (8 groups of 2 * 31 * 127 would pass
  *         2^15);
- *   q6_k: u = q - 32 as q8_0 (s8; q + 96 as u8 under VNNI, corrected by 128 times each
+ *   q6_k, q3_k: u = q - 32 (q3_k: its value -4..3) as q8_0 (s8; q + 96 as u8 under VNNI, corrected by 128 times each
  *         half's sum of x), two integer sums a block (groups 0-3 and 4-7: its two
  *         sub-blocks of 16) scaled by their own d_w = d sc.
- * q2_k and q3_k take the float GEMM, as their GEMV takes the float dot (a token's result
+ * q2_k takes the float GEMM, as its GEMV takes the float dot (a token's result
  * must not depend on whether it came in a prompt or alone).
  *
  * Weights are repacked, one row block at a time (an L2-sized panel, kq_pack), so that the
@@ -79,7 +80,7 @@ static inline int kq_kind(int fmt)
         return KQ_Q8_0;
     if (fmt == KF_Q5_1 || fmt == KF_Q5_K)
         return KQ_Q5_1;
-    if (fmt == KF_Q6_K)
+    if (fmt == KF_Q6_K || fmt == KF_Q3_K)
         return KQ_Q6_K;
     return fmt == KF_Q4_0 ? KQ_Q4_0 : KQ_Q4_1;
 }
@@ -157,6 +158,18 @@ static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t 
                 }
                 dw[r] = kf_f16_at(blk);
                 dw[gr + r] = kf_f16_at(blk + 2);
+            } else if (fmt == KF_Q3_K) {
+                const uint8_t *sb = w + r * ldw + b / 8 * 110;      /* its super-block */
+                const int t = (int)(b % 8);
+                const uint8_t *q = sb + 32 + 32 * (t / 4);
+                int8_t sc[16];
+                kf_q3k_scales(sb + 96, sc);
+                const float d = kf_f16_at(sb + 108);
+                for (int k = 0; k < KF_QK; k++)
+                    e[k] = (uint8_t)((((q[k] >> (2 * (t % 4))) & 3)
+                                      + 4 * ((sb[k] >> t) & 1) - 4) & 0xff) ^ xor8;
+                dw[r] = d * (float)sc[2 * t];
+                dw[gr + r] = d * (float)sc[2 * t + 1];
             } else if (fmt == KF_Q6_K) {
                 const uint8_t *sb = w + r * ldw + b / 8 * 210;      /* its super-block */
                 const int t = (int)(b % 8), h = t / 4, i = t % 4;

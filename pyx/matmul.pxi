@@ -11,6 +11,7 @@ cdef extern from "matmul.h" nogil:
         KF_Q4_1
         KF_Q4_K
         KF_Q5_0
+        KF_Q3_K
         KF_Q5_1
         KF_Q5_K
         KF_Q6_K
@@ -107,7 +108,7 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
         return
     if act_q8 and n % KF_QK == 0 and (fmt == KF_Q8_0 or fmt == KF_Q4_0 or fmt == KF_Q4_1
                                       or fmt == KF_Q4_K or fmt == KF_Q5_0 or fmt == KF_Q5_1
-                                      or fmt == KF_Q5_K
+                                      or fmt == KF_Q5_K or fmt == KF_Q3_K
                                       or fmt == KF_Q6_K or fmt == KF_IQ4_NL
                                       or fmt == KF_IQ4_XS):
         _gemm_q8(x, w, fmt, out, n_threads)

@@ -106,7 +106,7 @@ KF_TARGET static float KF_V(dot_q4)(int fmt, const float *restrict x,
 
 /* ---------------------------------------------------------------- q5 and K-quants, float x */
 
-/* Formats without a dot of their own (q2_k, q3_k): KF_CHUNK elements at a time
+/* Formats without a dot of their own (q2_k): KF_CHUNK elements at a time
  * dequantised into an L1 buffer by formats.h (the code of the GEMM packing and
  * get_rows), then dotted; the chunks' sums added in order. */
 KF_TARGET static float KF_V(dot_deq)(int fmt, const float *restrict x,
@@ -178,7 +178,13 @@ KF_TARGET static float KF_V(dot_q5)(const int q51, const float *restrict x,
 KF_TARGET KF_INLINE void KF_V(unpack_k)(const int fmt, const uint8_t *restrict blk, int t,
                                         uint8_t *restrict u)
 {
-    if (fmt == KF_Q6_K) {
+    if (fmt == KF_Q3_K) {
+        const int sl = 2 * (t % 4);
+        const uint8_t *restrict q = blk + 32 + 32 * (t / 4), *restrict hm = blk;
+        KF_BLOCK_LOOP
+        for (int k = 0; k < 32; k++)
+            u[k] = (uint8_t)(((q[k] >> sl) & 3) | (((hm[k] >> t) & 1) << 2));
+    } else if (fmt == KF_Q6_K) {
         const int h = t / 4, i = t % 4, sl = 4 * (i / 2), sh = 2 * i;
         const uint8_t *restrict ql = blk + 64 * h + 32 * (i % 2);
         const uint8_t *restrict qh = blk + 128 + 32 * h;
@@ -208,24 +214,25 @@ KF_TARGET KF_INLINE float KF_V(dot_k_body)(const int fmt, const float *restrict 
                                            const float *restrict sx,
                                            const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    const ptrdiff_t bb = kf_block_bytes[fmt];
     float acc[KF_QK] = {0};
     float macc = 0.0f;
     for (ptrdiff_t B = 0; B < nsb; B++) {
         const uint8_t *blk = w + B * bb;
         const float *xs = x + B * KF_QK_K;
         uint8_t u[KF_QK];
-        if (fmt == KF_Q6_K) {
-            const float d = KF_VF16(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
+        if (fmt == KF_Q6_K || fmt == KF_Q3_K) {
+            const float d = KF_VF16(blk + KF_K16_D(fmt));
+            int8_t sc[16];
+            kf_k16_scales(fmt, blk, sc);
             for (int t = 0; t < 8; t++) {
                 const float *xt = xs + KF_QK * t;
                 const float da = d * (float)sc[2 * t], db = d * (float)sc[2 * t + 1];
                 KF_V(unpack_k)(fmt, blk, t, u);
                 for (int k = 0; k < 16; k++)
-                    acc[k] += da * ((float)((int)u[k] - 32) * xt[k]);
+                    acc[k] += da * ((float)((int)u[k] - KF_K16_OFF(fmt)) * xt[k]);
                 for (int k = 16; k < 32; k++)
-                    acc[k] += db * ((float)((int)u[k] - 32) * xt[k]);
+                    acc[k] += db * ((float)((int)u[k] - KF_K16_OFF(fmt)) * xt[k]);
             }
         } else {
             const float d = KF_VF16(blk), dmin = KF_VF16(blk + 2);
@@ -252,6 +259,7 @@ KF_TARGET static float KF_V(dot_k)(int fmt, const float *restrict x, const float
     switch (fmt) {
     case KF_Q4_K: return KF_V(dot_k_body)(KF_Q4_K, x, sx, w, nsb);
     case KF_Q5_K: return KF_V(dot_k_body)(KF_Q5_K, x, sx, w, nsb);
+    case KF_Q3_K: return KF_V(dot_k_body)(KF_Q3_K, x, sx, w, nsb);
     default: return KF_V(dot_k_body)(KF_Q6_K, x, sx, w, nsb);
     }
 }
@@ -437,22 +445,23 @@ KF_TARGET KF_INLINE float KF_V(idot_k_body)(const int fmt, const int8_t *restric
                                             const float *restrict sx,
                                             const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    const ptrdiff_t bb = kf_block_bytes[fmt];
     float acc[2] = {0.0f, 0.0f}, macc = 0.0f;
     for (ptrdiff_t B = 0; B < nsb; B++) {
         const uint8_t *blk = w + B * bb;
         uint8_t u8[KF_QK];
         KF_IW u[KF_QK];
-        if (fmt == KF_Q6_K) {
-            const float d = KF_VF16(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
+        if (fmt == KF_Q6_K || fmt == KF_Q3_K) {
+            const float d = KF_VF16(blk + KF_K16_D(fmt));
+            int8_t sc[16];
+            kf_k16_scales(fmt, blk, sc);
             for (int t = 0; t < 8; t++) {
                 const ptrdiff_t b = 8 * B + t;
                 const int8_t *xb = xq + b * KF_QK;
-                int8_t v[KF_QK];                  /* q - 32 as s8, whatever KF_IW */
+                int8_t v[KF_QK];              /* the values as s8, whatever KF_IW */
                 KF_V(unpack_k)(fmt, blk, t, u8);
                 for (int k = 0; k < KF_QK; k++)
-                    v[k] = (int8_t)((int)u8[k] - 32);
+                    v[k] = (int8_t)((int)u8[k] - KF_K16_OFF(fmt));
                 const int sa = KF_V(idot16)(v, xb), sb = KF_V(idot16)(v + 16, xb + 16);
                 acc[t & 1] += (d * xd[b]) * (float)(sc[2 * t] * sa + sc[2 * t + 1] * sb);
             }
@@ -483,6 +492,7 @@ KF_TARGET static float KF_V(idot_k)(int fmt, const int8_t *restrict xq,
     switch (fmt) {
     case KF_Q4_K: return KF_V(idot_k_body)(KF_Q4_K, xq, xd, sx, w, nsb);
     case KF_Q5_K: return KF_V(idot_k_body)(KF_Q5_K, xq, xd, sx, w, nsb);
+    case KF_Q3_K: return KF_V(idot_k_body)(KF_Q3_K, xq, xd, sx, w, nsb);
     default: return KF_V(idot_k_body)(KF_Q6_K, xq, xd, sx, w, nsb);
     }
 }
@@ -534,7 +544,8 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
 {
     const ptrdiff_t nb = n / KF_QK, nsb = n / KF_QK_K;
     ptrdiff_t i;
-    if (a->xq != NULL && (fmt == KF_Q4_K || fmt == KF_Q5_K || fmt == KF_Q6_K)) {
+    if (a->xq != NULL && (fmt == KF_Q3_K || fmt == KF_Q4_K || fmt == KF_Q5_K
+                          || fmt == KF_Q6_K)) {
         for (i = r0; i < r1; i++)
             out[i] = KF_VIDOTK(idot_k)(fmt, a->xq, a->xd, a->sx, w + i * ldw, nsb);
         return;
@@ -625,6 +636,7 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
     case KF_Q4_K:
     case KF_Q5_K:
     case KF_Q6_K:
+    case KF_Q3_K:
         for (i = r0; i < r1; i++)
             out[i] = KF_VDOTK(dot_k)(fmt, a->x, a->sx, w + i * ldw, nsb);
         break;
@@ -634,7 +646,7 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
             out[i] = KF_VDOTK(dot_iq4)(fmt == KF_IQ4_XS, a->x, w + i * ldw,
                                        fmt == KF_IQ4_XS ? nsb : nb);
         break;
-    default:                                          /* q2_k, q3_k */
+    default:                                          /* q2_k */
         for (i = r0; i < r1; i++)
             out[i] = KF_V(dot_deq)(fmt, a->x, w + i * ldw, n);
         break;

@@ -335,12 +335,21 @@ KF_AVX2_I8_ROWS(4)
  * as q4_1's.
  * Every integer sum is exact; each row is a fixed sequence of float operations. */
 
-/* Activation block t (0..7) of the q4_k / q5_k / q6_k super-block at blk: its 32 quants
- * as u8 (byte k = element 32 t + k; q6_k as stored, 0..63). formats.h has the layouts;
+/* Activation block t (0..7) of the q3_k / q4_k / q5_k / q6_k super-block at blk: its 32
+ * quants as u8 (byte k = element 32 t + k; q6_k 0..63, q3_k 0..7, offsets KF_K16_OFF). formats.h has the layouts;
  * the 16-bit shifts move bits across bytes only into places the masks clear. */
 KF_TARGET_AVX2 KF_INLINE __m256i kf_avx2_kq(const int fmt, const uint8_t *blk, const int t)
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (fmt == KF_Q3_K) {           /* 2 bits at shift 2 (t % 4), the mask bit t as 4 */
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * (t / 4)));
+        const __m256i hm = _mm256_loadu_si256((const __m256i *)blk);
+        const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * (t % 4)),
+                                            _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hm, t),
+                                                                      2),
+                                                    _mm256_set1_epi8(4)));
+    }
     if (fmt == KF_Q6_K) {
         const int h = t / 4, i = t % 4;
         const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (i % 2)));
@@ -405,19 +414,20 @@ KF_TARGET_AVX2 KF_INLINE float kf_avx2_kx_xdot_body(const int fmt, const float *
                                                   const float *restrict sx,
                                                   const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    const ptrdiff_t bb = kf_block_bytes[fmt];
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, macc = acc0;
     for (ptrdiff_t B = 0; B < nsb; B++) {
         const uint8_t *blk = w + B * bb;
         const float *xs = x + B * KF_QK_K;
-        if (fmt == KF_Q6_K) {
-            const float d = KF_X86_F16(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
+        if (fmt == KF_Q6_K || fmt == KF_Q3_K) {
+            const float d = KF_X86_F16(blk + KF_K16_D(fmt));
+            int8_t sc[16];
+            kf_k16_scales(fmt, blk, sc);
             KF_UNROLL_ALL
             for (int t = 0; t < 8; t++) {
                 const float *xt = xs + KF_QK * t;
                 __m256 f[4];
-                kf_avx2_u8x32(_mm256_sub_epi8(kf_avx2_kq(fmt, blk, t), _mm256_set1_epi8(32)),
+                kf_avx2_u8x32(_mm256_sub_epi8(kf_avx2_kq(fmt, blk, t), _mm256_set1_epi8(KF_K16_OFF(fmt))),
                               1, f);
                 __m256 ta = _mm256_mul_ps(f[0], _mm256_loadu_ps(xt));
                 __m256 tb = _mm256_mul_ps(f[2], _mm256_loadu_ps(xt + 16));
@@ -458,6 +468,7 @@ KF_TARGET_AVX2 static float kf_avx2_kx_xdot_k(int fmt, const float *restrict x,
     switch (fmt) {
     case KF_Q4_K: return kf_avx2_kx_xdot_body(KF_Q4_K, x, sx, w, nsb);
     case KF_Q5_K: return kf_avx2_kx_xdot_body(KF_Q5_K, x, sx, w, nsb);
+    case KF_Q3_K: return kf_avx2_kx_xdot_body(KF_Q3_K, x, sx, w, nsb);
     default: return kf_avx2_kx_xdot_body(KF_Q6_K, x, sx, w, nsb);
     }
 }
@@ -492,21 +503,22 @@ KF_TARGET_AVX2 KF_INLINE float kf_avx2_kx_idot_body(const int fmt, const int8_t 
                                                   const float *restrict sx,
                                                   const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    const ptrdiff_t bb = kf_block_bytes[fmt];
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, macc = acc0;
     for (ptrdiff_t B = 0; B < nsb; B++) {
         const uint8_t *blk = w + B * bb;
         const int8_t *xs = xq + B * KF_QK_K;
         const float *xds = xd + 8 * B;
-        if (fmt == KF_Q6_K) {
-            const float d = KF_X86_F16(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
+        if (fmt == KF_Q6_K || fmt == KF_Q3_K) {
+            const float d = KF_X86_F16(blk + KF_K16_D(fmt));
+            int8_t sc[16];
+            kf_k16_scales(fmt, blk, sc);
             KF_UNROLL_ALL
             for (int t = 0; t < 8; t++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs + KF_QK * t));
                 const __m256i p = _mm256_sub_epi16(
                     _mm256_maddubs_epi16(kf_avx2_kq(fmt, blk, t), xv),
-                    _mm256_maddubs_epi16(_mm256_set1_epi8(32), xv));
+                    _mm256_maddubs_epi16(_mm256_set1_epi8(KF_K16_OFF(fmt)), xv));
                 const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[2 * t + 1]),
                                                      _mm_set1_epi16(sc[2 * t]));
                 const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16));
@@ -545,6 +557,7 @@ KF_TARGET_AVX2 static float kf_avx2_kx_idot_k(int fmt, const int8_t *restrict xq
     switch (fmt) {
     case KF_Q4_K: return kf_avx2_kx_idot_body(KF_Q4_K, xq, xd, sx, w, nsb);
     case KF_Q5_K: return kf_avx2_kx_idot_body(KF_Q5_K, xq, xd, sx, w, nsb);
+    case KF_Q3_K: return kf_avx2_kx_idot_body(KF_Q3_K, xq, xd, sx, w, nsb);
     default: return kf_avx2_kx_idot_body(KF_Q6_K, xq, xd, sx, w, nsb);
     }
 }
@@ -941,20 +954,21 @@ KF_TARGET_AVX512 KF_INLINE float kf_avx512_kx_xdot_body(const int fmt, const flo
                                                       const float *restrict sx,
                                                       const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    const ptrdiff_t bb = kf_block_bytes[fmt];
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
     __m256 macc = _mm256_setzero_ps();
     for (ptrdiff_t B = 0; B < nsb; B++) {
         const uint8_t *blk = w + B * bb;
         const float *xs = x + B * KF_QK_K;
-        if (fmt == KF_Q6_K) {
-            const float d = KF_X86_F16(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
+        if (fmt == KF_Q6_K || fmt == KF_Q3_K) {
+            const float d = KF_X86_F16(blk + KF_K16_D(fmt));
+            int8_t sc[16];
+            kf_k16_scales(fmt, blk, sc);
             KF_UNROLL_ALL
             for (int t = 0; t < 8; t++) {
                 const float *xt = xs + KF_QK * t;
                 __m512 f0, f1;
-                const __m256i u = _mm256_sub_epi8(kf_avx2_kq(fmt, blk, t), _mm256_set1_epi8(32));
+                const __m256i u = _mm256_sub_epi8(kf_avx2_kq(fmt, blk, t), _mm256_set1_epi8(KF_K16_OFF(fmt)));
                 KF_AVX512_U8X32(u, 1, f0, f1);
                 acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d * (float)sc[2 * t]),
                                        _mm512_mul_ps(f0, _mm512_loadu_ps(xt)), acc0);
@@ -992,6 +1006,7 @@ KF_TARGET_AVX512 static float kf_avx512_kx_xdot_k(int fmt, const float *restrict
     switch (fmt) {
     case KF_Q4_K: return kf_avx512_kx_xdot_body(KF_Q4_K, x, sx, w, nsb);
     case KF_Q5_K: return kf_avx512_kx_xdot_body(KF_Q5_K, x, sx, w, nsb);
+    case KF_Q3_K: return kf_avx512_kx_xdot_body(KF_Q3_K, x, sx, w, nsb);
     default: return kf_avx512_kx_xdot_body(KF_Q6_K, x, sx, w, nsb);
     }
 }
@@ -1022,22 +1037,23 @@ KF_TARGET_AVX512 KF_INLINE float kf_avx512_kx_idot_body(const int fmt, const int
                                                       const float *restrict sx,
                                                       const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    const ptrdiff_t bb = fmt == KF_Q6_K ? 210 : (fmt == KF_Q5_K ? 176 : 144);
+    const ptrdiff_t bb = kf_block_bytes[fmt];
     const __m256i zero = _mm256_setzero_si256();
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, macc = acc0;
     for (ptrdiff_t B = 0; B < nsb; B++) {
         const uint8_t *blk = w + B * bb;
         const int8_t *xs = xq + B * KF_QK_K;
         const float *xds = xd + 8 * B;
-        if (fmt == KF_Q6_K) {
-            const float d = KF_X86_F16(blk + 208);
-            const int8_t *sc = (const int8_t *)(blk + 192);
+        if (fmt == KF_Q6_K || fmt == KF_Q3_K) {
+            const float d = KF_X86_F16(blk + KF_K16_D(fmt));
+            int8_t sc[16];
+            kf_k16_scales(fmt, blk, sc);
             KF_UNROLL_ALL
             for (int t = 0; t < 8; t++) {
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xs + KF_QK * t));
                 const __m256i dp = _mm256_sub_epi32(
                     _mm256_dpbusd_epi32(zero, kf_avx2_kq(fmt, blk, t), xv),
-                    _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(32), xv));
+                    _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(KF_K16_OFF(fmt)), xv));
                 const __m256i s32 = _mm256_set_m128i(_mm_set1_epi32(sc[2 * t + 1]),
                                                      _mm_set1_epi32(sc[2 * t]));
                 const __m256 s = _mm256_cvtepi32_ps(_mm256_mullo_epi32(dp, s32));
@@ -1077,6 +1093,7 @@ KF_TARGET_AVX512 static float kf_avx512_kx_idot_k(int fmt, const int8_t *restric
     switch (fmt) {
     case KF_Q4_K: return kf_avx512_kx_idot_body(KF_Q4_K, xq, xd, sx, w, nsb);
     case KF_Q5_K: return kf_avx512_kx_idot_body(KF_Q5_K, xq, xd, sx, w, nsb);
+    case KF_Q3_K: return kf_avx512_kx_idot_body(KF_Q3_K, xq, xd, sx, w, nsb);
     default: return kf_avx512_kx_idot_body(KF_Q6_K, xq, xd, sx, w, nsb);
     }
 }

@@ -15,7 +15,7 @@ NEW = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs
 # byte offsets of each format's f16 fields (scales, mins)
 F16_AT = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,),
           "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
-INT8_DOTS = ["q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]  # int8 dots
+INT8_DOTS = ["q5_0", "q5_1", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]  # int8
 INT8_GEMM = INT8_DOTS                                             # ... and int8 GEMM
 
 
@@ -136,7 +136,7 @@ def int8_block_reference(x: np.ndarray, w: Weight) -> np.ndarray:
 @pytest.mark.parametrize("n", [256, 1024, 4096])
 def test_int8_activations(isa, fmt, n):
     """act_q8: the formats with int8 dots within float32 rounding of the integer-block
-    model; the others (q2_k, q3_k) take the exact float path."""
+    model; q2_k takes the exact float path."""
     rng = np.random.default_rng([NEW.index(fmt), n])
     w = make_kweight(fmt, 45, n, rng)
     x = rng.standard_normal((1, n)).astype(np.float32)
@@ -170,6 +170,8 @@ def test_int8_activations_extremes(isa, fmt):
             raw[:, 4:16] = 0xFF                          # every scale and min 63
         elif fmt == "iq4_xs":
             raw[:, 2:8] = 0x00                           # every scale 0 - 32
+        elif fmt == "q3_k":
+            raw[:, 96:108] = 0x00                        # every scale 0 - 32
         for o in F16_AT[fmt]:
             raw[:, o:o + 2] = np.array([1.0], np.float16).view(np.uint8)
         rows.append(raw.reshape(-1))
