@@ -61,8 +61,7 @@ class ChatSession:
 
     # -------------------------------------------------------------- one turn
     def say(self, text: str) -> None:
-        self.out.write(text)
-        self.out.flush()
+        self.timing.text(text, self.out)    # timing lines held off the answer's lines
 
     def ask(self, text: str) -> str | None:
         """Answer one user message, streaming it to `out`; the reply, or None when it did

@@ -316,19 +316,15 @@ def run(
     stats = None
     try:
         for chunk in eng.stream(request, **sampling.stream_kwargs(eng)):
-            if chunk.text:
-                out.write(chunk.text)
-                out.flush()
+            tp.text(chunk.text, out)
             tp.token(chunk.timing)
             stats = chunk.stats or stats
     except KeyboardInterrupt:
-        out.write("\n")
-        out.flush()
+        tp.text("\n", out)
         tp.flush()
         print("interrupted", file=sys.stderr)
         raise typer.Exit(130)
-    out.write("\n")
-    out.flush()
+    tp.text("\n", out)
     if stats is not None:
         tp.perf(stats)
 
