@@ -20,8 +20,9 @@ from .. import __version__
 from ..engine import Engine
 from ..errors import KestrelError
 from ..generate import Stats
+from ..reasoning import AnswerSplitter, prompt_opens_thinking
 from .models import (COMPLETIONS_MAX_TOKENS, APIError, Options, check_unsupported,
-                     parse_messages, parse_prompt, content_chars)
+                     parse_messages, parse_prompt, parse_tools, content_chars)
 from .scheduler import Job, Scheduler
 
 log = logging.getLogger("kestrel.server")
@@ -166,9 +167,28 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
     def finish_log(request: Request, job: Job, stats: Stats | None, finish: str) -> None:
         request.scope["kestrel.log"] = (job, stats, finish)
 
+    def split_parts(sp: AnswerSplitter, parts, calls: list) -> list[dict]:
+        """Splitter parts -> chat deltas (tool calls numbered and given ids)."""
+        deltas = []
+        for k, v in parts:
+            if k == "reasoning":
+                deltas.append({"reasoning_content": v})
+            elif k == "content":
+                deltas.append({"content": v})
+            else:
+                call = {"index": len(calls), "id": "call_" + secrets.token_hex(12),
+                        "type": "function", "function": dict(v)}
+                calls.append(call)
+                deltas.append({"tool_calls": [call]})
+        return deltas
+
     async def generate(request: Request, job: Job, stream: bool, include_usage: bool,
-                       kind: str):
-        """The reply to an admitted job: one JSON object, or SSE chunks."""
+                       kind: str, split: dict | None = None, prefix: str = ""):
+        """The reply to an admitted job: one JSON object, or SSE chunks. Chat answers go
+        through an AnswerSplitter (`split`: its arguments): reasoning_content, content and
+        tool_calls; `prefix` is answer text the prompt already holds (a forced tool call)."""
+        sp = AnswerSplitter(**split) if split is not None else None
+        calls: list[dict] = []
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         obj = "chat.completion" if kind == "chat" else "text_completion"
         if stream and kind == "chat":
@@ -193,9 +213,25 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                 finish_log(request, job, None, "cancelled")
                 return JSONResponse({}, status_code=499)
             text = "".join(pieces)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
-                      if kind == "chat" else {"index": 0, "text": text})
-            choice.update(logprobs=None, finish_reason=last.finish_reason)
+            finish = last.finish_reason
+            if sp is not None:
+                parts = sp.feed(prefix + text) + sp.finish()
+                deltas = split_parts(sp, parts, calls)
+                msg = {"role": "assistant",
+                       "content": "".join(d.get("content", "") for d in deltas)}
+                reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+                if reasoning:
+                    msg["reasoning_content"] = reasoning
+                if calls:
+                    msg["content"] = msg["content"] or None
+                    msg["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")}
+                                         for c in calls]
+                    finish = "tool_calls"
+                choice = {"index": 0, "message": msg}
+            else:
+                choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
+                          if kind == "chat" else {"index": 0, "text": text})
+            choice.update(logprobs=None, finish_reason=finish)
             finish_log(request, job, last.stats, last.finish_reason)
             return JSONResponse({**head, "choices": [choice], "usage": _usage(last.stats),
                                  "timings": _timings(last.stats, job.gen_ms)})
@@ -214,10 +250,19 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
             if kind == "chat":
                 yield _sse(chunk({"role": "assistant", "content": ""}))
             try:
+                if sp is not None and prefix:
+                    for d in split_parts(sp, sp.feed(prefix), calls):
+                        yield _sse(chunk(d))
                 async for ch in job.chunks():
-                    if ch.text:
+                    if ch.text and sp is not None:
+                        for d in split_parts(sp, sp.feed(ch.text), calls):
+                            yield _sse(chunk(d))
+                    elif ch.text:
                         yield _sse(chunk({"content": ch.text} if kind == "chat" else ch.text))
                     last = ch if ch.finish_reason else last
+                if last is not None and sp is not None:
+                    for d in split_parts(sp, sp.finish(), calls):
+                        yield _sse(chunk(d))
             except APIError as e:
                 finish_log(request, job, None, "error")
                 request.scope["kestrel.error"] = e.message
@@ -227,7 +272,8 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                 finish_log(request, job, None, "cancelled")
                 return
             finish_log(request, job, last.stats, last.finish_reason)
-            yield _sse(chunk({} if kind == "chat" else "", last.finish_reason,
+            yield _sse(chunk({} if kind == "chat" else "",
+                             "tool_calls" if calls else last.finish_reason,
                              timings=_timings(last.stats, job.gen_ms)))
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(last.stats),
@@ -260,22 +306,41 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                            param="model", code="model_not_found")
         return {"id": mid, "object": "model", "created": created, "owned_by": "kestrel"}
 
-    async def answer(request: Request, opts: Options, prompt, param: str, kind: str, **kw):
+    async def answer(request: Request, opts: Options, prompt, param: str, kind: str,
+                     forced: str | None = None, **kw):
         ids = await encode(prompt, param, **kw)
+        split, prefix = None, ""
+        if kind == "chat":
+            try:
+                tail = eng0.tokenizer.decode([int(t) for t in list(ids)[-4:]])
+            except (TypeError, ValueError):        # a vision prompt
+                tail = ""
+            split = dict(thinking=True, in_thinking=prompt_opens_thinking(tail),
+                         tools=kw.get("tools") is not None)
+            if forced is not None:                 # tool_choice required / a named function
+                prefix = "<tool_call>\n" + (f'{{"name": {json.dumps(forced)}, "arguments": '
+                                            if forced else "")
+                if split["in_thinking"]:
+                    prefix = "</think>\n\n" + prefix
+                ids = list(ids) + eng0.tokenizer.encode(prefix)
         default_max = eng0.ctx_size if kind == "chat" else COMPLETIONS_MAX_TOKENS
         job = await admit(request, ids, opts.sampling(default_max), param, opts.cache_prompt)
-        return await generate(request, job, opts.stream, opts.include_usage, kind)
+        return await generate(request, job, opts.stream, opts.include_usage, kind, split,
+                              prefix)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
         check_unsupported(body)
         messages = parse_messages(body)
+        tools, forced = parse_tools(body)
         opts = Options.parse(body)
         kwargs = opts.template_kwargs()
+        if tools is not None:
+            kwargs["tools"] = tools
         bound_prompt(sum(content_chars(m["content"]) for m in messages), "messages")
-        return await answer(request, opts, messages, "messages", "chat", max_chars=max_chars,
-                            **kwargs)
+        return await answer(request, opts, messages, "messages", "chat", forced=forced,
+                            max_chars=max_chars, **kwargs)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
