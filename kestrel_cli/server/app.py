@@ -167,6 +167,34 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
     def finish_log(request: Request, job: Job, stats: Stats | None, finish: str) -> None:
         request.scope["kestrel.log"] = (job, stats, finish)
 
+    import functools
+
+    @functools.lru_cache(maxsize=65536)
+    def tok_text(t: int) -> str:
+        return eng0.tokenizer.decode([t])
+
+    def lp_entry(t: int, lp: float) -> dict:
+        s = tok_text(t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    def chat_logprobs(chunks) -> dict:
+        """OpenAI's chat `logprobs` of the tokens of `chunks`."""
+        return {"content": [{**lp_entry(c.token, c.logprob[0]),
+                             "top_logprobs": [lp_entry(t, v) for t, v in c.logprob[1]]}
+                            for c in chunks]}
+
+    def completion_logprobs(chunks, offset: int) -> dict:
+        """/v1/completions' legacy `logprobs` (text_offset counted from `offset`)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for c in chunks:
+            s = tok_text(c.token)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(c.logprob[0])
+            out["top_logprobs"].append({tok_text(t): v for t, v in c.logprob[1]})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
     def split_parts(sp: AnswerSplitter, parts, calls: list) -> list[dict]:
         """Splitter parts -> chat deltas (tool calls numbered and given ids)."""
         deltas = []
@@ -189,6 +217,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         tool_calls; `prefix` is answer text the prompt already holds (a forced tool call)."""
         sp = AnswerSplitter(**split) if split is not None else None
         calls: list[dict] = []
+        want_lp = job.params.get("logprobs") is not None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         obj = "chat.completion" if kind == "chat" else "text_completion"
         if stream and kind == "chat":
@@ -199,11 +228,13 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         if not stream:
             watch = asyncio.create_task(_wait_disconnect(request.receive))
             watch.add_done_callback(lambda t: t.cancelled() or sched.cancel(job))
-            pieces, last = [], None
+            pieces, last, scored = [], None, []
             try:
                 async for ch in job.chunks():
                     if ch.text:
                         pieces.append(ch.text)
+                    if ch.logprob is not None:
+                        scored.append(ch)
                     last = ch if ch.finish_reason else last
             finally:
                 watch.cancel()
@@ -231,15 +262,32 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
             else:
                 choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
                           if kind == "chat" else {"index": 0, "text": text})
-            choice.update(logprobs=None, finish_reason=finish)
+            lps = None
+            if want_lp:
+                lps = chat_logprobs(scored) if kind == "chat" else completion_logprobs(scored, 0)
+            choice.update(logprobs=lps, finish_reason=finish)
             finish_log(request, job, last.stats, last.finish_reason)
             return JSONResponse({**head, "choices": [choice], "usage": _usage(last.stats),
                                  "timings": _timings(last.stats, job.gen_ms)})
 
+        scored: list = []                 # tokens whose logprobs no event has carried yet
+        offset = [0]
+
+        def take_logprobs():
+            if not want_lp:
+                return None
+            got, scored[:] = list(scored), []
+            if kind == "chat":
+                return chat_logprobs(got)
+            lps = completion_logprobs(got, offset[0])
+            offset[0] += sum(len(t) for t in lps["tokens"])
+            return lps
+
         def chunk(delta_or_text, finish=None, **extra) -> dict:
             c = ({"index": 0, "delta": delta_or_text} if kind == "chat"
                  else {"index": 0, "text": delta_or_text})
-            c.update(logprobs=None, finish_reason=finish)
+            c.update(logprobs=take_logprobs() if scored or finish else None,
+                     finish_reason=finish)
             out = {**head, "choices": [c], **extra}
             if include_usage:
                 out["usage"] = None
@@ -254,6 +302,8 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                     for d in split_parts(sp, sp.feed(prefix), calls):
                         yield _sse(chunk(d))
                 async for ch in job.chunks():
+                    if ch.logprob is not None:
+                        scored.append(ch)
                     if ch.text and sp is not None:
                         for d in split_parts(sp, sp.feed(ch.text), calls):
                             yield _sse(chunk(d))
@@ -312,7 +362,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         split, prefix = None, ""
         if kind == "chat":
             try:
-                tail = eng0.tokenizer.decode([int(t) for t in list(ids)[-4:]])
+                tail = eng0.tokenizer.decode([int(t) for t in ids[-4:]])
             except (TypeError, ValueError):        # a vision prompt
                 tail = ""
             split = dict(thinking=True, in_thinking=prompt_opens_thinking(tail),

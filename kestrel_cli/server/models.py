@@ -76,6 +76,11 @@ class Options(_Fields):
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict | None = None
     reasoning_effort: str | None = None    # "none": thinking off; others: on (Qwen3)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None      # chat: a bool; /v1/completions: 0..5 alternatives
+    top_logprobs: int = Field(0, ge=0, le=20)
 
     @classmethod
     def parse(cls, body: dict) -> "Options":
@@ -97,10 +102,35 @@ class Options(_Fields):
         seed = None if self.seed is None else self.seed & ((1 << 64) - 1)  # numpy: unsigned
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        bias = {}
+        for k, v in (self.logit_bias or {}).items():
+            if not k.strip().isdigit():
+                raise APIError(f"'logit_bias': keys must be token ids, got {k!r}",
+                               param="logit_bias")
+            if not -100 <= v <= 100:
+                raise APIError("'logit_bias': values must be in [-100, 100]", param="logit_bias")
+            bias[int(k)] = float(v)
         return dict(max_tokens=max_tokens, temperature=float(temperature), top_k=self.top_k,
                     top_p=float(top_p), min_p=float(self.min_p),
                     repeat_penalty=float(self.repeat_penalty), seed=seed,
-                    stop=[s for s in stops if s], ignore_eos=self.ignore_eos)
+                    stop=[s for s in stops if s], ignore_eos=self.ignore_eos,
+                    presence_penalty=float(self.presence_penalty),
+                    frequency_penalty=float(self.frequency_penalty), logit_bias=bias or None,
+                    logprobs=self.n_logprobs)
+
+    @property
+    def n_logprobs(self) -> int | None:
+        """How many alternatives per token (None: no logprobs): chat's top_logprobs when
+        logprobs is true; /v1/completions' logprobs (an integer, at most 5)."""
+        if self.logprobs is None or self.logprobs is False:
+            if self.top_logprobs:
+                raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            return None
+        if self.logprobs is True:
+            return self.top_logprobs
+        if not 0 <= self.logprobs <= 5:
+            raise APIError("'logprobs' must be in 0..5", param="logprobs")
+        return self.logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -130,11 +160,6 @@ _PATH_NAMES = set(Options.model_fields) | set(StreamOptions.model_fields)
 # fields that would change what the reply means; accepted only at their neutral value
 _NEUTRAL = {
     "n": lambda v: v == 1,
-    "logit_bias": lambda v: v == {},
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "logprobs": lambda v: v is False or v == 0,
-    "top_logprobs": lambda v: v == 0,
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
     "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
