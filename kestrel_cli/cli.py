@@ -314,6 +314,10 @@ def run(
     image: Annotated[Optional[list[Path]], typer.Option(
         "--image", help="An image file (JPEG, PNG, WebP) shown before the prompt; repeat "
         "for several (Qwen3-VL).", rich_help_panel=_PROMPT)] = None,
+    json_schema: Annotated[Optional[Path], typer.Option(
+        "--json-schema", help="A JSON schema file: the answer is JSON matching it, enforced "
+        "while sampling (llguidance); '{}' in the file = any JSON object.",
+        rich_help_panel=_OUTPUT)] = None,
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
@@ -332,6 +336,21 @@ def run(
     for f in image or []:
         if not Path(f).expanduser().is_file():
             raise KestrelError(f"image {f}: no such file")
+    schema = None
+    if json_schema is not None:
+        import json
+        try:
+            schema = json.loads(Path(json_schema).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise KestrelError(f"cannot read --json-schema {json_schema}: "
+                               f"{e.strerror or e}") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise KestrelError(f"--json-schema {json_schema} is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise KestrelError(f"--json-schema {json_schema}: a schema is a JSON object")
+        schema = schema or {"type": "object"}
+        if thinking.think is None and not raw:
+            thinking.think = False            # the answer is JSON from its first token
     text = read_prompt(prompt, file)
     eng = engine_from_options(engine)
     if raw:
@@ -347,7 +366,7 @@ def run(
     ids = eng.encode_prompt(request, **thinking.template_kwargs())
     view = None if raw else thinking.view(eng, ids, out)
     try:
-        for chunk in eng.stream(ids, **sampling.stream_kwargs(eng)):
+        for chunk in eng.stream(ids, **sampling.stream_kwargs(eng), json_schema=schema):
             tp.text(view.feed(chunk.text) if view else chunk.text, out)
             tp.token(chunk.timing)
             stats = chunk.stats or stats

@@ -393,9 +393,11 @@ class Engine:
                seed: int | None = None, stop=(), template_kwargs: dict | None = None,
                ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               logprobs: int | None = None) -> Iterator[Chunk]:
+               logprobs: int | None = None, json_schema: dict | None = None
+               ) -> Iterator[Chunk]:
         """Chunks with text, per-token timing and, last, finish_reason and Stats
-        (logprobs=k: each token's log-probability and the k likeliest, on its chunk)."""
+        (logprobs=k: each token's log-probability and the k likeliest, on its chunk;
+        json_schema: the answer is one JSON value matching it, enforced while sampling)."""
         if max_tokens < 0:
             raise KestrelError(f"max_tokens must be >= 0, got {max_tokens}")
         check_params(temperature, top_k, top_p, min_p, repeat_penalty)
@@ -404,10 +406,15 @@ class Engine:
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if logit_bias and any(not 0 <= int(t) < self.config.vocab_size for t in logit_bias):
             raise KestrelError(f"logit_bias: token id out of range [0, {self.config.vocab_size})")
+        constraint = None
+        if json_schema is not None:
+            from .constrained import JsonConstraint
+            constraint = JsonConstraint(self, json_schema)
         return stream_generate(self, ids, max_tokens, sampler, repeat_penalty=repeat_penalty,
                                stop=stop, stop_ids=[] if ignore_eos else None,
                                logit_bias=logit_bias, presence_penalty=presence_penalty,
-                               frequency_penalty=frequency_penalty, logprobs=logprobs)
+                               frequency_penalty=frequency_penalty, logprobs=logprobs,
+                               constraint=constraint)
 
     def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, **kw
                  ) -> Iterator[str]:

@@ -99,14 +99,16 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
                     repeat_penalty: float = 1.0, repeat_last_n: int = 64,
                     stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
                     logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
-                    frequency_penalty: float = 0.0, logprobs: int | None = None
-                    ) -> Iterator[Chunk]:
+                    frequency_penalty: float = 0.0, logprobs: int | None = None,
+                    constraint=None) -> Iterator[Chunk]:
     """Prefill the prompt (reusing the engine's cached prefix), then sample token by token.
 
     Yields Chunks; the last one has finish_reason and stats. Stops on EOS ids, stop
     strings (never emitted), max_tokens, or a full context. With `logprobs` = k >= 0 each
     token's chunk carries its log-probability and the k likeliest tokens', from the
     model's distribution (log-softmax of its logits, before penalties, bias and sampling).
+    A `constraint` (constrained.JsonConstraint) masks the logits before each step and ends
+    the answer when its grammar is complete.
     """
     prof = engine.model.prof
     eos = set(engine.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
@@ -119,7 +121,7 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
     stats.image_tokens = int(getattr(engine, "image_tokens", 0))
     history = list(prompt_ids)
     detok = engine.tokenizer.detokenizer()
-    pending, finish, stopped = "", "length", False
+    pending, finish, stopped, complete = "", "length", False, False
     timing = None                  # the decode step that produced the current logits
     for i in range(max_tokens):
         if i > 0:                  # feed the previous token (after its chunk went out)
@@ -141,12 +143,17 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
                                  repeat_penalty)
         adjust_logits(row, logit_bias, presence_penalty, frequency_penalty,
                       history[len(prompt_ids):])
+        if constraint is not None:
+            constraint.apply(row)
         token = sampler(row)
         stats.generated_tokens += 1
         history.append(token)
         if token in eos:
             finish = "stop"
             break
+        if constraint is not None:
+            constraint.advance(token)
+            complete = constraint.done         # nothing but EOS may follow
         step, timing = timing, None
         pending += detok.add(token)
         emit = pending
@@ -158,7 +165,7 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
             top = np.argsort(-lp, kind="stable")[:logprobs] if logprobs else []
             info = (float(lp[token]), [(int(t), float(lp[t])) for t in top])
         yield Chunk(emit, token, timing=step, logprob=info)
-        if stopped:
+        if stopped or complete:
             finish = "stop"
             break
     tail = ""

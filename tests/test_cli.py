@@ -426,3 +426,21 @@ def test_combined_stdout_and_stderr_keep_the_answer_s_lines_whole():
     assert len(perf) == 1 and len(decs) == perf[0]["decode_tokens"] > 10
     assert [d["tok"] for d in decs] == list(range(len(decs)))
     assert timing[-1].startswith("[PERF]")
+
+
+def test_run_json_schema(tmp_path):
+    """--json-schema: the answer parses and matches (bundled model, sampled, 2 seeds)."""
+    import json
+    schema = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 16},
+                                               "count": {"type": "integer"}},
+              "required": ["fruit", "count"], "additionalProperties": False}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(schema))
+    for seed in ("1", "2"):
+        r = ok(invoke("run", "-p", "Name a fruit and a number.", "--json-schema", f, "-n", "80",
+                      "--seed", seed, "--no-timing"))
+        obj = json.loads(r.stdout)
+        assert set(obj) == {"fruit", "count"} and isinstance(obj["count"], int)
+    f.write_text("[1]")
+    r = invoke("run", "-p", "x", "--json-schema", f)
+    assert r.exit_code == 1 and "JSON object" in r.output

@@ -263,7 +263,7 @@ CHAT = object()
     (CHAT, {"tools": [{"type": "function", "function": {"description": "f"}}]}, "tools[0]"),
     (CHAT, {"tool_choice": "required"}, "tool_choice"),
     (CHAT, {"reasoning_effort": 3}, "reasoning_effort"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format.type"),
     (CHAT, {"chat_template_kwargs": "x"}, "chat_template_kwargs"),
     (CHAT, {"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs.tokenize"),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, "messages"),
@@ -597,6 +597,46 @@ def test_adjust_logits_is_openai_s_formula():
     row = np.zeros(6, dtype=np.float32)
     adjust_logits(row, {5: 3.0, 0: -1.0}, 0.5, 0.25, [1, 1, 2, 1])
     assert row.tolist() == [-1.0, -(0.5 + 0.75), -(0.5 + 0.25), 0.0, 0.0, 3.0]
+
+
+# ---------------------------------------------------------------------------- structured output
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0},
+                                           "city": {"enum": ["Paris", "Rome"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def check_person(obj):
+    """PERSON's constraints, checked by hand (no jsonschema dependency)."""
+    assert set(obj) == {"name", "age", "city"}
+    assert isinstance(obj["name"], str) and isinstance(obj["age"], int) and obj["age"] >= 0
+    assert obj["city"] in ("Paris", "Rome")
+
+
+def test_response_format_json_schema_and_json_object(client, http):
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                 "strict": True}}
+    r = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
+                                       max_tokens=60, response_format=rf)
+    assert r.choices[0].finish_reason == "stop"
+    check_person(json.loads(r.choices[0].message.content))
+    s = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0.8, seed=3,
+                                       max_tokens=60, response_format=rf, stream=True)
+    check_person(json.loads("".join(ch.choices[0].delta.content or "" for ch in s
+                                    if ch.choices)))
+    ask = [{"role": "user", "content": "Reply with a JSON object with a key 'answer': the "
+                                      "capital of France."}]
+    r = client.chat.completions.create(model=MODEL_ID, messages=ask, temperature=0,
+                                       max_tokens=60, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    for rf, param in (({"type": "xml"}, "response_format.type"),
+                      ({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+                       "response_format")):
+        r = http.post("/v1/chat/completions", json=chat_body(response_format=rf))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 # ---------------------------------------------------------------------------- shutdown (last)

@@ -378,6 +378,14 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         return await generate(request, job, opts.stream, opts.include_usage, kind, split,
                               prefix)
 
+    async def check_schema(schema: dict) -> None:
+        """A schema llguidance cannot compile is the request's error (400), found early."""
+        from ..constrained import JsonConstraint
+        try:
+            await asyncio.to_thread(JsonConstraint, eng0, schema)
+        except KestrelError as e:
+            raise APIError(str(e), 400, param="response_format") from None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
@@ -386,6 +394,10 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         tools, forced = parse_tools(body)
         opts = Options.parse(body)
         kwargs = opts.template_kwargs()
+        if opts.json_schema is not None:
+            await check_schema(opts.json_schema)
+            if "enable_thinking" not in kwargs:
+                kwargs["enable_thinking"] = False  # the answer is JSON from its first token
         if tools is not None:
             kwargs["tools"] = tools
         bound_prompt(sum(content_chars(m["content"]) for m in messages), "messages")

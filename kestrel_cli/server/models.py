@@ -81,6 +81,7 @@ class Options(_Fields):
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None      # chat: a bool; /v1/completions: 0..5 alternatives
     top_logprobs: int = Field(0, ge=0, le=20)
+    response_format: dict | None = None
 
     @classmethod
     def parse(cls, body: dict) -> "Options":
@@ -116,7 +117,24 @@ class Options(_Fields):
                     stop=[s for s in stops if s], ignore_eos=self.ignore_eos,
                     presence_penalty=float(self.presence_penalty),
                     frequency_penalty=float(self.frequency_penalty), logit_bias=bias or None,
-                    logprobs=self.n_logprobs)
+                    logprobs=self.n_logprobs, json_schema=self.json_schema)
+
+    @property
+    def json_schema(self) -> dict | None:
+        """response_format as the schema the answer must match (None: free text)."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf.get("type") == "json_object":
+            return {"type": "object"}
+        if rf.get("type") == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise APIError("'response_format.json_schema.schema' must be an object",
+                               param="response_format.json_schema")
+            return js.get("schema") or {"type": "object"}
+        raise APIError("'response_format.type' must be text, json_object or json_schema",
+                       param="response_format.type")
 
     @property
     def n_logprobs(self) -> int | None:
@@ -162,7 +180,6 @@ _NEUTRAL = {
     "n": lambda v: v == 1,
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: False,
     "prediction": lambda v: False,
