@@ -423,3 +423,25 @@ def test_malformed_tool_call_is_content_and_forced_choice(client, eng, monkeypat
         r = httpx.post(served + "/v1/chat/completions",
                        json={"messages": msgs, "max_tokens": 2, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_chat_keeps_answers_without_their_thinking(eng, monkeypatch):
+    """`kestrel chat`: the thinking is shown (here: a pipe, as written) but the history keeps
+    the answer only, and the next turn's prompt is what transformers renders for it."""
+    import io
+
+    from kestrel_cli.chat import ChatSession
+    from kestrel_cli.cli import ThinkingOptions
+    scripted(monkeypatch, eng, "<think>\nPlan A.\n</think>\n\nHello!", "Fine.")
+    out = io.StringIO()
+    s = ChatSession(eng, sampling=dict(max_tokens=60), out=out, thinking=ThinkingOptions())
+    s.ask("Hi")
+    s.ask("How are you?")
+    assert out.getvalue() == "<think>\nPlan A.\n</think>\n\nHello!\nFine.\n"
+    assert [m["content"] for m in s.messages] == ["Hi", "Hello!", "How are you?", "Fine."]
+    hidden = io.StringIO()
+    scripted(monkeypatch, eng, "<think>\nPlan B.\n</think>\n\nYes.")
+    s = ChatSession(eng, sampling=dict(max_tokens=60), out=hidden,
+                    thinking=ThinkingOptions(think=True, hide_thinking=True))
+    s.ask("Hi")
+    assert hidden.getvalue() == "Yes.\n"
