@@ -293,7 +293,8 @@ def parse_tool_calls(calls, param: str) -> list[dict]:
         q = f"{param}[{j}]"
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise APIError(f"'{q}.function.name' is required (a string)", param=f"{q}.function.name")
+            raise APIError(f"'{q}.function.name' is required (a string)",
+                           param=f"{q}.function.name")
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
