@@ -38,13 +38,18 @@ def _ll_tokenizer(engine):
 class JsonConstraint:
     """Answers that are one JSON value matching `schema` ({"type": "object"}: any object)."""
 
-    def __init__(self, engine, schema: dict | None = None):
+    def __init__(self, engine, schema: dict | None = None, then: str = ""):
+        # then: literal text the answer must end with after the JSON (a tool call's "}")
         llg = _import()
         schema = {"type": "object"} if schema is None else schema
         if not isinstance(schema, dict):
             raise KestrelError("a JSON schema must be a JSON object")
-        grammar = llg.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults={"whitespace_flexible": False})
+        if then:
+            grammar = llg.LLMatcher.grammar_from_lark(
+                f"start: value {json.dumps(then)}\nvalue: %json {json.dumps(schema)}")
+        else:
+            grammar = llg.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults={"whitespace_flexible": False})
         msg = llg.LLMatcher.validate_grammar(grammar)     # "" when it is fine
         if msg:
             raise KestrelError(f"JSON schema not supported: {' '.join(str(msg).split())}")

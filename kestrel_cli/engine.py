@@ -393,8 +393,8 @@ class Engine:
                seed: int | None = None, stop=(), template_kwargs: dict | None = None,
                ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               logprobs: int | None = None, json_schema: dict | None = None
-               ) -> Iterator[Chunk]:
+               logprobs: int | None = None, json_schema: dict | None = None,
+               json_then: str = "") -> Iterator[Chunk]:
         """Chunks with text, per-token timing and, last, finish_reason and Stats
         (logprobs=k: each token's log-probability and the k likeliest, on its chunk;
         json_schema: the answer is one JSON value matching it, enforced while sampling)."""
@@ -409,7 +409,7 @@ class Engine:
         constraint = None
         if json_schema is not None:
             from .constrained import JsonConstraint
-            constraint = JsonConstraint(self, json_schema)
+            constraint = JsonConstraint(self, json_schema, json_then)
         return stream_generate(self, ids, max_tokens, sampler, repeat_penalty=repeat_penalty,
                                stop=stop, stop_ids=[] if ignore_eos else None,
                                logit_bias=logit_bias, presence_penalty=presence_penalty,

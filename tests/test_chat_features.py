@@ -402,7 +402,7 @@ def test_tool_call_prompt_matches_transformers(eng, hf_tok):
 def test_malformed_tool_call_is_content_and_forced_choice(client, eng, monkeypatch, served):
     bad = '<tool_call>\n{"name": get_weather}\n</tool_call>'
     # named tool_choice: the prompt already opens the call; the model writes the arguments
-    scripted(monkeypatch, eng, bad, '{"city": "Oslo"}}\n</tool_call>', "x")
+    scripted(monkeypatch, eng, bad, '{"city": "Oslo"}}')
     msgs = [{"role": "user", "content": "Weather?"}]
     r = client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER],
                                        max_tokens=300)
@@ -445,3 +445,34 @@ def test_chat_keeps_answers_without_their_thinking(eng, monkeypatch):
                     thinking=ThinkingOptions(think=True, hide_thinking=True))
     s.ask("Hi")
     assert hidden.getvalue() == "Yes.\n"
+
+
+def test_forced_tool_choice_is_enforced_on_the_random_model(client, eng):
+    """tool_choice required / named: the call's JSON is enforced while sampling (llguidance),
+    so even the random model's answer is a valid call of the tool (no script here)."""
+    pick = {"type": "function", "function": {"name": "pick_city", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"], "additionalProperties": False}}}
+    msgs = [{"role": "user", "content": "Pick a city."}]
+    for choice in ("required", {"type": "function", "function": {"name": "pick_city"}}):
+        for stream in (False, True):
+            kw = dict(model="m", messages=msgs, tools=[WEATHER, pick], tool_choice=choice,
+                      max_tokens=120, temperature=1.0, seed=4)
+            if choice != "required":
+                kw["tools"] = [pick]
+            if stream:
+                calls, finish = [], None
+                for ch in client.chat.completions.create(stream=True, **kw):
+                    if ch.choices:
+                        calls += ch.choices[0].delta.tool_calls or []
+                        finish = ch.choices[0].finish_reason or finish
+            else:
+                r = client.chat.completions.create(**kw)
+                calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+            assert finish == "tool_calls" and len(calls) == 1, (choice, stream)
+            args = json.loads(calls[0].function.arguments)
+            if calls[0].function.name == "pick_city":
+                assert args["city"] in ("Paris", "Oslo")
+            else:
+                assert choice == "required" and calls[0].function.name == "get_weather"
+                assert isinstance(args["city"], str)

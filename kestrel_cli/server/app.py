@@ -211,7 +211,8 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         return deltas
 
     async def generate(request: Request, job: Job, stream: bool, include_usage: bool,
-                       kind: str, split: dict | None = None, prefix: str = ""):
+                       kind: str, split: dict | None = None, prefix: str = "",
+                       suffix: str = ""):
         """The reply to an admitted job: one JSON object, or SSE chunks. Chat answers go
         through an AnswerSplitter (`split`: its arguments): reasoning_content, content and
         tool_calls; `prefix` is answer text the prompt already holds (a forced tool call)."""
@@ -246,7 +247,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
             text = "".join(pieces)
             finish = last.finish_reason
             if sp is not None:
-                parts = sp.feed(prefix + text) + sp.finish()
+                parts = sp.feed(prefix + text + suffix) + sp.finish()
                 deltas = split_parts(sp, parts, calls)
                 msg = {"role": "assistant",
                        "content": "".join(d.get("content", "") for d in deltas)}
@@ -311,7 +312,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                         yield _sse(chunk({"content": ch.text} if kind == "chat" else ch.text))
                     last = ch if ch.finish_reason else last
                 if last is not None and sp is not None:
-                    for d in split_parts(sp, sp.finish(), calls):
+                    for d in split_parts(sp, sp.feed(suffix) + sp.finish(), calls):
                         yield _sse(chunk(d))
             except APIError as e:
                 finish_log(request, job, None, "error")
@@ -356,6 +357,18 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                            param="model", code="model_not_found")
         return {"id": mid, "object": "model", "created": created, "owned_by": "kestrel"}
 
+    def forced_schema(tools: list[dict], name: str) -> tuple[dict, str]:
+        """(schema, text after it) of a forced call: a named function's arguments then the
+        call's closing "}"; for 'required' the whole {"name", "arguments"} of one tool."""
+        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+                  for t in tools}
+        if name:
+            return params[name], "}"
+        return {"anyOf": [{"type": "object", "properties": {"name": {"const": n},
+                                                            "arguments": p},
+                           "required": ["name", "arguments"], "additionalProperties": False}
+                          for n, p in params.items()]}, ""
+
     async def answer(request: Request, opts: Options, prompt, param: str, kind: str,
                      forced: str | None = None, **kw):
         ids = await encode(prompt, param, **kw)
@@ -374,9 +387,14 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                     prefix = "</think>\n\n" + prefix
                 ids = list(ids) + eng0.tokenizer.encode(prefix)
         default_max = eng0.ctx_size if kind == "chat" else COMPLETIONS_MAX_TOKENS
-        job = await admit(request, ids, opts.sampling(default_max), param, opts.cache_prompt)
+        params = opts.sampling(default_max)
+        suffix = ""
+        if forced is not None:                     # the call's JSON enforced while sampling
+            params["json_schema"], params["json_then"] = forced_schema(kw["tools"], forced)
+            suffix = "\n</tool_call>"
+        job = await admit(request, ids, params, param, opts.cache_prompt)
         return await generate(request, job, opts.stream, opts.include_usage, kind, split,
-                              prefix)
+                              prefix, suffix)
 
     async def check_schema(schema: dict) -> None:
         """A schema llguidance cannot compile is the request's error (400), found early."""
@@ -400,6 +418,8 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                 kwargs["enable_thinking"] = False  # the answer is JSON from its first token
         if tools is not None:
             kwargs["tools"] = tools
+        if forced is not None:
+            await check_schema(forced_schema(tools, forced)[0])
         bound_prompt(sum(content_chars(m["content"]) for m in messages), "messages")
         return await answer(request, opts, messages, "messages", "chat", forced=forced,
                             max_chars=max_chars, **kwargs)
