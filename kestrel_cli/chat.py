@@ -27,8 +27,10 @@ class ChatSession:
     """One conversation: its messages and the engine whose KV cache holds them."""
 
     def __init__(self, engine: Engine, system: str | None = None, sampling: dict | None = None,
-                 timing: TimingPrinter | None = None, out: TextIO | None = None):
+                 timing: TimingPrinter | None = None, out: TextIO | None = None,
+                 thinking=None):
         self.engine = engine
+        self.thinking = thinking           # cli.ThinkingOptions: --think/--hide-thinking
         self.system = system
         self.sampling = dict(sampling or {})
         self.timing = timing or TimingPrinter(False)
@@ -61,8 +63,7 @@ class ChatSession:
 
     # -------------------------------------------------------------- one turn
     def say(self, text: str) -> None:
-        self.out.write(text)
-        self.out.flush()
+        self.timing.text(text, self.out)    # timing lines held off the answer's lines
 
     def ask(self, text: str) -> str | None:
         """Answer one user message, streaming it to `out`; the reply, or None when it did
@@ -74,33 +75,40 @@ class ChatSession:
                 [{"type": "text", "text": text}]
             self.pending_images = []         # used by this turn, whatever comes of it
         msgs = self.conversation() + [{"role": "user", "content": content}]
-        ids = eng.encode_prompt(msgs)
+        ids = eng.encode_prompt(msgs, **(self.thinking.template_kwargs()
+                                         if self.thinking else {}))
         if len(ids) >= eng.ctx_size:
             self.say(f"[context full: this turn needs {len(ids)} tokens, the context holds "
                       f"{eng.ctx_size}; /reset to start over, or restart with a larger -c]\n")
             return None
-        pieces, stats, finish = [], None, None
+        stats, finish = None, None
+        # the reply kept in the history is the answer without its thinking, as Qwen3's
+        # template expects of earlier turns
+        from .reasoning import ThinkingView
+        view = self.thinking.view(eng, ids, self.out) if self.thinking else \
+            ThinkingView(tty=False)
         gen = eng.stream(ids, **self.sampling)
         try:
             for chunk in gen:
                 if chunk.text:
-                    pieces.append(chunk.text)
-                    self.say(chunk.text)
+                    self.say(view.feed(chunk.text))
                 self.timing.token(chunk.timing)
                 if chunk.stats is not None:
                     stats, finish = chunk.stats, chunk.finish_reason
+            self.say(view.finish())
         except KeyboardInterrupt:
             gen.close()
+            self.say(view.finish())
             self.say(" [interrupted]\n")
             self.timing.flush()
-            reply = "".join(pieces)
+            reply = "".join(view.content)
             if reply:                    # keep what was said, as a chat UI does
                 self.messages += [{"role": "user", "content": content},
                                   {"role": "assistant", "content": reply}]
                 self.turn += 1
             return reply
         self.say("\n")
-        reply = "".join(pieces)
+        reply = "".join(view.content)
         self.messages += [{"role": "user", "content": content},
                           {"role": "assistant", "content": reply}]
         self.turn += 1

@@ -154,6 +154,32 @@ class OutputOptions:
         rich_help_panel=_OUTPUT)] = True
 
 
+@dataclass
+class ThinkingOptions:
+    """Hybrid-thinking models (Qwen3): the template's switch and how the thinking shows."""
+    think: Annotated[Optional[bool], typer.Option(
+        "--think/--no-think", help="Turn the model's thinking on or off (the chat "
+        "template's enable_thinking).", show_default="the template's",
+        rich_help_panel=_PROMPT)] = None
+    hide_thinking: Annotated[bool, typer.Option(
+        "--hide-thinking", help="Leave the <think> block out of the output (on a terminal "
+        "it is shown dimmed).", rich_help_panel=_OUTPUT)] = False
+
+    def template_kwargs(self) -> dict:
+        return {} if self.think is None else {"enable_thinking": self.think}
+
+    def view(self, eng: Engine, ids, out=None):
+        """The ThinkingView of an answer to the prompt `ids`."""
+        from .reasoning import ThinkingView, prompt_opens_thinking
+        from .timing import _isatty
+        try:
+            tail = eng.tokenizer.decode([int(t) for t in list(ids)[-4:]])
+        except (TypeError, ValueError):
+            tail = ""
+        return ThinkingView(_isatty(out if out is not None else sys.stdout),
+                            self.hide_thinking, prompt_opens_thinking(tail))
+
+
 def with_options(fn):
     """Expand each parameter of `fn` typed as an options dataclass into that dataclass's
     flags; `fn` receives one instance per such parameter."""
@@ -288,20 +314,43 @@ def run(
     image: Annotated[Optional[list[Path]], typer.Option(
         "--image", help="An image file (JPEG, PNG, WebP) shown before the prompt; repeat "
         "for several (Qwen3-VL).", rich_help_panel=_PROMPT)] = None,
+    json_schema: Annotated[Optional[Path], typer.Option(
+        "--json-schema", help="A JSON schema file: the answer is JSON matching it, enforced "
+        "while sampling (llguidance); '{}' in the file = any JSON object.",
+        rich_help_panel=_OUTPUT)] = None,
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
+    thinking: ThinkingOptions = None,
 ):
     """One-shot generation: stream the reply to a prompt to stdout."""
     engine.check()
     sampling.check()
     if raw and system is not None:
         raise KestrelError("-s/--system needs the chat template; drop --raw")
+    if raw and (thinking.think is not None or thinking.hide_thinking):
+        raise KestrelError("--think/--no-think/--hide-thinking need the chat template; "
+                           "drop --raw")
     if raw and image:
         raise KestrelError("--image needs the chat template; drop --raw")
     for f in image or []:
         if not Path(f).expanduser().is_file():
             raise KestrelError(f"image {f}: no such file")
+    schema = None
+    if json_schema is not None:
+        import json
+        try:
+            schema = json.loads(Path(json_schema).read_text(encoding="utf-8"))
+        except OSError as e:
+            raise KestrelError(f"cannot read --json-schema {json_schema}: "
+                               f"{e.strerror or e}") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise KestrelError(f"--json-schema {json_schema} is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise KestrelError(f"--json-schema {json_schema}: a schema is a JSON object")
+        schema = schema or {"type": "object"}
+        if thinking.think is None and not raw:
+            thinking.think = False            # the answer is JSON from its first token
     text = read_prompt(prompt, file)
     eng = engine_from_options(engine)
     if raw:
@@ -314,21 +363,23 @@ def run(
     tp = TimingPrinter(output.timing)
     out = sys.stdout
     stats = None
+    ids = eng.encode_prompt(request, **thinking.template_kwargs())
+    view = None if raw else thinking.view(eng, ids, out)
     try:
-        for chunk in eng.stream(request, **sampling.stream_kwargs(eng)):
-            if chunk.text:
-                out.write(chunk.text)
-                out.flush()
+        for chunk in eng.stream(ids, **sampling.stream_kwargs(eng), json_schema=schema):
+            tp.text(view.feed(chunk.text) if view else chunk.text, out)
             tp.token(chunk.timing)
             stats = chunk.stats or stats
+        if view:
+            tp.text(view.finish(), out)
     except KeyboardInterrupt:
-        out.write("\n")
-        out.flush()
+        if view:
+            tp.text(view.finish(), out)
+        tp.text("\n", out)
         tp.flush()
         print("interrupted", file=sys.stderr)
         raise typer.Exit(130)
-    out.write("\n")
-    out.flush()
+    tp.text("\n", out)
     if stats is not None:
         tp.perf(stats)
 
@@ -341,6 +392,7 @@ def chat(
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
+    thinking: ThinkingOptions = None,
 ):
     """Interactive multi-turn chat; /help lists the commands, Ctrl-D leaves."""
     from .chat import ChatSession, repl
@@ -348,7 +400,7 @@ def chat(
     sampling.check()
     eng = engine_from_options(engine)
     session = ChatSession(eng, system=system, sampling=sampling.stream_kwargs(eng),
-                          timing=TimingPrinter(output.timing))
+                          timing=TimingPrinter(output.timing), thinking=thinking)
     repl(session)
 
 

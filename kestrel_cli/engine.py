@@ -391,16 +391,30 @@ class Engine:
     def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
                seed: int | None = None, stop=(), template_kwargs: dict | None = None,
-               ignore_eos: bool = False) -> Iterator[Chunk]:
-        """Chunks with text, per-token timing and, last, finish_reason and Stats."""
+               ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               logprobs: int | None = None, json_schema: dict | None = None,
+               json_then: str = "") -> Iterator[Chunk]:
+        """Chunks with text, per-token timing and, last, finish_reason and Stats
+        (logprobs=k: each token's log-probability and the k likeliest, on its chunk;
+        json_schema: the answer is one JSON value matching it, enforced while sampling)."""
         if max_tokens < 0:
             raise KestrelError(f"max_tokens must be >= 0, got {max_tokens}")
         check_params(temperature, top_k, top_p, min_p, repeat_penalty)
         ids = self.encode_prompt(prompt, **(template_kwargs or {}))
         sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if logit_bias and any(not 0 <= int(t) < self.config.vocab_size for t in logit_bias):
+            raise KestrelError(f"logit_bias: token id out of range [0, {self.config.vocab_size})")
+        constraint = None
+        if json_schema is not None:
+            from .constrained import JsonConstraint
+            constraint = JsonConstraint(self, json_schema, json_then)
         return stream_generate(self, ids, max_tokens, sampler, repeat_penalty=repeat_penalty,
-                               stop=stop, stop_ids=[] if ignore_eos else None)
+                               stop=stop, stop_ids=[] if ignore_eos else None,
+                               logit_bias=logit_bias, presence_penalty=presence_penalty,
+                               frequency_penalty=frequency_penalty, logprobs=logprobs,
+                               constraint=constraint)
 
     def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, **kw
                  ) -> Iterator[str]:

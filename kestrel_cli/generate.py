@@ -5,6 +5,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from .sampling import apply_repetition_penalty
 
 
@@ -56,6 +58,26 @@ class Chunk:
     finish_reason: str | None = None   # "stop" | "length" on the last chunk
     timing: TokenTiming | None = None  # the decode step that produced this token (None for the first)
     stats: Stats | None = None         # on the last chunk
+    logprob: tuple | None = None       # (log p(token), [(id, log p), ...] top ones), when asked
+
+
+def log_softmax(row) -> "np.ndarray":
+    """log p over the vocabulary, in float64."""
+    x = np.asarray(row, dtype=np.float64)
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def adjust_logits(row, logit_bias: dict | None, presence_penalty: float,
+                  frequency_penalty: float, generated: Sequence[int]) -> None:
+    """OpenAI's penalties, in place: minus presence_penalty for each token already generated,
+    minus frequency_penalty times its count; then logit_bias added."""
+    if (presence_penalty or frequency_penalty) and len(generated):
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        row[ids] -= presence_penalty + frequency_penalty * counts
+    if logit_bias:
+        ids = np.fromiter(logit_bias.keys(), dtype=np.int64, count=len(logit_bias))
+        row[ids] += np.fromiter(logit_bias.values(), dtype=np.float64, count=len(logit_bias))
 
 
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[str, bool]:
@@ -75,12 +97,18 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[str, bool]:
 
 def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
                     repeat_penalty: float = 1.0, repeat_last_n: int = 64,
-                    stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None
-                    ) -> Iterator[Chunk]:
+                    stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
+                    logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
+                    frequency_penalty: float = 0.0, logprobs: int | None = None,
+                    constraint=None) -> Iterator[Chunk]:
     """Prefill the prompt (reusing the engine's cached prefix), then sample token by token.
 
     Yields Chunks; the last one has finish_reason and stats. Stops on EOS ids, stop
-    strings (never emitted), max_tokens, or a full context.
+    strings (never emitted), max_tokens, or a full context. With `logprobs` = k >= 0 each
+    token's chunk carries its log-probability and the k likeliest tokens', from the
+    model's distribution (log-softmax of its logits, before penalties, bias and sampling).
+    A `constraint` (constrained.JsonConstraint) masks the logits before each step and ends
+    the answer when its grammar is complete.
     """
     prof = engine.model.prof
     eos = set(engine.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
@@ -93,7 +121,7 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
     stats.image_tokens = int(getattr(engine, "image_tokens", 0))
     history = list(prompt_ids)
     detok = engine.tokenizer.detokenizer()
-    pending, finish, stopped = "", "length", False
+    pending, finish, stopped, complete = "", "length", False, False
     timing = None                  # the decode step that produced the current logits
     for i in range(max_tokens):
         if i > 0:                  # feed the previous token (after its chunk went out)
@@ -110,22 +138,34 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
             stats.decode_ms += ms
             stats.attn_ms += timing.attn
         row = logits[-1].copy()
+        lp = log_softmax(row) if logprobs is not None else None
         apply_repetition_penalty(row, history[-repeat_last_n:] if repeat_last_n else [],
                                  repeat_penalty)
+        adjust_logits(row, logit_bias, presence_penalty, frequency_penalty,
+                      history[len(prompt_ids):])
+        if constraint is not None:
+            constraint.apply(row)
         token = sampler(row)
         stats.generated_tokens += 1
         history.append(token)
         if token in eos:
             finish = "stop"
             break
+        if constraint is not None:
+            constraint.advance(token)
+            complete = constraint.done         # nothing but EOS may follow
         step, timing = timing, None
         pending += detok.add(token)
         emit = pending
         if stop:
             emit, stopped = _stop_cut(pending, stop)
         pending = pending[len(emit):]
-        yield Chunk(emit, token, timing=step)
-        if stopped:
+        info = None
+        if lp is not None:
+            top = np.argsort(-lp, kind="stable")[:logprobs] if logprobs else []
+            info = (float(lp[token]), [(int(t), float(lp[t])) for t in top])
+        yield Chunk(emit, token, timing=step, logprob=info)
+        if stopped or complete:
             finish = "stop"
             break
     tail = ""

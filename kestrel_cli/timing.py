@@ -11,6 +11,8 @@ milliseconds with one decimal, rates tokens/second with one decimal, counts inte
 """
 from __future__ import annotations
 
+import io
+import os
 import re
 import sys
 from typing import TextIO
@@ -98,17 +100,24 @@ _STYLES = {"DEC-SINGLE": "dim", "PERF": "bold cyan", "TURN": "cyan"}
 
 class TimingPrinter:
     """Writes timing lines to stderr: plain (flushed per line) when stderr is not a terminal,
-    rich-styled when it is. When stdout is the same terminal the per-token lines are held
-    back until the reply ends (`flush`), so they do not cut through the streamed text.
+    rich-styled when it is. The answer's text goes through `text` so that the per-token lines
+    never cut through it: when stdout is the same terminal they are held back until the reply
+    ends (`flush`); when stdout and stderr are the same file or pipe (`2>&1 | tee log`) they
+    are held to the answer's line boundaries (written after each newline of the answer,
+    one line per token as always).
     """
 
     def __init__(self, enabled: bool = True, stream: TextIO | None = None,
-                 out: TextIO | None = None):
+                 out: TextIO | None = None, shared: bool | None = None):
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
-        out = out if out is not None else sys.stdout
+        self.out = out if out is not None else sys.stdout
         self.tty = _isatty(self.stream)
-        self.defer = self.tty and _isatty(out)
+        self.defer = self.tty and _isatty(self.out)
+        # one file or pipe behind both: hold the lines to the answer's line boundaries
+        self.shared = (not self.defer and _same_file(self.stream, self.out)
+                       if shared is None else shared)
+        self._midline = False             # the answer's last character was not a newline
         self._held: list[str] = []
         self._console = None
         if enabled and self.tty:
@@ -123,10 +132,28 @@ class TimingPrinter:
             self.stream.write(line + "\n")
             self.stream.flush()
 
+    def text(self, text: str, out: TextIO | None = None) -> None:
+        """Write (and flush) answer text to stdout; held lines go out at its last newline."""
+        if not text:
+            return
+        out = out if out is not None else self.out
+        if self.shared and self._held and "\n" in text:
+            cut = text.rindex("\n") + 1
+            out.write(text[:cut])
+            out.flush()
+            self._midline = False
+            self.flush()
+            text = text[cut:]
+            if not text:
+                return
+        out.write(text)
+        out.flush()
+        self._midline = not text.endswith("\n")
+
     def line(self, line: str, hold: bool = False) -> None:
         if not self.enabled:
             return
-        if hold and self.defer:
+        if hold and (self.defer or (self.shared and self._midline)):
             self._held.append(line)
         else:
             self._write(line)
@@ -144,6 +171,15 @@ class TimingPrinter:
     def perf(self, s: Stats) -> None:
         self.flush()
         self.line(format_perf(s))
+
+
+def _same_file(a, b) -> bool:
+    """Whether two streams write to one file, pipe or terminal."""
+    try:
+        sa, sb = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def _isatty(f) -> bool:

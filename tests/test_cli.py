@@ -379,3 +379,68 @@ def test_act_flag_reaches_the_model(monkeypatch):
         assert seen[-1] == want
     r = invoke("run", "-p", "Hi", "--act", "int4")
     assert r.exit_code == 2 and "--act" in r.output and "Traceback" not in r.output
+
+
+# ------------------------------------------------------------------------- readable output
+
+def test_timing_printer_holds_lines_to_the_answer_s_line_boundaries():
+    """One stream for both (shared): a [DEC-SINGLE] line waits for the answer's newline."""
+    both = io.StringIO()
+    p = TimingPrinter(True, stream=both, out=both, shared=True)
+    t = [TokenTiming(i, 10 + i, 3.0, 1.0, 1.5) for i in range(4)]
+    p.token(t[0])                          # nothing written yet: at a line start, at once
+    p.text("The capital")
+    p.token(t[1])
+    p.text(" is Paris.\nIt is")            # held line goes out after the newline
+    p.token(t[2])
+    p.text(" big.")
+    p.token(t[3])
+    p.text("\n")
+    p.perf(Stats(decode_tokens=4, decode_ms=12.0))
+    lines = both.getvalue().splitlines()
+    assert lines == [format_dec(t[0]), "The capital is Paris.", format_dec(t[1]),
+                     "It is big.", format_dec(t[2]), format_dec(t[3]),
+                     format_perf(Stats(decode_tokens=4, decode_ms=12.0))]
+
+
+def test_combined_stdout_and_stderr_keep_the_answer_s_lines_whole():
+    """`kestrel run ... 2>&1 | tee`: one pipe for both streams; the timing lines sit between
+    the answer's lines, one per decoded token, and the answer is the same text as alone."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="passive")
+    args = [sys.executable, "-m", "kestrel_cli.cli", "run", "-p",
+            "List five fruits, one per line.", "-n", "24", "--temp", "0", "-t", "1"]
+    both = subprocess.run(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    assert both.returncode == 0, both.stdout
+    alone = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr
+    answer, timing = [], []
+    for line in both.stdout.splitlines():
+        parsed = parse_line(line)
+        (timing if parsed else answer).append(line)
+        assert parsed or "[DEC-SINGLE]" not in line and "[PERF]" not in line, line
+    assert "\n".join(answer) + "\n" == alone.stdout
+    assert alone.stdout.count("\n") >= 3                 # a multi-line answer: it was tested
+    decs = parse_lines(both.stdout, "DEC-SINGLE")
+    perf = parse_lines(both.stdout, "PERF")
+    assert len(perf) == 1 and len(decs) == perf[0]["decode_tokens"] > 10
+    assert [d["tok"] for d in decs] == list(range(len(decs)))
+    assert timing[-1].startswith("[PERF]")
+
+
+def test_run_json_schema(tmp_path):
+    """--json-schema: the answer parses and matches (bundled model, sampled, 2 seeds)."""
+    import json
+    schema = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 16},
+                                               "count": {"type": "integer"}},
+              "required": ["fruit", "count"], "additionalProperties": False}
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(schema))
+    for seed in ("1", "2"):
+        r = ok(invoke("run", "-p", "Name a fruit and a number.", "--json-schema", f, "-n", "80",
+                      "--seed", seed, "--no-timing"))
+        obj = json.loads(r.stdout)
+        assert set(obj) == {"fruit", "count"} and isinstance(obj["count"], int)
+    f.write_text("[1]")
+    r = invoke("run", "-p", "x", "--json-schema", f)
+    assert r.exit_code == 1 and "JSON object" in r.output

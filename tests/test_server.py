@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import fastapi  # noqa: F401,E402  (test extras: missing ones fail, never skip)
@@ -234,6 +235,8 @@ CHAT = object()
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
      "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]},
+     "messages[0].tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "function", "content": "x"}]},
      "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
@@ -251,10 +254,16 @@ CHAT = object()
     (CHAT, {"stop": 5}, "stop"),
     (CHAT, {"stream": "yes"}, "stream"),
     (CHAT, {"n": 2}, "n"),
-    (CHAT, {"logprobs": True}, "logprobs"),
-    (CHAT, {"presence_penalty": 0.5}, "presence_penalty"),
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"presence_penalty": 2.5}, "presence_penalty"),
+    (CHAT, {"frequency_penalty": "x"}, "frequency_penalty"),
+    (CHAT, {"logit_bias": {"abc": 1}}, "logit_bias"),
+    (CHAT, {"logit_bias": {"5": 101}}, "logit_bias"),
+    (CHAT, {"tools": [{"type": "function", "function": {"description": "f"}}]}, "tools[0]"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"reasoning_effort": 3}, "reasoning_effort"),
+    (CHAT, {"response_format": {"type": "xml"}}, "response_format.type"),
     (CHAT, {"chat_template_kwargs": "x"}, "chat_template_kwargs"),
     (CHAT, {"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs.tokenize"),
     (CHAT, {"messages": [{"role": "user", "content": LONG}]}, "messages"),
@@ -506,6 +515,128 @@ def test_serve_bad_flags_are_one_line(args, needle):
     from kestrel_cli.cli import app
     r = CliRunner().invoke(app, ["serve", *args])
     assert r.exit_code == 1 and needle in r.output and "Traceback" not in r.output, r.output
+
+
+# ---------------------------------------------------------------------------- logprobs, bias
+
+def test_logprobs_are_log_softmax_of_the_logits(client, http, smollm2_engine):
+    """Greedy: each token's logprob and top_logprobs equal log-softmax of Engine.logits over
+    the prompt and the tokens before it; streamed, and /v1/completions' legacy shape, the same."""
+    from kestrel_cli.generate import log_softmax
+    eng = smollm2_engine
+    msgs = [{"role": "user", "content": QUESTION}]
+    r = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
+                                       max_tokens=5, logprobs=True, top_logprobs=3)
+    got = r.choices[0].logprobs.content
+    assert len(got) == r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")
+    ids = eng.encode_prompt(msgs)
+    for entry in got:
+        lp = log_softmax(eng.logits(ids)[-1])
+        best = np.argsort(-lp, kind="stable")[:3]
+        assert entry.token == eng.tokenizer.decode([int(best[0])])
+        assert entry.logprob == pytest.approx(lp[best[0]], abs=2e-3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(lp[best], abs=2e-3)
+        assert [t.token for t in entry.top_logprobs] == \
+            [eng.tokenizer.decode([int(t)]) for t in best]
+        ids = ids + [int(best[0])]
+    s = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
+                                       max_tokens=5, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for ch in s if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in got]
+    c = http.post("/v1/completions", json={"prompt": eng.encode_prompt(msgs), "max_tokens": 5,
+                                           "temperature": 0, "logprobs": 2}).json()
+    lps = c["choices"][0]["logprobs"]
+    assert lps["tokens"] == [e.token for e in got]
+    assert lps["token_logprobs"] == [e.logprob for e in got]
+    assert [list(d.values()) for d in lps["top_logprobs"]] == \
+        [[t.logprob for t in e.top_logprobs[:2]] for e in got]
+    assert lps["text_offset"][0] == 0
+
+
+def test_logit_bias_and_penalties(client, smollm2_engine):
+    eng = smollm2_engine
+    msgs = [{"role": "user", "content": QUESTION}]
+    base = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
+                                          max_tokens=4, logprobs=True)
+    first = base.choices[0].logprobs.content[0].token
+    first_id = eng.tokenizer.encode(first)[0]
+    forced = eng.tokenizer.encode(" kestrel")[0]
+    r = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
+                                       max_tokens=4, logit_bias={str(forced): 100})
+    assert r.choices[0].message.content == eng.tokenizer.decode([forced] * 4)
+    r = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
+                                       max_tokens=4, logit_bias={str(first_id): -100},
+                                       logprobs=True)
+    assert r.choices[0].logprobs.content[0].token != first
+    # penalties: the server's greedy answer is the one Engine.logits gives with OpenAI's
+    # formula applied to the tokens generated so far
+    from kestrel_cli.generate import adjust_logits
+
+    def greedy(presence, frequency):
+        ids, gen = eng.encode_prompt(msgs), []
+        for _ in range(16):
+            row = eng.logits(ids)[-1].astype(np.float64)
+            adjust_logits(row, {forced: 5.0}, presence, frequency, gen)
+            gen.append(int(np.argmax(row)))
+            ids = ids + gen[-1:]
+            if gen[-1] in eng.tokenizer.eos_token_ids:
+                return gen[:-1]
+        return gen
+    msgs = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    gen = greedy(2.0, 2.0)
+    assert gen != greedy(0.0, 0.0)                   # the penalties change this answer
+    r = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
+                                       max_tokens=16, logit_bias={str(forced): 5},
+                                       presence_penalty=2.0, frequency_penalty=2.0)
+    assert r.choices[0].message.content == eng.tokenizer.decode(gen)
+
+
+def test_adjust_logits_is_openai_s_formula():
+    from kestrel_cli.generate import adjust_logits
+    row = np.zeros(6, dtype=np.float32)
+    adjust_logits(row, {5: 3.0, 0: -1.0}, 0.5, 0.25, [1, 1, 2, 1])
+    assert row.tolist() == [-1.0, -(0.5 + 0.75), -(0.5 + 0.25), 0.0, 0.0, 3.0]
+
+
+# ---------------------------------------------------------------------------- structured output
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                           "age": {"type": "integer", "minimum": 0},
+                                           "city": {"enum": ["Paris", "Rome"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def check_person(obj):
+    """PERSON's constraints, checked by hand (no jsonschema dependency)."""
+    assert set(obj) == {"name", "age", "city"}
+    assert isinstance(obj["name"], str) and isinstance(obj["age"], int) and obj["age"] >= 0
+    assert obj["city"] in ("Paris", "Rome")
+
+
+def test_response_format_json_schema_and_json_object(client, http):
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                 "strict": True}}
+    r = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
+                                       max_tokens=60, response_format=rf)
+    assert r.choices[0].finish_reason == "stop"
+    check_person(json.loads(r.choices[0].message.content))
+    s = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0.8, seed=3,
+                                       max_tokens=60, response_format=rf, stream=True)
+    check_person(json.loads("".join(ch.choices[0].delta.content or "" for ch in s
+                                    if ch.choices)))
+    ask = [{"role": "user", "content": "Reply with a JSON object with a key 'answer': the "
+                                      "capital of France."}]
+    r = client.chat.completions.create(model=MODEL_ID, messages=ask, temperature=0,
+                                       max_tokens=60, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    for rf, param in (({"type": "xml"}, "response_format.type"),
+                      ({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}},
+                       "response_format")):
+        r = http.post("/v1/chat/completions", json=chat_body(response_format=rf))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 # ---------------------------------------------------------------------------- shutdown (last)

@@ -20,8 +20,9 @@ from .. import __version__
 from ..engine import Engine
 from ..errors import KestrelError
 from ..generate import Stats
+from ..reasoning import AnswerSplitter, prompt_opens_thinking
 from .models import (COMPLETIONS_MAX_TOKENS, APIError, Options, check_unsupported,
-                     parse_messages, parse_prompt, content_chars)
+                     parse_messages, parse_prompt, parse_tools, content_chars)
 from .scheduler import Job, Scheduler
 
 log = logging.getLogger("kestrel.server")
@@ -166,9 +167,58 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
     def finish_log(request: Request, job: Job, stats: Stats | None, finish: str) -> None:
         request.scope["kestrel.log"] = (job, stats, finish)
 
+    import functools
+
+    @functools.lru_cache(maxsize=65536)
+    def tok_text(t: int) -> str:
+        return eng0.tokenizer.decode([t])
+
+    def lp_entry(t: int, lp: float) -> dict:
+        s = tok_text(t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    def chat_logprobs(chunks) -> dict:
+        """OpenAI's chat `logprobs` of the tokens of `chunks`."""
+        return {"content": [{**lp_entry(c.token, c.logprob[0]),
+                             "top_logprobs": [lp_entry(t, v) for t, v in c.logprob[1]]}
+                            for c in chunks]}
+
+    def completion_logprobs(chunks, offset: int) -> dict:
+        """/v1/completions' legacy `logprobs` (text_offset counted from `offset`)."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for c in chunks:
+            s = tok_text(c.token)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(c.logprob[0])
+            out["top_logprobs"].append({tok_text(t): v for t, v in c.logprob[1]})
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out
+
+    def split_parts(sp: AnswerSplitter, parts, calls: list) -> list[dict]:
+        """Splitter parts -> chat deltas (tool calls numbered and given ids)."""
+        deltas = []
+        for k, v in parts:
+            if k == "reasoning":
+                deltas.append({"reasoning_content": v})
+            elif k == "content":
+                deltas.append({"content": v})
+            else:
+                call = {"index": len(calls), "id": "call_" + secrets.token_hex(12),
+                        "type": "function", "function": dict(v)}
+                calls.append(call)
+                deltas.append({"tool_calls": [call]})
+        return deltas
+
     async def generate(request: Request, job: Job, stream: bool, include_usage: bool,
-                       kind: str):
-        """The reply to an admitted job: one JSON object, or SSE chunks."""
+                       kind: str, split: dict | None = None, prefix: str = "",
+                       suffix: str = ""):
+        """The reply to an admitted job: one JSON object, or SSE chunks. Chat answers go
+        through an AnswerSplitter (`split`: its arguments): reasoning_content, content and
+        tool_calls; `prefix` is answer text the prompt already holds (a forced tool call)."""
+        sp = AnswerSplitter(**split) if split is not None else None
+        calls: list[dict] = []
+        want_lp = job.params.get("logprobs") is not None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         obj = "chat.completion" if kind == "chat" else "text_completion"
         if stream and kind == "chat":
@@ -179,11 +229,13 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         if not stream:
             watch = asyncio.create_task(_wait_disconnect(request.receive))
             watch.add_done_callback(lambda t: t.cancelled() or sched.cancel(job))
-            pieces, last = [], None
+            pieces, last, scored = [], None, []
             try:
                 async for ch in job.chunks():
                     if ch.text:
                         pieces.append(ch.text)
+                    if ch.logprob is not None:
+                        scored.append(ch)
                     last = ch if ch.finish_reason else last
             finally:
                 watch.cancel()
@@ -193,17 +245,50 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                 finish_log(request, job, None, "cancelled")
                 return JSONResponse({}, status_code=499)
             text = "".join(pieces)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
-                      if kind == "chat" else {"index": 0, "text": text})
-            choice.update(logprobs=None, finish_reason=last.finish_reason)
+            finish = last.finish_reason
+            if sp is not None:
+                parts = sp.feed(prefix + text + suffix) + sp.finish()
+                deltas = split_parts(sp, parts, calls)
+                msg = {"role": "assistant",
+                       "content": "".join(d.get("content", "") for d in deltas)}
+                reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+                if reasoning:
+                    msg["reasoning_content"] = reasoning
+                if calls:
+                    msg["content"] = msg["content"] or None
+                    msg["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")}
+                                         for c in calls]
+                    finish = "tool_calls"
+                choice = {"index": 0, "message": msg}
+            else:
+                choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
+                          if kind == "chat" else {"index": 0, "text": text})
+            lps = None
+            if want_lp:
+                lps = chat_logprobs(scored) if kind == "chat" else completion_logprobs(scored, 0)
+            choice.update(logprobs=lps, finish_reason=finish)
             finish_log(request, job, last.stats, last.finish_reason)
             return JSONResponse({**head, "choices": [choice], "usage": _usage(last.stats),
                                  "timings": _timings(last.stats, job.gen_ms)})
 
+        scored: list = []                 # tokens whose logprobs no event has carried yet
+        offset = [0]
+
+        def take_logprobs():
+            if not want_lp:
+                return None
+            got, scored[:] = list(scored), []
+            if kind == "chat":
+                return chat_logprobs(got)
+            lps = completion_logprobs(got, offset[0])
+            offset[0] += sum(len(t) for t in lps["tokens"])
+            return lps
+
         def chunk(delta_or_text, finish=None, **extra) -> dict:
             c = ({"index": 0, "delta": delta_or_text} if kind == "chat"
                  else {"index": 0, "text": delta_or_text})
-            c.update(logprobs=None, finish_reason=finish)
+            c.update(logprobs=take_logprobs() if scored or finish else None,
+                     finish_reason=finish)
             out = {**head, "choices": [c], **extra}
             if include_usage:
                 out["usage"] = None
@@ -214,10 +299,21 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
             if kind == "chat":
                 yield _sse(chunk({"role": "assistant", "content": ""}))
             try:
+                if sp is not None and prefix:
+                    for d in split_parts(sp, sp.feed(prefix), calls):
+                        yield _sse(chunk(d))
                 async for ch in job.chunks():
-                    if ch.text:
+                    if ch.logprob is not None:
+                        scored.append(ch)
+                    if ch.text and sp is not None:
+                        for d in split_parts(sp, sp.feed(ch.text), calls):
+                            yield _sse(chunk(d))
+                    elif ch.text:
                         yield _sse(chunk({"content": ch.text} if kind == "chat" else ch.text))
                     last = ch if ch.finish_reason else last
+                if last is not None and sp is not None:
+                    for d in split_parts(sp, sp.feed(suffix) + sp.finish(), calls):
+                        yield _sse(chunk(d))
             except APIError as e:
                 finish_log(request, job, None, "error")
                 request.scope["kestrel.error"] = e.message
@@ -227,7 +323,8 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                 finish_log(request, job, None, "cancelled")
                 return
             finish_log(request, job, last.stats, last.finish_reason)
-            yield _sse(chunk({} if kind == "chat" else "", last.finish_reason,
+            yield _sse(chunk({} if kind == "chat" else "",
+                             "tool_calls" if calls else last.finish_reason,
                              timings=_timings(last.stats, job.gen_ms)))
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(last.stats),
@@ -260,22 +357,72 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                            param="model", code="model_not_found")
         return {"id": mid, "object": "model", "created": created, "owned_by": "kestrel"}
 
-    async def answer(request: Request, opts: Options, prompt, param: str, kind: str, **kw):
+    def forced_schema(tools: list[dict], name: str) -> tuple[dict, str]:
+        """(schema, text after it) of a forced call: a named function's arguments then the
+        call's closing "}"; for 'required' the whole {"name", "arguments"} of one tool."""
+        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+                  for t in tools}
+        if name:
+            return params[name], "}"
+        return {"anyOf": [{"type": "object", "properties": {"name": {"const": n},
+                                                            "arguments": p},
+                           "required": ["name", "arguments"], "additionalProperties": False}
+                          for n, p in params.items()]}, ""
+
+    async def answer(request: Request, opts: Options, prompt, param: str, kind: str,
+                     forced: str | None = None, **kw):
         ids = await encode(prompt, param, **kw)
+        split, prefix = None, ""
+        if kind == "chat":
+            try:
+                tail = eng0.tokenizer.decode([int(t) for t in ids[-4:]])
+            except (TypeError, ValueError):        # a vision prompt
+                tail = ""
+            split = dict(thinking=True, in_thinking=prompt_opens_thinking(tail),
+                         tools=kw.get("tools") is not None)
+            if forced is not None:                 # tool_choice required / a named function
+                prefix = "<tool_call>\n" + (f'{{"name": {json.dumps(forced)}, "arguments": '
+                                            if forced else "")
+                if split["in_thinking"]:
+                    prefix = "</think>\n\n" + prefix
+                ids = list(ids) + eng0.tokenizer.encode(prefix)
         default_max = eng0.ctx_size if kind == "chat" else COMPLETIONS_MAX_TOKENS
-        job = await admit(request, ids, opts.sampling(default_max), param, opts.cache_prompt)
-        return await generate(request, job, opts.stream, opts.include_usage, kind)
+        params = opts.sampling(default_max)
+        suffix = ""
+        if forced is not None:                     # the call's JSON enforced while sampling
+            params["json_schema"], params["json_then"] = forced_schema(kw["tools"], forced)
+            suffix = "\n</tool_call>"
+        job = await admit(request, ids, params, param, opts.cache_prompt)
+        return await generate(request, job, opts.stream, opts.include_usage, kind, split,
+                              prefix, suffix)
+
+    async def check_schema(schema: dict) -> None:
+        """A schema llguidance cannot compile is the request's error (400), found early."""
+        from ..constrained import JsonConstraint
+        try:
+            await asyncio.to_thread(JsonConstraint, eng0, schema)
+        except KestrelError as e:
+            raise APIError(str(e), 400, param="response_format") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
         check_unsupported(body)
         messages = parse_messages(body)
+        tools, forced = parse_tools(body)
         opts = Options.parse(body)
         kwargs = opts.template_kwargs()
+        if opts.json_schema is not None:
+            await check_schema(opts.json_schema)
+            if "enable_thinking" not in kwargs:
+                kwargs["enable_thinking"] = False  # the answer is JSON from its first token
+        if tools is not None:
+            kwargs["tools"] = tools
+        if forced is not None:
+            await check_schema(forced_schema(tools, forced)[0])
         bound_prompt(sum(content_chars(m["content"]) for m in messages), "messages")
-        return await answer(request, opts, messages, "messages", "chat", max_chars=max_chars,
-                            **kwargs)
+        return await answer(request, opts, messages, "messages", "chat", forced=forced,
+                            max_chars=max_chars, **kwargs)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

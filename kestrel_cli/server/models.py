@@ -1,6 +1,8 @@
 """Requests of the OpenAI API: the fields we read, checked, and the error reply's shape."""
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -73,6 +75,13 @@ class Options(_Fields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict | None = None
+    reasoning_effort: str | None = None    # "none": thinking off; others: on (Qwen3)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None      # chat: a bool; /v1/completions: 0..5 alternatives
+    top_logprobs: int = Field(0, ge=0, le=20)
+    response_format: dict | None = None
 
     @classmethod
     def parse(cls, body: dict) -> "Options":
@@ -94,10 +103,52 @@ class Options(_Fields):
         seed = None if self.seed is None else self.seed & ((1 << 64) - 1)  # numpy: unsigned
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        bias = {}
+        for k, v in (self.logit_bias or {}).items():
+            if not k.strip().isdigit():
+                raise APIError(f"'logit_bias': keys must be token ids, got {k!r}",
+                               param="logit_bias")
+            if not -100 <= v <= 100:
+                raise APIError("'logit_bias': values must be in [-100, 100]", param="logit_bias")
+            bias[int(k)] = float(v)
         return dict(max_tokens=max_tokens, temperature=float(temperature), top_k=self.top_k,
                     top_p=float(top_p), min_p=float(self.min_p),
                     repeat_penalty=float(self.repeat_penalty), seed=seed,
-                    stop=[s for s in stops if s], ignore_eos=self.ignore_eos)
+                    stop=[s for s in stops if s], ignore_eos=self.ignore_eos,
+                    presence_penalty=float(self.presence_penalty),
+                    frequency_penalty=float(self.frequency_penalty), logit_bias=bias or None,
+                    logprobs=self.n_logprobs, json_schema=self.json_schema)
+
+    @property
+    def json_schema(self) -> dict | None:
+        """response_format as the schema the answer must match (None: free text)."""
+        rf = self.response_format
+        if rf is None or rf.get("type") == "text":
+            return None
+        if rf.get("type") == "json_object":
+            return {"type": "object"}
+        if rf.get("type") == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise APIError("'response_format.json_schema.schema' must be an object",
+                               param="response_format.json_schema")
+            return js.get("schema") or {"type": "object"}
+        raise APIError("'response_format.type' must be text, json_object or json_schema",
+                       param="response_format.type")
+
+    @property
+    def n_logprobs(self) -> int | None:
+        """How many alternatives per token (None: no logprobs): chat's top_logprobs when
+        logprobs is true; /v1/completions' logprobs (an integer, at most 5)."""
+        if self.logprobs is None or self.logprobs is False:
+            if self.top_logprobs:
+                raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            return None
+        if self.logprobs is True:
+            return self.top_logprobs
+        if not 0 <= self.logprobs <= 5:
+            raise APIError("'logprobs' must be in 0..5", param="logprobs")
+        return self.logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -110,8 +161,16 @@ class Options(_Fields):
         if bad:
             raise APIError(f"'chat_template_kwargs.{bad[0]}' is not allowed",
                            param=f"chat_template_kwargs.{bad[0]}")
+        if self.reasoning_effort is not None:
+            if self.reasoning_effort not in REASONING_EFFORTS:
+                raise APIError(f"'reasoning_effort' must be one of "
+                               f"{', '.join(REASONING_EFFORTS)}", param="reasoning_effort")
+            if "enable_thinking" not in kwargs:     # chat_template_kwargs wins
+                kwargs = {**kwargs, "enable_thinking": self.reasoning_effort != "none"}
         return kwargs
 
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
 
 _PATH_NAMES = set(Options.model_fields) | set(StreamOptions.model_fields)
 
@@ -119,16 +178,8 @@ _PATH_NAMES = set(Options.model_fields) | set(StreamOptions.model_fields)
 # fields that would change what the reply means; accepted only at their neutral value
 _NEUTRAL = {
     "n": lambda v: v == 1,
-    "logit_bias": lambda v: v == {},
-    "presence_penalty": lambda v: v == 0,
-    "frequency_penalty": lambda v: v == 0,
-    "logprobs": lambda v: v is False or v == 0,
-    "top_logprobs": lambda v: v == 0,
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v in ("none", "auto"),     # no tools (non-empty ones fail)
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
     "modalities": lambda v: v == ["text"],
     "audio": lambda v: False,
     "prediction": lambda v: False,
@@ -204,20 +255,95 @@ def parse_messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise APIError(f"'{p}' must be an object", param=p)
         role = m.get("role")
-        if role in ("tool", "function") or m.get("tool_calls") or m.get("function_call"):
-            raise unsupported(f"{p}.role" if role in ("tool", "function") else
-                              f"{p}.tool_calls", ": no tool calling")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise APIError(f"'{p}.role' must be one of system, developer, user, assistant; "
-                           f"got {role!r}", param=f"{p}.role")
+        if role == "function" or m.get("function_call"):
+            raise unsupported(f"{p}.role" if role == "function" else f"{p}.function_call",
+                              ": the legacy functions API; use tools")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(f"'{p}.role' must be one of system, developer, user, assistant, "
+                           f"tool; got {role!r}", param=f"{p}.role")
         content = m.get("content")
         if content is None:
             if role != "assistant":
                 raise APIError(f"'{p}.content' is required", param=f"{p}.content")
             content = ""
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": text_content(content, f"{p}.content")})
+        msg = {"role": "system" if role == "developer" else role,
+               "content": text_content(content, f"{p}.content")}
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise APIError(f"'{p}.tool_call_id' is required (a string)",
+                               param=f"{p}.tool_call_id")
+            if not isinstance(msg["content"], str):
+                raise APIError(f"'{p}.content' must be text", param=f"{p}.content")
+            msg["tool_call_id"] = m["tool_call_id"]
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = parse_tool_calls(m["tool_calls"], f"{p}.tool_calls")
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            msg["reasoning_content"] = m["reasoning_content"]
+        out.append(msg)
     return out
+
+
+def parse_tool_calls(calls, param: str) -> list[dict]:
+    """An assistant message's tool_calls, as the chat templates read them (arguments an
+    object when they are a JSON object string, as transformers documents)."""
+    if not isinstance(calls, list):
+        raise APIError(f"'{param}' must be an array", param=param)
+    out = []
+    for j, c in enumerate(calls):
+        q = f"{param}[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(f"'{q}.function.name' is required (a string)",
+                           param=f"{q}.function.name")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise APIError(f"'{q}.function.arguments' is not valid JSON",
+                               param=f"{q}.function.arguments") from None
+        if not isinstance(args, dict):
+            raise APIError(f"'{q}.function.arguments' must be a JSON object",
+                           param=f"{q}.function.arguments")
+        out.append({"id": c.get("id") if isinstance(c.get("id"), str) else f"call_{j}",
+                    "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def parse_tools(body: dict) -> tuple[list[dict] | None, str | None]:
+    """(the tools to render, or None; the function name a tool_choice forces, or "" for
+    'required', None otherwise)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise APIError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None, None
+    if not isinstance(tools, list):
+        raise APIError("'tools' must be an array", param="tools")
+    names = []
+    for j, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(f"'tools[{j}]' must be {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"parameters\": ...}}}}", param=f"tools[{j}]")
+        names.append(fn["name"])
+    if choice is None or choice == "auto":
+        return tools, None
+    if choice == "none":
+        return None, None
+    if choice == "required":
+        return tools, ""
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) \
+            and choice.get("type") == "function":
+        name = choice["function"].get("name")
+        if name not in names:
+            raise APIError(f"'tool_choice.function.name': {name!r} is not one of the tools",
+                           param="tool_choice.function.name")
+        return tools, name
+    raise APIError("'tool_choice' must be none, auto, required or "
+                   "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                   param="tool_choice")
 
 
 def is_int(v) -> bool:
