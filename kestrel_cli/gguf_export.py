@@ -591,8 +591,7 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
     (QUANT_TYPES, or f32/f16/bf16) with `threads` quantising (default: the cores).
     Returns a summary dict (types, bytes, tensors)."""
     from .engine import default_threads
-    from .loader import _load_hf_dir
-    from .models import resolve
+    from .loader import _load_hf_dir, config_of
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if ftype not in FILE_TYPES:
         raise KestrelError(f"unknown type {ftype!r} (choose from {', '.join(QUANT_TYPES)})")
@@ -609,13 +608,7 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
     if threads < 1:
         raise KestrelError(f"threads must be >= 1, got {threads}")
     raw, store, _tok = _load_hf_dir(src)
-    resolve(raw.get("model_type"))                # unknown architectures name the supported
-    try:
-        cfg = Config.from_hf(raw)
-    except TypeError as e:
-        raise KestrelError(f"{src / 'config.json'}: a value of the wrong type ({e})") from None
-    except KestrelError as e:
-        raise KestrelError(f"{src / 'config.json'}: {e}") from None
+    cfg = config_of(raw, src / "config.json")
     gguf_arch(cfg)
     tensors = _checked_tensors(cfg, store, src)
     plan = build_plan(cfg, tensors, ftype, pure)

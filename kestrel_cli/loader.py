@@ -514,13 +514,17 @@ def open_checkpoint(path) -> tuple[Config, TensorStore, "object", Path]:
         raw, store, tok = _load_gguf(p)
     else:
         raise KestrelError(f"{p}: expected a checkpoint directory or a .gguf file")
+    return config_of(raw, p / "config.json" if p.is_dir() else p), store, tok, p
+
+
+def config_of(raw: dict, source: Path) -> Config:
+    """The Config of a checkpoint's raw config (config.json or the GGUF's metadata read as
+    one); an unknown architecture or a bad value is one KestrelError naming `source`."""
     from .models import resolve
     resolve(raw.get("model_type"))          # unknown architectures fail before Config
-    source = p / "config.json" if p.is_dir() else p
     try:
-        cfg = Config.from_hf(raw)
+        return Config.from_hf(raw)
     except TypeError as e:
         raise KestrelError(f"{source}: a value of the wrong type ({e})") from None
     except KestrelError as e:
         raise KestrelError(f"{source}: {e}") from None
-    return cfg, store, tok, p
