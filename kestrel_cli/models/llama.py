@@ -187,6 +187,19 @@ class Model:
         """Run tokens `ids` after the cached ones; logits (T, V) or of the last token (1, V).
         act: this call's activation mode (None: the model's). positions: int64 (T,) RoPE
         positions (None: the cache offsets; qwen3_vl shifts them after an image)."""
+        return self.forward(ids, cache, all_logits, act, positions)
+
+    def add_inputs(self, h: np.ndarray, extra) -> None:
+        """Hook after the token embeddings of h (T, H) are read: a subclass's per-call
+        inputs `extra` go in (qwen3_vl: image embeddings); llama: nothing."""
+
+    def after_layer(self, h: np.ndarray, i: int, extra) -> None:
+        """Hook after decoder layer i updated h (qwen3_vl: DeepStack features); llama:
+        nothing."""
+
+    def forward(self, ids, cache: KVCache, all_logits: bool, act: str | None,
+                positions: np.ndarray | None, extra=None) -> np.ndarray:
+        """__call__'s body; `extra` reaches the add_inputs / after_layer hooks."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         T, pos0 = ids.shape[0], cache.offset
         cache.reserve(T)
@@ -196,8 +209,10 @@ class Model:
         fwd = ForwardPass(self.threads, positions, self.rope, self.prof, act == "q8")
         h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)    # residual stream (T, H)
         K.get_rows(self.embed_tokens, ids, h)
+        self.add_inputs(h, extra)
         for i, layer in enumerate(self.layers):
             layer(h, cache, i, fwd)
+            self.after_layer(h, i, extra)
         cache.commit(T)
         if not all_logits:
             h = h[-1:]

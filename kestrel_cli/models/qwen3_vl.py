@@ -28,7 +28,6 @@ import numpy as np
 from .. import kernels as K
 from ..errors import KestrelError
 from . import qwen3
-from .llama import ForwardPass, rms_norm
 
 
 def mrope_axes(cfg) -> np.ndarray:
@@ -130,26 +129,14 @@ class Model(qwen3.Model):
     def __call__(self, ids, cache, all_logits=False, act=None, positions=None,
                  vision: VisionInput | None = None):
         """As llama.Model, plus positions (3, T) for M-RoPE and the image tokens' inputs."""
-        if vision is None and (positions is None or positions.ndim == 1):
-            return super().__call__(ids, cache, all_logits, act, positions)
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        T, pos0 = ids.shape[0], cache.offset
-        cache.reserve(T)
-        act = act or self.act
-        if positions is None:
-            positions = np.arange(pos0, pos0 + T, dtype=np.int64)
-        positions = np.ascontiguousarray(positions, dtype=np.int64)   # rows contiguous
-        fwd = ForwardPass(self.threads, positions, self.rope, self.prof, act == "q8")
-        h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)
-        K.get_rows(self.embed_tokens, ids, h)
+        if positions is not None:
+            positions = np.ascontiguousarray(positions, dtype=np.int64)   # rows contiguous
+        return self.forward(ids, cache, all_logits, act, positions, vision)
+
+    def add_inputs(self, h, vision: VisionInput | None) -> None:
         if vision is not None and len(vision.rows):
             h[vision.rows] = vision.embeds
-        for i, layer in enumerate(self.layers):
-            layer(h, cache, i, fwd)
-            if vision is not None and i < len(vision.deepstack) and len(vision.rows):
-                h[vision.rows] += vision.deepstack[i]
-        cache.commit(T)
-        if not all_logits:
-            h = h[-1:]
-        h = rms_norm(np.ascontiguousarray(h), self.norm, self.cfg.rms_norm_eps, self.threads)
-        return fwd.project(self.head, h)[0]
+
+    def after_layer(self, h, i: int, vision: VisionInput | None) -> None:
+        if vision is not None and i < len(vision.deepstack) and len(vision.rows):
+            h[vision.rows] += vision.deepstack[i]
