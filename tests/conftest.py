@@ -109,6 +109,16 @@ def rand_ids(n: int, seed: int = 0, vocab: int = VOCAB) -> list[int]:
     return np.random.default_rng(seed).integers(0, vocab, n).tolist()
 
 
+def assert_prefill_then_decode_equals_full(eng, ids, last: int = 5, atol: float = 1e-5):
+    """The logits of prefilling ids[:-last] then decoding the next tokens one at a time
+    equal those rows of one forward pass over all of ids."""
+    full = eng.logits(ids)
+    eng.reset()
+    eng.prefill(ids[:-last])
+    rows = [eng.decode_step(t)[0] for t in ids[-last:-1]]
+    np.testing.assert_allclose(np.stack(rows), full[-last:-1], atol=atol, rtol=0)
+
+
 # The kernel variants this CPU runs (base first, the detected best last); the `isa`
 # fixture runs a test once under each, so the portable one (aarch64's) is always tested.
 from kestrel_cli import kernels as _kernels   # noqa: E402

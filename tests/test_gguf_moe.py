@@ -13,7 +13,7 @@ import pytest
 
 from kestrel_cli import Engine, KestrelError
 from kestrel_cli.loader import open_checkpoint
-from conftest import make_checkpoint, rand_ids
+from conftest import assert_prefill_then_decode_equals_full, make_checkpoint, rand_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 GGUF_VOCAB = 1024          # the writer's tokenizer has 1000 tokens: the vocab must hold them
@@ -82,12 +82,7 @@ def test_moe_gguf_logits_match_transformers(moe):
 def test_moe_gguf_prefill_then_decode(moe):
     d, _, _ = moe
     eng = Engine.from_pretrained(d / "m.q8_0.gguf", threads=2)
-    ids = rand_ids(N, seed=2)
-    full = eng.logits(ids)
-    eng.reset()
-    eng.prefill(ids[:-5])
-    rows = [eng.decode_step(t)[0] for t in ids[-5:-1]]
-    np.testing.assert_allclose(np.stack(rows), full[-5:-1], atol=1e-5, rtol=0)
+    assert_prefill_then_decode_equals_full(eng, rand_ids(N, seed=2))
 
 
 def test_experts_are_views_of_the_mapped_file(moe):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kestrel_cli import Engine
-from conftest import VOCAB, make_checkpoint, rand_ids
+from conftest import VOCAB, assert_prefill_then_decode_equals_full, make_checkpoint, rand_ids
 
 CASES = {
     "llama": {},
@@ -56,12 +56,7 @@ def test_full_sequence_logits(case):
 
 def test_prefill_then_decode_equals_full_forward(case):
     _, _, eng = case
-    ids = rand_ids(N, seed=2)
-    full = eng.logits(ids)
-    eng.reset()
-    eng.prefill(ids[:-5])
-    rows = [eng.decode_step(t)[0] for t in ids[-5:-1]]
-    np.testing.assert_allclose(np.stack(rows), full[-5:-1], atol=1e-5, rtol=0)
+    assert_prefill_then_decode_equals_full(eng, rand_ids(N, seed=2))
 
 
 def test_greedy_tokens_identical(case):
