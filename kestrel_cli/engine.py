@@ -349,6 +349,8 @@ class Engine:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt) and prompt:
             parts = _image_parts(prompt)
+            if parts:
+                self._check_vision()       # before a text-only template meets image parts
             ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
                                                      tokenize=True, **template_kwargs)
             return self._with_images(ids, parts) if parts else ids
@@ -357,15 +359,18 @@ class Engine:
             raise KestrelError(f"token id out of range [0, {self.config.vocab_size})")
         return ids
 
+    def _check_vision(self) -> None:
+        if not getattr(self.model, "has_vision", False):
+            raise KestrelError(f"{self.config.model_type} model {self.path.name} has no vision "
+                               f"tower: images need a Qwen3-VL checkpoint with its "
+                               f"model.visual.* weights")
+
     def _with_images(self, ids: list[int], parts: list) -> VisionPrompt:
         """The template's ids with each image token expanded to its image's tokens."""
         from .images import ImageConfig, load_image, preprocess
         from .models.qwen3_vl import rope_index
         model = self.model
-        if not getattr(model, "has_vision", False):
-            raise KestrelError(f"{self.config.model_type} model {self.path.name} has no vision "
-                               f"tower: images need a Qwen3-VL checkpoint with its "
-                               f"model.visual.* weights")
+        self._check_vision()
         tok_id = self.config.image_token_id
         found = sum(1 for t in ids if t == tok_id)
         if found != len(parts):

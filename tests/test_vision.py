@@ -290,6 +290,15 @@ def test_text_only_model_refuses_images(tmp_path):
         eng.prompt_logits(one_image(f))
 
 
+def test_text_only_template_refuses_images_before_rendering(smollm2_engine, tmp_path):
+    """The bundled SmolLM2's template cannot render image parts: the missing vision tower
+    is the error, not the template's (was: 'chat template error: can only concatenate')."""
+    f = tmp_path / "x.png"
+    picture(40, 40, 0).save(f)
+    with pytest.raises(KestrelError, match="no vision tower"):
+        smollm2_engine.encode_prompt(one_image(f))
+
+
 def test_bad_images_one_clear_error(vl, tmp_path):
     d, model, eng, proc, imgs = vl
     bad = tmp_path / "bad.png"
