@@ -91,7 +91,7 @@ def model_weights(model) -> tuple[int, int, dict[str, int]]:
                 seen.add(id(obj.data))
                 nbytes += obj.nbytes
                 nelem += obj.shape[0] * obj.shape[1]
-                fmts[obj.fmt] = fmts.get(obj.fmt, 0) + obj.nbytes
+                fmts[obj.block_fmt] = fmts.get(obj.block_fmt, 0) + obj.nbytes
         elif isinstance(obj, np.ndarray):
             if obj.ndim == 1 and id(obj) not in seen:       # norms, biases
                 seen.add(id(obj))

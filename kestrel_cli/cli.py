@@ -94,6 +94,11 @@ class EngineOptions:
         "--act", help="Activations of quantised matmuls: f32 = float32 (exact); q8 = int8 "
         "blocks of 32 as llama.cpp (faster, not exact).", rich_help_panel=_MODEL)] = Act.f32
 
+    repack: Annotated[bool, typer.Option(
+        "--repack/--no-repack", help="Interleave q4_0/q4_1 weights by 16 rows at load, the "
+        "decode GEMV's layout (same results; off: the file's row-major layout).",
+        rich_help_panel=_MODEL)] = True
+
     def load_options(self) -> LoadOptions:
         """The Engine's options these flags give (-c default: the model's, at most
         DEFAULT_CTX_CAP)."""
@@ -101,7 +106,7 @@ class EngineOptions:
                            sparse_k=self.sparse_k, sparse_probes=self.sparse_probes,
                            quant=Quant(self.quant).value, threads=self.threads,
                            ctx_size=self.ctx_size, ctx_cap=DEFAULT_CTX_CAP,
-                           act=Act(self.act).value, kv_f16=self.kv_f16)
+                           act=Act(self.act).value, kv_f16=self.kv_f16, repack=self.repack)
 
     def check(self) -> None:
         """Fail fast, before any file is read (the Engine's own validation)."""

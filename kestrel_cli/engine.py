@@ -48,6 +48,9 @@ class LoadOptions:
             and ISAs): "f32" float32 (exact, the default) or "q8" int8 blocks of 32
             (llama.cpp's choice: faster, ppl +1.4% on the bundled model). Float weights
             always take float32.
+        repack: interleave q4_0 / q4_1 weights by 16 rows at load (--no-repack turns it
+            off): the decode GEMV's layout (pyx/gemv_x16.h), same bytes, same results
+            (int8 activations bit for bit).
     """
     kv_q8: bool = False
     sparse_attn: bool = False
@@ -59,6 +62,7 @@ class LoadOptions:
     ctx_cap: int | None = None
     act: str = "f32"
     kv_f16: bool = False
+    repack: bool = True
 
     def validate(self) -> "LoadOptions":
         """Raise KestrelError naming the flag of the first bad value; self when all are ok."""
@@ -181,13 +185,13 @@ class Engine:
                         sparse_k: int = 32, sparse_probes: int = 8, quant: str | None = None,
                         threads: int | None = None, ctx_size: int | None = None,
                         ctx_cap: int | None = None, act: str = "f32",
-                        kv_f16: bool = False) -> "Engine":
+                        kv_f16: bool = False, repack: bool = True) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 
         Args: as `LoadOptions` (they mirror the CLI flags).
         """
         return cls.load(path, LoadOptions(kv_q8, sparse_attn, sparse_k, sparse_probes, quant,
-                                          threads, ctx_size, ctx_cap, act, kv_f16))
+                                          threads, ctx_size, ctx_cap, act, kv_f16, repack))
 
     @classmethod
     def load(cls, path, options: LoadOptions) -> "Engine":
@@ -196,6 +200,7 @@ class Engine:
         threads = options.threads or default_threads()
         cfg, store, tok, p = open_checkpoint(path)
         store.quantize_to(QUANT_FORMATS.get(options.quant), threads)   # --quant: at load
+        store.repack_x16 = options.repack
         model = resolve(cfg.model_type).Model(cfg, store, threads, act=options.act)
         return cls(model, tok, cfg, p, store, options.context(cfg.max_position_embeddings),
                    options.cache_spec)

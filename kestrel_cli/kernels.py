@@ -11,13 +11,14 @@ small inputs (one decode token runs single-threaded).
 """
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 
 import numpy as np
 
 from kestrel_cli._kernels import lib as _lib
-from kestrel_cli.weights import BLOCK_BYTES, FORMATS, QK, Weight
+from kestrel_cli.weights import BLOCK_BYTES, FORMATS, QK, X16_OF, Weight
 
 # the compiled kernels are one module (pyx/lib.pyx): one ISA choice for all of them
 if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
@@ -27,7 +28,7 @@ if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
 # Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
 FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6,
             "q5_1": 7, "q2_k": 8, "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12,
-            "iq4_nl": 13, "iq4_xs": 14}
+            "iq4_nl": 13, "iq4_xs": 14, "q4_0x16": 15, "q4_1x16": 16}
 _DATA_DTYPE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16,
                **{f: np.uint8 for f in BLOCK_BYTES}}
 assert set(FMT_CODE) == set(FORMATS)
@@ -208,6 +209,46 @@ def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
     _shape(out, "out", (d, n // QK * BLOCK_BYTES[to_fmt]))
     _lib.quantize(raw, FMT_CODE[w.fmt], n, FMT_CODE[to_fmt], out, _threads(threads))
     return out
+
+
+def repack_x16(w: Weight, threads: int | None = None) -> Weight:
+    """A q4_0 / q4_1 weight with d % 16 == 0 in the decode layout q4_0x16 / q4_1x16
+    (pyx/gemv_x16.h: 16 rows interleaved, one vector op serves 16 rows; every kernel
+    takes it, results as for the row-major weight: int8 activations bit for bit as the
+    prefill GEMM, float ones up to summation order). New memory, 64-byte aligned.
+
+    Raises ValueError for other formats or row counts (callers check `can_repack_x16`).
+    """
+    if not can_repack_x16(w):
+        raise ValueError(f"repack_x16: needs a q4_0/q4_1 weight with rows a multiple of 16 "
+                         f"and an even number of blocks, got {w.fmt} {w.shape}")
+    raw = _weight_bytes(w)
+    out = _big_buffer(raw.nbytes).reshape(raw.shape)
+    _lib.repack_x16(raw, FMT_CODE[w.fmt], out, _threads(threads))
+    return Weight(X16_OF[w.fmt], out, w.shape)
+
+
+def _big_buffer(nbytes: int) -> np.ndarray:
+    """uint8 (nbytes,), 64-byte aligned; anonymous memory asking the kernel for huge pages
+    where it has them (madvise mode of transparent huge pages): a decode GEMV streams each
+    weight once per token, and with 4 KiB pages ... (docs/DESIGN.md)."""
+    if nbytes < (1 << 21) or not hasattr(mmap, "MADV_HUGEPAGE"):
+        buf = np.empty(nbytes + 64, dtype=np.uint8)
+        off = (-buf.ctypes.data) % 64
+        return buf[off:off + nbytes]
+    m = mmap.mmap(-1, nbytes)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    return np.frombuffer(m, dtype=np.uint8, count=nbytes)
+
+
+def can_repack_x16(w: Weight) -> bool:
+    """Whether `repack_x16` takes w: q4_0 / q4_1, rows a multiple of 16, an even number of
+    blocks a row (so every 64-byte load of the layout is aligned)."""
+    return (w.fmt in X16_OF and w.shape[0] % 16 == 0 and w.shape[0] > 0
+            and (w.shape[1] // QK) % 2 == 0 and w.shape[1] > 0)
 
 
 def isa() -> str:

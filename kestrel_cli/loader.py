@@ -21,7 +21,8 @@ import numpy as np
 
 from .config import Config
 from .errors import KestrelError
-from .quantize import quantize
+from . import kernels
+from .quantize import drop_pages, quantize
 from .weights import QK, Weight
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -54,6 +55,7 @@ class TensorStore:
         self.entries: dict[str, tuple[str, np.ndarray, tuple[int, ...], str]] = {}
         self.quant: str | None = None            # block format for float matrices, or None
         self.threads: int | None = None
+        self.repack_x16 = False                  # q4_0 / q4_1 matrices -> the x16 layout
         self._quantised: dict[str, Weight] = {}
 
     def quantize_to(self, fmt: str | None, threads: int | None = None) -> None:
@@ -81,12 +83,18 @@ class TensorStore:
     def matrix(self, name, shape) -> Weight:
         """A 2-D weight (d, n) as stored (or quantised, see quantize_to)."""
         fmt, raw, actual = self._get(name, shape)
-        if (self.quant is None or fmt not in ("f32", "f16", "bf16") or actual[1] % QK
-                or name.endswith("mlp.gate.weight")):
-            return Weight(fmt, raw, actual)
-        if name not in self._quantised:
-            self._quantised[name] = quantize(Weight(fmt, raw, actual), self.quant, self.threads)
-        return self._quantised[name]
+        if name in self._quantised:
+            return self._quantised[name]
+        w = Weight(fmt, raw, actual)
+        if (self.quant is not None and fmt in ("f32", "f16", "bf16") and actual[1] % QK == 0
+                and not name.endswith("mlp.gate.weight")):
+            w = self._quantised[name] = quantize(w, self.quant, self.threads)
+        if self.repack_x16 and kernels.can_repack_x16(w):
+            # the decode layout (pyx/gemv_x16.h); the mapped row-major pages are let go
+            src = w.data
+            w = self._quantised[name] = kernels.repack_x16(w, self.threads)
+            drop_pages(src)
+        return w
 
     def vector(self, name, shape) -> np.ndarray:
         """A 1-D tensor widened to a float32 copy (norm weights, biases)."""

@@ -21,6 +21,9 @@ Formats and the layout of `data` (rows = output features, d x n logical):
   with one f16 scale; iq4_xs (d, n/256*136), super-blocks of 256, 6-bit sub-block scales
   (pyx/formats.h spells out each layout). The NumPy reference for these is the gguf
   package's own dequantisation (gguf.quants.dequantize).
+  and two layouts made at load for decode, never on disk (pyx/gemv_x16.h):
+  q4_0x16, q4_1x16  uint8 (d, n/32*18 or 20), d a multiple of 16: the q4_0 / q4_1 bytes
+                    of each 16 rows interleaved (data[i] is not row i; `rows_x16`)
 The block layouts are GGUF's (llama.cpp's), so GGUF tensors are used in place.
 """
 from __future__ import annotations
@@ -33,10 +36,12 @@ QK = 32                                   # elements per block of 32 (and activa
 QK_K = 256                                # elements per K-quant super-block
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24,
                "q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-               "iq4_nl": 18, "iq4_xs": 136}
+               "iq4_nl": 18, "iq4_xs": 136, "q4_0x16": 18, "q4_1x16": 20}
 BLOCK_ELEMS = {f: (QK_K if f.endswith(("_k", "_xs")) else QK) for f in BLOCK_BYTES}
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
-           "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
+           "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_0x16", "q4_1x16")
+X16_OF = {"q4_0": "q4_0x16", "q4_1": "q4_1x16"}       # the formats repacked for decode
+X16_BASE = {v: k for k, v in X16_OF.items()}
 # the gguf package's type of each format whose reference is gguf.quants.dequantize
 _GGUF_REFERENCE = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k": "Q3_K",
                    "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "iq4_nl": "IQ4_NL",
@@ -61,12 +66,21 @@ class Weight:
             assert self.data.shape == (d, n), (self.data.shape, self.shape)
 
     @property
+    def block_fmt(self) -> str:
+        """The format of the blocks whatever their layout: q4_0 for q4_0x16 (the same
+        blocks, interleaved for decode), else fmt."""
+        return X16_BASE.get(self.fmt, self.fmt)
+
+    @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
     def rows(self, idx) -> np.ndarray:
         """Dequantised rows `idx` as float32 (len(idx), n)."""
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+        if self.fmt in X16_BASE:
+            return dequantize(X16_BASE[self.fmt], rows_x16(self.fmt, self.data)[idx],
+                              self.shape[1])
         return dequantize(self.fmt, self.data[idx], self.shape[1])
 
     def dequantize(self) -> np.ndarray:
@@ -78,8 +92,29 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.view(np.float16).astype(np.float32)
 
 
+def rows_x16(fmt: str, data: np.ndarray) -> np.ndarray:
+    """The row-major q4_0 / q4_1 bytes (d, row_bytes) of an x16 weight (NumPy reference of
+    pyx/gemv_x16.h's layout: per group of 16 rows, per block, 4 x 64 quant bytes (lane r of
+    vector k = row r's bytes 4k..4k+3), then the scales of all blocks, then (q4_1) the
+    offsets)."""
+    q41 = fmt == "q4_1x16"
+    bb, qo = (20, 4) if q41 else (18, 2)
+    d, ldw = data.shape
+    nb = ldw // bb
+    g = np.ascontiguousarray(data).reshape(d // 16, 16 * ldw)
+    q = g[:, :nb * 256].reshape(d // 16, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4)
+    out = np.empty((d // 16, 16, nb, bb), dtype=np.uint8)
+    out[..., qo:] = q.reshape(d // 16, 16, nb, 16)
+    out[..., 0:2] = g[:, nb * 256:nb * 288].reshape(d // 16, nb, 16, 2).transpose(0, 2, 1, 3)
+    if q41:
+        out[..., 2:4] = g[:, nb * 288:nb * 320].reshape(d // 16, nb, 16, 2).transpose(0, 2, 1, 3)
+    return out.reshape(d, ldw)
+
+
 def dequantize(fmt: str, data: np.ndarray, n: int) -> np.ndarray:
     """Reference NumPy dequantisation of raw rows (r, ...) -> float32 (r, n)."""
+    if fmt in X16_BASE:
+        return dequantize(X16_BASE[fmt], rows_x16(fmt, data), n)
     r = data.shape[0]
     if fmt == "f32":
         return np.array(data, dtype=np.float32)

@@ -222,6 +222,35 @@ static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t 
     }
 }
 
+/* As kq_pack, from an x16 weight (gemv_x16.h; w: its group 0, rows ldw bytes): rows
+ * row0 <= r < row0 + nr into one group of gr rows of the panel (gr divides 16 and row0 % gr
+ * == 0, so the rows are lanes row0 % 16 .. of one x16 group). */
+static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0, int nr,
+                        ptrdiff_t nb, int gr, uint8_t *restrict p)
+{
+    const int q41 = fmt == KF_Q4_1X16;
+    const ptrdiff_t bs = kq_block_bytes(q41 ? KQ_Q4_1 : KQ_Q4_0, gr);
+    const uint8_t *G = w + row0 / KX_G * KX_G * ldw;
+    const int l0 = (int)(row0 % KX_G);
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        uint8_t *restrict dst = p + b * bs;
+        float *restrict dw = (float *)(dst + (ptrdiff_t)gr * KF_QK);
+        const uint8_t *q = G + b * 256, *D = G + nb * 256 + b * 32, *M = G + nb * 288 + b * 32;
+        for (int k = 0; k < 4; k++)
+            for (int r = 0; r < gr; r++)
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t u = r < nr ? q[64 * k + 4 * (l0 + r) + j] : 0;
+                    dst[(k * gr + r) * 4 + j] = u & 0x0f;
+                    dst[((k + 4) * gr + r) * 4 + j] = u >> 4;
+                }
+        for (int r = 0; r < gr; r++) {
+            dw[r] = r < nr ? kf_f16_at(D + 2 * (l0 + r)) : 0.0f;
+            if (q41)
+                dw[gr + r] = r < nr ? kf_f16_at(M + 2 * (l0 + r)) : 0.0f;
+        }
+    }
+}
+
 /* A tile: nt tokens (a[0..nt-1], nt = the variant's KQ_RN or 1) x one group of gr rows
  * (panel group pg, nb blocks); out[t * ldo + r] for r < nr. */
 typedef void (*kq_tile_fn)(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
@@ -570,7 +599,7 @@ static void kf_gemm_q8_plan(int fmt, ptrdiff_t d, ptrdiff_t n, ptrdiff_t T, int 
     const kq_variant *v = &kq_tab[kf_isa];
     memset(p, 0, sizeof *p);
     p->fmt = fmt;
-    p->kind = kq_kind(fmt);
+    p->kind = kq_kind(kx_is_x16(fmt) ? kx_base_fmt(fmt) : fmt);
     p->isa = kf_isa;
     p->d = d;
     p->n = n;
@@ -632,9 +661,15 @@ static void kf_gemm_q8_items(const kf_q8_plan *p, const uint8_t *w, ptrdiff_t ld
         const ptrdiff_t ib = i / p->ntb, r0 = ib * p->rb;
         const ptrdiff_t nr = p->d - r0 < p->rb ? p->d - r0 : p->rb;
         if (ib != packed) {
-            for (ptrdiff_t r = 0; r < nr; r += v->gr)
-                kq_pack(p->fmt, w + (r0 + r) * ldw, ldw, nr - r < v->gr ? (int)(nr - r) : v->gr,
-                        p->nb, v->gr, v->xor8, panel + r / v->gr * gs);
+            for (ptrdiff_t r = 0; r < nr; r += v->gr) {
+                const int m = nr - r < v->gr ? (int)(nr - r) : v->gr;
+                if (kx_is_x16(p->fmt)) {
+                    kq_pack_x16(p->fmt, w, ldw, r0 + r, m, p->nb, v->gr, panel + r / v->gr * gs);
+                } else {
+                    kq_pack(p->fmt, w + (r0 + r) * ldw, ldw, m, p->nb, v->gr, v->xor8,
+                            panel + r / v->gr * gs);
+                }
+            }
             packed = ib;
         }
         const ptrdiff_t t0 = i % p->ntb * p->tb;

@@ -128,9 +128,15 @@ static const kf_quant_fn kf_q4_tab[KF_N_ISA] = {
 static const int kf_mr_tab[KF_N_ISA] = {8, 8, 8};
 #endif
 
+#include "gemv_x16.h"
+
 static inline void kf_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t *w,
                                 ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1, float *out)
 {
+    if (kx_is_x16(fmt)) {
+        kx_gemv_rows(fmt, a, n, w, ldw, r0, r1, out);
+        return;
+    }
     kf_gemv_tab[kf_isa](fmt, a, n, w, ldw, r0, r1, out);
 }
 

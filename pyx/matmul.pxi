@@ -17,6 +17,14 @@ cdef extern from "matmul.h" nogil:
         KF_Q6_K
         KF_IQ4_NL
         KF_IQ4_XS
+        KF_Q4_0X16
+        KF_Q4_1X16
+    int kx_is_x16(int fmt) noexcept
+    int kx_base_fmt(int fmt) noexcept
+    void kx_pack_group(int q41, const uint8_t *src, Py_ssize_t ldw, int nr,
+                       uint8_t *dst) noexcept
+    void kx_unpack_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t r0,
+                        Py_ssize_t nr, uint8_t *dst) noexcept
     void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
     ctypedef struct kf_act:
         pass
@@ -82,8 +90,9 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
     cdef float *panels                     # (rb / mr, n, mr) this thread's row panels
     cdef void *scratch
     cdef kf_act a
-    cdef int failed = 0, nt
+    cdef int failed = 0, nt, x16
     cdef int *p_failed = &failed
+    cdef uint8_t *rows
     if T == 0 or d == 0:
         return
     if n == 0:
@@ -110,7 +119,7 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
                                       or fmt == KF_Q4_K or fmt == KF_Q5_0 or fmt == KF_Q5_1
                                       or fmt == KF_Q5_K or fmt == KF_Q3_K
                                       or fmt == KF_Q6_K or fmt == KF_IQ4_NL
-                                      or fmt == KF_IQ4_XS):
+                                      or fmt == KF_IQ4_XS or kx_is_x16(fmt)):
         _gemm_q8(x, w, fmt, out, n_threads)
         return
     # GEMM: each row block is dequantised once into panels, then dotted with every token
@@ -118,8 +127,10 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
     mr = kf_gemm_mr()
     rb = rows_per_block(n, d, nt, mr)
     nb = (d + rb - 1) // rb
+    x16 = kx_is_x16(fmt)
     with nogil, parallel(num_threads=nt):
-        panels = <float *> kf_scratch(rb * n * sizeof(float))
+        # x16 weights: each row block back to row-major (after the panels) first
+        panels = <float *> kf_scratch(rb * n * sizeof(float) + (rb * ldw if x16 else 0))
         if panels == NULL:
             p_failed[0] = 1
         for b in prange(nb, schedule="static"):
@@ -127,7 +138,14 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
                 continue
             i0 = b * rb
             nr = d - i0 if d - i0 < rb else rb
-            kf_gemm_rows(fmt, &w[i0, 0], ldw, nr, n, &x[0, 0], n, T, &out[0, i0], d, panels)
+            if x16:
+                rows = <uint8_t *> (panels + rb * n)
+                kx_unpack_rows(fmt, &w[0, 0], ldw, i0, nr, rows)
+                kf_gemm_rows(kx_base_fmt(fmt), rows, ldw, nr, n, &x[0, 0], n, T,
+                             &out[0, i0], d, panels)
+            else:
+                kf_gemm_rows(fmt, &w[i0, 0], ldw, nr, n, &x[0, 0], n, T, &out[0, i0], d,
+                             panels)
     if failed:
         raise MemoryError("matmul: could not allocate thread scratch")
 
@@ -260,8 +278,18 @@ def get_rows(const uint8_t[:, ::1] w,      # IN  (d, row_bytes) raw rows in form
              const int64_t[::1] ids,       # IN  (m,) row indices, 0 <= id < d
              float[:, ::1] out):           # OUT (m, n)
     """out[i] := dequantise(w[ids[i]])"""
-    cdef Py_ssize_t i, m = ids.shape[0], n = out.shape[1]
+    cdef Py_ssize_t i, m = ids.shape[0], n = out.shape[1], ldw = w.shape[1]
+    cdef uint8_t *row
     if n == 0:
+        return
+    if kx_is_x16(fmt):
+        row = <uint8_t *> kf_scratch(ldw)
+        if row == NULL:
+            raise MemoryError("get_rows: could not allocate scratch")
+        with nogil:
+            for i in range(m):
+                kx_unpack_rows(fmt, &w[0, 0], ldw, ids[i], 1, row)
+                kf_deq_row(kx_base_fmt(fmt), row, &out[i, 0], n)
         return
     with nogil:
         for i in range(m):
@@ -291,3 +319,37 @@ def f32_to_f16(const float[::1] x,        # IN  (m,)
     cdef Py_ssize_t i
     for i in range(min(x.shape[0], out.shape[0])):
         out[i] = kf_f32_f16(x[i])
+
+
+def repack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) q4_0 / q4_1 rows
+               int fmt,                    # IN  KF_Q4_0 or KF_Q4_1
+               uint8_t[:, ::1] out,        # OUT (d, row_bytes): the x16 layout (gemv_x16.h)
+               int n_threads):
+    """out := w's rows interleaved by 16 (d a multiple of 16), KF_Q4_0X16 / KF_Q4_1X16"""
+    cdef Py_ssize_t g, d = w.shape[0], ldw = w.shape[1]
+    cdef int q41 = fmt == KF_Q4_1
+    cdef int nt = team_size(n_threads, d // 16, 8)
+    if fmt != KF_Q4_0 and fmt != KF_Q4_1:
+        raise ValueError("repack_x16: fmt must be q4_0 or q4_1")
+    if d % 16 or out.shape[0] != d or out.shape[1] != ldw:
+        raise ValueError(f"repack_x16: rows must be a multiple of 16 and out {d}x{ldw}")
+    if ldw % (20 if q41 else 18):
+        raise ValueError("repack_x16: rows are not whole blocks")
+    if d == 0 or ldw == 0:
+        return
+    for g in prange(d // 16, nogil=True, schedule="static", num_threads=nt):
+        kx_pack_group(q41, &w[16 * g, 0], ldw, 16, &out[16 * g, 0])
+
+
+def unpack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) x16 layout
+               int fmt,                    # IN  KF_Q4_0X16 or KF_Q4_1X16
+               uint8_t[:, ::1] out):       # OUT (d, row_bytes) row-major rows
+    """out := the row-major rows of an x16 weight (repack_x16's inverse)"""
+    cdef Py_ssize_t d = w.shape[0], ldw = w.shape[1]
+    if not kx_is_x16(fmt):
+        raise ValueError("unpack_x16: fmt must be an x16 format")
+    if d % 16 or out.shape[0] != d or out.shape[1] != ldw:
+        raise ValueError(f"unpack_x16: rows must be a multiple of 16 and out {d}x{ldw}")
+    if d and ldw:
+        with nogil:
+            kx_unpack_rows(fmt, &w[0, 0], ldw, 0, d, &out[0, 0])

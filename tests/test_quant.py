@@ -46,8 +46,8 @@ def test_quantised_logits_match_dequantised_reference(tmp_path, arch, over, quan
     eng = Engine.from_pretrained(tmp_path, threads=2, quant=quant)
     layer = eng.model.layers[0]
     fmt = REF[quant][0]
-    assert layer.mlp.down_proj.fmt == fmt and layer.self_attn.q_proj.fmt == fmt
-    assert eng.model.lm_head.fmt == fmt and eng.model.embed_tokens.fmt == fmt
+    assert layer.mlp.down_proj.block_fmt == fmt and layer.self_attn.q_proj.block_fmt == fmt
+    assert eng.model.lm_head.block_fmt == fmt and eng.model.embed_tokens.block_fmt == fmt
     ref = quantised_reference(model, quant)
     ids = rand_ids(40, seed=7)
     ours = eng.logits(ids)
@@ -67,7 +67,7 @@ def test_bf16_checkpoint_quantised(tmp_path):
     make_checkpoint(tmp_path, "qwen3", dtype=torch.bfloat16)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     eng = Engine.from_pretrained(tmp_path, threads=2, quant="q8")
-    assert eng.model.layers[1].mlp.gate_proj.fmt == "q8_0"
+    assert eng.model.layers[1].mlp.gate_proj.block_fmt == "q8_0"
     ids = rand_ids(33, seed=8)
     diff = float(np.abs(eng.logits(ids) - hf_logits(quantised_reference(ref, "q8"), ids)).max())
     assert diff < 2e-4
@@ -86,8 +86,8 @@ def test_quant_memory_is_the_quantised_size(tmp_path):
 
 def test_gguf_blocks_are_not_requantised(smollm2_path):
     eng = Engine.from_pretrained(smollm2_path, threads=2, quant="q8")
-    assert eng.model.layers[0].mlp.gate_proj.fmt == "q4_1"
-    assert eng.model.embed_tokens.fmt == "q8_0"
+    assert eng.model.layers[0].mlp.gate_proj.block_fmt == "q4_1"
+    assert eng.model.embed_tokens.block_fmt == "q8_0"
 
 
 def test_bad_quant_value(tmp_path):

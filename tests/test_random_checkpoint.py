@@ -98,7 +98,7 @@ def test_gguf_logits_match_safetensors(made, shape):
     for t, min_corr in (("q8_0", 0.999), ("q4_1", 0.95)):
         eng = Engine.from_pretrained(made / f"{shape}.{t}.gguf", threads=2)
         mlp = eng.model.layers[0].mlp
-        assert (mlp.experts[1] if "moe" in shape else mlp).up_proj.fmt == t
+        assert (mlp.experts[1] if "moe" in shape else mlp).up_proj.block_fmt == t
         q = eng.logits(IDS)
         assert np.corrcoef(q.ravel(), ref.ravel())[0, 1] > min_corr
 

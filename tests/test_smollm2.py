@@ -23,7 +23,7 @@ def test_default_model_is_bundled_smollm2(smollm2_engine, smollm2_path):
     assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers) == ("llama", 576, 30)
     assert cfg.tie_word_embeddings
     # used natively, not dequantised at load
-    assert smollm2_engine.model.layers[0].mlp.gate_proj.fmt == "q4_1"
+    assert smollm2_engine.model.layers[0].mlp.gate_proj.block_fmt == "q4_1"
 
 
 def test_chat_prompt_tokens_match(smollm2_engine, hf_smollm2):

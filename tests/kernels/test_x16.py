@@ -1,0 +1,119 @@
+"""The decode layout of q4_0 / q4_1 weights, 16 rows interleaved (pyx/gemv_x16.h): the
+repack against its NumPy model, every kernel (GEMV, GEMM, embedding rows, the fused
+decode plan) on it against the row-major weight, on every kernel variant this CPU runs."""
+import numpy as np
+import pytest
+
+from kestrel_cli import kernels
+from kestrel_cli.weights import Weight, rows_x16
+from conftest import VARIANTS
+from test_matmul import check_matmul, make_weight
+
+FMTS = ["q4_0", "q4_1"]
+
+
+def _pair(fmt, d, n, seed):
+    rng = np.random.default_rng(seed)
+    w = make_weight(fmt, d, n, rng)
+    return w, kernels.repack_x16(w, threads=2), rng
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_repack_layout_and_inverse(fmt):
+    """C repack == the NumPy model of the layout (rows_x16 inverts it), unpack_x16 inverts
+    the repack, dequantisation is unchanged, and the result is 64-byte aligned."""
+    w, x, _ = _pair(fmt, 48, 128, 1)
+    assert x.fmt == fmt + "x16" and x.shape == w.shape and x.data.shape == w.data.shape
+    assert x.data.ctypes.data % 64 == 0
+    assert not np.array_equal(x.data, w.data)              # really moved
+    np.testing.assert_array_equal(rows_x16(x.fmt, x.data), w.data)
+    back = np.empty_like(w.data)
+    kernels._lib.unpack_x16(x.data, kernels.FMT_CODE[x.fmt], back)
+    np.testing.assert_array_equal(back, w.data)
+    np.testing.assert_array_equal(x.dequantize(), w.dequantize())
+    np.testing.assert_array_equal(x.rows([47, 0, 17]), w.rows([47, 0, 17]))
+
+
+def test_repack_refuses():
+    rng = np.random.default_rng(0)
+    for w in (make_weight("q8_0", 32, 64, rng), make_weight("q4_0", 24, 64, rng),
+              make_weight("q4_1", 32, 96, rng)):                 # fmt, d % 16, odd blocks
+        assert not kernels.can_repack_x16(w)
+        with pytest.raises(ValueError, match="repack_x16"):
+            kernels.repack_x16(w)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_float_activations(isa, fmt, T):
+    """Float activations: within test_matmul's float32 bound of the float64 reference, one
+    token (the x16 GEMV) and many (the GEMM through row-major rows)."""
+    kernels.set_isa(isa)
+    try:
+        w, x16, rng = _pair(fmt, 64, 256, [2, T])
+        x = rng.standard_normal((T, 256)).astype(np.float32)
+        for threads in (1, 2, 3):
+            out = check_matmul(x, x16, threads)
+            if threads == 1:
+                first = out
+            np.testing.assert_array_equal(out, first)          # no thread count changes a bit
+    finally:
+        kernels.set_isa(VARIANTS[-1])
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_int8_activations_are_the_gemm_bits(isa, fmt):
+    """int8 activations: a token alone (the x16 GEMV) gives the bits the prefill GEMM gives
+    it among others, on the x16 and on the row-major weight, at any thread count."""
+    kernels.set_isa(isa)
+    try:
+        w, x16, rng = _pair(fmt, 96, 320, 3)
+        x = rng.standard_normal((7, 320)).astype(np.float32)
+        gemm = kernels.matmul(x, w, np.empty((7, 96), np.float32), 2, act_q8=True)
+        gemm16 = kernels.matmul(x, x16, np.empty((7, 96), np.float32), 3, act_q8=True)
+        np.testing.assert_array_equal(gemm16, gemm)
+        for threads in (1, 2, 3):
+            one = np.stack([kernels.matmul(x[t:t + 1], x16, np.empty((1, 96), np.float32),
+                                           threads, act_q8=True)[0] for t in range(7)])
+            np.testing.assert_array_equal(one, gemm)
+    finally:
+        kernels.set_isa(VARIANTS[-1])
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("act_q8", [False, True])
+def test_decode_plan_cuts_groups(isa, act_q8):
+    """A fused decode plan whose row split falls inside an x16 group (a 24-row weight
+    before it) gives what each weight gives alone, at 1..3 threads."""
+    kernels.set_isa(isa)
+    try:
+        rng = np.random.default_rng(4)
+        a = make_weight("q8_0", 24, 128, rng)
+        w, x16, _ = _pair("q4_1", 80, 128, 5)
+        x = rng.standard_normal((1, 128)).astype(np.float32)
+        want = np.concatenate([kernels.matmul(x, m, np.empty((1, m.shape[0]), np.float32), 1,
+                                              act_q8) for m in (a, x16)], axis=1)
+        group = kernels.GemvGroup([a, x16])
+        for threads in (1, 2, 3):
+            out = np.full((1, 104), np.nan, np.float32)
+            group(x, out, threads, act_q8)
+            np.testing.assert_array_equal(out, want)
+        # SwiGLU of two x16 weights, as the MLP runs it
+        g, gx, _ = _pair("q4_0", 64, 128, 6)
+        u, ux, _ = _pair("q4_0", 64, 128, 7)
+        sw = kernels.GemvGroup([gx, ux], swiglu=True)
+        o1, o2 = np.empty((1, 64), np.float32), np.empty((1, 64), np.float32)
+        sw(x, o1, 2, act_q8)
+        kernels.GemvGroup([g, u], swiglu=True)(x, o2, 2, act_q8)
+        np.testing.assert_allclose(o1, o2, rtol=1e-4, atol=1e-5)
+    finally:
+        kernels.set_isa(VARIANTS[-1])
+
+
+def test_embedding_rows():
+    w, x16, _ = _pair("q4_0", 32, 64, 8)
+    ids = np.array([31, 0, 16, 15, 16], np.int64)
+    out = kernels.get_rows(x16, ids, np.empty((5, 64), np.float32))
+    np.testing.assert_array_equal(out, w.dequantize()[ids])
