@@ -69,6 +69,36 @@ KA_DECODE_ENTRY(base, , 0)
 KA_DECODE_ENTRY(avx2, KF_TARGET_AVX2, 1)
 #endif
 
+#define KA_DECODE_H_ARGS const ka_kv *kv, const float *q, ptrdiff_t p, ptrdiff_t kh0, \
+    ptrdiff_t kh1, ptrdiff_t n_heads, ptrdiff_t n_ctx, float scale, int picked, ka_ws *ws, \
+    float *tab
+#define KA_DECODE_H_ENTRY(SUF, ATTR, F16C)                                               \
+    ATTR static void ka_decode_heads_##SUF(KA_DECODE_H_ARGS)                             \
+    {                                                                                    \
+        ka_kv kv2 = *kv;                                                                 \
+        kv2.f16c = (F16C);                                                               \
+        ka_decode_heads(&kv2, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, ws, tab);   \
+    }
+
+KA_DECODE_H_ENTRY(base, , 0)
+#if KF_X86_DISPATCH
+KA_DECODE_H_ENTRY(avx2, KF_TARGET_AVX2, 1)
+#endif
+
+typedef void (*ka_decode_h_fn)(KA_DECODE_H_ARGS);
+#if KF_X86_DISPATCH
+static const ka_decode_h_fn ka_decode_h_tab[KF_N_ISA] = {
+    ka_decode_heads_base, ka_decode_heads_avx2, ka_decode_heads_avx2};
+#else
+static const ka_decode_h_fn ka_decode_h_tab[KF_N_ISA] = {
+    ka_decode_heads_base, ka_decode_heads_base, ka_decode_heads_base};
+#endif
+
+static inline void ka_decode_heads_run(KA_DECODE_H_ARGS)
+{
+    ka_decode_h_tab[kf_isa](kv, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, ws, tab);
+}
+
 typedef void (*ka_decode_a_fn)(KA_DECODE_A_ARGS);
 
 #if KF_X86_DISPATCH

@@ -20,6 +20,7 @@ cdef extern from "attention.h" nogil:
         KA_SLOTS
         KA_PB
         KA_GMAX
+        KA_HMAX
 
     ctypedef struct ka_kv:
         pass
@@ -50,6 +51,9 @@ cdef extern from "attention.h" nogil:
                          Py_ssize_t n_ctx, float scale, int mode, int k, int n_probe,
                          const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws, float *tab,
                          int32_t *sel) noexcept
+    void ka_decode_heads_run(const ka_kv *kv, const float *q, Py_ssize_t p, Py_ssize_t kh0,
+                             Py_ssize_t kh1, Py_ssize_t n_heads, Py_ssize_t n_ctx, float scale,
+                             int picked, ka_ws *ws, float *tab) noexcept
     void ka_decode_pick(Py_ssize_t h, Py_ssize_t n_heads, Py_ssize_t nb, Py_ssize_t hd, int k,
                         const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws, float *tab,
                         int32_t *sel) noexcept
@@ -98,6 +102,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     cdef Py_ssize_t n_ctx = pos0 + T
     cdef Py_ssize_t cap = (n_ctx + kv_bs - 1) // kv_bs * kv_bs
     cdef Py_ssize_t U, u, h, j, pp, kh, n_parts, slot, rt, nb, group, dec_cap, n_order = 0
+    cdef Py_ssize_t uu, c, n_chunks
     cdef int sparse
     cdef float *tab = NULL
     cdef ka_kv kv
@@ -132,9 +137,14 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
         group = n_heads // n_kv_heads
         if group > KA_GMAX:
             raise ValueError(f"attention: at most {KA_GMAX} query heads per kv head")
-        dec_cap = group * KA_PB * kv_bs
         n_parts = ka_decode_parts(nb)
         nt = team_size(n_threads, n_parts if n_parts > n_heads else n_heads, 1)
+        # A / A2 units: (part, a range of kv heads), as few ranges as keep 4 units a thread
+        n_chunks = min(n_kv_heads, max(1, (4 * nt + n_parts - 1) // n_parts),
+                       KA_HMAX // group)
+        while n_chunks < n_kv_heads and (n_kv_heads + n_chunks - 1) // n_chunks * group > KA_HMAX:
+            n_chunks += 1
+        dec_cap = (n_kv_heads + n_chunks - 1) // n_chunks * group * KA_PB * kv_bs
         with nogil, parallel(num_threads=nt):
             # decode units score the part's tokens of `group` heads at once
             ws = ka_ws_new(cap if cap > dec_cap else dec_cap, kv_bs, head_dim, <int> group, k,
@@ -152,12 +162,12 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
                     if ws != NULL:
                         ka_decode_pick(h, n_heads, nb, head_dim, k, order_p, n_order, ws, tab,
                                        sel_p)
-            for pp in prange(n_parts, schedule="dynamic", chunksize=1):       # A / A2
-                for kh in range(n_kv_heads):
-                    if ws != NULL:
-                        ka_decode_a_run(&kv, &q[0, 0], pp * n_kv_heads + kh, n_heads, n_ctx,
-                                        scale, KA_DEC_PICKED if sparse else KA_DEC_STATES, k,
-                                        n_probe, order_p, n_order, ws, tab, sel_p)
+            for uu in prange(n_parts * n_chunks, schedule="dynamic", chunksize=1):  # A / A2
+                if ws != NULL:
+                    pp, c = uu // n_chunks, uu % n_chunks
+                    ka_decode_heads_run(&kv, &q[0, 0], pp, n_kv_heads * c // n_chunks,
+                                        n_kv_heads * (c + 1) // n_chunks, n_heads, n_ctx,
+                                        scale, sparse, ws, tab)
             for h in prange(n_heads, schedule="static"):                      # M
                 if ws != NULL:
                     ka_decode_merge(h, n_heads, nb, head_dim, ws, tab, &out[0, 0])

@@ -195,6 +195,133 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     }
 }
 
+/* Phase A / A2, token-major: unit = (part p, kv heads kh0 <= kh < kh1). The cache is
+ * token-major (SPEC §4: a token's kv heads side by side), so the unit walks each block
+ * KA_DW tokens at a time, all its kv heads for those tokens before the next ones: the
+ * chunk's rows are one contiguous span of memory (for a unit of every kv head), read
+ * in address order, the next chunk prefetched while this one is scored. (One kv head
+ * at a time read 64..256 bytes every kv_dim bytes: 2 KiB strides that neither the
+ * hardware prefetcher nor the TLB follow; measured 5 GB/s.) Each query head's scores,
+ * softmax state and weighted sum are computed with the same operations in the same
+ * order as a unit of one kv head would: the chunking changes no bit.
+ * picked: A2 (a head reads the blocks its row of the mask table picks), else exact. */
+#define KA_DW 8       /* tokens per chunk: 8 rows of every kv head, 4..64 KiB */
+#ifndef KA_SPAN_LOC
+#define KA_SPAN_LOC 3
+#endif
+#define KA_HMAX 256   /* most query heads in a unit */
+
+KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t b,
+                                ptrdiff_t j0, ptrdiff_t w, ptrdiff_t kh0, ptrdiff_t kh1,
+                                const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    const uint8_t *blk = ka_blk(ptrs, b);
+    const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), row = kv->ld * es, len = kv->hd * es;
+    if (mask == NULL) {                 /* every head: the rows' contiguous span */
+        for (ptrdiff_t i = 0; i < w; i++)
+            for (ptrdiff_t c = kh0 * len; c < kh1 * len; c += 64)
+                __builtin_prefetch(blk + (j0 + i) * row + c, 0, KA_SPAN_LOC);
+    } else {                            /* sparse: the heads that read block b */
+        for (ptrdiff_t kh = kh0; kh < kh1; kh++)
+            if (ka_read(mask + kh * group * nb, group, nb, b))
+                for (ptrdiff_t i = 0; i < w; i++)
+                    for (ptrdiff_t c = kh * len; c < (kh + 1) * len; c += 64)
+                        __builtin_prefetch(blk + (j0 + i) * row + c, 0, KA_SPAN_LOC);
+    }
+    if (kv->q8 && j0 == 0)
+        for (ptrdiff_t c = kh0 * kv->bs * 4; c < kh1 * kv->bs * 4; c += 64)
+            __builtin_prefetch(blk + kv->soff + c, 0, KA_SPAN_LOC);
+#else
+    (void)kv; (void)ptrs; (void)b; (void)j0; (void)w; (void)kh0; (void)kh1; (void)mask;
+    (void)group; (void)nb;
+#endif
+}
+
+KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptrdiff_t kh0,
+                               ptrdiff_t kh1, ptrdiff_t n_heads, ptrdiff_t n_ctx, float scale,
+                               int picked, ka_ws *ws, float *tab)
+{
+    const ptrdiff_t bs = kv->bs, hd = kv->hd, nb = (n_ctx + bs - 1) / bs;
+    const ptrdiff_t group = n_heads / kv->n_kv, h0 = kh0 * group, nh = (kh1 - kh0) * group;
+    const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
+    const ptrdiff_t pt = KA_PB * bs;                     /* a head's score slots */
+    /* mask[h * nb + b]: query head h attends block b (phase P's table) */
+    const uint8_t *mask = !picked ? NULL
+        : (const uint8_t *)(tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb);
+    float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
+    ptrdiff_t cnt[KA_HMAX], bl[KA_PB], nbl = 0;
+    float mx[KA_HMAX];
+    for (ptrdiff_t i = 0; i < nh; i++) {
+        cnt[i] = 0;
+        mx[i] = -INFINITY;
+    }
+    for (ptrdiff_t b = b0; b < b1; b++)                 /* the blocks some head reads */
+        for (ptrdiff_t kh = kh0; kh < kh1; kh++)
+            if (ka_read(mask == NULL ? NULL : mask + kh * group * nb, group, nb, b)) {
+                bl[nbl++] = b;
+                break;
+            }
+    for (int pass = 0; pass < 2; pass++) {              /* K: scores; V: weighted sums */
+        const uint64_t *ptrs = pass ? kv->v_ptrs : kv->k_ptrs;
+        if (pass)
+            for (ptrdiff_t i = 0; i < nh; i++) {
+                float *st = tab + (p * n_heads + h0 + i) * (hd + 2);
+                st[0] = mx[i];
+                st[1] = ka_exp_sum(ws->s + i * pt, cnt[i], mx[i]);
+                memset(st + 2, 0, (size_t)hd * sizeof(float));
+                cnt[i] = 0;
+            }
+        if (nbl)
+            ka_prefetch_span(kv, ptrs, bl[0], 0,
+                             n_ctx - bl[0] * bs < KA_DW ? n_ctx - bl[0] * bs : KA_DW, kh0, kh1,
+                             mask, group, nb);
+        for (ptrdiff_t ib = 0; ib < nbl; ib++) {
+            const ptrdiff_t b = bl[ib], nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
+            for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_DW) {
+                const ptrdiff_t w = nr - j0 < KA_DW ? nr - j0 : KA_DW;
+                /* the next chunk: later in this block, else the next block read */
+                if (j0 + w < nr)
+                    ka_prefetch_span(kv, ptrs, b, j0 + w,
+                                     nr - j0 - w < KA_DW ? nr - j0 - w : KA_DW, kh0, kh1,
+                                     mask, group, nb);
+                else if (ib + 1 < nbl)
+                    ka_prefetch_span(kv, ptrs, bl[ib + 1], 0,
+                                     n_ctx - bl[ib + 1] * bs < KA_DW
+                                         ? n_ctx - bl[ib + 1] * bs : KA_DW, kh0, kh1,
+                                     mask, group, nb);
+                for (ptrdiff_t kh = kh0; kh < kh1; kh++) {
+                    if (mask != NULL && !ka_read(mask + kh * group * nb, group, nb, b))
+                        continue;
+                    ptrdiff_t st;
+                    const float *rows = ka_rows(kv, ptrs, kh, b, j0, 1, w, buf, &st);
+                    const float *sc = ka_row_scales(kv, ptrs, kh, b, j0);
+                    for (ptrdiff_t g = 0; g < group; g++) {
+                        const ptrdiff_t h = kh * group + g, i = h - h0;
+                        if (mask != NULL && !mask[h * nb + b])
+                            continue;
+                        float *sg = ws->s + i * pt + cnt[i];
+                        if (pass) {
+                            ka_pv_scaled(sg, sc, rows, st, w, hd,
+                                         tab + (p * n_heads + h) * (hd + 2) + 2);
+                        } else {
+                            float m = mx[i];
+                            ka_scores(q + h * hd, rows, st, w, hd, sg);
+                            for (ptrdiff_t j = 0; j < w; j++) {
+                                float v = sc != NULL ? sg[j] * sc[j] : sg[j];
+                                sg[j] = v * scale;
+                                m = sg[j] > m ? sg[j] : m;
+                            }
+                            mx[i] = m;
+                        }
+                        cnt[i] += w;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* Phase M for query head h: out[h] = the merge of the parts' states. */
 KF_INLINE void ka_decode_merge(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptrdiff_t hd,
                                ka_ws *ws, const float *tab, float *out)

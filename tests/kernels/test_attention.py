@@ -382,3 +382,32 @@ def test_sparse_decode_every_variant(isa, q8):
     for seed in range(3):
         test_sparse_decode_matches_reference(q8, seed)
     test_sparse_with_k_at_least_n_blocks_is_bit_identical(q8)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("n_heads,n_kv", [(8, 8), (12, 4), (6, 3)])
+def test_decode_many_parts_and_heads(isa, n_heads, n_kv):
+    """Decode over many parts (19 blocks of 16: 5 parts, the last block partial) with units
+    of several kv heads (the token-major walk, attn_decode.h ka_decode_heads): the float64
+    reference, and the same bits at every thread count (which regroups the kv heads into
+    other units)."""
+    kernels.set_isa(isa)
+    try:
+        rng = np.random.default_rng([n_heads, n_kv])
+        n_tok, hd, kv_bs = 300, 32, 16
+        q = (rng.standard_normal((1, n_heads, hd)) * 2).astype(np.float32)
+        K = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
+        V = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
+        kb, vb, kp, vp = build_cache(K, V, kv_bs, spare_blocks=1)
+        ref = attention_ref(q, K, V, n_tok - 1, hd ** -0.5).reshape(1, -1)
+        first = None
+        for threads in (1, 2, 3, 5):
+            out = np.full((1, n_heads * hd), np.nan, dtype=np.float32)
+            kernels.attention(q.reshape(1, -1), kp, vp, kv_bs, n_kv, hd, n_tok - 1,
+                              hd ** -0.5, out, threads)
+            np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(V).max())
+            if first is None:
+                first = out
+            np.testing.assert_array_equal(out, first)
+    finally:
+        kernels.set_isa(VARIANTS[-1])
