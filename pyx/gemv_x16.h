@@ -29,7 +29,7 @@
 
 #define KX_G 16                              /* rows per group */
 #ifndef KX_PF
-#define KX_PF 2048
+#define KX_PF 4096
 #endif
 
 KF_INLINE int32_t kx_ld32(const int8_t *p)
