@@ -117,3 +117,19 @@ def test_embedding_rows():
     ids = np.array([31, 0, 16, 15, 16], np.int64)
     out = kernels.get_rows(x16, ids, np.empty((5, 64), np.float32))
     np.testing.assert_array_equal(out, w.dequantize()[ids])
+
+
+def test_big_buffer_is_private_and_aligned():
+    """Buffers of 2 MiB and more come from a private anonymous mapping (THP's "madvise"
+    mode grants huge pages there, not to shared ones): writable, 64-byte aligned, the
+    size asked, not shared with a second buffer."""
+    a, b = kernels._big_buffer(5 << 20), kernels._big_buffer(5 << 20)
+    assert a.size == 5 << 20 and a.ctypes.data % 64 == 0 and a.flags.writeable
+    a[:] = 7
+    b[:] = 1
+    assert int(a.sum()) == 7 * (5 << 20)
+    m = kernels._big_buffer.__globals__["mmap"]
+    base = a.base
+    while base is not None and not isinstance(base, m.mmap):
+        base = getattr(base, "base", getattr(base, "obj", None))
+    assert isinstance(base, m.mmap)
