@@ -181,6 +181,56 @@ class GemvGroup:
         return [out[:, s] for s in self.slices]
 
 
+class ExpertTable:
+    """The experts of one MoE block (gate, up, down Weights each) as the arrays the fused
+    decode kernel reads: formats, raw addresses and row bytes, (3, E); `decode` runs one
+    token through the selected experts (`moe_decode`)."""
+
+    def __init__(self, experts):
+        """experts: (gate, up, down) Weights per expert; gate / up (I, H), down (H, I)."""
+        self.experts = [tuple(e) for e in experts]          # keeps the raw memory alive
+        if not self.experts:
+            raise ValueError("ExpertTable: no experts")
+        g0, _, d0 = self.experts[0]
+        self.I, self.H = g0.shape
+        E = len(self.experts)
+        self.fmts = np.empty((3, E), np.int32)
+        self.ptrs = np.empty((3, E), np.uint64)
+        self.ldws = np.empty((3, E), np.int64)
+        for e, ws in enumerate(self.experts):
+            for j, w in enumerate(ws):
+                want = (self.H, self.I) if j == 2 else (self.I, self.H)
+                if w.shape != want:
+                    raise ValueError(f"ExpertTable: expert {e} weight {j} has shape {w.shape}, "
+                                     f"expected {want}")
+                raw = _weight_bytes(w)
+                self.fmts[j, e] = FMT_CODE[w.fmt]
+                self.ptrs[j, e] = raw.ctypes.data if raw.size else 0
+                self.ldws[j, e] = raw.shape[1]
+
+    def decode(self, x: np.ndarray, sel, we, out: np.ndarray, threads: int | None,
+               act_q8: bool = False) -> np.ndarray:
+        """out += sum over the selected experts e (in the order of `sel`) of
+        we[e] * down_e(silu(x @ gate_e.T) * (x @ up_e.T)), one kernel call.
+
+        The same bits as, per expert in that order, GemvGroup([gate, up], swiglu) (its
+        output multiplied by the float32 weight) then GemvGroup([down]) accumulating
+        into out.
+
+        Args:
+            x: float32 (1, H), C-contiguous.
+            sel: expert indices (k,); we: their routing weights (k,).
+            out: float32 (1, H), added into.
+        """
+        sel = np.asarray(sel, dtype=np.int64)
+        _lib.moe_decode(x, np.ascontiguousarray(self.fmts[:, sel]),
+                        np.ascontiguousarray(self.ptrs[:, sel]),
+                        np.ascontiguousarray(self.ldws[:, sel]),
+                        np.ascontiguousarray(we, dtype=np.float32), self.I, out,
+                        _threads(threads), bool(act_q8))
+        return out
+
+
 def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
                   threads: int | None = None) -> np.ndarray:
     """Weight rows (f32/f16/bf16) -> q8_0 or q4_0 blocks, llama.cpp's Q8_0 / Q4_0.

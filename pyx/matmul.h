@@ -320,6 +320,72 @@ static inline void kf_quantize_row(int fmt, const uint8_t *w, ptrdiff_t n, int t
     }
 }
 
+/* ---------------------------------------------------------------- MoE decode */
+
+/* One token's routed experts in one parallel region (kestrel_cli.kernels.moe_decode):
+ *   1. g_e = silu(x G_e^T) * (x U_e^T) * w_e for each selected expert e (rows of every
+ *      expert split across the threads), as kf_gemv_swiglu then one float multiply;
+ *   2. each g_e prepared as an activation (kf_prep_act), the experts shared out;
+ *   3. out[r] += down_e(g_e)[r] for e in the order given (rows split across threads), as
+ *      kf_gemv_multi_acc with accumulate: the same operations in the same order as one
+ *      GEMV call per expert, so the result is the same bits, with 2 barriers instead of
+ *      2 k fork / joins and no interpreter between them. */
+typedef struct {
+    int k, q8;
+    ptrdiff_t H, I;                     /* model width, expert width */
+    const int32_t *fg, *fu, *fd;        /* (k,) formats of the selected experts */
+    const uint64_t *pg, *pu, *pd;       /* (k,) their raw rows */
+    const int64_t *lg, *lu, *ld;        /* (k,) their row bytes */
+    const float *we;                    /* (k,) routing weights */
+    const kf_act *ax;                   /* x, prepared */
+    float *g;                           /* (k, I) */
+    uint8_t *gmem;                      /* k x gbytes: the g_e activations' scratch */
+    size_t gbytes;
+    kf_act *ga;                         /* (k,) */
+    float *out;                         /* (H,) added into */
+} kf_moe_plan;
+
+static inline ptrdiff_t kf_split16(ptrdiff_t d, ptrdiff_t c, ptrdiff_t nc)
+{
+    return c >= nc ? d : (d * c / nc + 8) / 16 * 16;
+}
+
+static void kf_moe_thread(kf_moe_plan *p)
+{
+#ifdef _OPENMP
+    const ptrdiff_t c = omp_get_thread_num(), m = omp_get_num_threads();
+#else
+    const ptrdiff_t c = 0, m = 1;
+#endif
+    const ptrdiff_t I = p->I, H = p->H;
+    const ptrdiff_t i0 = kf_split16(I, c, m), i1 = kf_split16(I, c + 1, m);
+    for (int e = 0; e < p->k; e++) {
+        const int32_t f2[2] = {p->fg[e], p->fu[e]};
+        const uint64_t w2[2] = {p->pg[e], p->pu[e]};
+        const int64_t l2[2] = {p->lg[e], p->lu[e]};
+        float *g = p->g + e * I;
+        if (i0 < i1) {
+            kf_gemv_swiglu(f2, w2, l2, p->ax, H, i0, i1, g, 0);
+            for (ptrdiff_t r = i0; r < i1; r++)
+                g[r] *= p->we[e];
+        }
+    }
+#ifdef _OPENMP
+    _Pragma("omp barrier")
+#endif
+    for (int e = (int)c; e < p->k; e += (int)m)
+        kf_prep_act(p->g + e * I, I, p->q8, p->gmem + (size_t)e * p->gbytes, &p->ga[e]);
+#ifdef _OPENMP
+    _Pragma("omp barrier")
+#endif
+    const ptrdiff_t r0 = kf_split16(H, c, m), r1 = kf_split16(H, c + 1, m);
+    const int64_t offs[2] = {0, H};
+    if (r0 < r1)
+        for (int e = 0; e < p->k; e++)
+            kf_gemv_multi_acc(1, p->fd + e, p->pd + e, offs, p->ld + e, &p->ga[e], I, r0, r1,
+                              p->out, 1);
+}
+
 /* The prefill GEMM with int8 activations (matmul act_q8, T > 1): its own header. */
 #include "gemm_q8.h"
 

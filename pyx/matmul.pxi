@@ -56,6 +56,26 @@ cdef extern from "matmul.h" nogil:
     void kf_gemv_swiglu(const int32_t *fmts, const uint64_t *w, const int64_t *ldws,
                         const kf_act *a, Py_ssize_t n, Py_ssize_t r0, Py_ssize_t r1,
                         float *out, int accumulate) noexcept
+    ctypedef struct kf_moe_plan:
+        int k, q8
+        Py_ssize_t H, I
+        const int32_t *fg
+        const int32_t *fu
+        const int32_t *fd
+        const uint64_t *pg
+        const uint64_t *pu
+        const uint64_t *pd
+        const int64_t *lg
+        const int64_t *lu
+        const int64_t *ld
+        const float *we
+        const kf_act *ax
+        float *g
+        uint8_t *gmem
+        size_t gbytes
+        kf_act *ga
+        float *out
+    void kf_moe_thread(kf_moe_plan *p) noexcept
 
 
 cdef inline Py_ssize_t rows_per_block(Py_ssize_t n, Py_ssize_t d, int n_threads,
@@ -353,3 +373,55 @@ def unpack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) x16 layout
     if d and ldw:
         with nogil:
             kx_unpack_rows(fmt, &w[0, 0], ldw, 0, d, &out[0, 0])
+
+
+def moe_decode(const float[:, ::1] x,        # IN  (1, H) the experts' input
+               const int32_t[:, ::1] fmts,   # IN  (3, k) formats of gate, up, down
+               const uint64_t[:, ::1] ptrs,  # IN  (3, k) their raw rows
+               const int64_t[:, ::1] ldws,   # IN  (3, k) their row bytes
+               const float[::1] we,          # IN  (k,) routing weights
+               Py_ssize_t I,                 # IN  expert width
+               float[:, ::1] out,            # IN/OUT (1, H): out += the experts' sum
+               int n_threads,
+               bint act_q8=False):
+    """out += sum_e we[e] down_e(silu(x G_e^T) * (x U_e^T)), experts in the order given,
+    in one parallel region (matmul.h kf_moe_thread); the caller keeps the weights alive."""
+    cdef Py_ssize_t H = x.shape[1], k = we.shape[0]
+    cdef kf_moe_plan plan
+    cdef kf_moe_plan *pp = &plan
+    cdef char *scratch
+    cdef size_t gbytes, ax_bytes
+    cdef int nt
+    if x.shape[0] != 1 or out.shape[0] != 1 or out.shape[1] != H:
+        raise ValueError(f"moe_decode: x and out must be (1, {H})")
+    if fmts.shape[0] != 3 or fmts.shape[1] != k or ptrs.shape[1] != k or ldws.shape[1] != k:
+        raise ValueError("moe_decode: fmts, ptrs, ldws must be (3, k)")
+    if k == 0 or H == 0 or I <= 0:
+        return
+    gbytes = (kf_act_bytes(I) + 63) // 64 * 64
+    ax_bytes = (kf_act_bytes(H) + 63) // 64 * 64
+    scratch = <char *> kf_scratch(ax_bytes + k * I * sizeof(float) + k * gbytes
+                                  + k * sizeof(kf_act) + 64)
+    if scratch == NULL:
+        raise MemoryError("moe_decode: could not allocate scratch")
+    # int8 activations where the row length allows (as GemvPlan.run): x, then each g_e
+    plan.k, plan.q8, plan.H, plan.I = <int> k, 1 if act_q8 and I % KF_QK == 0 else 0, H, I
+    plan.fg, plan.fu, plan.fd = &fmts[0, 0], &fmts[1, 0], &fmts[2, 0]
+    plan.pg, plan.pu, plan.pd = &ptrs[0, 0], &ptrs[1, 0], &ptrs[2, 0]
+    plan.lg, plan.lu, plan.ld = &ldws[0, 0], &ldws[1, 0], &ldws[2, 0]
+    plan.we = &we[0]
+    plan.g = <float *> (scratch + ax_bytes)
+    plan.gmem = <uint8_t *> (scratch + ax_bytes + k * I * sizeof(float))
+    plan.gbytes = gbytes
+    plan.ga = <kf_act *> (scratch + ax_bytes + k * I * sizeof(float) + k * gbytes)
+    plan.out = &out[0, 0]
+    cdef kf_act ax
+    kf_prep_act(&x[0, 0], H, 1 if act_q8 and H % KF_QK == 0 else 0, scratch, &ax)
+    plan.ax = &ax
+    nt = team_size(n_threads, H, 64)
+    if nt == 1:
+        with nogil:
+            kf_moe_thread(pp)
+        return
+    with nogil, parallel(num_threads=nt):
+        kf_moe_thread(pp)

@@ -26,6 +26,8 @@ class MoeBlock:
         self.router = K.Projection([self.gate])
         self.experts = [llama.MLP(cfg, store, f"{p}.experts.{e}", cfg.moe_intermediate_size)
                         for e in range(E)]
+        self.table = K.ExpertTable([(m.gate_proj, m.up_proj, m.down_proj)
+                                    for m in self.experts])             # decode's kernel
 
     def __call__(self, x, fwd, residual=None) -> np.ndarray:
         """MoE of RMSNorm(x), x (T, H); with `residual` (T, H), the output is added into it
@@ -58,18 +60,15 @@ class MoeBlock:
         return residual
 
     def _decode(self, x, top, w, fwd, residual) -> np.ndarray:
-        """One token: for each selected expert (ascending), g = SwiGLU(x) scaled by its
-        routing weight, then down_proj(g) added straight into the output, two kernel calls
-        an expert (down is linear: down(w*g) = w*down(g)); no gather, no scatter."""
+        """One token: the selected experts in ascending order, one kernel call
+        (kernels.ExpertTable.decode: each expert's SwiGLU scaled by its routing weight,
+        then its down_proj added straight into the output; down is linear:
+        down(w*g) = w*down(g)); no gather, no scatter."""
         out = np.zeros_like(x) if residual is None else residual
         order = np.argsort(top)
-        threads, act_q8 = fwd.threads, fwd.act_q8
         t0 = time.perf_counter()
-        for e, we in zip(top[order].tolist(), w[order].tolist()):
-            ex = self.experts[e]
-            (g,) = ex.gate_up(x, threads, None, act_q8)             # (1, I) SwiGLU
-            g *= we
-            ex.down(g, threads, out, act_q8)                       # out += down(g)
+        self.table.decode(x, top[order], w[order].astype(np.float32), out, fwd.threads,
+                          fwd.act_q8)
         fwd.prof.matmul += time.perf_counter() - t0
         return out
 
