@@ -94,20 +94,23 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 def rows_x16(fmt: str, data: np.ndarray) -> np.ndarray:
     """The row-major q4_0 / q4_1 bytes (d, row_bytes) of an x16 weight (NumPy reference of
-    pyx/gemv_x16.h's layout: per group of 16 rows, per block, 4 x 64 quant bytes (lane r of
-    vector k = row r's bytes 4k..4k+3), then the scales of all blocks, then (q4_1) the
-    offsets)."""
+    pyx/gemv_x16.h's layout: per group of 16 rows and pair of blocks, the 16 scales of each
+    block (then q4_1's offsets), then each block's 4 x 64 quant bytes, lane r of vector k =
+    row r's bytes 4k..4k+3)."""
     q41 = fmt == "q4_1x16"
     bb, qo = (20, 4) if q41 else (18, 2)
     d, ldw = data.shape
     nb = ldw // bb
-    g = np.ascontiguousarray(data).reshape(d // 16, 16 * ldw)
-    q = g[:, :nb * 256].reshape(d // 16, nb, 4, 16, 4).transpose(0, 3, 1, 2, 4)
+    mb = 128 if q41 else 64                        # a pair of blocks: scales, then quants
+    pairs = np.ascontiguousarray(data).reshape(d // 16, nb // 2, mb + 512)
+    q = pairs[:, :, mb:].reshape(d // 16, nb // 2, 2, 4, 16, 4)    # (g, p, b%2, k, r, 4)
     out = np.empty((d // 16, 16, nb, bb), dtype=np.uint8)
-    out[..., qo:] = q.reshape(d // 16, 16, nb, 16)
-    out[..., 0:2] = g[:, nb * 256:nb * 288].reshape(d // 16, nb, 16, 2).transpose(0, 2, 1, 3)
+    out[..., qo:] = q.transpose(0, 4, 1, 2, 3, 5).reshape(d // 16, 16, nb, 16)
+    sc = pairs[:, :, :64].reshape(d // 16, nb // 2, 2, 16, 2)         # (g, p, b%2, r, 2)
+    out[..., 0:2] = sc.transpose(0, 3, 1, 2, 4).reshape(d // 16, 16, nb, 2)
     if q41:
-        out[..., 2:4] = g[:, nb * 288:nb * 320].reshape(d // 16, nb, 16, 2).transpose(0, 2, 1, 3)
+        m = pairs[:, :, 64:128].reshape(d // 16, nb // 2, 2, 16, 2)
+        out[..., 2:4] = m.transpose(0, 3, 1, 2, 4).reshape(d // 16, 16, nb, 2)
     return out.reshape(d, ldw)
 
 

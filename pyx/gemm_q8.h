@@ -235,7 +235,7 @@ static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0
     for (ptrdiff_t b = 0; b < nb; b++) {
         uint8_t *restrict dst = p + b * bs;
         float *restrict dw = (float *)(dst + (ptrdiff_t)gr * KF_QK);
-        const uint8_t *q = G + b * 256, *D = G + nb * 256 + b * 32, *M = G + nb * 288 + b * 32;
+        const uint8_t *q = KX_Q(G, q41, b), *D = KX_D(G, q41, b), *M = KX_M(G, q41, b);
         for (int k = 0; k < 4; k++)
             for (int r = 0; r < gr; r++)
                 for (int j = 0; j < 4; j++) {

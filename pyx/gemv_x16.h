@@ -9,14 +9,15 @@
  * the prefill GEMM's panel order, gemm_q8.h, with the nibbles left packed).
  *
  * Layout of a weight of d rows (d a multiple of 16) and nb blocks of 32 per row, rows of
- * ldw = nb * bb bytes (bb = 18 q4_0, 20 q4_1): the same bytes in total, group g (rows
- * 16 g .. 16 g + 15) at byte 16 g ldw, and in a group, for each block b:
- *   Q: at b * 256: 4 vectors of 64 bytes, vector k lane r (bytes 4r..4r+3) = quant bytes
- *      4k..4k+3 of row r's block b (low nibbles: elements 4k..4k+3, high: 16+4k..);
- *   D: at nb * 256 + b * 32: the 16 rows' f16 scales d;
- *   M: at nb * 288 + b * 32 (q4_1): the 16 rows' f16 offsets m.
- * Q and D / M are separate sequential streams so that every 64-byte load is aligned (a
- * group is 64-byte aligned when nb is even and the array is).
+ * ldw = nb * bb bytes (bb = 18 q4_0, 20 q4_1; nb even): the same bytes in total, group g
+ * (rows 16 g .. 16 g + 15) at byte 16 g ldw, and in a group, per pair of blocks b, b + 1
+ * (576 / 640 bytes, KX_Q / KX_D / KX_M):
+ *   D: the 16 rows' f16 scales d of block b, then of block b + 1 (2 x 32 bytes);
+ *   M (q4_1): their f16 offsets m, likewise;
+ *   Q: per block, 4 vectors of 64 bytes, vector k lane r (bytes 4r..4r+3) = quant bytes
+ *      4k..4k+3 of row r's block (low nibbles: elements 4k..4k+3, high: 16+4k..).
+ * One sequential stream, every 64-byte load aligned (a group is 64-byte aligned when the
+ * array is: 16 ldw is a multiple of 576 or 640).
  *
  * Results: int8 activations are the GEMM's arithmetic exactly (per row and block
  * I = sum u xq - c xs in int32, acc = fma(d_w * xd, I, acc) in block order, q4_1 then
@@ -28,6 +29,15 @@
 #define KESTREL_GEMV_X16_H
 
 #define KX_G 16                              /* rows per group */
+
+/* Addresses in a group G (q41: q4_1) of block b's quant vectors, scales and offsets:
+ * blocks in pairs, one stream: [d_b, d_b+1 (, m_b, m_b+1)] then Q_b, Q_b+1 (576 / 640
+ * bytes a pair, every part 64-byte aligned). */
+#define KX_PAIR(q41) ((q41) ? 640 : 576)
+#define KX_MB(q41) ((q41) ? 128 : 64)
+#define KX_Q(G, q41, b) ((G) + (b) / 2 * KX_PAIR(q41) + KX_MB(q41) + (b) % 2 * 256)
+#define KX_D(G, q41, b) ((G) + (b) / 2 * KX_PAIR(q41) + (b) % 2 * 32)
+#define KX_M(G, q41, b) ((G) + (b) / 2 * KX_PAIR(q41) + 64 + (b) % 2 * 32)
 #ifndef KX_PF
 #define KX_PF 4096
 #endif
@@ -47,23 +57,24 @@ static inline int kx_base_fmt(int fmt) { return fmt == KF_Q4_0X16 ? KF_Q4_0 : KF
 static void kx_pack_group(int q41, const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *dst)
 {
     const ptrdiff_t bb = q41 ? 20 : 18, qo = q41 ? 4 : 2, nb = ldw / bb;
-    uint8_t *D = dst + nb * 256, *M = dst + nb * 288;
     for (ptrdiff_t b = 0; b < nb; b++)
         for (int r = 0; r < KX_G; r++) {
+            uint8_t *Q = (uint8_t *)KX_Q(dst, q41, b), *D = (uint8_t *)KX_D(dst, q41, b);
+            uint8_t *M = (uint8_t *)KX_M(dst, q41, b);
             if (r >= nr) {
                 for (int k = 0; k < 4; k++)
-                    memset(dst + b * 256 + 64 * k + 4 * r, 0, 4);
-                memset(D + b * 32 + 2 * r, 0, 2);
+                    memset(Q + 64 * k + 4 * r, 0, 4);
+                memset(D + 2 * r, 0, 2);
                 if (q41)
-                    memset(M + b * 32 + 2 * r, 0, 2);
+                    memset(M + 2 * r, 0, 2);
                 continue;
             }
             const uint8_t *blk = src + r * ldw + b * bb;
             for (int k = 0; k < 4; k++)
-                memcpy(dst + b * 256 + 64 * k + 4 * r, blk + qo + 4 * k, 4);
-            memcpy(D + b * 32 + 2 * r, blk, 2);
+                memcpy(Q + 64 * k + 4 * r, blk + qo + 4 * k, 4);
+            memcpy(D + 2 * r, blk, 2);
             if (q41)
-                memcpy(M + b * 32 + 2 * r, blk + 2, 2);
+                memcpy(M + 2 * r, blk + 2, 2);
         }
 }
 
@@ -76,11 +87,11 @@ static void kx_unpack_row(int q41, const uint8_t *base, ptrdiff_t ldw, ptrdiff_t
     const uint8_t *G = base + row / KX_G * KX_G * ldw;
     for (ptrdiff_t b = 0; b < nb; b++) {
         uint8_t *blk = dst + b * bb;
-        memcpy(blk, G + nb * 256 + b * 32 + 2 * r, 2);
+        memcpy(blk, KX_D(G, q41, b) + 2 * r, 2);
         if (q41)
-            memcpy(blk + 2, G + nb * 288 + b * 32 + 2 * r, 2);
+            memcpy(blk + 2, KX_M(G, q41, b) + 2 * r, 2);
         for (int k = 0; k < 4; k++)
-            memcpy(blk + qo + 4 * k, G + b * 256 + 64 * k + 4 * r, 4);
+            memcpy(blk + qo + 4 * k, KX_Q(G, q41, b) + 64 * k + 4 * r, 4);
     }
 }
 
@@ -91,10 +102,9 @@ static void kx_unpack_row(int q41, const uint8_t *base, ptrdiff_t ldw, ptrdiff_t
 static void kx_base_group(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t *G,
                           float *out)
 {
-    const uint8_t *D = G + nb * 256, *M = G + nb * 288;
     float acc[KX_G] = {0};
     for (ptrdiff_t b = 0; b < nb; b++) {
-        const uint8_t *q = G + b * 256;
+        const uint8_t *q = KX_Q(G, q41, b);
         if (a->xq != NULL) {
             const int8_t *x = a->xq + b * KF_QK;
             const float dx = a->xd[b];
@@ -106,9 +116,9 @@ static void kx_base_group(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t 
                         const int u = q[64 * k + 4 * r + j];
                         is += (u & 0x0f) * x[4 * k + j] + (u >> 4) * x[16 + 4 * k + j];
                     }
-                acc[r] += (kf_f16_at(D + b * 32 + 2 * r) * dx) * (float)(is - cx);
+                acc[r] += (kf_f16_at(KX_D(G, q41, b) + 2 * r) * dx) * (float)(is - cx);
                 if (q41)
-                    acc[r] += kf_f16_at(M + b * 32 + 2 * r) * a->sx[b];
+                    acc[r] += kf_f16_at(KX_M(G, q41, b) + 2 * r) * a->sx[b];
             }
         } else {
             const float *x = a->x + b * KF_QK, sx = a->sx[b];
@@ -120,9 +130,9 @@ static void kx_base_group(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t 
                         s += (float)(u & 0x0f) * x[4 * k + j]
                              + (float)(u >> 4) * x[16 + 4 * k + j];
                     }
-                const float d = kf_f16_at(D + b * 32 + 2 * r);
+                const float d = kf_f16_at(KX_D(G, q41, b) + 2 * r);
                 if (q41)
-                    acc[r] += d * s + kf_f16_at(M + b * 32 + 2 * r) * sx;
+                    acc[r] += d * s + kf_f16_at(KX_M(G, q41, b) + 2 * r) * sx;
                 else
                     acc[r] += d * (s - 8.0f * sx);
             }
@@ -142,16 +152,15 @@ KF_TARGET_AVX2 static void kx_avx2_group(int q41, const kf_act *a, ptrdiff_t nb,
 {
     const __m256i m4 = _mm256_set1_epi8(0x0f), mb = _mm256_set1_epi32(0xff);
     const __m256i ones = _mm256_set1_epi16(1);
-    const uint8_t *D = G + nb * 256, *M = G + nb * 288;
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (ptrdiff_t b = 0; b < nb; b++) {
-        const uint8_t *q = G + b * 256;
+        const uint8_t *q = KX_Q(G, q41, b);
         _mm_prefetch((const char *)(q + KX_PF), _MM_HINT_T0);
         _mm_prefetch((const char *)(q + KX_PF + 64), _MM_HINT_T0);
         _mm_prefetch((const char *)(q + KX_PF + 128), _MM_HINT_T0);
         _mm_prefetch((const char *)(q + KX_PF + 192), _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(D + b * 32 + 16 * h)));
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(KX_D(G, q41, b) + 16 * h)));
             if (a->xq != NULL) {
                 const int8_t *x = a->xq + b * KF_QK;
                 __m256i s16 = _mm256_setzero_si256();
@@ -192,7 +201,7 @@ KF_TARGET_AVX2 static void kx_avx2_group(int q41, const kf_act *a, ptrdiff_t nb,
             }
             if (q41)
                 acc[h] = _mm256_fmadd_ps(
-                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + b * 32 + 16 * h))),
+                    _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(KX_M(G, q41, b) + 16 * h))),
                     _mm256_set1_ps(a->sx[b]), acc[h]);
         }
     }
@@ -208,11 +217,10 @@ KF_TARGET_AVX512 static void kx_avx512_group(int q41, const kf_act *a, ptrdiff_t
                                              const uint8_t *G, float *out)
 {
     const __m512i m4 = _mm512_set1_epi8(0x0f), mb = _mm512_set1_epi32(0xff);
-    const uint8_t *D = G + nb * 256, *M = G + nb * 288;
     __m512 acc = _mm512_setzero_ps();
     if (a->xq != NULL) {
         for (ptrdiff_t b = 0; b < nb; b++) {
-            const uint8_t *q = G + b * 256;
+            const uint8_t *q = KX_Q(G, q41, b);
             const int8_t *x = a->xq + b * KF_QK;
             _mm_prefetch((const char *)(q + KX_PF), _MM_HINT_T0);
             _mm_prefetch((const char *)(q + KX_PF + 64), _MM_HINT_T0);
@@ -227,17 +235,17 @@ KF_TARGET_AVX512 static void kx_avx512_group(int q41, const kf_act *a, ptrdiff_t
                 s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
                                          _mm512_set1_epi32(kx_ld32(x + 16 + 4 * k)));
             }
-            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(D + b * 32)));
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(KX_D(G, q41, b))));
             acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a->xd[b])),
                                   _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc);
             if (q41)
                 acc = _mm512_fmadd_ps(
-                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(M + b * 32))),
+                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(KX_M(G, q41, b)))),
                     _mm512_set1_ps(a->sx[b]), acc);
         }
     } else {
         for (ptrdiff_t b = 0; b < nb; b++) {
-            const uint8_t *q = G + b * 256;
+            const uint8_t *q = KX_Q(G, q41, b);
             const float *x = a->x + b * KF_QK;
             _mm_prefetch((const char *)(q + KX_PF), _MM_HINT_T0);
             _mm_prefetch((const char *)(q + KX_PF + 64), _MM_HINT_T0);
@@ -259,11 +267,11 @@ KF_TARGET_AVX512 static void kx_avx512_group(int q41, const kf_act *a, ptrdiff_t
                 }
             }
             __m512 t = _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
-            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(D + b * 32)));
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(KX_D(G, q41, b))));
             if (q41) {
                 acc = _mm512_fmadd_ps(dw, t, acc);
                 acc = _mm512_fmadd_ps(
-                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(M + b * 32))),
+                    _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(KX_M(G, q41, b)))),
                     _mm512_set1_ps(a->sx[b]), acc);
             } else {
                 t = _mm512_sub_ps(t, _mm512_set1_ps(8.0f * a->sx[b]));
