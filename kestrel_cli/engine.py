@@ -48,7 +48,7 @@ class LoadOptions:
             and ISAs): "f32" float32 (exact, the default) or "q8" int8 blocks of 32
             (llama.cpp's choice: faster, ppl +1.4% on the bundled model). Float weights
             always take float32.
-        repack: interleave q4_0 / q4_1 weights by 16 rows at load (--no-repack turns it
+        repack: interleave q4_0 / q4_1 / q4_k weights by 16 rows at load (--no-repack turns it
             off): the decode GEMV's layout (pyx/gemv_x16.h), same bytes, same results
             (int8 activations bit for bit).
     """

@@ -28,7 +28,7 @@ if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
 # Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
 FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6,
             "q5_1": 7, "q2_k": 8, "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12,
-            "iq4_nl": 13, "iq4_xs": 14, "q4_0x16": 15, "q4_1x16": 16}
+            "iq4_nl": 13, "iq4_xs": 14, "q4_0x16": 15, "q4_1x16": 16, "q4_kx16": 17}
 _DATA_DTYPE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16,
                **{f: np.uint8 for f in BLOCK_BYTES}}
 assert set(FMT_CODE) == set(FORMATS)
@@ -262,7 +262,7 @@ def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
 
 
 def repack_x16(w: Weight, threads: int | None = None) -> Weight:
-    """A q4_0 / q4_1 weight with d % 16 == 0 in the decode layout q4_0x16 / q4_1x16
+    """A q4_0 / q4_1 / q4_k weight with d % 16 == 0 in the decode layout q4_0x16 / ..
     (pyx/gemv_x16.h: 16 rows interleaved, one vector op serves 16 rows; every kernel
     takes it, results as for the row-major weight: int8 activations bit for bit as the
     prefill GEMM, float ones up to summation order). New memory, 64-byte aligned.
@@ -297,10 +297,10 @@ def _big_buffer(nbytes: int) -> np.ndarray:
 
 
 def can_repack_x16(w: Weight) -> bool:
-    """Whether `repack_x16` takes w: q4_0 / q4_1, rows a multiple of 16, an even number of
-    blocks a row (so every 64-byte load of the layout is aligned)."""
-    return (w.fmt in X16_OF and w.shape[0] % 16 == 0 and w.shape[0] > 0
-            and (w.shape[1] // QK) % 2 == 0 and w.shape[1] > 0)
+    """Whether `repack_x16` takes w: q4_0 / q4_1 / q4_k, rows a multiple of 16, for q4_0 /
+    q4_1 an even number of blocks a row (so every 64-byte load of the layout is aligned)."""
+    return (w.fmt in X16_OF and w.shape[0] % 16 == 0 and w.shape[0] > 0 and w.shape[1] > 0
+            and (w.fmt == "q4_k" or (w.shape[1] // QK) % 2 == 0))
 
 
 def isa() -> str:

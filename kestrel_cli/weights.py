@@ -22,8 +22,9 @@ Formats and the layout of `data` (rows = output features, d x n logical):
   (pyx/formats.h spells out each layout). The NumPy reference for these is the gguf
   package's own dequantisation (gguf.quants.dequantize).
   and two layouts made at load for decode, never on disk (pyx/gemv_x16.h):
-  q4_0x16, q4_1x16  uint8 (d, n/32*18 or 20), d a multiple of 16: the q4_0 / q4_1 bytes
-                    of each 16 rows interleaved (data[i] is not row i; `rows_x16`)
+  q4_0x16, q4_1x16, q4_kx16  uint8 (d, row bytes of q4_0 / q4_1 / q4_k), d a multiple
+                    of 16: the bytes of each 16 rows interleaved (data[i] is not row i;
+                    `rows_x16`)
 The block layouts are GGUF's (llama.cpp's), so GGUF tensors are used in place.
 """
 from __future__ import annotations
@@ -36,11 +37,12 @@ QK = 32                                   # elements per block of 32 (and activa
 QK_K = 256                                # elements per K-quant super-block
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24,
                "q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-               "iq4_nl": 18, "iq4_xs": 136, "q4_0x16": 18, "q4_1x16": 20}
-BLOCK_ELEMS = {f: (QK_K if f.endswith(("_k", "_xs")) else QK) for f in BLOCK_BYTES}
+               "iq4_nl": 18, "iq4_xs": 136, "q4_0x16": 18, "q4_1x16": 20, "q4_kx16": 144}
+BLOCK_ELEMS = {f: (QK_K if f.endswith(("_k", "_xs", "_kx16")) else QK) for f in BLOCK_BYTES}
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
-           "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_0x16", "q4_1x16")
-X16_OF = {"q4_0": "q4_0x16", "q4_1": "q4_1x16"}       # the formats repacked for decode
+           "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_0x16", "q4_1x16",
+           "q4_kx16")
+X16_OF = {"q4_0": "q4_0x16", "q4_1": "q4_1x16", "q4_k": "q4_kx16"}   # repacked for decode
 X16_BASE = {v: k for k, v in X16_OF.items()}
 # the gguf package's type of each format whose reference is gguf.quants.dequantize
 _GGUF_REFERENCE = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k": "Q3_K",
@@ -93,13 +95,25 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def rows_x16(fmt: str, data: np.ndarray) -> np.ndarray:
-    """The row-major q4_0 / q4_1 bytes (d, row_bytes) of an x16 weight (NumPy reference of
-    pyx/gemv_x16.h's layout: per group of 16 rows and pair of blocks, the 16 scales of each
-    block (then q4_1's offsets), then each block's 4 x 64 quant bytes, lane r of vector k =
-    row r's bytes 4k..4k+3)."""
+    """The row-major q4_0 / q4_1 / q4_k bytes (d, row_bytes) of an x16 weight (NumPy
+    reference of pyx/gemv_x16.h's layouts: per group of 16 rows and pair of blocks, the
+    16 scales of each block (then q4_1's offsets), then each block's 4 x 64 quant bytes,
+    lane r of vector k = row r's bytes 4k..4k+3; q4_k: per super-block 16 d, 16 dmin and
+    the 12 scale bytes of each row byte-planar (256 bytes), then 32 x 64 quant bytes)."""
+    d, ldw = data.shape
+    if fmt == "q4_kx16":
+        nsb = ldw // 144
+        g = np.ascontiguousarray(data).reshape(d // 16, nsb, 2304)
+        out = np.empty((d // 16, 16, nsb, 144), dtype=np.uint8)
+        q = g[:, :, 256:].reshape(d // 16, nsb, 32, 16, 4).transpose(0, 3, 1, 2, 4)
+        out[..., 16:] = q.reshape(d // 16, 16, nsb, 128)
+        meta = g[:, :, :256]
+        out[..., 0:2] = meta[:, :, 0:32].reshape(d // 16, nsb, 16, 2).transpose(0, 2, 1, 3)
+        out[..., 2:4] = meta[:, :, 32:64].reshape(d // 16, nsb, 16, 2).transpose(0, 2, 1, 3)
+        out[..., 4:16] = meta[:, :, 64:256].reshape(d // 16, nsb, 12, 16).transpose(0, 3, 1, 2)
+        return out.reshape(d, ldw)
     q41 = fmt == "q4_1x16"
     bb, qo = (20, 4) if q41 else (18, 2)
-    d, ldw = data.shape
     nb = ldw // bb
     mb = 128 if q41 else 64                        # a pair of blocks: scales, then quants
     pairs = np.ascontiguousarray(data).reshape(d // 16, nb // 2, mb + 512)

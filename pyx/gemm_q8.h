@@ -229,20 +229,54 @@ static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0
                         ptrdiff_t nb, int gr, uint8_t *restrict p)
 {
     const int q41 = fmt == KF_Q4_1X16;
-    const ptrdiff_t bs = kq_block_bytes(q41 ? KQ_Q4_1 : KQ_Q4_0, gr);
+    const ptrdiff_t bs = kq_block_bytes(q41 || fmt == KF_Q4_KX16 ? KQ_Q4_1 : KQ_Q4_0, gr);
     const uint8_t *G = w + row0 / KX_G * KX_G * ldw;
     const int l0 = (int)(row0 % KX_G);
+    if (fmt == KF_Q4_KX16) {          /* as kq_pack's q4_k: q4_1 blocks of 32 */
+        for (ptrdiff_t sb = 0; sb < nb / 8; sb++) {
+            const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *restrict dst = p + (sb * 8 + j) * bs;
+                const int c = j / 2, sh = 4 * (j % 2);
+                for (int t = 0; t < 8; t++)           /* 4 nibbles of a row: one word */
+                    for (int r = 0; r < gr; r++) {
+                        uint32_t u = 0;
+                        if (r < nr) {
+                            memcpy(&u, Q + 64 * (8 * c + t) + 4 * (l0 + r), 4);
+                            u = (u >> sh) & 0x0f0f0f0fu;
+                        }
+                        memcpy(dst + (t * gr + r) * 4, &u, 4);
+                    }
+            }
+            for (int r = 0; r < gr; r++) {    /* the row's scales once a super-block */
+                uint8_t sc[8], mn[8];
+                if (r < nr)
+                    kx_k_scales(M, l0 + r, sc, mn);
+                const float d = r < nr ? kf_f16_at(M + 2 * (l0 + r)) : 0.0f;
+                const float dm = r < nr ? kf_f16_at(M + 32 + 2 * (l0 + r)) : 0.0f;
+                for (int j = 0; j < 8; j++) {
+                    float *restrict dw = (float *)(p + (sb * 8 + j) * bs + (ptrdiff_t)gr * KF_QK);
+                    dw[r] = r < nr ? d * (float)sc[j] : 0.0f;
+                    dw[gr + r] = r < nr ? -(dm * (float)mn[j]) : 0.0f;
+                }
+            }
+        }
+        return;
+    }
     for (ptrdiff_t b = 0; b < nb; b++) {
         uint8_t *restrict dst = p + b * bs;
         float *restrict dw = (float *)(dst + (ptrdiff_t)gr * KF_QK);
         const uint8_t *q = KX_Q(G, q41, b), *D = KX_D(G, q41, b), *M = KX_M(G, q41, b);
         for (int k = 0; k < 4; k++)
-            for (int r = 0; r < gr; r++)
-                for (int j = 0; j < 4; j++) {
-                    const uint8_t u = r < nr ? q[64 * k + 4 * (l0 + r) + j] : 0;
-                    dst[(k * gr + r) * 4 + j] = u & 0x0f;
-                    dst[((k + 4) * gr + r) * 4 + j] = u >> 4;
-                }
+            for (int r = 0; r < gr; r++) {           /* 4 bytes of a row: one word */
+                uint32_t u = 0, lo, hi;
+                if (r < nr)
+                    memcpy(&u, q + 64 * k + 4 * (l0 + r), 4);
+                lo = u & 0x0f0f0f0fu;
+                hi = (u >> 4) & 0x0f0f0f0fu;
+                memcpy(dst + (k * gr + r) * 4, &lo, 4);
+                memcpy(dst + ((k + 4) * gr + r) * 4, &hi, 4);
+            }
         for (int r = 0; r < gr; r++) {
             dw[r] = r < nr ? kf_f16_at(D + 2 * (l0 + r)) : 0.0f;
             if (q41)

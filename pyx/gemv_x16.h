@@ -49,8 +49,14 @@ KF_INLINE int32_t kx_ld32(const int8_t *p)
     return v;
 }
 
-static inline int kx_is_x16(int fmt) { return fmt == KF_Q4_0X16 || fmt == KF_Q4_1X16; }
-static inline int kx_base_fmt(int fmt) { return fmt == KF_Q4_0X16 ? KF_Q4_0 : KF_Q4_1; }
+static inline int kx_is_x16(int fmt)
+{
+    return fmt == KF_Q4_0X16 || fmt == KF_Q4_1X16 || fmt == KF_Q4_KX16;
+}
+static inline int kx_base_fmt(int fmt)
+{
+    return fmt == KF_Q4_0X16 ? KF_Q4_0 : (fmt == KF_Q4_1X16 ? KF_Q4_1 : KF_Q4_K);
+}
 
 /* One group (16 rows of ldw bytes, rows ldw apart in src; rows >= nr are zero) -> the
  * x16 group at dst (16 ldw bytes). */
@@ -283,13 +289,282 @@ KF_TARGET_AVX512 static void kx_avx512_group(int q41, const kf_act *a, ptrdiff_t
 }
 #endif /* KF_X86_DISPATCH */
 
+
+/* ---------------------------------------------------------------- q4_k x16
+ * Rows of nsb super-blocks of 256 (144 bytes: f16 d, f16 dmin, 12 scale bytes, 128 quant
+ * bytes; formats.h), a group of 16 rows in the same 16 x 144 nsb bytes: for super-block s,
+ *   meta, 256 bytes: 16 f16 d, 16 f16 dmin, the 12 scale bytes byte-planar (byte i of
+ *      row r at 64 + 16 i + r), so that 16 rows' 6-bit scales unpack with a few vector
+ *      operations;
+ *   Q, 2048 bytes: 32 vectors of 64 bytes, vector 8c + t lane r = quant bytes
+ *      32c + 4t .. 32c + 4t + 3 of row r (low nibbles: sub-block 2c, elements 4t..4t+3;
+ *      high nibbles: sub-block 2c + 1) (one sequential stream, 64-byte aligned). Sub-block j of super-block s is activation block
+ *   b = 8 s + j; as gemm_q8.h packs it: d_w = d sc_j, m_w = -(dmin m_j), the int8 dot
+ *   as q4_1's (acc = fma(d_w xd, I, acc), then fma(m_w, sx, acc)). */
+#define KX_KQ 2048                           /* Q bytes a super-block */
+#define KX_KM 256                            /* meta bytes a super-block */
+/* super-block sb of group G: its meta (256 bytes), then its quants (one stream) */
+#define KX_KMA(G, sb) ((G) + (sb) * (KX_KM + KX_KQ))
+#define KX_KQA(G, sb) ((G) + (sb) * (KX_KM + KX_KQ) + KX_KM)
+#ifndef KX_KPF
+#define KX_KPF 4096
+#endif
+
+static void kx_pack_group_k(const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *dst)
+{
+    const ptrdiff_t nsb = ldw / 144;
+    memset(dst, 0, (size_t)(16 * ldw));
+    for (ptrdiff_t sb = 0; sb < nsb; sb++)
+        for (int r = 0; r < nr && r < KX_G; r++) {
+            const uint8_t *blk = src + r * ldw + sb * 144;
+            for (int c = 0; c < 4; c++)
+                for (int t = 0; t < 8; t++)
+                    memcpy(KX_KQA(dst, sb) + 64 * (8 * c + t) + 4 * r, blk + 16 + 32 * c + 4 * t, 4);
+            uint8_t *M = KX_KMA(dst, sb);
+            memcpy(M + 2 * r, blk, 2);
+            memcpy(M + 32 + 2 * r, blk + 2, 2);
+            for (int i = 0; i < 12; i++)
+                M[64 + 16 * i + r] = blk[4 + i];
+        }
+}
+
+static void kx_unpack_row_k(const uint8_t *base, ptrdiff_t ldw, ptrdiff_t row,
+                            uint8_t *restrict dst)
+{
+    const ptrdiff_t nsb = ldw / 144;
+    const int r = (int)(row % KX_G);
+    const uint8_t *G = base + row / KX_G * KX_G * ldw;
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+        uint8_t *blk = dst + sb * 144;
+        const uint8_t *M = KX_KMA(G, sb), *Q = KX_KQA(G, sb);
+        memcpy(blk, M + 2 * r, 2);
+        memcpy(blk + 2, M + 32 + 2 * r, 2);
+        for (int i = 0; i < 12; i++)
+            blk[4 + i] = M[64 + 16 * i + r];
+        for (int c = 0; c < 4; c++)
+            for (int t = 0; t < 8; t++)
+                memcpy(blk + 16 + 32 * c + 4 * t, Q + 64 * (8 * c + t) + 4 * r, 4);
+    }
+}
+
+/* Row r's 8 scales and mins of super-block meta M (the planar bytes, kf_k4_scales). */
+static inline void kx_k_scales(const uint8_t *M, int r, uint8_t *sc, uint8_t *mn)
+{
+    uint8_t s[12];
+    for (int i = 0; i < 12; i++)
+        s[i] = M[64 + 16 * i + r];
+    kf_k4_scales(s, sc, mn);
+}
+
+static void kx_base_group_k(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
+                            float *out)
+{
+    (void)unused;
+    float acc[KX_G] = {0};
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
+        for (int r = 0; r < KX_G; r++) {
+            uint8_t sc[8], mn[8];
+            kx_k_scales(M, r, sc, mn);
+            const float d = kf_f16_at(M + 2 * r), dm = kf_f16_at(M + 32 + 2 * r);
+            for (int j = 0; j < 8; j++) {
+                const ptrdiff_t b = sb * 8 + j;
+                const int c = j / 2, sh = 4 * (j % 2);
+                const float dw = d * (float)sc[j], mw = -(dm * (float)mn[j]);
+                if (a->xq != NULL) {
+                    const int8_t *x = a->xq + b * KF_QK;
+                    int32_t is = 0;
+                    for (int t = 0; t < 8; t++)
+                        for (int i = 0; i < 4; i++)
+                            is += ((Q[64 * (8 * c + t) + 4 * r + i] >> sh) & 15) * x[4 * t + i];
+                    acc[r] += (dw * a->xd[b]) * (float)is;
+                    acc[r] += mw * a->sx[b];
+                } else {
+                    const float *x = a->x + b * KF_QK;
+                    float sum = 0.0f;
+                    for (int t = 0; t < 8; t++)
+                        for (int i = 0; i < 4; i++)
+                            sum += (float)((Q[64 * (8 * c + t) + 4 * r + i] >> sh) & 15)
+                                   * x[4 * t + i];
+                    acc[r] += dw * sum + mw * a->sx[b];
+                }
+            }
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+}
+
+#if KF_X86_DISPATCH
+/* 16 rows' scales (sc) and mins (mn) of sub-blocks 0..7 as floats, from the planes. */
+#define KX_K_SCALES(VEC, CVT8, LOADP, AND, OR, SRL, SLL, SET1, TOF, sc, mn)               \
+    do {                                                                                   \
+        VEC p_[12];                                                                        \
+        for (int i_ = 0; i_ < 12; i_++)                                                    \
+            p_[i_] = CVT8(LOADP(i_));                                                      \
+        for (int j_ = 0; j_ < 4; j_++) {                                                   \
+            sc[j_] = TOF(AND(p_[j_], SET1(63)));                                           \
+            mn[j_] = TOF(AND(p_[j_ + 4], SET1(63)));                                       \
+            sc[j_ + 4] = TOF(OR(AND(p_[j_ + 8], SET1(15)), SLL(SRL(p_[j_], 6), 4)));       \
+            mn[j_ + 4] = TOF(OR(SRL(p_[j_ + 8], 4), SLL(SRL(p_[j_ + 4], 6), 4)));          \
+        }                                                                                  \
+    } while (0)
+
+KF_TARGET_AVX2 static void kx_avx2_group_k(int unused, const kf_act *a, ptrdiff_t nsb,
+                                           const uint8_t *G, float *out)
+{
+    (void)unused;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), mb = _mm256_set1_epi32(0xff);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
+        for (int k = 0; k < KX_KQ + KX_KM; k += 64)   /* KX_KPF bytes ahead */
+            _mm_prefetch((const char *)(M + KX_KPF + k), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256 sc[8], mn[8];
+#define KX_LP2(i_) _mm_loadl_epi64((const __m128i *)(M + 64 + 16 * (i_) + 8 * h))
+            KX_K_SCALES(__m256i, _mm256_cvtepu8_epi32, KX_LP2, _mm256_and_si256,
+                        _mm256_or_si256, _mm256_srli_epi32, _mm256_slli_epi32,
+                        _mm256_set1_epi32, _mm256_cvtepi32_ps, sc, mn);
+#undef KX_LP2
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 16 * h)));
+            const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 32 + 16 * h)));
+            for (int c = 0; c < 4; c++) {
+                const ptrdiff_t b0 = sb * 8 + 2 * c;
+                __m256 part[2];
+                if (a->xq != NULL) {
+                    const int8_t *x0 = a->xq + b0 * KF_QK, *x1 = x0 + KF_QK;
+                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+                    for (int t = 0; t < 8; t++) {
+                        const __m256i v = _mm256_loadu_si256(
+                            (const __m256i *)(Q + 64 * (8 * c + t) + 32 * h));
+                        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(
+                            _mm256_and_si256(v, m4), _mm256_set1_epi32(kx_ld32(x0 + 4 * t))));
+                        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                            _mm256_set1_epi32(kx_ld32(x1 + 4 * t))));
+                    }
+                    part[0] = _mm256_cvtepi32_ps(_mm256_madd_epi16(s0, ones));
+                    part[1] = _mm256_cvtepi32_ps(_mm256_madd_epi16(s1, ones));
+                } else {
+                    const float *x0 = a->x + b0 * KF_QK, *x1 = x0 + KF_QK;
+                    __m256 f0[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+                    __m256 f1[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+                    for (int t = 0; t < 8; t++) {
+                        const __m256i v = _mm256_loadu_si256(
+                            (const __m256i *)(Q + 64 * (8 * c + t) + 32 * h));
+                        const __m256i lo = _mm256_and_si256(v, m4);
+                        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                        for (int i = 0; i < 4; i++) {
+                            f0[i & 1] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lo, 8 * i), mb)),
+                                _mm256_set1_ps(x0[4 * t + i]), f0[i & 1]);
+                            f1[i & 1] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(hi, 8 * i), mb)),
+                                _mm256_set1_ps(x1[4 * t + i]), f1[i & 1]);
+                        }
+                    }
+                    part[0] = _mm256_add_ps(f0[0], f0[1]);
+                    part[1] = _mm256_add_ps(f1[0], f1[1]);
+                }
+                for (int e = 0; e < 2; e++) {
+                    const ptrdiff_t b = b0 + e;
+                    const __m256 dw = _mm256_mul_ps(d, sc[2 * c + e]);
+                    const __m256 mw = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dm, mn[2 * c + e]));
+                    if (a->xq != NULL)
+                        acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->xd[b])),
+                                                 part[e], acc[h]);
+                    else
+                        acc[h] = _mm256_fmadd_ps(dw, part[e], acc[h]);
+                    acc[h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[b]), acc[h]);
+                }
+            }
+        }
+    }
+    _mm256_storeu_ps(out, acc[0]);
+    _mm256_storeu_ps(out + 8, acc[1]);
+}
+
+KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrdiff_t nsb,
+                                               const uint8_t *G, float *out)
+{
+    (void)unused;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), mb = _mm512_set1_epi32(0xff);
+    __m512 acc = _mm512_setzero_ps();
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
+        for (int k = 0; k < KX_KQ + KX_KM; k += 64)   /* KX_KPF bytes ahead */
+            _mm_prefetch((const char *)(M + KX_KPF + k), _MM_HINT_T0);
+        __m512 sc[8], mn[8];
+#define KX_LP5(i_) _mm_loadu_si128((const __m128i *)(M + 64 + 16 * (i_)))
+        KX_K_SCALES(__m512i, _mm512_cvtepu8_epi32, KX_LP5, _mm512_and_si512, _mm512_or_si512,
+                    _mm512_srli_epi32, _mm512_slli_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps,
+                    sc, mn);
+#undef KX_LP5
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)M));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(M + 32)));
+        for (int c = 0; c < 4; c++) {
+            const ptrdiff_t b0 = sb * 8 + 2 * c;
+            __m512 part[2];
+            if (a->xq != NULL) {
+                const int8_t *x0 = a->xq + b0 * KF_QK, *x1 = x0 + KF_QK;
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+                for (int t = 0; t < 8; t++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(Q + 64 * (8 * c + t)));
+                    s0 = _mm512_dpbusd_epi32(s0, _mm512_and_si512(v, m4),
+                                             _mm512_set1_epi32(kx_ld32(x0 + 4 * t)));
+                    s1 = _mm512_dpbusd_epi32(s1, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                                             _mm512_set1_epi32(kx_ld32(x1 + 4 * t)));
+                }
+                part[0] = _mm512_cvtepi32_ps(s0);
+                part[1] = _mm512_cvtepi32_ps(s1);
+            } else {
+                const float *x0 = a->x + b0 * KF_QK, *x1 = x0 + KF_QK;
+                __m512 f0[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                __m512 f1[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+                for (int t = 0; t < 8; t++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(Q + 64 * (8 * c + t)));
+                    const __m512i lo = _mm512_and_si512(v, m4);
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                    for (int i = 0; i < 4; i++) {
+                        f0[i & 1] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lo, 8 * i), mb)),
+                            _mm512_set1_ps(x0[4 * t + i]), f0[i & 1]);
+                        f1[i & 1] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(hi, 8 * i), mb)),
+                            _mm512_set1_ps(x1[4 * t + i]), f1[i & 1]);
+                    }
+                }
+                part[0] = _mm512_add_ps(f0[0], f0[1]);
+                part[1] = _mm512_add_ps(f1[0], f1[1]);
+            }
+            for (int e = 0; e < 2; e++) {
+                const ptrdiff_t b = b0 + e;
+                const __m512 dw = _mm512_mul_ps(d, sc[2 * c + e]);
+                const __m512 mw = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dm, mn[2 * c + e]));
+                if (a->xq != NULL)
+                    acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a->xd[b])), part[e], acc);
+                else
+                    acc = _mm512_fmadd_ps(dw, part[e], acc);
+                acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(a->sx[b]), acc);
+            }
+        }
+    }
+    _mm512_storeu_ps(out, acc);
+}
+#endif /* KF_X86_DISPATCH */
+
 typedef void (*kx_group_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, float *);
 #if KF_X86_DISPATCH
 static const kx_group_fn kx_group_tab[KF_N_ISA] = {kx_base_group, kx_avx2_group,
                                                    kx_avx512_group};
+static const kx_group_fn kx_group_k_tab[KF_N_ISA] = {kx_base_group_k, kx_avx2_group_k,
+                                                     kx_avx512_group_k};
 #else
 static const kx_group_fn kx_group_tab[KF_N_ISA] = {kx_base_group, kx_base_group,
                                                    kx_base_group};
+static const kx_group_fn kx_group_k_tab[KF_N_ISA] = {kx_base_group_k, kx_base_group_k,
+                                                     kx_base_group_k};
 #endif
 
 /* out[i] = a . row i of the x16 weight w (rows ldw bytes, group 0 at w), r0 <= i < r1;
@@ -298,8 +573,8 @@ static void kx_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t *w
                          ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1, float *out)
 {
     const int q41 = fmt == KF_Q4_1X16;
-    const kx_group_fn fn = kx_group_tab[kf_isa];
-    const ptrdiff_t nb = n / KF_QK;
+    const kx_group_fn fn = fmt == KF_Q4_KX16 ? kx_group_k_tab[kf_isa] : kx_group_tab[kf_isa];
+    const ptrdiff_t nb = fmt == KF_Q4_KX16 ? n / KF_QK_K : n / KF_QK;
     for (ptrdiff_t g = r0 / KX_G; g * KX_G < r1; g++) {
         const ptrdiff_t lo = g * KX_G > r0 ? g * KX_G : r0;
         const ptrdiff_t hi = g * KX_G + KX_G < r1 ? g * KX_G + KX_G : r1;
@@ -317,8 +592,12 @@ static void kx_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t *w
 static void kx_unpack_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r0,
                            ptrdiff_t nr, uint8_t *dst)
 {
-    for (ptrdiff_t r = 0; r < nr; r++)
-        kx_unpack_row(fmt == KF_Q4_1X16, w, ldw, r0 + r, dst + r * ldw);
+    for (ptrdiff_t r = 0; r < nr; r++) {
+        if (fmt == KF_Q4_KX16)
+            kx_unpack_row_k(w, ldw, r0 + r, dst + r * ldw);
+        else
+            kx_unpack_row(fmt == KF_Q4_1X16, w, ldw, r0 + r, dst + r * ldw);
+    }
 }
 
 #endif /* KESTREL_GEMV_X16_H */

@@ -19,10 +19,12 @@ cdef extern from "matmul.h" nogil:
         KF_IQ4_XS
         KF_Q4_0X16
         KF_Q4_1X16
+        KF_Q4_KX16
     int kx_is_x16(int fmt) noexcept
     int kx_base_fmt(int fmt) noexcept
     void kx_pack_group(int q41, const uint8_t *src, Py_ssize_t ldw, int nr,
                        uint8_t *dst) noexcept
+    void kx_pack_group_k(const uint8_t *src, Py_ssize_t ldw, int nr, uint8_t *dst) noexcept
     void kx_unpack_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t r0,
                         Py_ssize_t nr, uint8_t *dst) noexcept
     void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
@@ -342,27 +344,30 @@ def f32_to_f16(const float[::1] x,        # IN  (m,)
 
 
 def repack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) q4_0 / q4_1 rows
-               int fmt,                    # IN  KF_Q4_0 or KF_Q4_1
+               int fmt,                    # IN  KF_Q4_0, KF_Q4_1 or KF_Q4_K
                uint8_t[:, ::1] out,        # OUT (d, row_bytes): the x16 layout (gemv_x16.h)
                int n_threads):
-    """out := w's rows interleaved by 16 (d a multiple of 16), KF_Q4_0X16 / KF_Q4_1X16"""
+    """out := w's rows interleaved by 16 (d a multiple of 16), KF_Q4_0X16 / _1X16 / _KX16"""
     cdef Py_ssize_t g, d = w.shape[0], ldw = w.shape[1]
-    cdef int q41 = fmt == KF_Q4_1
+    cdef int q41 = fmt == KF_Q4_1, qk = fmt == KF_Q4_K
     cdef int nt = team_size(n_threads, d // 16, 8)
-    if fmt != KF_Q4_0 and fmt != KF_Q4_1:
-        raise ValueError("repack_x16: fmt must be q4_0 or q4_1")
+    if fmt != KF_Q4_0 and fmt != KF_Q4_1 and fmt != KF_Q4_K:
+        raise ValueError("repack_x16: fmt must be q4_0, q4_1 or q4_k")
     if d % 16 or out.shape[0] != d or out.shape[1] != ldw:
         raise ValueError(f"repack_x16: rows must be a multiple of 16 and out {d}x{ldw}")
-    if ldw % (20 if q41 else 18):
+    if ldw % (144 if qk else (20 if q41 else 18)):
         raise ValueError("repack_x16: rows are not whole blocks")
     if d == 0 or ldw == 0:
         return
     for g in prange(d // 16, nogil=True, schedule="static", num_threads=nt):
-        kx_pack_group(q41, &w[16 * g, 0], ldw, 16, &out[16 * g, 0])
+        if qk:
+            kx_pack_group_k(&w[16 * g, 0], ldw, 16, &out[16 * g, 0])
+        else:
+            kx_pack_group(q41, &w[16 * g, 0], ldw, 16, &out[16 * g, 0])
 
 
 def unpack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) x16 layout
-               int fmt,                    # IN  KF_Q4_0X16 or KF_Q4_1X16
+               int fmt,                    # IN  an x16 format
                uint8_t[:, ::1] out):       # OUT (d, row_bytes) row-major rows
     """out := the row-major rows of an x16 weight (repack_x16's inverse)"""
     cdef Py_ssize_t d = w.shape[0], ldw = w.shape[1]

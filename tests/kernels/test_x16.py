@@ -8,13 +8,18 @@ from kestrel_cli import kernels
 from kestrel_cli.weights import Weight, rows_x16
 from conftest import VARIANTS
 from test_matmul import check_matmul, make_weight
+from test_kquants import make_kweight
 
-FMTS = ["q4_0", "q4_1"]
+FMTS = ["q4_0", "q4_1", "q4_k"]
 
 
 def _pair(fmt, d, n, seed):
+    """A random weight (q4_k: rows of n rounded up to super-blocks of 256) and its x16."""
     rng = np.random.default_rng(seed)
-    w = make_weight(fmt, d, n, rng)
+    if fmt == "q4_k":
+        w = make_kweight(fmt, d, -(-n // 256) * 256, rng)
+    else:
+        w = make_weight(fmt, d, n, rng)
     return w, kernels.repack_x16(w, threads=2), rng
 
 
@@ -22,7 +27,7 @@ def _pair(fmt, d, n, seed):
 def test_repack_layout_and_inverse(fmt):
     """C repack == the NumPy model of the layout (rows_x16 inverts it), unpack_x16 inverts
     the repack, dequantisation is unchanged, and the result is 64-byte aligned."""
-    w, x, _ = _pair(fmt, 48, 128, 1)
+    w, x, _ = _pair(fmt, 48, 512 if fmt == "q4_k" else 128, 1)
     assert x.fmt == fmt + "x16" and x.shape == w.shape and x.data.shape == w.data.shape
     assert x.data.ctypes.data % 64 == 0
     assert not np.array_equal(x.data, w.data)              # really moved
@@ -37,7 +42,8 @@ def test_repack_layout_and_inverse(fmt):
 def test_repack_refuses():
     rng = np.random.default_rng(0)
     for w in (make_weight("q8_0", 32, 64, rng), make_weight("q4_0", 24, 64, rng),
-              make_weight("q4_1", 32, 96, rng)):                 # fmt, d % 16, odd blocks
+              make_weight("q4_1", 32, 96, rng),                   # fmt, d % 16, odd blocks
+              make_kweight("q4_k", 40, 256, rng), make_kweight("q6_k", 32, 256, rng)):
         assert not kernels.can_repack_x16(w)
         with pytest.raises(ValueError, match="repack_x16"):
             kernels.repack_x16(w)
@@ -52,7 +58,7 @@ def test_float_activations(isa, fmt, T):
     kernels.set_isa(isa)
     try:
         w, x16, rng = _pair(fmt, 64, 256, [2, T])
-        x = rng.standard_normal((T, 256)).astype(np.float32)
+        x = rng.standard_normal((T, w.shape[1])).astype(np.float32)
         for threads in (1, 2, 3):
             out = check_matmul(x, x16, threads)
             if threads == 1:
@@ -70,7 +76,7 @@ def test_int8_activations_are_the_gemm_bits(isa, fmt):
     kernels.set_isa(isa)
     try:
         w, x16, rng = _pair(fmt, 96, 320, 3)
-        x = rng.standard_normal((7, 320)).astype(np.float32)
+        x = rng.standard_normal((7, w.shape[1])).astype(np.float32)
         gemm = kernels.matmul(x, w, np.empty((7, 96), np.float32), 2, act_q8=True)
         gemm16 = kernels.matmul(x, x16, np.empty((7, 96), np.float32), 3, act_q8=True)
         np.testing.assert_array_equal(gemm16, gemm)
@@ -108,14 +114,25 @@ def test_decode_plan_cuts_groups(isa, act_q8):
         sw(x, o1, 2, act_q8)
         kernels.GemvGroup([g, u], swiglu=True)(x, o2, 2, act_q8)
         np.testing.assert_allclose(o1, o2, rtol=1e-4, atol=1e-5)
+        # a q4_k weight (super-blocks) after a q8_0 one of 24 rows, cut inside its groups
+        a2 = make_weight("q8_0", 24, 256, rng)
+        wk, kx, _ = _pair("q4_k", 48, 256, 9)
+        x2 = rng.standard_normal((1, 256)).astype(np.float32)
+        want = np.concatenate([kernels.matmul(x2, m, np.empty((1, m.shape[0]), np.float32), 1,
+                                              act_q8) for m in (a2, kx)], axis=1)
+        for threads in (1, 2, 3):
+            out = np.full((1, 72), np.nan, np.float32)
+            kernels.GemvGroup([a2, kx])(x2, out, threads, act_q8)
+            np.testing.assert_array_equal(out, want)
     finally:
         kernels.set_isa(VARIANTS[-1])
 
 
-def test_embedding_rows():
-    w, x16, _ = _pair("q4_0", 32, 64, 8)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_embedding_rows(fmt):
+    w, x16, _ = _pair(fmt, 32, 64, 8)
     ids = np.array([31, 0, 16, 15, 16], np.int64)
-    out = kernels.get_rows(x16, ids, np.empty((5, 64), np.float32))
+    out = kernels.get_rows(x16, ids, np.empty((5, w.shape[1]), np.float32))
     np.testing.assert_array_equal(out, w.dequantize()[ids])
 
 
