@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kestrel_cli import Engine, KestrelError
+from kestrel_cli.engine import LoadOptions
 from kestrel_cli.loader import open_checkpoint
 from conftest import assert_prefill_then_decode_equals_full, make_checkpoint, rand_ids
 
@@ -295,3 +296,15 @@ def test_missing_metadata_key_is_named(tmp_path):
     with pytest.raises(KestrelError, match=r"^m.gguf: lacks the GGUF metadata key "
                                            r"qwen3.block_count$"):
         Engine.from_pretrained(path, threads=1)
+
+
+def test_experts_stay_mapped_dense_weights_repacked(moe):
+    """With --repack (the default) the dense q4 weights take the decode layout, the MoE
+    experts keep their row-major blocks (repacking would read every expert at load; the
+    mapping reads only the routed ones)."""
+    d, _, dense = moe
+    eng = Engine.load(d / "hf", LoadOptions(quant="q4", threads=1))
+    sparse = [i for i in range(len(eng.model.layers)) if i not in dense]
+    layer = eng.model.layers[sparse[0]]
+    assert layer.self_attn.q_proj.fmt == "q4_0x16"
+    assert layer.mlp.experts[0].up_proj.fmt == "q4_0"
