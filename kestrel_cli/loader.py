@@ -268,7 +268,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _gguf_moe(path: Path, arch: str, field, reader, raw: dict) -> None:
+def _gguf_moe(path: Path, arch: str, number, field, reader, raw: dict) -> None:
     """The MoE keys of a qwen3moe file into `raw`, checked against its stacked expert tensors.
 
     llama.cpp's qwen3moe: every layer is sparse, softmax router, top-k weights renormalised
@@ -277,17 +277,18 @@ def _gguf_moe(path: Path, arch: str, field, reader, raw: dict) -> None:
     """
     def bad(why):
         return KestrelError(f"{path.name}: inconsistent MoE metadata: {why}")
-    n_exp, n_used = field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count")
+    n_exp, n_used = number(f"{arch}.expert_count"), number(f"{arch}.expert_used_count")
     if n_exp is None or n_used is None:
         raise bad(f"{arch}.expert_count and {arch}.expert_used_count are required")
-    n_exp, n_used = int(n_exp), int(n_used)
     if n_exp < 1 or not 1 <= n_used <= n_exp:
         raise bad(f"{arch}.expert_used_count={n_used} must be in 1..{arch}.expert_count={n_exp}")
     ff = field(f"{arch}.expert_feed_forward_length")
     if isinstance(ff, list):                   # per-layer form: one length only
         if len(set(ff)) != 1:
-            raise bad(f"{arch}.expert_feed_forward_length differs across layers: {ff}")
+            raise bad(f"{arch}.expert_feed_forward_length differs across layers: {_short(ff)}")
         ff = ff[0]
+    if ff is not None and (type(ff) is not int or ff < 1):
+        raise bad(f"{arch}.expert_feed_forward_length={_short(ff)} is not a positive integer")
     scale = field(f"{arch}.expert_weights_scale")
     if scale not in (None, 0.0, 1.0):            # llama.cpp: 0 means unset
         raise bad(f"{arch}.expert_weights_scale={scale} is not supported")
@@ -347,21 +348,21 @@ def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
         raw.reshape(n_head, d // n_head // 2, 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape))
 
 
-def _gguf_refuse_ignored(path: Path, arch: str, field, raw: dict) -> None:
+def _gguf_refuse_ignored(path: Path, arch: str, number, field, raw: dict) -> None:
     """Carry the GGUF keys that change the computation into `raw` (Config refuses what it cannot
     run), or refuse them here: partial RoPE, RoPE scaling, a value head size unlike the key's."""
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    value_len = field(f"{arch}.attention.value_length")
-    if value_len is not None and int(value_len) != head_dim:
-        raise KestrelError(f"{path.name}: {arch}.attention.value_length={int(value_len)} differs "
+    value_len = number(f"{arch}.attention.value_length")
+    if value_len is not None and value_len != head_dim:
+        raise KestrelError(f"{path.name}: {arch}.attention.value_length={value_len} differs "
                            f"from the key length {head_dim}; not supported")
-    rope_dim = field(f"{arch}.rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
-        raw["partial_rotary_factor"] = int(rope_dim) / head_dim
+    rope_dim = number(f"{arch}.rope.dimension_count")
+    if rope_dim is not None and rope_dim != head_dim:
+        raw["partial_rotary_factor"] = rope_dim / head_dim
     scaling = field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raw["rope_scaling"] = {"rope_type": scaling,
-                               "factor": field(f"{arch}.rope.scaling.factor")}
+                               "factor": number(f"{arch}.rope.scaling.factor", kind=float)}
 
 
 def _gguf_reader(path: Path):
@@ -418,6 +419,8 @@ def _gguf_reader(path: Path):
 
 
 def _load_gguf(path: Path):
+    from .gguf_check import check_gguf
+    check_gguf(path)                    # every count, length and extent, before the gguf package
     try:
         reader = _gguf_reader(path)
     except Exception as e:  # the gguf package raises bare ValueError/struct errors
@@ -425,42 +428,61 @@ def _load_gguf(path: Path):
 
     def field(key, default=None):
         f = reader.fields.get(key)
-        return f.contents() if f is not None else default
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except Exception as e:       # a value the gguf package cannot decode (bad UTF-8, say)
+            raise KestrelError(f"{path.name}: metadata {key} is unreadable ({e})") from None
+
+    def number(key, default=None, kind=int):
+        """An integer (kind=int) or a finite float metadata value, or one KestrelError."""
+        v = field(key, default)
+        if v is None:
+            return None
+        ok = (type(v) is int if kind is int else
+              isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+        if not ok:
+            what = "an integer" if kind is int else "a finite number"
+            raise KestrelError(f"{path.name}: metadata {key}={_short(v)} is not {what}")
+        return kind(v)
 
     arch = field("general.architecture")
-    if arch not in _GGUF_ARCH:
+    if not isinstance(arch, str) or arch not in _GGUF_ARCH:
         raise KestrelError(f"{path.name}: unsupported GGUF architecture {arch!r} "
                            f"(supported: {', '.join(_GGUF_ARCH)})")
     moe = arch in _GGUF_MOE
 
-    def need(key, default=None):
-        v = field(f"{arch}.{key}", default)
+    def need(key, default=None, kind=int):
+        v = number(f"{arch}.{key}", default, kind)
         if v is None:
             raise KestrelError(f"{path.name}: lacks the GGUF metadata key {arch}.{key}")
         return v
-    n_head = int(need("attention.head_count"))
-    n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
-    hidden = int(need("embedding_length"))
+    n_head = need("attention.head_count")
+    n_kv = number(f"{arch}.attention.head_count_kv", n_head)
+    hidden = need("embedding_length")
     tok_field = reader.fields.get("tokenizer.ggml.tokens")
     raw = {
         "model_type": _GGUF_ARCH[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(need("block_count")),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         # qwen3moe: the (unused) dense size, 0 when absent
-        "intermediate_size": int(need("feed_forward_length", 0 if moe else None)),
-        "max_position_embeddings": int(field(f"{arch}.context_length", 4096)),
-        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
+        "intermediate_size": need("feed_forward_length", 0 if moe else None),
+        "max_position_embeddings": number(f"{arch}.context_length", 4096),
+        "rms_norm_eps": number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, float),
+        "rope_theta": number(f"{arch}.rope.freq_base", 10000.0, float),
         "vocab_size": len(tok_field.data) if tok_field is not None else 0,
     }
-    key_len = field(f"{arch}.attention.key_length")
+    key_len = number(f"{arch}.attention.key_length")
     if key_len is not None:
-        raw["head_dim"] = int(key_len)
-    _gguf_refuse_ignored(path, arch, field, raw)
+        raw["head_dim"] = key_len
+    # the sizes in range before anything is computed from them (config_of names the file)
+    config_of(dict(raw, model_type="llama"), path)
+    _gguf_refuse_ignored(path, arch, number, field, raw)
     if moe:
-        _gguf_moe(path, arch, field, reader, raw)
+        _gguf_moe(path, arch, number, field, reader, raw)
     store = TensorStore()
     qtypes = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
               "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_k", "Q3_K": "q3_k",
@@ -484,18 +506,30 @@ def _load_gguf(path: Path):
         elif fmt == "f16":
             data = data.view(np.uint16)
         if "*" in name:
+            if not moe or len(shape) != 3:
+                raise KestrelError(f"{path.name}: tensor {t.name} has shape {list(shape)}; "
+                                   f"stacked experts are 3-D, in a MoE architecture only")
             _add_experts(store, name, fmt, data, shape, path.name)
             continue
         if len(shape) == 2:
             data = data.reshape(shape[0], -1)
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                data = _unpermute_rows(data, n_head if "q_proj" in name else n_kv)
+                heads = n_head if "q_proj" in name else n_kv
+                if shape[0] % (2 * heads):
+                    raise KestrelError(f"{path.name}: tensor {t.name} has {shape[0]} rows, not "
+                                       f"{heads} heads of an even size")
+                data = _unpermute_rows(data, heads)
         store.add(name, fmt, data, shape, path.name)
     raw["tie_word_embeddings"] = "lm_head.weight" not in store
     from .tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(reader)
     raw["eos_token_id"] = sorted(tok.eos_token_ids)
     return raw, store, tok
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def _has_gguf_magic(p: Path) -> bool:
