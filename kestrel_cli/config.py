@@ -106,7 +106,7 @@ class Config:
 
         if not isinstance(self.model_type, str):
             bad("model_type", self.model_type, "expected a string")
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
+        for name in ("hidden_size", "num_attention_heads"):
             integer(name, getattr(self, name), 1)
         integer("num_hidden_layers", self.num_hidden_layers, 1, _MAX_LAYERS)
         for name in ("num_key_value_heads", "head_dim"):       # 0 and null: the default

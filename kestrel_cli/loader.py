@@ -127,6 +127,8 @@ def _read_header(path: Path, size: int) -> tuple[dict, int]:
             header = json.loads(f.read(n).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"corrupt JSON header: {e}") from None
+    except RecursionError:
+        raise bad("corrupt JSON header: nested too deeply") from None
     except OSError as e:
         raise KestrelError(f"{path.name}: cannot read ({e.strerror})") from None
     if not isinstance(header, dict):
@@ -156,10 +158,12 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
     data_size = size - 8 - n
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(data_size,)) \
         if data_size > 0 else np.zeros(0, np.uint8)
+    extents = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         dtype, shape, b, e = _tensor_entry(path, name, info, data_size)
+        extents.append((b, e, name))
         if dtype not in _ST_DTYPES:
             # kept so a missing-tensor error stays precise; used only if a model asks for it
             store.add(name, "unsupported:" + dtype, mm[b:e], shape, path.name)
@@ -174,6 +178,19 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
             arr = arr.copy()            # an unaligned tensor (rare writers): the kernels need alignment
         arr = arr.view(np_dtype)
         store.add(name, fmt, arr.reshape(shape) if len(shape) != 1 else arr, shape, path.name)
+    _refuse_overlaps(path, extents)
+
+
+def _refuse_overlaps(path: Path, extents: list[tuple[int, int, str]]) -> None:
+    """Two tensors sharing bytes are a corrupt (or crafted) header: writing one would change
+    the other, and the file claims more data than it holds."""
+    end, last = 0, None
+    for b, e, name in sorted(extents):
+        if b < end and e > b:
+            raise KestrelError(f"{path.name}: tensor {name!r} (bytes {b}..{e}) overlaps tensor "
+                               f"{last!r} (to byte {end}); the header is corrupt")
+        if e > end:
+            end, last = e, name
 
 
 def _inside(target: Path, root: Path) -> bool:
@@ -200,23 +217,44 @@ def _shard_path(root: Path, name, source: Path) -> Path:
     return f
 
 
+_MAX_JSON = 64 << 20             # config.json and the shard index: a few KB / MB in practice
+
+
+def read_json_object(path: Path, limit: int = _MAX_JSON) -> dict:
+    """The JSON object in `path`, or one KestrelError naming it (too large, not UTF-8,
+    not JSON, nested too deeply, not an object)."""
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise KestrelError(f"{path}: {size} bytes, more than the {limit >> 20} MiB a "
+                               f"{path.name} may have")
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KestrelError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise KestrelError(f"{path}: not valid JSON (nested too deeply)") from None
+    except OSError as e:
+        raise KestrelError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not isinstance(raw, dict):
+        raise KestrelError(f"{path}: expected a JSON object")
+    return raw
+
+
 def _load_hf_dir(path: Path):
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise KestrelError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KestrelError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise KestrelError(f"{cfg_path}: expected a JSON object")
+    raw = read_json_object(cfg_path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = list(dict.fromkeys(weight_map.values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-            raise KestrelError(f"{index}: corrupt safetensors index") from None
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise KestrelError(f"{index}: corrupt safetensors index (weight_map must be a "
+                               f"non-empty object of tensor name -> shard file)")
+        for v in weight_map.values():
+            if not isinstance(v, str):
+                raise KestrelError(f"{index}: shard {_short(v)} is not a plain file name in {path}")
+        names = list(dict.fromkeys(weight_map.values()))
         source = index
     else:
         names, source = sorted(p.name for p in path.glob("*.safetensors")), path
@@ -548,7 +586,13 @@ def open_checkpoint(path) -> tuple[Config, TensorStore, "object", Path]:
         raw, store, tok = _load_gguf(p)
     else:
         raise KestrelError(f"{p}: expected a checkpoint directory or a .gguf file")
-    return config_of(raw, p / "config.json" if p.is_dir() else p), store, tok, p
+    source = p / "config.json" if p.is_dir() else p
+    cfg = config_of(raw, source)
+    n_ids = tok.id_limit
+    if cfg.vocab_size < n_ids:
+        raise KestrelError(f"{source}: vocab_size={cfg.vocab_size} is smaller than the "
+                           f"tokenizer's {n_ids} token ids (ids past the embedding's rows)")
+    return cfg, store, tok, p
 
 
 def config_of(raw: dict, source: Path) -> Config:
