@@ -560,7 +560,10 @@ def _load_gguf(path: Path):
         store.add(name, fmt, data, shape, path.name)
     raw["tie_word_embeddings"] = "lm_head.weight" not in store
     from .tokenizer import Tokenizer
-    tok = Tokenizer.from_gguf(reader)
+    try:
+        tok = Tokenizer.from_gguf(reader)
+    except KestrelError as e:
+        raise KestrelError(f"{path.name}: {e}") from None
     raw["eos_token_id"] = sorted(tok.eos_token_ids)
     return raw, store, tok
 
