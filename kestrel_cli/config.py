@@ -118,7 +118,7 @@ class Config:
         integer("max_position_embeddings", self.max_position_embeddings, 1, _MAX_POSITIONS)
         integer("decoder_sparse_step", self.decoder_sparse_step, 1)
         number("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0)
-        number("rope_theta", self.rope_theta, optional=True)
+        number("rope_theta", self.rope_theta, *_ROPE_RANGE, optional=True)
         number("partial_rotary_factor", self.partial_rotary_factor, 0.0, 1.0 + 1e-9)
         if not isinstance(self.hidden_act, str):
             bad("hidden_act", self.hidden_act, "expected a string")
@@ -175,9 +175,10 @@ class Config:
             v = p.get(key)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 refuse(f"rope {key}", v, f"rope_type {p['rope_type']} needs a number")
-            if not (math.isfinite(v) and v > 0):
+            lo, hi = _ROPE_RANGE
+            if not (math.isfinite(v) and lo < v < hi):
                 raise KestrelError(f"rope {key}={_show(v)} is invalid (must be a finite "
-                                   f"number > 0)")
+                                   f"number in ({lo:g}, {hi:g}))")
         if p["rope_type"] == "llama3" and p["high_freq_factor"] <= p["low_freq_factor"]:
             raise KestrelError(f"rope high_freq_factor={_show(p['high_freq_factor'])} is invalid "
                                f"(must be more than low_freq_factor="
@@ -243,6 +244,8 @@ class Config:
 _MAX_SIZE = 1 << 31
 _MAX_LAYERS = 1 << 16
 _MAX_POSITIONS = 1 << 24
+# RoPE's base and scaling numbers: outside this range float32 frequencies overflow to inf or 0
+_ROPE_RANGE = (1e-4, 1e15)
 
 
 def _show(value) -> str:

@@ -34,6 +34,13 @@ MAX_DIMS = 4                       # GGML_MAX_DIMS
 MAX_ALIGNMENT = 1 << 16
 
 
+def printable(name: str, limit: int = 80) -> str:
+    """A key or tensor name as a message may show it: itself, or its repr when it holds a
+    newline or another control character (an error is one line); cut to `limit` characters."""
+    s = name if name.isprintable() else repr(name)
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
 def _quant_sizes() -> dict[int, tuple[int, int]]:
     """ggml type id -> (elements per block, bytes per block), from the gguf package."""
     from gguf.constants import GGML_QUANT_SIZES
@@ -125,7 +132,7 @@ def _walk(path: Path, buf) -> None:
     for i in range(n_kv):
         raw = c.string(f"metadata key #{i}", MAX_KEY)
         try:
-            key = raw.decode("utf-8")
+            key = printable(raw.decode("utf-8"))
         except UnicodeDecodeError:
             c.fail(f"metadata key #{i}", "not UTF-8")
         if key in keys:
@@ -170,7 +177,7 @@ def _walk(path: Path, buf) -> None:
     for i in range(n_tensors):
         raw = c.string(f"tensor #{i} name", MAX_KEY)
         try:
-            name = raw.decode("utf-8")
+            name = printable(raw.decode("utf-8"))
         except UnicodeDecodeError:
             c.fail(f"tensor #{i} name", "not UTF-8")
         if name in names:

@@ -245,6 +245,16 @@ def _load_hf_dir(path: Path):
     if not cfg_path.is_file():
         raise KestrelError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
     raw = read_json_object(cfg_path)
+    store = TensorStore()
+    for f in shard_files(path):
+        _open_safetensors(f, store)
+    from .tokenizer import Tokenizer
+    return raw, store, Tokenizer.from_dir(path)
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, as its model.safetensors.index.json
+    names them (or all *.safetensors without one): plain names of existing files inside it."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json_object(index).get("weight_map")
@@ -260,14 +270,11 @@ def _load_hf_dir(path: Path):
         names, source = sorted(p.name for p in path.glob("*.safetensors")), path
     if not names:
         raise KestrelError(f"{path}: no *.safetensors weights found")
-    files = [_shard_path(path, name, source) for name in names]
-    store = TensorStore()
-    for f in sorted(files):
+    files = sorted(_shard_path(path, name, source) for name in names)
+    for f in files:
         if not f.is_file():
-            raise KestrelError(f"{index}: shard {f.name} named in the index is missing")
-        _open_safetensors(f, store)
-    from .tokenizer import Tokenizer
-    return raw, store, Tokenizer.from_dir(path)
+            raise KestrelError(f"{index}: shard {f.name!r} named in the index is missing")
+    return files
 
 
 # ---------------------------------------------------------------- GGUF
@@ -526,7 +533,10 @@ def _load_gguf(path: Path):
               "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_k", "Q3_K": "q3_k",
               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl",
               "IQ4_XS": "iq4_xs"}
+    from .gguf_check import printable
     for t in reader.tensors:
+        if not t.name.isprintable():
+            raise KestrelError(f"{path.name}: tensor {printable(t.name)} is not a tensor name")
         name = _hf_name(t.name)
         if name is None:
             why = " (Llama 3.1 RoPE frequency factors)" if t.name == "rope_freqs.weight" else ""
@@ -602,8 +612,8 @@ def config_of(raw: dict, source: Path) -> Config:
     """The Config of a checkpoint's raw config (config.json or the GGUF's metadata read as
     one); an unknown architecture or a bad value is one KestrelError naming `source`."""
     from .models import resolve
-    resolve(raw.get("model_type"))          # unknown architectures fail before Config
     try:
+        resolve(raw.get("model_type"))          # unknown architectures fail before Config
         return Config.from_hf(raw)
     except TypeError as e:
         raise KestrelError(f"{source}: a value of the wrong type ({e})") from None
