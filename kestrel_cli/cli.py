@@ -132,7 +132,8 @@ class SamplingOptions:
         "--repeat-penalty", help="Penalty on the last 64 tokens; 1.0 = off.",
         rich_help_panel=_SAMPLING)] = 1.0
     seed: Annotated[Optional[int], typer.Option(
-        "--seed", help="Random seed.", show_default="random", rich_help_panel=_SAMPLING)] = None
+        "--seed", help="Random seed (0..2^64-1; -1 = random, as llama.cpp).",
+        show_default="random", rich_help_panel=_SAMPLING)] = None
     ignore_eos: Annotated[bool, typer.Option(
         "--ignore-eos", help="Keep generating past the end-of-sequence token.",
         rich_help_panel=_SAMPLING)] = False
@@ -143,6 +144,10 @@ class SamplingOptions:
             raise KestrelError(f"-n/--n-predict must be >= -1 (-1 = until EOS), "
                                f"got {self.n_predict}")
         check_params(self.temp, self.top_k, self.top_p, self.min_p, self.repeat_penalty)
+        if self.seed == -1:                  # llama.cpp's "random"
+            self.seed = None
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise KestrelError(f"--seed must be in 0..2^64-1 (or -1 = random), got {self.seed}")
 
     def stream_kwargs(self, engine: Engine) -> dict:
         """Keyword arguments for `Engine.stream`."""
@@ -287,7 +292,10 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
     if prompt is None and file is None:
         raise KestrelError("no prompt: give -p TEXT, -f FILE, or -p - to read stdin")
     if prompt == "-" or (file is not None and str(file) == "-"):
-        text = sys.stdin.read()
+        try:
+            text = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise KestrelError(f"the prompt on stdin is not UTF-8 text (byte {e.start})") from None
     elif file is not None:
         try:
             text = Path(file).read_text(encoding="utf-8")
@@ -297,6 +305,10 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
             raise KestrelError(f"prompt file {file} is not UTF-8 text") from None
     else:
         text = prompt
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # argv bytes that were not UTF-8 (surrogate-escaped)
+            raise KestrelError(f"-p/--prompt is not UTF-8 text (character {e.start})") from None
     if text.endswith("\n"):              # a file's last newline is not part of the prompt
         text = text[:-2] if text.endswith("\r\n") else text[:-1]     # (as llama.cpp's -f)
     if not text.strip():
@@ -471,7 +483,11 @@ def info(
 ):
     """Model summary: architecture, size, dtypes, context, chat template, special tokens."""
     from .loader import open_checkpoint
+    from .models import resolve
     cfg, store, tok, path = open_checkpoint(model)
+    # what `run` checks at load: every tensor the model reads, present, of its shape and type
+    # (the weights are memory-mapped views: nothing is computed or copied but the norms)
+    resolve(cfg.model_type).Model(cfg, store, 1)
     n_params = 0
     for _fmt, _raw, shape, _src in store.entries.values():
         n = 1

@@ -72,11 +72,80 @@ class Config:
         return cls(**{k: v for k, v in raw.items() if k in known})
 
     def __post_init__(self):
+        self._check_values()
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = list(self.mlp_only_layers or [])
         self.num_experts = self.num_experts or self.num_local_experts
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise KestrelError(f"head_dim={self.head_dim} (hidden_size / num_attention_heads "
+                               f"unless given) must be an even number >= 2 (RoPE rotates pairs)")
         self._refuse_ignored()
+
+    def _check_values(self) -> None:
+        """Every size, count and constant a config claims is a number in its range, before
+        anything is computed or allocated from it: one KestrelError naming the field."""
+        def bad(name, value, why):
+            raise KestrelError(f"{name}={_show(value)} is invalid ({why})")
+
+        def integer(name, value, lo, hi=_MAX_SIZE, optional=False):
+            if value is None and optional:
+                return
+            if type(value) is not int:
+                bad(name, value, "expected an integer")
+            if not lo <= value <= hi:
+                bad(name, value, f"must be in {lo}..{hi}")
+
+        def number(name, value, lo=0.0, hi=math.inf, optional=False):
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                bad(name, value, "expected a number")
+            if not (math.isfinite(value) and lo < value < hi):
+                bad(name, value, f"must be a finite number in ({lo:g}, {hi:g})")
+
+        if not isinstance(self.model_type, str):
+            bad("model_type", self.model_type, "expected a string")
+        for name in ("hidden_size", "num_attention_heads"):
+            integer(name, getattr(self, name), 1)
+        integer("num_hidden_layers", self.num_hidden_layers, 1, _MAX_LAYERS)
+        for name in ("num_key_value_heads", "head_dim"):       # 0 and null: the default
+            integer(name, getattr(self, name), 0, optional=True)
+        for name in ("intermediate_size", "num_experts", "num_local_experts",
+                     "num_experts_per_tok", "moe_intermediate_size"):
+            integer(name, getattr(self, name), 0)
+        integer("vocab_size", self.vocab_size, 0)          # 0: unset (the loader checks it)
+        integer("max_position_embeddings", self.max_position_embeddings, 1, _MAX_POSITIONS)
+        integer("decoder_sparse_step", self.decoder_sparse_step, 1)
+        number("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0)
+        number("rope_theta", self.rope_theta, *_ROPE_RANGE, optional=True)
+        number("partial_rotary_factor", self.partial_rotary_factor, 0.0, 1.0 + 1e-9)
+        if not isinstance(self.hidden_act, str):
+            bad("hidden_act", self.hidden_act, "expected a string")
+        for name in ("rope_scaling", "rope_parameters", "vision_config"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, dict):
+                bad(name, v, "expected a JSON object")
+        for name in ("sliding_window", "max_window_layers", "bos_token_id", "image_token_id",
+                     "vision_start_token_id"):
+            integer(name, getattr(self, name), 0, optional=True)
+        eos = self.eos_token_id
+        for t in (eos if isinstance(eos, list) else [eos]):
+            integer("eos_token_id", t, 0, optional=True)
+        if self.layer_types is not None and (not isinstance(self.layer_types, list) or any(
+                not isinstance(t, str) for t in self.layer_types)):
+            bad("layer_types", self.layer_types, "expected a list of strings")
+        layers = self.mlp_only_layers or []
+        if not isinstance(layers, list) or any(type(i) is not int for i in layers):
+            bad("mlp_only_layers", layers, "expected a list of layer indices")
+        n_exp = self.num_experts or self.num_local_experts
+        if self.model_type.endswith("_moe") and n_exp:
+            if not 1 <= self.num_experts_per_tok <= n_exp:
+                bad("num_experts_per_tok", self.num_experts_per_tok, f"must be in 1..{n_exp}")
+            integer("moe_intermediate_size", self.moe_intermediate_size, 1)
+        if self.num_key_value_heads and self.num_key_value_heads > self.num_attention_heads:
+            bad("num_key_value_heads", self.num_key_value_heads,
+                f"more than num_attention_heads={self.num_attention_heads}")
 
     def _refuse_ignored(self) -> None:
         """Refuse what transformers would compute for this model_type and Kestrel would not.
@@ -84,7 +153,7 @@ class Config:
         Fields transformers itself ignores for a model_type (mlp_bias on qwen2, say) stay ignored.
         """
         def refuse(field_name, value, why):
-            raise KestrelError(f"{field_name}={json.dumps(value)} is not supported for "
+            raise KestrelError(f"{field_name}={_show(value)} is not supported for "
                                f"{self.model_type} ({why})")
         if self.hidden_act not in ("silu", "swish"):
             refuse("hidden_act", self.hidden_act, "only silu")
@@ -100,11 +169,20 @@ class Config:
         if factor != 1.0:
             refuse("partial_rotary_factor", factor, "RoPE over the whole head only")
         p = self.rope
-        if p["rope_type"] not in _ROPE_KEYS:
+        if not isinstance(p["rope_type"], str) or p["rope_type"] not in _ROPE_KEYS:
             refuse("rope_type", p["rope_type"], f"supported: {', '.join(_ROPE_KEYS)}")
         for key in _ROPE_KEYS[p["rope_type"]] + ("rope_theta",):
-            if not isinstance(p.get(key), (int, float)) or isinstance(p.get(key), bool):
-                refuse(f"rope {key}", p.get(key), f"rope_type {p['rope_type']} needs a number")
+            v = p.get(key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                refuse(f"rope {key}", v, f"rope_type {p['rope_type']} needs a number")
+            lo, hi = _ROPE_RANGE
+            if not (math.isfinite(v) and lo < v < hi):
+                raise KestrelError(f"rope {key}={_show(v)} is invalid (must be a finite "
+                                   f"number in ({lo:g}, {hi:g}))")
+        if p["rope_type"] == "llama3" and p["high_freq_factor"] <= p["low_freq_factor"]:
+            raise KestrelError(f"rope high_freq_factor={_show(p['high_freq_factor'])} is invalid "
+                               f"(must be more than low_freq_factor="
+                               f"{_show(p['low_freq_factor'])})")
 
     def _sliding_layers(self) -> tuple[str, object] | None:
         """(field, value) that turns sliding-window attention on for some layer, as transformers reads it."""
@@ -159,6 +237,24 @@ class Config:
             medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
             return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
         raise KestrelError(f"unsupported rope_type {kind!r} (supported: {', '.join(_ROPE_KEYS)})")
+
+
+# bounds on what a config may claim: far above any published model, far below what would
+# overflow an allocation (a context of 16M positions: Llama 4 Scout has 10M)
+_MAX_SIZE = 1 << 31
+_MAX_LAYERS = 1 << 16
+_MAX_POSITIONS = 1 << 24
+# RoPE's base and scaling numbers: outside this range float32 frequencies overflow to inf or 0
+_ROPE_RANGE = (1e-4, 1e15)
+
+
+def _show(value) -> str:
+    """A config value as JSON, cut to 60 characters (a hostile file may hold anything)."""
+    try:
+        s = json.dumps(value)
+    except (TypeError, ValueError):
+        s = repr(value)
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 # rope_type -> the keys its inverse frequencies need (besides rope_theta)

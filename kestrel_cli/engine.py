@@ -250,6 +250,9 @@ class Engine:
         return logits, n
 
     def _check_fits(self, ids) -> None:
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            raise KestrelError(f"token id out of range [0, {self.config.vocab_size}): "
+                               f"min {min(ids)}, max {max(ids)}")
         if len(ids) > self.ctx_size:
             extra = ""
             if isinstance(ids, VisionPrompt) and ids.images:

@@ -18,7 +18,6 @@ import base64
 import binascii
 import hashlib
 import io
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -29,6 +28,9 @@ import numpy as np
 from .errors import KestrelError
 
 MAX_DECODE_PIXELS = 10_000 * 10_000      # refuse larger files before decoding them
+MAX_TEXT_CHUNK = 1 << 20                  # PNG text chunks: one, and all of them together
+MAX_TEXT_MEMORY = 8 << 20
+MAX_PATCH = 1024                          # patch, temporal patch and merge sizes
 
 
 @dataclass
@@ -52,33 +54,62 @@ class ImageConfig:
         published Qwen3-VL values with the patch sizes of the vision config."""
         cfg = cls()
         vision = vision or {}
-        cfg.patch_size = int(vision.get("patch_size", cfg.patch_size))
-        cfg.temporal_patch_size = int(vision.get("temporal_patch_size", cfg.temporal_patch_size))
-        cfg.merge_size = int(vision.get("spatial_merge_size", cfg.merge_size))
+        cfg.patch_size = vision.get("patch_size", cfg.patch_size)
+        cfg.temporal_patch_size = vision.get("temporal_patch_size", cfg.temporal_patch_size)
+        cfg.merge_size = vision.get("spatial_merge_size", cfg.merge_size)
         f = Path(path) / "preprocessor_config.json" if path is not None else None
         if f is None or not f.is_file():
+            cfg.check("vision_config")
             return cfg
-        try:
-            raw = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise KestrelError(f"{f}: not valid JSON ({e})") from None
+        from .loader import read_json_object
+        raw = read_json_object(f, 1 << 20)
         size = raw.get("size") or {}
-        cfg.min_pixels = int(raw.get("min_pixels", size.get("shortest_edge", cfg.min_pixels)))
-        cfg.max_pixels = int(raw.get("max_pixels", size.get("longest_edge", cfg.max_pixels)))
+        if not isinstance(size, dict):
+            raise KestrelError(f"{f}: size={str(size)[:40]} is invalid (expected an object)")
+        cfg.min_pixels = raw.get("min_pixels", size.get("shortest_edge", cfg.min_pixels))
+        cfg.max_pixels = raw.get("max_pixels", size.get("longest_edge", cfg.max_pixels))
         for k in ("patch_size", "temporal_patch_size", "merge_size"):
             if k in raw:
-                setattr(cfg, k, int(raw[k]))
+                setattr(cfg, k, raw[k])
         for k in ("image_mean", "image_std"):
             if k in raw:
                 v = raw[k]
-                setattr(cfg, k, tuple(v) if isinstance(v, (list, tuple)) else (v,) * 3)
+                setattr(cfg, k, tuple(v) if isinstance(v, list) else (v,) * 3)
         for k in ("rescale_factor", "do_resize", "do_rescale", "do_normalize"):
             if k in raw:
                 setattr(cfg, k, raw[k])
         resample = raw.get("resample", 3)
         if resample != 3:
             raise KestrelError(f"{f}: resample={resample} is not supported (only 3, bicubic)")
+        cfg.check(f)
         return cfg
+
+    def check(self, source) -> None:
+        """Every size and constant in range (a zero patch size divides by zero, a huge one
+        allocates without bound): one KestrelError naming `source` and the field."""
+        def bad(name, why):
+            v = getattr(self, name)
+            raise KestrelError(f"{source}: {name}={str(v)[:40]} is invalid ({why})")
+        for name in ("patch_size", "temporal_patch_size", "merge_size"):
+            v = getattr(self, name)
+            if type(v) is not int or not 1 <= v <= MAX_PATCH:
+                bad(name, f"an integer in 1..{MAX_PATCH}")
+        for name in ("min_pixels", "max_pixels"):
+            v = getattr(self, name)
+            if type(v) is not int or not 1 <= v <= MAX_DECODE_PIXELS:
+                bad(name, f"an integer in 1..{MAX_DECODE_PIXELS}")
+        if self.min_pixels > self.max_pixels:
+            bad("min_pixels", f"more than max_pixels={self.max_pixels}")
+        for name in ("image_mean", "image_std"):
+            v = getattr(self, name)
+            if (len(v) != 3 or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                   or not math.isfinite(x) for x in v)):
+                bad(name, "three finite numbers")
+        if 0 in self.image_std:
+            bad("image_std", "a zero divides by zero")
+        r = self.rescale_factor
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+            bad("rescale_factor", "a finite number")
 
     @property
     def factor(self) -> int:
@@ -89,6 +120,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
                  ) -> tuple[int, int]:
     """transformers' smart_resize: (h, w) multiples of factor, pixels within the bounds,
     aspect ratio kept as closely as possible."""
+    if height < 1 or width < 1:
+        raise KestrelError(f"image of {width}x{height} pixels is empty")
     if max(height, width) / min(height, width) > 200:
         raise KestrelError(f"image aspect ratio {max(height, width) / min(height, width):.0f} "
                            f"is over 200")
@@ -121,9 +154,16 @@ class ImageInput:
 
 def _pil():
     try:
-        from PIL import Image, ImageOps
+        from PIL import Image, ImageFile, ImageOps, PngImagePlugin
     except ImportError:
         raise KestrelError("image input needs Pillow: pip install pillow") from None
+    # Pillow's limits, set here rather than trusted as defaults: a file over MAX_DECODE_PIXELS
+    # is refused from its header (DecompressionBombWarning made an error below), a truncated
+    # file is an error (not padded with grey), PNG text chunks are bounded
+    Image.MAX_IMAGE_PIXELS = MAX_DECODE_PIXELS
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    PngImagePlugin.MAX_TEXT_CHUNK = MAX_TEXT_CHUNK
+    PngImagePlugin.MAX_TEXT_MEMORY = MAX_TEXT_MEMORY
     return Image, ImageOps
 
 
@@ -170,17 +210,25 @@ def load_image(src):
     else:
         raise KestrelError(f"image must be a path, bytes, a data: URL or a PIL image, got "
                            f"{type(src).__name__}")
+    import warnings
     try:
-        img = Image.open(fp)                     # reads the header only
-        if img.size[0] * img.size[1] > MAX_DECODE_PIXELS:
-            raise Image.DecompressionBombError
-        img = ImageOps.exif_transpose(img)
-        return img.convert("RGB")
-    except Image.DecompressionBombError:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(fp)                     # reads the header only
+            if img.size[0] * img.size[1] > MAX_DECODE_PIXELS:
+                raise Image.DecompressionBombError
+            if img.size[0] < 1 or img.size[1] < 1:
+                raise ValueError(f"{img.size[0]}x{img.size[1]} pixels")
+            img = ImageOps.exif_transpose(img)
+            return img.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise KestrelError(f"{_describe(src)}: too large (more than {MAX_DECODE_PIXELS} "
                            f"pixels)") from None
-    except (OSError, ValueError, SyntaxError) as e:
-        raise KestrelError(f"{_describe(src)}: not a readable image ({e})") from None
+    except MemoryError:
+        raise KestrelError(f"{_describe(src)}: too large to decode (out of memory)") from None
+    except Exception as e:     # a foreign file meets Pillow's decoders: any of their errors
+        raise KestrelError(f"{_describe(src)}: not a readable image "
+                           f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
 
 
 def preprocess(img, cfg: ImageConfig) -> ImageInput:

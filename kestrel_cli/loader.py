@@ -137,6 +137,8 @@ def _read_header(path: Path, size: int) -> tuple[dict, int]:
             header = json.loads(f.read(n).decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad(f"corrupt JSON header: {e}") from None
+    except RecursionError:
+        raise bad("corrupt JSON header: nested too deeply") from None
     except OSError as e:
         raise KestrelError(f"{path.name}: cannot read ({e.strerror})") from None
     if not isinstance(header, dict):
@@ -166,10 +168,12 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
     data_size = size - 8 - n
     mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(data_size,)) \
         if data_size > 0 else np.zeros(0, np.uint8)
+    extents = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         dtype, shape, b, e = _tensor_entry(path, name, info, data_size)
+        extents.append((b, e, name))
         if dtype not in _ST_DTYPES:
             # kept so a missing-tensor error stays precise; used only if a model asks for it
             store.add(name, "unsupported:" + dtype, mm[b:e], shape, path.name)
@@ -184,6 +188,19 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
             arr = arr.copy()            # an unaligned tensor (rare writers): the kernels need alignment
         arr = arr.view(np_dtype)
         store.add(name, fmt, arr.reshape(shape) if len(shape) != 1 else arr, shape, path.name)
+    _refuse_overlaps(path, extents)
+
+
+def _refuse_overlaps(path: Path, extents: list[tuple[int, int, str]]) -> None:
+    """Two tensors sharing bytes are a corrupt (or crafted) header: writing one would change
+    the other, and the file claims more data than it holds."""
+    end, last = 0, None
+    for b, e, name in sorted(extents):
+        if b < end and e > b:
+            raise KestrelError(f"{path.name}: tensor {name!r} (bytes {b}..{e}) overlaps tensor "
+                               f"{last!r} (to byte {end}); the header is corrupt")
+        if e > end:
+            end, last = e, name
 
 
 def _inside(target: Path, root: Path) -> bool:
@@ -210,36 +227,64 @@ def _shard_path(root: Path, name, source: Path) -> Path:
     return f
 
 
+_MAX_JSON = 64 << 20             # config.json and the shard index: a few KB / MB in practice
+
+
+def read_json_object(path: Path, limit: int = _MAX_JSON) -> dict:
+    """The JSON object in `path`, or one KestrelError naming it (too large, not UTF-8,
+    not JSON, nested too deeply, not an object)."""
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise KestrelError(f"{path}: {size} bytes, more than the {limit >> 20} MiB a "
+                               f"{path.name} may have")
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KestrelError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise KestrelError(f"{path}: not valid JSON (nested too deeply)") from None
+    except OSError as e:
+        raise KestrelError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not isinstance(raw, dict):
+        raise KestrelError(f"{path}: expected a JSON object")
+    return raw
+
+
 def _load_hf_dir(path: Path):
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise KestrelError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KestrelError(f"{cfg_path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise KestrelError(f"{cfg_path}: expected a JSON object")
+    raw = read_json_object(cfg_path)
+    store = TensorStore()
+    for f in shard_files(path):
+        _open_safetensors(f, store)
+    from .tokenizer import Tokenizer
+    return raw, store, Tokenizer.from_dir(path)
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, as its model.safetensors.index.json
+    names them (or all *.safetensors without one): plain names of existing files inside it."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = list(dict.fromkeys(weight_map.values()))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
-            raise KestrelError(f"{index}: corrupt safetensors index") from None
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise KestrelError(f"{index}: corrupt safetensors index (weight_map must be a "
+                               f"non-empty object of tensor name -> shard file)")
+        for v in weight_map.values():
+            if not isinstance(v, str):
+                raise KestrelError(f"{index}: shard {_short(v)} is not a plain file name in {path}")
+        names = list(dict.fromkeys(weight_map.values()))
         source = index
     else:
         names, source = sorted(p.name for p in path.glob("*.safetensors")), path
     if not names:
         raise KestrelError(f"{path}: no *.safetensors weights found")
-    files = [_shard_path(path, name, source) for name in names]
-    store = TensorStore()
-    for f in sorted(files):
+    files = sorted(_shard_path(path, name, source) for name in names)
+    for f in files:
         if not f.is_file():
-            raise KestrelError(f"{index}: shard {f.name} named in the index is missing")
-        _open_safetensors(f, store)
-    from .tokenizer import Tokenizer
-    return raw, store, Tokenizer.from_dir(path)
+            raise KestrelError(f"{index}: shard {f.name!r} named in the index is missing")
+    return files
 
 
 # ---------------------------------------------------------------- GGUF
@@ -278,7 +323,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _gguf_moe(path: Path, arch: str, field, reader, raw: dict) -> None:
+def _gguf_moe(path: Path, arch: str, number, field, reader, raw: dict) -> None:
     """The MoE keys of a qwen3moe file into `raw`, checked against its stacked expert tensors.
 
     llama.cpp's qwen3moe: every layer is sparse, softmax router, top-k weights renormalised
@@ -287,17 +332,18 @@ def _gguf_moe(path: Path, arch: str, field, reader, raw: dict) -> None:
     """
     def bad(why):
         return KestrelError(f"{path.name}: inconsistent MoE metadata: {why}")
-    n_exp, n_used = field(f"{arch}.expert_count"), field(f"{arch}.expert_used_count")
+    n_exp, n_used = number(f"{arch}.expert_count"), number(f"{arch}.expert_used_count")
     if n_exp is None or n_used is None:
         raise bad(f"{arch}.expert_count and {arch}.expert_used_count are required")
-    n_exp, n_used = int(n_exp), int(n_used)
     if n_exp < 1 or not 1 <= n_used <= n_exp:
         raise bad(f"{arch}.expert_used_count={n_used} must be in 1..{arch}.expert_count={n_exp}")
     ff = field(f"{arch}.expert_feed_forward_length")
     if isinstance(ff, list):                   # per-layer form: one length only
         if len(set(ff)) != 1:
-            raise bad(f"{arch}.expert_feed_forward_length differs across layers: {ff}")
+            raise bad(f"{arch}.expert_feed_forward_length differs across layers: {_short(ff)}")
         ff = ff[0]
+    if ff is not None and (type(ff) is not int or ff < 1):
+        raise bad(f"{arch}.expert_feed_forward_length={_short(ff)} is not a positive integer")
     scale = field(f"{arch}.expert_weights_scale")
     if scale not in (None, 0.0, 1.0):            # llama.cpp: 0 means unset
         raise bad(f"{arch}.expert_weights_scale={scale} is not supported")
@@ -357,21 +403,21 @@ def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
         raw.reshape(n_head, d // n_head // 2, 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape))
 
 
-def _gguf_refuse_ignored(path: Path, arch: str, field, raw: dict) -> None:
+def _gguf_refuse_ignored(path: Path, arch: str, number, field, raw: dict) -> None:
     """Carry the GGUF keys that change the computation into `raw` (Config refuses what it cannot
     run), or refuse them here: partial RoPE, RoPE scaling, a value head size unlike the key's."""
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    value_len = field(f"{arch}.attention.value_length")
-    if value_len is not None and int(value_len) != head_dim:
-        raise KestrelError(f"{path.name}: {arch}.attention.value_length={int(value_len)} differs "
+    value_len = number(f"{arch}.attention.value_length")
+    if value_len is not None and value_len != head_dim:
+        raise KestrelError(f"{path.name}: {arch}.attention.value_length={value_len} differs "
                            f"from the key length {head_dim}; not supported")
-    rope_dim = field(f"{arch}.rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
-        raw["partial_rotary_factor"] = int(rope_dim) / head_dim
+    rope_dim = number(f"{arch}.rope.dimension_count")
+    if rope_dim is not None and rope_dim != head_dim:
+        raw["partial_rotary_factor"] = rope_dim / head_dim
     scaling = field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raw["rope_scaling"] = {"rope_type": scaling,
-                               "factor": field(f"{arch}.rope.scaling.factor")}
+                               "factor": number(f"{arch}.rope.scaling.factor", kind=float)}
 
 
 def _gguf_reader(path: Path):
@@ -428,6 +474,8 @@ def _gguf_reader(path: Path):
 
 
 def _load_gguf(path: Path):
+    from .gguf_check import check_gguf
+    check_gguf(path)                    # every count, length and extent, before the gguf package
     try:
         reader = _gguf_reader(path)
     except Exception as e:  # the gguf package raises bare ValueError/struct errors
@@ -435,48 +483,70 @@ def _load_gguf(path: Path):
 
     def field(key, default=None):
         f = reader.fields.get(key)
-        return f.contents() if f is not None else default
+        if f is None:
+            return default
+        try:
+            return f.contents()
+        except Exception as e:       # a value the gguf package cannot decode (bad UTF-8, say)
+            raise KestrelError(f"{path.name}: metadata {key} is unreadable ({e})") from None
+
+    def number(key, default=None, kind=int):
+        """An integer (kind=int) or a finite float metadata value, or one KestrelError."""
+        v = field(key, default)
+        if v is None:
+            return None
+        ok = (type(v) is int if kind is int else
+              isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+        if not ok:
+            what = "an integer" if kind is int else "a finite number"
+            raise KestrelError(f"{path.name}: metadata {key}={_short(v)} is not {what}")
+        return kind(v)
 
     arch = field("general.architecture")
-    if arch not in _GGUF_ARCH:
+    if not isinstance(arch, str) or arch not in _GGUF_ARCH:
         raise KestrelError(f"{path.name}: unsupported GGUF architecture {arch!r} "
                            f"(supported: {', '.join(_GGUF_ARCH)})")
     moe = arch in _GGUF_MOE
 
-    def need(key, default=None):
-        v = field(f"{arch}.{key}", default)
+    def need(key, default=None, kind=int):
+        v = number(f"{arch}.{key}", default, kind)
         if v is None:
             raise KestrelError(f"{path.name}: lacks the GGUF metadata key {arch}.{key}")
         return v
-    n_head = int(need("attention.head_count"))
-    n_kv = int(field(f"{arch}.attention.head_count_kv", n_head))
-    hidden = int(need("embedding_length"))
+    n_head = need("attention.head_count")
+    n_kv = number(f"{arch}.attention.head_count_kv", n_head)
+    hidden = need("embedding_length")
     tok_field = reader.fields.get("tokenizer.ggml.tokens")
     raw = {
         "model_type": _GGUF_ARCH[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": int(need("block_count")),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv,
         # qwen3moe: the (unused) dense size, 0 when absent
-        "intermediate_size": int(need("feed_forward_length", 0 if moe else None)),
-        "max_position_embeddings": int(field(f"{arch}.context_length", 4096)),
-        "rms_norm_eps": float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(field(f"{arch}.rope.freq_base", 10000.0)),
+        "intermediate_size": need("feed_forward_length", 0 if moe else None),
+        "max_position_embeddings": number(f"{arch}.context_length", 4096),
+        "rms_norm_eps": number(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6, float),
+        "rope_theta": number(f"{arch}.rope.freq_base", 10000.0, float),
         "vocab_size": len(tok_field.data) if tok_field is not None else 0,
     }
-    key_len = field(f"{arch}.attention.key_length")
+    key_len = number(f"{arch}.attention.key_length")
     if key_len is not None:
-        raw["head_dim"] = int(key_len)
-    _gguf_refuse_ignored(path, arch, field, raw)
+        raw["head_dim"] = key_len
+    # the sizes in range before anything is computed from them (config_of names the file)
+    config_of(dict(raw, model_type="llama"), path)
+    _gguf_refuse_ignored(path, arch, number, field, raw)
     if moe:
-        _gguf_moe(path, arch, field, reader, raw)
+        _gguf_moe(path, arch, number, field, reader, raw)
     store = TensorStore()
     qtypes = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
               "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_k", "Q3_K": "q3_k",
               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl",
               "IQ4_XS": "iq4_xs"}
+    from .gguf_check import printable
     for t in reader.tensors:
+        if not t.name.isprintable():
+            raise KestrelError(f"{path.name}: tensor {printable(t.name)} is not a tensor name")
         name = _hf_name(t.name)
         if name is None:
             why = " (Llama 3.1 RoPE frequency factors)" if t.name == "rope_freqs.weight" else ""
@@ -494,18 +564,33 @@ def _load_gguf(path: Path):
         elif fmt == "f16":
             data = data.view(np.uint16)
         if "*" in name:
+            if not moe or len(shape) != 3:
+                raise KestrelError(f"{path.name}: tensor {t.name} has shape {list(shape)}; "
+                                   f"stacked experts are 3-D, in a MoE architecture only")
             _add_experts(store, name, fmt, data, shape, path.name)
             continue
         if len(shape) == 2:
             data = data.reshape(shape[0], -1)
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                data = _unpermute_rows(data, n_head if "q_proj" in name else n_kv)
+                heads = n_head if "q_proj" in name else n_kv
+                if shape[0] % (2 * heads):
+                    raise KestrelError(f"{path.name}: tensor {t.name} has {shape[0]} rows, not "
+                                       f"{heads} heads of an even size")
+                data = _unpermute_rows(data, heads)
         store.add(name, fmt, data, shape, path.name)
     raw["tie_word_embeddings"] = "lm_head.weight" not in store
     from .tokenizer import Tokenizer
-    tok = Tokenizer.from_gguf(reader)
+    try:
+        tok = Tokenizer.from_gguf(reader)
+    except KestrelError as e:
+        raise KestrelError(f"{path.name}: {e}") from None
     raw["eos_token_id"] = sorted(tok.eos_token_ids)
     return raw, store, tok
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def _has_gguf_magic(p: Path) -> bool:
@@ -524,15 +609,21 @@ def open_checkpoint(path) -> tuple[Config, TensorStore, "object", Path]:
         raw, store, tok = _load_gguf(p)
     else:
         raise KestrelError(f"{p}: expected a checkpoint directory or a .gguf file")
-    return config_of(raw, p / "config.json" if p.is_dir() else p), store, tok, p
+    source = p / "config.json" if p.is_dir() else p
+    cfg = config_of(raw, source)
+    n_ids = tok.id_limit
+    if cfg.vocab_size < n_ids:
+        raise KestrelError(f"{source}: vocab_size={cfg.vocab_size} is smaller than the "
+                           f"tokenizer's {n_ids} token ids (ids past the embedding's rows)")
+    return cfg, store, tok, p
 
 
 def config_of(raw: dict, source: Path) -> Config:
     """The Config of a checkpoint's raw config (config.json or the GGUF's metadata read as
     one); an unknown architecture or a bad value is one KestrelError naming `source`."""
     from .models import resolve
-    resolve(raw.get("model_type"))          # unknown architectures fail before Config
     try:
+        resolve(raw.get("model_type"))          # unknown architectures fail before Config
         return Config.from_hf(raw)
     except TypeError as e:
         raise KestrelError(f"{source}: a value of the wrong type ({e})") from None

@@ -5,6 +5,7 @@ top-k, top-p, min-p on the temperature-scaled distribution, then a seeded draw.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import numpy as np
@@ -13,6 +14,10 @@ from .errors import KestrelError
 
 
 def check_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+    for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p),
+                    ("repeat_penalty", repeat_penalty)):
+        if not math.isfinite(v):
+            raise KestrelError(f"{name} must be a finite number, got {v}")
     if temperature < 0:
         raise KestrelError(f"temperature must be >= 0, got {temperature}")
     if top_k < 0:
@@ -38,6 +43,9 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int | None = None) -> Callable[[np.ndarray], int]:
     """A function logits (V,) -> token id."""
     check_params(temperature, top_k, top_p, min_p)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or not 0 <= seed < 1 << 64):
+        raise KestrelError(f"seed must be an integer in 0..2^64-1, got {seed!r}")
     if temperature == 0:
         return lambda logits: int(np.argmax(logits))
     rng = np.random.default_rng(seed)

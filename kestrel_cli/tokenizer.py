@@ -699,6 +699,12 @@ class Tokenizer:
         (and EOS) when the model asks for it."""
         if not isinstance(text, str):
             raise KestrelError(f"encode expects a string, got {type(text).__name__}")
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:   # a lone surrogate: the tokenizer would raise TypeError
+                raise KestrelError(f"text is not valid Unicode (a lone surrogate at character "
+                                   f"{e.start})") from None
         # encode_batch lets go of the GIL while it works (encode does not): a long prompt tokenised in a
         # worker thread leaves the server's event loop running
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -727,6 +733,11 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    @property
+    def id_limit(self) -> int:
+        """One more than the largest id the tokenizer can produce (added tokens included)."""
+        return max(self._backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
     def max_text_chars(self, n_tokens: int) -> int:
         """More characters than any text of `n_tokens` tokens has: lets a caller refuse a text too long for a
@@ -1022,6 +1033,8 @@ def _read_json(path: Path) -> dict:
         data = json.loads(_read_text(path))
     except json.JSONDecodeError as e:
         raise KestrelError(f"{path}: corrupt {path.name} ({e})") from None
+    except RecursionError:
+        raise KestrelError(f"{path}: corrupt {path.name} (nested too deeply)") from None
     if not isinstance(data, dict):
         raise KestrelError(f"{path}: corrupt {path.name} (expected a JSON object)")
     return data

@@ -79,5 +79,5 @@ def test_truncated_string_array(tmp_path):
     w.close()
     data = path.read_bytes()
     path.write_bytes(data[:len(data) - 5000])
-    with pytest.raises(KestrelError, match=r"^cut.gguf: not a readable GGUF file"):
+    with pytest.raises(KestrelError, match=r"^cut.gguf: not a valid GGUF file: tokenizer.ggml.tokens"):
         Engine.from_pretrained(path, threads=1)

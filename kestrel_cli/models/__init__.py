@@ -17,7 +17,7 @@ ARCHITECTURES = {
 
 def resolve(model_type):
     """The module for `model_type`; unknown types name the supported ones."""
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise KestrelError(f"unknown model_type {model_type!r}; supported: "
                            f"{', '.join(sorted(ARCHITECTURES))}")
     return importlib.import_module(f"{__name__}.{ARCHITECTURES[model_type]}")
