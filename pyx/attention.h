@@ -46,10 +46,10 @@
  * converted exactly on every variant (F16C under avx2), so the conversion adds no
  * difference of its own. */
 #define KA_DECODE_A_ARGS const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads, \
-    ptrdiff_t n_ctx, float scale, int mode, int k, int n_probe, const int32_t *imp_order, \
-    ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel
+    ptrdiff_t n_ctx, float scale, int mode, int k, int sopt, int n_probe, \
+    const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel
 #define KA_PREFILL_ARGS const ka_kv *kv, const float *q, ptrdiff_t ldq, ptrdiff_t T, \
-    ptrdiff_t n_heads, ptrdiff_t pos0, float scale, int k, int n_probe, \
+    ptrdiff_t n_heads, ptrdiff_t pos0, float scale, int k, int sopt, int n_probe, \
     const int32_t *imp_order, ptrdiff_t n_order, ptrdiff_t u, ka_ws *ws, float *imp, \
     int32_t *sel, float *out, ptrdiff_t ldo
 
@@ -60,7 +60,7 @@
     {                                                                                    \
         ka_kv kv2 = *kv;                                                                 \
         kv2.f16c = (F16C);                                                               \
-        ka_decode_a(&kv2, q, u, n_heads, n_ctx, scale, mode, k, n_probe, imp_order,      \
+        ka_decode_a(&kv2, q, u, n_heads, n_ctx, scale, mode, k, sopt, n_probe, imp_order,\
                     n_order, ws, tab, sel);                                              \
     }
 
@@ -81,14 +81,14 @@ static const ka_decode_a_fn ka_decode_a_tab[KF_N_ISA] = {
 
 static inline void ka_decode_a_run(KA_DECODE_A_ARGS)
 {
-    ka_decode_a_tab[kf_isa](kv, q, u, n_heads, n_ctx, scale, mode, k, n_probe, imp_order,
-                            n_order, ws, tab, sel);
+    ka_decode_a_tab[kf_isa](kv, q, u, n_heads, n_ctx, scale, mode, k, sopt, n_probe,
+                            imp_order, n_order, ws, tab, sel);
 }
 
 static void ka_prefill_unit_run(KA_PREFILL_ARGS)
 {
-    ka_prefill_unit(kv, q, ldq, T, n_heads, pos0, scale, k, n_probe, imp_order, n_order, u, ws,
-                    imp, sel, out, ldo);
+    ka_prefill_unit(kv, q, ldq, T, n_heads, pos0, scale, k, sopt, n_probe, imp_order, n_order,
+                    u, ws, imp, sel, out, ldo);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
