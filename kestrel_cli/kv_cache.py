@@ -151,6 +151,7 @@ class KVCache:
         # int8 cache, float32 otherwise), kept up to date by write()
         self.bounds = self.bound_scales = None
         self._bcap = cap
+        self._use_bounds = False                       # attend reads the bounds
         self._bnd: list = [None] * n_layers            # per layer: flat uint8 view
         self._bsc: list = [None] * n_layers            # per layer: flat float32 scales
         if spec.sparse_k and spec.sparse_probe == "bound":
@@ -162,6 +163,7 @@ class KVCache:
             for layer in range(n_layers):
                 self._bnd[layer] = self.bounds[layer].reshape(-1).view(np.uint8)
                 self._bsc[layer] = self.bound_scales[layer].reshape(-1)
+            self._use_bounds = True
 
     @property
     def n_blocks(self) -> int:
@@ -264,7 +266,8 @@ class KVCache:
                                          self.head_dim, pos0, self.scale, out, self.threads,
                                          self.kv_kind, k, self.sparse_probes, order,
                                          sel, self._dec_tab, self.sparse_opts,
-                                         self._bnd[layer], self._bsc[layer], self._bcap)
+                                         self._bnd[layer] if self._use_bounds else None,
+                                         self._bsc[layer], self._bcap)
         if self._slots is None:
             self._slots = np.zeros((K.SLOTS, self.max_tokens), dtype=np.float32)
         K.attention(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads, self.head_dim, pos0,
@@ -273,13 +276,32 @@ class KVCache:
                     sparse_probes=self.sparse_probes, imp_order=order,
                     importance=self.importance[layer], imp_slots=self._slots, sel=sel,
                     sparse_opts=self.sparse_opts,
-                    bounds=None if self.bounds is None else self.bounds[layer],
-                    bound_scales=None if self.bounds is None else self.bound_scales[layer],
+                    bounds=self.bounds[layer] if self._use_bounds else None,
+                    bound_scales=self.bound_scales[layer] if self._use_bounds else None,
                     bound_cap=self._bcap)
         self._imp_end = max(self._imp_end, pos0 + T)
         self._has_imp[layer] = True
         self._order[layer] = None
         return out
+
+    def respec(self, spec: CacheSpec) -> None:
+        """Read this cache's contents from now on with another spec's attention settings
+        (sparse_k and the selection options): the value type must be the same, and the
+        bound probe needs a cache made with it (its bounds are kept from the first write).
+        scripts/sparse_eval.py compares settings over one prefill this way."""
+        if spec.dtype != self.spec.dtype:
+            raise KestrelError(f"respec: the cache holds {self.spec.dtype}, not {spec.dtype}")
+        if spec.sparse_k and spec.sparse_probe == "bound" and self.bounds is None:
+            raise KestrelError("respec: the bound probe needs a cache made with it")
+        bad = [x for x in spec.sparse_dense if x >= self.n_layers]
+        if bad:
+            raise KestrelError(f"dense layers {bad} out of range: the model has "
+                               f"{self.n_layers} layers")
+        self.spec = spec
+        self.sparse_k, self.sparse_probes = spec.sparse_k, spec.sparse_probes
+        self.dense = frozenset(spec.sparse_dense)
+        self.sparse_opts, self.sparse_width = spec.sparse_opts, spec.sparse_width
+        self._use_bounds = spec.sparse_k > 0 and spec.sparse_probe == "bound"
 
     def commit(self, n: int) -> None:
         self.offset += n

@@ -77,12 +77,49 @@ def run_window(model, cache, win: np.ndarray, tail: int) -> np.ndarray:
     """Logits rows 0..n-2 of a window: a prefill of its first n - tail tokens, then
     tail - 1 decode steps fed the window's tokens."""
     n = win.size
-    cut = max(2, n - tail)
+    cut = max(2, n - tail) if tail else n
     cache.reset()
     rows = [model(win[:cut], cache, all_logits=True)]
     for t in win[cut:n - 1]:
         rows.append(model(np.array([t]), cache))
     return np.concatenate(rows)[:n - 1]
+
+
+def cmd_kld_shared(a, eng, ids, spans) -> None:
+    """--shared-prefill: per window one exact prefill of all but the last D tokens (with
+    exact importance and the key bounds), then for each config and k the D - 1 decode
+    steps over it (KVCache.respec, trimmed back after each): the decode rows only."""
+    model = eng.model
+    rc = model.make_cache(a.ctx, CacheSpec())
+    base = CacheSpec(a.dtype, sparse_k=1, sparse_probe="bound", sparse_prefill=False)
+    wins = []
+    for s, e in spans:
+        win = ids[s:e]
+        cut = win.size - a.decode_tail
+        rc.reset()
+        lq = log_softmax(model(win, rc, all_logits=True, act="f32")[cut - 1:win.size - 1])
+        sc = model.make_cache(a.ctx, base)       # one per window, prefilled once
+        first = model(win[:cut], sc)             # exact prefill; its row scores token cut
+        wins.append((win, cut, lq, sc, first))
+    del rc
+    print(f"{'config (decode over an exact prefill)':<40} {'k':>3} {'kld_dec':>9} "
+          f"{'ppl_dec':>8} {'s':>5}", flush=True)
+    runs = [("exact", 0)] + [(c, int(k)) for k in a.k.split(",") for c in a.configs.split(",")]
+    for config, k in runs:
+        t0 = time.perf_counter()
+        kl, nll, n = 0.0, 0.0, 0
+        for win, cut, lq, sc, first in wins:
+            sc.trim(cut)
+            sc.respec(CacheSpec(a.dtype) if k == 0 else spec_of(config, k, a.dtype))
+            rows = [first]
+            for t in win[cut:win.size - 1]:
+                rows.append(model(np.array([t]), sc))
+            lp = log_softmax(np.concatenate(rows))
+            kl += float((np.exp(lq) * (lq - lp)).sum())
+            nll -= float(lp[np.arange(lp.shape[0]), win[cut:]].sum())
+            n += lp.shape[0]
+        print(f"{config:<40} {k:>3} {kl / n:>9.6f} {np.exp(nll / n):>8.4f} "
+              f"{time.perf_counter() - t0:>5.0f}", flush=True)
 
 
 def cmd_kld(a) -> None:
@@ -92,7 +129,11 @@ def cmd_kld(a) -> None:
                                           add_special_tokens=True), np.int64)
     spans = [(s, min(s + a.ctx, ids.size)) for s in range(0, ids.size, a.ctx)]
     spans = [(s, e) for s, e in spans if e - s > a.decode_tail + 2][:a.windows]
+    if a.shared_prefill and a.decode_tail < 1:
+        sys.exit("--shared-prefill needs --decode-tail >= 1")
     print(f"# {ids.size} tokens, windows {spans}, decode tail {a.decode_tail}", flush=True)
+    if a.shared_prefill:
+        return cmd_kld_shared(a, eng, ids, spans)
     ref = []
     rc = model.make_cache(a.ctx, CacheSpec())
     for s, e in spans:
@@ -101,22 +142,23 @@ def cmd_kld(a) -> None:
                    .astype(np.float32))
     print(f"{'config':<40} {'k':>3} {'kld_pre':>9} {'ppl_pre':>8} {'kld_dec':>9} "
           f"{'ppl_dec':>8} {'s':>5}", flush=True)
-    for config in a.configs.split(","):
-        for k in [int(x) for x in a.k.split(",")]:
+    for k in [int(x) for x in a.k.split(",")]:
+        for config in a.configs.split(","):
             t0 = time.perf_counter()
             cache = model.make_cache(a.ctx, spec_of(config, k, a.dtype))
             acc = {"pre": [0.0, 0.0, 0], "dec": [0.0, 0.0, 0]}
             for (s, e), lq in zip(spans, ref):
                 win = ids[s:e]
                 lp = log_softmax(run_window(model, cache, win, a.decode_tail))
-                cut = max(2, win.size - a.decode_tail) - 1      # first decode row
+                cut = (max(2, win.size - a.decode_tail) if a.decode_tail else win.size) - 1
                 for part, r0, r1 in (("pre", 0, cut), ("dec", cut, win.size - 1)):
                     q = lq[r0:r1].astype(np.float64)
                     acc[part][0] += float((np.exp(q) * (q - lp[r0:r1])).sum())
                     acc[part][1] -= float(lp[np.arange(r0, r1), win[r0 + 1:r1 + 1]].sum())
                     acc[part][2] += r1 - r0
-            kl = {p: v[0] / v[2] for p, v in acc.items()}
-            pp = {p: float(np.exp(v[1] / v[2])) for p, v in acc.items()}
+            kl = {p: v[0] / v[2] if v[2] else float("nan") for p, v in acc.items()}
+            pp = {p: float(np.exp(v[1] / v[2])) if v[2] else float("nan")
+                  for p, v in acc.items()}
             print(f"{config:<40} {k:>3} {kl['pre']:>9.6f} {pp['pre']:>8.4f} {kl['dec']:>9.6f} "
                   f"{pp['dec']:>8.4f} {time.perf_counter() - t0:>5.0f}", flush=True)
 
@@ -140,10 +182,9 @@ def needle_prompt(n_facts: int, depth: float) -> list[dict]:
     return [{"role": "user", "content": "".join(parts)}]
 
 
-def greedy(eng, cache, ids, n: int = 24) -> str:
+def greedy(eng, cache, logits, n: int = 24) -> str:
+    """Greedy answer after a prefill whose last logits row is `logits`."""
     model, eos = eng.model, eng.tokenizer.eos_token_id
-    cache.reset()
-    logits = model(np.asarray(ids, np.int64), cache)
     out = []
     for _ in range(n):
         t = int(np.argmax(logits[-1]))
@@ -155,39 +196,54 @@ def greedy(eng, cache, ids, n: int = 24) -> str:
 
 
 def cmd_needle(a) -> None:
+    """Configs whose prefill is exact (exact, --exact-prefill presets) share one exact
+    prefill per prompt (KVCache.respec, trimmed back after each answer); the others
+    prefill on their own."""
     sizes = [int(x) for x in a.sizes.split(",")]
     ctx = max(sizes) + 512
     eng = Engine.load(a.model, LoadOptions(threads=a.threads, ctx_size=ctx))
+    model = eng.model
     ks = [int(x) for x in a.k.split(",")]
     depths = [int(x) for x in a.depths.split(",")]
     runs = [("exact", 0)] + [(c, k) for c in a.configs.split(",") for k in ks]
-    caches = {}
+    base = CacheSpec(a.dtype, sparse_k=1, sparse_probe="bound", sparse_prefill=False)
+    shared = model.make_cache(ctx, base)
+    own: dict = {}
     hits: dict = {}
     print(f"{'size':>5} {'depth':>5} {'tokens':>6} " + " ".join(
         f"{c if k == 0 else f'{c}/{k}':>14}" for c, k in runs), flush=True)
     for size in sizes:
         for depth in depths:
             n_facts = max(1, round(size / 9.4))        # about 9.4 tokens per fact
-            ids = eng.encode_prompt(needle_prompt(n_facts, depth / 100))
+            ids = np.asarray(eng.encode_prompt(needle_prompt(n_facts, depth / 100)), np.int64)
+            shared.respec(base)
+            shared.reset()
+            first = model(ids, shared)
             row = []
             for c, k in runs:
-                key = (c, k)
-                if key not in caches:
-                    caches[key] = eng.model.make_cache(
-                        ctx, CacheSpec(a.dtype) if k == 0 else spec_of(c, k, a.dtype))
-                ans = greedy(eng, caches[key], ids)
+                spec = CacheSpec(a.dtype) if k == 0 else spec_of(c, k, a.dtype)
+                if not spec.sparse_prefill or spec.sparse_k == 0:
+                    shared.trim(len(ids))
+                    shared.respec(spec)
+                    ans = greedy(eng, shared, first)
+                else:
+                    if (c, k) not in own:
+                        own[(c, k)] = model.make_cache(ctx, spec)
+                    cache = own[(c, k)]
+                    cache.reset()
+                    ans = greedy(eng, cache, model(ids, cache))
                 ok = "blue kestrel" in ans.lower()
-                hits.setdefault(key, []).append(ok)
+                hits.setdefault((c, k), []).append(ok)
                 row.append("yes" if ok else "no")
             print(f"{size:>5} {depth:>5} {len(ids):>6} " + " ".join(f"{r:>14}" for r in row),
                   flush=True)
     exact = hits[("exact", 0)]
-    print("# recall (runs recalled / runs exact recalled, of those exact recalled):")
+    print(f"# recall: recalled / runs; kept: of the {sum(exact)} exact recalled")
     for key in runs[1:]:
         got = hits[key]
         both = sum(1 for e, g in zip(exact, got) if e and g)
-        print(f"{key[0]:>20} k={key[1]:<3} {sum(got):>3}/{len(got)}  "
-              f"kept {both}/{sum(exact)} of exact's")
+        print(f"{key[0]:>40} k={key[1]:<3} {sum(got):>3}/{len(got)}  kept {both}/{sum(exact)}",
+              flush=True)
 
 
 def main(argv=None) -> None:
@@ -205,6 +261,8 @@ def main(argv=None) -> None:
     s.add_argument("-c", "--ctx", type=int, default=4096)
     s.add_argument("--decode-tail", type=int, default=256)
     s.add_argument("--windows", type=int, default=2)
+    s.add_argument("--shared-prefill", action="store_true",
+                   help="one exact prefill per window, every config's decode over it")
     s = sub.choices["needle"]
     s.add_argument("--sizes", default="1024,2048,4096")
     s.add_argument("--depths", default="10,30,50,70,90")

@@ -196,7 +196,7 @@ def test_prefill_rows_with_options(group):
 def run_layers(spec, T_pre=9 * BS + 3, n_dec=3, seed=11):
     """Outputs of 3 layers for one prefill and n_dec decode steps (same inputs per seed)."""
     rng = np.random.default_rng(seed)
-    c = KVCache(3, N_KV, HD, T_pre + n_dec, spec, threads=1)
+    c = KVCache(3, N_KV, HD, T_pre + n_dec + 4, spec, threads=1)
     outs = []
     for T in [T_pre] + [1] * n_dec:
         c.reserve(T)
@@ -272,3 +272,34 @@ def test_flags_in_help(cmd):
     for flag in ("--sparse-preset", "--sparse-sink", "--sparse-probe", "--sparse-group",
                  "--sparse-dense-first", "--sparse-dense-layers", "--exact-prefill"):
         assert flag in out, (cmd, flag)
+
+
+def test_respec_reads_the_same_contents_another_way():
+    """A cache prefilled exactly, respec'd: its decode step equals a cache made with the
+    new spec (exact here, then sparse with the bound probe)."""
+    def step(c):
+        rng = np.random.default_rng(3)
+        q = rng.standard_normal((1, N_HEADS * HD)).astype(np.float32)
+        kv = rng.standard_normal((1, N_KV * HD)).astype(np.float32)
+        c.reserve(1)
+        outs = []
+        for layer in range(3):
+            c.write(layer, kv, kv)
+            outs.append(c.attend(layer, q, np.empty_like(q)).copy())
+        c.trim(c.offset)
+        return outs
+
+    bound = CacheSpec(sparse_k=2, sparse_probe="bound", sparse_prefill=False)
+    _, c = run_layers(bound, n_dec=0)
+    _, e = run_layers(CacheSpec(), n_dec=0)
+    c.respec(CacheSpec())
+    assert all(np.array_equal(x, y) for x, y in zip(step(c), step(e)))
+    _, b = run_layers(bound, n_dec=0)
+    c.respec(bound)
+    assert all(np.array_equal(x, y) for x, y in zip(step(c), step(b)))
+    assert not np.array_equal(step(c)[0], step(e)[0])
+    with pytest.raises(KestrelError, match="holds f32"):
+        c.respec(CacheSpec("q8"))
+    plain = KVCache(1, N_KV, HD, 64, CacheSpec(sparse_k=2))
+    with pytest.raises(KestrelError, match="bound probe"):
+        plain.respec(bound)
