@@ -112,6 +112,10 @@ class EngineOptions:
     sparse_dense_layers: Annotated[Optional[str], typer.Option(
         "--sparse-dense-layers", help="Comma-separated layers that attend exactly.",
         show_default="none", rich_help_panel=_MODEL)] = None
+    sparse_window: Annotated[Optional[int], typer.Option(
+        "--sparse-window", help="Prefill importance from the prompt's last W rows only "
+        "(where the question is); 0 = all rows.", show_default="0",
+        rich_help_panel=_MODEL)] = None
     sparse_prefill: Annotated[Optional[bool], typer.Option(
         "--sparse-prefill/--exact-prefill", help="Sparse or exact prompt attention "
         "(decode is sparse either way).", show_default="sparse", rich_help_panel=_MODEL)] = None
@@ -130,6 +134,7 @@ class EngineOptions:
                            sparse_preset=self.sparse_preset, sparse_sink=self.sparse_sink,
                            sparse_probe=self.sparse_probe, sparse_group=self.sparse_group,
                            sparse_prefill=self.sparse_prefill,
+                           sparse_window=self.sparse_window,
                            sparse_dense_first=self.sparse_dense_first,
                            sparse_dense_layers=self.sparse_dense_layers)
 

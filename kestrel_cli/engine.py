@@ -50,7 +50,8 @@ class LoadOptions:
             always take float32.
         sparse_preset: a named set of the options below (`sparse.PRESETS`; implies
             sparse_attn); options given explicitly override it.
-        sparse_sink, sparse_probe, sparse_group, sparse_prefill: the selection options of
+        sparse_sink, sparse_probe, sparse_group, sparse_prefill, sparse_window: the
+            selection options of
             `CacheSpec` (None: the preset's, else the plain selection's).
         sparse_dense_first: the first N layers attend exactly; sparse_dense_layers: layer
             indices (a list or "0,5,7") that do too (together: their union).
@@ -70,6 +71,7 @@ class LoadOptions:
     sparse_probe: str | None = None
     sparse_group: str | None = None
     sparse_prefill: bool | None = None
+    sparse_window: int | None = None
     sparse_dense_first: int | None = None
     sparse_dense_layers: str | tuple | None = None
 
@@ -80,7 +82,8 @@ class LoadOptions:
             raise KestrelError(f"--sparse-preset must be one of {', '.join(PRESETS)}; "
                                f"got {self.sparse_preset!r}")
         out = dict(PRESETS.get(self.sparse_preset or "seed", {}))
-        for name in ("sparse_sink", "sparse_probe", "sparse_group", "sparse_prefill"):
+        for name in ("sparse_sink", "sparse_probe", "sparse_group", "sparse_prefill",
+                     "sparse_window"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         first = out.pop("sparse_dense_first", 0)
@@ -88,6 +91,8 @@ class LoadOptions:
             first = self.sparse_dense_first
         if first < 0:
             raise KestrelError(f"--sparse-dense-first must be >= 0, got {first}")
+        if out.get("sparse_window", 0) < 0:
+            raise KestrelError(f"--sparse-window must be >= 0, got {out['sparse_window']}")
         layers = self.sparse_dense_layers
         if isinstance(layers, str):
             try:

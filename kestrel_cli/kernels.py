@@ -350,7 +350,8 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
               importance: np.ndarray | None = None, imp_slots: np.ndarray | None = None,
               sel: np.ndarray | None = None, dec_tab: np.ndarray | None = None,
               sparse_opts: int = 0, bounds: np.ndarray | None = None,
-              bound_scales: np.ndarray | None = None, bound_cap: int = 0) -> np.ndarray:
+              bound_scales: np.ndarray | None = None, bound_cap: int = 0,
+              imp_from: int = 0) -> np.ndarray:
     """Causal GQA attention of T query rows over the block KV cache, exact or block-sparse.
 
     Block b of K (V) is a C-contiguous buffer at address k_ptrs[b] (v_ptrs[b]) holding
@@ -394,6 +395,7 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             sampled probes.
         bound_scales: float32 (n_kv_heads, bound_cap), the int8 bounds' scales.
         bound_cap: blocks per kv head in bounds.
+        imp_from: with importance, only query rows at positions >= imp_from add to it.
     Returns:
         out.
     """
@@ -473,7 +475,7 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
                          out, _threads(threads), kv_kind(bool(kv_q8), bool(kv_f16)),
                          sparse_k, sparse_probes,
                          imp_order, importance, imp_slots, sel, dec_tab, sparse_opts, bounds,
-                         bound_scales, int(bound_cap))
+                         bound_scales, int(bound_cap), int(imp_from))
     return out
 
 

@@ -59,6 +59,9 @@ class CacheSpec:
             picks, every head of the kv head attends the union.
         sparse_dense: layers that attend exactly.
         sparse_prefill: False: prefill attends exactly, only decode is sparse.
+        sparse_window: > 0: a prefill records the importance of its last sparse_window
+            rows only (the prompt's end, where the question is: SnapKV's observation
+            window); 0: of all its rows.
     """
     dtype: str = "f32"
     sparse_k: int = 0
@@ -68,6 +71,7 @@ class CacheSpec:
     sparse_group: str = "head"
     sparse_dense: tuple = ()
     sparse_prefill: bool = True
+    sparse_window: int = 0
     block: ClassVar[int] = KV_BLOCK          # tokens per block (not a choice)
 
     def __post_init__(self):
@@ -83,6 +87,8 @@ class CacheSpec:
                               ("sparse_group", self.sparse_group, GROUPS)):
             if val not in ok:
                 raise KestrelError(f"{name} must be one of {', '.join(ok)}, got {val!r}")
+        if self.sparse_window < 0:
+            raise KestrelError(f"sparse_window must be >= 0, got {self.sparse_window}")
         if any(not isinstance(x, int) or x < 0 for x in self.sparse_dense):
             raise KestrelError(f"sparse_dense: layer indices must be >= 0, got "
                                f"{self.sparse_dense}")
@@ -278,7 +284,8 @@ class KVCache:
                     sparse_opts=self.sparse_opts,
                     bounds=self.bounds[layer] if self._use_bounds else None,
                     bound_scales=self.bound_scales[layer] if self._use_bounds else None,
-                    bound_cap=self._bcap)
+                    bound_cap=self._bcap,
+                    imp_from=pos0 + T - self.spec.sparse_window if self.spec.sparse_window else 0)
         self._imp_end = max(self._imp_end, pos0 + T)
         self._has_imp[layer] = True
         self._order[layer] = None

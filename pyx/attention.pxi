@@ -22,7 +22,7 @@ cdef extern from "attention.h" nogil:
         KA_GMAX
 
     ctypedef struct ka_kv:
-        pass
+        Py_ssize_t imp_from
 
     ctypedef struct ka_ws:
         pass
@@ -108,7 +108,8 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
               const uint8_t[::1] bounds=None, # IN  (n_kv, bound_cap, 2, hd) key bounds (bound
                                               #     probe): float32, int8 with kv_kind KV_Q8
               const float[::1] bound_scales=None,  # IN (n_kv, bound_cap) int8 bounds' scales
-              Py_ssize_t bound_cap=0):
+              Py_ssize_t bound_cap=0,
+              Py_ssize_t imp_from=0):         # rows at positions < imp_from record no importance
     """out[i, h] := softmax_j(scale * q[i, h] . K[j, h // group]) @ V[:, h // group] over
     j <= pos0 + i (exact) or over the tokens of the blocks attn_select.h selects"""
     cdef Py_ssize_t T = q.shape[0], n_heads = q.shape[1] // head_dim
@@ -136,6 +137,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     if kv_kind == KA_KV_F16 and head_dim > KA_HDMAX:
         raise ValueError(f"attention: a float16 cache needs head_dim <= {KA_HDMAX}")
     ka_kv_init(&kv, &k_ptrs[0], &v_ptrs[0], kv_bs, n_kv_heads, head_dim, kv_kind)
+    kv.imp_from = imp_from
     if bounds is not None:
         if kv_kind == KA_KV_Q8 and bound_scales is None:
             raise ValueError("attention: int8 bounds need bound_scales")

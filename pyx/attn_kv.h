@@ -40,6 +40,8 @@ typedef struct {
     const uint8_t *bnd;
     const float *bsc;
     ptrdiff_t bcap;           /* blocks per kv head in bnd */
+    ptrdiff_t imp_from;       /* prefill: queries at positions below it record no
+                               * importance (0: all do) */
 } ka_kv;
 
 /* The cache's value types (ka_kv_init's `kind`; kernels.attention's kv_kind). */
@@ -74,6 +76,7 @@ static inline void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t 
     kv->bnd = NULL;
     kv->bsc = NULL;
     kv->bcap = 0;
+    kv->imp_from = 0;
 }
 
 static inline void ka_kv_bounds(ka_kv *kv, const uint8_t *bnd, const float *bsc,

@@ -20,7 +20,8 @@
 
 /* q->o := softmax(scale * q . K[t]) @ V[t] over the tokens t < q->n of blocks blk[0..nsel)
  * (ascending; blk == NULL: all blocks). Two passes: scores, then max-subtracted exp and
- * P.V. imp (NULL: off): imp[t] += the probability of each attended token. */
+ * P.V. imp (NULL: off): imp[t] += the probability of each attended token, when the
+ * query's position is >= kv->imp_from. */
 KF_INLINE void ka_attend(const ka_kv *kv, const ka_q *q, const int32_t *blk,
                          ptrdiff_t nsel, float scale, ka_ws *ws, float *imp)
 {
@@ -58,7 +59,7 @@ KF_INLINE void ka_attend(const ka_kv *kv, const ka_q *q, const int32_t *blk,
     float inv = 1.0f / l;
     for (ptrdiff_t j = 0; j < hd; j++)
         q->o[j] = acc[j] * inv;
-    if (imp != NULL) {
+    if (imp != NULL && q->n - 1 >= kv->imp_from) {
         n = 0;
         for (ptrdiff_t i = 0; i < nsel; i++) {
             ptrdiff_t b = blk != NULL ? blk[i] : i;
@@ -250,7 +251,7 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float sca
         const float inv = 1.0f / ws->l[i], *acc = ws->acc + i * hd;
         for (ptrdiff_t d = 0; d < hd; d++)
             q[i].o[d] = acc[d] * inv;
-        if (imp == NULL)
+        if (imp == NULL || q[i].n - 1 < kv->imp_from)
             continue;
         c = 0;
         for (ptrdiff_t t0 = 0; t0 < n_max; c++) {       /* the same chunks again */

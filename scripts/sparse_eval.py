@@ -48,6 +48,9 @@ CONFIGS = {
     "kv-sum": {"sparse_group": "sum"},
     "kv-union": {"sparse_group": "union"},
     "exact-prefill": {"sparse_prefill": False},
+    "win32": {"sparse_window": 32},
+    "win64": {"sparse_window": 64},
+    "win128": {"sparse_window": 128},
 }
 
 

@@ -270,7 +270,8 @@ def test_flags_in_help(cmd):
     assert r.exit_code == 0
     out = re.sub(r"\x1b\[[0-9;]*m", "", r.output)
     for flag in ("--sparse-preset", "--sparse-sink", "--sparse-probe", "--sparse-group",
-                 "--sparse-dense-first", "--sparse-dense-layers", "--exact-prefill"):
+                 "--sparse-dense-first", "--sparse-dense-layers", "--exact-prefill",
+                 "--sparse-window"):
         assert flag in out, (cmd, flag)
 
 
@@ -303,3 +304,19 @@ def test_respec_reads_the_same_contents_another_way():
     plain = KVCache(1, N_KV, HD, 64, CacheSpec(sparse_k=2))
     with pytest.raises(KestrelError, match="bound probe"):
         plain.respec(bound)
+
+
+def test_window_importance_from_the_last_rows_only():
+    """sparse_window W: a prefill's importance is the mass of its last W rows only (the
+    exact path's mass of those rows, each summing to 1 per head)."""
+    _, full = run_layers(CacheSpec(), n_dec=0)
+    _, win = run_layers(CacheSpec(sparse_k=2, sparse_prefill=False, sparse_window=40),
+                        n_dec=0)
+    mass = win.importance[0].sum()
+    np.testing.assert_allclose(mass, 40 * N_HEADS, rtol=1e-4)
+    np.testing.assert_allclose(full.importance[0].sum(), (9 * BS + 3) * N_HEADS, rtol=1e-4)
+    # rows before the window: nothing; the window's rows see every token before them
+    assert win.importance[0, :9 * BS + 3 - 40].sum() > 0
+    assert LoadOptions(sparse_attn=True, sparse_window=64).cache_spec.sparse_window == 64
+    with pytest.raises(KestrelError, match="sparse_window"):
+        CacheSpec(sparse_k=2, sparse_window=-1)
