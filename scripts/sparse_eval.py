@@ -94,16 +94,13 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
     steps over it (KVCache.respec, trimmed back after each): the decode rows only."""
     model = eng.model
     rc = model.make_cache(a.ctx, CacheSpec())
-    base = CacheSpec(a.dtype, sparse_k=1, sparse_probe="bound", sparse_prefill=False)
     wins = []
     for s, e in spans:
         win = ids[s:e]
         cut = win.size - a.decode_tail
         rc.reset()
         lq = log_softmax(model(win, rc, all_logits=True, act="f32")[cut - 1:win.size - 1])
-        sc = model.make_cache(a.ctx, base)       # one per window, prefilled once
-        first = model(win[:cut], sc)             # exact prefill; its row scores token cut
-        wins.append((win, cut, lq, sc, first))
+        wins.append((win, cut, lq, {}))
     del rc
     print(f"{'config (decode over an exact prefill)':<40} {'k':>3} {'kld_dec':>9} "
           f"{'ppl_dec':>8} {'s':>5}", flush=True)
@@ -111,9 +108,17 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
     for config, k in runs:
         t0 = time.perf_counter()
         kl, nll, n = 0.0, 0.0, 0
-        for win, cut, lq, sc, first in wins:
+        spec = CacheSpec(a.dtype) if k == 0 else spec_of(config, k, a.dtype)
+        for win, cut, lq, pre in wins:
+            w = spec.sparse_window                  # the prefill records importance so
+            if w not in pre:                        # one exact prefill per window size
+                sc = model.make_cache(a.ctx, CacheSpec(a.dtype, sparse_k=1,
+                                                       sparse_probe="bound",
+                                                       sparse_prefill=False, sparse_window=w))
+                pre[w] = (sc, model(win[:cut], sc))
+            sc, first = pre[w]
             sc.trim(cut)
-            sc.respec(CacheSpec(a.dtype) if k == 0 else spec_of(config, k, a.dtype))
+            sc.respec(spec)
             rows = [first]
             for t in win[cut:win.size - 1]:
                 rows.append(model(np.array([t]), sc))
@@ -209,8 +214,7 @@ def cmd_needle(a) -> None:
     ks = [int(x) for x in a.k.split(",")]
     depths = [int(x) for x in a.depths.split(",")]
     runs = [("exact", 0)] + [(c, k) for c in a.configs.split(",") for k in ks]
-    base = CacheSpec(a.dtype, sparse_k=1, sparse_probe="bound", sparse_prefill=False)
-    shared = model.make_cache(ctx, base)
+    shared: dict = {}          # sparse_window -> a cache with bounds, prefilled exactly
     own: dict = {}
     hits: dict = {}
     print(f"{'size':>5} {'depth':>5} {'tokens':>6} " + " ".join(
@@ -219,16 +223,24 @@ def cmd_needle(a) -> None:
         for depth in depths:
             n_facts = max(1, round(size / 9.4))        # about 9.4 tokens per fact
             ids = np.asarray(eng.encode_prompt(needle_prompt(n_facts, depth / 100)), np.int64)
-            shared.respec(base)
-            shared.reset()
-            first = model(ids, shared)
+            first: dict = {}
             row = []
             for c, k in runs:
                 spec = CacheSpec(a.dtype) if k == 0 else spec_of(c, k, a.dtype)
                 if not spec.sparse_prefill or spec.sparse_k == 0:
-                    shared.trim(len(ids))
-                    shared.respec(spec)
-                    ans = greedy(eng, shared, first)
+                    w = spec.sparse_window
+                    base = CacheSpec(a.dtype, sparse_k=1, sparse_probe="bound",
+                                     sparse_prefill=False, sparse_window=w)
+                    if w not in shared:
+                        shared[w] = model.make_cache(ctx, base)
+                    sc = shared[w]
+                    if w not in first:
+                        sc.respec(base)
+                        sc.reset()
+                        first[w] = model(ids, sc)
+                    sc.trim(len(ids))
+                    sc.respec(spec)
+                    ans = greedy(eng, sc, first[w])
                 else:
                     if (c, k) not in own:
                         own[(c, k)] = model.make_cache(ctx, spec)
