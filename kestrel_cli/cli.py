@@ -92,8 +92,7 @@ class EngineOptions:
         rich_help_panel=_MODEL)] = 8
     sparse_preset: Annotated[Optional[str], typer.Option(
         "--sparse-preset", help="Named sparse options, implies --sparse-attn: 'quality' = "
-        "--sparse-sink out --sparse-probe bound --sparse-group max --exact-prefill "
-        "--sparse-dense-first 2; 'seed' = none. Flags given override it.",
+        "--exact-prefill --sparse-group union; 'seed' = none. Flags given override it.",
         show_default="none", rich_help_panel=_MODEL)] = None
     sparse_sink: Annotated[Optional[str], typer.Option(
         "--sparse-sink", help="Always attend block 0: off, in (one of the k picks) or out "

@@ -244,9 +244,9 @@ def test_sink_outside_the_budget_is_exact_up_to_k_plus_1_blocks():
 
 def test_presets_and_overrides():
     spec = LoadOptions(sparse_preset="quality").cache_spec
-    assert spec.sparse_k == 32 and spec.sparse_probe == "bound"
-    spec = LoadOptions(sparse_preset="quality", sparse_probe="sample", sparse_k=8).cache_spec
-    assert spec.sparse_probe == "sample" and spec.sparse_k == 8
+    assert spec.sparse_k == 32 and spec.sparse_group == "union" and not spec.sparse_prefill
+    spec = LoadOptions(sparse_preset="quality", sparse_group="max", sparse_k=8).cache_spec
+    assert spec.sparse_group == "max" and spec.sparse_k == 8 and not spec.sparse_prefill
     assert LoadOptions(sparse_attn=True).cache_spec == CacheSpec(sparse_k=32)
     assert LoadOptions(sparse_attn=True, sparse_dense_first=2,
                        sparse_dense_layers="5,1").cache_spec.sparse_dense == (0, 1, 5)
