@@ -90,6 +90,34 @@ class EngineOptions:
     sparse_probes: Annotated[int, typer.Option(
         "--sparse-probes", help="Keys probed per block (--sparse-attn).",
         rich_help_panel=_MODEL)] = 8
+    sparse_preset: Annotated[Optional[str], typer.Option(
+        "--sparse-preset", help="Named sparse options, implies --sparse-attn: 'quality' = "
+        "--exact-prefill --sparse-group union; 'seed' = none. Flags given override it.",
+        show_default="none", rich_help_panel=_MODEL)] = None
+    sparse_sink: Annotated[Optional[str], typer.Option(
+        "--sparse-sink", help="Always attend block 0: off, in (one of the k picks) or out "
+        "(besides the k picks).", show_default="off", rich_help_panel=_MODEL)] = None
+    sparse_probe: Annotated[Optional[str], typer.Option(
+        "--sparse-probe", help="Block ranking: sample (--sparse-probes keys) or bound "
+        "(per-block min/max key bound, Quest).", show_default="sample",
+        rich_help_panel=_MODEL)] = None
+    sparse_group: Annotated[Optional[str], typer.Option(
+        "--sparse-group", help="head: each query head picks; max / sum: one pick per kv "
+        "head from its heads' pooled probes; union: each head attends its kv head's union.",
+        show_default="head", rich_help_panel=_MODEL)] = None
+    sparse_dense_first: Annotated[Optional[int], typer.Option(
+        "--sparse-dense-first", help="The first N layers attend exactly (--sparse-attn).",
+        show_default="0", rich_help_panel=_MODEL)] = None
+    sparse_dense_layers: Annotated[Optional[str], typer.Option(
+        "--sparse-dense-layers", help="Comma-separated layers that attend exactly.",
+        show_default="none", rich_help_panel=_MODEL)] = None
+    sparse_window: Annotated[Optional[int], typer.Option(
+        "--sparse-window", help="Prefill importance from the prompt's last W rows only "
+        "(where the question is); 0 = all rows.", show_default="0",
+        rich_help_panel=_MODEL)] = None
+    sparse_prefill: Annotated[Optional[bool], typer.Option(
+        "--sparse-prefill/--exact-prefill", help="Sparse or exact prompt attention "
+        "(decode is sparse either way).", show_default="sparse", rich_help_panel=_MODEL)] = None
     act: Annotated[Act, typer.Option(
         "--act", help="Activations of quantised matmuls: f32 = float32 (exact); q8 = int8 "
         "blocks of 32 as llama.cpp (faster, not exact).", rich_help_panel=_MODEL)] = Act.f32
@@ -106,7 +134,13 @@ class EngineOptions:
                            sparse_k=self.sparse_k, sparse_probes=self.sparse_probes,
                            quant=Quant(self.quant).value, threads=self.threads,
                            ctx_size=self.ctx_size, ctx_cap=DEFAULT_CTX_CAP,
-                           act=Act(self.act).value, kv_f16=self.kv_f16, repack=self.repack)
+                           act=Act(self.act).value, kv_f16=self.kv_f16, repack=self.repack,
+                           sparse_preset=self.sparse_preset, sparse_sink=self.sparse_sink,
+                           sparse_probe=self.sparse_probe, sparse_group=self.sparse_group,
+                           sparse_prefill=self.sparse_prefill,
+                           sparse_window=self.sparse_window,
+                           sparse_dense_first=self.sparse_dense_first,
+                           sparse_dense_layers=self.sparse_dense_layers)
 
     def check(self) -> None:
         """Fail fast, before any file is read (the Engine's own validation)."""

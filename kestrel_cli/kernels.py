@@ -441,7 +441,10 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
               sparse_k: int = 0,
               sparse_probes: int = 8, imp_order: np.ndarray | None = None,
               importance: np.ndarray | None = None, imp_slots: np.ndarray | None = None,
-              sel: np.ndarray | None = None, dec_tab: np.ndarray | None = None) -> np.ndarray:
+              sel: np.ndarray | None = None, dec_tab: np.ndarray | None = None,
+              sparse_opts: int = 0, bounds: np.ndarray | None = None,
+              bound_scales: np.ndarray | None = None, bound_cap: int = 0,
+              imp_from: int = 0) -> np.ndarray:
     """Causal GQA attention of T query rows over the block KV cache, exact or block-sparse.
 
     Block b of K (V) is a C-contiguous buffer at address k_ptrs[b] (v_ptrs[b]) holding
@@ -473,10 +476,19 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         importance: float32 (>= pos0 + T,), with T > 1 (prefill) += the attention mass each
             token receives, summed over heads and rows; None: not recorded.
         imp_slots: float32 (SLOTS, >= pos0 + T) scratch, required with importance.
-        sel: int32 (T, n_heads, sparse_k), written with the picks (pick order) of each
-            sparse (row, head); rows attended exactly are left as they are.
+        sel: int32 (T, n_heads, sparse_k (+ 1 with the sink outside the budget)), written
+            with the picks (pick order) of each sparse (row, head); rows attended exactly
+            are left as they are.
         dec_tab: float32 scratch of >= decode_tab_size(pos0 + 1, ...) for a decode step
             (T == 1), so that the step allocates nothing; None: allocated here.
+        sparse_opts: the selection options (`CacheSpec.sparse_opts`: sink | pool << 2; 0:
+            the plain selection).
+        bounds: with the bound probe, the layer's key bounds (n_kv_heads, bound_cap, 2,
+            head_dim), float32, or int8 with kv_q8 (`bounds_update` keeps them); None: the
+            sampled probes.
+        bound_scales: float32 (n_kv_heads, bound_cap), the int8 bounds' scales.
+        bound_cap: blocks per kv head in bounds.
+        imp_from: with importance, only query rows at positions >= imp_from add to it.
     Returns:
         out.
     """
@@ -527,9 +539,24 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         if imp_slots.shape[0] != _lib.SLOTS or imp_slots.shape[1] < n_ctx:
             raise ValueError(f"imp_slots: expected ({_lib.SLOTS}, >= {n_ctx}), "
                              f"got {imp_slots.shape}")
+    sparse_opts = int(sparse_opts)
+    if not 0 <= sparse_opts < 16:
+        raise ValueError(f"attention: bad sparse_opts {sparse_opts}")
+    width = sparse_k + (sparse_k > 0 and (sparse_opts & 3) == 2)
+    if bounds is not None:
+        bt = np.int8 if kv_q8 else np.float32
+        _array(bounds, "bounds", bt)
+        _shape(bounds, "bounds", (n_kv_heads, int(bound_cap), 2, head_dim))
+        if k_ptrs.shape[0] > bound_cap:
+            raise ValueError(f"bounds: {bound_cap} blocks, the cache has {k_ptrs.shape[0]}")
+        if bound_scales is None:
+            bound_scales = np.zeros((n_kv_heads, int(bound_cap)), np.float32)
+        _array(bound_scales, "bound_scales", np.float32)
+        _shape(bound_scales, "bound_scales", (n_kv_heads, int(bound_cap)))
+        bounds, bound_scales = bounds.reshape(-1).view(np.uint8), bound_scales.reshape(-1)
     if sel is not None:
         _array(sel, "sel", np.int32, 3, writable=True)
-        _shape(sel, "sel", (T, n_heads, sparse_k))
+        _shape(sel, "sel", (T, n_heads, width))
     if T == 1:
         need = _lib.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs)
         if dec_tab is None:
@@ -540,7 +567,53 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
     _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, float(scale),
                          out, _threads(threads), kv_kind(bool(kv_q8), bool(kv_f16)),
                          sparse_k, sparse_probes,
-                         imp_order, importance, imp_slots, sel, dec_tab)
+                         imp_order, importance, imp_slots, sel, dec_tab, sparse_opts, bounds,
+                         bound_scales, int(bound_cap), int(imp_from))
+    return out
+
+
+HD_MAX = _lib.HD_MAX_F16     # most head_dim of a float16 cache and of the key bounds
+
+
+def bounds_update(k_block: int, kv_kind: int, n_kv_heads: int, head_dim: int, r0: int,
+                  r1: int, bounds: np.ndarray, bound_scales: np.ndarray, block: int) -> None:
+    """Fold rows r0..r1-1 of the K block at address k_block (KV_BLOCK tokens, just written)
+    into its key bounds: bounds (n_kv_heads, cap, 2, head_dim) float32 (the running max
+    then min, exact; r0 == 0 starts them) or int8 for an int8 cache (recomputed over rows
+    0..r1-1 of the dequantised keys, max and min divided by S = their largest magnitude /
+    127, rounded outward; S into bound_scales (n_kv_heads, cap))."""
+    bt = np.int8 if kv_kind == _lib.KV_Q8 else np.float32
+    _array(bounds, "bounds", bt, 4, writable=True)
+    _array(bound_scales, "bound_scales", np.float32, 2, writable=True)
+    cap = bounds.shape[1]
+    _shape(bounds, "bounds", (n_kv_heads, cap, 2, head_dim))
+    _shape(bound_scales, "bound_scales", (n_kv_heads, cap))
+    _lib.bounds_update(int(k_block), kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1,
+                       bounds.reshape(-1).view(np.uint8), bound_scales.reshape(-1), cap, block)
+
+
+def bounds_update_unchecked(k_block: int, kv_kind: int, n_kv_heads: int, head_dim: int,
+                            r0: int, r1: int, bounds_u8: np.ndarray, scales: np.ndarray,
+                            cap: int, block: int) -> None:
+    """`bounds_update` without the Python-side checks, on the flat views (uint8 and
+    float32) of one layer's bounds and scales: `KVCache.write`'s per-token path."""
+    _lib.bounds_update(k_block, kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1, bounds_u8,
+                       scales, cap, block)
+
+
+def bound_scores(q: np.ndarray, bounds: np.ndarray, bound_scales: np.ndarray, kv_kind: int,
+                 kh: int, n_blocks: int) -> np.ndarray:
+    """The bound probe of blocks 0..n_blocks-1 of kv head kh for the query q (head_dim,):
+    float32 (n_blocks,), as the kernel scores them (sum over channels c of
+    max(q[c] * hi[c], q[c] * lo[c]), times the scale for int8 bounds)."""
+    bt = np.int8 if kv_kind == _lib.KV_Q8 else np.float32
+    _array(q, "q", np.float32, 1)
+    _array(bounds, "bounds", bt, 4)
+    _array(bound_scales, "bound_scales", np.float32, 2)
+    n_kv, cap, _, hd = bounds.shape
+    out = np.empty(n_blocks, np.float32)
+    _lib.bound_scores(q, bounds.reshape(-1).view(np.uint8), bound_scales.reshape(-1), kv_kind,
+                      n_kv, hd, cap, kh, out)
     return out
 
 
@@ -553,14 +626,18 @@ def attention_unchecked(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, k
                         n_kv_heads: int, head_dim: int, pos0: int, scale: float,
                         out: np.ndarray, threads: int, kv_kind: int, sparse_k: int,
                         sparse_probes: int, imp_order: np.ndarray | None,
-                        sel: np.ndarray | None, dec_tab: np.ndarray) -> np.ndarray:
+                        sel: np.ndarray | None, dec_tab: np.ndarray, sparse_opts: int = 0,
+                        bounds: np.ndarray | None = None,
+                        bound_scales: np.ndarray | None = None,
+                        bound_cap: int = 0) -> np.ndarray:
     """`attention` for one decode row (T == 1) without the Python-side argument checks:
     the per-layer, per-token path of `KVCache.attend`, which owns every argument (the
     kernel still checks dtypes, contiguity and the scratch size). Positional, as
-    `attention`; threads an int (0: OpenMP default); kv_kind as `kv_kind` returns."""
+    `attention`; threads an int (0: OpenMP default); kv_kind as `kv_kind` returns; bounds
+    and bound_scales flat (uint8 and float32 views of `attention`'s arrays)."""
     _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, scale, out,
                          threads, kv_kind, sparse_k, sparse_probes, imp_order, None, None, sel,
-                         dec_tab)
+                         dec_tab, sparse_opts, bounds, bound_scales, bound_cap)
     return out
 
 

@@ -34,6 +34,9 @@ from .kernels import KV_BLOCK
 from .sparse import importance_order
 
 DTYPES = ("f32", "q8", "f16")
+SINKS = ("off", "in", "out")            # sparse_sink values (kernel code: their index)
+PROBES = ("sample", "bound")            # sparse_probe values
+GROUPS = ("head", "max", "sum", "union")  # sparse_group values (kernel code: their index)
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,30 @@ class CacheSpec:
             kv head) or "f16" (IEEE half values).
         sparse_k: blocks of `block` tokens each query head attends to; 0: exact attention.
         sparse_probes: keys probed per block to rank it (with sparse_k > 0).
+        The options of the sparse selection beyond the default (docs/DESIGN.md §3
+        Options; the defaults are the plain selection):
+        sparse_sink: "off"; "in": block 0 is always one of the k picks; "out": block 0 is
+            attended besides the k picks.
+        sparse_probe: "sample" (sparse_probes keys per block) or "bound" (the per-block
+            min/max key bound, kept as tokens are written).
+        sparse_group: "head" (each query head picks its own blocks); "max" / "sum": one
+            selection per kv head from its query heads' pooled probes; "union": each head
+            picks, every head of the kv head attends the union.
+        sparse_dense: layers that attend exactly.
+        sparse_prefill: False: prefill attends exactly, only decode is sparse.
+        sparse_window: > 0: a prefill records the importance of its last sparse_window
+            rows only (the prompt's end, where the question is: SnapKV's observation
+            window); 0: of all its rows.
     """
     dtype: str = "f32"
     sparse_k: int = 0
     sparse_probes: int = 8
+    sparse_sink: str = "off"
+    sparse_probe: str = "sample"
+    sparse_group: str = "head"
+    sparse_dense: tuple = ()
+    sparse_prefill: bool = True
+    sparse_window: int = 0
     block: ClassVar[int] = KV_BLOCK          # tokens per block (not a choice)
 
     def __post_init__(self):
@@ -59,6 +82,26 @@ class CacheSpec:
             raise KestrelError(f"sparse_k must be >= 0 (0 = exact), got {self.sparse_k}")
         if self.sparse_probes < 1:
             raise KestrelError(f"sparse_probes must be >= 1, got {self.sparse_probes}")
+        for name, val, ok in (("sparse_sink", self.sparse_sink, SINKS),
+                              ("sparse_probe", self.sparse_probe, PROBES),
+                              ("sparse_group", self.sparse_group, GROUPS)):
+            if val not in ok:
+                raise KestrelError(f"{name} must be one of {', '.join(ok)}, got {val!r}")
+        if self.sparse_window < 0:
+            raise KestrelError(f"sparse_window must be >= 0, got {self.sparse_window}")
+        if any(not isinstance(x, int) or x < 0 for x in self.sparse_dense):
+            raise KestrelError(f"sparse_dense: layer indices must be >= 0, got "
+                               f"{self.sparse_dense}")
+
+    @property
+    def sparse_opts(self) -> int:
+        """The kernel's code of the selection options (attn_select.h: sink | pool << 2)."""
+        return SINKS.index(self.sparse_sink) | GROUPS.index(self.sparse_group) << 2
+
+    @property
+    def sparse_width(self) -> int:
+        """Most blocks a sparse query attends to: k, plus block 0 with the sink outside."""
+        return self.sparse_k + (self.sparse_sink == "out")
 
 
 class KVCache:
@@ -104,6 +147,29 @@ class KVCache:
         self._dec_tab: np.ndarray | None = None            # decode scratch (kernels.attention)
         self.record_selection = False    # tests: keep each layer's last sparse picks
         self.selection: list[np.ndarray | None] = [None] * n_layers
+        bad = [x for x in spec.sparse_dense if x >= n_layers]
+        if bad:
+            raise KestrelError(f"dense layers {bad} out of range: the model has {n_layers} "
+                               f"layers (0..{n_layers - 1})")
+        self.dense = frozenset(spec.sparse_dense)
+        self.sparse_opts, self.sparse_width = spec.sparse_opts, spec.sparse_width
+        # bound probe: per layer, kv head and block the max then min of K (int8 with an
+        # int8 cache, float32 otherwise), kept up to date by write()
+        self.bounds = self.bound_scales = None
+        self._bcap = cap
+        self._use_bounds = False                       # attend reads the bounds
+        self._bnd: list = [None] * n_layers            # per layer: flat uint8 view
+        self._bsc: list = [None] * n_layers            # per layer: flat float32 scales
+        if spec.sparse_k and spec.sparse_probe == "bound":
+            if head_dim > K.HD_MAX:
+                raise KestrelError(f"the bound probe needs head_dim <= {K.HD_MAX}")
+            self.bounds = np.zeros((n_layers, n_kv_heads, cap, 2, head_dim),
+                                   np.int8 if self.q8 else np.float32)
+            self.bound_scales = np.zeros((n_layers, n_kv_heads, cap), np.float32)
+            for layer in range(n_layers):
+                self._bnd[layer] = self.bounds[layer].reshape(-1).view(np.uint8)
+                self._bsc[layer] = self.bound_scales[layer].reshape(-1)
+            self._use_bounds = True
 
     @property
     def n_blocks(self) -> int:
@@ -154,7 +220,15 @@ class KVCache:
                 with np.errstate(over="ignore"):
                     self.k_blocks[layer][b][r:r + m] = k[done:done + m]
                     self.v_blocks[layer][b][r:r + m] = v[done:done + m]
+            if self.bounds is not None:
+                self._update_bounds(layer, b, r, r + m)
             done += m
+
+    def _update_bounds(self, layer: int, b: int, r0: int, r1: int) -> None:
+        """Fold rows r0..r1-1 of K block b of `layer` into its key bounds."""
+        K.bounds_update_unchecked(int(self.k_ptrs[layer, b]), self.kv_kind, self.n_kv_heads,
+                                  self.head_dim, r0, r1, self._bnd[layer], self._bsc[layer],
+                                  self._bcap, b)
 
     def views(self, layer: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Block address tables covering the first `n_tokens` tokens of `layer`."""
@@ -176,14 +250,18 @@ class KVCache:
         T, pos0 = q.shape[0], self.offset
         k_ptrs, v_ptrs = self.views(layer, pos0 + T)
         order = sel = None
-        if self.sparse_k:
+        k = self.sparse_k
+        if layer in self.dense or (T > 1 and not self.spec.sparse_prefill):
+            k = 0                        # dense layer, or exact prefill
+        if k:
             if self._has_imp[layer]:     # what the prefill calls before this one recorded
                 order = self._order[layer]
                 if order is None:        # recomputed after each prefill or trim
                     order = self._order[layer] = importance_order(
                         self.importance[layer], self.max_tokens, KV_BLOCK)
             if self.record_selection:
-                sel = np.full((T, q.shape[1] // self.head_dim, self.sparse_k), -1, np.int32)
+                sel = np.full((T, q.shape[1] // self.head_dim, self.sparse_width), -1,
+                              np.int32)
                 self.selection[layer] = sel
         if T == 1:                       # decode: the per-token path, nothing allocated
             if self._dec_tab is None:
@@ -192,19 +270,45 @@ class KVCache:
                     dtype=np.float32)
             return K.attention_unchecked(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads,
                                          self.head_dim, pos0, self.scale, out, self.threads,
-                                         self.kv_kind, self.sparse_k, self.sparse_probes, order,
-                                         sel, self._dec_tab)
+                                         self.kv_kind, k, self.sparse_probes, order,
+                                         sel, self._dec_tab, self.sparse_opts,
+                                         self._bnd[layer] if self._use_bounds else None,
+                                         self._bsc[layer], self._bcap)
         if self._slots is None:
             self._slots = np.zeros((K.SLOTS, self.max_tokens), dtype=np.float32)
         K.attention(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads, self.head_dim, pos0,
                     self.scale, out, self.threads, kv_q8=self.q8, kv_f16=self.f16,
-                    sparse_k=self.sparse_k,
+                    sparse_k=k,
                     sparse_probes=self.sparse_probes, imp_order=order,
-                    importance=self.importance[layer], imp_slots=self._slots, sel=sel)
+                    importance=self.importance[layer], imp_slots=self._slots, sel=sel,
+                    sparse_opts=self.sparse_opts,
+                    bounds=self.bounds[layer] if self._use_bounds else None,
+                    bound_scales=self.bound_scales[layer] if self._use_bounds else None,
+                    bound_cap=self._bcap,
+                    imp_from=pos0 + T - self.spec.sparse_window if self.spec.sparse_window else 0)
         self._imp_end = max(self._imp_end, pos0 + T)
         self._has_imp[layer] = True
         self._order[layer] = None
         return out
+
+    def respec(self, spec: CacheSpec) -> None:
+        """Read this cache's contents from now on with another spec's attention settings
+        (sparse_k and the selection options): the value type must be the same, and the
+        bound probe needs a cache made with it (its bounds are kept from the first write).
+        scripts/sparse_eval.py compares settings over one prefill this way."""
+        if spec.dtype != self.spec.dtype:
+            raise KestrelError(f"respec: the cache holds {self.spec.dtype}, not {spec.dtype}")
+        if spec.sparse_k and spec.sparse_probe == "bound" and self.bounds is None:
+            raise KestrelError("respec: the bound probe needs a cache made with it")
+        bad = [x for x in spec.sparse_dense if x >= self.n_layers]
+        if bad:
+            raise KestrelError(f"dense layers {bad} out of range: the model has "
+                               f"{self.n_layers} layers")
+        self.spec = spec
+        self.sparse_k, self.sparse_probes = spec.sparse_k, spec.sparse_probes
+        self.dense = frozenset(spec.sparse_dense)
+        self.sparse_opts, self.sparse_width = spec.sparse_opts, spec.sparse_width
+        self._use_bounds = spec.sparse_k > 0 and spec.sparse_probe == "bound"
 
     def commit(self, n: int) -> None:
         self.offset += n
@@ -218,6 +322,9 @@ class KVCache:
             del self.v_blocks[layer][keep:]
             self.k_ptrs[layer, keep:] = 0
             self.v_ptrs[layer, keep:] = 0
+        if self.bounds is not None and self.offset % KV_BLOCK:
+            for layer in range(self.n_layers):       # the kept rows of the last block only
+                self._update_bounds(layer, keep - 1, 0, self.offset % KV_BLOCK)
         self.importance[:, self.offset:self._imp_end] = 0
         self._imp_end = self.offset
         self._order = [None] * self.n_layers

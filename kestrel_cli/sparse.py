@@ -21,6 +21,17 @@ from .kernels import KV_BLOCK
 
 BS = KV_BLOCK            # tokens per block: one KV cache block
 
+# --sparse-preset NAME: CacheSpec options (sparse_dense_first: the first N layers exact);
+# explicit flags override them. "seed" is the plain selection (docs/DESIGN.md §3).
+PRESETS: dict[str, dict] = {
+    "seed": {},
+    # chosen on the bundled model (README, scripts/sparse_eval.py): of the options alone,
+    # each head attending its kv head's union kept the most needles at k = 8 and 16, and
+    # an exact prefill gives exact prompt logits; sink, bound, dense layers, pooled picks
+    # and the importance window did not measurably help there
+    "quality": {"sparse_prefill": False, "sparse_group": "union"},
+}
+
 
 def block_importance(importance: np.ndarray, seq_len: int, bs: int = BS) -> np.ndarray:
     """imp[b] = sum of importance[t] over block b's tokens t < seq_len, float64 (n_blocks,)."""
@@ -47,6 +58,121 @@ def probe_scores(q: np.ndarray, keys: np.ndarray, n_probe: int = 8, bs: int = BS
         step = max(1, (p_end - p0) // n_probe)
         out[b] = (keys[p0:p_end:step].astype(np.float32) @ q.astype(np.float32)).max()
     return out
+
+
+def key_bounds(keys: np.ndarray, bs: int = BS) -> tuple[np.ndarray, np.ndarray]:
+    """(hi, lo): per block the elementwise max and min of its keys, float32
+    (n_blocks, head_dim) each: the bound probe's summary (docs/DESIGN.md §3 Options)."""
+    seq, hd = keys.shape
+    nb = -(-seq // bs)
+    hi = np.empty((nb, hd), np.float32)
+    lo = np.empty((nb, hd), np.float32)
+    for b in range(nb):
+        blk = keys[b * bs:min(b * bs + bs, seq)].astype(np.float32)
+        hi[b], lo[b] = blk.max(axis=0), blk.min(axis=0)
+    return hi, lo
+
+
+def key_bounds_q8(keys: np.ndarray, bs: int = BS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int8 cache's bounds: (hi, lo) int8 (n_blocks, head_dim) and the scale S
+    float32 (n_blocks,): key_bounds of the dequantised keys divided by S = their largest
+    magnitude / 127, rounded outward (ceil hi, floor lo) and clamped to +-127."""
+    hi, lo = key_bounds(keys, bs)
+    m = np.maximum(np.abs(hi).max(axis=1), np.abs(lo).max(axis=1)).astype(np.float32)
+    s = (m / np.float32(127.0)).astype(np.float32)
+    safe = np.where(s > 0, s, np.float32(1.0))[:, None]
+    qh = np.where(s[:, None] > 0, np.ceil(hi / safe), 0).clip(-127, 127).astype(np.int8)
+    ql = np.where(s[:, None] > 0, np.floor(lo / safe), 0).clip(-127, 127).astype(np.int8)
+    return qh, ql, s
+
+
+def bound_scores(q: np.ndarray, hi: np.ndarray, lo: np.ndarray,
+                 scale: np.ndarray | None = None) -> np.ndarray:
+    """The bound probe: score[b] = sum over channels c of max(q[c] * hi[b, c],
+    q[c] * lo[b, c]) (times scale[b] for int8 bounds), an upper bound of q . k for every
+    key k of block b (Quest). float32 (n_blocks,)."""
+    q = q.astype(np.float32)
+    s = np.maximum(q * hi.astype(np.float32), q * lo.astype(np.float32)).sum(axis=1)
+    if scale is not None:
+        s = s * scale
+    return s.astype(np.float32)
+
+
+def _picks(score: np.ndarray, importance_picks: list[int], k: int, nb: int,
+           taken: set[int]) -> list[int]:
+    """Steps 3-4: fill k - len(importance_picks) picks by score (descending, ties to the
+    lower index) among blocks not taken, then the recency swap."""
+    n_imp = len(importance_picks)
+    by_probe = [b for b in np.lexsort((np.arange(nb), -score.astype(np.float64)))
+                if int(b) not in taken]
+    probe_picks = [int(b) for b in by_probe[:k - n_imp]]
+    if probe_picks and nb - 1 not in taken and nb - 1 not in probe_picks:
+        probe_picks[-1] = nb - 1      # the last pick is the lowest probe, ties: higher index
+    return importance_picks + probe_picks
+
+
+def select_with(score: np.ndarray, importance: np.ndarray | None, seq: int, k: int,
+                sink: str = "off", bs: int = BS) -> np.ndarray:
+    """Steps 2-4 over given block scores, with the sink option: block 0 first, then steps
+    2-4 over the other blocks with k - 1 picks (sink "in") or k ("out"). All blocks
+    ascending while n_blocks <= k (+ 1 with "out")."""
+    nb = -(-seq // bs)
+    total = k + (sink == "out")
+    if nb <= total:
+        return np.arange(nb, dtype=np.int64)
+    head: list[int] = []
+    if sink != "off":
+        head, k = [0], k - (sink == "in")
+    taken = set(head)
+    picks: list[int] = []
+    if importance is not None:
+        for b in importance_order(importance, seq, bs):
+            if len(picks) >= (k + 1) // 2:
+                break
+            if int(b) not in taken:
+                picks.append(int(b))
+                taken.add(int(b))
+    return np.array(head + _picks(score, picks, k, nb, taken), dtype=np.int64)
+
+
+def select_blocks_opts(q: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
+                       n_probe: int = 8, bs: int = BS, *, sink: str = "off",
+                       probe: str = "sample", bounds=None) -> np.ndarray:
+    """`select_blocks` with the options (docs/DESIGN.md §3 Options): sink "off" / "in" /
+    "out"; probe "sample" or "bound" (scores from `bound_scores` over `bounds` = (hi, lo)
+    or (hi, lo, scale), default key_bounds(keys)). Defaults: select_blocks."""
+    if probe == "bound":
+        b = key_bounds(keys, bs) if bounds is None else bounds
+        score = bound_scores(q, *b)
+    else:
+        score = probe_scores(q, keys, n_probe, bs)
+    return select_with(score, importance, keys.shape[0], k, sink, bs)
+
+
+def select_group(qs: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
+                 pool: str, n_probe: int = 8, bs: int = BS, *, sink: str = "off",
+                 probe: str = "sample", bounds=None) -> list[np.ndarray]:
+    """The blocks each of the query heads qs (group, head_dim) of one kv head attends to
+    with one selection per kv head: pool "max" / "sum" picks once from the heads' scores
+    folded in head order; "union" picks per head and each attends the union (ascending).
+    Returns one array per head (pick order for max / sum)."""
+    if pool == "union":
+        each = [select_blocks_opts(q, keys, importance, k, n_probe, bs, sink=sink,
+                                   probe=probe, bounds=bounds) for q in qs]
+        u = np.unique(np.concatenate(each)).astype(np.int64)
+        return [u for _ in qs]
+    scores = []
+    for q in qs:
+        if probe == "bound":
+            b = key_bounds(keys, bs) if bounds is None else bounds
+            scores.append(bound_scores(q, *b))
+        else:
+            scores.append(probe_scores(q, keys, n_probe, bs))
+    s = scores[0].copy()
+    for x in scores[1:]:
+        s = np.maximum(s, x) if pool == "max" else (s + x).astype(np.float32)
+    sel = select_with(s, importance, keys.shape[0], k, sink, bs)
+    return [sel for _ in qs]
 
 
 def select_blocks(q: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,

@@ -46,10 +46,10 @@
  * converted exactly on every variant (F16C under avx2), so the conversion adds no
  * difference of its own. */
 #define KA_DECODE_A_ARGS const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads, \
-    ptrdiff_t n_ctx, float scale, int mode, int k, int n_probe, const int32_t *imp_order, \
-    ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel
+    ptrdiff_t n_ctx, float scale, int mode, int k, int sopt, int n_probe, \
+    const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel
 #define KA_PREFILL_ARGS const ka_kv *kv, const float *q, ptrdiff_t ldq, ptrdiff_t T, \
-    ptrdiff_t n_heads, ptrdiff_t pos0, float scale, int k, int n_probe, \
+    ptrdiff_t n_heads, ptrdiff_t pos0, float scale, int k, int sopt, int n_probe, \
     const int32_t *imp_order, ptrdiff_t n_order, ptrdiff_t u, ka_ws *ws, float *imp, \
     int32_t *sel, float *out, ptrdiff_t ldo
 
@@ -60,7 +60,7 @@
     {                                                                                    \
         ka_kv kv2 = *kv;                                                                 \
         kv2.f16c = (F16C);                                                               \
-        ka_decode_a(&kv2, q, u, n_heads, n_ctx, scale, mode, k, n_probe, imp_order,      \
+        ka_decode_a(&kv2, q, u, n_heads, n_ctx, scale, mode, k, sopt, n_probe, imp_order,\
                     n_order, ws, tab, sel);                                              \
     }
 
@@ -70,14 +70,15 @@ KA_DECODE_ENTRY(avx2, KF_TARGET_AVX2, 1)
 #endif
 
 #define KA_DECODE_H_ARGS const ka_kv *kv, const float *q, ptrdiff_t p, ptrdiff_t kh0, \
-    ptrdiff_t kh1, ptrdiff_t n_heads, ptrdiff_t n_ctx, float scale, int picked, ka_ws *ws, \
-    float *tab
+    ptrdiff_t kh1, ptrdiff_t n_heads, ptrdiff_t n_ctx, float scale, int picked, int sopt, \
+    ka_ws *ws, float *tab
 #define KA_DECODE_H_ENTRY(SUF, ATTR, F16C)                                               \
     ATTR static void ka_decode_heads_##SUF(KA_DECODE_H_ARGS)                             \
     {                                                                                    \
         ka_kv kv2 = *kv;                                                                 \
         kv2.f16c = (F16C);                                                               \
-        ka_decode_heads(&kv2, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, ws, tab);   \
+        ka_decode_heads(&kv2, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, sopt, ws,   \
+                        tab);                                                            \
     }
 
 KA_DECODE_H_ENTRY(base, , 0)
@@ -96,7 +97,7 @@ static const ka_decode_h_fn ka_decode_h_tab[KF_N_ISA] = {
 
 static inline void ka_decode_heads_run(KA_DECODE_H_ARGS)
 {
-    ka_decode_h_tab[kf_isa](kv, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, ws, tab);
+    ka_decode_h_tab[kf_isa](kv, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, sopt, ws, tab);
 }
 
 typedef void (*ka_decode_a_fn)(KA_DECODE_A_ARGS);
@@ -111,14 +112,14 @@ static const ka_decode_a_fn ka_decode_a_tab[KF_N_ISA] = {
 
 static inline void ka_decode_a_run(KA_DECODE_A_ARGS)
 {
-    ka_decode_a_tab[kf_isa](kv, q, u, n_heads, n_ctx, scale, mode, k, n_probe, imp_order,
-                            n_order, ws, tab, sel);
+    ka_decode_a_tab[kf_isa](kv, q, u, n_heads, n_ctx, scale, mode, k, sopt, n_probe,
+                            imp_order, n_order, ws, tab, sel);
 }
 
 static void ka_prefill_unit_run(KA_PREFILL_ARGS)
 {
-    ka_prefill_unit(kv, q, ldq, T, n_heads, pos0, scale, k, n_probe, imp_order, n_order, u, ws,
-                    imp, sel, out, ldo);
+    ka_prefill_unit(kv, q, ldq, T, n_heads, pos0, scale, k, sopt, n_probe, imp_order, n_order,
+                    u, ws, imp, sel, out, ldo);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)

@@ -23,10 +23,16 @@ cdef extern from "attention.h" nogil:
         KA_HMAX
 
     ctypedef struct ka_kv:
-        pass
+        Py_ssize_t imp_from
 
     ctypedef struct ka_ws:
         pass
+
+    ctypedef struct ka_q:
+        const float *q
+        float *o
+        Py_ssize_t kh
+        Py_ssize_t n
 
     enum:
         KA_KV_F32
@@ -35,6 +41,12 @@ cdef extern from "attention.h" nogil:
         KA_HDMAX
     void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t *v_ptrs, Py_ssize_t bs,
                     Py_ssize_t n_kv, Py_ssize_t hd, int kind) noexcept
+    void ka_kv_bounds(ka_kv *kv, const uint8_t *bnd, const float *bsc, Py_ssize_t bcap) noexcept
+    float ka_bound(const ka_kv *kv, const ka_q *q, Py_ssize_t b) noexcept
+    void ka_bounds_update(const uint8_t *blk, int kind, Py_ssize_t bs, Py_ssize_t n_kv,
+                          Py_ssize_t hd, Py_ssize_t r0, Py_ssize_t r1, uint8_t *bnd,
+                          Py_ssize_t bstride, float *bsc, Py_ssize_t sstride) noexcept
+    int ka_ktot(int k, int sopt) noexcept
     Py_ssize_t ka_q8_scale_offset(Py_ssize_t bs, Py_ssize_t ld) noexcept
     Py_ssize_t ka_q8_block_bytes(Py_ssize_t bs, Py_ssize_t n_kv, Py_ssize_t hd) noexcept
     float ka_quant_row(const float *x, Py_ssize_t n, int8_t *q) noexcept
@@ -48,20 +60,20 @@ cdef extern from "attention.h" nogil:
         KA_DEC_PROBES
         KA_DEC_PICKED
     void ka_decode_a_run(const ka_kv *kv, const float *q, Py_ssize_t u, Py_ssize_t n_heads,
-                         Py_ssize_t n_ctx, float scale, int mode, int k, int n_probe,
-                         const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws, float *tab,
-                         int32_t *sel) noexcept
+                         Py_ssize_t n_ctx, float scale, int mode, int k, int sopt,
+                         int n_probe, const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws,
+                         float *tab, int32_t *sel) noexcept
     void ka_decode_heads_run(const ka_kv *kv, const float *q, Py_ssize_t p, Py_ssize_t kh0,
                              Py_ssize_t kh1, Py_ssize_t n_heads, Py_ssize_t n_ctx, float scale,
-                             int picked, ka_ws *ws, float *tab) noexcept
-    void ka_decode_pick(Py_ssize_t h, Py_ssize_t n_heads, Py_ssize_t nb, Py_ssize_t hd, int k,
-                        const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws, float *tab,
-                        int32_t *sel) noexcept
+                             int picked, int sopt, ka_ws *ws, float *tab) noexcept
+    void ka_decode_pick(Py_ssize_t h, Py_ssize_t n_heads, Py_ssize_t group, Py_ssize_t nb,
+                        Py_ssize_t hd, int k, int sopt, const int32_t *imp_order,
+                        Py_ssize_t n_order, ka_ws *ws, float *tab, int32_t *sel) noexcept
     void ka_decode_merge(Py_ssize_t h, Py_ssize_t n_heads, Py_ssize_t nb, Py_ssize_t hd,
                          ka_ws *ws, const float *tab, float *out) noexcept
     void ka_prefill_unit_run(const ka_kv *kv, const float *q, Py_ssize_t ldq, Py_ssize_t T,
                              Py_ssize_t n_heads, Py_ssize_t pos0, float scale, int k,
-                             int n_probe, const int32_t *imp_order, Py_ssize_t n_order,
+                             int sopt, int n_probe, const int32_t *imp_order, Py_ssize_t n_order,
                              Py_ssize_t u, ka_ws *ws, float *imp, int32_t *sel, float *out,
                              Py_ssize_t ldo) noexcept
 
@@ -95,7 +107,13 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
               float[::1] importance=None,     # IN/OUT (>= pos0 + T,) += mass (T > 1 only)
               float[:, ::1] imp_slots=None,   # scratch (KA_SLOTS, >= pos0 + T)
               int32_t[:, :, ::1] sel=None,    # OUT (T, n_heads, sparse_k) sparse rows' picks
-              float[::1] dec_tab=None):       # scratch (decode_tab_size(..),), T == 1
+              float[::1] dec_tab=None,        # scratch (decode_tab_size(..),), T == 1
+              int sparse_opts=0,              # selection options: sink | pool << 2
+              const uint8_t[::1] bounds=None, # IN  (n_kv, bound_cap, 2, hd) key bounds (bound
+                                              #     probe): float32, int8 with kv_kind KV_Q8
+              const float[::1] bound_scales=None,  # IN (n_kv, bound_cap) int8 bounds' scales
+              Py_ssize_t bound_cap=0,
+              Py_ssize_t imp_from=0):         # rows at positions < imp_from record no importance
     """out[i, h] := softmax_j(scale * q[i, h] . K[j, h // group]) @ V[:, h // group] over
     j <= pos0 + i (exact) or over the tokens of the blocks attn_select.h selects"""
     cdef Py_ssize_t T = q.shape[0], n_heads = q.shape[1] // head_dim
@@ -116,6 +134,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     cdef int failed = 0
     cdef int *p_failed = &failed
     cdef int nt, k = sparse_k if sparse_k > 0 else 0
+    cdef int sopt = sparse_opts, kt = ka_ktot(k, sparse_opts)
     if T == 0 or n_heads == 0:
         return
     if kv_kind not in (KA_KV_F32, KA_KV_Q8, KA_KV_F16):
@@ -123,6 +142,12 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     if kv_kind == KA_KV_F16 and head_dim > KA_HDMAX:
         raise ValueError(f"attention: a float16 cache needs head_dim <= {KA_HDMAX}")
     ka_kv_init(&kv, &k_ptrs[0], &v_ptrs[0], kv_bs, n_kv_heads, head_dim, kv_kind)
+    kv.imp_from = imp_from
+    if bounds is not None:
+        if kv_kind == KA_KV_Q8 and bound_scales is None:
+            raise ValueError("attention: int8 bounds need bound_scales")
+        ka_kv_bounds(&kv, &bounds[0], &bound_scales[0] if bound_scales is not None else NULL,
+                     bound_cap)
     if imp_order is not None and imp_order.shape[0] > 0:
         order_p, n_order = &imp_order[0], imp_order.shape[0]
     if sel is not None and k > 0:
@@ -130,7 +155,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
 
     if T == 1:                # decode: attn_decode.h's phases
         nb = (n_ctx + kv_bs - 1) // kv_bs
-        sparse = 1 if 0 < k < nb else 0
+        sparse = 1 if 0 < k and kt < nb else 0
         if dec_tab is None or dec_tab.shape[0] < ka_decode_tab(nb, n_heads, head_dim):
             raise ValueError("attention: dec_tab too small (see decode_tab_size)")
         tab = &dec_tab[0]
@@ -147,7 +172,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
         dec_cap = (n_kv_heads + n_chunks - 1) // n_chunks * group * KA_PB * kv_bs
         with nogil, parallel(num_threads=nt):
             # decode units score the part's tokens of `group` heads at once
-            ws = ka_ws_new(cap if cap > dec_cap else dec_cap, kv_bs, head_dim, <int> group, k,
+            ws = ka_ws_new(cap if cap > dec_cap else dec_cap, kv_bs, head_dim, <int> group, kt,
                            0)
             if ws == NULL:
                 p_failed[0] = 1
@@ -156,18 +181,18 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
                     for kh in range(n_kv_heads):
                         if ws != NULL:
                             ka_decode_a_run(&kv, &q[0, 0], pp * n_kv_heads + kh, n_heads,
-                                            n_ctx, scale, KA_DEC_PROBES, k, n_probe, order_p,
+                                            n_ctx, scale, KA_DEC_PROBES, k, sopt, n_probe, order_p,
                                             n_order, ws, tab, sel_p)
                 for h in prange(n_heads, schedule="static"):                  # P
                     if ws != NULL:
-                        ka_decode_pick(h, n_heads, nb, head_dim, k, order_p, n_order, ws, tab,
-                                       sel_p)
+                        ka_decode_pick(h, n_heads, group, nb, head_dim, k, sopt, order_p,
+                                       n_order, ws, tab, sel_p)
             for uu in prange(n_parts * n_chunks, schedule="dynamic", chunksize=1):  # A / A2
                 if ws != NULL:
                     pp, c = uu // n_chunks, uu % n_chunks
                     ka_decode_heads_run(&kv, &q[0, 0], pp, n_kv_heads * c // n_chunks,
                                         n_kv_heads * (c + 1) // n_chunks, n_heads, n_ctx,
-                                        scale, sparse, ws, tab)
+                                        scale, sparse, sopt, ws, tab)
             for h in prange(n_heads, schedule="static"):                      # M
                 if ws != NULL:
                     ka_decode_merge(h, n_heads, nb, head_dim, ws, tab, &out[0, 0])
@@ -184,7 +209,8 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     U = (T + rt - 1) // rt * n_kv_heads
     nt = team_size(n_threads, KA_SLOTS if U > KA_SLOTS else U, 1)
     with nogil, parallel(num_threads=nt):
-        ws = ka_ws_new(cap, kv_bs, head_dim, <int> (rt * (n_heads // n_kv_heads)), k, imp_p != NULL)
+        ws = ka_ws_new(cap, kv_bs, head_dim, <int> (rt * (n_heads // n_kv_heads)), kt,
+                       imp_p != NULL)
         if ws == NULL:
             p_failed[0] = 1
         # slot s runs units s, s + KA_SLOTS, ... in order; causal rows get longer with the
@@ -197,7 +223,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
             u = slot
             while u < U:
                 ka_prefill_unit_run(&kv, &q[0, 0], q.shape[1], T, n_heads, pos0, scale, k,
-                                n_probe, order_p, n_order, u, ws,
+                                sopt, n_probe, order_p, n_order, u, ws,
                                 slot_p + slot * ld_slot if slot_p != NULL else NULL, sel_p,
                                 &out[0, 0], out.shape[1])
                 u = u + KA_SLOTS
@@ -231,3 +257,44 @@ def quantize_q8(const float[:, ::1] x,        # IN  (T, n_kv_heads * head_dim)
         t = p // n_kv
         h = p % n_kv
         scales[t, h] = ka_quant_row(&x[t, h * head_dim], head_dim, &values[t, h * head_dim])
+
+
+def bounds_update(uint64_t k_block, int kv_kind, Py_ssize_t kv_bs, Py_ssize_t n_kv_heads,
+                  Py_ssize_t head_dim, Py_ssize_t r0, Py_ssize_t r1,
+                  uint8_t[::1] bounds,         # IN/OUT (n_kv, cap, 2, hd) one layer's bounds
+                  float[::1] bound_scales,     # IN/OUT (n_kv, cap) int8 bounds' scales
+                  Py_ssize_t cap, Py_ssize_t block):
+    """Fold rows r0..r1-1 of K block `block` (address k_block), just written, into its key
+    bounds (attn_kv.h ka_bounds_update)."""
+    cdef Py_ssize_t es = 1 if kv_kind == KA_KV_Q8 else 4
+    if head_dim > KA_HDMAX or not (0 <= r0 < r1 <= kv_bs) or not (0 <= block < cap):
+        raise ValueError("bounds_update: bad geometry")
+    if bounds.shape[0] < n_kv_heads * cap * 2 * head_dim * es or (
+            kv_kind == KA_KV_Q8 and bound_scales.shape[0] < n_kv_heads * cap):
+        raise ValueError("bounds_update: bounds too small")
+    ka_bounds_update(<const uint8_t *> <uintptr_t> k_block, kv_kind, kv_bs, n_kv_heads,
+                     head_dim, r0, r1, &bounds[block * 2 * head_dim * es],
+                     cap * 2 * head_dim, &bound_scales[block] if kv_kind == KA_KV_Q8 else NULL,
+                     cap)
+
+
+def bound_scores(const float[::1] q, const uint8_t[::1] bounds, const float[::1] bound_scales,
+                 int kv_kind, Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t cap,
+                 Py_ssize_t kh, float[::1] out):
+    """out[b] := the bound probe (attn_kv.h ka_bound) of block b of kv head kh for the query
+    q, b < len(out)."""
+    cdef ka_kv kv
+    cdef ka_q qq
+    cdef Py_ssize_t b, n_blocks = out.shape[0]
+    cdef Py_ssize_t es = 1 if kv_kind == KA_KV_Q8 else 4
+    if (q.shape[0] != head_dim or n_blocks > cap or not 0 <= kh < n_kv_heads
+            or bounds.shape[0] < n_kv_heads * cap * 2 * head_dim * es
+            or (kv_kind == KA_KV_Q8 and (bound_scales is None
+                                         or bound_scales.shape[0] < n_kv_heads * cap))):
+        raise ValueError("bound_scores: bad geometry")
+    ka_kv_init(&kv, NULL, NULL, 32, n_kv_heads, head_dim, kv_kind)
+    ka_kv_bounds(&kv, &bounds[0], &bound_scales[0] if bound_scales is not None else NULL, cap)
+    qq.q = &q[0]
+    qq.kh = kh
+    for b in range(n_blocks):
+        out[b] = ka_bound(&kv, &qq, b)

@@ -41,21 +41,42 @@ KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
     return ka_decode_states(nb, n_heads, hd) + n_heads * nb + (n_heads * nb + 3) / 4;
 }
 
-/* Phase P for query head h: its picks (pick order into sel + h * k when sel is given) and
- * its row of the mask table. */
-KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptrdiff_t hd,
-                              int k, const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws,
-                              float *tab, int32_t *sel)
+/* Phase P for query head h: its picks (pick order into sel + h * ka_ktot(k, sopt) when sel
+ * is given) and its row of the mask table. Pooled (KA_POOL_MAX / _SUM): the first query
+ * head of each kv head picks once for its `group` heads from their probes' max or sum (in
+ * head order), the others do nothing. */
+KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t group, ptrdiff_t nb,
+                              ptrdiff_t hd, int k, int sopt, const int32_t *imp_order,
+                              ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel)
 {
-    const float *probe = tab + ka_decode_states(nb, n_heads, hd) + h * nb;
-    uint8_t *mask = (uint8_t *)(tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb)
-                    + h * nb;
-    int nsel = ka_pick(probe, nb, k, imp_order, n_order, ws->used, ws->sel);
-    memset(mask, 0, (size_t)nb);
-    for (int i = 0; i < nsel; i++)
-        mask[ws->sel[i]] = 1;
-    if (sel != NULL)
-        memcpy(sel + h * k, ws->sel, (size_t)nsel * sizeof(int32_t));
+    const float *probes = tab + ka_decode_states(nb, n_heads, hd), *probe = probes + h * nb;
+    uint8_t *masks = (uint8_t *)(tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb);
+    const int pool = KA_POOL(sopt), kt = ka_ktot(k, sopt);
+    ptrdiff_t h1 = h + 1;
+    if (pool == KA_POOL_MAX || pool == KA_POOL_SUM) {
+        if (h % group)
+            return;
+        float *pp = ws->probe;
+        for (ptrdiff_t b = 0; b < nb; b++) {
+            float v = probe[b];
+            for (ptrdiff_t g = 1; g < group; g++) {
+                float w = probe[g * nb + b];
+                v = pool == KA_POOL_SUM ? v + w : (w > v ? w : v);
+            }
+            pp[b] = v;
+        }
+        probe = pp;
+        h1 = h + group;
+    }
+    int nsel = ka_pick(probe, nb, k, KA_SINK(sopt), imp_order, n_order, ws->used, ws->sel);
+    for (ptrdiff_t x = h; x < h1; x++) {
+        uint8_t *mask = masks + x * nb;
+        memset(mask, 0, (size_t)nb);
+        for (int i = 0; i < nsel; i++)
+            mask[ws->sel[i]] = 1;
+        if (sel != NULL)
+            memcpy(sel + x * kt, ws->sel, (size_t)nsel * sizeof(int32_t));
+    }
 }
 
 /* Whether a decode unit reads block b: always when exact (mask NULL), else when one of
@@ -91,9 +112,9 @@ KF_INLINE void ka_fetch_ahead(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t k
 }
 
 KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads,
-                           ptrdiff_t n_ctx, float scale, int mode, int k, int n_probe,
-                           const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws,
-                           float *tab, int32_t *sel)
+                           ptrdiff_t n_ctx, float scale, int mode, int k, int sopt,
+                           int n_probe, const int32_t *imp_order, ptrdiff_t n_order,
+                           ka_ws *ws, float *tab, int32_t *sel)
 {
     const ptrdiff_t bs = kv->bs, hd = kv->hd, nb = (n_ctx + bs - 1) / bs;
     const ptrdiff_t group = n_heads / kv->n_kv, kh = u % kv->n_kv, p = u / kv->n_kv;
@@ -102,6 +123,8 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     /* mask[g * nb + b]: query head kh * group + g attends block b (phase P's table) */
     const uint8_t *mask = mode != KA_DEC_PICKED ? NULL
         : (const uint8_t *)(probe + n_heads * nb) + kh * group * nb;
+    /* KA_POOL_UNION: each head attends every block its group picked */
+    const int own = KA_POOL(sopt) != KA_POOL_UNION;
     (void)k; (void)imp_order; (void)n_order; (void)sel;
     float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
     ka_q *qv = ws->qv;                                   /* (group,) */
@@ -109,6 +132,13 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         qv[g].q = q + (kh * group + g) * hd;
         qv[g].kh = kh;
         qv[g].n = n_ctx;
+    }
+    if (mode == KA_DEC_PROBES && kv->bnd != NULL) {
+        /* the bound probe: one (2, hd) row pair per block and kv head, for every head */
+        for (ptrdiff_t b = b0; b < b1; b++)
+            for (ptrdiff_t g = 0; g < group; g++)
+                probe[(kh * group + g) * nb + b] = ka_bound(kv, &qv[g], b);
+        return;
     }
     if (mode == KA_DEC_PROBES) {
         /* each block's probe rows are read (and converted) once for the group's heads */
@@ -154,7 +184,7 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
             const float *rows = ka_rows(kv, kv->k_ptrs, kh, b, j0, 1, w, buf, &st);
             const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, j0);
             for (ptrdiff_t g = 0; g < group; g++) {
-                if (mask != NULL && !mask[g * nb + b])
+                if (mask != NULL && own && !mask[g * nb + b])
                     continue;
                 float *sg = ws->s + g * pt + cnt[g], m = mx[g];
                 ka_scores(qv[g].q, rows, st, w, hd, sg);
@@ -185,7 +215,7 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
             const float *rows = ka_rows(kv, kv->v_ptrs, kh, b, j0, 1, w, buf, &st);
             const float *vs = ka_row_scales(kv, kv->v_ptrs, kh, b, j0);
             for (ptrdiff_t g = 0; g < group; g++) {
-                if (mask != NULL && !mask[g * nb + b])
+                if (mask != NULL && own && !mask[g * nb + b])
                     continue;
                 ka_pv_scaled(ws->s + g * pt + cnt[g], vs, rows, st, w, hd,
                              tab + (p * n_heads + kh * group + g) * (hd + 2) + 2);
@@ -204,7 +234,8 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
  * hardware prefetcher nor the TLB follow; measured 5 GB/s.) Each query head's scores,
  * softmax state and weighted sum are computed with the same operations in the same
  * order as a unit of one kv head would: the chunking changes no bit.
- * picked: A2 (a head reads the blocks its row of the mask table picks), else exact. */
+ * picked: A2 (a head reads the blocks its row of the mask table picks, or with
+ * KA_POOL_UNION those its kv head's group picked), else exact. */
 #define KA_DW 8       /* tokens per chunk: 8 rows of every kv head, 4..64 KiB */
 #ifndef KA_SPAN_LOC
 #define KA_SPAN_LOC 3
@@ -240,8 +271,10 @@ KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t
 
 KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptrdiff_t kh0,
                                ptrdiff_t kh1, ptrdiff_t n_heads, ptrdiff_t n_ctx, float scale,
-                               int picked, ka_ws *ws, float *tab)
+                               int picked, int sopt, ka_ws *ws, float *tab)
 {
+    /* KA_POOL_UNION: each head attends every block its group picked */
+    const int own = KA_POOL(sopt) != KA_POOL_UNION;
     const ptrdiff_t bs = kv->bs, hd = kv->hd, nb = (n_ctx + bs - 1) / bs;
     const ptrdiff_t group = n_heads / kv->n_kv, h0 = kh0 * group, nh = (kh1 - kh0) * group;
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
@@ -298,7 +331,7 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
                     const float *sc = ka_row_scales(kv, ptrs, kh, b, j0);
                     for (ptrdiff_t g = 0; g < group; g++) {
                         const ptrdiff_t h = kh * group + g, i = h - h0;
-                        if (mask != NULL && !mask[h * nb + b])
+                        if (mask != NULL && own && !mask[h * nb + b])
                             continue;
                         float *sg = ws->s + i * pt + cnt[i];
                         if (pass) {

@@ -34,6 +34,14 @@ typedef struct {
     int q8;                   /* 1: int8 cache */
     int f16;                  /* 1: float16 cache (q8 and f16 0: float32) */
     int f16c;                 /* convert halves with F16C (the avx2 decode entry) */
+    /* key bounds of the bound probe (ka_bound; NULL: none): (n_kv, bcap, 2, hd) values,
+     * per block and kv head the elementwise max then min of its keys, float32 (float32 and
+     * float16 caches) or int8 (int8 cache) with the (n_kv, bcap) float32 scales bsc */
+    const uint8_t *bnd;
+    const float *bsc;
+    ptrdiff_t bcap;           /* blocks per kv head in bnd */
+    ptrdiff_t imp_from;       /* prefill: queries at positions below it record no
+                               * importance (0: all do) */
 } ka_kv;
 
 /* The cache's value types (ka_kv_init's `kind`; kernels.attention's kv_kind). */
@@ -65,6 +73,18 @@ static inline void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t 
     kv->q8 = kind == KA_KV_Q8;
     kv->f16 = kind == KA_KV_F16;
     kv->f16c = 0;             /* the avx2 entries set it (attention.h) */
+    kv->bnd = NULL;
+    kv->bsc = NULL;
+    kv->bcap = 0;
+    kv->imp_from = 0;
+}
+
+static inline void ka_kv_bounds(ka_kv *kv, const uint8_t *bnd, const float *bsc,
+                                ptrdiff_t bcap)
+{
+    kv->bnd = bnd;
+    kv->bsc = bsc;
+    kv->bcap = bcap;
 }
 
 /* n rows of hd halves (ldx halves apart) as floats into y (hd floats apart), exactly:
@@ -141,6 +161,94 @@ KF_INLINE void ka_dots(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrdiff_t j0
     const float *ks = (const float *)(blk + kv->soff) + q->kh * kv->bs + j0;
     for (ptrdiff_t i = 0; i < n; i++)
         d[i] = kf_dot_f32_i8(q->q, k + i * step * ld, hd) * ks[i * step];
+}
+
+/* The bound probe (Quest): sum_c max(q[c] * hi[c], q[c] * lo[c]), an upper bound of
+ * q . k over every key k with lo <= k <= hi elementwise. KF_L partial sums as KF_DOT_FN
+ * (simd.h), summed pairwise, then the tail in c order; the compare vectorises (attention.h
+ * turns off trapping math). */
+#define KA_BOUND_FN(NAME, T, CONV)                                                       \
+    KF_INLINE float NAME(const float *restrict q, const T *restrict hi,                  \
+                         const T *restrict lo, ptrdiff_t n)                              \
+    {                                                                                    \
+        float acc[KF_L] = {0};                                                           \
+        ptrdiff_t nv = n - n % KF_L, j;                                                  \
+        for (j = 0; j < nv; j += KF_L)                                                   \
+            for (int k = 0; k < KF_L; k++) {                                             \
+                float a = q[j + k] * CONV(hi[j + k]), b = q[j + k] * CONV(lo[j + k]);    \
+                acc[k] += a > b ? a : b;                                                 \
+            }                                                                            \
+        float tail = 0.0f;                                                               \
+        for (j = nv; j < n; j++) {                                                       \
+            float a = q[j] * CONV(hi[j]), b = q[j] * CONV(lo[j]);                        \
+            tail += a > b ? a : b;                                                       \
+        }                                                                                \
+        return kf_hsum(acc, KF_L) + tail;                                                \
+    }
+KA_BOUND_FN(ka_bound_f32, float, )
+KA_BOUND_FN(ka_bound_i8, int8_t, (float))
+
+/* The bound probe of block b for query q (kv->bnd set): int8 bounds times their scale. */
+KF_INLINE float ka_bound(const ka_kv *kv, const ka_q *q, ptrdiff_t b)
+{
+    const ptrdiff_t hd = kv->hd, i = q->kh * kv->bcap + b;
+    if (kv->q8) {
+        const int8_t *hi = (const int8_t *)kv->bnd + i * 2 * hd;
+        return ka_bound_i8(q->q, hi, hi + hd, hd) * kv->bsc[i];
+    }
+    const float *hi = (const float *)kv->bnd + i * 2 * hd;
+    return ka_bound_f32(q->q, hi, hi + hd, hd);
+}
+
+/* Key bounds of one block, rows r0 .. r1 - 1 just written (kind: KA_KV_*). bnd: the
+ * block's (2, hd) bounds of kv head 0, kv heads `bstride` values apart; bsc: its scale
+ * (int8), kv heads `sstride` floats apart. float32 and float16 caches: the running max and
+ * min, started by row 0 (r0 == 0), exact. int8 cache: recomputed over rows 0 .. r1 - 1 of
+ * the dequantised keys x = scale_t * q_t: hi, lo their max and min, S = max(|hi|, |lo|) /
+ * 127, stored ceil(hi / S) and floor(lo / S) clamped to +-127 (outward: still bounds). */
+static inline void ka_bounds_update(const uint8_t *blk, int kind, ptrdiff_t bs,
+                                    ptrdiff_t n_kv, ptrdiff_t hd, ptrdiff_t r0, ptrdiff_t r1,
+                                    uint8_t *bnd, ptrdiff_t bstride, float *bsc,
+                                    ptrdiff_t sstride)
+{
+    const ptrdiff_t ld = n_kv * hd;
+    float hi[KA_HDMAX], lo[KA_HDMAX];
+    for (ptrdiff_t h = 0; h < n_kv; h++) {
+        if (kind == KA_KV_Q8) {
+            const int8_t *x = (const int8_t *)blk + h * hd;
+            const float *sc = (const float *)(blk + ka_q8_scale_offset(bs, ld)) + h * bs;
+            int8_t *out = (int8_t *)bnd + h * bstride;
+            for (ptrdiff_t t = 0; t < r1; t++)
+                for (ptrdiff_t d = 0; d < hd; d++) {
+                    float v = sc[t] * (float)x[t * ld + d];
+                    hi[d] = t == 0 || v > hi[d] ? v : hi[d];
+                    lo[d] = t == 0 || v < lo[d] ? v : lo[d];
+                }
+            float m = 0.0f;
+            for (ptrdiff_t d = 0; d < hd; d++) {
+                m = fabsf(hi[d]) > m ? fabsf(hi[d]) : m;
+                m = fabsf(lo[d]) > m ? fabsf(lo[d]) : m;
+            }
+            float s = m / 127.0f;
+            bsc[h * sstride] = s;
+            for (ptrdiff_t d = 0; d < hd; d++) {
+                float a = s > 0.0f ? ceilf(hi[d] / s) : 0.0f, b = s > 0.0f ? floorf(lo[d] / s) : 0.0f;
+                a = a > 127.0f ? 127.0f : (a < -127.0f ? -127.0f : a);
+                b = b > 127.0f ? 127.0f : (b < -127.0f ? -127.0f : b);
+                out[d] = (int8_t)a;
+                out[hd + d] = (int8_t)b;
+            }
+            continue;
+        }
+        float *out = (float *)bnd + h * bstride;
+        for (ptrdiff_t t = r0; t < r1; t++)
+            for (ptrdiff_t d = 0; d < hd; d++) {
+                float v = kind == KA_KV_F16 ? kf_f16_f32(((const uint16_t *)blk)[t * ld + h * hd + d])
+                                            : ((const float *)blk)[t * ld + h * hd + d];
+                out[d] = t == 0 || v > out[d] ? v : out[d];
+                out[hd + d] = t == 0 || v < out[hd + d] ? v : out[hd + d];
+            }
+    }
 }
 
 /* Prefetch hint for rows 0, step, .. (n of them) of kv head kh in block b of `ptrs`
@@ -387,8 +495,9 @@ typedef struct {
     float *vf;           /* (KA_W, hd) a chunk's int8 values as floats */
     float *probe;        /* (nbc,) block probes */
     int32_t *sel;        /* (k,) picks in pick order */
-    int32_t *blk;        /* (k,) picks ascending (the order they are read in) */
+    int32_t *blk;        /* (k + nbc,) picks ascending (the order they are read in) */
     uint8_t *used;       /* (nbc,) taken by importance */
+    uint8_t *mark;       /* (nbc,) a query group's union of picks */
     struct ka_q_ *qv;    /* (nq,) a tile's queries */
     ptrdiff_t cap, nch;
 } ka_ws;
@@ -401,7 +510,7 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
     size_t nf = (size_t)(cap + (tile_e ? nq * (cap + nch) : 0) + nq * (hd + 2)
                          + 2 * hd * KA_W + nbc);
     size_t bytes = sizeof(ka_ws) + 64 + nf * sizeof(float) + 16 + (size_t)nq * sizeof(ka_q)
-                   + 2 * (size_t)kk * sizeof(int32_t) + (size_t)nbc;
+                   + (2 * (size_t)kk + (size_t)nbc) * sizeof(int32_t) + 2 * (size_t)nbc;
     ka_ws *w = (ka_ws *)malloc(bytes);
     if (w == NULL)
         return NULL;
@@ -420,7 +529,8 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
     w->qv = (ka_q *)(((uintptr_t)f + 15) / 16 * 16);
     w->sel = (int32_t *)(w->qv + nq);
     w->blk = w->sel + kk;
-    w->used = (uint8_t *)(w->blk + kk);
+    w->used = (uint8_t *)(w->blk + kk + nbc);
+    w->mark = w->used + nbc;
     return w;
 }
 

@@ -20,7 +20,8 @@
 
 /* q->o := softmax(scale * q . K[t]) @ V[t] over the tokens t < q->n of blocks blk[0..nsel)
  * (ascending; blk == NULL: all blocks). Two passes: scores, then max-subtracted exp and
- * P.V. imp (NULL: off): imp[t] += the probability of each attended token. */
+ * P.V. imp (NULL: off): imp[t] += the probability of each attended token, when the
+ * query's position is >= kv->imp_from. */
 KF_INLINE void ka_attend(const ka_kv *kv, const ka_q *q, const int32_t *blk,
                          ptrdiff_t nsel, float scale, ka_ws *ws, float *imp)
 {
@@ -58,7 +59,7 @@ KF_INLINE void ka_attend(const ka_kv *kv, const ka_q *q, const int32_t *blk,
     float inv = 1.0f / l;
     for (ptrdiff_t j = 0; j < hd; j++)
         q->o[j] = acc[j] * inv;
-    if (imp != NULL) {
+    if (imp != NULL && q->n - 1 >= kv->imp_from) {
         n = 0;
         for (ptrdiff_t i = 0; i < nsel; i++) {
             ptrdiff_t b = blk != NULL ? blk[i] : i;
@@ -72,25 +73,69 @@ KF_INLINE void ka_attend(const ka_kv *kv, const ka_q *q, const int32_t *blk,
 }
 
 /* One query head of one row (the sparse prefill rows): exact when k <= 0 or
- * ceil(q->n / bs) <= k, else the selection of attn_select.h with this query's own
- * probes, then ka_attend over the picks. sel_out (NULL: off, else k entries): the picks
- * in pick order, written only when sparse. */
-KF_INLINE void ka_row(const ka_kv *kv, ka_q *q, float scale, int k, int n_probe,
+ * ceil(q->n / bs) <= ka_ktot(k, sopt), else the selection of attn_select.h with this
+ * query's own probes (sampled or bound), then ka_attend over the picks. sel_out (NULL:
+ * off, else ka_ktot entries): the picks in pick order, written only when sparse. */
+KF_INLINE void ka_row(const ka_kv *kv, ka_q *q, float scale, int k, int sopt, int n_probe,
                       const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws, float *imp,
                       int32_t *sel_out)
 {
     const ptrdiff_t bs = kv->bs, nb = (q->n + bs - 1) / bs;
-    if (k <= 0 || nb <= k) {
+    if (k <= 0 || nb <= ka_ktot(k, sopt)) {
         ka_attend(kv, q, NULL, nb, scale, ws, imp);
         return;
     }
     for (ptrdiff_t b = 0; b < nb; b++)
-        ws->probe[b] = ka_probe(kv, q, b, q->n, n_probe, ws->s);
-    int nsel = ka_pick(ws->probe, nb, k, imp_order, n_order, ws->used, ws->sel);
+        ws->probe[b] = ka_score_block(kv, q, b, q->n, n_probe, ws->s);
+    int nsel = ka_pick(ws->probe, nb, k, KA_SINK(sopt), imp_order, n_order, ws->used, ws->sel);
     ka_sorted(ws->sel, nsel, ws->blk);
     if (sel_out != NULL)
         memcpy(sel_out, ws->sel, (size_t)nsel * sizeof(int32_t));
     ka_attend(kv, q, ws->blk, nsel, scale, ws, imp);
+}
+
+/* The `group` query heads qs[0..group) of one kv head and one sparse row, one selection
+ * for them all (KA_POOL(sopt) != KA_POOL_HEAD): max / sum pooling picks once from the
+ * heads' pooled probes (folded in head order); union picks per head and every head
+ * attends the union. sel_out (NULL: off): the heads' picks, ka_ktot(k, sopt) apart. */
+KF_INLINE void ka_row_group(const ka_kv *kv, ka_q *qs, ptrdiff_t group, float scale, int k,
+                            int sopt, int n_probe, const int32_t *imp_order,
+                            ptrdiff_t n_order, ka_ws *ws, float *imp, int32_t *sel_out)
+{
+    const ptrdiff_t bs = kv->bs, nb = (qs[0].n + bs - 1) / bs;
+    const int pool = KA_POOL(sopt), kt = ka_ktot(k, sopt);
+    ptrdiff_t n = 0;
+    if (pool != KA_POOL_UNION) {
+        for (ptrdiff_t b = 0; b < nb; b++) {
+            float v = ka_score_block(kv, &qs[0], b, qs[0].n, n_probe, ws->s);
+            for (ptrdiff_t g = 1; g < group; g++) {
+                float w = ka_score_block(kv, &qs[g], b, qs[g].n, n_probe, ws->s);
+                v = pool == KA_POOL_SUM ? v + w : (w > v ? w : v);
+            }
+            ws->probe[b] = v;
+        }
+        n = ka_pick(ws->probe, nb, k, KA_SINK(sopt), imp_order, n_order, ws->used, ws->sel);
+        ka_sorted(ws->sel, n, ws->blk);
+        for (ptrdiff_t g = 0; sel_out != NULL && g < group; g++)
+            memcpy(sel_out + g * kt, ws->sel, (size_t)n * sizeof(int32_t));
+    } else {
+        memset(ws->mark, 0, (size_t)nb);
+        for (ptrdiff_t g = 0; g < group; g++) {
+            for (ptrdiff_t b = 0; b < nb; b++)
+                ws->probe[b] = ka_score_block(kv, &qs[g], b, qs[g].n, n_probe, ws->s);
+            int nsel = ka_pick(ws->probe, nb, k, KA_SINK(sopt), imp_order, n_order, ws->used,
+                               ws->sel);
+            for (int i = 0; i < nsel; i++)
+                ws->mark[ws->sel[i]] = 1;
+            if (sel_out != NULL)
+                memcpy(sel_out + g * kt, ws->sel, (size_t)nsel * sizeof(int32_t));
+        }
+        for (ptrdiff_t b = 0; b < nb; b++)
+            if (ws->mark[b])
+                ws->blk[n++] = (int32_t)b;
+    }
+    for (ptrdiff_t g = 0; g < group; g++)
+        ka_attend(kv, &qs[g], ws->blk, n, scale, ws, imp);
 }
 
 /* ---------------------------------------------------------------- prefill tile */
@@ -206,7 +251,7 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float sca
         const float inv = 1.0f / ws->l[i], *acc = ws->acc + i * hd;
         for (ptrdiff_t d = 0; d < hd; d++)
             q[i].o[d] = acc[d] * inv;
-        if (imp == NULL)
+        if (imp == NULL || q[i].n - 1 < kv->imp_from)
             continue;
         c = 0;
         for (ptrdiff_t t0 = 0; t0 < n_max; c++) {       /* the same chunks again */
@@ -243,7 +288,7 @@ KF_INLINE ptrdiff_t ka_tile_rows(ptrdiff_t group)
  * A tile's rows past the ones with at most k blocks are contiguous (prefixes grow). */
 KF_INLINE void ka_prefill_unit(const ka_kv *kv, const float *q, ptrdiff_t ldq,
                                ptrdiff_t T, ptrdiff_t n_heads, ptrdiff_t pos0, float scale,
-                               int k, int n_probe, const int32_t *imp_order,
+                               int k, int sopt, int n_probe, const int32_t *imp_order,
                                ptrdiff_t n_order, ptrdiff_t u, ka_ws *ws, float *imp,
                                int32_t *sel, float *out, ptrdiff_t ldo)
 {
@@ -251,24 +296,28 @@ KF_INLINE void ka_prefill_unit(const ka_kv *kv, const float *q, ptrdiff_t ldq,
     const ptrdiff_t rt = ka_tile_rows(group), kh = u % kv->n_kv, i0 = (u / kv->n_kv) * rt;
     const ptrdiff_t nrow = T - i0 < rt ? T - i0 : rt;
     ka_q *qv = ws->qv;                                   /* (rt * group,) */
+    const int kt = ka_ktot(k, sopt), pooled = KA_POOL(sopt) != KA_POOL_HEAD;
     int nq = 0;
     for (ptrdiff_t r = 0; r < nrow; r++) {
         const ptrdiff_t n = pos0 + i0 + r + 1;
-        const int exact = k <= 0 || (n + bs - 1) / bs <= k;
+        const int exact = k <= 0 || (n + bs - 1) / bs <= kt;
         for (ptrdiff_t g = 0; g < group; g++) {
             const ptrdiff_t h = kh * group + g;
-            ka_q *x = &qv[nq];
+            ka_q *x = &qv[exact || !pooled ? nq : nq + g];
             x->q = q + (i0 + r) * ldq + h * hd;
             x->o = out + (i0 + r) * ldo + h * hd;
             x->kh = kh;
             x->n = n;
             if (exact) {
                 nq++;
-            } else {
-                ka_row(kv, x, scale, k, n_probe, imp_order, n_order, ws, imp,
-                       sel != NULL ? sel + ((i0 + r) * n_heads + h) * k : NULL);
+            } else if (!pooled) {
+                ka_row(kv, x, scale, k, sopt, n_probe, imp_order, n_order, ws, imp,
+                       sel != NULL ? sel + ((i0 + r) * n_heads + h) * kt : NULL);
             }
         }
+        if (!exact && pooled)          /* the row's group heads sit at qv[nq .. nq + group) */
+            ka_row_group(kv, &qv[nq], group, scale, k, sopt, n_probe, imp_order, n_order, ws,
+                         imp, sel != NULL ? sel + ((i0 + r) * n_heads + kh * group) * kt : NULL);
     }
     if (nq > 0)
         ka_tile(kv, qv, nq, kh, scale, ws, imp);

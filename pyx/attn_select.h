@@ -11,6 +11,21 @@
 
 #include "attn_kv.h"
 
+/* Options of the selection beyond the default (docs/DESIGN.md §3 Options), one int:
+ * bits 0-1 the sink block, bits 2-3 the pooling of a kv head's query heads. The bound
+ * probe is on when the cache view carries bounds (kv->bnd). sopt 0 is the default. */
+enum { KA_SINK_OFF = 0, KA_SINK_IN = 1, KA_SINK_OUT = 2 };
+enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
+#define KA_SINK(sopt) ((sopt) & 3)
+#define KA_POOL(sopt) (((sopt) >> 2) & 3)
+
+/* Blocks a query attends to at most (k, plus block 0 when the sink is outside the
+ * budget): attention is exact while the context has no more blocks. */
+KF_INLINE int ka_ktot(int k, int sopt)
+{
+    return k + (KA_SINK(sopt) == KA_SINK_OUT ? 1 : 0);
+}
+
 /* Step 1 for block b of tokens t < n_ctx: max of q . K over the keys p0, p0 + step,
  * .. < p_end, step = max(1, (p_end - p0) // n_probe). tmp: bs floats of scratch. */
 KF_INLINE float ka_probe(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrdiff_t n_ctx,
@@ -29,16 +44,32 @@ KF_INLINE float ka_probe(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrdiff_t 
     return mx;
 }
 
-/* Steps 2-4 over nb > k blocks with probes `probe`. imp_order (NULL: no
+/* Step 1 with either probe: the bound (kv->bnd set) or the sampled keys. */
+KF_INLINE float ka_score_block(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrdiff_t n_ctx,
+                               int n_probe, float *restrict tmp)
+{
+    return kv->bnd != NULL ? ka_bound(kv, q, b) : ka_probe(kv, q, b, n_ctx, n_probe, tmp);
+}
+
+/* Steps 2-4 over nb > ka_ktot(k, sink) blocks with probes `probe`. sink (KA_SINK_*): block 0
+ * is the first pick and steps 2-4 run over the other blocks with k - 1 picks (inside the
+ * budget) or k (outside it). imp_order (NULL: no
  * importance) lists blocks by prefill importance, descending, ties to the lower index
  * (kv_cache.py computes it once per prefill); blocks >= nb are skipped. Writes the picks
  * to sel in pick order (importance picks, then probe picks descending, the recency swap
  * in place) and returns their count (k). used: nb bytes of scratch. */
-KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k,
+KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k, int sink,
                       const int32_t *imp_order, ptrdiff_t n_order, uint8_t *restrict used,
                       int32_t *restrict sel)
 {
     memset(used, 0, (size_t)nb);
+    int n_sink = 0;
+    if (sink != KA_SINK_OFF) {
+        sel[n_sink++] = 0;
+        used[0] = 1;
+        k -= sink == KA_SINK_IN ? 1 : 0;
+        sel += 1;
+    }
     /* 2. importance: the first (k + 1) / 2 blocks of the order that exist here */
     int n_imp = 0;
     if (imp_order != NULL) {
@@ -83,7 +114,7 @@ KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k,
         if (!have)
             top[cnt - 1] = (int32_t)(nb - 1);
     }
-    return n_imp + cnt;
+    return n_sink + n_imp + cnt;
 }
 
 /* The picks sel[0..n) in ascending order into blk (insertion sort; n <= k is small). */

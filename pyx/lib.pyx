@@ -8,7 +8,7 @@
 # The C under them: simd.h (portable helpers), isa.h (the dispatcher), formats.h,
 # matmul*.h, attention.h and attn_*.h.
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 

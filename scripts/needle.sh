@@ -8,10 +8,11 @@
 #   KESTREL        the kestrel command (default: kestrel; may hold words)
 #   NEEDLE_FILLER  filler facts around the needle (default: 215, about 2K tokens)
 #   NEEDLE_N       tokens to generate for the answer (default: 24)
+#   NEEDLE_DEPTH   where the needle sits, percent of the filler (default: 50)
 #   NEEDLE_SWEEP   1: run the sweep below instead of one run
 #   SWEEP_K        sparse k values of the sweep (default: "32 16 8 4 2 1")
 #
-# Builds a chat prompt: filler facts, one needle fact in the middle, the question at the
+# Builds a chat prompt: filler facts, one needle fact (in the middle by default), the question at the
 # end; runs it greedily and prints whether the answer holds the needle, the answer, and
 # attn ms/token from the timing lines.
 # Exit status: 0 recalled, 1 not recalled, 2 kestrel failed.
@@ -20,6 +21,7 @@
 # --sparse-k K for each K of SWEEP_K, each with the float32 and the --kv-q8 cache (FLAGS
 # are added to every run); one table row per run: attention, cache, recalled, attn
 # ms/token, answer. Exit status: 0 when every run completed, 2 when one failed.
+# Sizes and depths: scripts/sparse_eval.py needle sweeps both (1K/2K/4K, 10%..90%).
 set -euo pipefail
 
 model=${1:-}
@@ -62,14 +64,14 @@ model_args=()
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-awk -v n="$n_filler" -v secret="$secret" 'BEGIN {
+awk -v n="$n_filler" -v secret="$secret" -v depth="${NEEDLE_DEPTH:-50}" 'BEGIN {
     split("Anna Boris Chen Dara Emil Farah Goran Hana Ivo Jana Karl Lena Milo Nora Oskar Pia", who, " ")
     split("red green yellow white black orange purple brown grey pink", color, " ")
     split("bicycle lamp kettle garden jacket boat violin kite chair clock scarf tent", thing, " ")
     split("Monday Tuesday Wednesday Thursday Friday Saturday Sunday", day, " ")
     printf "Read these notes, then answer the question after them.\n\n"
     for (i = 0; i < n; i++) {
-        if (i == int(n / 2))
+        if (i == int(n * depth / 100))
             printf "The secret password is %s. ", secret
         printf "%s painted the %s %s on %s. ", who[i % 16 + 1], thing[(i * 5) % 12 + 1], \
             color[(i * 3) % 10 + 1], day[(i * 2) % 7 + 1]

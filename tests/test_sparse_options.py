@@ -1,0 +1,322 @@
+"""The sparse selection's options (docs/DESIGN.md §3 Options): sink block, bound probe,
+dense layers, one selection per kv head, exact prefill, presets. Each against a NumPy
+reference (kestrel_cli.sparse) or exact attention; the plain selection stays §3's
+(tests/test_sparse.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kestrel_cli import kernels
+from kestrel_cli.engine import LoadOptions
+from kestrel_cli.errors import KestrelError
+from kestrel_cli.kv_cache import CacheSpec, KVCache
+from kestrel_cli.sparse import (bound_scores, importance_order, key_bounds, key_bounds_q8,
+                                probe_scores, select_blocks, select_with)
+
+BS = 32
+N_KV, GROUP, HD = 2, 3, 16
+N_HEADS = N_KV * GROUP
+
+
+def filled_cache(spec, seq, rng, n_layers=1, chunks=(0.5, 0.8)):
+    """A cache of `seq` random tokens written in a few prefill chunks and then one token
+    at a time (so bounds see both kinds of write); returns (cache, K float32 per layer)."""
+    c = KVCache(n_layers, N_KV, HD, seq + 64, spec, threads=1)
+    cuts = [0] + [int(seq * f) for f in chunks] + list(range(int(seq * chunks[-1]) + 1, seq + 1))
+    for a, b in zip(cuts, cuts[1:]):
+        if b <= a:
+            continue
+        c.reserve(b - a)
+        for layer in range(n_layers):
+            k = rng.standard_normal((b - a, N_KV * HD)).astype(np.float32) * 2
+            v = rng.standard_normal((b - a, N_KV * HD)).astype(np.float32)
+            c.write(layer, k, v)
+        c.commit(b - a)
+    return c
+
+
+def ref_bounds(cache, layer, kh):
+    keys = cache.keys(layer)[:, kh * HD:(kh + 1) * HD]
+    return key_bounds_q8(keys) if cache.q8 else key_bounds(keys)
+
+
+# ---------------------------------------------------------------- bounds and their scores
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8"])
+def test_bounds_kept_up_to_date_and_scores_match_numpy(dtype):
+    rng = np.random.default_rng(1)
+    seq = 7 * BS + 13
+    c = filled_cache(CacheSpec(dtype, sparse_k=2, sparse_probe="bound"), seq, rng)
+    nb = -(-seq // BS)
+    assert c.bounds.dtype == (np.int8 if dtype == "q8" else np.float32)
+    for kh in range(N_KV):
+        ref = ref_bounds(c, 0, kh)
+        got = c.bounds[0, kh, :nb]
+        assert np.array_equal(got[:, 0], ref[0]) and np.array_equal(got[:, 1], ref[1])
+        if dtype == "q8":
+            assert np.array_equal(c.bound_scales[0, kh, :nb], ref[2])
+            # still bounds of the dequantised keys, at most one step loose
+            keys = c.keys(0)[:, kh * HD:(kh + 1) * HD]
+            hi, lo = key_bounds(keys)
+            s = ref[2][:, None]
+            assert np.all(ref[0] * s >= hi - 1e-6 * np.abs(hi)) and np.all(ref[0] * s <= hi + s * 1.001)
+        q = rng.standard_normal(HD).astype(np.float32)
+        want = bound_scores(q, *ref)
+        got_s = kernels.bound_scores(q, c.bounds[0], c.bound_scales[0], c.kv_kind, kh, nb)
+        np.testing.assert_allclose(got_s, want, rtol=1e-5, atol=1e-5)
+        # an upper bound of every key's dot in the block
+        keys = c.keys(0)[:, kh * HD:(kh + 1) * HD]
+        dots = keys @ q
+        for b in range(nb):
+            assert got_s[b] >= dots[b * BS:(b + 1) * BS].max() - 1e-3
+
+
+def test_bounds_follow_trim():
+    rng = np.random.default_rng(2)
+    c = filled_cache(CacheSpec(sparse_k=2, sparse_probe="bound"), 3 * BS + 20, rng)
+    c.trim(2 * BS + 5)
+    c.reserve(3)
+    k = rng.standard_normal((3, N_KV * HD)).astype(np.float32) * 0.1
+    c.write(0, k, k)
+    c.commit(3)
+    ref = ref_bounds(c, 0, 1)
+    assert np.array_equal(c.bounds[0, 1, :3, 0], ref[0])    # trimmed keys no longer count
+    assert np.array_equal(c.bounds[0, 1, :3, 1], ref[1])
+
+
+def test_no_bounds_without_the_option():
+    c = KVCache(1, N_KV, HD, 256, CacheSpec(sparse_k=4))
+    assert c.bounds is None and c.sparse_opts == 0 and CacheSpec().sparse_opts == 0
+
+
+# ---------------------------------------------------------------- the kernel's picks
+
+def decode_picks(cache, rng, layer=0):
+    """One decode row of random query heads: (q (N_HEADS, HD), picks (N_HEADS, width))."""
+    cache.record_selection = True
+    q = rng.standard_normal((1, N_HEADS * HD)).astype(np.float32)
+    cache.reserve(1)
+    kv = rng.standard_normal((1, N_KV * HD)).astype(np.float32)
+    for l in range(cache.n_layers):
+        cache.write(l, kv, kv)
+    cache.attend(layer, q, np.empty_like(q))
+    cache.commit(1)
+    return q.reshape(N_HEADS, HD), cache.selection[layer][0]
+
+
+def ref_scores(cache, q, kh, probe, n_probe=8):
+    keys = cache.keys(0)[:, kh * HD:(kh + 1) * HD]
+    if probe == "bound":
+        nb = -(-keys.shape[0] // BS)
+        return kernels.bound_scores(q, cache.bounds[0], cache.bound_scales[0], cache.kv_kind,
+                                    kh, nb)
+    return probe_scores(q, keys, n_probe)
+
+
+@pytest.mark.parametrize("sink", ["off", "in", "out"])
+@pytest.mark.parametrize("probe", ["sample", "bound"])
+@pytest.mark.parametrize("group", ["head", "max", "sum", "union"])
+def test_decode_picks_match_the_reference(sink, probe, group):
+    rng = np.random.default_rng(hash((sink, probe, group)) % 2**32)
+    for k, seq, with_imp in ((1, 9 * BS, False), (3, 11 * BS + 7, True), (6, 20 * BS - 1, True)):
+        spec = CacheSpec(sparse_k=k, sparse_sink=sink, sparse_probe=probe, sparse_group=group)
+        c = filled_cache(spec, seq, rng)
+        if with_imp:                     # as a prefill would have recorded it
+            c.importance[0, :seq] = rng.random(seq).astype(np.float32)
+            c._has_imp[0] = True
+        imp = c.importance[0, :seq + 1].copy() if with_imp else None
+        q, picks = decode_picks(c, rng)
+        n = seq + 1
+        for kh in range(N_KV):
+            scores = [ref_scores(c, q[kh * GROUP + g], kh, probe) for g in range(GROUP)]
+            if group in ("max", "sum"):
+                s = scores[0].copy()
+                for x in scores[1:]:
+                    s = np.maximum(s, x) if group == "max" else (s + x).astype(np.float32)
+                scores = [s] * GROUP
+            for g in range(GROUP):
+                want = select_with(scores[g], imp, n, k, sink)
+                got = picks[kh * GROUP + g]
+                assert got[got >= 0].tolist() == want.tolist(), (kh, g, k)
+                if sink != "off":
+                    assert got[0] == 0                            # the sink is always kept
+            if group in ("max", "sum"):                           # one selection per kv head
+                assert all(np.array_equal(picks[kh * GROUP], picks[kh * GROUP + g])
+                           for g in range(GROUP))
+
+
+def test_plain_options_are_the_default_selection():
+    """sink off, sampled probes, per head: the same picks as select_blocks (§3)."""
+    rng = np.random.default_rng(5)
+    c = filled_cache(CacheSpec(sparse_k=4), 12 * BS + 3, rng)
+    c.importance[0, :12 * BS + 3] = rng.random(12 * BS + 3).astype(np.float32)
+    c._has_imp[0] = True
+    imp = c.importance[0, :12 * BS + 4].copy()
+    q, picks = decode_picks(c, rng)
+    keys = c.keys(0)
+    for h in range(N_HEADS):
+        kh = h // GROUP
+        assert picks[h].tolist() == select_blocks(q[h], keys[:, kh * HD:(kh + 1) * HD], imp,
+                                                  4).tolist()
+
+
+@pytest.mark.parametrize("group", ["head", "max", "union"])
+def test_prefill_rows_with_options(group):
+    """A first prefill (no importance): each sparse row's picks as the reference over its
+    causal prefix; checked on the last row, whose block bounds hold no later token."""
+    rng = np.random.default_rng(7)
+    seq, k = 10 * BS + 5, 3
+    spec = CacheSpec(sparse_k=k, sparse_sink="out", sparse_probe="bound", sparse_group=group)
+    c = KVCache(1, N_KV, HD, seq, spec, threads=1)
+    c.record_selection = True
+    c.reserve(seq)
+    kk = rng.standard_normal((seq, N_KV * HD)).astype(np.float32)
+    c.write(0, kk, kk)
+    q = rng.standard_normal((seq, N_HEADS * HD)).astype(np.float32)
+    c.attend(0, q, np.empty_like(q))
+    c.commit(seq)
+    sel = c.selection[0]
+    assert sel.shape == (seq, N_HEADS, k + 1)
+    sparse_rows = [i for i in range(seq) if -(-(i + 1) // BS) > k + 1]
+    assert all(sel[i, :, 0].tolist() == [0] * N_HEADS for i in sparse_rows)   # sink
+    qs = q[-1].reshape(N_HEADS, HD)
+    for kh in range(N_KV):
+        scores = [kernels.bound_scores(qs[kh * GROUP + g], c.bounds[0], c.bound_scales[0],
+                                       c.kv_kind, kh, -(-seq // BS)) for g in range(GROUP)]
+        if group == "max":
+            scores = [np.maximum(np.maximum(scores[0], scores[1]), scores[2])] * GROUP
+        for g in range(GROUP):
+            want = select_with(scores[g], None, seq, k, "out")
+            assert sel[-1, kh * GROUP + g].tolist() == want.tolist()
+
+
+# ---------------------------------------------------------------- dense layers, exact prefill
+
+def run_layers(spec, T_pre=9 * BS + 3, n_dec=3, seed=11):
+    """Outputs of 3 layers for one prefill and n_dec decode steps (same inputs per seed)."""
+    rng = np.random.default_rng(seed)
+    c = KVCache(3, N_KV, HD, T_pre + n_dec + 4, spec, threads=1)
+    outs = []
+    for T in [T_pre] + [1] * n_dec:
+        c.reserve(T)
+        q = rng.standard_normal((T, N_HEADS * HD)).astype(np.float32)
+        per = []
+        for layer in range(3):
+            kv = rng.standard_normal((T, N_KV * HD)).astype(np.float32)
+            c.write(layer, kv, kv * 0.5)
+            per.append(c.attend(layer, q, np.empty_like(q)).copy())
+        c.commit(T)
+        outs.append(per)
+    return outs, c
+
+
+def test_dense_layers_attend_exactly():
+    exact, _ = run_layers(CacheSpec())
+    dense, _ = run_layers(CacheSpec(sparse_k=2, sparse_dense=(1,)))
+    for step_e, step_d in zip(exact, dense):
+        assert np.array_equal(step_e[1], step_d[1])              # the dense layer: exact
+    assert not np.array_equal(exact[-1][0], dense[-1][0])        # the others: sparse
+    with pytest.raises(KestrelError, match="out of range"):
+        KVCache(3, N_KV, HD, 64, CacheSpec(sparse_k=2, sparse_dense=(3,)))
+
+
+def test_exact_prefill_sparse_decode():
+    exact, ce = run_layers(CacheSpec())
+    mixed, cm = run_layers(CacheSpec(sparse_k=2, sparse_prefill=False))
+    sparse, _ = run_layers(CacheSpec(sparse_k=2))
+    for layer in range(3):
+        assert np.array_equal(exact[0][layer], mixed[0][layer])   # prefill: exact
+        assert not np.array_equal(exact[0][layer], sparse[0][layer])
+        assert not np.array_equal(exact[-1][layer], mixed[-1][layer])   # decode: sparse
+    assert np.array_equal(ce.importance, cm.importance)          # exact mass recorded
+
+
+def test_sink_outside_the_budget_is_exact_up_to_k_plus_1_blocks():
+    a, _ = run_layers(CacheSpec(), T_pre=3 * BS, n_dec=0)
+    b, _ = run_layers(CacheSpec(sparse_k=2, sparse_sink="out"), T_pre=3 * BS, n_dec=0)
+    c, _ = run_layers(CacheSpec(sparse_k=2, sparse_sink="in"), T_pre=3 * BS, n_dec=0)
+    assert all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
+    assert not np.array_equal(a[0][0], c[0][0])
+
+
+# ---------------------------------------------------------------- options, presets, CLI
+
+def test_presets_and_overrides():
+    spec = LoadOptions(sparse_preset="quality").cache_spec
+    assert spec.sparse_k == 32 and spec.sparse_group == "union" and not spec.sparse_prefill
+    spec = LoadOptions(sparse_preset="quality", sparse_group="max", sparse_k=8).cache_spec
+    assert spec.sparse_group == "max" and spec.sparse_k == 8 and not spec.sparse_prefill
+    assert LoadOptions(sparse_attn=True).cache_spec == CacheSpec(sparse_k=32)
+    assert LoadOptions(sparse_attn=True, sparse_dense_first=2,
+                       sparse_dense_layers="5,1").cache_spec.sparse_dense == (0, 1, 5)
+    assert LoadOptions(sparse_sink="in").cache_spec == CacheSpec()       # no --sparse-attn
+    for kw, msg in ((dict(sparse_sink="both"), "--sparse-sink"),
+                    (dict(sparse_group="avg"), "--sparse-group"),
+                    (dict(sparse_probe="x"), "--sparse-probe"),
+                    (dict(sparse_preset="fast"), "--sparse-preset"),
+                    (dict(sparse_dense_layers="1,a"), "--sparse-dense-layers"),
+                    (dict(sparse_dense_first=-1), "--sparse-dense-first")):
+        with pytest.raises(KestrelError, match=msg):
+            LoadOptions(sparse_attn=True, **kw).validate()
+
+
+@pytest.mark.parametrize("cmd", ["run", "chat", "serve", "bench", "ppl"])
+def test_flags_in_help(cmd):
+    import re
+    from typer.testing import CliRunner
+    from kestrel_cli.cli import app
+    r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert r.exit_code == 0
+    out = re.sub(r"\x1b\[[0-9;]*m", "", r.output)
+    for flag in ("--sparse-preset", "--sparse-sink", "--sparse-probe", "--sparse-group",
+                 "--sparse-dense-first", "--sparse-dense-layers", "--exact-prefill",
+                 "--sparse-window"):
+        assert flag in out, (cmd, flag)
+
+
+def test_respec_reads_the_same_contents_another_way():
+    """A cache prefilled exactly, respec'd: its decode step equals a cache made with the
+    new spec (exact here, then sparse with the bound probe)."""
+    def step(c):
+        rng = np.random.default_rng(3)
+        q = rng.standard_normal((1, N_HEADS * HD)).astype(np.float32)
+        kv = rng.standard_normal((1, N_KV * HD)).astype(np.float32)
+        c.reserve(1)
+        outs = []
+        for layer in range(3):
+            c.write(layer, kv, kv)
+            outs.append(c.attend(layer, q, np.empty_like(q)).copy())
+        c.trim(c.offset)
+        return outs
+
+    bound = CacheSpec(sparse_k=2, sparse_probe="bound", sparse_prefill=False)
+    _, c = run_layers(bound, n_dec=0)
+    _, e = run_layers(CacheSpec(), n_dec=0)
+    c.respec(CacheSpec())
+    assert all(np.array_equal(x, y) for x, y in zip(step(c), step(e)))
+    _, b = run_layers(bound, n_dec=0)
+    c.respec(bound)
+    assert all(np.array_equal(x, y) for x, y in zip(step(c), step(b)))
+    assert not np.array_equal(step(c)[0], step(e)[0])
+    with pytest.raises(KestrelError, match="holds f32"):
+        c.respec(CacheSpec("q8"))
+    plain = KVCache(1, N_KV, HD, 64, CacheSpec(sparse_k=2))
+    with pytest.raises(KestrelError, match="bound probe"):
+        plain.respec(bound)
+
+
+def test_window_importance_from_the_last_rows_only():
+    """sparse_window W: a prefill's importance is the mass of its last W rows only (the
+    exact path's mass of those rows, each summing to 1 per head)."""
+    _, full = run_layers(CacheSpec(), n_dec=0)
+    _, win = run_layers(CacheSpec(sparse_k=2, sparse_prefill=False, sparse_window=40),
+                        n_dec=0)
+    mass = win.importance[0].sum()
+    np.testing.assert_allclose(mass, 40 * N_HEADS, rtol=1e-4)
+    np.testing.assert_allclose(full.importance[0].sum(), (9 * BS + 3) * N_HEADS, rtol=1e-4)
+    # rows before the window: nothing; the window's rows see every token before them
+    assert win.importance[0, :9 * BS + 3 - 40].sum() > 0
+    assert LoadOptions(sparse_attn=True, sparse_window=64).cache_spec.sparse_window == 64
+    with pytest.raises(KestrelError, match="sparse_window"):
+        CacheSpec(sparse_k=2, sparse_window=-1)
