@@ -119,7 +119,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         await sched.close()
 
     app = FastAPI(title="kestrel", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, redirect_slashes=False)   # "/v1/models/" is a 404
     app.state.scheduler = sched
     app.state.limits = limits
 

@@ -31,7 +31,8 @@ class APIError(Exception):
         self.type = type or {400: "invalid_request_error", 401: "authentication_error",
                              404: "not_found_error", 408: "timeout_error",
                              413: "invalid_request_error", 503: "unavailable_error",
-                             504: "timeout_error"}.get(status, "server_error")
+                             504: "timeout_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": scrub_paths(self.message), "type": self.type,
