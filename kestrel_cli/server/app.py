@@ -433,8 +433,10 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
     async def check_schema(schema: dict, param: str = "response_format") -> None:
         """A schema llguidance cannot compile (or not within limits.schema_timeout) is the
         request's error (400), found early."""
-        from ..constrained import JsonConstraint
+        from ..constrained import JsonConstraint, _ll_tokenizer
         try:
+            # the model's llguidance tokenizer, built once (seconds), is not the schema's time
+            await asyncio.to_thread(_ll_tokenizer, eng0)
             await asyncio.wait_for(asyncio.to_thread(JsonConstraint, eng0, schema),
                                    limits.schema_timeout)
         except KestrelError as e:
