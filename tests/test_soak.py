@@ -47,7 +47,7 @@ def test_soak_mixed_requests(vl_model, tmp_path):
 
 
 def test_soak_sigkill_mid_stream_and_restart(vl_model, tmp_path):
-    r, fig = soak(tmp_path, "-n", "24", "-c", "2", "-m", str(vl_model), "--ctx", "512",
+    r, fig = soak(tmp_path, "-n", "24", "-c", "2", "-m", str(vl_model), "--ctx", "2048",
                   "--max-tokens", "6", "--kill-restart", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     k, = fig["kills"]
