@@ -32,6 +32,7 @@ import io
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -495,6 +496,10 @@ def main(argv=None) -> int:
             "tracebacks": tracebacks, "rss_kib": rss, "rss_warm_kib": rss_warm,
             "rss_end_kib": rss_end, "rss_growth_pct": growth, "kills": kills,
             "files_changed": changed, "server_exit": rc_stop, "failed": failed}, default=str))
+    if failed and server:
+        print(f"the server's log: {tmp / 'server.log'}")
+    elif server:
+        shutil.rmtree(tmp, ignore_errors=True)
     print("soak: FAILED" if failed else "soak: ok")
     return 1 if failed else 0
 

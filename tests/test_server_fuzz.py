@@ -203,6 +203,28 @@ FIELDS = {
     "functions": JSON, "function_call": JSON, "modalities": JSON, "audio": JSON,
     "parallel_tool_calls": SCALAR, "metadata": JSON,
 }
+# values a client might really send: most requests get past validation and generate
+PLAUSIBLE = {
+    "temperature": st.sampled_from([0, 0.0, 0.7, 1, 2.0]), "top_p": st.sampled_from([0, 0.5, 1]),
+    "top_k": st.integers(0, 50), "min_p": st.sampled_from([0, 0.05, 1]),
+    "repeat_penalty": st.sampled_from([0.5, 1, 1.3]), "seed": st.integers(-2 ** 63, 2 ** 64),
+    "max_tokens": st.integers(1, 80), "max_completion_tokens": st.integers(1, 8),
+    "ignore_eos": st.booleans(), "cache_prompt": st.booleans(), "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stop": st.one_of(TEXT, st.lists(TEXT, max_size=4)),
+    "chat_template_kwargs": st.fixed_dictionaries({"enable_thinking": st.booleans()}),
+    "reasoning_effort": st.sampled_from(["none", "low", "high"]),
+    "presence_penalty": st.sampled_from([-2, 0, 1.5]), "frequency_penalty": st.just(0.5),
+    "logit_bias": st.dictionaries(st.integers(0, 319).map(str),
+                                  st.sampled_from([-100, -1, 5, 100]), max_size=3),
+    "logprobs": st.one_of(st.booleans(), st.integers(0, 5)), "top_logprobs": st.integers(0, 5),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": {
+            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]),
+    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}}}}}]),
+    "tool_choice": st.sampled_from(["none", "auto", "required"]),
+}
 BASE_CHAT = {"messages": [{"role": "user", "content": "The kestrel hovers"}],
              "max_tokens": 2, "temperature": 0}
 BASE_COMPLETION = {"prompt": "The kestrel hovers", "max_tokens": 2, "temperature": 0}
@@ -214,7 +236,8 @@ def mutated(draw, base: dict, extra: dict):
     body = dict(base)
     fields = {**FIELDS, **extra}
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True)):
-        body[name] = draw(fields[name])
+        plausible = name in PLAUSIBLE and draw(st.integers(0, 3)) > 0
+        body[name] = draw(PLAUSIBLE[name] if plausible else fields[name])
     for name in draw(st.lists(st.sampled_from(sorted(base)), max_size=1)):
         body.pop(name, None)
     if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 8:

@@ -204,7 +204,10 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
 
     @functools.lru_cache(maxsize=65536)
     def tok_text(t: int) -> str:
-        return eng0.tokenizer.decode([t])
+        try:
+            return eng0.tokenizer.decode([t])
+        except KestrelError:   # a padding row of the embeddings, past the tokenizer's vocab
+            return ""
 
     def lp_entry(t: int, lp: float) -> dict:
         s = tok_text(t)
