@@ -3,6 +3,7 @@
 
     python scripts/soak.py [-n 1000] [-c 4] [-m MODEL] [-t 1] [--ctx 512] [--max-tokens 8]
         [--url URL --pid PID] [--kill-restart K] [--json OUT] [--max-rss-growth 5]
+        [--client-timeout 600]
 
 It starts `kestrel serve` on a free loopback port (or drives --url, whose RSS it reads when
 --pid is given) and sends -n requests from -c client threads, drawn (seeded) from: chat and
@@ -326,6 +327,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-restart", type=int, default=0, metavar="K",
                     help="SIGKILL the server mid-stream K times and restart it")
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
+    ap.add_argument("--client-timeout", type=float, default=600.0,
+                    help="seconds a client waits for a reply (a slower one is a problem)")
     args = ap.parse_args(argv)
     if args.kill_restart and args.url:
         ap.error("--kill-restart needs a server this script starts (no --url)")
@@ -367,7 +370,8 @@ def main(argv=None) -> int:
             stop_sampling.wait(0.25)
 
     def client_loop():
-        with httpx.Client(base_url=url, timeout=httpx.Timeout(120, connect=10)) as c:
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(args.client_timeout,
+                                                               connect=10)) as c:
             while True:
                 with lock:
                     i = next_i[0]
