@@ -128,12 +128,12 @@ class Scheduler:
     def _dispatch(self) -> None:
         while self.pending and self.idle:
             job = self.pending.popleft()
-            # the idle slot whose KV cache shares the longest prefix with the prompt; on a
-            # tie the one holding least, so other conversations keep their caches
             if job.expired():                  # waited in the queue past its time limit
                 job.state = "done"
                 job.events.put_nowait(job.timeout_error())
                 continue
+            # the idle slot whose KV cache shares the longest prefix with the prompt; on a
+            # tie the one holding least, so other conversations keep their caches
             slot = max(self.idle, key=lambda s: (_common_prefix(s.engine.cached_ids, job.ids),
                                                  -len(s.engine.cached_ids)))
             self.idle.remove(slot)
