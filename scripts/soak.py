@@ -360,8 +360,15 @@ def main(argv=None) -> int:
     stop_sampling = threading.Event()
     t_start = time.monotonic()
 
+    paused = [0.0]                                   # seconds this process was not run
+
     def sampler():
+        last = time.monotonic()
         while not stop_sampling.is_set():
+            now = time.monotonic()
+            if now - last > 5:                       # a 0.25 s wait that took > 5 s
+                paused[0] += now - last
+            last = now
             p = server.pid if server else pid
             if p is not None and up.is_set():
                 kib = rss_kib(p)
@@ -480,6 +487,9 @@ def main(argv=None) -> int:
         print(f"RSS after warm-up ({warmup} requests): {rss_warm / 1024:.1f} MiB -> "
               f"{rss_end / 1024:.1f} MiB at the end: growth {growth:+.2f}% "
               f"(peak {peak_growth:+.2f}%)")
+    if paused[0]:
+        print(f"note: this script was not scheduled for {paused[0]:.0f} s in all (gaps over 5 s "
+              f"between its 0.25 s RSS samples: the machine paused it, e.g. SIGSTOP)")
     if kills:
         print(f"kill/restart: {kills}")
     if changed:
@@ -499,7 +509,8 @@ def main(argv=None) -> int:
             "n5xx": n5xx, "transport_errors": transport, "problems": problems,
             "tracebacks": tracebacks, "rss_kib": rss, "rss_warm_kib": rss_warm,
             "rss_end_kib": rss_end, "rss_growth_pct": growth, "kills": kills,
-            "files_changed": changed, "server_exit": rc_stop, "failed": failed}, default=str))
+            "files_changed": changed, "server_exit": rc_stop, "paused_s": paused[0],
+            "failed": failed}, default=str))
     if failed and server:
         print(f"the server's log: {tmp / 'server.log'}")
     elif server:
