@@ -475,7 +475,25 @@ def serve(
         rich_help_panel="Server")] = 32,
     shutdown_timeout: Annotated[float, typer.Option(
         "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds in-flight requests get to "
-        "finish before they are cancelled.", rich_help_panel="Server")] = 5.0,
+        "finish before they end with an error (a stream: an error event and [DONE]).",
+        rich_help_panel="Server")] = 5.0,
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", help="Open connections at most; one more gets 503 and is closed.",
+        rich_help_panel="Server limits")] = 64,
+    timeout_header: Annotated[float, typer.Option(
+        "--timeout-header", help="Seconds a request's line and headers may take to arrive "
+        "(and a new connection to start one); then 408 and the connection is closed.",
+        rich_help_panel="Server limits")] = 10.0,
+    timeout_body: Annotated[float, typer.Option(
+        "--timeout-body", help="Seconds a request's body may take to arrive; then 408.",
+        rich_help_panel="Server limits")] = 30.0,
+    timeout_keep_alive: Annotated[float, typer.Option(
+        "--timeout-keep-alive", help="Seconds an idle connection is kept between requests.",
+        rich_help_panel="Server limits")] = 5.0,
+    request_timeout: Annotated[float, typer.Option(
+        "--request-timeout", help="Seconds one request may take from admission to its last "
+        "token (queue wait included); then 504, or an error event in a stream. 0: no limit.",
+        rich_help_panel="Server limits")] = 600.0,
     engine: EngineOptions = None,
 ):
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models."""
@@ -486,12 +504,25 @@ def serve(
         raise KestrelError(f"--parallel must be >= 1, got {parallel}")
     if queue_size < 0:
         raise KestrelError(f"--queue-size must be >= 0, got {queue_size}")
+    if max_connections < 1:
+        raise KestrelError(f"--max-connections must be >= 1, got {max_connections}")
+    for flag, v, zero_ok in (("--shutdown-timeout", shutdown_timeout, True),
+                             ("--timeout-header", timeout_header, False),
+                             ("--timeout-body", timeout_body, False),
+                             ("--timeout-keep-alive", timeout_keep_alive, False),
+                             ("--request-timeout", request_timeout, True)):
+        if not (v >= 0 if zero_ok else v > 0) or v == float("inf"):
+            raise KestrelError(f"{flag} must be a number of seconds {'>=' if zero_ok else '>'} 0,"
+                               f" got {v}")
     from . import server                    # fails with a clear message without fastapi
+    limits = server.Limits(header_timeout=timeout_header, body_timeout=timeout_body,
+                           keep_alive=timeout_keep_alive, request_timeout=request_timeout,
+                           max_connections=max_connections, shutdown_timeout=shutdown_timeout)
     # each of the `parallel` engines runs -t threads; by default they split the cores
     eng = engine_from_options(dataclasses.replace(
         engine, threads=engine.threads or default_threads(share=parallel)))
     server.serve([eng] + [eng.fork() for _ in range(parallel - 1)], host=host, port=port,
-                 api_key=api_key, queue_size=queue_size, shutdown_timeout=shutdown_timeout)
+                 api_key=api_key, queue_size=queue_size, limits=limits)
 
 
 def _human_bytes(n: int) -> str:

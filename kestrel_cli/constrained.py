@@ -44,12 +44,15 @@ class JsonConstraint:
         schema = {"type": "object"} if schema is None else schema
         if not isinstance(schema, dict):
             raise KestrelError("a JSON schema must be a JSON object")
-        if then:
-            grammar = llg.LLMatcher.grammar_from_lark(
-                f"start: value {json.dumps(then)}\nvalue: %json {json.dumps(schema)}")
-        else:
-            grammar = llg.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), defaults={"whitespace_flexible": False})
+        try:
+            if then:
+                grammar = llg.LLMatcher.grammar_from_lark(
+                    f"start: value {json.dumps(then)}\nvalue: %json {json.dumps(schema)}")
+            else:
+                grammar = llg.LLMatcher.grammar_from_json_schema(
+                    json.dumps(schema), defaults={"whitespace_flexible": False})
+        except (ValueError, TypeError, RecursionError) as e:  # e.g. nested too deep
+            raise KestrelError(f"JSON schema not supported: {' '.join(str(e).split())}") from None
         msg = llg.LLMatcher.validate_grammar(grammar)     # "" when it is fine
         if msg:
             raise KestrelError(f"JSON schema not supported: {' '.join(str(msg).split())}")

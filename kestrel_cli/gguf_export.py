@@ -584,6 +584,16 @@ def _progress_bar(plan: list[PlanTensor], enabled: bool):
     return update, bar
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:                       # a folder on a file system that cannot sync one
+        pass
+    finally:
+        os.close(fd)
+
+
 def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool = False,
                         log: Callable[[str], None] | None = None,
                         threads: int | None = None) -> dict:
@@ -625,7 +635,9 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
         with bar:
             total = write_gguf(part, cfg, plan, _store_rows(store, chunk_values(threads)),
                                metadata, update, threads)
-        os.replace(part, out)
+        _fsync(part)                      # on disk before it takes OUT's name: a crash or
+        os.replace(part, out)             # power cut leaves the old OUT or the whole new one
+        _fsync(out.parent)
     except BaseException:
         part.unlink(missing_ok=True)
         raise

@@ -670,7 +670,11 @@ def test_sigterm_cancels_in_flight_and_exits_cleanly(server, http):
     t.join(30)
     assert rc == 0, server.log_text()[-3000:]
     assert took < 15, took                        # --shutdown-timeout 2, then cancelled
-    assert "data: [DONE]" not in events           # cut short, not run to ~450 tokens
+    # cut short (not run to ~450 tokens), and still a complete reply: an error event, [DONE]
+    got = sse_events(events)
+    assert got[-1] == "[DONE]" and got[-2]["error"]["code"] == "shutting_down", events[-3:]
+    assert not any(isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"]
+                   for e in got)
     assert "server stopped" in server.log_text()
 
 

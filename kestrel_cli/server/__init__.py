@@ -34,8 +34,9 @@ except ImportError as e:                                  # the [serve] extra is
     raise KestrelError(f"kestrel serve needs fastapi and uvicorn ({e.name} is missing): "
                        "pip install 'kestrel-cli[serve]'") from None
 
-from .app import create_app, model_id, serve  # noqa: E402
+from .app import Limits, create_app, exposure_warning, model_id, serve  # noqa: E402
 from .models import APIError  # noqa: E402
 from .scheduler import Job, Scheduler, Slot  # noqa: E402
 
-__all__ = ["APIError", "Job", "Scheduler", "Slot", "create_app", "model_id", "serve"]
+__all__ = ["APIError", "Job", "Limits", "Scheduler", "Slot", "create_app", "exposure_warning",
+           "model_id", "serve"]

@@ -3,18 +3,24 @@ and running it under uvicorn until SIGINT/SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
+import ipaddress
 import json
 import logging
+import re
 import secrets
 import signal
 import time
 from pathlib import Path
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import __version__
 from ..engine import Engine
@@ -22,12 +28,26 @@ from ..errors import KestrelError
 from ..generate import Stats
 from ..reasoning import AnswerSplitter, prompt_opens_thinking
 from .models import (COMPLETIONS_MAX_TOKENS, APIError, Options, check_unsupported,
-                     parse_messages, parse_prompt, parse_tools, content_chars)
+                     content_chars, first_bad_string, parse_messages, parse_prompt, parse_tools)
 from .scheduler import Job, Scheduler
 
 log = logging.getLogger("kestrel.server")
 
 MAX_BODY_BYTES = 32 << 20        # larger request bodies get 413
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+@dataclasses.dataclass
+class Limits:
+    """What one client may hold, in seconds and counts (`kestrel serve` flags; README:
+    "Running it safely")."""
+    header_timeout: float = 10.0     # a request's line and headers, from its first byte
+    body_timeout: float = 30.0       # its body, from the end of the headers (-> 408)
+    keep_alive: float = 5.0          # an idle connection between requests
+    request_timeout: float = 600.0   # one generation, from admission to last token (-> 504)
+    max_connections: int = 64        # open connections; one more gets 503 and is closed
+    schema_timeout: float = 5.0      # compiling a response_format / tool schema (-> 400)
+    shutdown_timeout: float = 5.0    # SIGTERM: in-flight replies get this long, then 503
 
 
 # ---------------------------------------------------------------------------- replies
@@ -82,10 +102,11 @@ def model_id(engine: Engine) -> str:
     return Path(str(engine.path)).name or str(engine.path)
 
 
-def create_app(engines: list[Engine], api_key: str | None = None, queue_size: int = 32
-               ) -> FastAPI:
+def create_app(engines: list[Engine], api_key: str | None = None, queue_size: int = 32,
+               limits: Limits | None = None) -> FastAPI:
     """The FastAPI app serving `engines` (one per slot, sharing weights and tokenizer)."""
     from contextlib import asynccontextmanager
+    limits = limits or Limits()
     sched = Scheduler(engines, queue_size)
     eng0 = engines[0]
     mid, created = model_id(eng0), int(time.time())
@@ -98,8 +119,9 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         await sched.close()
 
     app = FastAPI(title="kestrel", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, redirect_slashes=False)   # "/v1/models/" is a 404
     app.state.scheduler = sched
+    app.state.limits = limits
 
     # -- cross-cutting: errors, auth, one log line per request
     @app.exception_handler(APIError)
@@ -119,31 +141,42 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
     async def read_json(request: Request) -> dict:
         size = 0
         parts = []
-        async for part in request.stream():
-            size += len(part)
-            if size > MAX_BODY_BYTES:
-                raise APIError(f"request body larger than {MAX_BODY_BYTES >> 20} MiB", 413)
-            parts.append(part)
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > MAX_BODY_BYTES:
+                    raise APIError(f"request body larger than {MAX_BODY_BYTES >> 20} MiB", 413)
+                parts.append(part)
+        except ClientDisconnect:
+            raise APIError("the client went away before sending the whole body", 400) from None
+        raw = b"".join(parts)
 
         def no_constant(name):
             raise ValueError(f"{name} is not valid JSON")
         try:
-            body = json.loads(b"".join(parts), parse_constant=no_constant)
+            body = json.loads(raw, parse_constant=no_constant)
         except (ValueError, RecursionError) as e:
             raise APIError(f"malformed JSON body: {e}", 400) from None
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object", 400)
+        if _SURROGATE_ESCAPE.search(raw) and (where := first_bad_string(body)) is not None:
+            raise APIError(f"'{where}' holds a lone UTF-16 surrogate (an unpaired \\ud800-"
+                           f"\\udfff escape), which is not valid Unicode", 400, param=where)
         return body
 
     async def admit(request: Request, ids: list[int], params: dict, param: str,
                     cache_prompt: bool) -> Job:
-        if len(ids) > eng0.ctx_size:
-            raise APIError(f"the prompt has {len(ids)} tokens, more than the context size "
-                           f"{eng0.ctx_size} (start the server with a larger -c/--ctx-size)",
+        if len(ids) >= eng0.ctx_size:
+            raise APIError(f"the prompt has {len(ids)} tokens, and the context size is "
+                           f"{eng0.ctx_size}: no room for an answer (start the server with a "
+                           f"larger -c/--ctx-size)",
                            400, param=param, code="context_length_exceeded")
         if not ids:
             raise APIError("empty prompt", 400, param=param)
-        job = Job(ids, params, asyncio.get_running_loop(), cache_prompt)
+        # max_tokens is capped by the room the context has left (finish_reason "length")
+        params = {**params, "max_tokens": min(params["max_tokens"], eng0.ctx_size - len(ids))}
+        job = Job(ids, params, asyncio.get_running_loop(), cache_prompt,
+                  timeout=limits.request_timeout or None)
         request.scope["kestrel.job"] = job
         sched.submit(job)
         return job
@@ -171,7 +204,10 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
 
     @functools.lru_cache(maxsize=65536)
     def tok_text(t: int) -> str:
-        return eng0.tokenizer.decode([t])
+        try:
+            return eng0.tokenizer.decode([t])
+        except KestrelError:   # a padding row of the embeddings, past the tokenizer's vocab
+            return ""
 
     def lp_entry(t: int, lp: float) -> dict:
         s = tok_text(t)
@@ -314,10 +350,11 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                 if last is not None and sp is not None:
                     for d in split_parts(sp, sp.feed(suffix) + sp.finish(), calls):
                         yield _sse(chunk(d))
-            except APIError as e:
+            except APIError as e:          # an engine error, the time limit, shutdown
                 finish_log(request, job, None, "error")
                 request.scope["kestrel.error"] = e.message
                 yield _sse(e.body())
+                yield "data: [DONE]\n\n"
                 return
             if last is None:
                 finish_log(request, job, None, "cancelled")
@@ -396,13 +433,20 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         return await generate(request, job, opts.stream, opts.include_usage, kind, split,
                               prefix, suffix)
 
-    async def check_schema(schema: dict) -> None:
-        """A schema llguidance cannot compile is the request's error (400), found early."""
-        from ..constrained import JsonConstraint
+    async def check_schema(schema: dict, param: str = "response_format") -> None:
+        """A schema llguidance cannot compile (or not within limits.schema_timeout) is the
+        request's error (400), found early."""
+        from ..constrained import JsonConstraint, _ll_tokenizer
         try:
-            await asyncio.to_thread(JsonConstraint, eng0, schema)
+            # the model's llguidance tokenizer, built once (seconds), is not the schema's time
+            await asyncio.to_thread(_ll_tokenizer, eng0)
+            await asyncio.wait_for(asyncio.to_thread(JsonConstraint, eng0, schema),
+                                   limits.schema_timeout)
         except KestrelError as e:
-            raise APIError(str(e), 400, param="response_format") from None
+            raise APIError(str(e), 400, param=param) from None
+        except asyncio.TimeoutError:
+            raise APIError(f"the JSON schema did not compile within {limits.schema_timeout:g} s",
+                           400, param=param) from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -419,8 +463,10 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         if tools is not None:
             kwargs["tools"] = tools
         if forced is not None:
-            await check_schema(forced_schema(tools, forced)[0])
-        bound_prompt(sum(content_chars(m["content"]) for m in messages), "messages")
+            await check_schema(forced_schema(tools, forced)[0], "tools")
+        # tools are rendered into the prompt too: their JSON counts against its size
+        bound_prompt(sum(content_chars(m["content"]) for m in messages)
+                     + (len(json.dumps(tools)) if tools is not None else 0), "messages")
         return await answer(request, opts, messages, "messages", "chat", forced=forced,
                             max_chars=max_chars, **kwargs)
 
@@ -434,17 +480,38 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
             bound_prompt(len(prompt), "prompt")
         return await answer(request, opts, prompt, "prompt", "completion")
 
-    app.add_middleware(_FrontDoor, api_key=api_key)
+    app.add_middleware(_FrontDoor, api_key=api_key, body_timeout=limits.body_timeout)
     return app
 
 
 class _FrontDoor:
     """Plain ASGI middleware (no buffering, so streams and disconnects pass through):
-    checks the API key on /v1/*, then logs one line per request with status, tokens and
-    time (the handlers leave `kestrel.log` = (job, stats, finish) in the scope)."""
+    checks the API key on /v1/*, bounds the time the request body may take to arrive
+    (408), then logs one line per request with status, tokens and time (the handlers
+    leave `kestrel.log` = (job, stats, finish) in the scope)."""
 
-    def __init__(self, app, api_key: str | None = None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, api_key: str | None = None, body_timeout: float | None = None):
+        self.app, self.api_key, self.body_timeout = app, api_key, body_timeout
+
+    def _deadline_receive(self, receive):
+        """`receive`, raising APIError 408 once the body has taken body_timeout seconds."""
+        if not self.body_timeout:
+            return receive
+        loop = asyncio.get_running_loop()
+        deadline, done = loop.time() + self.body_timeout, [False]
+
+        async def receive_():
+            if done[0]:
+                return await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                raise APIError(f"the request body did not arrive within {self.body_timeout:g} s",
+                               408, code="request_timeout") from None
+            if msg["type"] != "http.request" or not msg.get("more_body"):
+                done[0] = True
+            return msg
+        return receive_
 
     def _authorized(self, scope) -> bool:
         if self.api_key is None or not scope["path"].startswith("/v1/"):
@@ -466,7 +533,7 @@ class _FrontDoor:
             await send(message)
         try:
             if self._authorized(scope):
-                await self.app(scope, receive, send_)
+                await self.app(scope, self._deadline_receive(receive), send_)
             else:
                 await APIError("invalid or missing API key (send 'Authorization: Bearer KEY')",
                                401, code="invalid_api_key").response()(scope, receive, send_)
@@ -497,21 +564,115 @@ class _FrontDoor:
 
 # ---------------------------------------------------------------------------- running it
 
+def _raw_error(err: APIError) -> bytes:
+    """A whole HTTP/1.1 error response that closes the connection, for the protocol level
+    (before any ASGI app runs)."""
+    body = json.dumps(err.body()).encode()
+    reason = {408: b"Request Timeout", 503: b"Service Unavailable"}.get(err.status, b"Error")
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (err.status, reason, len(body))) + body
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with the limits it lacks: a connection over
+    --max-connections gets 503 and is closed; a request's line and headers must arrive
+    within --timeout-header of its first byte (and a new connection must start one within
+    that time), else 408 and close; a reply sent before its request's body was read ends the
+    connection (a client trickling a body cannot keep it)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_timer = None
+        self._got_bytes = False
+        limits: Limits = self.config.kestrel_limits
+        if len(self.connections) > limits.max_connections:
+            log.warning(f"refused a connection: {len(self.connections) - 1} open "
+                        f"(--max-connections {limits.max_connections})")
+            transport.write(_raw_error(APIError(
+                f"too many open connections (the limit is {limits.max_connections}); retry "
+                f"later", 503, code="server_busy")))
+            transport.close()
+            return
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(
+                self.config.kestrel_limits.header_timeout, self._header_timeout)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        self._got_bytes = True
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm()                   # a request has begun: its headers have a deadline
+        else:
+            self._disarm()
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        if self._got_bytes:               # a partial request line or headers
+            t = self.config.kestrel_limits.header_timeout
+            self.transport.write(_raw_error(APIError(
+                f"the request headers did not arrive within {t:g} s", 408,
+                code="request_timeout")))
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._got_bytes = False
+        if self.conn.their_state not in (h11.IDLE, h11.DONE) and not self.transport.is_closing():
+            self.transport.close()        # the rest of its body is not waited for
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling the scheduler when SIGINT/SIGTERM arrives."""
+    """uvicorn's server, telling the scheduler when SIGINT/SIGTERM arrives: queued requests
+    get 503 at once, running ones --shutdown-timeout seconds to finish, then a 503 error
+    (a stream: an error event and [DONE]); a second signal cuts them at once."""
 
     scheduler: Scheduler | None = None
+    drain_timeout: float = 5.0
 
     def handle_exit(self, sig, frame) -> None:
         first = not self.should_exit
         super().handle_exit(sig, frame)
         loop, sched = getattr(self, "_loop", None), self.scheduler
-        if sched is not None and loop is not None:
-            loop.call_soon_threadsafe(sched.begin_shutdown, not first or self.force_exit)
+        if sched is None or loop is None:
+            return
+        if first and not self.force_exit:
+            loop.call_soon_threadsafe(sched.begin_shutdown, False)
+            loop.call_soon_threadsafe(loop.call_later, self.drain_timeout, sched.abort_running)
+        else:
+            loop.call_soon_threadsafe(sched.begin_shutdown, True)
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning due when `host` reaches beyond loopback and no API key is set."""
+    if api_key:
+        return None
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return None
+    except ValueError:                    # a host name: only localhost is known to be local
+        if host == "localhost":
+            return None
+    return (f"listening on {host}, beyond this machine's loopback, WITHOUT --api-key: anyone "
+            f"who can reach this port can use the model; set --api-key (or KESTREL_API_KEY), "
+            f"or bind 127.0.0.1")
 
 
 def _setup_logging() -> None:
@@ -527,21 +688,31 @@ def _setup_logging() -> None:
 
 def serve(engines: list[Engine], host: str = "127.0.0.1", port: int = 8080,
           api_key: str | None = None, queue_size: int = 32,
-          shutdown_timeout: float = 5.0) -> None:
-    """Serve until SIGINT/SIGTERM; then in-flight requests get `shutdown_timeout` seconds
-    to finish before they are cancelled, queued ones get 503, and this returns."""
+          limits: Limits | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; then in-flight requests get `limits.shutdown_timeout`
+    seconds to finish before they are ended with a 503 error, queued ones get 503 at once,
+    and this returns."""
     _setup_logging()
-    app = create_app(engines, api_key=api_key, queue_size=queue_size)
+    limits = limits or Limits()
+    app = create_app(engines, api_key=api_key, queue_size=queue_size, limits=limits)
+    # uvicorn's own graceful timeout is a backstop after ours: the aborted replies are sent
     config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info",
-                            timeout_graceful_shutdown=shutdown_timeout, lifespan="on")
+                            http=_Protocol, timeout_keep_alive=limits.keep_alive,
+                            timeout_graceful_shutdown=limits.shutdown_timeout + 3,
+                            lifespan="on")
+    config.kestrel_limits = limits
     server = _Server(config)
-    server.scheduler = app.state.scheduler
+    server.scheduler, server.drain_timeout = app.state.scheduler, limits.shutdown_timeout
     eng = engines[0]
     log.info(f"model {model_id(eng)} ({eng.config.model_type}), context {eng.ctx_size}, "
              f"{len(engines)} slot(s) x {eng.threads} thread(s), queue {queue_size}"
              + (", API key required" if api_key else ""))
-    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning(f"listening on {host} without --api-key: anyone who can reach it can use it")
+    log.info(f"limits: {limits.max_connections} connections, headers {limits.header_timeout:g} s,"
+             f" body {limits.body_timeout:g} s, keep-alive {limits.keep_alive:g} s, request "
+             f"{limits.request_timeout:g} s, shutdown drain {limits.shutdown_timeout:g} s")
+    warning = exposure_warning(host, api_key)
+    if warning:
+        log.warning(warning)
     # uvicorn re-raises the signal it handled once it has shut down; make that a no-op so
     # a requested shutdown ends with status 0 instead of dying from the signal
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}

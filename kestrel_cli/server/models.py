@@ -2,11 +2,19 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 COMPLETIONS_MAX_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
+# bounds on what one request may ask for (README: "Running it safely")
+MAX_STOPS = 16                   # stop strings per request
+MAX_STOP_CHARS = 1024            # characters per stop string
+MAX_LOGIT_BIAS = 1024            # logit_bias entries
+MAX_SCHEMA_BYTES = 64 << 10      # a response_format schema or a tool's parameters, as JSON
+MAX_TOOLS = 128                  # tools per request
 TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tokenize", "tools", "documents",
                      "chat_template", "max_chars"}   # apply_chat_template's own arguments
 
@@ -21,15 +29,30 @@ class APIError(Exception):
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
         self.type = type or {400: "invalid_request_error", 401: "authentication_error",
-                             404: "not_found_error", 413: "invalid_request_error",
-                             503: "unavailable_error"}.get(status, "server_error")
+                             404: "not_found_error", 408: "timeout_error",
+                             413: "invalid_request_error", 503: "unavailable_error",
+                             504: "timeout_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": scrub_paths(self.message), "type": self.type,
+                          "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+_ABS_PATH = re.compile(r"(?<![\w/.:])/((?:[\w.+@~-]+/)+)([\w.+@~-]*)")
+
+
+def scrub_paths(message: str) -> str:
+    """`message` with each absolute path on this machine (its first folder exists) cut to
+    its last component: errors name the model's file, never where it or the code lives."""
+    def cut(m):
+        first = m.group(1).split("/", 1)[0]
+        return m.group(2) or m.group(1).rstrip("/").rsplit("/", 1)[-1] \
+            if os.path.isdir("/" + first) else m.group(0)
+    return _ABS_PATH.sub(cut, message)
 
 
 def unsupported(name: str, why: str = "") -> APIError:
@@ -78,7 +101,7 @@ class Options(_Fields):
     reasoning_effort: str | None = None    # "none": thinking off; others: on (Qwen3)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     logprobs: bool | int | None = None      # chat: a bool; /v1/completions: 0..5 alternatives
     top_logprobs: int = Field(0, ge=0, le=20)
     response_format: dict | None = None
@@ -102,6 +125,11 @@ class Options(_Fields):
             temperature, top_p = 0.0, 1.0
         seed = None if self.seed is None else self.seed & ((1 << 64) - 1)  # numpy: unsigned
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise APIError(f"'stop': at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise APIError(f"'stop': each string at most {MAX_STOP_CHARS} characters",
+                           param="stop")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         bias = {}
         for k, v in (self.logit_bias or {}).items():
@@ -132,7 +160,9 @@ class Options(_Fields):
             if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
                 raise APIError("'response_format.json_schema.schema' must be an object",
                                param="response_format.json_schema")
-            return js.get("schema") or {"type": "object"}
+            schema = js.get("schema") or {"type": "object"}
+            check_schema_size(schema, "response_format.json_schema.schema")
+            return schema
         raise APIError("'response_format.type' must be text, json_object or json_schema",
                        param="response_format.type")
 
@@ -188,6 +218,40 @@ _NEUTRAL = {
     "suffix": lambda v: v == "",                  # /v1/completions
     "best_of": lambda v: v == 1,                  # /v1/completions
 }
+
+
+def check_schema_size(schema, param: str) -> None:
+    """A JSON schema larger than MAX_SCHEMA_BYTES is refused before it is compiled (compile
+    time grows with its size)."""
+    n = len(json.dumps(schema, ensure_ascii=False))
+    if n > MAX_SCHEMA_BYTES:
+        raise APIError(f"'{param}' is {n} bytes of JSON, more than the {MAX_SCHEMA_BYTES >> 10}"
+                       f" KiB allowed", param=param)
+
+
+def first_bad_string(v, path: str = "") -> str | None:
+    """The JSON path of the first string (or object key) in `v` holding a lone UTF-16
+    surrogate (JSON's "\\ud800" escape decodes to one; it is not valid Unicode), or None."""
+    def bad(s: str) -> bool:
+        try:
+            s.encode("utf-8")
+            return False
+        except UnicodeEncodeError:
+            return True
+    stack = [(v, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str) and bad(v):
+            return p or "body"
+        if isinstance(v, dict):
+            for k, x in v.items():
+                q = f"{p}.{k}" if p else str(k)
+                if bad(k):
+                    return p or "body"
+                stack.append((x, q))
+        elif isinstance(v, list):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
+    return None
 
 
 def check_unsupported(body: dict) -> None:
@@ -320,6 +384,8 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | None]:
         return None, None
     if not isinstance(tools, list):
         raise APIError("'tools' must be an array", param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise APIError(f"'tools': at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
     names = []
     for j, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -327,6 +393,11 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | None]:
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise APIError(f"'tools[{j}]' must be {{\"type\": \"function\", \"function\": "
                            f"{{\"name\": ..., \"parameters\": ...}}}}", param=f"tools[{j}]")
+        if fn.get("parameters") is not None:
+            if not isinstance(fn["parameters"], dict):
+                raise APIError(f"'tools[{j}].function.parameters' must be a JSON schema "
+                               f"(an object)", param=f"tools[{j}].function.parameters")
+            check_schema_size(fn["parameters"], f"tools[{j}].function.parameters")
         names.append(fn["name"])
     if choice is None or choice == "auto":
         return tools, None

@@ -26,8 +26,11 @@ class Job:
     """One generation request, from the queue to its last chunk."""
 
     def __init__(self, ids: list[int], params: dict, loop: asyncio.AbstractEventLoop,
-                 cache_prompt: bool = True):
+                 cache_prompt: bool = True, timeout: float | None = None):
         self.ids, self.params, self.loop = ids, params, loop
+        # the wall-clock limit (--request-timeout), from admission: checked between tokens
+        self.timeout = timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
         self.cache_prompt = cache_prompt    # False: prefill the whole prompt (llama-server's)
         self.events: asyncio.Queue = asyncio.Queue()   # Chunk | APIError | _END | _CANCELLED
         self.cancelled = False      # set in the loop thread, read by the worker between tokens
@@ -35,6 +38,13 @@ class Job:
         self.gen_ms = 0.0           # wall time from the end of prefill to the last token
         self.t_first: float | None = None    # when the first token reached the handler
         self.n_tokens = 0           # tokens that reached the handler
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def timeout_error(self) -> APIError:
+        return APIError(f"the request ran past the server's time limit of {self.timeout:g} s "
+                        f"(--request-timeout)", 504, code="request_timeout")
 
     def post(self, item) -> None:
         """From the worker thread: hand an event to the request's handler."""
@@ -98,7 +108,7 @@ class Scheduler:
             raise APIError("the server is shutting down", 503)
         if not self.idle and len(self.pending) >= self.queue_size:
             raise APIError(f"server busy: {len(self.pending)} requests already wait for "
-                           f"{len(self.slots)} slot(s); retry later", 503)
+                           f"{len(self.slots)} slot(s); retry later", 503, code="server_busy")
         self.pending.append(job)
         self._dispatch()
 
@@ -118,6 +128,10 @@ class Scheduler:
     def _dispatch(self) -> None:
         while self.pending and self.idle:
             job = self.pending.popleft()
+            if job.expired():                  # waited in the queue past its time limit
+                job.state = "done"
+                job.events.put_nowait(job.timeout_error())
+                continue
             # the idle slot whose KV cache shares the longest prefix with the prompt; on a
             # tie the one holding least, so other conversations keep their caches
             slot = max(self.idle, key=lambda s: (_common_prefix(s.engine.cached_ids, job.ids),
@@ -140,16 +154,25 @@ class Scheduler:
 
     def begin_shutdown(self, cancel_running: bool = False) -> None:
         """SIGINT/SIGTERM: refuse new work, fail the queued jobs with 503; running jobs
-        finish (uvicorn cancels them after --shutdown-timeout) unless `cancel_running`."""
+        finish (until abort_running, at the --shutdown-timeout deadline) unless
+        `cancel_running`."""
         self.closing = True
         while self.pending:
             job = self.pending.popleft()
             job.state = "done"
             job.events.put_nowait(APIError("the server is shutting down", 503))
         if cancel_running:
-            for s in self.slots:
-                if s.job is not None:
-                    s.job.cancelled = True
+            self.abort_running()
+
+    def abort_running(self) -> None:
+        """The drain deadline: each running job ends now with a 503 error (a stream gets an
+        error event and [DONE]); its worker stops at the next token."""
+        for s in self.slots:
+            job = s.job
+            if job is not None and not job.cancelled:
+                job.cancelled = True
+                job.events.put_nowait(APIError("the server is shutting down; the reply was "
+                                               "cut short", 503, code="shutting_down"))
 
     async def close(self) -> None:
         self.begin_shutdown(cancel_running=True)
@@ -193,12 +216,15 @@ class Scheduler:
                 job.post(chunk)
                 if job.cancelled:          # checked between tokens: stops within one token
                     break
+                if chunk.finish_reason is None and job.expired():
+                    job.post(job.timeout_error())
+                    break
         except KestrelError as e:
             job.post(APIError(str(e), 400))
         except Exception as e:            # never let a request kill the worker
             log.exception("generation failed")
             eng.reset()                    # the KV cache may be half-written
-            job.post(APIError(f"internal error: {type(e).__name__}: {e}", 500))
+            job.post(APIError(f"internal error: {type(e).__name__}", 500))
         finally:
             if gen is not None:
                 gen.close()
