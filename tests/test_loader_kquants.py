@@ -108,9 +108,11 @@ def test_kquant_gguf_loads_and_matches_f32(twins):
     assert eng.config.tie_word_embeddings
     assert m.embed_tokens.fmt == "q6_k" and m.lm_head is m.embed_tokens
     for layer, types in zip(m.layers, TYPES):
-        assert (layer.self_attn.q_proj.fmt, layer.self_attn.k_proj.fmt,
-                layer.self_attn.v_proj.fmt, layer.self_attn.o_proj.fmt,
-                layer.mlp.gate_proj.fmt, layer.mlp.up_proj.fmt, layer.mlp.down_proj.fmt) == \
+        # block_fmt: q4_k weights are interleaved for decode at load (q4_kx16)
+        assert (layer.self_attn.q_proj.block_fmt, layer.self_attn.k_proj.block_fmt,
+                layer.self_attn.v_proj.block_fmt, layer.self_attn.o_proj.block_fmt,
+                layer.mlp.gate_proj.block_fmt, layer.mlp.up_proj.block_fmt,
+                layer.mlp.down_proj.block_fmt) == \
             tuple(types[g] for g in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                      "ffn_up", "ffn_down"))
     ref = Engine.from_pretrained(twins / "f32.gguf", threads=2)

@@ -166,8 +166,19 @@ def test_connections_over_the_cap_get_503_json(srv):
 
 # ---------------------------------------------------------------------------- runaway requests
 
-def test_request_timeout_ends_a_reply_with_504_or_an_error_event(srv):
-    url, log = srv
+@pytest.fixture(scope="module")
+def srv_slow_limit(tmp_path_factory):
+    """A server whose requests may take 0.5 s: far less than any machine takes for the
+    test's 220 tokens (the 3 s of `srv` was not, on a fast idle machine)."""
+    proc, url, log = start_server(tmp_path_factory.mktemp("timeout"),
+                                  "--request-timeout", "0.5")
+    yield url, log
+    proc.kill()
+    proc.wait(10)
+
+
+def test_request_timeout_ends_a_reply_with_504_or_an_error_event(srv_slow_limit):
+    url, log = srv_slow_limit
     body = chat("Tell me a long story.", max_tokens=CTX, ignore_eos=True)
     t0 = time.monotonic()
     r = httpx.post(url + CHAT, json=body, timeout=60)
