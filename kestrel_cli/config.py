@@ -55,7 +55,10 @@ class Config:
     @classmethod
     def from_hf(cls, raw: dict) -> "Config":
         """Filter config.json to the known keys; Qwen3-VL keeps its decoder in text_config."""
-        if "text_config" in raw and raw.get("model_type", "").endswith("_vl"):
+        if "text_config" in raw and str(raw.get("model_type", "")).endswith("_vl"):
+            if not isinstance(raw["text_config"], dict):
+                raise KestrelError(f"text_config must be an object, got "
+                                   f"{type(raw['text_config']).__name__}")
             text = dict(raw["text_config"])
             text["model_type"] = raw["model_type"]
             for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "vision_config",
