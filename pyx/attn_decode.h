@@ -91,26 +91,6 @@ KF_INLINE int ka_read(const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb, ptrdif
     return 0;
 }
 
-/* Prefetch for a decode pass (K or V: `ptrs`) reading blocks up to b_end - 1, now at
- * block b: exact, the blocks KA_PFD ahead (from the first block, all those up to it);
- * sparse, the next picked one (reads are scattered). */
-KF_INLINE void ka_fetch_ahead(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
-                              const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb,
-                              ptrdiff_t n_ctx, ptrdiff_t b, int first, ptrdiff_t b_end)
-{
-    const ptrdiff_t bs = kv->bs;
-    if (mask == NULL) {
-        for (ptrdiff_t c = first ? b + 1 : b + KA_PFD; c <= b + KA_PFD && c < b_end; c++)
-            ka_prefetch_blk(kv, ptrs, kh, c, 1, n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
-        return;
-    }
-    for (ptrdiff_t c = b + 1; c < b_end; c++)
-        if (ka_read(mask, group, nb, c)) {
-            ka_prefetch_blk(kv, ptrs, kh, c, 1, n_ctx - c * bs < bs ? n_ctx - c * bs : bs);
-            return;
-        }
-}
-
 KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads,
                            ptrdiff_t n_ctx, float scale, int mode, int k, int sopt,
                            int n_probe, const int32_t *imp_order, ptrdiff_t n_order,
@@ -120,12 +100,8 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     const ptrdiff_t group = n_heads / kv->n_kv, kh = u % kv->n_kv, p = u / kv->n_kv;
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
     float *probe = tab + ka_decode_states(nb, n_heads, hd);
-    /* mask[g * nb + b]: query head kh * group + g attends block b (phase P's table) */
-    const uint8_t *mask = mode != KA_DEC_PICKED ? NULL
-        : (const uint8_t *)(probe + n_heads * nb) + kh * group * nb;
-    /* KA_POOL_UNION: each head attends every block its group picked */
-    const int own = KA_POOL(sopt) != KA_POOL_UNION;
-    (void)k; (void)imp_order; (void)n_order; (void)sel;
+    /* phase A1 only (mode KA_DEC_PROBES): A / A2 run in ka_decode_heads */
+    (void)k; (void)sopt; (void)scale; (void)imp_order; (void)n_order; (void)sel;
     float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
     ka_q *qv = ws->qv;                                   /* (group,) */
     for (ptrdiff_t g = 0; g < group; g++) {
@@ -163,65 +139,6 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
             }
         }
         return;
-    }
-    /* softmax states of the part's (picked) blocks: scores per head, blocks ascending */
-    const ptrdiff_t pt = KA_PB * bs;                     /* a head's score slots */
-    ptrdiff_t cnt[KA_GMAX];
-    float mx[KA_GMAX];
-    for (ptrdiff_t g = 0; g < group; g++) {
-        cnt[g] = 0;
-        mx[g] = -INFINITY;
-    }
-    ptrdiff_t last = -1;
-    for (ptrdiff_t b = b0; b < b1; b++) {
-        if (!ka_read(mask, group, nb, b))
-            continue;
-        last = b;
-        ka_fetch_ahead(kv, kv->k_ptrs, kh, mask, group, nb, n_ctx, b, b == b0, b1);
-        const ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
-        for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_W) {
-            ptrdiff_t w = nr - j0 < KA_W ? nr - j0 : KA_W, st;
-            const float *rows = ka_rows(kv, kv->k_ptrs, kh, b, j0, 1, w, buf, &st);
-            const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, j0);
-            for (ptrdiff_t g = 0; g < group; g++) {
-                if (mask != NULL && own && !mask[g * nb + b])
-                    continue;
-                float *sg = ws->s + g * pt + cnt[g], m = mx[g];
-                ka_scores(qv[g].q, rows, st, w, hd, sg);
-                for (ptrdiff_t j = 0; j < w; j++) {
-                    float v = ks != NULL ? sg[j] * ks[j] : sg[j];
-                    sg[j] = v * scale;
-                    m = sg[j] > m ? sg[j] : m;
-                }
-                mx[g] = m;
-                cnt[g] += w;
-            }
-        }
-    }
-    for (ptrdiff_t g = 0; g < group; g++) {
-        float *st = tab + (p * n_heads + kh * group + g) * (hd + 2);
-        st[0] = mx[g];
-        st[1] = ka_exp_sum(ws->s + g * pt, cnt[g], mx[g]);
-        memset(st + 2, 0, (size_t)hd * sizeof(float));
-        cnt[g] = 0;
-    }
-    for (ptrdiff_t b = b0; b <= last; b++) {
-        if (!ka_read(mask, group, nb, b))
-            continue;
-        ka_fetch_ahead(kv, kv->v_ptrs, kh, mask, group, nb, n_ctx, b, b == b0, last + 1);
-        const ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
-        for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_W) {
-            ptrdiff_t w = nr - j0 < KA_W ? nr - j0 : KA_W, st;
-            const float *rows = ka_rows(kv, kv->v_ptrs, kh, b, j0, 1, w, buf, &st);
-            const float *vs = ka_row_scales(kv, kv->v_ptrs, kh, b, j0);
-            for (ptrdiff_t g = 0; g < group; g++) {
-                if (mask != NULL && own && !mask[g * nb + b])
-                    continue;
-                ka_pv_scaled(ws->s + g * pt + cnt[g], vs, rows, st, w, hd,
-                             tab + (p * n_heads + kh * group + g) * (hd + 2) + 2);
-                cnt[g] += w;
-            }
-        }
     }
 }
 
