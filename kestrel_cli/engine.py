@@ -269,6 +269,7 @@ class Engine:
         import copy
         model = copy.copy(self.model)           # the layers, hence the weights, are shared
         model.prof = type(self.model.prof)()    # per-call timing must not mix
+        model._stack = None                     # the native decode's buffers neither
         return Engine(model, self.tokenizer, self.config, self.path, self.store,
                       self.ctx_size, self.spec)
 

@@ -715,6 +715,44 @@ def scatter_add(out: np.ndarray, src: np.ndarray, rows: np.ndarray, weights: np.
                       # (docs/DESIGN.md §2 KV cache layout)
 
 
+class DecodeStack:
+    """Every layer of a dense decoder for one token in one kernel call (decode.pxi): per
+    layer the q/k/v `Projection` of RMSNorm(h) (+ biases), qwen3's per-head RMSNorm of q
+    and k, RoPE, the KV cache write, decode attention, o_proj into h, then the SwiGLU MLP
+    of RMSNorm(h) into h; the same kernels in the same order as the Python layer loop, so
+    the same bits, without the interpreter between them.
+
+    Args:
+        layers: per layer (qkv, o, gate_up, down) Projections (qkv with its RMSNorm
+            weight, gate_up with SwiGLU and its RMSNorm weight), plus (q_norm, k_norm)
+            float32 (head_dim,) or (None, None).
+        n_heads, n_kv_heads, head_dim, eps: the model's geometry and RMSNorm epsilon.
+        rope: (inv_freq float32 (head_dim / 2,), attention scaling).
+    """
+
+    def __init__(self, layers, n_heads: int, n_kv_heads: int, head_dim: int, eps: float,
+                 rope):
+        specs = []
+        for qkv, o, gu, down, (qn, kn) in layers:
+            if qkv.norm is None or gu.norm is None or not gu.swiglu or down.has_bias:
+                raise ValueError("DecodeStack: projections of another kind")
+            specs.append((qkv.gemv._plan, o.gemv._plan, gu.gemv._plan, down.gemv._plan,
+                          qkv.norm, gu.norm, *qkv.biases, o.biases[0], qn, kn))
+        H = layers[0][0].gemv.n if layers else 0
+        inv_freq, attn_scale = rope
+        self.layers = layers                          # keeps the weights alive
+        self.n_heads = n_heads
+        self._stack = _lib.DecodeStack(specs, H, n_heads, n_kv_heads, head_dim, float(eps),
+                                       np.ascontiguousarray(inv_freq, np.float32),
+                                       float(attn_scale))
+        self.run = self._stack.run
+
+    @property
+    def times(self) -> tuple[float, float]:
+        """Seconds spent in attention and in weight matmuls so far (cumulative)."""
+        return self._stack.t_attn, self._stack.t_matmul
+
+
 class Projection:
     """A linear layer over one input: x @ W_i.T (+ b_i) for each of its weights, of one
     row or many, optionally of RMSNorm(x), optionally SwiGLU of a (gate, up) pair, and

@@ -143,6 +143,7 @@ class KVCache:
         self._has_imp = np.zeros(n_layers, dtype=bool)     # some prefill recorded here
         self._imp_end = 0                                  # tokens importance may cover
         self._order: list[np.ndarray | None] = [None] * n_layers   # importance_order cache
+        self._native = None              # decode_native's per-layer tables (None: stale)
         self._slots: np.ndarray | None = None              # (SLOTS, max_tokens) scratch
         self._dec_tab: np.ndarray | None = None            # decode scratch (kernels.attention)
         self.record_selection = False    # tests: keep each layer's last sparse picks
@@ -289,7 +290,41 @@ class KVCache:
         self._imp_end = max(self._imp_end, pos0 + T)
         self._has_imp[layer] = True
         self._order[layer] = None
+        self._native = None
         return out
+
+    def decode_native(self, stack: K.DecodeStack, h: np.ndarray, rope_pos: int,
+                      act_q8: bool) -> None:
+        """One decode token through every layer of `stack` (kernels.DecodeStack): h (1, H)
+        updated in place, the token's K and V written at row `offset` of each layer and
+        attended as `write` + `attend` would (not committed: commit(1) after)."""
+        t = self._native
+        if t is None:                    # per-layer tables, rebuilt after a prefill or trim
+            L = self.n_layers
+            ks = np.array([0 if layer in self.dense else self.sparse_k for layer in range(L)],
+                          np.int32)
+            orders, n_orders = np.zeros(L, np.uint64), np.zeros(L, np.int64)
+            for layer in range(L):
+                if ks[layer] and self._has_imp[layer]:
+                    order = self._order[layer]
+                    if order is None:
+                        order = self._order[layer] = importance_order(
+                            self.importance[layer], self.max_tokens, KV_BLOCK)
+                    orders[layer], n_orders[layer] = order.ctypes.data, order.shape[0]
+            bnds, bscs = np.zeros(L, np.uint64), np.zeros(L, np.uint64)
+            if self.bounds is not None:
+                for layer in range(L):
+                    bnds[layer] = self._bnd[layer].ctypes.data
+                    bscs[layer] = self._bsc[layer].ctypes.data
+            t = self._native = (ks, orders, n_orders, bnds, bscs)
+        if self._dec_tab is None:
+            self._dec_tab = np.empty(K.decode_tab_size(
+                self.max_tokens, stack.n_heads, self.head_dim, KV_BLOCK), dtype=np.float32)
+        ks, orders, n_orders, bnds, bscs = t
+        stack.run(h, self.offset, rope_pos, self.k_ptrs, self.v_ptrs, KV_BLOCK, self.kv_kind,
+                  self.scale_offset, self.scale, self.threads, act_q8, ks, orders, n_orders,
+                  self.sparse_probes, self.sparse_opts, bnds, bscs, self._bcap,
+                  self._use_bounds, self._dec_tab)
 
     def respec(self, spec: CacheSpec) -> None:
         """Read this cache's contents from now on with another spec's attention settings
@@ -309,6 +344,7 @@ class KVCache:
         self.dense = frozenset(spec.sparse_dense)
         self.sparse_opts, self.sparse_width = spec.sparse_opts, spec.sparse_width
         self._use_bounds = spec.sparse_k > 0 and spec.sparse_probe == "bound"
+        self._native = None
 
     def commit(self, n: int) -> None:
         self.offset += n
@@ -328,6 +364,7 @@ class KVCache:
         self.importance[:, self.offset:self._imp_end] = 0
         self._imp_end = self.offset
         self._order = [None] * self.n_layers
+        self._native = None
         if self.offset == 0:
             self._has_imp[:] = False
 

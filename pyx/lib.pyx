@@ -68,3 +68,4 @@ cdef inline int team_size(int n_threads, Py_ssize_t work, Py_ssize_t grain) noex
 include "matmul.pxi"
 include "attention.pxi"
 include "ops.pxi"
+include "decode.pxi"

@@ -200,6 +200,58 @@ cdef _gemm_q8(const float[:, ::1] x, const uint8_t[:, ::1] w, int fmt, float[:, 
 
 DEF MAX_GROUP = 8
 
+ctypedef struct gemv_spec:
+    # weights sharing one one-token input (GemvPlan; the decode stack keeps one per
+    # projection): k weights of n inputs, formats, raw row addresses, row offsets of
+    # their outputs, row bytes; mode 0 stacked outputs, 1 SwiGLU of (gate, up)
+    int k, mode
+    Py_ssize_t n, d
+    int32_t fmts[MAX_GROUP]
+    uint64_t ptrs[MAX_GROUP]
+    int64_t offs[MAX_GROUP + 1]
+    int64_t ldws[MAX_GROUP]
+
+
+cdef inline void gemv_rows(const gemv_spec *s, const kf_act *a, Py_ssize_t r0, Py_ssize_t r1,
+                           float *out, int accumulate) noexcept nogil:
+    if s.mode == 1:
+        kf_gemv_swiglu(s.fmts, s.ptrs, s.ldws, a, s.n, r0, r1, out, accumulate)
+    else:
+        kf_gemv_multi_acc(s.k, s.fmts, s.ptrs, s.offs, s.ldws, a, s.n, r0, r1, out, accumulate)
+
+
+cdef int gemv_exec(const gemv_spec *s, const float *x, float *out, int n_threads, int act_q8,
+                   const float *norm, float eps, int accumulate) noexcept nogil:
+    """out[0:s.d] (+)= s's products of x (n,), RMSNorm'd first when norm is not NULL, in
+    one parallel region; 0, or -1 when the scratch could not be allocated."""
+    cdef Py_ssize_t c, n = s.n, R = s.d
+    cdef const float *xp = x
+    cdef char *scratch
+    cdef kf_act a
+    cdef int nt, q8
+    if R == 0:
+        return 0
+    if n == 0:
+        if not accumulate:
+            memset(out, 0, R * sizeof(float))
+        return 0
+    q8 = 1 if act_q8 and n % KF_QK == 0 else 0
+    scratch = <char *> kf_scratch(kf_act_bytes(n) + <size_t> n * sizeof(float))
+    if scratch == NULL:
+        return -1
+    if norm != NULL:
+        kf_rms_norm_row(xp, norm, eps, n, <float *> scratch)
+        xp = <const float *> scratch
+    kf_prep_act(xp, n, q8, scratch + n * sizeof(float), &a)
+    nt = team_size(n_threads, R * s.k if s.mode == 1 else R, 64)
+    if nt == 1:
+        gemv_rows(s, &a, 0, R, out, accumulate)
+        return 0
+    with parallel(num_threads=nt):
+        for c in prange(nt, schedule="static", chunksize=1):
+            gemv_rows(s, &a, split(R, c, nt), split(R, c + 1, nt), out, accumulate)
+    return 0
+
 
 cdef class GemvPlan:
     """Weights sharing one one-token input, multiplied in one parallel region.
@@ -210,12 +262,7 @@ cdef class GemvPlan:
     ops.rms_norm), add into out instead of writing it, int8 activations.
     The caller keeps the weights alive (kestrel_cli.kernels.GemvGroup does).
     """
-    cdef int k, mode
-    cdef Py_ssize_t n, d
-    cdef int32_t fmts[MAX_GROUP]
-    cdef uint64_t ptrs[MAX_GROUP]
-    cdef int64_t offs[MAX_GROUP + 1]
-    cdef int64_t ldws[MAX_GROUP]
+    cdef gemv_spec s
 
     def __init__(self, list raws, list fmts, Py_ssize_t n, int mode=0):
         """raws: uint8 (d_i, row_bytes) arrays; fmts: their KF_* codes; n: inputs per row."""
@@ -225,22 +272,27 @@ cdef class GemvPlan:
             raise ValueError(f"GemvPlan: 1..{MAX_GROUP} weights with one format each")
         if mode not in (0, 1):
             raise ValueError(f"GemvPlan: unknown mode {mode}")
-        self.k, self.mode, self.n = len(raws), mode, n
-        self.offs[0] = 0
-        for i in range(self.k):
+        self.s.k, self.s.mode, self.s.n = len(raws), mode, n
+        self.s.offs[0] = 0
+        for i in range(self.s.k):
             r = raws[i]
-            self.ptrs[i] = <uint64_t> &r[0, 0] if r.shape[0] and r.shape[1] else 0
-            self.fmts[i] = fmts[i]
-            self.ldws[i] = r.shape[1]
-            self.offs[i + 1] = self.offs[i] + r.shape[0]
-        if mode == 1 and (self.k != 2 or raws[0].shape[0] != raws[1].shape[0]):
+            self.s.ptrs[i] = <uint64_t> &r[0, 0] if r.shape[0] and r.shape[1] else 0
+            self.s.fmts[i] = fmts[i]
+            self.s.ldws[i] = r.shape[1]
+            self.s.offs[i + 1] = self.s.offs[i] + r.shape[0]
+        if mode == 1 and (self.s.k != 2 or raws[0].shape[0] != raws[1].shape[0]):
             raise ValueError("GemvPlan: SwiGLU takes two weights with the same rows")
-        self.d = self.offs[self.k] if mode == 0 else self.offs[1]
+        self.s.d = self.s.offs[self.s.k] if mode == 0 else self.s.offs[1]
 
     @property
     def d(self):
         """Outputs per call: the summed rows (mode 0) or the rows of one weight (mode 1)."""
-        return self.d
+        return self.s.d
+
+    @property
+    def n(self):
+        """Inputs per row."""
+        return self.s.n
 
     def run(self, const float[:, ::1] x,       # IN  (1, n)
             float[:, ::1] out,                 # OUT (1, d), or IN/OUT with accumulate
@@ -250,11 +302,8 @@ cdef class GemvPlan:
             float eps=0.0,
             bint accumulate=False):
         """out (+)= the plan's products of x (RMSNorm'd first when norm is given)."""
-        cdef Py_ssize_t c, n = self.n, R = self.d
-        cdef const float *xp
-        cdef char *scratch
-        cdef kf_act a
-        cdef int nt, q8
+        cdef Py_ssize_t n = self.s.n, R = self.s.d
+        cdef int rc
         if x.shape[0] != 1 or x.shape[1] != n:
             raise ValueError(f"x: expected shape (1, {n}), got {tuple(x.shape)[:2]}")
         if out.shape[0] != 1 or out.shape[1] != R:
@@ -263,36 +312,11 @@ cdef class GemvPlan:
             raise ValueError(f"norm: expected shape ({n},), got ({norm.shape[0]},)")
         if R == 0:
             return
-        if n == 0:
-            if not accumulate:
-                out[:, :] = 0
-            return
-        q8 = act_q8 and n % KF_QK == 0
-        scratch = <char *> kf_scratch(kf_act_bytes(n) + <size_t> n * sizeof(float))
-        if scratch == NULL:
-            raise MemoryError("matmul: could not allocate scratch")
-        xp = &x[0, 0]
         with nogil:
-            if norm is not None:
-                kf_rms_norm_row(xp, &norm[0], eps, n, <float *> scratch)
-                xp = <const float *> scratch
-            kf_prep_act(xp, n, q8, scratch + n * sizeof(float), &a)
-        nt = team_size(n_threads, R * self.k if self.mode == 1 else R, 64)
-        if nt == 1:
-            with nogil:
-                self._rows(&a, 0, R, &out[0, 0], accumulate)
-            return
-        with nogil, parallel(num_threads=nt):
-            for c in prange(nt, schedule="static", chunksize=1):
-                self._rows(&a, split(R, c, nt), split(R, c + 1, nt), &out[0, 0], accumulate)
-
-    cdef void _rows(self, const kf_act *a, Py_ssize_t r0, Py_ssize_t r1, float *out,
-                    int accumulate) noexcept nogil:
-        if self.mode == 1:
-            kf_gemv_swiglu(self.fmts, self.ptrs, self.ldws, a, self.n, r0, r1, out, accumulate)
-        else:
-            kf_gemv_multi_acc(self.k, self.fmts, self.ptrs, self.offs, self.ldws, a, self.n,
-                              r0, r1, out, accumulate)
+            rc = gemv_exec(&self.s, &x[0, 0] if n else NULL, &out[0, 0], n_threads, act_q8,
+                           &norm[0] if norm is not None else NULL, eps, accumulate)
+        if rc:
+            raise MemoryError("matmul: could not allocate scratch")
 
 
 def get_rows(const uint8_t[:, ::1] w,      # IN  (d, row_bytes) raw rows in format fmt

@@ -83,6 +83,12 @@ class Attention:
         """Hook before RoPE on q (T, nh, hd) and k (T, nkv, hd); llama: identity."""
         return q, k
 
+    def head_norms(self) -> tuple[np.ndarray | None, np.ndarray | None] | None:
+        """What pre_rope does, for the native decode (kernels.DecodeStack): the (q_norm,
+        k_norm) per-head RMSNorm weights, (None, None) for none, or None when pre_rope or
+        apply_rope does something else (then decode runs this Python loop); llama: none."""
+        return None, None
+
     def apply_rope(self, q: np.ndarray, k: np.ndarray, fwd: ForwardPass) -> None:
         """RoPE in place on q (T, nh, hd) and k (T, nkv, hd) at fwd.positions (T,)."""
         inv_freq, attn_scale = fwd.rope
@@ -145,6 +151,15 @@ class DecoderLayer:
         post_attention_layernorm."""
         return MLP(cfg, store, p, norm=self.post_attention_layernorm)
 
+    def native_parts(self):
+        """This layer for kernels.DecodeStack: (qkv, o, gate_up, down, head norms), or
+        None when it is not a dense attention + SwiGLU block the stack runs (MoE)."""
+        norms = self.self_attn.head_norms()
+        if norms is None or type(self.mlp) is not MLP:
+            return None
+        a = self.self_attn
+        return a.qkv, a.out, self.mlp.gate_up, self.mlp.down, norms
+
     def __call__(self, h, cache: KVCache, layer: int, fwd: ForwardPass) -> None:
         """Updates the residual stream h (T, H) in place."""
         self.self_attn(h, cache, layer, fwd, residual=h)
@@ -175,6 +190,10 @@ class Model:
         self.head = K.Projection([self.lm_head])
         self.rope = cfg.rope_inv_freq()
         self.prof = Profile()
+        # decode one token in one kernel call (kernels.DecodeStack) where every layer is
+        # one it runs; False: the Python layer loop (tests compare the two)
+        self.native_decode = True
+        self._stack = None               # the DecodeStack, built on first use; False: none
 
     def make_cache(self, max_tokens: int, spec: CacheSpec = CacheSpec()) -> KVCache:
         """An empty KV cache for this model, of `max_tokens` tokens, as `spec` says."""
@@ -188,6 +207,22 @@ class Model:
         act: this call's activation mode (None: the model's). positions: int64 (T,) RoPE
         positions (None: the cache offsets; qwen3_vl shifts them after an image)."""
         return self.forward(ids, cache, all_logits, act, positions)
+
+    def decode_stack(self) -> K.DecodeStack | None:
+        """The native decode of this model (built once), or None: native_decode is off, or
+        some layer is not one kernels.DecodeStack runs (MoE), or RoPE does not cover the
+        head."""
+        if not self.native_decode:
+            return None
+        if self._stack is None:
+            c = self.cfg
+            parts = [layer.native_parts() for layer in self.layers]
+            inv_freq, _ = self.rope
+            ok = parts and all(p is not None for p in parts) \
+                and 2 * inv_freq.shape[0] == c.head_dim
+            self._stack = K.DecodeStack(parts, c.num_attention_heads, c.num_key_value_heads,
+                                        c.head_dim, c.rms_norm_eps, self.rope) if ok else False
+        return self._stack or None
 
     def add_inputs(self, h: np.ndarray, extra) -> None:
         """Hook after the token embeddings of h (T, H) are read: a subclass's per-call
@@ -210,9 +245,18 @@ class Model:
         h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)    # residual stream (T, H)
         K.get_rows(self.embed_tokens, ids, h)
         self.add_inputs(h, extra)
-        for i, layer in enumerate(self.layers):
-            layer(h, cache, i, fwd)
-            self.after_layer(h, i, extra)
+        stack = self.decode_stack() if (T == 1 and extra is None and positions.ndim == 1
+                                        and not cache.record_selection) else None
+        if stack is not None:            # one kernel call for every layer
+            a0, m0 = stack.times
+            cache.decode_native(stack, h, int(positions[0]), fwd.act_q8)
+            a1, m1 = stack.times
+            self.prof.attn += a1 - a0
+            self.prof.matmul += m1 - m0
+        else:
+            for i, layer in enumerate(self.layers):
+                layer(h, cache, i, fwd)
+                self.after_layer(h, i, extra)
         cache.commit(T)
         if not all_logits:
             h = h[-1:]

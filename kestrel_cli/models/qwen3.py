@@ -16,6 +16,9 @@ class Attention(llama.Attention):
         kn = llama.rms_norm(k.reshape(-1, self.head_dim), self.k_norm, self.eps, threads)
         return qn.reshape(T, self.n_heads, self.head_dim), kn.reshape(T, self.n_kv_heads, self.head_dim)
 
+    def head_norms(self):
+        return self.q_norm, self.k_norm
+
 
 class Model(llama.Model):
     attention_cls = Attention
