@@ -91,60 +91,35 @@ def kv_q8_layout(Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim):
             ka_q8_block_bytes(kv_bs, n_kv_heads, head_dim))
 
 
+cdef extern from "decode.h" nogil:
+    ka_ws *ka_decode_ws(const ka_kv *kv, Py_ssize_t n_heads, Py_ssize_t n_ctx, int k,
+                        int sopt) noexcept
+    void ka_decode_team(const ka_kv *kv, const float *q, Py_ssize_t n_heads, Py_ssize_t n_ctx,
+                        float scale, int k, int sopt, int n_probe, const int32_t *order,
+                        Py_ssize_t n_order, int32_t *sel, float *tab, float *out,
+                        ka_ws *ws) noexcept
+
+
 cdef int attn_decode_run(const ka_kv *kv, const float *q, Py_ssize_t n_heads,
                          Py_ssize_t n_ctx, float scale, int n_threads, int k, int sopt,
                          int n_probe, const int32_t *order_p, Py_ssize_t n_order,
                          int32_t *sel_p, float *tab, float *out) noexcept nogil:
     """One decode row (T == 1) of `attention` over kv (ka_kv_init'd): q and out
     (n_heads * head_dim,), tab the decode scratch (ka_decode_tab floats), n_heads / n_kv at
-    most KA_GMAX; 0, or 1 when a thread's scratch could not be allocated."""
-    cdef Py_ssize_t n_kv_heads = kv.n_kv, head_dim = kv.hd, kv_bs = kv.bs
-    cdef Py_ssize_t cap = (n_ctx + kv_bs - 1) // kv_bs * kv_bs
-    cdef Py_ssize_t nb = (n_ctx + kv_bs - 1) // kv_bs
-    cdef Py_ssize_t group = n_heads // n_kv_heads, n_parts = ka_decode_parts(nb)
-    cdef Py_ssize_t h, pp, kh, uu, c, n_chunks, dec_cap
-    cdef int kt = ka_ktot(k, sopt)
-    cdef int sparse = 1 if 0 < k and kt < nb else 0
+    most KA_GMAX; attn_decode.h's phases as decode.h's ka_decode_team runs them (the native
+    decode stack runs the same inside its own region); 0, or 1 when a thread's scratch
+    could not be allocated."""
+    cdef Py_ssize_t nb = (n_ctx + kv.bs - 1) // kv.bs, n_parts = ka_decode_parts(nb)
     cdef int nt = team_size(n_threads, n_parts if n_parts > n_heads else n_heads, 1)
     cdef int failed = 0
     cdef int *p_failed = &failed
     cdef ka_ws *ws = NULL
-    # A / A2 units: (part, a range of kv heads), as few ranges as keep 4 units a thread
-    n_chunks = (4 * nt + n_parts - 1) // n_parts
-    if n_chunks < 1:
-        n_chunks = 1
-    if n_chunks > n_kv_heads:
-        n_chunks = n_kv_heads
-    if n_chunks > KA_HMAX // group:
-        n_chunks = KA_HMAX // group
-    while n_chunks < n_kv_heads and (n_kv_heads + n_chunks - 1) // n_chunks * group > KA_HMAX:
-        n_chunks += 1
-    dec_cap = (n_kv_heads + n_chunks - 1) // n_chunks * group * KA_PB * kv_bs
     with parallel(num_threads=nt):
-        # decode units score the part's tokens of `group` heads at once
-        ws = ka_ws_new(cap if cap > dec_cap else dec_cap, kv_bs, head_dim, <int> group, kt, 0)
+        ws = ka_decode_ws(kv, n_heads, n_ctx, k, sopt)
         if ws == NULL:
             p_failed[0] = 1
-        if sparse:
-            for pp in prange(n_parts, schedule="dynamic", chunksize=1):   # A1
-                for kh in range(n_kv_heads):
-                    if ws != NULL:
-                        ka_decode_a_run(kv, q, pp * n_kv_heads + kh, n_heads, n_ctx, scale,
-                                        KA_DEC_PROBES, k, sopt, n_probe, order_p, n_order, ws,
-                                        tab, sel_p)
-            for h in prange(n_heads, schedule="static"):                  # P
-                if ws != NULL:
-                    ka_decode_pick(h, n_heads, group, nb, head_dim, k, sopt, order_p,
-                                   n_order, ws, tab, sel_p)
-        for uu in prange(n_parts * n_chunks, schedule="dynamic", chunksize=1):  # A / A2
-            if ws != NULL:
-                pp, c = uu // n_chunks, uu % n_chunks
-                ka_decode_heads_run(kv, q, pp, n_kv_heads * c // n_chunks,
-                                    n_kv_heads * (c + 1) // n_chunks, n_heads, n_ctx,
-                                    scale, sparse, sopt, ws, tab)
-        for h in prange(n_heads, schedule="static"):                      # M
-            if ws != NULL:
-                ka_decode_merge(h, n_heads, nb, head_dim, ws, tab, out)
+        ka_decode_team(kv, q, n_heads, n_ctx, scale, k, sopt, n_probe, order_p, n_order, sel_p,
+                       tab, out, ws)
         free(ws)
     return failed
 

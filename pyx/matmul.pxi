@@ -80,6 +80,23 @@ cdef extern from "matmul.h" nogil:
     void kf_moe_thread(kf_moe_plan *p) noexcept
 
 
+DEF MAX_GROUP = 8
+
+cdef extern from "decode.h" nogil:
+    # weights sharing one one-token input (decode.h kf_gemv_spec: GemvPlan's, and the
+    # decode stack keeps one per projection)
+    ctypedef struct kf_gemv_spec:
+        int k, mode
+        Py_ssize_t n, d
+        int32_t fmts[MAX_GROUP]
+        uint64_t ptrs[MAX_GROUP]
+        int64_t offs[MAX_GROUP + 1]
+        int64_t ldws[MAX_GROUP]
+    Py_ssize_t kf_split(Py_ssize_t d, Py_ssize_t c, Py_ssize_t nc) noexcept
+    void kf_gemv_spec_rows(const kf_gemv_spec *s, const kf_act *a, Py_ssize_t r0,
+                           Py_ssize_t r1, float *out, int accumulate) noexcept
+
+
 cdef inline Py_ssize_t rows_per_block(Py_ssize_t n, Py_ssize_t d, int n_threads,
                                       int mr) noexcept nogil:
     """Weight rows dequantised together for T > 1: ~512 KiB of panels (L2-sized), at most
@@ -93,11 +110,6 @@ cdef inline Py_ssize_t rows_per_block(Py_ssize_t n, Py_ssize_t d, int n_threads,
     rb = rb // mr * mr
     return rb if rb > mr else mr
 
-
-cdef inline Py_ssize_t split(Py_ssize_t d, Py_ssize_t c, Py_ssize_t nc) noexcept nogil:
-    """Start row of chunk c of nc over d rows (multiples of 16 rows, the last one short)."""
-    cdef Py_ssize_t r = (d * c // nc + 8) // 16 * 16
-    return d if c >= nc or r > d else r
 
 
 def matmul(const float[:, ::1] x,          # IN  (T, n) activations
@@ -134,7 +146,7 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
             return
         with nogil, parallel(num_threads=nt):
             for c in prange(nt, schedule="static", chunksize=1):
-                kf_gemv_rows(fmt, &a, n, &w[0, 0], ldw, split(d, c, nt), split(d, c + 1, nt),
+                kf_gemv_rows(fmt, &a, n, &w[0, 0], ldw, kf_split(d, c, nt), kf_split(d, c + 1, nt),
                              &out[0, 0])
         return
     if act_q8 and n % KF_QK == 0 and (fmt == KF_Q8_0 or fmt == KF_Q4_0 or fmt == KF_Q4_1
@@ -198,29 +210,7 @@ cdef _gemm_q8(const float[:, ::1] x, const uint8_t[:, ::1] w, int fmt, float[:, 
         kf_gemm_q8_thread(pp, &x[0, 0], n, &w[0, 0], w.shape[1], &out[0, 0], d)
 
 
-DEF MAX_GROUP = 8
-
-ctypedef struct gemv_spec:
-    # weights sharing one one-token input (GemvPlan; the decode stack keeps one per
-    # projection): k weights of n inputs, formats, raw row addresses, row offsets of
-    # their outputs, row bytes; mode 0 stacked outputs, 1 SwiGLU of (gate, up)
-    int k, mode
-    Py_ssize_t n, d
-    int32_t fmts[MAX_GROUP]
-    uint64_t ptrs[MAX_GROUP]
-    int64_t offs[MAX_GROUP + 1]
-    int64_t ldws[MAX_GROUP]
-
-
-cdef inline void gemv_rows(const gemv_spec *s, const kf_act *a, Py_ssize_t r0, Py_ssize_t r1,
-                           float *out, int accumulate) noexcept nogil:
-    if s.mode == 1:
-        kf_gemv_swiglu(s.fmts, s.ptrs, s.ldws, a, s.n, r0, r1, out, accumulate)
-    else:
-        kf_gemv_multi_acc(s.k, s.fmts, s.ptrs, s.offs, s.ldws, a, s.n, r0, r1, out, accumulate)
-
-
-cdef int gemv_exec(const gemv_spec *s, const float *x, float *out, int n_threads, int act_q8,
+cdef int gemv_exec(const kf_gemv_spec *s, const float *x, float *out, int n_threads, int act_q8,
                    const float *norm, float eps, int accumulate) noexcept nogil:
     """out[0:s.d] (+)= s's products of x (n,), RMSNorm'd first when norm is not NULL, in
     one parallel region; 0, or -1 when the scratch could not be allocated."""
@@ -245,11 +235,11 @@ cdef int gemv_exec(const gemv_spec *s, const float *x, float *out, int n_threads
     kf_prep_act(xp, n, q8, scratch + n * sizeof(float), &a)
     nt = team_size(n_threads, R * s.k if s.mode == 1 else R, 64)
     if nt == 1:
-        gemv_rows(s, &a, 0, R, out, accumulate)
+        kf_gemv_spec_rows(s, &a, 0, R, out, accumulate)
         return 0
     with parallel(num_threads=nt):
         for c in prange(nt, schedule="static", chunksize=1):
-            gemv_rows(s, &a, split(R, c, nt), split(R, c + 1, nt), out, accumulate)
+            kf_gemv_spec_rows(s, &a, kf_split(R, c, nt), kf_split(R, c + 1, nt), out, accumulate)
     return 0
 
 
@@ -262,7 +252,7 @@ cdef class GemvPlan:
     ops.rms_norm), add into out instead of writing it, int8 activations.
     The caller keeps the weights alive (kestrel_cli.kernels.GemvGroup does).
     """
-    cdef gemv_spec s
+    cdef kf_gemv_spec s
 
     def __init__(self, list raws, list fmts, Py_ssize_t n, int mode=0):
         """raws: uint8 (d_i, row_bytes) arrays; fmts: their KF_* codes; n: inputs per row."""
