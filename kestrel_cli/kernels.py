@@ -184,10 +184,18 @@ class GemvGroup:
 class ExpertTable:
     """The experts of one MoE block (gate, up, down Weights each) as the arrays the fused
     decode kernel reads: formats, raw addresses and row bytes, (3, E); `decode` runs one
-    token through the selected experts (`moe_decode`)."""
+    token through the selected experts (`moe_decode`).
 
-    def __init__(self, experts):
+    With repack, an expert's q4 matrices take the x16 decode layout (`repack_x16`) the
+    first time a token is routed to it, not at load: repacking every expert would read the
+    whole file (Qwen3-30B-A3B: ~17 GiB) where decode reads the experts tokens use. The
+    mapped row-major pages are then let go, and `on_pack(e, (gate, up, down))` hands the
+    new weights to the block (its prefill reads them from then on).
+    """
+
+    def __init__(self, experts, repack: bool = False, on_pack=None):
         """experts: (gate, up, down) Weights per expert; gate / up (I, H), down (H, I)."""
+        import threading
         self.experts = [tuple(e) for e in experts]          # keeps the raw memory alive
         if not self.experts:
             raise ValueError("ExpertTable: no experts")
@@ -203,10 +211,47 @@ class ExpertTable:
                 if w.shape != want:
                     raise ValueError(f"ExpertTable: expert {e} weight {j} has shape {w.shape}, "
                                      f"expected {want}")
-                raw = _weight_bytes(w)
-                self.fmts[j, e] = FMT_CODE[w.fmt]
-                self.ptrs[j, e] = raw.ctypes.data if raw.size else 0
-                self.ldws[j, e] = raw.shape[1]
+            self._set(e, ws)
+        # experts still to repack on first use (none without repack or q4 matrices)
+        self.unpacked = np.array([repack and any(can_repack_x16(w) for w in ws)
+                                  for ws in self.experts], bool)
+        self.on_pack = on_pack
+        self._lock = threading.Lock()           # forks decode in threads (serve --parallel)
+        # the repacked experts live side by side in one mapping with huge pages (a decode
+        # token reads ~24 small matrices a layer: with 4 KiB pages, TLB misses cost)
+        self._arena = None
+        self._slot = max(sum(-(-_weight_bytes(w).nbytes // 64) * 64 for w in ws
+                             if can_repack_x16(w)) for ws in self.experts)
+
+    def _set(self, e: int, ws) -> None:
+        for j, w in enumerate(ws):
+            raw = _weight_bytes(w)
+            self.ptrs[j, e] = raw.ctypes.data if raw.size else 0
+            self.ldws[j, e] = raw.shape[1]
+            self.fmts[j, e] = FMT_CODE[w.fmt]
+
+    def pack(self, e: int, threads: int | None = None) -> None:
+        """Expert e's q4 matrices in the x16 layout from now on (call with the lock)."""
+        from .quantize import drop_pages
+        old = self.experts[e]
+        if self._arena is None:          # every expert's slot, pages taken on first touch
+            self._arena = _big_buffer(self._slot * len(self.experts))
+        new, off = [], e * self._slot
+        for w in old:
+            if can_repack_x16(w):
+                n = _weight_bytes(w).nbytes
+                w = repack_x16(w, threads, self._arena[off:off + n])
+                off += -(-n // 64) * 64
+            new.append(w)
+        new = tuple(new)
+        self.experts[e] = new
+        self._set(e, new)
+        self.unpacked[e] = False
+        if self.on_pack is not None:
+            self.on_pack(e, new)
+        for w0, w1 in zip(old, new):
+            if w1 is not w0:
+                drop_pages(w0.data)
 
     def decode(self, x: np.ndarray, sel, we, out: np.ndarray, threads: int | None,
                act_q8: bool = False) -> np.ndarray:
@@ -223,11 +268,14 @@ class ExpertTable:
             out: float32 (1, H), added into.
         """
         sel = np.asarray(sel, dtype=np.int64)
-        _lib.moe_decode(x, np.ascontiguousarray(self.fmts[:, sel]),
-                        np.ascontiguousarray(self.ptrs[:, sel]),
-                        np.ascontiguousarray(self.ldws[:, sel]),
-                        np.ascontiguousarray(we, dtype=np.float32), self.I, out,
-                        _threads(threads), bool(act_q8))
+        with self._lock:
+            for e in sel[self.unpacked[sel]]:
+                self.pack(int(e), threads)
+            fmts = np.ascontiguousarray(self.fmts[:, sel])
+            ptrs = np.ascontiguousarray(self.ptrs[:, sel])
+            ldws = np.ascontiguousarray(self.ldws[:, sel])
+        _lib.moe_decode(x, fmts, ptrs, ldws, np.ascontiguousarray(we, dtype=np.float32),
+                        self.I, out, _threads(threads), bool(act_q8))
         return out
 
 
@@ -261,19 +309,24 @@ def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
     return out
 
 
-def repack_x16(w: Weight, threads: int | None = None) -> Weight:
+def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = None) -> Weight:
     """A q4_0 / q4_1 / q4_k weight with d % 16 == 0 in the decode layout q4_0x16 / ..
     (pyx/gemv_x16.h: 16 rows interleaved, one vector op serves 16 rows; every kernel
     takes it, results as for the row-major weight: int8 activations bit for bit as the
     prefill GEMM, float ones up to summation order). New memory, 64-byte aligned.
 
+    out: where to write it (uint8, the weight's bytes, 64-byte aligned); None: new memory.
     Raises ValueError for other formats or row counts (callers check `can_repack_x16`).
     """
     if not can_repack_x16(w):
         raise ValueError(f"repack_x16: needs a q4_0/q4_1 weight with rows a multiple of 16 "
                          f"and an even number of blocks, got {w.fmt} {w.shape}")
     raw = _weight_bytes(w)
-    out = _big_buffer(raw.nbytes).reshape(raw.shape)
+    if out is None:
+        out = _big_buffer(raw.nbytes)
+    elif out.dtype != np.uint8 or out.size != raw.nbytes or out.ctypes.data % 64:
+        raise ValueError("repack_x16: out must be uint8, 64-byte aligned, of the weight's size")
+    out = out.reshape(raw.shape)
     _lib.repack_x16(raw, FMT_CODE[w.fmt], out, _threads(threads))
     return Weight(X16_OF[w.fmt], out, w.shape)
 

@@ -126,6 +126,14 @@ class MLP:
                                     eps=cfg.rms_norm_eps, swiglu=True)
         self.down = K.Projection([self.down_proj])
 
+    def use_weights(self, gate, up, down) -> None:
+        """Multiply by these weights from now on (the same values in another layout: a MoE
+        expert repacked on first use)."""
+        g = self.gate_up
+        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+        self.gate_up = K.Projection([gate, up], norm=g.norm, eps=g.eps, swiglu=True)
+        self.down = K.Projection([down])
+
     def __call__(self, x, fwd: ForwardPass, residual=None) -> np.ndarray:
         """MLP of x (T, H) (of RMSNorm(x) with a norm); with `residual` (T, H), the output
         is added into it (and it is returned)."""
