@@ -156,8 +156,11 @@ static void kx_base_group(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t 
 KF_TARGET_AVX2 static void kx_avx2_group(int q41, const kf_act *a, ptrdiff_t nb,
                                          const uint8_t *G, float *out)
 {
-    const __m256i m4 = _mm256_set1_epi8(0x0f), mb = _mm256_set1_epi32(0xff);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
+    /* pshufb control of byte 0 of each 32-bit lane to its top byte (+ j << 24: byte j) */
+    const __m256i top = _mm256_setr_epi32(0x00808080, 0x04808080, 0x08808080, 0x0c808080,
+                                          0x00808080, 0x04808080, 0x08808080, 0x0c808080);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (ptrdiff_t b = 0; b < nb; b++) {
         const uint8_t *q = KX_Q(G, q41, b);
@@ -184,6 +187,10 @@ KF_TARGET_AVX2 static void kx_avx2_group(int q41, const kf_act *a, ptrdiff_t nb,
                 acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->xd[b])),
                                          _mm256_cvtepi32_ps(is), acc[h]);
             } else {
+                /* float: byte j of each lane (a nibble) to the lane's top byte by one
+                 * pshufb: the int32 is exactly nibble * 2^24, converted exactly; the 2^24
+                 * comes out of d (dw * 2^-24, exact), so every product and sum is the
+                 * unscaled one times 2^24: the same bits as shifting it down and masking */
                 const float *x = a->x + b * KF_QK;
                 __m256 s[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                                _mm256_setzero_ps()};
@@ -192,8 +199,9 @@ KF_TARGET_AVX2 static void kx_avx2_group(int q41, const kf_act *a, ptrdiff_t nb,
                     const __m256i lo = _mm256_and_si256(v, m4);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                     for (int j = 0; j < 4; j++) {
-                        const __m256i l = _mm256_and_si256(_mm256_srli_epi32(lo, 8 * j), mb);
-                        const __m256i u = _mm256_and_si256(_mm256_srli_epi32(hi, 8 * j), mb);
+                        const __m256i c = _mm256_add_epi32(top, _mm256_set1_epi32(j << 24));
+                        const __m256i l = _mm256_shuffle_epi8(lo, c);
+                        const __m256i u = _mm256_shuffle_epi8(hi, c);
                         s[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l),
                                                _mm256_set1_ps(x[4 * k + j]), s[j]);
                         s[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(u),
@@ -202,8 +210,8 @@ KF_TARGET_AVX2 static void kx_avx2_group(int q41, const kf_act *a, ptrdiff_t nb,
                 }
                 __m256 t = _mm256_add_ps(_mm256_add_ps(s[0], s[1]), _mm256_add_ps(s[2], s[3]));
                 if (!q41)
-                    t = _mm256_sub_ps(t, _mm256_set1_ps(8.0f * a->sx[b]));
-                acc[h] = _mm256_fmadd_ps(dw, t, acc[h]);
+                    t = _mm256_sub_ps(t, _mm256_set1_ps(134217728.0f * a->sx[b]));   /* 8 2^24 */
+                acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(0x1p-24f)), t, acc[h]);
             }
             if (q41)
                 acc[h] = _mm256_fmadd_ps(
@@ -222,7 +230,9 @@ KF_TARGET_AVX2 static void kx_avx2_group(int q41, const kf_act *a, ptrdiff_t nb,
 KF_TARGET_AVX512 static void kx_avx512_group(int q41, const kf_act *a, ptrdiff_t nb,
                                              const uint8_t *G, float *out)
 {
-    const __m512i m4 = _mm512_set1_epi8(0x0f), mb = _mm512_set1_epi32(0xff);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    /* pshufb control of byte 0 of each 32-bit lane to its top byte (+ j << 24: byte j) */
+    const __m512i top = _mm512_set4_epi32(0x0c808080, 0x08808080, 0x04808080, 0x00808080);
     __m512 acc = _mm512_setzero_ps();
     if (a->xq != NULL) {
         for (ptrdiff_t b = 0; b < nb; b++) {
@@ -263,9 +273,10 @@ KF_TARGET_AVX512 static void kx_avx512_group(int q41, const kf_act *a, ptrdiff_t
                 const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * k));
                 const __m512i lo = _mm512_and_si512(v, m4);
                 const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                for (int j = 0; j < 4; j++) {
-                    const __m512i l = _mm512_and_si512(_mm512_srli_epi32(lo, 8 * j), mb);
-                    const __m512i u = _mm512_and_si512(_mm512_srli_epi32(hi, 8 * j), mb);
+                for (int j = 0; j < 4; j++) {     /* as the AVX2 float path: nibble * 2^24 */
+                    const __m512i c = _mm512_add_epi32(top, _mm512_set1_epi32(j << 24));
+                    const __m512i l = _mm512_shuffle_epi8(lo, c);
+                    const __m512i u = _mm512_shuffle_epi8(hi, c);
                     s[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(l), _mm512_set1_ps(x[4 * k + j]),
                                            s[j]);
                     s[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u),
@@ -273,14 +284,16 @@ KF_TARGET_AVX512 static void kx_avx512_group(int q41, const kf_act *a, ptrdiff_t
                 }
             }
             __m512 t = _mm512_add_ps(_mm512_add_ps(s[0], s[1]), _mm512_add_ps(s[2], s[3]));
-            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(KX_D(G, q41, b))));
+            const __m512 dw = _mm512_mul_ps(
+                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(KX_D(G, q41, b)))),
+                _mm512_set1_ps(0x1p-24f));
             if (q41) {
                 acc = _mm512_fmadd_ps(dw, t, acc);
                 acc = _mm512_fmadd_ps(
                     _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(KX_M(G, q41, b)))),
                     _mm512_set1_ps(a->sx[b]), acc);
             } else {
-                t = _mm512_sub_ps(t, _mm512_set1_ps(8.0f * a->sx[b]));
+                t = _mm512_sub_ps(t, _mm512_set1_ps(134217728.0f * a->sx[b]));   /* 8 2^24 */
                 acc = _mm512_fmadd_ps(dw, t, acc);
             }
         }
