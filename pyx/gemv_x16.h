@@ -702,19 +702,29 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
     } while (0)
 
 /* Two halves of 8 rows. int8: pmaddubsw (u <= 63: a pair <= 16002, two summed in int16),
- * widened by pmaddwd, from -32 xh. float: each lane's byte c as a signed q - 32. */
+ * widened by pmaddwd, from -32 xh. float: each lane's byte c, q - 32 as s8, moved to the
+ * lane's top byte by one pshufb: an int32 (q - 32) 2^24, exact as a float (the 2^24 goes
+ * into d). */
 KF_TARGET_AVX2 static void kx_avx2_group_6(int unused, const kf_act *a, ptrdiff_t nsb,
                                            const uint8_t *G, float *out)
 {
     (void)unused;
     const __m256i ones = _mm256_set1_epi16(1), o32 = _mm256_set1_epi8(32);
+    __m256i top[4];                   /* float: byte c of each lane to its top byte */
+    for (int c = 0; c < 4; c++)
+        top[c] = _mm256_broadcastsi128_si256(_mm_setr_epi32(
+            (c << 24) | 0x808080, ((4 + c) << 24) | 0x808080, ((8 + c) << 24) | 0x808080,
+            ((12 + c) << 24) | 0x808080));
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {
         const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
         for (int k = 0; k < 3360; k += 64)          /* KX_KPF bytes ahead, in stream order */
             _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + k), _MM_HINT_T0);
         for (int hh = 0; hh < 2; hh++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(D + 16 * hh)));
+            /* float: the sums are of (q - 32) 2^24, d 2^-24 (exact) scales them */
+            const __m256 d = _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(D + 16 * hh))),
+                _mm256_set1_ps(a->xq != NULL ? 1.0f : 0x1p-24f));
             for (int h = 0; h < 2; h++) {
                 const ptrdiff_t b0 = sb * 8 + 4 * h;
                 __m256 part[4][2];
@@ -761,12 +771,10 @@ KF_TARGET_AVX2 static void kx_avx2_group_6(int unused, const kf_act *a, ptrdiff_
                         for (int m = 0; m < 4; m++) {
                             const __m256i us = _mm256_sub_epi8(u[m], o32);
                             const float *x = a->x + (b0 + m) * KF_QK + 4 * s;
-                            for (int c = 0; c < 4; c++) {
-                                const __m256i q = _mm256_srai_epi32(
-                                    _mm256_slli_epi32(us, 24 - 8 * c), 24);
-                                fs[m][s / 4] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
-                                                               _mm256_set1_ps(x[c]), fs[m][s / 4]);
-                            }
+                            for (int c = 0; c < 4; c++)     /* (q - 32) 2^24 */
+                                fs[m][s / 4] = _mm256_fmadd_ps(
+                                    _mm256_cvtepi32_ps(_mm256_shuffle_epi8(us, top[c])),
+                                    _mm256_set1_ps(x[c]), fs[m][s / 4]);
                         }
                     }
                     for (int m = 0; m < 4; m++)
@@ -796,12 +804,18 @@ KF_TARGET_AVX512 static void kx_avx512_group_6(int unused, const kf_act *a, ptrd
 {
     (void)unused;
     const __m512i o32 = _mm512_set1_epi8(32);
+    __m512i top[4];                   /* float: byte c of each lane to its top byte */
+    for (int c = 0; c < 4; c++)
+        top[c] = _mm512_set4_epi32(((12 + c) << 24) | 0x808080, ((8 + c) << 24) | 0x808080,
+                                   ((4 + c) << 24) | 0x808080, (c << 24) | 0x808080);
     __m512 acc = _mm512_setzero_ps();
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {
         const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
         for (int k = 0; k < 3360; k += 64)          /* KX_KPF bytes ahead, in stream order */
             _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + k), _MM_HINT_T0);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)D));
+        /* float: the sums are of (q - 32) 2^24, d 2^-24 (exact) scales them */
+        const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)D)),
+                                       _mm512_set1_ps(a->xq != NULL ? 1.0f : 0x1p-24f));
         for (int h = 0; h < 2; h++) {
             const ptrdiff_t b0 = sb * 8 + 4 * h;
             __m512 part[4][2];
@@ -842,12 +856,10 @@ KF_TARGET_AVX512 static void kx_avx512_group_6(int unused, const kf_act *a, ptrd
                     for (int m = 0; m < 4; m++) {
                         const __m512i us = _mm512_sub_epi8(u[m], o32);
                         const float *x = a->x + (b0 + m) * KF_QK + 4 * s;
-                        for (int c = 0; c < 4; c++) {
-                            const __m512i q = _mm512_srai_epi32(
-                                _mm512_slli_epi32(us, 24 - 8 * c), 24);
-                            fs[m][s / 4] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q),
-                                                           _mm512_set1_ps(x[c]), fs[m][s / 4]);
-                        }
+                        for (int c = 0; c < 4; c++)         /* (q - 32) 2^24 */
+                            fs[m][s / 4] = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(_mm512_shuffle_epi8(us, top[c])),
+                                _mm512_set1_ps(x[c]), fs[m][s / 4]);
                     }
                 }
                 for (int m = 0; m < 4; m++)
