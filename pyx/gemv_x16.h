@@ -1,4 +1,4 @@
-/* q4_0 / q4_1 weights interleaved by 16 rows ("x16"), repacked once at load for decode.
+/* q4_0 / q4_1 / q4_k / q6_k weights interleaved by 16 rows ("x16"), repacked once at load for decode.
  *
  * Why: the row-major GEMV of a q4 weight spends ~15 vector operations per row and pair of
  * blocks (scale loads, nibble splits, a horizontal sum per row) and reads R rows as R
