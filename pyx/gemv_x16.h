@@ -414,8 +414,13 @@ KF_TARGET_AVX2 static void kx_avx2_group_k(int unused, const kf_act *a, ptrdiff_
                                            const uint8_t *G, float *out)
 {
     (void)unused;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), mb = _mm256_set1_epi32(0xff);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256i top[4];                   /* float: byte i of each lane to its top byte */
+    for (int i = 0; i < 4; i++)
+        top[i] = _mm256_broadcastsi128_si256(_mm_setr_epi32(
+            (i << 24) | 0x808080, ((4 + i) << 24) | 0x808080, ((8 + i) << 24) | 0x808080,
+            ((12 + i) << 24) | 0x808080));
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {
         const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
@@ -428,7 +433,10 @@ KF_TARGET_AVX2 static void kx_avx2_group_k(int unused, const kf_act *a, ptrdiff_
                         _mm256_or_si256, _mm256_srli_epi32, _mm256_slli_epi32,
                         _mm256_set1_epi32, _mm256_cvtepi32_ps, sc, mn);
 #undef KX_LP2
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 16 * h)));
+            /* float: the sums are of q 2^24, d 2^-24 (exact) scales them */
+            const __m256 d = _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 16 * h))),
+                _mm256_set1_ps(a->xq != NULL ? 1.0f : 0x1p-24f));
             const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 32 + 16 * h)));
             for (int c = 0; c < 4; c++) {
                 const ptrdiff_t b0 = sb * 8 + 2 * c;
@@ -457,11 +465,11 @@ KF_TARGET_AVX2 static void kx_avx2_group_k(int unused, const kf_act *a, ptrdiff_
                         const __m256i lo = _mm256_and_si256(v, m4);
                         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                         for (int i = 0; i < 4; i++) {
-                            f0[i & 1] = _mm256_fmadd_ps(
-                                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lo, 8 * i), mb)),
+                            f0[i & 1] = _mm256_fmadd_ps(   /* q 2^24 */
+                                _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, top[i])),
                                 _mm256_set1_ps(x0[4 * t + i]), f0[i & 1]);
                             f1[i & 1] = _mm256_fmadd_ps(
-                                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(hi, 8 * i), mb)),
+                                _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, top[i])),
                                 _mm256_set1_ps(x1[4 * t + i]), f1[i & 1]);
                         }
                     }
@@ -490,7 +498,11 @@ KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrd
                                                const uint8_t *G, float *out)
 {
     (void)unused;
-    const __m512i m4 = _mm512_set1_epi8(0x0f), mb = _mm512_set1_epi32(0xff);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i top[4];                   /* float: byte i of each lane to its top byte */
+    for (int i = 0; i < 4; i++)
+        top[i] = _mm512_set4_epi32(((12 + i) << 24) | 0x808080, ((8 + i) << 24) | 0x808080,
+                                   ((4 + i) << 24) | 0x808080, (i << 24) | 0x808080);
     __m512 acc = _mm512_setzero_ps();
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {
         const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
@@ -502,7 +514,9 @@ KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrd
                     _mm512_srli_epi32, _mm512_slli_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps,
                     sc, mn);
 #undef KX_LP5
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)M));
+        /* float: the sums are of q 2^24, d 2^-24 (exact) scales them */
+        const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)M)),
+                                       _mm512_set1_ps(a->xq != NULL ? 1.0f : 0x1p-24f));
         const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(M + 32)));
         for (int c = 0; c < 4; c++) {
             const ptrdiff_t b0 = sb * 8 + 2 * c;
@@ -528,11 +542,11 @@ KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrd
                     const __m512i lo = _mm512_and_si512(v, m4);
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                     for (int i = 0; i < 4; i++) {
-                        f0[i & 1] = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lo, 8 * i), mb)),
+                        f0[i & 1] = _mm512_fmadd_ps(       /* q 2^24 */
+                            _mm512_cvtepi32_ps(_mm512_shuffle_epi8(lo, top[i])),
                             _mm512_set1_ps(x0[4 * t + i]), f0[i & 1]);
                         f1[i & 1] = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(hi, 8 * i), mb)),
+                            _mm512_cvtepi32_ps(_mm512_shuffle_epi8(hi, top[i])),
                             _mm512_set1_ps(x1[4 * t + i]), f1[i & 1]);
                     }
                 }
