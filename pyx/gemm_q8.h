@@ -235,17 +235,20 @@ static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0
     if (fmt == KF_Q6_KX16) {          /* as kq_pack's q6_k: s8 q - 32 (^ xor8), two scales */
         for (ptrdiff_t sb = 0; sb < nb / 8; sb++) {
             const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
-            for (int t = 0; t < 8; t++) {
-                uint8_t *restrict dst = p + (sb * 8 + t) * bs;
-                float *restrict dw = (float *)(dst + (ptrdiff_t)gr * KF_QK);
-                for (int r = 0; r < gr; r++) {
+            for (int r = 0; r < gr; r++) {
+                const int l = l0 + r;
+                uint8_t q[KF_QK_K];
+                if (r < nr)
+                    kx6_lane_sb(Q, l, q);
+                const float d = r < nr ? kf_f16_at(D + 2 * l) : 0.0f;
+                for (int t = 0; t < 8; t++) {
+                    uint8_t *restrict dst = p + (sb * 8 + t) * bs;
+                    float *restrict dw = (float *)(dst + (ptrdiff_t)gr * KF_QK);
                     uint8_t e[KF_QK] = {0};
                     dw[r] = dw[gr + r] = 0.0f;
                     if (r < nr) {
-                        const int l = l0 + r;
                         for (int k = 0; k < KF_QK; k++)
-                            e[k] = (uint8_t)((kx6_lane_q(Q, l, 32 * t + k) - 32) & 0xff) ^ xor8;
-                        const float d = kf_f16_at(D + 2 * l);
+                            e[k] = (uint8_t)((q[32 * t + k] - 32) & 0xff) ^ xor8;
                         dw[r] = d * (float)(int8_t)S[16 * (2 * t) + l];
                         dw[gr + r] = d * (float)(int8_t)S[16 * (2 * t + 1) + l];
                     }

@@ -591,28 +591,44 @@ KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrd
 #define KX_6S(G, sb) ((G) + (sb) / 2 * KX_6PAIR + 64 + (sb) % 2 * 256)
 #define KX_6Q(G, sb) ((G) + (sb) / 2 * KX_6PAIR + 576 + (sb) % 2 * 3072)
 
-/* The 6-bit q of element e of a row-major q6_k super-block, and its inverse (into a
- * block whose ql / qh are zero). */
-static inline int kx6_get(const uint8_t *blk, int e)
+/* A row-major q6_k super-block's 256 quants (0..63, element order) -> q, and back. */
+static inline void kx6_row_sb(const uint8_t *restrict blk, uint8_t *restrict q)
 {
-    const int h = e / 128, i = e % 128 / 32, k = e % 32;
-    return ((blk[64 * h + 32 * (i % 2) + k] >> (4 * (i / 2))) & 15)
-           | (((blk[128 + 32 * h + k] >> (2 * i)) & 3) << 4);
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 32; k++) {
+            const int l0 = blk[64 * h + k], l1 = blk[64 * h + 32 + k], hb = blk[128 + 32 * h + k];
+            q[128 * h + k] = (uint8_t)((l0 & 15) | ((hb & 3) << 4));
+            q[128 * h + 32 + k] = (uint8_t)((l1 & 15) | (((hb >> 2) & 3) << 4));
+            q[128 * h + 64 + k] = (uint8_t)((l0 >> 4) | (((hb >> 4) & 3) << 4));
+            q[128 * h + 96 + k] = (uint8_t)((l1 >> 4) | ((hb >> 6) << 4));
+        }
 }
-static inline void kx6_put(uint8_t *blk, int e, int q)
+static inline void kx6_sb_row(const uint8_t *restrict q, uint8_t *restrict blk)
 {
-    const int h = e / 128, i = e % 128 / 32, k = e % 32;
-    blk[64 * h + 32 * (i % 2) + k] |= (uint8_t)((q & 15) << (4 * (i / 2)));
-    blk[128 + 32 * h + k] |= (uint8_t)((q >> 4) << (2 * i));
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 32; k++) {
+            const int q0 = q[128 * h + k], q1 = q[128 * h + 32 + k];
+            const int q2 = q[128 * h + 64 + k], q3 = q[128 * h + 96 + k];
+            blk[64 * h + k] = (uint8_t)((q0 & 15) | ((q2 & 15) << 4));
+            blk[64 * h + 32 + k] = (uint8_t)((q1 & 15) | ((q3 & 15) << 4));
+            blk[128 + 32 * h + k] = (uint8_t)((q0 >> 4) | ((q1 >> 4) << 2) | ((q2 >> 4) << 4)
+                                              | ((q3 >> 4) << 6));
+        }
 }
-/* Row (lane) r's q of element e from a super-block's Q of a group */
-static inline int kx6_lane_q(const uint8_t *Q, int r, int e)
+/* Row (lane) r's 256 quants of one super-block's Q of a group -> q (element order) */
+static inline void kx6_lane_sb(const uint8_t *restrict Q, int r, uint8_t *restrict q)
 {
-    const int h = e / 128, m = e % 128 / 32, k = e % 32;
-    const uint8_t *v = Q + 64 * (24 * h + 3 * (k / 4)) + 4 * r + k % 4;
-    if (m < 3)
-        return v[64 * m] & 63;
-    return (v[0] >> 6) | ((v[64] >> 6) << 2) | ((v[128] >> 6) << 4);
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *v = Q + 64 * (24 * h + 3 * s) + 4 * r;
+            for (int c = 0; c < 4; c++) {
+                const int p0 = v[c], p1 = v[64 + c], p2 = v[128 + c], k = 4 * s + c;
+                q[128 * h + k] = (uint8_t)(p0 & 63);
+                q[128 * h + 32 + k] = (uint8_t)(p1 & 63);
+                q[128 * h + 64 + k] = (uint8_t)(p2 & 63);
+                q[128 * h + 96 + k] = (uint8_t)((p0 >> 6) | ((p1 >> 6) << 2) | ((p2 >> 6) << 4));
+            }
+        }
 }
 
 static void kx_pack_group_6(const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *dst)
@@ -622,16 +638,17 @@ static void kx_pack_group_6(const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *
     for (ptrdiff_t sb = 0; sb < nsb; sb++)
         for (int r = 0; r < nr && r < KX_G; r++) {
             const uint8_t *blk = src + r * ldw + sb * 210;
-            uint8_t *Q = KX_6Q(dst, sb), *S = KX_6S(dst, sb);
+            uint8_t *Q = KX_6Q(dst, sb), *S = KX_6S(dst, sb), q[KF_QK_K];
             memcpy(KX_6D(dst, sb) + 2 * r, blk + 208, 2);
             for (int j = 0; j < 16; j++)
                 S[16 * j + r] = blk[192 + j];
+            kx6_row_sb(blk, q);
             for (int h = 0; h < 2; h++)
                 for (int k = 0; k < 32; k++) {
-                    const int q3 = kx6_get(blk, 128 * h + 96 + k);
+                    const int q3 = q[128 * h + 96 + k];
                     for (int m = 0; m < 3; m++)
                         Q[64 * (24 * h + 3 * (k / 4) + m) + 4 * r + k % 4] = (uint8_t)(
-                            kx6_get(blk, 128 * h + 32 * m + k) | (((q3 >> (2 * m)) & 3) << 6));
+                            q[128 * h + 32 * m + k] | (((q3 >> (2 * m)) & 3) << 6));
                 }
         }
 }
@@ -643,11 +660,10 @@ static void kx_unpack_row_6(const uint8_t *base, ptrdiff_t ldw, ptrdiff_t row,
     const int r = (int)(row % KX_G);
     const uint8_t *G = base + row / KX_G * KX_G * ldw;
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {
-        uint8_t *blk = dst + sb * 210;
-        const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb);
-        memset(blk, 0, 192);
-        for (int e = 0; e < KF_QK_K; e++)
-            kx6_put(blk, e, kx6_lane_q(Q, r, e));
+        uint8_t *blk = dst + sb * 210, q[KF_QK_K];
+        const uint8_t *S = KX_6S(G, sb);
+        kx6_lane_sb(KX_6Q(G, sb), r, q);
+        kx6_sb_row(q, blk);
         for (int j = 0; j < 16; j++)
             blk[192 + j] = S[16 * j + r];
         memcpy(blk + 208, KX_6D(G, sb) + 2 * r, 2);
