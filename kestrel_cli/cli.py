@@ -123,7 +123,7 @@ class EngineOptions:
         "blocks of 32 as llama.cpp (faster, not exact).", rich_help_panel=_MODEL)] = Act.f32
 
     repack: Annotated[bool, typer.Option(
-        "--repack/--no-repack", help="Interleave q4_0/q4_1/q4_k weights by 16 rows at load, the "
+        "--repack/--no-repack", help="Interleave q4_0/q4_1/q4_k/q6_k weights by 16 rows at load, the "
         "decode GEMV's layout (same results; off: the file's row-major layout).",
         rich_help_panel=_MODEL)] = True
 

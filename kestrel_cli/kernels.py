@@ -18,7 +18,7 @@ import sys
 import numpy as np
 
 from kestrel_cli._kernels import lib as _lib
-from kestrel_cli.weights import BLOCK_BYTES, FORMATS, QK, X16_OF, Weight
+from kestrel_cli.weights import BLOCK_BYTES, BLOCK_ELEMS, FORMATS, QK, X16_OF, Weight
 
 # the compiled kernels are one module (pyx/lib.pyx): one ISA choice for all of them
 if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
@@ -28,7 +28,8 @@ if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
 # Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
 FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6,
             "q5_1": 7, "q2_k": 8, "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12,
-            "iq4_nl": 13, "iq4_xs": 14, "q4_0x16": 15, "q4_1x16": 16, "q4_kx16": 17}
+            "iq4_nl": 13, "iq4_xs": 14, "q4_0x16": 15, "q4_1x16": 16, "q4_kx16": 17,
+            "q6_kx16": 18}
 _DATA_DTYPE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16,
                **{f: np.uint8 for f in BLOCK_BYTES}}
 assert set(FMT_CODE) == set(FORMATS)
@@ -310,7 +311,7 @@ def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
 
 
 def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = None) -> Weight:
-    """A q4_0 / q4_1 / q4_k weight with d % 16 == 0 in the decode layout q4_0x16 / ..
+    """A q4_0 / q4_1 / q4_k / q6_k weight with d % 16 == 0 in the decode layout q4_0x16 / ..
     (pyx/gemv_x16.h: 16 rows interleaved, one vector op serves 16 rows; every kernel
     takes it, results as for the row-major weight: int8 activations bit for bit as the
     prefill GEMM, float ones up to summation order). New memory, 64-byte aligned.
@@ -319,8 +320,9 @@ def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = N
     Raises ValueError for other formats or row counts (callers check `can_repack_x16`).
     """
     if not can_repack_x16(w):
-        raise ValueError(f"repack_x16: needs a q4_0/q4_1 weight with rows a multiple of 16 "
-                         f"and an even number of blocks, got {w.fmt} {w.shape}")
+        raise ValueError(f"repack_x16: needs a q4_0/q4_1/q4_k/q6_k weight with rows a "
+                         f"multiple of 16 and an even number of blocks (q4_0, q4_1) or of "
+                         f"super-blocks (q6_k), got {w.fmt} {w.shape}")
     raw = _weight_bytes(w)
     if out is None:
         out = _big_buffer(raw.nbytes)
@@ -350,10 +352,11 @@ def _big_buffer(nbytes: int) -> np.ndarray:
 
 
 def can_repack_x16(w: Weight) -> bool:
-    """Whether `repack_x16` takes w: q4_0 / q4_1 / q4_k, rows a multiple of 16, for q4_0 /
-    q4_1 an even number of blocks a row (so every 64-byte load of the layout is aligned)."""
+    """Whether `repack_x16` takes w: q4_0 / q4_1 / q4_k / q6_k, rows a multiple of 16, for
+    q4_0 / q4_1 an even number of blocks a row, for q6_k of super-blocks (so every 64-byte
+    load of the layout is aligned)."""
     return (w.fmt in X16_OF and w.shape[0] % 16 == 0 and w.shape[0] > 0 and w.shape[1] > 0
-            and (w.fmt == "q4_k" or (w.shape[1] // QK) % 2 == 0))
+            and (w.fmt == "q4_k" or (w.shape[1] // BLOCK_ELEMS[w.fmt]) % 2 == 0))
 
 
 def isa() -> str:

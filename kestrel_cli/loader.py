@@ -55,7 +55,7 @@ class TensorStore:
         self.entries: dict[str, tuple[str, np.ndarray, tuple[int, ...], str]] = {}
         self.quant: str | None = None            # block format for float matrices, or None
         self.threads: int | None = None
-        self.repack_x16 = False                  # q4_0 / q4_1 matrices -> the x16 layout
+        self.repack_x16 = False                  # q4_0 / q4_1 / q4_k / q6_k -> the x16 layout
         self._quantised: dict[str, Weight] = {}
 
     def quantize_to(self, fmt: str | None, threads: int | None = None) -> None:

@@ -22,9 +22,9 @@ Formats and the layout of `data` (rows = output features, d x n logical):
   (pyx/formats.h spells out each layout). The NumPy reference for these is the gguf
   package's own dequantisation (gguf.quants.dequantize).
   and two layouts made at load for decode, never on disk (pyx/gemv_x16.h):
-  q4_0x16, q4_1x16, q4_kx16  uint8 (d, row bytes of q4_0 / q4_1 / q4_k), d a multiple
-                    of 16: the bytes of each 16 rows interleaved (data[i] is not row i;
-                    `rows_x16`)
+  q4_0x16, q4_1x16, q4_kx16, q6_kx16  uint8 (d, row bytes of q4_0 / q4_1 / q4_k / q6_k),
+                    d a multiple of 16: the bytes of each 16 rows interleaved (data[i] is
+                    not row i; `rows_x16`)
 The block layouts are GGUF's (llama.cpp's), so GGUF tensors are used in place.
 """
 from __future__ import annotations
@@ -37,12 +37,14 @@ QK = 32                                   # elements per block of 32 (and activa
 QK_K = 256                                # elements per K-quant super-block
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24,
                "q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-               "iq4_nl": 18, "iq4_xs": 136, "q4_0x16": 18, "q4_1x16": 20, "q4_kx16": 144}
+               "iq4_nl": 18, "iq4_xs": 136, "q4_0x16": 18, "q4_1x16": 20, "q4_kx16": 144,
+               "q6_kx16": 210}
 BLOCK_ELEMS = {f: (QK_K if f.endswith(("_k", "_xs", "_kx16")) else QK) for f in BLOCK_BYTES}
 FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
            "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_0x16", "q4_1x16",
-           "q4_kx16")
-X16_OF = {"q4_0": "q4_0x16", "q4_1": "q4_1x16", "q4_k": "q4_kx16"}   # repacked for decode
+           "q4_kx16", "q6_kx16")
+X16_OF = {"q4_0": "q4_0x16", "q4_1": "q4_1x16", "q4_k": "q4_kx16",   # repacked for decode
+          "q6_k": "q6_kx16"}
 X16_BASE = {v: k for k, v in X16_OF.items()}
 # the gguf package's type of each format whose reference is gguf.quants.dequantize
 _GGUF_REFERENCE = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k": "Q3_K",
@@ -99,8 +101,11 @@ def rows_x16(fmt: str, data: np.ndarray) -> np.ndarray:
     reference of pyx/gemv_x16.h's layouts: per group of 16 rows and pair of blocks, the
     16 scales of each block (then q4_1's offsets), then each block's 4 x 64 quant bytes,
     lane r of vector k = row r's bytes 4k..4k+3; q4_k: per super-block 16 d, 16 dmin and
-    the 12 scale bytes of each row byte-planar (256 bytes), then 32 x 64 quant bytes)."""
+    the 12 scale bytes of each row byte-planar (256 bytes), then 32 x 64 quant bytes;
+    q6_k: _rows_q6_kx16)."""
     d, ldw = data.shape
+    if fmt == "q6_kx16":
+        return _rows_q6_kx16(data)
     if fmt == "q4_kx16":
         nsb = ldw // 144
         g = np.ascontiguousarray(data).reshape(d // 16, nsb, 2304)
@@ -125,6 +130,38 @@ def rows_x16(fmt: str, data: np.ndarray) -> np.ndarray:
     if q41:
         m = pairs[:, :, 64:128].reshape(d // 16, nb // 2, 2, 16, 2)
         out[..., 2:4] = m.transpose(0, 3, 1, 2, 4).reshape(d // 16, 16, nb, 2)
+    return out.reshape(d, ldw)
+
+
+def _rows_q6_kx16(data: np.ndarray) -> np.ndarray:
+    """rows_x16 of q6_kx16: per group of 16 rows and pair of super-blocks (6720 bytes) the
+    16 f16 d of each (64 bytes), the 16 scales of each row byte-planar (2 x 256: scale j
+    of row r at 16 j + r), then per super-block 48 vectors v = 24 h + 3 s + m of 64 bytes,
+    lane r = row r's 4 bytes c: element 128 h + 32 m + 4 s + c's 6-bit q in the low 6
+    bits, bits 2m, 2m + 1 of element 128 h + 96 + 4 s + c's q in the top 2
+    -> row-major q6_k (ql[128], qh[64], scales[16], d)."""
+    d, ldw = data.shape
+    g, p = d // 16, ldw // 420
+    pair = np.ascontiguousarray(data).reshape(g, p, 6720)
+    out = np.empty((g, 16, p, 2, 210), dtype=np.uint8)        # (g, r, p, sb % 2, bytes)
+    out[..., 208:210] = pair[:, :, :64].reshape(g, p, 2, 16, 2).transpose(0, 3, 1, 2, 4)
+    out[..., 192:208] = pair[:, :, 64:576].reshape(g, p, 2, 16, 16).transpose(0, 4, 1, 2, 3)
+    v = pair[:, :, 576:].reshape(g, p, 2, 2, 8, 3, 16, 4)    # (g, p, sb%2, h, s, m, r, c)
+    q = np.empty((g, p, 2, 2, 4, 8, 16, 4), dtype=np.uint8)  # (g, p, sb%2, h, i, s, r, c)
+    for m in range(3):
+        q[:, :, :, :, m] = v[:, :, :, :, :, m] & 63
+    q[:, :, :, :, 3] = ((v[:, :, :, :, :, 0] >> 6) | ((v[:, :, :, :, :, 1] >> 6) << 2)
+                        | ((v[:, :, :, :, :, 2] >> 6) << 4))
+    # -> (g, r, p, sb%2, h, i, k = 4 s + c)
+    q = q.transpose(0, 6, 1, 2, 3, 4, 5, 7).reshape(g, 16, p, 2, 2, 4, 32)
+    ql = np.empty((g, 16, p, 2, 2, 2, 32), dtype=np.uint8)   # (.., h, i % 2, k)
+    for i in range(2):
+        ql[..., i, :] = (q[..., i, :] & 15) | ((q[..., i + 2, :] & 15) << 4)
+    qh = np.zeros((g, 16, p, 2, 2, 32), dtype=np.uint8)
+    for i in range(4):
+        qh |= (q[..., i, :] >> 4) << (2 * i)
+    out[..., 0:128] = ql.reshape(g, 16, p, 2, 128)
+    out[..., 128:192] = qh.reshape(g, 16, p, 2, 64)
     return out.reshape(d, ldw)
 
 

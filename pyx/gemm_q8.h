@@ -226,12 +226,39 @@ static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t 
  * row0 <= r < row0 + nr into one group of gr rows of the panel (gr divides 16 and row0 % gr
  * == 0, so the rows are lanes row0 % 16 .. of one x16 group). */
 static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0, int nr,
-                        ptrdiff_t nb, int gr, uint8_t *restrict p)
+                        ptrdiff_t nb, int gr, uint8_t xor8, uint8_t *restrict p)
 {
     const int q41 = fmt == KF_Q4_1X16;
-    const ptrdiff_t bs = kq_block_bytes(q41 || fmt == KF_Q4_KX16 ? KQ_Q4_1 : KQ_Q4_0, gr);
+    const ptrdiff_t bs = kq_block_bytes(kq_kind(kx_base_fmt(fmt)), gr);
     const uint8_t *G = w + row0 / KX_G * KX_G * ldw;
     const int l0 = (int)(row0 % KX_G);
+    if (fmt == KF_Q6_KX16) {          /* as kq_pack's q6_k: s8 q - 32 (^ xor8), two scales */
+        for (ptrdiff_t sb = 0; sb < nb / 8; sb++) {
+            const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
+            for (int r = 0; r < gr; r++) {
+                const int l = l0 + r;
+                uint8_t q[KF_QK_K];
+                if (r < nr)
+                    kx6_lane_sb(Q, l, q);
+                const float d = r < nr ? kf_f16_at(D + 2 * l) : 0.0f;
+                for (int t = 0; t < 8; t++) {
+                    uint8_t *restrict dst = p + (sb * 8 + t) * bs;
+                    float *restrict dw = (float *)(dst + (ptrdiff_t)gr * KF_QK);
+                    uint8_t e[KF_QK] = {0};
+                    dw[r] = dw[gr + r] = 0.0f;
+                    if (r < nr) {
+                        for (int k = 0; k < KF_QK; k++)
+                            e[k] = (uint8_t)((q[32 * t + k] - 32) & 0xff) ^ xor8;
+                        dw[r] = d * (float)(int8_t)S[16 * (2 * t) + l];
+                        dw[gr + r] = d * (float)(int8_t)S[16 * (2 * t + 1) + l];
+                    }
+                    for (int g = 0; g < KF_QK / 4; g++)
+                        memcpy(dst + (g * gr + r) * 4, e + 4 * g, 4);
+                }
+            }
+        }
+        return;
+    }
     if (fmt == KF_Q4_KX16) {          /* as kq_pack's q4_k: q4_1 blocks of 32 */
         for (ptrdiff_t sb = 0; sb < nb / 8; sb++) {
             const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
@@ -698,7 +725,8 @@ static void kf_gemm_q8_items(const kf_q8_plan *p, const uint8_t *w, ptrdiff_t ld
             for (ptrdiff_t r = 0; r < nr; r += v->gr) {
                 const int m = nr - r < v->gr ? (int)(nr - r) : v->gr;
                 if (kx_is_x16(p->fmt)) {
-                    kq_pack_x16(p->fmt, w, ldw, r0 + r, m, p->nb, v->gr, panel + r / v->gr * gs);
+                    kq_pack_x16(p->fmt, w, ldw, r0 + r, m, p->nb, v->gr, v->xor8,
+                                panel + r / v->gr * gs);
                 } else {
                     kq_pack(p->fmt, w + (r0 + r) * ldw, ldw, m, p->nb, v->gr, v->xor8,
                             panel + r / v->gr * gs);

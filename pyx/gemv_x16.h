@@ -1,4 +1,4 @@
-/* q4_0 / q4_1 weights interleaved by 16 rows ("x16"), repacked once at load for decode.
+/* q4_0 / q4_1 / q4_k / q6_k weights interleaved by 16 rows ("x16"), repacked once at load for decode.
  *
  * Why: the row-major GEMV of a q4 weight spends ~15 vector operations per row and pair of
  * blocks (scale loads, nibble splits, a horizontal sum per row) and reads R rows as R
@@ -51,11 +51,12 @@ KF_INLINE int32_t kx_ld32(const int8_t *p)
 
 static inline int kx_is_x16(int fmt)
 {
-    return fmt == KF_Q4_0X16 || fmt == KF_Q4_1X16 || fmt == KF_Q4_KX16;
+    return fmt == KF_Q4_0X16 || fmt == KF_Q4_1X16 || fmt == KF_Q4_KX16 || fmt == KF_Q6_KX16;
 }
 static inline int kx_base_fmt(int fmt)
 {
-    return fmt == KF_Q4_0X16 ? KF_Q4_0 : (fmt == KF_Q4_1X16 ? KF_Q4_1 : KF_Q4_K);
+    return fmt == KF_Q4_0X16 ? KF_Q4_0
+           : (fmt == KF_Q4_1X16 ? KF_Q4_1 : (fmt == KF_Q4_KX16 ? KF_Q4_K : KF_Q6_K));
 }
 
 /* One group (16 rows of ldw bytes, rows ldw apart in src; rows >= nr are zero) -> the
@@ -426,8 +427,13 @@ KF_TARGET_AVX2 static void kx_avx2_group_k(int unused, const kf_act *a, ptrdiff_
                                            const uint8_t *G, float *out)
 {
     (void)unused;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), mb = _mm256_set1_epi32(0xff);
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
+    __m256i top[4];                   /* float: byte i of each lane to its top byte */
+    for (int i = 0; i < 4; i++)
+        top[i] = _mm256_broadcastsi128_si256(_mm_setr_epi32(
+            (i << 24) | 0x808080, ((4 + i) << 24) | 0x808080, ((8 + i) << 24) | 0x808080,
+            ((12 + i) << 24) | 0x808080));
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {
         const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
@@ -440,7 +446,10 @@ KF_TARGET_AVX2 static void kx_avx2_group_k(int unused, const kf_act *a, ptrdiff_
                         _mm256_or_si256, _mm256_srli_epi32, _mm256_slli_epi32,
                         _mm256_set1_epi32, _mm256_cvtepi32_ps, sc, mn);
 #undef KX_LP2
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 16 * h)));
+            /* float: the sums are of q 2^24, d 2^-24 (exact) scales them */
+            const __m256 d = _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 16 * h))),
+                _mm256_set1_ps(a->xq != NULL ? 1.0f : 0x1p-24f));
             const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 32 + 16 * h)));
             for (int c = 0; c < 4; c++) {
                 const ptrdiff_t b0 = sb * 8 + 2 * c;
@@ -469,11 +478,11 @@ KF_TARGET_AVX2 static void kx_avx2_group_k(int unused, const kf_act *a, ptrdiff_
                         const __m256i lo = _mm256_and_si256(v, m4);
                         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                         for (int i = 0; i < 4; i++) {
-                            f0[i & 1] = _mm256_fmadd_ps(
-                                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lo, 8 * i), mb)),
+                            f0[i & 1] = _mm256_fmadd_ps(   /* q 2^24 */
+                                _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, top[i])),
                                 _mm256_set1_ps(x0[4 * t + i]), f0[i & 1]);
                             f1[i & 1] = _mm256_fmadd_ps(
-                                _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(hi, 8 * i), mb)),
+                                _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, top[i])),
                                 _mm256_set1_ps(x1[4 * t + i]), f1[i & 1]);
                         }
                     }
@@ -502,7 +511,11 @@ KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrd
                                                const uint8_t *G, float *out)
 {
     (void)unused;
-    const __m512i m4 = _mm512_set1_epi8(0x0f), mb = _mm512_set1_epi32(0xff);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512i top[4];                   /* float: byte i of each lane to its top byte */
+    for (int i = 0; i < 4; i++)
+        top[i] = _mm512_set4_epi32(((12 + i) << 24) | 0x808080, ((8 + i) << 24) | 0x808080,
+                                   ((4 + i) << 24) | 0x808080, (i << 24) | 0x808080);
     __m512 acc = _mm512_setzero_ps();
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {
         const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
@@ -514,7 +527,9 @@ KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrd
                     _mm512_srli_epi32, _mm512_slli_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps,
                     sc, mn);
 #undef KX_LP5
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)M));
+        /* float: the sums are of q 2^24, d 2^-24 (exact) scales them */
+        const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)M)),
+                                       _mm512_set1_ps(a->xq != NULL ? 1.0f : 0x1p-24f));
         const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(M + 32)));
         for (int c = 0; c < 4; c++) {
             const ptrdiff_t b0 = sb * 8 + 2 * c;
@@ -540,11 +555,11 @@ KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrd
                     const __m512i lo = _mm512_and_si512(v, m4);
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                     for (int i = 0; i < 4; i++) {
-                        f0[i & 1] = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(lo, 8 * i), mb)),
+                        f0[i & 1] = _mm512_fmadd_ps(       /* q 2^24 */
+                            _mm512_cvtepi32_ps(_mm512_shuffle_epi8(lo, top[i])),
                             _mm512_set1_ps(x0[4 * t + i]), f0[i & 1]);
                         f1[i & 1] = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(hi, 8 * i), mb)),
+                            _mm512_cvtepi32_ps(_mm512_shuffle_epi8(hi, top[i])),
                             _mm512_set1_ps(x1[4 * t + i]), f1[i & 1]);
                     }
                 }
@@ -567,38 +582,393 @@ KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrd
 }
 #endif /* KF_X86_DISPATCH */
 
+/* ---------------------------------------------------------------- q6_k x16
+ * Rows of nsb super-blocks of 256 (210 bytes: ql[128], qh[64], int8 sc[16], f16 d;
+ * formats.h; element e's 6-bit q, 0..63, x = d sc_{e/16} (q - 32)), nsb even; a group
+ * of 16 rows in the same 16 x 210 nsb bytes, per pair of super-blocks 2p, 2p + 1 (6720
+ * bytes, one stream, every part 64-byte aligned):
+ *   D, 64 bytes: the 16 rows' f16 d of super-block 2p, then of 2p + 1;
+ *   S, 2 x 256 bytes: per super-block its 16 scales byte-planar (scale j of row r at
+ *      16 j + r: one 16-byte load is a scale of 16 rows);
+ *   Q, 2 x 3072 bytes: per super-block 48 vectors of 64 bytes, vector 24 h + 3 s + m
+ *      (h: elements 128 h .., s = 0..7, m = 0..2) lane r byte c = row r's q of element
+ *      128 h + 32 m + 4 s + c in its low 6 bits, and in its top 2 bits bits 2m, 2m + 1 of
+ *      the q of element 128 h + 96 + 4 s + c. So one 64-byte load holds 4 quants of 16
+ *      rows (and a third of 4 more): q = v & 63 for m < 3, the fourth from three shifts.
+ * Activation block b = 8 sb + t (t = 4h + m, m = 0..3) is sub-blocks 2t, 2t + 1 of 16;
+ * as gemm_q8.h packs it: d_w = d sc, int8 I per half = sum (q - 32) xq, computed as
+ * sum q xq - 32 xh (xh: the half's sum of xq, kf_act), acc = fma(d_w0 xd, I0, acc) then
+ * fma(d_w1 xd, I1, acc), blocks in order: a token alone gets the GEMM's bits. */
+#define KX_6PAIR 6720                        /* a pair of super-blocks of a group */
+#define KX_6D(G, sb) ((G) + (sb) / 2 * KX_6PAIR + (sb) % 2 * 32)
+#define KX_6S(G, sb) ((G) + (sb) / 2 * KX_6PAIR + 64 + (sb) % 2 * 256)
+#define KX_6Q(G, sb) ((G) + (sb) / 2 * KX_6PAIR + 576 + (sb) % 2 * 3072)
+
+/* A row-major q6_k super-block's 256 quants (0..63, element order) -> q, and back. */
+static inline void kx6_row_sb(const uint8_t *restrict blk, uint8_t *restrict q)
+{
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 32; k++) {
+            const int l0 = blk[64 * h + k], l1 = blk[64 * h + 32 + k], hb = blk[128 + 32 * h + k];
+            q[128 * h + k] = (uint8_t)((l0 & 15) | ((hb & 3) << 4));
+            q[128 * h + 32 + k] = (uint8_t)((l1 & 15) | (((hb >> 2) & 3) << 4));
+            q[128 * h + 64 + k] = (uint8_t)((l0 >> 4) | (((hb >> 4) & 3) << 4));
+            q[128 * h + 96 + k] = (uint8_t)((l1 >> 4) | ((hb >> 6) << 4));
+        }
+}
+static inline void kx6_sb_row(const uint8_t *restrict q, uint8_t *restrict blk)
+{
+    for (int h = 0; h < 2; h++)
+        for (int k = 0; k < 32; k++) {
+            const int q0 = q[128 * h + k], q1 = q[128 * h + 32 + k];
+            const int q2 = q[128 * h + 64 + k], q3 = q[128 * h + 96 + k];
+            blk[64 * h + k] = (uint8_t)((q0 & 15) | ((q2 & 15) << 4));
+            blk[64 * h + 32 + k] = (uint8_t)((q1 & 15) | ((q3 & 15) << 4));
+            blk[128 + 32 * h + k] = (uint8_t)((q0 >> 4) | ((q1 >> 4) << 2) | ((q2 >> 4) << 4)
+                                              | ((q3 >> 4) << 6));
+        }
+}
+/* Row (lane) r's 256 quants of one super-block's Q of a group -> q (element order) */
+static inline void kx6_lane_sb(const uint8_t *restrict Q, int r, uint8_t *restrict q)
+{
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *v = Q + 64 * (24 * h + 3 * s) + 4 * r;
+            for (int c = 0; c < 4; c++) {
+                const int p0 = v[c], p1 = v[64 + c], p2 = v[128 + c], k = 4 * s + c;
+                q[128 * h + k] = (uint8_t)(p0 & 63);
+                q[128 * h + 32 + k] = (uint8_t)(p1 & 63);
+                q[128 * h + 64 + k] = (uint8_t)(p2 & 63);
+                q[128 * h + 96 + k] = (uint8_t)((p0 >> 6) | ((p1 >> 6) << 2) | ((p2 >> 6) << 4));
+            }
+        }
+}
+
+static void kx_pack_group_6(const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *dst)
+{
+    const ptrdiff_t nsb = ldw / 210;
+    memset(dst, 0, (size_t)(16 * ldw));
+    for (ptrdiff_t sb = 0; sb < nsb; sb++)
+        for (int r = 0; r < nr && r < KX_G; r++) {
+            const uint8_t *blk = src + r * ldw + sb * 210;
+            uint8_t *Q = KX_6Q(dst, sb), *S = KX_6S(dst, sb), q[KF_QK_K];
+            memcpy(KX_6D(dst, sb) + 2 * r, blk + 208, 2);
+            for (int j = 0; j < 16; j++)
+                S[16 * j + r] = blk[192 + j];
+            kx6_row_sb(blk, q);
+            for (int h = 0; h < 2; h++)
+                for (int k = 0; k < 32; k++) {
+                    const int q3 = q[128 * h + 96 + k];
+                    for (int m = 0; m < 3; m++)
+                        Q[64 * (24 * h + 3 * (k / 4) + m) + 4 * r + k % 4] = (uint8_t)(
+                            q[128 * h + 32 * m + k] | (((q3 >> (2 * m)) & 3) << 6));
+                }
+        }
+}
+
+static void kx_unpack_row_6(const uint8_t *base, ptrdiff_t ldw, ptrdiff_t row,
+                            uint8_t *restrict dst)
+{
+    const ptrdiff_t nsb = ldw / 210;
+    const int r = (int)(row % KX_G);
+    const uint8_t *G = base + row / KX_G * KX_G * ldw;
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+        uint8_t *blk = dst + sb * 210, q[KF_QK_K];
+        const uint8_t *S = KX_6S(G, sb);
+        kx6_lane_sb(KX_6Q(G, sb), r, q);
+        kx6_sb_row(q, blk);
+        for (int j = 0; j < 16; j++)
+            blk[192 + j] = S[16 * j + r];
+        memcpy(blk + 208, KX_6D(G, sb) + 2 * r, 2);
+    }
+}
+
+/* Portable: the lanes (rows) innermost, per (h, s) the 4 quants of each of 4 blocks;
+ * int8 as gemm_q8.h's base tile (acc += (d_w0 xd) I0 + (d_w1 xd) I1). */
+static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
+                            float *out)
+{
+    (void)unused;
+    float acc[KX_G] = {0};
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
+        for (int h = 0; h < 2; h++) {
+            int32_t is[4][2][KX_G] = {{{0}}};
+            float fs[4][2][KX_G] = {{{0}}};
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *v = Q + 64 * (24 * h + 3 * s);
+                for (int r = 0; r < KX_G; r++)
+                    for (int c = 0; c < 4; c++) {
+                        const int p0 = v[4 * r + c], p1 = v[64 + 4 * r + c];
+                        const int p2 = v[128 + 4 * r + c];
+                        const int u[4] = {p0 & 63, p1 & 63, p2 & 63,
+                                          (p0 >> 6) | ((p1 >> 6) << 2) | ((p2 >> 6) << 4)};
+                        for (int m = 0; m < 4; m++) {
+                            const ptrdiff_t b = sb * 8 + 4 * h + m;
+                            if (a->xq != NULL)
+                                is[m][s / 4][r] += (u[m] - 32) * a->xq[b * KF_QK + 4 * s + c];
+                            else
+                                fs[m][s / 4][r] += (float)(u[m] - 32) * a->x[b * KF_QK + 4 * s + c];
+                        }
+                    }
+            }
+            for (int m = 0; m < 4; m++) {
+                const int t = 4 * h + m;
+                const ptrdiff_t b = sb * 8 + t;
+                for (int r = 0; r < KX_G; r++) {
+                    const float d = kf_f16_at(D + 2 * r);
+                    const float dw0 = d * (float)(int8_t)S[16 * (2 * t) + r];
+                    const float dw1 = d * (float)(int8_t)S[16 * (2 * t + 1) + r];
+                    if (a->xq != NULL) {
+                        const float dx = a->xd[b];
+                        acc[r] += (dw0 * dx) * (float)is[m][0][r] + (dw1 * dx) * (float)is[m][1][r];
+                    } else {
+                        acc[r] += dw0 * fs[m][0][r] + dw1 * fs[m][1][r];
+                    }
+                }
+            }
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+}
+
+#if KF_X86_DISPATCH
+/* The 4 quant vectors (u8, 0..63) of step (h, s) from its 3 loads: u0..u2 the low 6 bits,
+ * u3 from the top 2 bits of each (16-bit shifts: the masks clear what crosses bytes). */
+#define KX6_UNPACK(VEC, AND, OR, SRL16, SET1, p0, p1, p2, u)                              \
+    do {                                                                                   \
+        u[0] = AND(p0, SET1(63));                                                          \
+        u[1] = AND(p1, SET1(63));                                                          \
+        u[2] = AND(p2, SET1(63));                                                          \
+        u[3] = OR(OR(AND(SRL16(p0, 6), SET1(3)), AND(SRL16(p1, 4), SET1(12))),             \
+                  AND(SRL16(p2, 2), SET1(48)));                                            \
+    } while (0)
+
+/* Two halves of 8 rows. int8: pmaddubsw (u <= 63: a pair <= 16002, two summed in int16),
+ * widened by pmaddwd, from -32 xh. float: each lane's byte c, q - 32 as s8, moved to the
+ * lane's top byte by one pshufb: an int32 (q - 32) 2^24, exact as a float (the 2^24 goes
+ * into d). */
+KF_TARGET_AVX2 static void kx_avx2_group_6(int unused, const kf_act *a, ptrdiff_t nsb,
+                                           const uint8_t *G, float *out)
+{
+    (void)unused;
+    const __m256i ones = _mm256_set1_epi16(1), o32 = _mm256_set1_epi8(32);
+    __m256i top[4];                   /* float: byte c of each lane to its top byte */
+    for (int c = 0; c < 4; c++)
+        top[c] = _mm256_broadcastsi128_si256(_mm_setr_epi32(
+            (c << 24) | 0x808080, ((4 + c) << 24) | 0x808080, ((8 + c) << 24) | 0x808080,
+            ((12 + c) << 24) | 0x808080));
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
+        for (int k = 0; k < 3360; k += 64)          /* KX_KPF bytes ahead, in stream order */
+            _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + k), _MM_HINT_T0);
+        for (int hh = 0; hh < 2; hh++) {
+            /* float: the sums are of (q - 32) 2^24, d 2^-24 (exact) scales them */
+            const __m256 d = _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(D + 16 * hh))),
+                _mm256_set1_ps(a->xq != NULL ? 1.0f : 0x1p-24f));
+            for (int h = 0; h < 2; h++) {
+                const ptrdiff_t b0 = sb * 8 + 4 * h;
+                __m256 part[4][2];
+                if (a->xq != NULL) {
+                    __m256i is[4][2];
+                    for (int m = 0; m < 4; m++)
+                        for (int e = 0; e < 2; e++) {
+                            const int32_t xh = e ? a->xs[b0 + m] - a->xh[b0 + m] : a->xh[b0 + m];
+                            is[m][e] = _mm256_set1_epi32(-32 * xh);
+                        }
+                    for (int s = 0; s < 8; s += 2) {
+                        __m256i u[2][4];
+                        for (int z = 0; z < 2; z++) {
+                            const uint8_t *v = Q + 64 * (24 * h + 3 * (s + z)) + 32 * hh;
+                            const __m256i p0 = _mm256_loadu_si256((const __m256i *)v);
+                            const __m256i p1 = _mm256_loadu_si256((const __m256i *)(v + 64));
+                            const __m256i p2 = _mm256_loadu_si256((const __m256i *)(v + 128));
+                            KX6_UNPACK(__m256i, _mm256_and_si256, _mm256_or_si256,
+                                       _mm256_srli_epi16, _mm256_set1_epi8, p0, p1, p2, u[z]);
+                        }
+                        for (int m = 0; m < 4; m++) {
+                            const int8_t *x = a->xq + (b0 + m) * KF_QK + 4 * s;
+                            const __m256i p = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(u[0][m], _mm256_set1_epi32(kx_ld32(x))),
+                                _mm256_maddubs_epi16(u[1][m], _mm256_set1_epi32(kx_ld32(x + 4))));
+                            is[m][s / 4] = _mm256_add_epi32(is[m][s / 4], _mm256_madd_epi16(p, ones));
+                        }
+                    }
+                    for (int m = 0; m < 4; m++)
+                        for (int e = 0; e < 2; e++)
+                            part[m][e] = _mm256_cvtepi32_ps(is[m][e]);
+                } else {
+                    __m256 fs[4][2];
+                    for (int m = 0; m < 4; m++)
+                        fs[m][0] = fs[m][1] = _mm256_setzero_ps();
+                    for (int s = 0; s < 8; s++) {
+                        const uint8_t *v = Q + 64 * (24 * h + 3 * s) + 32 * hh;
+                        const __m256i p0 = _mm256_loadu_si256((const __m256i *)v);
+                        const __m256i p1 = _mm256_loadu_si256((const __m256i *)(v + 64));
+                        const __m256i p2 = _mm256_loadu_si256((const __m256i *)(v + 128));
+                        __m256i u[4];
+                        KX6_UNPACK(__m256i, _mm256_and_si256, _mm256_or_si256,
+                                   _mm256_srli_epi16, _mm256_set1_epi8, p0, p1, p2, u);
+                        for (int m = 0; m < 4; m++) {
+                            const __m256i us = _mm256_sub_epi8(u[m], o32);
+                            const float *x = a->x + (b0 + m) * KF_QK + 4 * s;
+                            for (int c = 0; c < 4; c++)     /* (q - 32) 2^24 */
+                                fs[m][s / 4] = _mm256_fmadd_ps(
+                                    _mm256_cvtepi32_ps(_mm256_shuffle_epi8(us, top[c])),
+                                    _mm256_set1_ps(x[c]), fs[m][s / 4]);
+                        }
+                    }
+                    for (int m = 0; m < 4; m++)
+                        for (int e = 0; e < 2; e++)
+                            part[m][e] = fs[m][e];
+                }
+                for (int m = 0; m < 4; m++)
+                    for (int e = 0; e < 2; e++) {
+                        const int j = 2 * (4 * h + m) + e;
+                        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                            _mm_loadl_epi64((const __m128i *)(S + 16 * j + 8 * hh))));
+                        __m256 dw = _mm256_mul_ps(d, sc);
+                        if (a->xq != NULL)
+                            dw = _mm256_mul_ps(dw, _mm256_set1_ps(a->xd[b0 + m]));
+                        acc[hh] = _mm256_fmadd_ps(dw, part[m][e], acc[hh]);
+                    }
+            }
+        }
+    }
+    _mm256_storeu_ps(out, acc[0]);
+    _mm256_storeu_ps(out + 8, acc[1]);
+}
+
+/* 16 rows a vector, int8 by vpdpbusd (u8 q x s8 xq) from -32 xh. */
+KF_TARGET_AVX512 static void kx_avx512_group_6(int unused, const kf_act *a, ptrdiff_t nsb,
+                                               const uint8_t *G, float *out)
+{
+    (void)unused;
+    const __m512i o32 = _mm512_set1_epi8(32);
+    __m512i top[4];                   /* float: byte c of each lane to its top byte */
+    for (int c = 0; c < 4; c++)
+        top[c] = _mm512_set4_epi32(((12 + c) << 24) | 0x808080, ((8 + c) << 24) | 0x808080,
+                                   ((4 + c) << 24) | 0x808080, (c << 24) | 0x808080);
+    __m512 acc = _mm512_setzero_ps();
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
+        for (int k = 0; k < 3360; k += 64)          /* KX_KPF bytes ahead, in stream order */
+            _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + k), _MM_HINT_T0);
+        /* float: the sums are of (q - 32) 2^24, d 2^-24 (exact) scales them */
+        const __m512 d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)D)),
+                                       _mm512_set1_ps(a->xq != NULL ? 1.0f : 0x1p-24f));
+        for (int h = 0; h < 2; h++) {
+            const ptrdiff_t b0 = sb * 8 + 4 * h;
+            __m512 part[4][2];
+            if (a->xq != NULL) {
+                __m512i is[4][2];
+                for (int m = 0; m < 4; m++) {
+                    is[m][0] = _mm512_set1_epi32(-32 * a->xh[b0 + m]);
+                    is[m][1] = _mm512_set1_epi32(-32 * (a->xs[b0 + m] - a->xh[b0 + m]));
+                }
+                for (int s = 0; s < 8; s++) {
+                    const uint8_t *v = Q + 64 * (24 * h + 3 * s);
+                    const __m512i p0 = _mm512_loadu_si512((const void *)v);
+                    const __m512i p1 = _mm512_loadu_si512((const void *)(v + 64));
+                    const __m512i p2 = _mm512_loadu_si512((const void *)(v + 128));
+                    __m512i u[4];
+                    KX6_UNPACK(__m512i, _mm512_and_si512, _mm512_or_si512, _mm512_srli_epi16,
+                               _mm512_set1_epi8, p0, p1, p2, u);
+                    for (int m = 0; m < 4; m++)
+                        is[m][s / 4] = _mm512_dpbusd_epi32(
+                            is[m][s / 4], u[m],
+                            _mm512_set1_epi32(kx_ld32(a->xq + (b0 + m) * KF_QK + 4 * s)));
+                }
+                for (int m = 0; m < 4; m++)
+                    for (int e = 0; e < 2; e++)
+                        part[m][e] = _mm512_cvtepi32_ps(is[m][e]);
+            } else {
+                __m512 fs[4][2];
+                for (int m = 0; m < 4; m++)
+                    fs[m][0] = fs[m][1] = _mm512_setzero_ps();
+                for (int s = 0; s < 8; s++) {
+                    const uint8_t *v = Q + 64 * (24 * h + 3 * s);
+                    const __m512i p0 = _mm512_loadu_si512((const void *)v);
+                    const __m512i p1 = _mm512_loadu_si512((const void *)(v + 64));
+                    const __m512i p2 = _mm512_loadu_si512((const void *)(v + 128));
+                    __m512i u[4];
+                    KX6_UNPACK(__m512i, _mm512_and_si512, _mm512_or_si512, _mm512_srli_epi16,
+                               _mm512_set1_epi8, p0, p1, p2, u);
+                    for (int m = 0; m < 4; m++) {
+                        const __m512i us = _mm512_sub_epi8(u[m], o32);
+                        const float *x = a->x + (b0 + m) * KF_QK + 4 * s;
+                        for (int c = 0; c < 4; c++)         /* (q - 32) 2^24 */
+                            fs[m][s / 4] = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(_mm512_shuffle_epi8(us, top[c])),
+                                _mm512_set1_ps(x[c]), fs[m][s / 4]);
+                    }
+                }
+                for (int m = 0; m < 4; m++)
+                    for (int e = 0; e < 2; e++)
+                        part[m][e] = fs[m][e];
+            }
+            for (int m = 0; m < 4; m++)
+                for (int e = 0; e < 2; e++) {
+                    const int j = 2 * (4 * h + m) + e;
+                    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(S + 16 * j))));
+                    __m512 dw = _mm512_mul_ps(d, sc);
+                    if (a->xq != NULL)
+                        dw = _mm512_mul_ps(dw, _mm512_set1_ps(a->xd[b0 + m]));
+                    acc = _mm512_fmadd_ps(dw, part[m][e], acc);
+                }
+        }
+    }
+    _mm512_storeu_ps(out, acc);
+}
+#endif /* KF_X86_DISPATCH */
+
 typedef void (*kx_group_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, float *);
 #if KF_X86_DISPATCH
 static const kx_group_fn kx_group_tab[KF_N_ISA] = {kx_base_group, kx_avx2_group,
                                                    kx_avx512_group};
 static const kx_group_fn kx_group_k_tab[KF_N_ISA] = {kx_base_group_k, kx_avx2_group_k,
                                                      kx_avx512_group_k};
+static const kx_group_fn kx_group_6_tab[KF_N_ISA] = {kx_base_group_6, kx_avx2_group_6,
+                                                     kx_avx512_group_6};
 #else
 static const kx_group_fn kx_group_tab[KF_N_ISA] = {kx_base_group, kx_base_group,
                                                    kx_base_group};
 static const kx_group_fn kx_group_k_tab[KF_N_ISA] = {kx_base_group_k, kx_base_group_k,
                                                      kx_base_group_k};
+static const kx_group_fn kx_group_6_tab[KF_N_ISA] = {kx_base_group_6, kx_base_group_6,
+                                                     kx_base_group_6};
 #endif
 
-/* out[i] = a . row i of the x16 weight w (rows ldw bytes, group 0 at w), r0 <= i < r1;
+/* out[i - ob] = a . row i of the x16 weight w (rows ldw bytes, group 0 at w), r0 <= i < r1;
  * rows r0, r1 need not be on a group boundary (the group is computed whole). */
-static void kx_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t *w,
-                         ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1, float *out)
+static void kx_gemv_rows_to(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t *w,
+                            ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1, float *out)
 {
     const int q41 = fmt == KF_Q4_1X16;
-    const kx_group_fn fn = fmt == KF_Q4_KX16 ? kx_group_k_tab[kf_isa] : kx_group_tab[kf_isa];
-    const ptrdiff_t nb = fmt == KF_Q4_KX16 ? n / KF_QK_K : n / KF_QK;
+    const kx_group_fn fn = fmt == KF_Q4_KX16 ? kx_group_k_tab[kf_isa]
+                           : (fmt == KF_Q6_KX16 ? kx_group_6_tab[kf_isa] : kx_group_tab[kf_isa]);
+    const ptrdiff_t nb = kf_is_k(fmt) ? n / KF_QK_K : n / KF_QK;
     for (ptrdiff_t g = r0 / KX_G; g * KX_G < r1; g++) {
         const ptrdiff_t lo = g * KX_G > r0 ? g * KX_G : r0;
         const ptrdiff_t hi = g * KX_G + KX_G < r1 ? g * KX_G + KX_G : r1;
         if (lo == g * KX_G && hi == lo + KX_G) {
-            fn(q41, a, nb, w + g * KX_G * ldw, out + lo);
+            fn(q41, a, nb, w + g * KX_G * ldw, out + (lo - r0));
         } else {
             float t[KX_G];
             fn(q41, a, nb, w + g * KX_G * ldw, t);
-            memcpy(out + lo, t + (lo - g * KX_G), (size_t)(hi - lo) * sizeof(float));
+            memcpy(out + (lo - r0), t + (lo - g * KX_G), (size_t)(hi - lo) * sizeof(float));
         }
     }
+}
+
+/* As kx_gemv_rows_to with out[i] (kf_gemv_rows' convention). */
+static void kx_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t *w,
+                         ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1, float *out)
+{
+    kx_gemv_rows_to(fmt, a, n, w, ldw, r0, r1, out + r0);
 }
 
 /* Rows r0 <= r < r0 + nr of an x16 weight -> row-major rows at dst (ldw bytes apart). */
@@ -608,6 +978,8 @@ static void kx_unpack_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r
     for (ptrdiff_t r = 0; r < nr; r++) {
         if (fmt == KF_Q4_KX16)
             kx_unpack_row_k(w, ldw, r0 + r, dst + r * ldw);
+        else if (fmt == KF_Q6_KX16)
+            kx_unpack_row_6(w, ldw, r0 + r, dst + r * ldw);
         else
             kx_unpack_row(fmt == KF_Q4_1X16, w, ldw, r0 + r, dst + r * ldw);
     }

@@ -18,6 +18,7 @@ typedef struct {
     const int8_t *xq;          /* (n,) int8 activations, or NULL: float path */
     const float *xd;           /* (n/32,) their scales */
     const int32_t *xs;         /* (n/32,) sum of each block of xq */
+    const int32_t *xh;         /* (n/32,) sum of the first 16 of each block of xq (q6_kx16) */
 } kf_act;
 
 /* ---------------------------------------------------------------- base variant */
@@ -157,7 +158,10 @@ static inline void kf_gemv_multi(int k, const int32_t *fmts, const uint64_t *w,
 {
     for (int i = 0; i < k; i++) {
         ptrdiff_t lo = r0 > offs[i] ? r0 : offs[i], hi = r1 < offs[i + 1] ? r1 : offs[i + 1];
-        if (lo < hi)
+        if (lo < hi && kx_is_x16(fmts[i]))   /* rows of the group, from the weight's start */
+            kx_gemv_rows_to(fmts[i], a, n, (const uint8_t *)(uintptr_t)w[i], ldws[i],
+                            lo - offs[i], hi - offs[i], out + (lo - obase));
+        else if (lo < hi)
             kf_gemv_rows(fmts[i], a, n,
                          (const uint8_t *)(uintptr_t)w[i] + (lo - offs[i]) * ldws[i],
                          ldws[i], 0, hi - lo, out + (lo - obase));
@@ -242,7 +246,7 @@ static void *kf_scratch(size_t bytes)
 static inline size_t kf_act_bytes(ptrdiff_t n)
 {
     size_t nb = (size_t)(n / KF_QK) + 1;
-    return (size_t)n + 64 + nb * (sizeof(float) * 2 + sizeof(int32_t)) + 64;
+    return (size_t)n + 64 + nb * (sizeof(float) * 2 + sizeof(int32_t) * 2) + 64;
 }
 
 /* Fill a for x[n] in `scratch` (kf_act_bytes(n)): block sums always, the int8 form when
@@ -257,12 +261,14 @@ KF_NO_CONTRACT static void kf_prep_act(const float *x, ptrdiff_t n, int int8, vo
     float *sx = (float *)scratch;                         /* (nb,) */
     float *xd = sx + nb + 1;                              /* (nb,) */
     int32_t *xs = (int32_t *)(xd + nb + 1);               /* (nb,) */
-    int8_t *xq = (int8_t *)(xs + nb + 1);                 /* (n,) */
+    int32_t *xh = xs + nb + 1;                            /* (nb,) */
+    int8_t *xq = (int8_t *)(xh + nb + 1);                 /* (n,) */
     a->x = x;
     a->sx = sx;
     a->xq = NULL;
     a->xd = xd;
     a->xs = xs;
+    a->xh = xh;
     /* each block's sum in k order; 8 blocks side by side (independent chains) */
     for (; b + 8 <= nb; b += 8) {
         float s[8] = {0};
@@ -293,14 +299,16 @@ KF_NO_CONTRACT static void kf_prep_act(const float *x, ptrdiff_t n, int int8, vo
         float amax;
         memcpy(&amax, &m, sizeof amax);
         const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int32_t s = 0;
+        int32_t s = 0, h = 0;
         for (int k = 0; k < KF_QK; k++) {
             int q = (int)kf_rint(xb[k] * id);
             xq[b * KF_QK + k] = (int8_t)q;
             s += q;
+            h += k < KF_QK / 2 ? q : 0;
         }
         xd[b] = d;
         xs[b] = s;
+        xh[b] = h;
     }
     a->xq = xq;
 }

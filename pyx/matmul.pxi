@@ -20,11 +20,13 @@ cdef extern from "matmul.h" nogil:
         KF_Q4_0X16
         KF_Q4_1X16
         KF_Q4_KX16
+        KF_Q6_KX16
     int kx_is_x16(int fmt) noexcept
     int kx_base_fmt(int fmt) noexcept
     void kx_pack_group(int q41, const uint8_t *src, Py_ssize_t ldw, int nr,
                        uint8_t *dst) noexcept
     void kx_pack_group_k(const uint8_t *src, Py_ssize_t ldw, int nr, uint8_t *dst) noexcept
+    void kx_pack_group_6(const uint8_t *src, Py_ssize_t ldw, int nr, uint8_t *dst) noexcept
     void kx_unpack_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t r0,
                         Py_ssize_t nr, uint8_t *dst) noexcept
     void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
@@ -357,24 +359,27 @@ def f32_to_f16(const float[::1] x,        # IN  (m,)
         out[i] = kf_f32_f16(x[i])
 
 
-def repack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) q4_0 / q4_1 rows
-               int fmt,                    # IN  KF_Q4_0, KF_Q4_1 or KF_Q4_K
+def repack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) q4_0 / q4_1 / q4_k / q6_k rows
+               int fmt,                    # IN  KF_Q4_0, KF_Q4_1, KF_Q4_K or KF_Q6_K
                uint8_t[:, ::1] out,        # OUT (d, row_bytes): the x16 layout (gemv_x16.h)
                int n_threads):
-    """out := w's rows interleaved by 16 (d a multiple of 16), KF_Q4_0X16 / _1X16 / _KX16"""
+    """out := w's rows interleaved by 16 (d a multiple of 16), KF_Q4_0X16 / _1X16 / _KX16 /
+    KF_Q6_KX16 (q6_k: an even number of super-blocks a row)"""
     cdef Py_ssize_t g, d = w.shape[0], ldw = w.shape[1]
-    cdef int q41 = fmt == KF_Q4_1, qk = fmt == KF_Q4_K
+    cdef int q41 = fmt == KF_Q4_1, qk = fmt == KF_Q4_K, q6 = fmt == KF_Q6_K
     cdef int nt = team_size(n_threads, d // 16, 8)
-    if fmt != KF_Q4_0 and fmt != KF_Q4_1 and fmt != KF_Q4_K:
-        raise ValueError("repack_x16: fmt must be q4_0, q4_1 or q4_k")
+    if fmt != KF_Q4_0 and fmt != KF_Q4_1 and fmt != KF_Q4_K and fmt != KF_Q6_K:
+        raise ValueError("repack_x16: fmt must be q4_0, q4_1, q4_k or q6_k")
     if d % 16 or out.shape[0] != d or out.shape[1] != ldw:
         raise ValueError(f"repack_x16: rows must be a multiple of 16 and out {d}x{ldw}")
-    if ldw % (144 if qk else (20 if q41 else 18)):
-        raise ValueError("repack_x16: rows are not whole blocks")
+    if ldw % (420 if q6 else (144 if qk else (20 if q41 else 18))):
+        raise ValueError("repack_x16: rows are not whole blocks (q6_k: pairs of super-blocks)")
     if d == 0 or ldw == 0:
         return
     for g in prange(d // 16, nogil=True, schedule="static", num_threads=nt):
-        if qk:
+        if q6:
+            kx_pack_group_6(&w[16 * g, 0], ldw, 16, &out[16 * g, 0])
+        elif qk:
             kx_pack_group_k(&w[16 * g, 0], ldw, 16, &out[16 * g, 0])
         else:
             kx_pack_group(q41, &w[16 * g, 0], ldw, 16, &out[16 * g, 0])

@@ -142,9 +142,11 @@ def test_kestrel_runs_the_gguf(ckpts, files, arch, t, tmp_path):
         assert rel(got, load_q) < 1e-4
 
 
-@pytest.mark.parametrize("t", ["q4_0-pure", "q4_1-pure"])
+@pytest.mark.parametrize("t", ["q4_0-pure", "q4_1-pure", "q4_k_m", "q6_k"])
 def test_repacked_decode(files, t):
-    """The x16 decode layout (default) against --no-repack on one q4 GGUF: the same float
+    """The x16 decode layout (default) against --no-repack on one q4 / q6_k GGUF (q6_k:
+    ffn_down, rows of 512, an even number of super-blocks; q4_k_m: its q6_k ffn_down and
+    its q4_k matrices): the same float
     logits (prefill, and decode token by token) up to summation order; with int8
     activations the same prefill bits (the GEMM packs the same panels from either
     layout). (Decode with int8 activations is not compared here: an input a few ulps
@@ -153,8 +155,14 @@ def test_repacked_decode(files, t):
     ids = rand_ids(12, seed=3)
     on = Engine.from_pretrained(files["qwen3", t], threads=2)
     off = Engine.from_pretrained(files["qwen3", t], threads=2, repack=False)
-    assert on.model.layers[0].mlp.up_proj.fmt.endswith("x16")
-    assert off.model.layers[0].mlp.up_proj.fmt == t.split("-")[0]
+    if t in ("q4_k_m", "q6_k"):
+        mlps = [(a.mlp, b.mlp) for a, b in zip(on.model.layers, off.model.layers)]
+        assert {(a.down_proj.fmt, b.down_proj.fmt) for a, b in mlps} >= {("q6_kx16", "q6_k")}
+        if t == "q4_k_m":
+            assert on.model.layers[0].mlp.up_proj.fmt == "q4_kx16"
+    else:
+        assert on.model.layers[0].mlp.up_proj.fmt.endswith("x16")
+        assert off.model.layers[0].mlp.up_proj.fmt == t.split("-")[0]
     full = on.logits(ids)
     assert rel(full, off.logits(ids)) < 1e-5
     for e in (on, off):

@@ -1,4 +1,4 @@
-"""The decode layout of q4_0 / q4_1 weights, 16 rows interleaved (pyx/gemv_x16.h): the
+"""The decode layout of q4_0 / q4_1 / q4_k / q6_k weights, 16 rows interleaved (pyx/gemv_x16.h): the
 repack against its NumPy model, every kernel (GEMV, GEMM, embedding rows, the fused
 decode plan) on it against the row-major weight, on every kernel variant this CPU runs."""
 import numpy as np
@@ -10,14 +10,16 @@ from conftest import VARIANTS
 from test_matmul import check_matmul, make_weight
 from test_kquants import make_kweight
 
-FMTS = ["q4_0", "q4_1", "q4_k"]
+FMTS = ["q4_0", "q4_1", "q4_k", "q6_k"]
 
 
 def _pair(fmt, d, n, seed):
-    """A random weight (q4_k: rows of n rounded up to super-blocks of 256) and its x16."""
+    """A random weight (q4_k: rows of n rounded up to super-blocks of 256, q6_k: to pairs
+    of them) and its x16."""
     rng = np.random.default_rng(seed)
-    if fmt == "q4_k":
-        w = make_kweight(fmt, d, -(-n // 256) * 256, rng)
+    if fmt in ("q4_k", "q6_k"):
+        unit = 256 if fmt == "q4_k" else 512
+        w = make_kweight(fmt, d, -(-n // unit) * unit, rng)
     else:
         w = make_weight(fmt, d, n, rng)
     return w, kernels.repack_x16(w, threads=2), rng
@@ -27,7 +29,7 @@ def _pair(fmt, d, n, seed):
 def test_repack_layout_and_inverse(fmt):
     """C repack == the NumPy model of the layout (rows_x16 inverts it), unpack_x16 inverts
     the repack, dequantisation is unchanged, and the result is 64-byte aligned."""
-    w, x, _ = _pair(fmt, 48, 512 if fmt == "q4_k" else 128, 1)
+    w, x, _ = _pair(fmt, 48, 1024 if fmt in ("q4_k", "q6_k") else 128, 1)
     assert x.fmt == fmt + "x16" and x.shape == w.shape and x.data.shape == w.data.shape
     assert x.data.ctypes.data % 64 == 0
     assert not np.array_equal(x.data, w.data)              # really moved
@@ -43,7 +45,8 @@ def test_repack_refuses():
     rng = np.random.default_rng(0)
     for w in (make_weight("q8_0", 32, 64, rng), make_weight("q4_0", 24, 64, rng),
               make_weight("q4_1", 32, 96, rng),                   # fmt, d % 16, odd blocks
-              make_kweight("q4_k", 40, 256, rng), make_kweight("q6_k", 32, 256, rng)):
+              make_kweight("q4_k", 40, 256, rng), make_kweight("q6_k", 32, 768, rng),
+              make_kweight("q6_k", 40, 512, rng), make_kweight("q5_k", 32, 512, rng)):
         assert not kernels.can_repack_x16(w)
         with pytest.raises(ValueError, match="repack_x16"):
             kernels.repack_x16(w)
@@ -124,6 +127,30 @@ def test_decode_plan_cuts_groups(isa, act_q8):
             out = np.full((1, 72), np.nan, np.float32)
             kernels.GemvGroup([a2, kx])(x2, out, threads, act_q8)
             np.testing.assert_array_equal(out, want)
+        # rows enough that 2 and 3 threads split the plan: each thread after the first
+        # starts 8 rows into a group of the x16 weight (q6_k, q4_1), written, and added
+        a3 = make_weight("q8_0", 24, 512, rng)
+        x3 = rng.standard_normal((1, 512)).astype(np.float32)
+        for fmt in ("q6_k", "q4_1"):
+            _, wx, _ = _pair(fmt, 240, 512, 10)
+            assert wx.fmt == fmt + "x16"
+            want = np.concatenate([kernels.matmul(x3, m, np.empty((1, m.shape[0]), np.float32),
+                                                  1, act_q8) for m in (a3, wx)], axis=1)
+            base = rng.standard_normal((1, 264)).astype(np.float32)
+            for threads in (1, 2, 3):
+                out = np.full((1, 264), np.nan, np.float32)
+                kernels.GemvGroup([a3, wx])(x3, out, threads, act_q8)
+                np.testing.assert_array_equal(out, want)
+                out = base.copy()
+                kernels.GemvGroup([a3, wx])(x3, out, threads, act_q8, accumulate=True)
+                np.testing.assert_array_equal(out, base + want)
+        # SwiGLU of two q6_k x16 weights
+        g, gx, _ = _pair("q6_k", 96, 512, 11)
+        u, ux, _ = _pair("q6_k", 96, 512, 12)
+        o1, o2 = np.empty((1, 96), np.float32), np.empty((1, 96), np.float32)
+        kernels.GemvGroup([gx, ux], swiglu=True)(x3, o1, 2, act_q8)
+        kernels.GemvGroup([g, u], swiglu=True)(x3, o2, 2, act_q8)
+        np.testing.assert_allclose(o1, o2, rtol=1e-4, atol=1e-5)
     finally:
         kernels.set_isa(VARIANTS[-1])
 
