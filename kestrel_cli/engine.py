@@ -48,9 +48,9 @@ class LoadOptions:
             and ISAs): "f32" float32 (exact, the default) or "q8" int8 blocks of 32
             (llama.cpp's choice: faster, ppl +1.4% on the bundled model). Float weights
             always take float32.
-        repack: interleave q4_0 / q4_1 / q4_k weights by 16 rows at load (--no-repack turns it
-            off): the decode GEMV's layout (pyx/gemv_x16.h), same bytes, same results
-            (int8 activations bit for bit).
+        repack: interleave q4_0 / q4_1 / q4_k / q6_k weights by 16 rows at load, MoE experts
+            when decode first routes a token to them (--no-repack turns it off): the decode
+            GEMV's layout (pyx/gemv_x16.h), same bytes, same results up to summation order.
         sparse_preset: a named set of the options below (`sparse.PRESETS`; implies
             sparse_attn); options given explicitly override it.
         sparse_sink, sparse_probe, sparse_group, sparse_prefill, sparse_window: the
