@@ -26,8 +26,10 @@
 /* ka_scores_i8 exists under x86 dispatch only (attn_kv.h); its callers check kv->x86v3 */
 #if KF_X86_DISPATCH
 #define KA_SCORES_I8 ka_scores_i8
+#define KA_SCORES_HEADS_I8 ka_scores_heads_i8
 #else
 #define KA_SCORES_I8(q, r, st, n, hd, s) ((void)0)
+#define KA_SCORES_HEADS_I8(q, ng, r, st, w, hd, out) ((void)0)
 #endif
 
 #define KA_PB 4       /* blocks per decode part: 16 -> 4 measured ~10% faster decode */
@@ -156,12 +158,15 @@ KF_INLINE void ka_decode_probes(const ka_kv *kv, const float *q, ptrdiff_t p,
                 const float *rows = r8 != NULL ? NULL
                     : ka_rows(kv, kv->k_ptrs, kh, b, i0 * step, step, w, buf, &st);
                 const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, i0 * step);
+                float scs[KA_GMAX][KA_PR], *outs[KA_GMAX];
+                for (ptrdiff_t g = 0; g < group; g++)
+                    outs[g] = scs[g];
+                if (r8 != NULL)
+                    KA_SCORES_HEADS_I8(q + kh * group * hd, group, r8, st, w, hd, outs);
+                else
+                    ka_scores_heads(q + kh * group * hd, group, rows, st, w, hd, outs);
                 for (ptrdiff_t g = 0; g < group; g++) {
-                    float *pr = probe + (kh * group + g) * nb + b, sc[KA_PR];
-                    if (r8 != NULL)
-                        KA_SCORES_I8(q + (kh * group + g) * hd, r8, st, w, hd, sc);
-                    else
-                        ka_scores(q + (kh * group + g) * hd, rows, st, w, hd, sc);
+                    float *pr = probe + (kh * group + g) * nb + b, *sc = scs[g];
                     for (ptrdiff_t i = 0; i < w; i++) {
                         float v = ks != NULL ? sc[i] * ks[i * step] : sc[i];
                         *pr = (i0 + i == 0 || v > *pr) ? v : *pr;
@@ -319,6 +324,20 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
                     const float *rows = r8 != NULL ? NULL
                                                    : ka_rows(kv, ptrs, kh, b, j0, 1, w, buf, &st);
                     const float *sc = ka_row_scales(kv, ptrs, kh, b, j0);
+                    /* K: when every head of the group reads the block, their scores in
+                     * one call (ka_scores_heads: the same dots, several per pass) */
+                    int all = !pass;
+                    for (ptrdiff_t g = 0; all && mask != NULL && own && g < group; g++)
+                        all = mask[(kh * group + g) * nb + b];
+                    if (all) {
+                        float *outs[KA_GMAX];
+                        for (ptrdiff_t g = 0; g < group; g++)
+                            outs[g] = ws->s + (kh * group + g - h0) * pt + cnt[kh * group + g - h0];
+                        if (r8 != NULL)
+                            KA_SCORES_HEADS_I8(q + kh * group * hd, group, r8, st, w, hd, outs);
+                        else
+                            ka_scores_heads(q + kh * group * hd, group, rows, st, w, hd, outs);
+                    }
                     for (ptrdiff_t g = 0; g < group; g++) {
                         const ptrdiff_t h = kh * group + g, i = h - h0;
                         if (mask != NULL && own && !mask[h * nb + b])
@@ -334,7 +353,9 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
                                          tab + (p * n_heads + h) * (hd + 2) + 2);
                         } else {
                             float m = mx[i];
-                            if (r8 != NULL)
+                            if (all)
+                                ;
+                            else if (r8 != NULL)
                                 KA_SCORES_I8(q + h * hd, r8, st, w, hd, sg);
                             else
                                 ka_scores(q + h * hd, rows, st, w, hd, sg);

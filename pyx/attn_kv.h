@@ -481,6 +481,93 @@ KF_TARGET_AVX2 static inline ka_v8 ka_ld8_i8(const int8_t *p)
 KA_SCORES_FN(KF_TARGET_AVX2 static inline, ka_scores_i8, int8_t, ka_ld8_i8)
 #endif
 
+/* The scores of w rows for ng query heads at once (the heads of one kv head; q: ng heads
+ * hd apart; out[g]: head g's w scores): several keys and heads per pass, so that one
+ * pass keeps 8 independent accumulators (4 rows x 2 heads, or 8 rows x 1 head) and each
+ * row is loaded (and int8 converted) once for two heads; ka_scores takes the rows left
+ * over. Every dot is ka_scores' (the same lanes, the same pairwise reduction, the same
+ * tail): only the interleaving of independent sums changes, not a bit. */
+#if defined(__GNUC__) || defined(__clang__)
+#define KA_DOTS_FN(ATTR, NAME, T, LD, R, G)                                              \
+    ATTR void NAME(const float *restrict q, ptrdiff_t qs, const T *restrict rows,        \
+                   ptrdiff_t st, ptrdiff_t hd, float *const *out)                        \
+    {                                                                                    \
+        const ptrdiff_t hv = hd - hd % KA_SL;                                            \
+        ka_v8 a[G][R];                                                                   \
+        KF_UNROLL_ALL                                                                    \
+        for (int g = 0; g < G; g++) {                                                    \
+            KF_UNROLL_ALL                                                                \
+            for (int r = 0; r < R; r++)                                                  \
+                a[g][r] = (ka_v8){0};                                                    \
+        }                                                                                \
+        for (ptrdiff_t d = 0; d < hv; d += KA_SL) {                                      \
+            ka_v8 qv[G];                                                                 \
+            KF_UNROLL_ALL                                                                \
+            for (int g = 0; g < G; g++)                                                  \
+                qv[g] = ka_ld8(q + g * qs + d);                                          \
+            KF_UNROLL_ALL                                                                \
+            for (int r = 0; r < R; r++) {                                                \
+                const ka_v8 rv = LD(rows + r * st + d);                                  \
+                KF_UNROLL_ALL                                                            \
+                for (int g = 0; g < G; g++)                                              \
+                    a[g][r] += qv[g] * rv;                                               \
+            }                                                                            \
+        }                                                                                \
+        KF_UNROLL_ALL                                                                    \
+        for (int g = 0; g < G; g++) {                                                    \
+            KF_UNROLL_ALL                                                                \
+            for (int r = 0; r < R; r++) {                                                \
+                float t = 0.0f;                                                          \
+                for (ptrdiff_t d = hv; d < hd; d++)                                      \
+                    t += q[g * qs + d] * (float)rows[r * st + d];                        \
+                out[g][r] = ka_hsum8(a[g][r]) + t;                                       \
+            }                                                                            \
+        }                                                                                \
+    }
+#define KA_SCORES_HEADS_FN(ATTR, NAME, T, D42, D81, S1)                                  \
+    ATTR void NAME(const float *restrict q, ptrdiff_t ng, const T *restrict rows,         \
+                   ptrdiff_t st, ptrdiff_t w, ptrdiff_t hd, float *const *out)           \
+    {                                                                                    \
+        ptrdiff_t g = 0;                                                                 \
+        for (; g + 2 <= ng; g += 2) {                                                    \
+            ptrdiff_t r = 0;                                                             \
+            for (; r + 4 <= w; r += 4) {                                                 \
+                float *o[2] = {out[g] + r, out[g + 1] + r};                              \
+                D42(q + g * hd, hd, rows + r * st, st, hd, o);                           \
+            }                                                                            \
+            if (r < w) {                                                                 \
+                S1(q + g * hd, rows + r * st, st, w - r, hd, out[g] + r);                \
+                S1(q + (g + 1) * hd, rows + r * st, st, w - r, hd, out[g + 1] + r);      \
+            }                                                                            \
+        }                                                                                \
+        if (g < ng) {                                                                    \
+            ptrdiff_t r = 0;                                                             \
+            for (; r + 8 <= w; r += 8) {                                                 \
+                float *o[1] = {out[g] + r};                                              \
+                D81(q + g * hd, hd, rows + r * st, st, hd, o);                           \
+            }                                                                            \
+            if (r < w)                                                                   \
+                S1(q + g * hd, rows + r * st, st, w - r, hd, out[g] + r);                \
+        }                                                                                \
+    }
+KA_DOTS_FN(KF_INLINE, ka_dots_4x2, float, ka_ld8, 4, 2)
+KA_DOTS_FN(KF_INLINE, ka_dots_8x1, float, ka_ld8, 8, 1)
+KA_SCORES_HEADS_FN(KF_INLINE, ka_scores_heads, float, ka_dots_4x2, ka_dots_8x1, ka_scores)
+#if KF_X86_DISPATCH
+KA_DOTS_FN(KF_TARGET_AVX2 static inline, ka_dots_4x2_i8, int8_t, ka_ld8_i8, 4, 2)
+KA_DOTS_FN(KF_TARGET_AVX2 static inline, ka_dots_8x1_i8, int8_t, ka_ld8_i8, 8, 1)
+KA_SCORES_HEADS_FN(KF_TARGET_AVX2 static, ka_scores_heads_i8, int8_t, ka_dots_4x2_i8,
+                   ka_dots_8x1_i8, ka_scores_i8)
+#endif
+#else
+KF_INLINE void ka_scores_heads(const float *restrict q, ptrdiff_t ng, const float *restrict rows,
+                               ptrdiff_t st, ptrdiff_t w, ptrdiff_t hd, float *const *out)
+{
+    for (ptrdiff_t g = 0; g < ng; g++)
+        ka_scores(q + g * hd, rows, st, w, hd, out[g]);
+}
+#endif
+
 /* acc (hd) += sum_{i < n} p[i] * s[i] * rows[i] (rows `st` floats apart; s NULL: 1), in
  * i order; n <= KA_W: a chunk of V with its int8 scales folded into p. */
 KF_INLINE void ka_pv_scaled(const float *restrict p, const float *restrict s,
