@@ -9,7 +9,9 @@
  *      acc = sum exp(s - m) V;
  *   M. unit = query head: merge the parts' states in part order into the output.
  * Sparse (more than k blocks), a probe phase comes first:
- *   A1. the same units compute the probes of the part's blocks for each query head;
+ *   A1. the probes of the part's blocks for each query head: the sampled probe by unit
+ *       (part, kv head 0) for every kv head at once in address order (ka_decode_probes;
+ *       the units of kv heads > 0 are then empty), the bound probe by each unit;
  *   P.  unit = query head: its picks from all its probes (attn_select.h), as a mask;
  *   A2. as A over the blocks some query head of the kv head picked (each head's softmax
  *       over its own picks);
@@ -201,6 +203,7 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
                 probe[(kh * group + g) * nb + b] = ka_bound(kv, &qv[g], b);
         return;
     }
+    /* the sampled probe: unit (p, 0) reads the part's probe rows once for every kv head */
     if (mode == KA_DEC_PROBES && kh == 0)
         ka_decode_probes(kv, q, p, n_heads, n_ctx, n_probe, ws, tab);
 }
@@ -218,9 +221,6 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
  * KA_POOL_UNION those its kv head's group picked), else exact. */
 #ifndef KA_DW
 #define KA_DW 8       /* tokens per chunk: 8 rows of every kv head, 4..64 KiB */
-#endif
-#ifndef KA_PF_BLOCK
-#define KA_PF_BLOCK 0
 #endif
 #ifndef KA_SPAN_LOC
 #define KA_SPAN_LOC 1  /* int8 / float16 spans: __builtin_prefetch locality (1: to L2) */
@@ -301,19 +301,14 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
             }
         if (nbl)
             ka_prefetch_span(kv, ptrs, bl[0], 0,
-                             n_ctx - bl[0] * bs < (KA_PF_BLOCK ? bs : KA_DW) ? n_ctx - bl[0] * bs : (KA_PF_BLOCK ? bs : KA_DW), kh0, kh1,
+                             n_ctx - bl[0] * bs < KA_DW ? n_ctx - bl[0] * bs : KA_DW, kh0, kh1,
                              mask, group, nb);
         for (ptrdiff_t ib = 0; ib < nbl; ib++) {
             const ptrdiff_t b = bl[ib], nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
             for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_DW) {
                 const ptrdiff_t w = nr - j0 < KA_DW ? nr - j0 : KA_DW;
                 /* the next chunk: later in this block, else the next block read */
-                if (KA_PF_BLOCK) {
-                    if (j0 == 0 && ib + 1 < nbl)
-                        ka_prefetch_span(kv, ptrs, bl[ib + 1], 0,
-                                         n_ctx - bl[ib + 1] * bs < bs ? n_ctx - bl[ib + 1] * bs : bs,
-                                         kh0, kh1, mask, group, nb);
-                } else if (j0 + w < nr)
+                if (j0 + w < nr)
                     ka_prefetch_span(kv, ptrs, b, j0 + w,
                                      nr - j0 - w < KA_DW ? nr - j0 - w : KA_DW, kh0, kh1,
                                      mask, group, nb);
