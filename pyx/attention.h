@@ -59,7 +59,7 @@
     ATTR static void ka_decode_a_##SUF(KA_DECODE_A_ARGS)                                 \
     {                                                                                    \
         ka_kv kv2 = *kv;                                                                 \
-        kv2.f16c = (F16C);                                                               \
+        kv2.f16c = kv2.x86v3 = (F16C);                                                   \
         ka_decode_a(&kv2, q, u, n_heads, n_ctx, scale, mode, k, sopt, n_probe, imp_order,\
                     n_order, ws, tab, sel);                                              \
     }
@@ -76,7 +76,7 @@ KA_DECODE_ENTRY(avx2, KF_TARGET_AVX2, 1)
     ATTR static void ka_decode_heads_##SUF(KA_DECODE_H_ARGS)                             \
     {                                                                                    \
         ka_kv kv2 = *kv;                                                                 \
-        kv2.f16c = (F16C);                                                               \
+        kv2.f16c = kv2.x86v3 = (F16C);                                                   \
         ka_decode_heads(&kv2, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, sopt, ws,   \
                         tab);                                                            \
     }

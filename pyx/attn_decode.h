@@ -9,7 +9,9 @@
  *      acc = sum exp(s - m) V;
  *   M. unit = query head: merge the parts' states in part order into the output.
  * Sparse (more than k blocks), a probe phase comes first:
- *   A1. the same units compute the probes of the part's blocks for each query head;
+ *   A1. the probes of the part's blocks for each query head: the sampled probe by unit
+ *       (part, kv head 0) for every kv head at once in address order (ka_decode_probes;
+ *       the units of kv heads > 0 are then empty), the bound probe by each unit;
  *   P.  unit = query head: its picks from all its probes (attn_select.h), as a mask;
  *   A2. as A over the blocks some query head of the kv head picked (each head's softmax
  *       over its own picks);
@@ -22,6 +24,15 @@
 #define KESTREL_ATTN_DECODE_H
 
 #include "attn_select.h"
+
+/* ka_scores_i8 exists under x86 dispatch only (attn_kv.h); its callers check kv->x86v3 */
+#if KF_X86_DISPATCH
+#define KA_SCORES_I8 ka_scores_i8
+#define KA_SCORES_HEADS_I8 ka_scores_heads_i8
+#else
+#define KA_SCORES_I8(q, r, st, n, hd, s) ((void)0)
+#define KA_SCORES_HEADS_I8(q, ng, r, st, w, hd, out) ((void)0)
+#endif
 
 #define KA_PB 4       /* blocks per decode part: 16 -> 4 measured ~10% faster decode */
 #define KA_GMAX 64    /* most query heads per kv head in a decode unit */
@@ -91,6 +102,83 @@ KF_INLINE int ka_read(const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb, ptrdif
     return 0;
 }
 
+/* Phase A1 with the sampled probe, for every kv head of part p at once, in address order:
+ * a block's probe rows (tokens b*bs, b*bs + step, ..: SPEC'd by attn_select.h ka_probe)
+ * are whole rows of the token-major cache (every kv head side by side, kv_dim values), so
+ * the unit reads each probe row once, start to end, KA_PR rows at a time, and scores all
+ * the query heads on it; the next block's probe rows are fetched (to L2) while this one is
+ * scored. (One kv head at a time read hd values every kv_dim: a strided walk the hardware
+ * prefetcher does not follow.) Each probe is the same max, over the same dots in the same
+ * order, as ka_probe's: no bit changes. */
+#define KA_PR 4       /* probe rows per pass */
+#ifndef KA_PROBE_LOC
+#define KA_PROBE_LOC 1
+#endif
+KF_INLINE void ka_prefetch_probe_rows(const ka_kv *kv, ptrdiff_t b, ptrdiff_t n_ctx,
+                                      int n_probe)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    const ptrdiff_t bs = kv->bs, len = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
+    const ptrdiff_t step = len / n_probe > 1 ? len / n_probe : 1;
+    const uint8_t *blk = ka_blk(kv->k_ptrs, b);
+    const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), row = kv->ld * es;
+    for (ptrdiff_t j = 0; j < len; j += step)
+        for (ptrdiff_t c = 0; c < row; c += 64)
+            __builtin_prefetch(blk + j * row + c, 0, KA_PROBE_LOC);
+    if (kv->q8)
+        for (ptrdiff_t c = 0; c < kv->n_kv * bs * 4; c += 64)
+            __builtin_prefetch(blk + kv->soff + c, 0, KA_PROBE_LOC);
+#else
+    (void)kv; (void)b; (void)n_ctx; (void)n_probe;
+#endif
+}
+
+KF_INLINE void ka_decode_probes(const ka_kv *kv, const float *q, ptrdiff_t p,
+                                ptrdiff_t n_heads, ptrdiff_t n_ctx, int n_probe, ka_ws *ws,
+                                float *tab)
+{
+    const ptrdiff_t bs = kv->bs, hd = kv->hd, nb = (n_ctx + bs - 1) / bs;
+    const ptrdiff_t group = n_heads / kv->n_kv;
+    const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
+    float *probe = tab + ka_decode_states(nb, n_heads, hd);
+    float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
+    if (b0 < nb)
+        ka_prefetch_probe_rows(kv, b0, n_ctx, n_probe);
+    for (ptrdiff_t b = b0; b < b1; b++) {
+        const ptrdiff_t len = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
+        const ptrdiff_t step = len / n_probe > 1 ? len / n_probe : 1;
+        const ptrdiff_t np = (len + step - 1) / step;
+        if (b + 1 < nb)
+            ka_prefetch_probe_rows(kv, b + 1, n_ctx, n_probe);
+        for (ptrdiff_t i0 = 0; i0 < np; i0 += KA_PR) {
+            const ptrdiff_t w = np - i0 < KA_PR ? np - i0 : KA_PR;
+            for (ptrdiff_t kh = 0; kh < kv->n_kv; kh++) {
+                ptrdiff_t st = kv->ld * step;
+                const int8_t *r8 = kv->q8 && kv->x86v3
+                    ? (const int8_t *)ka_blk(kv->k_ptrs, b) + i0 * step * kv->ld + kh * hd
+                    : NULL;
+                const float *rows = r8 != NULL ? NULL
+                    : ka_rows(kv, kv->k_ptrs, kh, b, i0 * step, step, w, buf, &st);
+                const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, i0 * step);
+                float scs[KA_GMAX][KA_PR], *outs[KA_GMAX];
+                for (ptrdiff_t g = 0; g < group; g++)
+                    outs[g] = scs[g];
+                if (r8 != NULL)
+                    KA_SCORES_HEADS_I8(q + kh * group * hd, group, r8, st, w, hd, outs);
+                else
+                    ka_scores_heads(q + kh * group * hd, group, rows, st, w, hd, outs);
+                for (ptrdiff_t g = 0; g < group; g++) {
+                    float *pr = probe + (kh * group + g) * nb + b, *sc = scs[g];
+                    for (ptrdiff_t i = 0; i < w; i++) {
+                        float v = ks != NULL ? sc[i] * ks[i * step] : sc[i];
+                        *pr = (i0 + i == 0 || v > *pr) ? v : *pr;
+                    }
+                }
+            }
+        }
+    }
+}
+
 KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads,
                            ptrdiff_t n_ctx, float scale, int mode, int k, int sopt,
                            int n_probe, const int32_t *imp_order, ptrdiff_t n_order,
@@ -102,7 +190,6 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     float *probe = tab + ka_decode_states(nb, n_heads, hd);
     /* phase A1 only (mode KA_DEC_PROBES): A / A2 run in ka_decode_heads */
     (void)k; (void)sopt; (void)scale; (void)imp_order; (void)n_order; (void)sel;
-    float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
     ka_q *qv = ws->qv;                                   /* (group,) */
     for (ptrdiff_t g = 0; g < group; g++) {
         qv[g].q = q + (kh * group + g) * hd;
@@ -116,30 +203,9 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
                 probe[(kh * group + g) * nb + b] = ka_bound(kv, &qv[g], b);
         return;
     }
-    if (mode == KA_DEC_PROBES) {
-        /* each block's probe rows are read (and converted) once for the group's heads */
-        for (ptrdiff_t b = b0; b < b1; b++) {
-            ptrdiff_t len = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
-            ptrdiff_t step = len / n_probe > 1 ? len / n_probe : 1;
-            ptrdiff_t np = (len + step - 1) / step;
-            if ((b + KA_PF + 1) * bs < n_ctx)
-                ka_prefetch_rows(kv, kh, b + KA_PF, step, np);
-            for (ptrdiff_t i0 = 0; i0 < np; i0 += KA_W) {
-                ptrdiff_t w = np - i0 < KA_W ? np - i0 : KA_W, st;
-                const float *rows = ka_rows(kv, kv->k_ptrs, kh, b, i0 * step, step, w, buf, &st);
-                const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, i0 * step);
-                for (ptrdiff_t g = 0; g < group; g++) {
-                    float *pr = probe + (kh * group + g) * nb + b, sc[KA_W];
-                    ka_scores(qv[g].q, rows, st, w, hd, sc);
-                    for (ptrdiff_t i = 0; i < w; i++) {
-                        float v = ks != NULL ? sc[i] * ks[(i0 + i) * step] : sc[i];
-                        *pr = (i0 + i == 0 || v > *pr) ? v : *pr;
-                    }
-                }
-            }
-        }
-        return;
-    }
+    /* the sampled probe: unit (p, 0) reads the part's probe rows once for every kv head */
+    if (mode == KA_DEC_PROBES && kh == 0)
+        ka_decode_probes(kv, q, p, n_heads, n_ctx, n_probe, ws, tab);
 }
 
 /* Phase A / A2, token-major: unit = (part p, kv heads kh0 <= kh < kh1). The cache is
@@ -153,9 +219,11 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
  * order as a unit of one kv head would: the chunking changes no bit.
  * picked: A2 (a head reads the blocks its row of the mask table picks, or with
  * KA_POOL_UNION those its kv head's group picked), else exact. */
+#ifndef KA_DW
 #define KA_DW 8       /* tokens per chunk: 8 rows of every kv head, 4..64 KiB */
+#endif
 #ifndef KA_SPAN_LOC
-#define KA_SPAN_LOC 3
+#define KA_SPAN_LOC 1  /* int8 / float16 spans: __builtin_prefetch locality (1: to L2) */
 #endif
 #define KA_HMAX 256   /* most query heads in a unit */
 
@@ -166,17 +234,26 @@ KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t
 #if defined(__GNUC__) || defined(__clang__)
     const uint8_t *blk = ka_blk(ptrs, b);
     const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), row = kv->ld * es, len = kv->hd * es;
-    if (mask == NULL) {                 /* every head: the rows' contiguous span */
-        for (ptrdiff_t i = 0; i < w; i++)
-            for (ptrdiff_t c = kh0 * len; c < kh1 * len; c += 64)
-                __builtin_prefetch(blk + (j0 + i) * row + c, 0, KA_SPAN_LOC);
-    } else {                            /* sparse: the heads that read block b */
-        for (ptrdiff_t kh = kh0; kh < kh1; kh++)
-            if (ka_read(mask + kh * group * nb, group, nb, b))
-                for (ptrdiff_t i = 0; i < w; i++)
-                    for (ptrdiff_t c = kh * len; c < (kh + 1) * len; c += 64)
-                        __builtin_prefetch(blk + (j0 + i) * row + c, 0, KA_SPAN_LOC);
+    /* int8 and float16 rows to L2 (measured ~10-20% faster than to L1), float32 rows to
+     * L1 (~5-10% faster than to L2) */
+#define KA_PF_SPAN(LOC)                                                                  \
+    if (mask == NULL) {                 /* every head: the rows' contiguous span */          \
+        for (ptrdiff_t i = 0; i < w; i++)                                                    \
+            for (ptrdiff_t c = kh0 * len; c < kh1 * len; c += 64)                            \
+                __builtin_prefetch(blk + (j0 + i) * row + c, 0, LOC);                        \
+    } else {                            /* sparse: the heads that read block b */            \
+        for (ptrdiff_t kh = kh0; kh < kh1; kh++)                                             \
+            if (ka_read(mask + kh * group * nb, group, nb, b))                               \
+                for (ptrdiff_t i = 0; i < w; i++)                                            \
+                    for (ptrdiff_t c = kh * len; c < (kh + 1) * len; c += 64)                \
+                        __builtin_prefetch(blk + (j0 + i) * row + c, 0, LOC);                \
     }
+    if (es == 4) {
+        KA_PF_SPAN(3)
+    } else {
+        KA_PF_SPAN(KA_SPAN_LOC)
+    }
+#undef KA_PF_SPAN
     if (kv->q8 && j0 == 0)
         for (ptrdiff_t c = kh0 * kv->bs * 4; c < kh1 * kv->bs * 4; c += 64)
             __builtin_prefetch(blk + kv->soff + c, 0, KA_SPAN_LOC);
@@ -243,20 +320,49 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
                 for (ptrdiff_t kh = kh0; kh < kh1; kh++) {
                     if (mask != NULL && !ka_read(mask + kh * group * nb, group, nb, b))
                         continue;
-                    ptrdiff_t st;
-                    const float *rows = ka_rows(kv, ptrs, kh, b, j0, 1, w, buf, &st);
+                    /* int8 rows under the avx2 entries are read where they lie (converted
+                     * in registers); else rows are converted into buf once for the group */
+                    ptrdiff_t st = kv->ld;
+                    const int8_t *r8 = kv->q8 && kv->x86v3
+                        ? (const int8_t *)ka_blk(ptrs, b) + j0 * kv->ld + kh * hd : NULL;
+                    const float *rows = r8 != NULL ? NULL
+                                                   : ka_rows(kv, ptrs, kh, b, j0, 1, w, buf, &st);
                     const float *sc = ka_row_scales(kv, ptrs, kh, b, j0);
+                    /* K: when every head of the group reads the block, their scores in
+                     * one call (ka_scores_heads: the same dots, several per pass) */
+                    int all = !pass;
+                    for (ptrdiff_t g = 0; all && mask != NULL && own && g < group; g++)
+                        all = mask[(kh * group + g) * nb + b];
+                    if (all) {
+                        float *outs[KA_GMAX];
+                        for (ptrdiff_t g = 0; g < group; g++)
+                            outs[g] = ws->s + (kh * group + g - h0) * pt + cnt[kh * group + g - h0];
+                        if (r8 != NULL)
+                            KA_SCORES_HEADS_I8(q + kh * group * hd, group, r8, st, w, hd, outs);
+                        else
+                            ka_scores_heads(q + kh * group * hd, group, rows, st, w, hd, outs);
+                    }
                     for (ptrdiff_t g = 0; g < group; g++) {
                         const ptrdiff_t h = kh * group + g, i = h - h0;
                         if (mask != NULL && own && !mask[h * nb + b])
                             continue;
                         float *sg = ws->s + i * pt + cnt[i];
-                        if (pass) {
+                        if (pass && r8 != NULL) {
+                            float ps[KA_DW];
+                            for (ptrdiff_t j = 0; j < w; j++)
+                                ps[j] = sg[j] * sc[j];
+                            ka_pv_i8(ps, r8, st, w, hd, tab + (p * n_heads + h) * (hd + 2) + 2);
+                        } else if (pass) {
                             ka_pv_scaled(sg, sc, rows, st, w, hd,
                                          tab + (p * n_heads + h) * (hd + 2) + 2);
                         } else {
                             float m = mx[i];
-                            ka_scores(q + h * hd, rows, st, w, hd, sg);
+                            if (all)
+                                ;
+                            else if (r8 != NULL)
+                                KA_SCORES_I8(q + h * hd, r8, st, w, hd, sg);
+                            else
+                                ka_scores(q + h * hd, rows, st, w, hd, sg);
                             for (ptrdiff_t j = 0; j < w; j++) {
                                 float v = sc != NULL ? sg[j] * sc[j] : sg[j];
                                 sg[j] = v * scale;

@@ -34,6 +34,8 @@ typedef struct {
     int q8;                   /* 1: int8 cache */
     int f16;                  /* 1: float16 cache (q8 and f16 0: float32) */
     int f16c;                 /* convert halves with F16C (the avx2 decode entry) */
+    int x86v3;                /* the avx2 decode entries: int8 rows are read in registers
+                               * (ka_scores_i8), not converted into a buffer */
     /* key bounds of the bound probe (ka_bound; NULL: none): (n_kv, bcap, 2, hd) values,
      * per block and kv head the elementwise max then min of its keys, float32 (float32 and
      * float16 caches) or int8 (int8 cache) with the (n_kv, bcap) float32 scales bsc */
@@ -73,6 +75,7 @@ static inline void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t 
     kv->q8 = kind == KA_KV_Q8;
     kv->f16 = kind == KA_KV_F16;
     kv->f16c = 0;             /* the avx2 entries set it (attention.h) */
+    kv->x86v3 = 0;            /* likewise */
     kv->bnd = NULL;
     kv->bsc = NULL;
     kv->bcap = 0;
@@ -356,36 +359,44 @@ KF_INLINE float ka_exp_sum(float *restrict s, ptrdiff_t n, float m)
 /* acc[d] += sum_{i < n} p[i] * v[i * ld + d], d < hd, each in i order. Four keys per
  * pass over acc: acc[d] is loaded and stored once per four rows, and the four products
  * are added to it one after the other (the same sum, in the same order, as one key at a
- * time); the d loop is the vector one, its hd / lanes chains independent. */
-KF_INLINE void ka_pv_f32(const float *restrict p, const float *restrict v, ptrdiff_t ld,
-                         ptrdiff_t n, ptrdiff_t hd, float *restrict acc)
-{
-    ptrdiff_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        const float p0 = p[i], p1 = p[i + 1], p2 = p[i + 2], p3 = p[i + 3];
-        const float *v0 = v + i * ld, *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;
-        for (ptrdiff_t d = 0; d < hd; d++) {
-            float a = acc[d];
-            a += p0 * v0[d];
-            a += p1 * v1[d];
-            a += p2 * v2[d];
-            a += p3 * v3[d];
-            acc[d] = a;
-        }
+ * time); the d loop is the vector one, its hd / lanes chains independent. The rows are
+ * float32 (ka_pv_f32) or int8 (ka_pv_i8: read where they lie, each value converted to
+ * float exactly in a register, so the same sums as over a converted copy). */
+#define KA_PV_FN(NAME, T)                                                                \
+    KF_INLINE void NAME(const float *restrict p, const T *restrict v, ptrdiff_t ld,      \
+                        ptrdiff_t n, ptrdiff_t hd, float *restrict acc)                  \
+    {                                                                                    \
+        ptrdiff_t i = 0;                                                                 \
+        for (; i + 4 <= n; i += 4) {                                                     \
+            const float p0 = p[i], p1 = p[i + 1], p2 = p[i + 2], p3 = p[i + 3];          \
+            const T *v0 = v + i * ld, *v1 = v0 + ld, *v2 = v1 + ld, *v3 = v2 + ld;       \
+            for (ptrdiff_t d = 0; d < hd; d++) {                                         \
+                float a = acc[d];                                                        \
+                a += p0 * (float)v0[d];                                                  \
+                a += p1 * (float)v1[d];                                                  \
+                a += p2 * (float)v2[d];                                                  \
+                a += p3 * (float)v3[d];                                                  \
+                acc[d] = a;                                                              \
+            }                                                                            \
+        }                                                                                \
+        for (; i < n; i++) {                                                             \
+            const float pi = p[i];                                                       \
+            const T *vi = v + i * ld;                                                    \
+            for (ptrdiff_t d = 0; d < hd; d++)                                           \
+                acc[d] += pi * (float)vi[d];                                             \
+        }                                                                                \
     }
-    for (; i < n; i++) {
-        const float pi = p[i], *vi = v + i * ld;
-        for (ptrdiff_t d = 0; d < hd; d++)
-            acc[d] += pi * vi[d];
-    }
-}
+KA_PV_FN(ka_pv_f32, float)
+KA_PV_FN(ka_pv_i8, int8_t)
 
 /* s[i] = q . rows[i * st] (hd values each), i < n. Four keys per pass with the query
  * read once for all four: each dot keeps KA_SL partial sums (lane k: columns d = k mod
  * KA_SL), summed pairwise, then the columns past the last multiple of KA_SL in order.
  * With GCC/Clang the lanes are a vector type (plain element-wise arithmetic, the same
  * sums; GCC's loop vectoriser otherwise interleaves the four keys' rows with shuffles),
- * without them plain arrays. */
+ * without them plain arrays. Rows float32 (ka_scores) or int8 (ka_scores_i8, avx2 entries
+ * only: read where they lie, converted to float exactly in registers: the same bits as
+ * ka_scores over a converted copy). */
 #define KA_SL 8
 #if defined(__GNUC__) || defined(__clang__)
 typedef float ka_v8 __attribute__((vector_size(KA_SL * sizeof(float))));
@@ -402,58 +413,160 @@ KF_INLINE float ka_hsum8(ka_v8 v)
     return kf_hsum(a, KA_SL);
 }
 #define KA_SCORE_LANES(NAME) ka_v8 NAME = {0}
-#define KA_SCORE_STEP(A, Q, R) (A) += (Q) * ka_ld8(R)
+#define KA_SCORE_STEP(A, Q, R, LD) (A) += (Q) * LD(R)
 #define KA_SCORE_Q(d) const ka_v8 qv = ka_ld8(q + (d))
 #define KA_SCORE_SUM(A) ka_hsum8(A)
 #else
 #define KA_SCORE_LANES(NAME) float NAME[KA_SL] = {0}
-#define KA_SCORE_STEP(A, Q, R) for (int k_ = 0; k_ < KA_SL; k_++) (A)[k_] += (Q)[k_] * (R)[k_]
+#define KA_SCORE_STEP(A, Q, R, LD) for (int k_ = 0; k_ < KA_SL; k_++) (A)[k_] += (Q)[k_] * (float)(R)[k_]
 #define KA_SCORE_Q(d) const float *qv = q + (d)
 #define KA_SCORE_SUM(A) kf_hsum(A, KA_SL)
 #endif
-KF_INLINE void ka_scores(const float *restrict q, const float *restrict rows, ptrdiff_t st,
-                         ptrdiff_t n, ptrdiff_t hd, float *restrict s)
+#define KA_SCORES_FN(ATTR, NAME, T, LD)                                                  \
+    ATTR void NAME(const float *restrict q, const T *restrict rows, ptrdiff_t st,   \
+                        ptrdiff_t n, ptrdiff_t hd, float *restrict s)                    \
+    {                                                                                    \
+        const ptrdiff_t hv = hd - hd % KA_SL;                                            \
+        ptrdiff_t i = 0;                                                                 \
+        for (; i + 4 <= n; i += 4) {                                                     \
+            const T *r0 = rows + i * st, *r1 = r0 + st, *r2 = r1 + st, *r3 = r2 + st;    \
+            KA_SCORE_LANES(a0);                                                          \
+            KA_SCORE_LANES(a1);                                                          \
+            KA_SCORE_LANES(a2);                                                          \
+            KA_SCORE_LANES(a3);                                                          \
+            for (ptrdiff_t d = 0; d < hv; d += KA_SL) {                                  \
+                KA_SCORE_Q(d);                                                           \
+                KA_SCORE_STEP(a0, qv, r0 + d, LD);                                       \
+                KA_SCORE_STEP(a1, qv, r1 + d, LD);                                       \
+                KA_SCORE_STEP(a2, qv, r2 + d, LD);                                       \
+                KA_SCORE_STEP(a3, qv, r3 + d, LD);                                       \
+            }                                                                            \
+            float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;                            \
+            for (ptrdiff_t d = hv; d < hd; d++) {                                        \
+                t0 += q[d] * (float)r0[d];                                               \
+                t1 += q[d] * (float)r1[d];                                               \
+                t2 += q[d] * (float)r2[d];                                               \
+                t3 += q[d] * (float)r3[d];                                               \
+            }                                                                            \
+            s[i] = KA_SCORE_SUM(a0) + t0;                                                \
+            s[i + 1] = KA_SCORE_SUM(a1) + t1;                                            \
+            s[i + 2] = KA_SCORE_SUM(a2) + t2;                                            \
+            s[i + 3] = KA_SCORE_SUM(a3) + t3;                                            \
+        }                                                                                \
+        for (; i < n; i++) {                                                             \
+            const T *r = rows + i * st;                                                  \
+            KA_SCORE_LANES(a);                                                           \
+            float t = 0.0f;                                                              \
+            for (ptrdiff_t d = 0; d < hv; d += KA_SL) {                                  \
+                KA_SCORE_Q(d);                                                           \
+                KA_SCORE_STEP(a, qv, r + d, LD);                                         \
+            }                                                                            \
+            for (ptrdiff_t d = hv; d < hd; d++)                                          \
+                t += q[d] * (float)r[d];                                                 \
+            s[i] = KA_SCORE_SUM(a) + t;                                                  \
+        }                                                                                \
+    }
+KA_SCORES_FN(KF_INLINE, ka_scores, float, ka_ld8)
+#if KF_X86_DISPATCH
+/* int8 rows under the avx2 entries: GCC 12 turns a vector conversion of int8 into scalar
+ * code, so the lanes are loaded by vpmovsxbd + vcvtdq2ps (exact, as (float) is); the
+ * base variant converts rows into a float buffer (ka_rows) instead. */
+KF_TARGET_AVX2 static inline ka_v8 ka_ld8_i8(const int8_t *p)
 {
-    const ptrdiff_t hv = hd - hd % KA_SL;
-    ptrdiff_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        const float *r0 = rows + i * st, *r1 = r0 + st, *r2 = r1 + st, *r3 = r2 + st;
-        KA_SCORE_LANES(a0);
-        KA_SCORE_LANES(a1);
-        KA_SCORE_LANES(a2);
-        KA_SCORE_LANES(a3);
-        for (ptrdiff_t d = 0; d < hv; d += KA_SL) {
-            KA_SCORE_Q(d);
-            KA_SCORE_STEP(a0, qv, r0 + d);
-            KA_SCORE_STEP(a1, qv, r1 + d);
-            KA_SCORE_STEP(a2, qv, r2 + d);
-            KA_SCORE_STEP(a3, qv, r3 + d);
-        }
-        float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
-        for (ptrdiff_t d = hv; d < hd; d++) {
-            t0 += q[d] * r0[d];
-            t1 += q[d] * r1[d];
-            t2 += q[d] * r2[d];
-            t3 += q[d] * r3[d];
-        }
-        s[i] = KA_SCORE_SUM(a0) + t0;
-        s[i + 1] = KA_SCORE_SUM(a1) + t1;
-        s[i + 2] = KA_SCORE_SUM(a2) + t2;
-        s[i + 3] = KA_SCORE_SUM(a3) + t3;
-    }
-    for (; i < n; i++) {
-        const float *r = rows + i * st;
-        KA_SCORE_LANES(a);
-        float t = 0.0f;
-        for (ptrdiff_t d = 0; d < hv; d += KA_SL) {
-            KA_SCORE_Q(d);
-            KA_SCORE_STEP(a, qv, r + d);
-        }
-        for (ptrdiff_t d = hv; d < hd; d++)
-            t += q[d] * r[d];
-        s[i] = KA_SCORE_SUM(a) + t;
-    }
+    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    ka_v8 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
 }
+KA_SCORES_FN(KF_TARGET_AVX2 static inline, ka_scores_i8, int8_t, ka_ld8_i8)
+#endif
+
+/* The scores of w rows for ng query heads at once (the heads of one kv head; q: ng heads
+ * hd apart; out[g]: head g's w scores): several keys and heads per pass, so that one
+ * pass keeps 8 independent accumulators (4 rows x 2 heads, or 8 rows x 1 head) and each
+ * row is loaded (and int8 converted) once for two heads; ka_scores takes the rows left
+ * over. Every dot is ka_scores' (the same lanes, the same pairwise reduction, the same
+ * tail): only the interleaving of independent sums changes, not a bit. */
+#if defined(__GNUC__) || defined(__clang__)
+#define KA_DOTS_FN(ATTR, NAME, T, LD, R, G)                                              \
+    ATTR void NAME(const float *restrict q, ptrdiff_t qs, const T *restrict rows,        \
+                   ptrdiff_t st, ptrdiff_t hd, float *const *out)                        \
+    {                                                                                    \
+        const ptrdiff_t hv = hd - hd % KA_SL;                                            \
+        ka_v8 a[G][R];                                                                   \
+        KF_UNROLL_ALL                                                                    \
+        for (int g = 0; g < G; g++) {                                                    \
+            KF_UNROLL_ALL                                                                \
+            for (int r = 0; r < R; r++)                                                  \
+                a[g][r] = (ka_v8){0};                                                    \
+        }                                                                                \
+        for (ptrdiff_t d = 0; d < hv; d += KA_SL) {                                      \
+            ka_v8 qv[G];                                                                 \
+            KF_UNROLL_ALL                                                                \
+            for (int g = 0; g < G; g++)                                                  \
+                qv[g] = ka_ld8(q + g * qs + d);                                          \
+            KF_UNROLL_ALL                                                                \
+            for (int r = 0; r < R; r++) {                                                \
+                const ka_v8 rv = LD(rows + r * st + d);                                  \
+                KF_UNROLL_ALL                                                            \
+                for (int g = 0; g < G; g++)                                              \
+                    a[g][r] += qv[g] * rv;                                               \
+            }                                                                            \
+        }                                                                                \
+        KF_UNROLL_ALL                                                                    \
+        for (int g = 0; g < G; g++) {                                                    \
+            KF_UNROLL_ALL                                                                \
+            for (int r = 0; r < R; r++) {                                                \
+                float t = 0.0f;                                                          \
+                for (ptrdiff_t d = hv; d < hd; d++)                                      \
+                    t += q[g * qs + d] * (float)rows[r * st + d];                        \
+                out[g][r] = ka_hsum8(a[g][r]) + t;                                       \
+            }                                                                            \
+        }                                                                                \
+    }
+#define KA_SCORES_HEADS_FN(ATTR, NAME, T, D42, D81, S1)                                  \
+    ATTR void NAME(const float *restrict q, ptrdiff_t ng, const T *restrict rows,         \
+                   ptrdiff_t st, ptrdiff_t w, ptrdiff_t hd, float *const *out)           \
+    {                                                                                    \
+        ptrdiff_t g = 0;                                                                 \
+        for (; g + 2 <= ng; g += 2) {                                                    \
+            ptrdiff_t r = 0;                                                             \
+            for (; r + 4 <= w; r += 4) {                                                 \
+                float *o[2] = {out[g] + r, out[g + 1] + r};                              \
+                D42(q + g * hd, hd, rows + r * st, st, hd, o);                           \
+            }                                                                            \
+            if (r < w) {                                                                 \
+                S1(q + g * hd, rows + r * st, st, w - r, hd, out[g] + r);                \
+                S1(q + (g + 1) * hd, rows + r * st, st, w - r, hd, out[g + 1] + r);      \
+            }                                                                            \
+        }                                                                                \
+        if (g < ng) {                                                                    \
+            ptrdiff_t r = 0;                                                             \
+            for (; r + 8 <= w; r += 8) {                                                 \
+                float *o[1] = {out[g] + r};                                              \
+                D81(q + g * hd, hd, rows + r * st, st, hd, o);                           \
+            }                                                                            \
+            if (r < w)                                                                   \
+                S1(q + g * hd, rows + r * st, st, w - r, hd, out[g] + r);                \
+        }                                                                                \
+    }
+KA_DOTS_FN(KF_INLINE, ka_dots_4x2, float, ka_ld8, 4, 2)
+KA_DOTS_FN(KF_INLINE, ka_dots_8x1, float, ka_ld8, 8, 1)
+KA_SCORES_HEADS_FN(KF_INLINE, ka_scores_heads, float, ka_dots_4x2, ka_dots_8x1, ka_scores)
+#if KF_X86_DISPATCH
+KA_DOTS_FN(KF_TARGET_AVX2 static inline, ka_dots_4x2_i8, int8_t, ka_ld8_i8, 4, 2)
+KA_DOTS_FN(KF_TARGET_AVX2 static inline, ka_dots_8x1_i8, int8_t, ka_ld8_i8, 8, 1)
+KA_SCORES_HEADS_FN(KF_TARGET_AVX2 static, ka_scores_heads_i8, int8_t, ka_dots_4x2_i8,
+                   ka_dots_8x1_i8, ka_scores_i8)
+#endif
+#else
+KF_INLINE void ka_scores_heads(const float *restrict q, ptrdiff_t ng, const float *restrict rows,
+                               ptrdiff_t st, ptrdiff_t w, ptrdiff_t hd, float *const *out)
+{
+    for (ptrdiff_t g = 0; g < ng; g++)
+        ka_scores(q + g * hd, rows, st, w, hd, out[g]);
+}
+#endif
 
 /* acc (hd) += sum_{i < n} p[i] * s[i] * rows[i] (rows `st` floats apart; s NULL: 1), in
  * i order; n <= KA_W: a chunk of V with its int8 scales folded into p. */

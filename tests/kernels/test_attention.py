@@ -411,3 +411,50 @@ def test_decode_many_parts_and_heads(isa, n_heads, n_kv):
             np.testing.assert_array_equal(out, first)
     finally:
         kernels.set_isa(VARIANTS[-1])
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("dtype", ["f32", "q8", "f16"])
+@pytest.mark.parametrize("n_heads,n_kv,hd,n_probe", [(8, 8, 32, 8), (12, 4, 36, 5), (6, 3, 40, 3)])
+def test_sparse_decode_many_parts_and_kv_heads(isa, dtype, n_heads, n_kv, hd, n_probe):
+    """Sparse decode over many parts with several kv heads (the probes of every kv head of
+    a part in one address-order walk, attn_decode.h ka_decode_probes; int8 rows read in
+    registers under avx2/avx512, through a float buffer under base): each head's picks are
+    select_blocks' over the cache's keys, the output the float64 softmax over the picked
+    tokens, and the bits the same at every thread count. hd not a multiple of 8 and a
+    partial last block take the tails; n_probe 5 and 3 other probe steps."""
+    kernels.set_isa(isa)
+    try:
+        rng = np.random.default_rng([n_heads, n_kv, hd, n_probe, len(dtype)])
+        n_tok, k = 611, 4                                   # 20 blocks: 5 parts
+        q = (rng.standard_normal((1, n_heads, hd)) * 2).astype(np.float32)
+        K = rng.standard_normal((n_tok, n_kv * hd)).astype(np.float32)
+        V = rng.standard_normal((n_tok, n_kv * hd)).astype(np.float32)
+        c = KVCache(1, n_kv, hd, n_tok + 32, CacheSpec(dtype))
+        c.reserve(n_tok)
+        c.write(0, K, V)
+        c.commit(n_tok)
+        Kd, Vd = c.keys(0).reshape(n_tok, n_kv, hd), c.values(0).reshape(n_tok, n_kv, hd)
+        kp, vp = c.views(0, n_tok)
+        imp = rng.random(n_tok).astype(np.float32) if n_probe != 8 else None
+        order = None if imp is None else importance_order(imp, n_tok)
+        group, first = n_heads // n_kv, None
+        for threads in (1, 2, 3, 5):
+            out = np.full((1, n_heads * hd), np.nan, np.float32)
+            sel = np.full((1, n_heads, k), -1, np.int32)
+            kernels.attention(q.reshape(1, -1), kp, vp, 32, n_kv, hd, n_tok - 1, 0.2, out,
+                              threads, kv_q8=dtype == "q8", kv_f16=dtype == "f16", sparse_k=k,
+                              sparse_probes=n_probe, imp_order=order, sel=sel)
+            if first is None:
+                first = out, sel
+                for h in range(n_heads):
+                    ref_sel = select_blocks(q[0, h], Kd[:, h // group], imp, k, n_probe)
+                    assert sel[0, h].tolist() == ref_sel.tolist(), (h, sel[0, h], ref_sel)
+                    ref = masked_ref(q[0, h], Kd[:, h // group], Vd[:, h // group], 0.2,
+                                     blocks_tokens(ref_sel, n_tok))
+                    np.testing.assert_allclose(out[0, h * hd:(h + 1) * hd], ref, rtol=0,
+                                               atol=2e-5 * np.abs(Vd).max())
+            np.testing.assert_array_equal(out, first[0])
+            np.testing.assert_array_equal(sel, first[1])
+    finally:
+        kernels.set_isa(VARIANTS[-1])
