@@ -364,15 +364,15 @@ static void kq_base_tile_##KIND_##_##RN_(const uint8_t *restrict pg, ptrdiff_t n
             const int32_t cx = (KIND_) == KQ_Q4_0 ? 8 * a[t].xs[b] : 0;                   \
             if ((KIND_) == KQ_Q6_K)                                                       \
                 for (int r = 0; r < GR; r++)                                              \
-                    acc[t][r] += (dw[r] * dx) * (float)ia[t][r]                           \
-                                 + (dw[GR + r] * dx) * (float)is[t][r];                   \
+                    acc[t][r] += KF_FMAF(dw[r] * dx, (float)ia[t][r],                     \
+                                         (dw[GR + r] * dx) * (float)is[t][r]);            \
             else                                                                          \
                 for (int r = 0; r < GR; r++)                                              \
-                    acc[t][r] += (dw[r] * dx) * (float)(is[t][r] - cx);                   \
+                    acc[t][r] = KF_FMAF(dw[r] * dx, (float)(is[t][r] - cx), acc[t][r]);   \
             if (KQ_HAS_M(KIND_)) {                                                        \
                 const float sx = a[t].sx[b];                                              \
                 for (int r = 0; r < GR; r++)                                              \
-                    acc[t][r] += dw[GR + r] * sx;                                         \
+                    acc[t][r] = KF_FMAF(dw[GR + r], sx, acc[t][r]);                       \
             }                                                                             \
         }                                                                                 \
     }                                                                                     \

@@ -123,9 +123,10 @@ static void kx_base_group(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t 
                         const int u = q[64 * k + 4 * r + j];
                         is += (u & 0x0f) * x[4 * k + j] + (u >> 4) * x[16 + 4 * k + j];
                     }
-                acc[r] += (kf_f16_at(KX_D(G, q41, b) + 2 * r) * dx) * (float)(is - cx);
+                acc[r] = KF_FMAF(kf_f16_at(KX_D(G, q41, b) + 2 * r) * dx, (float)(is - cx),
+                                 acc[r]);
                 if (q41)
-                    acc[r] += kf_f16_at(KX_M(G, q41, b) + 2 * r) * a->sx[b];
+                    acc[r] = KF_FMAF(kf_f16_at(KX_M(G, q41, b) + 2 * r), a->sx[b], acc[r]);
             }
         } else {
             const float *x = a->x + b * KF_QK, sx = a->sx[b];
@@ -391,8 +392,8 @@ static void kx_base_group_k(int unused, const kf_act *a, ptrdiff_t nsb, const ui
                     for (int t = 0; t < 8; t++)
                         for (int i = 0; i < 4; i++)
                             is += ((Q[64 * (8 * c + t) + 4 * r + i] >> sh) & 15) * x[4 * t + i];
-                    acc[r] += (dw * a->xd[b]) * (float)is;
-                    acc[r] += mw * a->sx[b];
+                    acc[r] = KF_FMAF(dw * a->xd[b], (float)is, acc[r]);
+                    acc[r] = KF_FMAF(mw, a->sx[b], acc[r]);
                 } else {
                     const float *x = a->x + b * KF_QK;
                     float sum = 0.0f;
@@ -721,7 +722,8 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
                     const float dw1 = d * (float)(int8_t)S[16 * (2 * t + 1) + r];
                     if (a->xq != NULL) {
                         const float dx = a->xd[b];
-                        acc[r] += (dw0 * dx) * (float)is[m][0][r] + (dw1 * dx) * (float)is[m][1][r];
+                        acc[r] += KF_FMAF(dw0 * dx, (float)is[m][0][r],
+                                          (dw1 * dx) * (float)is[m][1][r]);
                     } else {
                         acc[r] += dw0 * fs[m][0][r] + dw1 * fs[m][1][r];
                     }

@@ -72,6 +72,18 @@ static inline int kf_max_threads(void) { return 1; }
 #define KF_NO_CONTRACT
 #endif
 
+/* a * b + c, fused where the target has a fast fma (aarch64; x86 only when built with
+ * FMA, e.g. -march=native), else two roundings (x86-64 baseline: what it always was).
+ * GCC contracts a * b + c into an fma of its own accord where the target has one, and
+ * decides per loop (after unrolling and vectorising) which products it fuses: the portable
+ * int8 GEMM tile and the x16 GEMV, which must give the same bits, fused differently on
+ * aarch64 (seen under qemu, scripts/qemu_aarch64.sh). They spell their fmas with this. */
+#if defined(__FP_FAST_FMAF) && (defined(__GNUC__) || defined(__clang__))
+#define KF_FMAF(a, b, c) __builtin_fmaf((a), (b), (c))
+#else
+#define KF_FMAF(a, b, c) ((a) * (b) + (c))
+#endif
+
 /* ---------------------------------------------------------------- scalars */
 
 KF_INLINE float kf_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
