@@ -112,17 +112,19 @@ def _picks(score: np.ndarray, importance_picks: list[int], k: int, nb: int,
 
 
 def select_with(score: np.ndarray, importance: np.ndarray | None, seq: int, k: int,
-                sink: str = "off", bs: int = BS) -> np.ndarray:
-    """Steps 2-4 over given block scores, with the sink option: block 0 first, then steps
-    2-4 over the other blocks with k - 1 picks (sink "in") or k ("out"). All blocks
-    ascending while n_blocks <= k (+ 1 with "out")."""
+                sink: str = "off", bs: int = BS, recent: int = 0) -> np.ndarray:
+    """Steps 2-4 over given block scores, with the sink and recent options: block 0 first,
+    then the last `recent` blocks, then steps 2-4 over the other blocks with k - 1 picks
+    (sink "in") or k ("out", "off"). All blocks ascending while n_blocks <= k (+ 1 with
+    "out", + recent)."""
     nb = -(-seq // bs)
-    total = k + (sink == "out")
+    total = k + (sink == "out") + recent
     if nb <= total:
         return np.arange(nb, dtype=np.int64)
     head: list[int] = []
     if sink != "off":
         head, k = [0], k - (sink == "in")
+    head += [b for b in range(max(1, nb - recent), nb) if b not in head]
     taken = set(head)
     picks: list[int] = []
     if importance is not None:
@@ -137,16 +139,17 @@ def select_with(score: np.ndarray, importance: np.ndarray | None, seq: int, k: i
 
 def select_blocks_opts(q: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
                        n_probe: int = 8, bs: int = BS, *, sink: str = "off",
-                       probe: str = "sample", bounds=None) -> np.ndarray:
+                       probe: str = "sample", bounds=None, recent: int = 0) -> np.ndarray:
     """`select_blocks` with the options (docs/DESIGN.md §3 Options): sink "off" / "in" /
     "out"; probe "sample" or "bound" (scores from `bound_scores` over `bounds` = (hi, lo)
-    or (hi, lo, scale), default key_bounds(keys)). Defaults: select_blocks."""
+    or (hi, lo, scale), default key_bounds(keys)); the last `recent` blocks besides the
+    k. Defaults: select_blocks."""
     if probe == "bound":
         b = key_bounds(keys, bs) if bounds is None else bounds
         score = bound_scores(q, *b)
     else:
         score = probe_scores(q, keys, n_probe, bs)
-    return select_with(score, importance, keys.shape[0], k, sink, bs)
+    return select_with(score, importance, keys.shape[0], k, sink, bs, recent)
 
 
 def select_group(qs: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
