@@ -92,7 +92,8 @@ class EngineOptions:
         rich_help_panel=_MODEL)] = 8
     sparse_preset: Annotated[Optional[str], typer.Option(
         "--sparse-preset", help="Named sparse options, implies --sparse-attn: 'quality' = "
-        "--exact-prefill --sparse-group union; 'seed' = none. Flags given override it.",
+        "--exact-prefill --sparse-group union --no-sparse-importance --sparse-sink out "
+        "--sparse-recent 1; 'seed' = none. Flags given override it.",
         show_default="none", rich_help_panel=_MODEL)] = None
     sparse_sink: Annotated[Optional[str], typer.Option(
         "--sparse-sink", help="Always attend block 0: off, in (one of the k picks) or out "

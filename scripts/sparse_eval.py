@@ -22,9 +22,12 @@ filler; greedy, 24 tokens; prints recalled yes/no per (size, depth) for exact an
 config and k, and the recall per k.
 
 Configs: seed (the plain selection), sink-in, sink-out, bound, dense2 (first 2 layers
-exact), kv-max, kv-sum, kv-union, exact-prefill, and every --sparse-preset name
-(kestrel_cli.sparse.PRESETS); "a+b" combines configs. Everything on the engine's CPU
-threads (-t); run it under nice.
+exact), kv-max, kv-sum, kv-union, exact-prefill, win32/64/128, recent1/2, noimp, and every
+--sparse-preset name (kestrel_cli.sparse.PRESETS); "a+b" combines configs. "sim:..."
+configs decode in NumPy with an oracle or a trial selection (see parse_sim below; e.g.
+sim:oracle=mass, the k blocks of largest true attention mass per head): slow, for
+learning what any selection could reach. Everything on the engine's CPU threads (-t);
+run it under nice.
 """
 from __future__ import annotations
 
