@@ -315,7 +315,7 @@ class KVCache:
                           np.int32)
             orders, n_orders = np.zeros(L, np.uint64), np.zeros(L, np.int64)
             for layer in range(L):
-                if ks[layer] and self._has_imp[layer]:
+                if ks[layer] and self._has_imp[layer] and self.spec.sparse_importance:
                     order = self._order[layer]
                     if order is None:
                         order = self._order[layer] = importance_order(

@@ -266,9 +266,12 @@ class SimAttend:
         return out
 
 
-def use_policy(cache, config: str, k: int) -> None:
-    """Decode `cache` with the NumPy policy of a "sim:..." config, else the kernel."""
-    if config.startswith("sim:") and k:
+def use_policy(model, cache, config: str, k: int) -> None:
+    """Decode `cache` with the NumPy policy of a "sim:..." config (through the model's
+    Python layer loop, which calls cache.attend), else the kernel (native decode)."""
+    sim = config.startswith("sim:") and k
+    model.native_decode = not sim
+    if sim:
         cache.attend = SimAttend(cache, parse_sim(config), k)
     else:
         cache.__dict__.pop("attend", None)
@@ -326,7 +329,7 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
             sc, first = pre[w]
             sc.trim(cut)
             sc.respec(spec)
-            use_policy(sc, config, k)
+            use_policy(model, sc, config, k)
             rows = [first]
             for t in win[cut:win.size - 1]:
                 rows.append(model(np.array([t]), sc))
@@ -444,12 +447,12 @@ def cmd_needle(a) -> None:
                     sc = shared[w]
                     if w not in first:
                         sc.respec(base)
-                        use_policy(sc, "exact", 0)
+                        use_policy(model, sc, "exact", 0)
                         sc.reset()
                         first[w] = model(ids, sc)
                     sc.trim(len(ids))
                     sc.respec(spec)
-                    use_policy(sc, c, k)
+                    use_policy(model, sc, c, k)
                     ans = greedy(eng, sc, first[w])
                 else:
                     if (c, k) not in own:

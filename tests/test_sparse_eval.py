@@ -102,3 +102,15 @@ def test_sim_options_checked():
     with pytest.raises(SystemExit):
         se.parse_sim("sim:oracle=best")
     assert se.parse_sim("sim:dense=0-2")["dense"] == (0, 1, 2)
+
+
+def test_use_policy_routes_decode_through_the_sim():
+    """A sim config turns the model's native decode off (else cache.attend is never
+    called) and installs SimAttend; any other config restores both."""
+    class M:
+        native_decode = True
+    m, c = M(), KVCache(1, N_KV, HD, 64, CacheSpec(sparse_k=2))
+    se.use_policy(m, c, "sim:oracle=mass", 2)
+    assert m.native_decode is False and isinstance(c.attend, se.SimAttend)
+    se.use_policy(m, c, "seed", 2)
+    assert m.native_decode is True and "attend" not in c.__dict__
