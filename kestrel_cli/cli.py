@@ -92,7 +92,8 @@ class EngineOptions:
         rich_help_panel=_MODEL)] = 8
     sparse_preset: Annotated[Optional[str], typer.Option(
         "--sparse-preset", help="Named sparse options, implies --sparse-attn: 'quality' = "
-        "--exact-prefill --sparse-group union; 'seed' = none. Flags given override it.",
+        "--exact-prefill --sparse-group union --no-sparse-importance --sparse-sink out "
+        "--sparse-recent 1; 'seed' = none. Flags given override it.",
         show_default="none", rich_help_panel=_MODEL)] = None
     sparse_sink: Annotated[Optional[str], typer.Option(
         "--sparse-sink", help="Always attend block 0: off, in (one of the k picks) or out "
@@ -114,6 +115,13 @@ class EngineOptions:
     sparse_window: Annotated[Optional[int], typer.Option(
         "--sparse-window", help="Prefill importance from the prompt's last W rows only "
         "(where the question is); 0 = all rows.", show_default="0",
+        rich_help_panel=_MODEL)] = None
+    sparse_recent: Annotated[Optional[int], typer.Option(
+        "--sparse-recent", help="The last R blocks attended besides the k picks (0..63).",
+        show_default="0", rich_help_panel=_MODEL)] = None
+    sparse_importance: Annotated[Optional[bool], typer.Option(
+        "--sparse-importance/--no-sparse-importance", help="Half of the k picks by prefill "
+        "importance, or all k by probes.", show_default="importance",
         rich_help_panel=_MODEL)] = None
     sparse_prefill: Annotated[Optional[bool], typer.Option(
         "--sparse-prefill/--exact-prefill", help="Sparse or exact prompt attention "
@@ -140,6 +148,8 @@ class EngineOptions:
                            sparse_probe=self.sparse_probe, sparse_group=self.sparse_group,
                            sparse_prefill=self.sparse_prefill,
                            sparse_window=self.sparse_window,
+                           sparse_recent=self.sparse_recent,
+                           sparse_importance=self.sparse_importance,
                            sparse_dense_first=self.sparse_dense_first,
                            sparse_dense_layers=self.sparse_dense_layers)
 

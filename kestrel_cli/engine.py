@@ -53,8 +53,8 @@ class LoadOptions:
             GEMV's layout (pyx/gemv_x16.h), same bytes, same results up to summation order.
         sparse_preset: a named set of the options below (`sparse.PRESETS`; implies
             sparse_attn); options given explicitly override it.
-        sparse_sink, sparse_probe, sparse_group, sparse_prefill, sparse_window: the
-            selection options of
+        sparse_sink, sparse_probe, sparse_group, sparse_prefill, sparse_window,
+            sparse_recent, sparse_importance: the selection options of
             `CacheSpec` (None: the preset's, else the plain selection's).
         sparse_dense_first: the first N layers attend exactly; sparse_dense_layers: layer
             indices (a list or "0,5,7") that do too (together: their union).
@@ -76,6 +76,8 @@ class LoadOptions:
     sparse_group: str | None = None
     sparse_prefill: bool | None = None
     sparse_window: int | None = None
+    sparse_recent: int | None = None
+    sparse_importance: bool | None = None
     sparse_dense_first: int | None = None
     sparse_dense_layers: str | tuple | None = None
 
@@ -87,7 +89,7 @@ class LoadOptions:
                                f"got {self.sparse_preset!r}")
         out = dict(PRESETS.get(self.sparse_preset or "seed", {}))
         for name in ("sparse_sink", "sparse_probe", "sparse_group", "sparse_prefill",
-                     "sparse_window"):
+                     "sparse_window", "sparse_recent", "sparse_importance"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         first = out.pop("sparse_dense_first", 0)
@@ -97,6 +99,8 @@ class LoadOptions:
             raise KestrelError(f"--sparse-dense-first must be >= 0, got {first}")
         if out.get("sparse_window", 0) < 0:
             raise KestrelError(f"--sparse-window must be >= 0, got {out['sparse_window']}")
+        if not 0 <= out.get("sparse_recent", 0) <= 63:
+            raise KestrelError(f"--sparse-recent must be 0..63, got {out['sparse_recent']}")
         layers = self.sparse_dense_layers
         if isinstance(layers, str):
             try:

@@ -537,8 +537,8 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             are left as they are.
         dec_tab: float32 scratch of >= decode_tab_size(pos0 + 1, ...) for a decode step
             (T == 1), so that the step allocates nothing; None: allocated here.
-        sparse_opts: the selection options (`CacheSpec.sparse_opts`: sink | pool << 2; 0:
-            the plain selection).
+        sparse_opts: the selection options (`CacheSpec.sparse_opts`: sink | pool << 2 |
+            recent << 4; 0: the plain selection).
         bounds: with the bound probe, the layer's key bounds (n_kv_heads, bound_cap, 2,
             head_dim), float32, or int8 with kv_q8 (`bounds_update` keeps them); None: the
             sampled probes.
@@ -596,9 +596,9 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             raise ValueError(f"imp_slots: expected ({_lib.SLOTS}, >= {n_ctx}), "
                              f"got {imp_slots.shape}")
     sparse_opts = int(sparse_opts)
-    if not 0 <= sparse_opts < 16:
+    if not 0 <= sparse_opts < 1024 or (sparse_opts & 3) == 3:
         raise ValueError(f"attention: bad sparse_opts {sparse_opts}")
-    width = sparse_k + (sparse_k > 0 and (sparse_opts & 3) == 2)
+    width = sparse_k + (sparse_k > 0) * (((sparse_opts & 3) == 2) + (sparse_opts >> 4))
     if bounds is not None:
         bt = np.int8 if kv_q8 else np.float32
         _array(bounds, "bounds", bt)

@@ -62,6 +62,8 @@ class CacheSpec:
         sparse_window: > 0: a prefill records the importance of its last sparse_window
             rows only (the prompt's end, where the question is: SnapKV's observation
             window); 0: of all its rows.
+        sparse_recent: the last R blocks (0..63) are attended besides the k picks.
+        sparse_importance: False: no importance picks (step 2), all k by probes.
     """
     dtype: str = "f32"
     sparse_k: int = 0
@@ -72,6 +74,8 @@ class CacheSpec:
     sparse_dense: tuple = ()
     sparse_prefill: bool = True
     sparse_window: int = 0
+    sparse_recent: int = 0
+    sparse_importance: bool = True
     block: ClassVar[int] = KV_BLOCK          # tokens per block (not a choice)
 
     def __post_init__(self):
@@ -87,6 +91,8 @@ class CacheSpec:
                               ("sparse_group", self.sparse_group, GROUPS)):
             if val not in ok:
                 raise KestrelError(f"{name} must be one of {', '.join(ok)}, got {val!r}")
+        if not 0 <= self.sparse_recent <= 63:
+            raise KestrelError(f"sparse_recent must be 0..63, got {self.sparse_recent}")
         if self.sparse_window < 0:
             raise KestrelError(f"sparse_window must be >= 0, got {self.sparse_window}")
         if any(not isinstance(x, int) or x < 0 for x in self.sparse_dense):
@@ -95,13 +101,16 @@ class CacheSpec:
 
     @property
     def sparse_opts(self) -> int:
-        """The kernel's code of the selection options (attn_select.h: sink | pool << 2)."""
-        return SINKS.index(self.sparse_sink) | GROUPS.index(self.sparse_group) << 2
+        """The kernel's code of the selection options (attn_select.h: sink | pool << 2 |
+        recent << 4)."""
+        return (SINKS.index(self.sparse_sink) | GROUPS.index(self.sparse_group) << 2
+                | self.sparse_recent << 4)
 
     @property
     def sparse_width(self) -> int:
-        """Most blocks a sparse query attends to: k, plus block 0 with the sink outside."""
-        return self.sparse_k + (self.sparse_sink == "out")
+        """Most blocks a sparse query attends to: k, plus block 0 with the sink outside,
+        plus the recent blocks."""
+        return self.sparse_k + (self.sparse_sink == "out") + self.sparse_recent
 
 
 class KVCache:
@@ -255,7 +264,8 @@ class KVCache:
         if layer in self.dense or (T > 1 and not self.spec.sparse_prefill):
             k = 0                        # dense layer, or exact prefill
         if k:
-            if self._has_imp[layer]:     # what the prefill calls before this one recorded
+            if self._has_imp[layer] and self.spec.sparse_importance:   # what the prefill
+                # calls before this one recorded
                 order = self._order[layer]
                 if order is None:        # recomputed after each prefill or trim
                     order = self._order[layer] = importance_order(
@@ -305,7 +315,7 @@ class KVCache:
                           np.int32)
             orders, n_orders = np.zeros(L, np.uint64), np.zeros(L, np.int64)
             for layer in range(L):
-                if ks[layer] and self._has_imp[layer]:
+                if ks[layer] and self._has_imp[layer] and self.spec.sparse_importance:
                     order = self._order[layer]
                     if order is None:
                         order = self._order[layer] = importance_order(

@@ -79,7 +79,7 @@ KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t group, p
         probe = pp;
         h1 = h + group;
     }
-    int nsel = ka_pick(probe, nb, k, KA_SINK(sopt), imp_order, n_order, ws->used, ws->sel);
+    int nsel = ka_pick(probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);
     for (ptrdiff_t x = h; x < h1; x++) {
         uint8_t *mask = masks + x * nb;
         memset(mask, 0, (size_t)nb);

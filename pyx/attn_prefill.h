@@ -87,7 +87,7 @@ KF_INLINE void ka_row(const ka_kv *kv, ka_q *q, float scale, int k, int sopt, in
     }
     for (ptrdiff_t b = 0; b < nb; b++)
         ws->probe[b] = ka_score_block(kv, q, b, q->n, n_probe, ws->s);
-    int nsel = ka_pick(ws->probe, nb, k, KA_SINK(sopt), imp_order, n_order, ws->used, ws->sel);
+    int nsel = ka_pick(ws->probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);
     ka_sorted(ws->sel, nsel, ws->blk);
     if (sel_out != NULL)
         memcpy(sel_out, ws->sel, (size_t)nsel * sizeof(int32_t));
@@ -114,7 +114,7 @@ KF_INLINE void ka_row_group(const ka_kv *kv, ka_q *qs, ptrdiff_t group, float sc
             }
             ws->probe[b] = v;
         }
-        n = ka_pick(ws->probe, nb, k, KA_SINK(sopt), imp_order, n_order, ws->used, ws->sel);
+        n = ka_pick(ws->probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);
         ka_sorted(ws->sel, n, ws->blk);
         for (ptrdiff_t g = 0; sel_out != NULL && g < group; g++)
             memcpy(sel_out + g * kt, ws->sel, (size_t)n * sizeof(int32_t));
@@ -123,7 +123,7 @@ KF_INLINE void ka_row_group(const ka_kv *kv, ka_q *qs, ptrdiff_t group, float sc
         for (ptrdiff_t g = 0; g < group; g++) {
             for (ptrdiff_t b = 0; b < nb; b++)
                 ws->probe[b] = ka_score_block(kv, &qs[g], b, qs[g].n, n_probe, ws->s);
-            int nsel = ka_pick(ws->probe, nb, k, KA_SINK(sopt), imp_order, n_order, ws->used,
+            int nsel = ka_pick(ws->probe, nb, k, sopt, imp_order, n_order, ws->used,
                                ws->sel);
             for (int i = 0; i < nsel; i++)
                 ws->mark[ws->sel[i]] = 1;

@@ -12,18 +12,21 @@
 #include "attn_kv.h"
 
 /* Options of the selection beyond the default (docs/DESIGN.md §3 Options), one int:
- * bits 0-1 the sink block, bits 2-3 the pooling of a kv head's query heads. The bound
- * probe is on when the cache view carries bounds (kv->bnd). sopt 0 is the default. */
+ * bits 0-1 the sink block, bits 2-3 the pooling of a kv head's query heads, bits 4-9 the
+ * recent blocks kept besides the k picks (0..63). The bound probe is on when the cache
+ * view carries bounds (kv->bnd). sopt 0 is the default. */
 enum { KA_SINK_OFF = 0, KA_SINK_IN = 1, KA_SINK_OUT = 2 };
 enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
 #define KA_SINK(sopt) ((sopt) & 3)
 #define KA_POOL(sopt) (((sopt) >> 2) & 3)
+#define KA_RECENT(sopt) (((sopt) >> 4) & 63)
 
 /* Blocks a query attends to at most (k, plus block 0 when the sink is outside the
- * budget): attention is exact while the context has no more blocks. */
+ * budget, plus the recent blocks): attention is exact while the context has no more
+ * blocks. */
 KF_INLINE int ka_ktot(int k, int sopt)
 {
-    return k + (KA_SINK(sopt) == KA_SINK_OUT ? 1 : 0);
+    return k + (KA_SINK(sopt) == KA_SINK_OUT ? 1 : 0) + KA_RECENT(sopt);
 }
 
 /* Step 1 for block b of tokens t < n_ctx: max of q . K over the keys p0, p0 + step,
@@ -51,25 +54,32 @@ KF_INLINE float ka_score_block(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrd
     return kv->bnd != NULL ? ka_bound(kv, q, b) : ka_probe(kv, q, b, n_ctx, n_probe, tmp);
 }
 
-/* Steps 2-4 over nb > ka_ktot(k, sink) blocks with probes `probe`. sink (KA_SINK_*): block 0
- * is the first pick and steps 2-4 run over the other blocks with k - 1 picks (inside the
- * budget) or k (outside it). imp_order (NULL: no
+/* Steps 2-4 over nb > ka_ktot(k, sopt) blocks with probes `probe`. The sink (KA_SINK(sopt)):
+ * block 0 is the first pick and steps 2-4 run over the other blocks with k - 1 picks
+ * (inside the budget) or k (outside it). KA_RECENT(sopt) = R: the last R blocks are the
+ * next picks, besides the k (and the recency swap finds the last block taken). imp_order (NULL: no
  * importance) lists blocks by prefill importance, descending, ties to the lower index
  * (kv_cache.py computes it once per prefill); blocks >= nb are skipped. Writes the picks
  * to sel in pick order (importance picks, then probe picks descending, the recency swap
  * in place) and returns their count (k). used: nb bytes of scratch. */
-KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k, int sink,
+KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k, int sopt,
                       const int32_t *imp_order, ptrdiff_t n_order, uint8_t *restrict used,
                       int32_t *restrict sel)
 {
+    const int sink = KA_SINK(sopt);
     memset(used, 0, (size_t)nb);
     int n_sink = 0;
     if (sink != KA_SINK_OFF) {
         sel[n_sink++] = 0;
         used[0] = 1;
         k -= sink == KA_SINK_IN ? 1 : 0;
-        sel += 1;
     }
+    for (ptrdiff_t b = nb - KA_RECENT(sopt); b < nb; b++)
+        if (b > 0 && !used[b]) {
+            sel[n_sink++] = (int32_t)b;
+            used[b] = 1;
+        }
+    sel += n_sink;
     /* 2. importance: the first (k + 1) / 2 blocks of the order that exist here */
     int n_imp = 0;
     if (imp_order != NULL) {

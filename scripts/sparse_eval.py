@@ -22,9 +22,12 @@ filler; greedy, 24 tokens; prints recalled yes/no per (size, depth) for exact an
 config and k, and the recall per k.
 
 Configs: seed (the plain selection), sink-in, sink-out, bound, dense2 (first 2 layers
-exact), kv-max, kv-sum, kv-union, exact-prefill, and every --sparse-preset name
-(kestrel_cli.sparse.PRESETS); "a+b" combines configs. Everything on the engine's CPU
-threads (-t); run it under nice.
+exact), kv-max, kv-sum, kv-union, exact-prefill, win32/64/128, recent1/2, noimp, and every
+--sparse-preset name (kestrel_cli.sparse.PRESETS); "a+b" combines configs. "sim:..."
+configs decode in NumPy with an oracle or a trial selection (see parse_sim below; e.g.
+sim:oracle=mass, the k blocks of largest true attention mass per head): slow, for
+learning what any selection could reach. Everything on the engine's CPU threads (-t);
+run it under nice.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import numpy as np
 
 from kestrel_cli.engine import Engine, LoadOptions
 from kestrel_cli.kv_cache import CacheSpec
-from kestrel_cli.sparse import PRESETS
+from kestrel_cli.sparse import PRESETS, importance_order
 
 CONFIGS = {
     "seed": {},
@@ -51,11 +54,18 @@ CONFIGS = {
     "win32": {"sparse_window": 32},
     "win64": {"sparse_window": 64},
     "win128": {"sparse_window": 128},
+    "recent1": {"sparse_recent": 1},
+    "recent2": {"sparse_recent": 2},
+    "noimp": {"sparse_importance": False},
 }
 
 
 def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
-    """The CacheSpec of a config name ("a+b": both) at k."""
+    """The CacheSpec of a config name ("a+b": both) at k; "sim:..." configs: exact
+    prefill, their decode by `use_policy`."""
+    if config.startswith("sim:"):
+        parse_sim(config)
+        return CacheSpec(dtype, sparse_k=k, sparse_prefill=False)
     opts: dict = {}
     for part in config.split("+"):
         if part in PRESETS and part != "seed":
@@ -68,6 +78,203 @@ def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
     if first:
         opts["sparse_dense"] = tuple(range(first))
     return CacheSpec(dtype, sparse_k=k, **opts)
+
+
+# ------------------------------------------------------------------ NumPy decode with policies
+# "sim:..." configs decode with attention computed here, in NumPy, over the blocks a
+# selection policy picks from the true scores or from estimates of them: the oracles
+# ("what can ANY selection of k blocks reach") and trials of selections before they go
+# into the kernel. Prefill stays the kernel's (exact for these configs).
+#   sim:oracle=mass      per query head, the k blocks of largest true attention mass
+#   sim:oracle=max       ... of largest true max score
+#   sim:oracle=kvmass    per kv head, the k blocks of largest mass summed over its heads
+#   sim:probe=P          rank blocks by P: pN (max of N sampled keys, the kernel's
+#                        stride), lseN (their log-sum-exp: the block's mass estimated
+#                        from them), bound (Quest's min/max bound), mass (the oracle)
+#   :imp=1               the seed's importance half ((k + 1) // 2 picks first)
+#   :swap=1              the seed's recency swap (sim:probe=p8:imp=1:swap=1 is the seed)
+#   :sink=out|in         block 0 kept besides (out) or inside (in) the k picks
+#   :recent=R            the last R blocks kept besides the k picks
+#   :group=union|sum     each head attends its kv head's union; sum: one pick per kv head
+#                        from the heads' scores softmax-normalised and summed
+#   :dense=a-b           layers a..b exact (dense=0-1: the first two)
+
+def parse_sim(config: str) -> dict:
+    """The policy of a "sim:key=val:..." config."""
+    pol = {"oracle": None, "probe": "p8", "imp": 0, "swap": 0, "sink": "off", "recent": 0,
+           "group": "head", "dense": ()}
+    for part in config.split(":")[1:]:
+        key, _, val = part.partition("=")
+        if key not in pol:
+            sys.exit(f"unknown sim option {key!r} in {config!r}")
+        if key == "dense":
+            lo, _, hi = val.partition("-")
+            pol[key] = tuple(range(int(lo), int(hi or lo) + 1))
+        elif key in ("imp", "swap", "recent"):
+            pol[key] = int(val)
+        else:
+            pol[key] = val
+    if pol["oracle"] not in (None, "mass", "max", "kvmass"):
+        sys.exit(f"unknown oracle {pol['oracle']!r}: mass, max or kvmass")
+    return pol
+
+
+def _topk(score: np.ndarray, k: int, banned: np.ndarray) -> np.ndarray:
+    """Mask (rows, nb) of each row's k best scores among blocks not banned (ties: lower
+    index first)."""
+    s = np.where(banned, -np.inf, score)
+    idx = np.argsort(-s, axis=1, kind="stable")[:, :k]
+    m = np.zeros(s.shape, bool)
+    np.put_along_axis(m, idx, True, axis=1)
+    return m & ~banned
+
+
+def block_reduce(s: np.ndarray, n: int, bs: int, how: str) -> np.ndarray:
+    """Per block of bs tokens of s (rows, n): "max" or "lse" (log of the summed exp)."""
+    nb = -(-n // bs)
+    x = np.full((s.shape[0], nb * bs), -np.inf)
+    x[:, :n] = s[:, :n]
+    x = x.reshape(s.shape[0], nb, bs)
+    m = x.max(axis=2)
+    if how == "max":
+        return m
+    return m + np.log(np.exp(x - m[:, :, None]).sum(axis=2))
+
+
+def sim_select(pol: dict, s: np.ndarray, q: np.ndarray, kq: np.ndarray, n: int, k: int,
+               group: int, order, bs: int = 32) -> np.ndarray:
+    """Mask (n_heads, nb) of the blocks each head attends. s (n_heads, n): the true scaled
+    scores; q (n_heads, hd); kq (n, n_kv, hd) the keys; order: importance order or None."""
+    nh = s.shape[0]
+    nb = -(-n // bs)
+    keep = np.zeros((nh, nb), bool)           # kept besides the budget
+    if pol["sink"] == "out":
+        keep[:, 0] = True
+    if pol["recent"]:
+        keep[:, max(0, nb - pol["recent"]):] = True
+    if nb <= k + keep[0].sum():
+        return np.ones((nh, nb), bool)
+    kk = k - (pol["sink"] == "in")
+    sel = keep.copy()
+    if pol["sink"] == "in":
+        sel[:, 0] = True
+    if pol["imp"] and order is not None:
+        blocks = [int(b) for b in order if b < nb and not sel[0, b]][:(kk + 1) // 2]
+        sel[:, blocks] = True
+        kk -= len(blocks)
+    if pol["oracle"] in ("mass", "kvmass") or pol["probe"] == "mass":
+        score = block_reduce(s, n, bs, "lse")
+    elif pol["oracle"] == "max":
+        score = block_reduce(s, n, bs, "max")
+    elif pol["probe"] == "bound":
+        kb = np.full((nb * bs, kq.shape[1], kq.shape[2]), np.nan)
+        kb[:n] = kq
+        kb = kb.reshape(nb, bs, kq.shape[1], kq.shape[2])
+        hi, lo = np.nanmax(kb, axis=1), np.nanmin(kb, axis=1)     # (nb, n_kv, hd)
+        qg = q.reshape(-1, group, q.shape[1])                     # (n_kv, group, hd)
+        score = np.maximum(np.einsum("kgd,bkd->kgbd", qg, hi),
+                           np.einsum("kgd,bkd->kgbd", qg, lo)).sum(-1).reshape(nh, nb)
+    else:
+        lse = pol["probe"].startswith("lse")
+        p = int(pol["probe"][3 if lse else 1:])
+        sp = np.full((nh, nb * bs), -np.inf)
+        sp[:, :n] = s
+        sp = sp.reshape(nh, nb, bs)
+        step = max(1, bs // p)
+        last = n - (nb - 1) * bs                                  # the partial last block
+        st = max(1, last // p)
+        if lse:       # log of the block's mass estimated from its samples
+            x = sp[:, :, ::step]
+            m = x.max(axis=2)
+            score = m + np.log(np.exp(x - m[:, :, None]).sum(axis=2) * step)
+            x = sp[:, nb - 1, :last:st]
+            m = x.max(axis=1)
+            score[:, nb - 1] = m + np.log(np.exp(x - m[:, None]).sum(axis=1) * st)
+        else:
+            score = sp[:, :, ::step].max(axis=2)
+            score[:, nb - 1] = sp[:, nb - 1, :last:st].max(axis=1)
+    if pol["oracle"] == "kvmass" or pol["group"] == "sum":
+        w = np.exp(score - score.max(axis=1, keepdims=True))
+        w = (w / w.sum(axis=1, keepdims=True)).reshape(-1, group, nb).sum(axis=1)
+        pick = _topk(w, kk, sel[::group])
+        sel |= np.repeat(pick, group, axis=0)
+    else:
+        pick = _topk(score, kk, sel)
+        if pol["swap"]:          # the seed's recency: the last block replaces the lowest pick
+            for h in np.flatnonzero(~(sel | pick)[:, nb - 1]):
+                cand = np.flatnonzero(pick[h])
+                if cand.size:
+                    low = cand[np.lexsort((-cand, score[h, cand]))[0]]
+                    pick[h, low], pick[h, nb - 1] = False, True
+        sel |= pick
+    if pol["group"] == "union":
+        sel = np.repeat(sel.reshape(-1, group, nb).any(axis=1), group, axis=0)
+    return sel
+
+
+class SimAttend:
+    """cache.attend for decode rows (T == 1) of the sparse layers, in NumPy over the
+    blocks `sim_select` picks; prefill rows and dense layers go to the kernel."""
+
+    def __init__(self, cache, pol: dict, k: int):
+        self.c, self.pol, self.k = cache, pol, k
+        self.kernel = type(cache).attend.__get__(cache)
+        n = cache.max_tokens
+        self.K = np.zeros((cache.n_layers, n, cache.kv_dim), np.float32)
+        self.V = np.zeros((cache.n_layers, n, cache.kv_dim), np.float32)
+        self.have = [0] * cache.n_layers
+
+    def _rows(self, layer: int, n: int) -> None:
+        c, r0 = self.c, self.have[layer]
+        for dst, blocks in ((self.K, c.k_blocks), (self.V, c.v_blocks)):
+            for t0 in range(r0 - r0 % c.kv_bs, n, c.kv_bs):
+                b, m = t0 // c.kv_bs, min(c.kv_bs, n - t0)
+                if c.q8:
+                    vals, sc = c._q8_views(blocks[layer][b])
+                    x = (vals[:m].reshape(m, c.n_kv_heads, c.head_dim)
+                         * sc.T[:m, :, None]).reshape(m, c.kv_dim)
+                else:
+                    x = blocks[layer][b][:m]
+                dst[layer, t0:t0 + m] = x
+        self.have[layer] = n
+
+    def __call__(self, layer: int, q: np.ndarray, out: np.ndarray) -> np.ndarray:
+        c = self.c
+        if q.shape[0] != 1 or layer in self.pol["dense"] or layer in c.dense:
+            return self.kernel(layer, q, out)
+        n = c.offset + 1
+        self._rows(layer, n)
+        hd, nkv = c.head_dim, c.n_kv_heads
+        qh = q.reshape(-1, hd).astype(np.float64)
+        nh = qh.shape[0]
+        group = nh // nkv
+        kq = self.K[layer, :n].reshape(n, nkv, hd).astype(np.float64)
+        vq = self.V[layer, :n].reshape(n, nkv, hd).astype(np.float64)
+        s = np.einsum("kgd,nkd->kgn", qh.reshape(nkv, group, hd), kq).reshape(nh, n) * c.scale
+        order = None
+        if self.pol["imp"] and c._has_imp[layer]:
+            order = c._order[layer]
+            if order is None:
+                order = c._order[layer] = importance_order(c.importance[layer], c.max_tokens)
+        sel = sim_select(self.pol, s, qh, kq, n, self.k, group, order, c.kv_bs)
+        tok = np.repeat(sel, c.kv_bs, axis=1)[:, :n]
+        s = np.where(tok, s, -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        o = np.einsum("kgn,nkd->kgd", p.reshape(nkv, group, n), vq)
+        out[0] = o.reshape(-1)
+        return out
+
+
+def use_policy(model, cache, config: str, k: int) -> None:
+    """Decode `cache` with the NumPy policy of a "sim:..." config (through the model's
+    Python layer loop, which calls cache.attend), else the kernel (native decode)."""
+    sim = config.startswith("sim:") and k
+    model.native_decode = not sim
+    if sim:
+        cache.attend = SimAttend(cache, parse_sim(config), k)
+    else:
+        cache.__dict__.pop("attend", None)
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -105,6 +312,9 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
     print(f"{'config (decode over an exact prefill)':<40} {'k':>3} {'kld_dec':>9} "
           f"{'ppl_dec':>8} {'s':>5}", flush=True)
     runs = [("exact", 0)] + [(c, int(k)) for k in a.k.split(",") for c in a.configs.split(",")]
+    if a.runs:                                  # explicit config@k pairs
+        runs = [("exact", 0)] + [(r.rpartition("@")[0], int(r.rpartition("@")[2]))
+                                 for r in a.runs.split(",")]
     for config, k in runs:
         t0 = time.perf_counter()
         kl, nll, n = 0.0, 0.0, 0
@@ -119,6 +329,7 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
             sc, first = pre[w]
             sc.trim(cut)
             sc.respec(spec)
+            use_policy(model, sc, config, k)
             rows = [first]
             for t in win[cut:win.size - 1]:
                 rows.append(model(np.array([t]), sc))
@@ -236,10 +447,12 @@ def cmd_needle(a) -> None:
                     sc = shared[w]
                     if w not in first:
                         sc.respec(base)
+                        use_policy(model, sc, "exact", 0)
                         sc.reset()
                         first[w] = model(ids, sc)
                     sc.trim(len(ids))
                     sc.respec(spec)
+                    use_policy(model, sc, c, k)
                     ans = greedy(eng, sc, first[w])
                 else:
                     if (c, k) not in own:
@@ -276,6 +489,8 @@ def main(argv=None) -> None:
     s.add_argument("-c", "--ctx", type=int, default=4096)
     s.add_argument("--decode-tail", type=int, default=256)
     s.add_argument("--windows", type=int, default=2)
+    s.add_argument("--runs", default="",
+                   help="with --shared-prefill: config@k pairs instead of -k x --configs")
     s.add_argument("--shared-prefill", action="store_true",
                    help="one exact prefill per window, every config's decode over it")
     s = sub.choices["needle"]

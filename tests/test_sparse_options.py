@@ -245,6 +245,9 @@ def test_sink_outside_the_budget_is_exact_up_to_k_plus_1_blocks():
 def test_presets_and_overrides():
     spec = LoadOptions(sparse_preset="quality").cache_spec
     assert spec.sparse_k == 32 and spec.sparse_group == "union" and not spec.sparse_prefill
+    assert not spec.sparse_importance and spec.sparse_sink == "out" and spec.sparse_recent == 1
+    assert LoadOptions(sparse_preset="quality", sparse_recent=0,
+                       sparse_importance=True).cache_spec.sparse_importance
     spec = LoadOptions(sparse_preset="quality", sparse_group="max", sparse_k=8).cache_spec
     assert spec.sparse_group == "max" and spec.sparse_k == 8 and not spec.sparse_prefill
     assert LoadOptions(sparse_attn=True).cache_spec == CacheSpec(sparse_k=32)
@@ -271,7 +274,7 @@ def test_flags_in_help(cmd):
     out = re.sub(r"\x1b\[[0-9;]*m", "", r.output)
     for flag in ("--sparse-preset", "--sparse-sink", "--sparse-probe", "--sparse-group",
                  "--sparse-dense-first", "--sparse-dense-layers", "--exact-prefill",
-                 "--sparse-window"):
+                 "--sparse-window", "--sparse-recent", "--no-sparse-importance"):
         assert flag in out, (cmd, flag)
 
 
@@ -320,3 +323,77 @@ def test_window_importance_from_the_last_rows_only():
     assert LoadOptions(sparse_attn=True, sparse_window=64).cache_spec.sparse_window == 64
     with pytest.raises(KestrelError, match="sparse_window"):
         CacheSpec(sparse_k=2, sparse_window=-1)
+
+
+# ---------------------------------------------------------------- recent blocks, no importance
+
+@pytest.mark.parametrize("recent", [1, 3])
+@pytest.mark.parametrize("importance", [True, False])
+@pytest.mark.parametrize("sink,group", [("off", "head"), ("out", "union"), ("in", "sum")])
+def test_recent_blocks_and_no_importance_decode_picks(recent, importance, sink, group):
+    rng = np.random.default_rng(recent * 7 + importance + len(sink) + len(group))
+    for k, seq in ((2, 9 * BS + 4), (5, 16 * BS - 1)):
+        spec = CacheSpec(sparse_k=k, sparse_sink=sink, sparse_group=group,
+                         sparse_recent=recent, sparse_importance=importance)
+        c = filled_cache(spec, seq, rng)
+        c.importance[0, :seq] = rng.random(seq).astype(np.float32)
+        c._has_imp[0] = True
+        imp = c.importance[0, :seq + 1].copy() if importance else None
+        q, picks = decode_picks(c, rng)
+        n, nb = seq + 1, -(-(seq + 1) // BS)
+        assert picks.shape[1] == k + (sink == "out") + recent
+        for kh in range(N_KV):
+            scores = [ref_scores(c, q[kh * GROUP + g], kh, "sample") for g in range(GROUP)]
+            if group == "sum":
+                s = scores[0].copy()
+                for x in scores[1:]:
+                    s = (s + x).astype(np.float32)
+                scores = [s] * GROUP
+            for g in range(GROUP):
+                want = select_with(scores[g], imp, n, k, sink, recent=recent)
+                got = picks[kh * GROUP + g]
+                assert got[got >= 0].tolist() == want.tolist(), (kh, g, k)
+                assert set(range(nb - recent, nb)) <= set(got.tolist())   # recent kept
+                assert (got >= 0).sum() == k + (sink == "out") + recent
+
+
+def test_recent_blocks_exact_up_to_k_plus_r_blocks_and_in_prefill_rows():
+    a, _ = run_layers(CacheSpec(), T_pre=4 * BS, n_dec=0)
+    b, _ = run_layers(CacheSpec(sparse_k=2, sparse_recent=2), T_pre=4 * BS, n_dec=0)
+    c, _ = run_layers(CacheSpec(sparse_k=2, sparse_recent=1), T_pre=4 * BS, n_dec=0)
+    assert all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
+    assert not np.array_equal(a[0][0], c[0][0])
+    # a prefill's sparse rows keep their last R blocks too (the rows' causal prefix)
+    rng = np.random.default_rng(8)
+    seq, k, r = 9 * BS + 5, 2, 2
+    cc = KVCache(1, N_KV, HD, seq, CacheSpec(sparse_k=k, sparse_recent=r), threads=1)
+    cc.record_selection = True
+    cc.reserve(seq)
+    kk = rng.standard_normal((seq, N_KV * HD)).astype(np.float32)
+    cc.write(0, kk, kk)
+    q = rng.standard_normal((seq, N_HEADS * HD)).astype(np.float32)
+    cc.attend(0, q, np.empty_like(q))
+    sel = cc.selection[0]
+    for i in range(seq):
+        nb = -(-(i + 1) // BS)
+        if nb > k + r:
+            assert {nb - 2, nb - 1} <= set(sel[i, 0].tolist()), i
+    keys = cc.keys(0) if cc.offset else None
+    cc.commit(seq)
+    keys = cc.keys(0)
+    for h in range(N_HEADS):
+        kh = h // GROUP
+        want = select_with(probe_scores(q[-1, h * HD:(h + 1) * HD],
+                                        keys[:, kh * HD:(kh + 1) * HD]), None, seq, k,
+                           recent=r)
+        assert sel[-1, h].tolist() == want.tolist()
+
+
+def test_recent_and_importance_flags():
+    spec = LoadOptions(sparse_attn=True, sparse_recent=2, sparse_importance=False).cache_spec
+    assert spec.sparse_recent == 2 and not spec.sparse_importance
+    assert spec.sparse_opts == 2 << 4 and spec.sparse_width == 34
+    with pytest.raises(KestrelError, match="--sparse-recent"):
+        LoadOptions(sparse_attn=True, sparse_recent=64).validate()
+    with pytest.raises(KestrelError, match="sparse_recent"):
+        CacheSpec(sparse_k=2, sparse_recent=-1)
