@@ -207,12 +207,4 @@ def select_blocks(q: np.ndarray, keys: np.ndarray, importance: np.ndarray | None
     if importance is not None:
         order = importance_order(importance, seq, bs)
         picks = [int(b) for b in order[:(k + 1) // 2]]
-    n_imp = len(picks)
-    taken = set(picks)
-    # descending probe, ties to the lower index
-    by_probe = [b for b in np.lexsort((np.arange(nb), -probe.astype(np.float64)))
-                if int(b) not in taken]
-    probe_picks = [int(b) for b in by_probe[:k - n_imp]]
-    if probe_picks and nb - 1 not in taken and nb - 1 not in probe_picks:
-        probe_picks[-1] = nb - 1      # the last pick is the lowest probe, ties: higher index
-    return np.array(picks + probe_picks, dtype=np.int64)
+    return np.array(_picks(probe, picks, k, nb, set(picks)), dtype=np.int64)
