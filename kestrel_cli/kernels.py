@@ -218,6 +218,7 @@ class ExpertTable:
                                   for ws in self.experts], bool)
         self.on_pack = on_pack
         self._lock = threading.Lock()           # forks decode in threads (serve --parallel)
+        self._bufs = threading.local()          # decode's per-thread gather tables
         # the repacked experts live side by side in one mapping with huge pages (a decode
         # token reads ~24 small matrices a layer: with 4 KiB pages, TLB misses cost)
         self._arena = None
@@ -269,12 +270,17 @@ class ExpertTable:
             out: float32 (1, H), added into.
         """
         sel = np.asarray(sel, dtype=np.int64)
+        bufs = getattr(self._bufs, "k", None)   # this thread's (3, k) tables, made once
+        if bufs is None or bufs[0].shape[1] != len(sel):
+            bufs = self._bufs.k = tuple(np.empty((3, len(sel)), a.dtype)
+                                        for a in (self.fmts, self.ptrs, self.ldws))
+        fmts, ptrs, ldws = bufs
         with self._lock:
             for e in sel[self.unpacked[sel]]:
                 self.pack(int(e), threads)
-            fmts = np.ascontiguousarray(self.fmts[:, sel])
-            ptrs = np.ascontiguousarray(self.ptrs[:, sel])
-            ldws = np.ascontiguousarray(self.ldws[:, sel])
+            np.take(self.fmts, sel, axis=1, out=fmts)
+            np.take(self.ptrs, sel, axis=1, out=ptrs)
+            np.take(self.ldws, sel, axis=1, out=ldws)
         _lib.moe_decode(x, fmts, ptrs, ldws, np.ascontiguousarray(we, dtype=np.float32),
                         self.I, out, _threads(threads), bool(act_q8))
         return out
