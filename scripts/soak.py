@@ -437,6 +437,13 @@ def main(argv=None) -> int:
     for t in extra[1:]:
         t.join()
     stop_sampling.set()
+    extra[0].join()
+    # one last sample after every request: a run shorter than the sampling period (a fast
+    # machine, a small model) still has one after the warm-up
+    p = server.pid if server else pid
+    kib = rss_kib(p) if p is not None and up.is_set() else None
+    if kib is not None:
+        rss.append((time.monotonic() - t_start, len(results), kib))
     wall = time.monotonic() - t_start
     after = snapshot(*watched)
     rc_stop = server.stop() if server else 0
