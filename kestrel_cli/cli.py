@@ -99,8 +99,9 @@ class EngineOptions:
         "--sparse-sink", help="Always attend block 0: off, in (one of the k picks) or out "
         "(besides the k picks).", show_default="off", rich_help_panel=_MODEL)] = None
     sparse_probe: Annotated[Optional[str], typer.Option(
-        "--sparse-probe", help="Block ranking: sample (--sparse-probes keys) or bound "
-        "(per-block min/max key bound, Quest).", show_default="sample",
+        "--sparse-probe", help="Block ranking: sample (--sparse-probes keys), bound "
+        "(per-block min/max key bound, Quest) or sketch (every key kept at 4 bits, blocks "
+        "ranked by their estimated attention mass).", show_default="sample",
         rich_help_panel=_MODEL)] = None
     sparse_group: Annotated[Optional[str], typer.Option(
         "--sparse-group", help="head: each query head picks; max / sum: one pick per kv "

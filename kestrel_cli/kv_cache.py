@@ -35,7 +35,7 @@ from .sparse import importance_order
 
 DTYPES = ("f32", "q8", "f16")
 SINKS = ("off", "in", "out")            # sparse_sink values (kernel code: their index)
-PROBES = ("sample", "bound")            # sparse_probe values
+PROBES = ("sample", "bound", "sketch")  # sparse_probe values
 GROUPS = ("head", "max", "sum", "union")  # sparse_group values (kernel code: their index)
 
 
@@ -52,8 +52,9 @@ class CacheSpec:
         Options; the defaults are the plain selection):
         sparse_sink: "off"; "in": block 0 is always one of the k picks; "out": block 0 is
             attended besides the k picks.
-        sparse_probe: "sample" (sparse_probes keys per block) or "bound" (the per-block
-            min/max key bound, kept as tokens are written).
+        sparse_probe: "sample" (sparse_probes keys per block), "bound" (the per-block
+            min/max key bound, kept as tokens are written) or "sketch" (every key also kept
+            at 4 bits; a block ranked by its attention mass estimated from all its keys).
         sparse_group: "head" (each query head picks its own blocks); "max" / "sum": one
             selection per kv head from its query heads' pooled probes; "union": each head
             picks, every head of the kv head attends the union.
@@ -162,9 +163,12 @@ class KVCache:
             raise KestrelError(f"dense layers {bad} out of range: the model has {n_layers} "
                                f"layers (0..{n_layers - 1})")
         self.dense = frozenset(spec.sparse_dense)
-        self.sparse_opts, self.sparse_width = spec.sparse_opts, spec.sparse_width
         # bound probe: per layer, kv head and block the max then min of K (int8 with an
-        # int8 cache, float32 otherwise), kept up to date by write()
+        # int8 cache, float32 otherwise), kept up to date by write(); sketch probe, in the
+        # same arrays: per layer, kv head and token the key at 4 bits (uint8 (n_kv, cap,
+        # KV_BLOCK, head_dim / 2)) and its scale (float32 (n_kv, cap, KV_BLOCK))
+        self.sketch = spec.sparse_k > 0 and spec.sparse_probe == "sketch"
+        self.sparse_opts, self.sparse_width = self._opts(spec), spec.sparse_width
         self.bounds = self.bound_scales = None
         self._bcap = cap
         self._use_bounds = False                       # attend reads the bounds
@@ -180,6 +184,22 @@ class KVCache:
                 self._bnd[layer] = self.bounds[layer].reshape(-1).view(np.uint8)
                 self._bsc[layer] = self.bound_scales[layer].reshape(-1)
             self._use_bounds = True
+        if self.sketch:
+            if head_dim % 2 or head_dim > K.SKETCH_HD_MAX:
+                raise KestrelError(f"the sketch probe needs an even head_dim <= "
+                                   f"{K.SKETCH_HD_MAX}, got {head_dim}")
+            self.bounds = np.zeros((n_layers, n_kv_heads, cap, KV_BLOCK, head_dim // 2),
+                                   np.uint8)
+            self.bound_scales = np.zeros((n_layers, n_kv_heads, cap, KV_BLOCK), np.float32)
+            for layer in range(n_layers):
+                self._bnd[layer] = self.bounds[layer].reshape(-1)
+                self._bsc[layer] = self.bound_scales[layer].reshape(-1)
+            self._use_bounds = True
+
+    def _opts(self, spec: CacheSpec) -> int:
+        """The kernel's selection options: the spec's, and the sketch bit when the bounds
+        arrays hold key sketches (the writes keep them whatever probe reads)."""
+        return spec.sparse_opts | (K.SKETCH if self.sketch else 0)
 
     @property
     def n_blocks(self) -> int:
@@ -235,7 +255,12 @@ class KVCache:
             done += m
 
     def _update_bounds(self, layer: int, b: int, r0: int, r1: int) -> None:
-        """Fold rows r0..r1-1 of K block b of `layer` into its key bounds."""
+        """Fold rows r0..r1-1 of K block b of `layer` into its key bounds (or sketch)."""
+        if self.sketch:
+            K.sketch_update_unchecked(int(self.k_ptrs[layer, b]), self.kv_kind,
+                                      self.n_kv_heads, self.head_dim, r0, r1,
+                                      self._bnd[layer], self._bsc[layer], self._bcap, b)
+            return
         K.bounds_update_unchecked(int(self.k_ptrs[layer, b]), self.kv_kind, self.n_kv_heads,
                                   self.head_dim, r0, r1, self._bnd[layer], self._bsc[layer],
                                   self._bcap, b)
@@ -343,8 +368,10 @@ class KVCache:
         scripts/sparse_eval.py compares settings over one prefill this way."""
         if spec.dtype != self.spec.dtype:
             raise KestrelError(f"respec: the cache holds {self.spec.dtype}, not {spec.dtype}")
-        if spec.sparse_k and spec.sparse_probe == "bound" and self.bounds is None:
-            raise KestrelError("respec: the bound probe needs a cache made with it")
+        if spec.sparse_k and spec.sparse_probe in ("bound", "sketch") and (
+                self.bounds is None or self.sketch != (spec.sparse_probe == "sketch")):
+            raise KestrelError(f"respec: the {spec.sparse_probe} probe needs a cache made "
+                               f"with it")
         bad = [x for x in spec.sparse_dense if x >= self.n_layers]
         if bad:
             raise KestrelError(f"dense layers {bad} out of range: the model has "
@@ -352,8 +379,8 @@ class KVCache:
         self.spec = spec
         self.sparse_k, self.sparse_probes = spec.sparse_k, spec.sparse_probes
         self.dense = frozenset(spec.sparse_dense)
-        self.sparse_opts, self.sparse_width = spec.sparse_opts, spec.sparse_width
-        self._use_bounds = spec.sparse_k > 0 and spec.sparse_probe == "bound"
+        self.sparse_opts, self.sparse_width = self._opts(spec), spec.sparse_width
+        self._use_bounds = spec.sparse_k > 0 and spec.sparse_probe in ("bound", "sketch")
         self._native = None
 
     def commit(self, n: int) -> None:
@@ -368,7 +395,7 @@ class KVCache:
             del self.v_blocks[layer][keep:]
             self.k_ptrs[layer, keep:] = 0
             self.v_ptrs[layer, keep:] = 0
-        if self.bounds is not None and self.offset % KV_BLOCK:
+        if self.bounds is not None and not self.sketch and self.offset % KV_BLOCK:
             for layer in range(self.n_layers):       # the kept rows of the last block only
                 self._update_bounds(layer, keep - 1, 0, self.offset % KV_BLOCK)
         self.importance[:, self.offset:self._imp_end] = 0

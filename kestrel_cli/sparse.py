@@ -101,6 +101,41 @@ def bound_scores(q: np.ndarray, hi: np.ndarray, lo: np.ndarray,
     return s.astype(np.float32)
 
 
+def key_sketch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The sketch probe's summary of keys (seq, head_dim), as the cache keeps it (docs/
+    DESIGN.md §3 Options): per token S = max|k| / 7 and u = clip(rint(k / S), -7, 7) + 8,
+    packed two per byte (dim j low, dim j + head_dim/2 high): (uint8 (seq, head_dim / 2),
+    float32 (seq,))."""
+    k = np.asarray(keys, np.float32)
+    h2 = k.shape[1] // 2
+    m = np.abs(k).max(axis=1)
+    inv = np.where(m > 0, np.float32(7.0) / np.where(m > 0, m, np.float32(1.0)),
+                   np.float32(0.0)).astype(np.float32)
+    u = (np.clip(np.rint(k * inv[:, None]), -7, 7) + 8).astype(np.uint8)
+    return u[:, :h2] | (u[:, h2:] << 4), (m / np.float32(7.0)).astype(np.float32)
+
+
+def sketch_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray, scale: float,
+                  bs: int = BS) -> np.ndarray:
+    """The sketch probe: score[b] = log sum over block b's tokens t of exp(scale * q~ . k~_t),
+    q~ = rint(q / Sq) * Sq at int8 (Sq = max|q| / 127), k~ the sketched keys
+    (`key_sketch`): the block's attention mass estimated from all its keys. float32."""
+    q = np.asarray(q, np.float32)
+    m = np.abs(q).max()
+    qi = np.rint(q * (np.float32(127.0) / m if m > 0 else np.float32(0.0))).astype(np.int64)
+    qs = np.float32(m / np.float32(127.0)) * np.float32(scale)
+    u = np.concatenate([packed & 15, packed >> 4], axis=1).astype(np.int64)
+    acc = u @ qi - 8 * qi.sum()
+    s = acc.astype(np.float32) * (scales * qs)
+    n = s.shape[0]
+    nb = -(-n // bs)
+    x = np.full(nb * bs, -np.inf)
+    x[:n] = s
+    x = x.reshape(nb, bs)
+    mx = x.max(axis=1)
+    return (mx + np.log(np.exp(x - mx[:, None]).sum(axis=1))).astype(np.float32)
+
+
 def _picks(score: np.ndarray, importance_picks: list[int], k: int, nb: int,
            taken: set[int]) -> list[int]:
     """Steps 3-4: fill k - len(importance_picks) picks by score (descending, ties to the
@@ -142,12 +177,16 @@ def select_with(score: np.ndarray, importance: np.ndarray | None, seq: int, k: i
 
 def select_blocks_opts(q: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
                        n_probe: int = 8, bs: int = BS, *, sink: str = "off",
-                       probe: str = "sample", bounds=None, recent: int = 0) -> np.ndarray:
+                       probe: str = "sample", bounds=None, recent: int = 0,
+                       scale: float = 1.0) -> np.ndarray:
     """`select_blocks` with the options (docs/DESIGN.md §3 Options): sink "off" / "in" /
-    "out"; probe "sample" or "bound" (scores from `bound_scores` over `bounds` = (hi, lo)
-    or (hi, lo, scale), default key_bounds(keys)); the last `recent` blocks besides the
-    k. Defaults: select_blocks."""
-    if probe == "bound":
+    "out"; probe "sample", "bound" (scores from `bound_scores` over `bounds` = (hi, lo)
+    or (hi, lo, scale), default key_bounds(keys)) or "sketch" (`sketch_scores` at the
+    softmax scale `scale` over `bounds` = (packed, scales), default key_sketch(keys));
+    the last `recent` blocks besides the k. Defaults: select_blocks."""
+    if probe == "sketch":
+        score = sketch_scores(q, *(key_sketch(keys) if bounds is None else bounds), scale, bs)
+    elif probe == "bound":
         b = key_bounds(keys, bs) if bounds is None else bounds
         score = bound_scores(q, *b)
     else:
@@ -157,19 +196,22 @@ def select_blocks_opts(q: np.ndarray, keys: np.ndarray, importance: np.ndarray |
 
 def select_group(qs: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
                  pool: str, n_probe: int = 8, bs: int = BS, *, sink: str = "off",
-                 probe: str = "sample", bounds=None) -> list[np.ndarray]:
+                 probe: str = "sample", bounds=None, scale: float = 1.0) -> list[np.ndarray]:
     """The blocks each of the query heads qs (group, head_dim) of one kv head attends to
     with one selection per kv head: pool "max" / "sum" picks once from the heads' scores
     folded in head order; "union" picks per head and each attends the union (ascending).
     Returns one array per head (pick order for max / sum)."""
     if pool == "union":
         each = [select_blocks_opts(q, keys, importance, k, n_probe, bs, sink=sink,
-                                   probe=probe, bounds=bounds) for q in qs]
+                                   probe=probe, bounds=bounds, scale=scale) for q in qs]
         u = np.unique(np.concatenate(each)).astype(np.int64)
         return [u for _ in qs]
     scores = []
     for q in qs:
-        if probe == "bound":
+        if probe == "sketch":
+            scores.append(sketch_scores(q, *(key_sketch(keys) if bounds is None else bounds),
+                                        scale, bs))
+        elif probe == "bound":
             b = key_bounds(keys, bs) if bounds is None else bounds
             scores.append(bound_scores(q, *b))
         else:

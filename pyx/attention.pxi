@@ -24,6 +24,8 @@ cdef extern from "attention.h" nogil:
 
     ctypedef struct ka_kv:
         Py_ssize_t imp_from
+        int sketch
+        float sk_scale
         Py_ssize_t n_kv
         Py_ssize_t hd
         Py_ssize_t bs
@@ -50,6 +52,16 @@ cdef extern from "attention.h" nogil:
                           Py_ssize_t hd, Py_ssize_t r0, Py_ssize_t r1, uint8_t *bnd,
                           Py_ssize_t bstride, float *bsc, Py_ssize_t sstride) noexcept
     int ka_ktot(int k, int sopt) noexcept
+    enum:
+        KA_SKETCH
+        KA_SKHDMAX
+    void ka_sketch_update(const uint8_t *blk, int kind, Py_ssize_t bs, Py_ssize_t n_kv,
+                          Py_ssize_t hd, Py_ssize_t r0, Py_ssize_t r1, uint8_t *skt,
+                          Py_ssize_t bstride, float *ssc, Py_ssize_t sstride) noexcept
+    int32_t ka_sketch_query(const float *q, Py_ssize_t hd, float scale, int8_t *qi,
+                            float *qs) noexcept
+    float ka_sketch(const ka_kv *kv, const int8_t *qi, float qs, int32_t qsum, Py_ssize_t kh,
+                    Py_ssize_t b, Py_ssize_t n_ctx, float *tmp) noexcept
     Py_ssize_t ka_q8_scale_offset(Py_ssize_t bs, Py_ssize_t ld) noexcept
     Py_ssize_t ka_q8_block_bytes(Py_ssize_t bs, Py_ssize_t n_kv, Py_ssize_t hd) noexcept
     float ka_quant_row(const float *x, Py_ssize_t n, int8_t *q) noexcept
@@ -83,6 +95,8 @@ cdef extern from "attention.h" nogil:
 SLOTS = KA_SLOTS            # rows of the importance scratch the caller provides
 KV_F32, KV_Q8, KV_F16 = KA_KV_F32, KA_KV_Q8, KA_KV_F16   # kv_kind values
 HD_MAX_F16 = KA_HDMAX       # most head_dim with a float16 cache
+SKETCH = KA_SKETCH          # sparse_opts bit: bounds hold key sketches (the sketch probe)
+SKETCH_HD_MAX = KA_SKHDMAX  # most head_dim with the sketch probe
 
 
 def kv_q8_layout(Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim):
@@ -184,6 +198,12 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
             raise ValueError("attention: int8 bounds need bound_scales")
         ka_kv_bounds(&kv, &bounds[0], &bound_scales[0] if bound_scales is not None else NULL,
                      bound_cap)
+        if sparse_opts & KA_SKETCH:
+            if head_dim > KA_SKHDMAX or head_dim % 2 or bound_scales is None:
+                raise ValueError(f"attention: the sketch probe needs an even head_dim <= "
+                                 f"{KA_SKHDMAX} and its scales")
+            kv.sketch = 1
+            kv.sk_scale = scale
     if imp_order is not None and imp_order.shape[0] > 0:
         order_p, n_order = &imp_order[0], imp_order.shape[0]
     if sel is not None and k > 0:
@@ -277,6 +297,48 @@ def bounds_update(uint64_t k_block, int kv_kind, Py_ssize_t kv_bs, Py_ssize_t n_
                      head_dim, r0, r1, &bounds[block * 2 * head_dim * es],
                      cap * 2 * head_dim, &bound_scales[block] if kv_kind == KA_KV_Q8 else NULL,
                      cap)
+
+
+def sketch_update(uint64_t k_block, int kv_kind, Py_ssize_t kv_bs, Py_ssize_t n_kv_heads,
+                  Py_ssize_t head_dim, Py_ssize_t r0, Py_ssize_t r1,
+                  uint8_t[::1] sketch,         # IN/OUT (n_kv, cap, kv_bs, hd / 2) one layer's
+                  float[::1] scales,           # IN/OUT (n_kv, cap, kv_bs) their scales
+                  Py_ssize_t cap, Py_ssize_t block):
+    """Sketch rows r0..r1-1 of K block `block` (address k_block), just written, at 4 bits
+    (attn_kv.h ka_sketch_update)."""
+    if (head_dim > KA_SKHDMAX or head_dim % 2 or not (0 <= r0 < r1 <= kv_bs)
+            or not (0 <= block < cap)):
+        raise ValueError("sketch_update: bad geometry")
+    if (sketch.shape[0] < n_kv_heads * cap * kv_bs * (head_dim // 2)
+            or scales.shape[0] < n_kv_heads * cap * kv_bs):
+        raise ValueError("sketch_update: sketch too small")
+    ka_sketch_update(<const uint8_t *> <uintptr_t> k_block, kv_kind, kv_bs, n_kv_heads,
+                     head_dim, r0, r1, &sketch[block * kv_bs * (head_dim // 2)],
+                     cap * kv_bs * (head_dim // 2), &scales[block * kv_bs], cap * kv_bs)
+
+
+def sketch_scores(const float[::1] q, const uint8_t[::1] sketch, const float[::1] scales,
+                  Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t cap,
+                  Py_ssize_t kh, float scale, Py_ssize_t n_ctx, float[::1] out):
+    """out[b] := the sketch probe (attn_kv.h ka_sketch) of block b < len(out) of kv head kh
+    for the query q over the tokens < n_ctx."""
+    cdef ka_kv kv
+    cdef Py_ssize_t b, n_blocks = out.shape[0]
+    cdef int8_t qi[KA_SKHDMAX]
+    cdef float qs
+    cdef int32_t qsum
+    cdef float tmp[1024]
+    if (q.shape[0] != head_dim or head_dim > KA_SKHDMAX or head_dim % 2 or n_blocks > cap
+            or kv_bs > 1024 or not 0 <= kh < n_kv_heads or n_blocks * kv_bs < n_ctx
+            or (n_blocks - 1) * kv_bs >= n_ctx
+            or sketch.shape[0] < n_kv_heads * cap * kv_bs * (head_dim // 2)
+            or scales.shape[0] < n_kv_heads * cap * kv_bs):
+        raise ValueError("sketch_scores: bad geometry")
+    ka_kv_init(&kv, NULL, NULL, kv_bs, n_kv_heads, head_dim, KA_KV_F32)
+    ka_kv_bounds(&kv, &sketch[0], &scales[0], cap)
+    qsum = ka_sketch_query(&q[0], head_dim, scale, qi, &qs)
+    for b in range(n_blocks):
+        out[b] = ka_sketch(&kv, qi, qs, qsum, kh, b, n_ctx, tmp)
 
 
 def bound_scores(const float[::1] q, const uint8_t[::1] bounds, const float[::1] bound_scales,

@@ -196,6 +196,20 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         qv[g].kh = kh;
         qv[g].n = n_ctx;
     }
+    if (mode == KA_DEC_PROBES && kv->bnd != NULL && kv->sketch) {
+        /* the sketch probe: the kv head's sketched keys of the part, for every head */
+        int8_t qi[KA_GMAX * KA_SKHDMAX];
+        float *tmp = ws->s;                              /* bs floats */
+        float qs[KA_GMAX];
+        int32_t qsum[KA_GMAX];
+        for (ptrdiff_t g = 0; g < group; g++)
+            qsum[g] = ka_sketch_query(qv[g].q, hd, kv->sk_scale, qi + g * hd, &qs[g]);
+        for (ptrdiff_t b = b0; b < b1; b++)
+            for (ptrdiff_t g = 0; g < group; g++)
+                probe[(kh * group + g) * nb + b] =
+                    ka_sketch(kv, qi + g * hd, qs[g], qsum[g], kh, b, n_ctx, tmp);
+        return;
+    }
     if (mode == KA_DEC_PROBES && kv->bnd != NULL) {
         /* the bound probe: one (2, hd) row pair per block and kv head, for every head */
         for (ptrdiff_t b = b0; b < b1; b++)

@@ -42,6 +42,10 @@ typedef struct {
     const uint8_t *bnd;
     const float *bsc;
     ptrdiff_t bcap;           /* blocks per kv head in bnd */
+    /* sketch probe (ka_sketch; sketch 1): bnd holds instead (n_kv, bcap, bs, hd / 2)
+     * bytes, every key at 4 bits, and bsc its (n_kv, bcap, bs) float32 scales */
+    int sketch;
+    float sk_scale;           /* the attention's softmax scale (the block mass needs it) */
     ptrdiff_t imp_from;       /* prefill: queries at positions below it record no
                                * importance (0: all do) */
 } ka_kv;
@@ -79,6 +83,8 @@ static inline void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t 
     kv->bnd = NULL;
     kv->bsc = NULL;
     kv->bcap = 0;
+    kv->sketch = 0;
+    kv->sk_scale = 0.0f;
     kv->imp_from = 0;
 }
 
@@ -252,6 +258,102 @@ static inline void ka_bounds_update(const uint8_t *blk, int kind, ptrdiff_t bs,
                 out[hd + d] = t == 0 || v < out[hd + d] ? v : out[hd + d];
             }
     }
+}
+
+/* ---------------------------------------------------------------- the key sketch */
+
+/* The sketch probe (docs/DESIGN.md §3 Options): every key also kept at 4 bits, so a block
+ * is ranked by its attention mass estimated from ALL its keys, not by a few samples or a
+ * bound. Per (token, kv head): S = max|k| / 7, u[d] = clamp(rint(k[d] / S), -7, 7) + 8
+ * in 1..15; byte j holds u[j] (low nibble) and u[j + hd/2] (high nibble), the token's
+ * hd/2 bytes contiguous, a block's bs tokens contiguous, a kv head's blocks contiguous
+ * (one streamed read per kv head). The block score is log sum_t exp(scale * q . k~_t)
+ * over the block's sketched keys k~ (a log-sum-exp: its mass, what attention spends on
+ * it), with the query at int8 so the dots are exact integers (the same picks on every
+ * ISA up to the last bits of exp). */
+
+#define KA_SKHDMAX 256   /* most head_dim with the sketch probe (kernels.attention checks) */
+
+/* Sketch rows r0 .. r1 - 1 of one K block just written (kind: KA_KV_*) from the values the
+ * cache holds (int8 dequantised, half widened). skt: the block's (bs, hd/2) bytes of kv
+ * head 0, kv heads `bstride` bytes apart; ssc: its (bs,) scales, kv heads `sstride`
+ * floats apart. Rows are independent: nothing to redo after a trim. */
+static inline void ka_sketch_update(const uint8_t *blk, int kind, ptrdiff_t bs,
+                                    ptrdiff_t n_kv, ptrdiff_t hd, ptrdiff_t r0, ptrdiff_t r1,
+                                    uint8_t *skt, ptrdiff_t bstride, float *ssc,
+                                    ptrdiff_t sstride)
+{
+    const ptrdiff_t ld = n_kv * hd, h2 = hd / 2;
+    float x[KA_HDMAX];
+    for (ptrdiff_t h = 0; h < n_kv; h++)
+        for (ptrdiff_t t = r0; t < r1; t++) {
+            float m = 0.0f;
+            for (ptrdiff_t d = 0; d < hd; d++) {
+                float v;
+                if (kind == KA_KV_Q8)
+                    v = ((const float *)(blk + ka_q8_scale_offset(bs, ld)))[h * bs + t]
+                        * (float)((const int8_t *)blk)[t * ld + h * hd + d];
+                else if (kind == KA_KV_F16)
+                    v = kf_f16_f32(((const uint16_t *)blk)[t * ld + h * hd + d]);
+                else
+                    v = ((const float *)blk)[t * ld + h * hd + d];
+                x[d] = v;
+                m = fabsf(v) > m ? fabsf(v) : m;
+            }
+            const float inv = m > 0.0f ? 7.0f / m : 0.0f;
+            uint8_t *out = skt + h * bstride + t * h2;
+            for (ptrdiff_t j = 0; j < h2; j++) {
+                float a = kf_rint(x[j] * inv), b = kf_rint(x[j + h2] * inv);
+                a = a > 7.0f ? 7.0f : (a < -7.0f ? -7.0f : a);
+                b = b > 7.0f ? 7.0f : (b < -7.0f ? -7.0f : b);
+                out[j] = (uint8_t)((int)a + 8) | (uint8_t)(((int)b + 8) << 4);
+            }
+            ssc[h * sstride + t] = m / 7.0f;
+        }
+}
+
+/* The query for the sketch: qi = rint(q / Sq) at int8, Sq = max|q| / 127; returns
+ * Sq * scale into *qs and sum(qi) (the nibbles' +8 offset comes off as 8 * sum). */
+KF_INLINE int32_t ka_sketch_query(const float *q, ptrdiff_t hd, float scale, int8_t *qi,
+                                  float *qs)
+{
+    float m = 0.0f;
+    for (ptrdiff_t d = 0; d < hd; d++)
+        m = fabsf(q[d]) > m ? fabsf(q[d]) : m;
+    const float inv = m > 0.0f ? 127.0f / m : 0.0f;
+    int32_t sum = 0;
+    for (ptrdiff_t d = 0; d < hd; d++) {
+        int v = (int)kf_rint(q[d] * inv);
+        qi[d] = (int8_t)v;
+        sum += v;
+    }
+    *qs = m / 127.0f * scale;
+    return sum;
+}
+
+/* Sketch score of block b (tokens t < n_ctx) of kv head kh for the int8 query qi (qs,
+ * qsum from ka_sketch_query). tmp: bs floats. */
+KF_INLINE float ka_sketch(const ka_kv *kv, const int8_t *restrict qi, float qs, int32_t qsum,
+                          ptrdiff_t kh, ptrdiff_t b, ptrdiff_t n_ctx, float *restrict tmp)
+{
+    const ptrdiff_t bs = kv->bs, h2 = kv->hd / 2, i = kh * kv->bcap + b;
+    const ptrdiff_t len = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
+    const uint8_t *x = kv->bnd + i * bs * h2;
+    const float *sc = kv->bsc + i * bs;
+    float mx = -INFINITY;
+    for (ptrdiff_t t = 0; t < len; t++) {
+        const uint8_t *r = x + t * h2;
+        int32_t acc = 0;
+        for (ptrdiff_t j = 0; j < h2; j++)
+            acc += (int32_t)(r[j] & 15) * qi[j] + (int32_t)(r[j] >> 4) * qi[j + h2];
+        float s = (float)(acc - 8 * qsum) * (sc[t] * qs);
+        tmp[t] = s;
+        mx = s > mx ? s : mx;
+    }
+    float l = 0.0f;
+    for (ptrdiff_t t = 0; t < len; t++)
+        l += kf_expf(tmp[t] - mx);
+    return mx + logf(l);
 }
 
 /* Prefetch hint for rows 0, step, .. (n of them) of kv head kh in block b of `ptrs`

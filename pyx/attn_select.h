@@ -13,13 +13,15 @@
 
 /* Options of the selection beyond the default (docs/DESIGN.md §3 Options), one int:
  * bits 0-1 the sink block, bits 2-3 the pooling of a kv head's query heads, bits 4-9 the
- * recent blocks kept besides the k picks (0..63). The bound probe is on when the cache
- * view carries bounds (kv->bnd). sopt 0 is the default. */
+ * recent blocks kept besides the k picks (0..63), bit 10 (KA_SKETCH) the cache keeps key
+ * sketches, not bounds, in kv->bnd. The bound (sketch) probe is on when the cache view
+ * carries bounds (kv->bnd). sopt 0 is the default. */
 enum { KA_SINK_OFF = 0, KA_SINK_IN = 1, KA_SINK_OUT = 2 };
 enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
 #define KA_SINK(sopt) ((sopt) & 3)
 #define KA_POOL(sopt) (((sopt) >> 2) & 3)
 #define KA_RECENT(sopt) (((sopt) >> 4) & 63)
+#define KA_SKETCH 1024
 
 /* Blocks a query attends to at most (k, plus block 0 when the sink is outside the
  * budget, plus the recent blocks): attention is exact while the context has no more
@@ -47,10 +49,17 @@ KF_INLINE float ka_probe(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrdiff_t 
     return mx;
 }
 
-/* Step 1 with either probe: the bound (kv->bnd set) or the sampled keys. */
+/* Step 1 with any probe: the sketch (kv->bnd set, kv->sketch), the bound (kv->bnd set) or
+ * the sampled keys. */
 KF_INLINE float ka_score_block(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrdiff_t n_ctx,
                                int n_probe, float *restrict tmp)
 {
+    if (kv->bnd != NULL && kv->sketch) {
+        int8_t qi[KA_HDMAX];
+        float qs;
+        int32_t qsum = ka_sketch_query(q->q, kv->hd, kv->sk_scale, qi, &qs);
+        return ka_sketch(kv, qi, qs, qsum, q->kh, b, n_ctx, tmp);
+    }
     return kv->bnd != NULL ? ka_bound(kv, q, b) : ka_probe(kv, q, b, n_ctx, n_probe, tmp);
 }
 

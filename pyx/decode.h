@@ -241,18 +241,28 @@ static void kd_qkv_post(kd_step *S, int l, ka_kv *kv)
                 ka_quant_row(v + h * hd, hd, (int8_t *)vb + r * kvd + h * hd);
         }
     }
-    const ptrdiff_t es = S->kv_kind == KA_KV_Q8 ? 1 : 4;
-    if (S->bnds[l] != 0)
+    const ptrdiff_t es = S->kv_kind == KA_KV_Q8 ? 1 : 4, h2 = hd / 2;
+    const int sketch = (S->sopt & KA_SKETCH) != 0;
+    if (S->bnds[l] != 0 && sketch)
+        ka_sketch_update(kb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
+                         (uint8_t *)(uintptr_t)S->bnds[l] + b * S->kv_bs * h2,
+                         S->bcap * S->kv_bs * h2, (float *)(uintptr_t)S->bscs[l] + b * S->kv_bs,
+                         S->bcap * S->kv_bs);
+    else if (S->bnds[l] != 0)
         ka_bounds_update(kb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
                          (uint8_t *)(uintptr_t)S->bnds[l] + b * 2 * hd * es, S->bcap * 2 * hd,
                          S->kv_kind == KA_KV_Q8 ? (float *)(uintptr_t)S->bscs[l] + b : NULL,
                          S->bcap);
     ka_kv_init(kv, kp, vp, S->kv_bs, nkv, hd, S->kv_kind);
     kv->imp_from = 0;
-    if (S->read_bounds && S->bnds[l] != 0)
+    if (S->read_bounds && S->bnds[l] != 0) {
         ka_kv_bounds(kv, (const uint8_t *)(uintptr_t)S->bnds[l],
-                     S->kv_kind == KA_KV_Q8 ? (const float *)(uintptr_t)S->bscs[l] : NULL,
+                     S->kv_kind == KA_KV_Q8 || sketch ? (const float *)(uintptr_t)S->bscs[l]
+                                                      : NULL,
                      S->bcap);
+        kv->sketch = sketch;
+        kv->sk_scale = S->scale;
+    }
 }
 
 /* x (H,) += every layer's attention and MLP blocks for the token at row S->pos, with a

@@ -164,6 +164,9 @@ cdef class DecodeStack:
             raise ValueError(f"DecodeStack.run: a float16 cache needs head_dim <= {KA_HDMAX}")
         if nh // self.nkv > KA_GMAX:
             raise ValueError(f"DecodeStack.run: at most {KA_GMAX} query heads per kv head")
+        if sopt & KA_SKETCH and (hd % 2 or hd > KA_SKHDMAX):
+            raise ValueError(f"DecodeStack.run: the sketch probe needs an even head_dim "
+                             f"<= {KA_SKHDMAX}")
         if dec_tab.shape[0] < ka_decode_tab(nb, nh, hd):
             raise ValueError("DecodeStack.run: dec_tab too small (see decode_tab_size)")
         for l in range(L):

@@ -46,6 +46,7 @@ CONFIGS = {
     "sink-in": {"sparse_sink": "in"},
     "sink-out": {"sparse_sink": "out"},
     "bound": {"sparse_probe": "bound"},
+    "sketch": {"sparse_probe": "sketch"},
     "dense2": {"sparse_dense_first": 2},
     "kv-max": {"sparse_group": "max"},
     "kv-sum": {"sparse_group": "sum"},
@@ -90,7 +91,10 @@ def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
 #   sim:oracle=kvmass    per kv head, the k blocks of largest mass summed over its heads
 #   sim:probe=P          rank blocks by P: pN (max of N sampled keys, the kernel's
 #                        stride), lseN (their log-sum-exp: the block's mass estimated
-#                        from them), bound (Quest's min/max bound), mass (the oracle)
+#                        from them), bound (Quest's min/max bound), mass (the oracle),
+#                        qN (every key scored at N bits, block log-sum-exp), moment /
+#                        mean (block key mean (+ variance): Gaussian mass estimate),
+#                        rrC (p8's top C*k blocks re-ranked by their true mass)
 #   :imp=1               the seed's importance half ((k + 1) // 2 picks first)
 #   :swap=1              the seed's recency swap (sim:probe=p8:imp=1:swap=1 is the seed)
 #   :sink=out|in         block 0 kept besides (out) or inside (in) the k picks
@@ -142,7 +146,7 @@ def block_reduce(s: np.ndarray, n: int, bs: int, how: str) -> np.ndarray:
 
 
 def sim_select(pol: dict, s: np.ndarray, q: np.ndarray, kq: np.ndarray, n: int, k: int,
-               group: int, order, bs: int = 32) -> np.ndarray:
+               group: int, order, bs: int = 32, scale: float = 1.0) -> np.ndarray:
     """Mask (n_heads, nb) of the blocks each head attends. s (n_heads, n): the true scaled
     scores; q (n_heads, hd); kq (n, n_kv, hd) the keys; order: importance order or None."""
     nh = s.shape[0]
@@ -166,6 +170,38 @@ def sim_select(pol: dict, s: np.ndarray, q: np.ndarray, kq: np.ndarray, n: int, 
         score = block_reduce(s, n, bs, "lse")
     elif pol["oracle"] == "max":
         score = block_reduce(s, n, bs, "max")
+    elif pol["probe"].startswith("rr"):      # rerank: p8's top c*k, then their true mass
+        c = float(pol["probe"][2:] or 2)
+        sp = np.full((nh, nb * bs), -np.inf)
+        sp[:, :n] = s
+        coarse = sp.reshape(nh, nb, bs)[:, :, ::max(1, bs // 8)].max(axis=2)
+        last = n - (nb - 1) * bs
+        coarse[:, nb - 1] = sp[:, (nb - 1) * bs:(nb - 1) * bs + last:max(1, last // 8)].max(axis=1)
+        cand = _topk(coarse, int(round(c * kk)), sel)
+        score = np.where(cand, block_reduce(s, n, bs, "lse"), -np.inf)
+    elif pol["probe"].startswith("q") and pol["probe"][1:].isdigit():
+        # every key scored at N bits (per token and kv head symmetric scale), block mass
+        bits = int(pol["probe"][1:])
+        top = 2 ** (bits - 1) - 1
+        amax = np.abs(kq).max(axis=2, keepdims=True)
+        sc = np.where(amax > 0, amax / top, 1.0)
+        kd = np.clip(np.rint(kq / sc), -top, top) * sc            # (n, n_kv, hd)
+        qg = q.reshape(-1, group, q.shape[1])
+        sa = np.einsum("kgd,nkd->kgn", qg, kd).reshape(nh, n) * scale
+        score = block_reduce(sa, n, bs, "lse")
+    elif pol["probe"] in ("moment", "mean"):
+        # per block: the keys' mean and (moment) per-channel variance; log of the
+        # block's mass under a Gaussian model of its keys: q.mu + q^2.var / 2 + log(n_b)
+        kb = np.full((nb * bs, kq.shape[1], kq.shape[2]), np.nan)
+        kb[:n] = kq
+        kb = kb.reshape(nb, bs, kq.shape[1], kq.shape[2])
+        mu, var = np.nanmean(kb, axis=1), np.nanvar(kb, axis=1)     # (nb, n_kv, hd)
+        cnt = np.minimum(bs, n - np.arange(nb) * bs).astype(np.float64)
+        qg = q.reshape(-1, group, q.shape[1]) * scale
+        score = np.einsum("kgd,bkd->kgb", qg, mu)
+        if pol["probe"] == "moment":
+            score = score + 0.5 * np.einsum("kgd,bkd->kgb", qg * qg, var)
+        score = score.reshape(nh, nb) + np.log(cnt)[None, :]
     elif pol["probe"] == "bound":
         kb = np.full((nb * bs, kq.shape[1], kq.shape[2]), np.nan)
         kb[:n] = kq
@@ -256,7 +292,7 @@ class SimAttend:
             order = c._order[layer]
             if order is None:
                 order = c._order[layer] = importance_order(c.importance[layer], c.max_tokens)
-        sel = sim_select(self.pol, s, qh, kq, n, self.k, group, order, c.kv_bs)
+        sel = sim_select(self.pol, s, qh, kq, n, self.k, group, order, c.kv_bs, c.scale)
         tok = np.repeat(sel, c.kv_bs, axis=1)[:, :n]
         s = np.where(tok, s, -np.inf)
         p = np.exp(s - s.max(axis=1, keepdims=True))
@@ -320,11 +356,14 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
         kl, nll, n = 0.0, 0.0, 0
         spec = CacheSpec(a.dtype) if k == 0 else spec_of(config, k, a.dtype)
         for win, cut, lq, pre in wins:
-            w = spec.sparse_window                  # the prefill records importance so
-            if w not in pre:                        # one exact prefill per window size
+            # the prefill records importance and the key summary the probe reads, so one
+            # exact prefill per window size and summary (bounds or sketch)
+            w = (spec.sparse_window, "sketch" if spec.sparse_probe == "sketch" else "bound")
+            if w not in pre:
                 sc = model.make_cache(a.ctx, CacheSpec(a.dtype, sparse_k=1,
-                                                       sparse_probe="bound",
-                                                       sparse_prefill=False, sparse_window=w))
+                                                       sparse_probe=w[1],
+                                                       sparse_prefill=False,
+                                                       sparse_window=w[0]))
                 pre[w] = (sc, model(win[:cut], sc))
             sc, first = pre[w]
             sc.trim(cut)
@@ -439,9 +478,10 @@ def cmd_needle(a) -> None:
             for c, k in runs:
                 spec = CacheSpec(a.dtype) if k == 0 else spec_of(c, k, a.dtype)
                 if not spec.sparse_prefill or spec.sparse_k == 0:
-                    w = spec.sparse_window
-                    base = CacheSpec(a.dtype, sparse_k=1, sparse_probe="bound",
-                                     sparse_prefill=False, sparse_window=w)
+                    w = (spec.sparse_window,
+                         "sketch" if spec.sparse_probe == "sketch" else "bound")
+                    base = CacheSpec(a.dtype, sparse_k=1, sparse_probe=w[1],
+                                     sparse_prefill=False, sparse_window=w[0])
                     if w not in shared:
                         shared[w] = model.make_cache(ctx, base)
                     sc = shared[w]

@@ -12,7 +12,8 @@ from kestrel_cli.engine import LoadOptions
 from kestrel_cli.errors import KestrelError
 from kestrel_cli.kv_cache import CacheSpec, KVCache
 from kestrel_cli.sparse import (bound_scores, importance_order, key_bounds, key_bounds_q8,
-                                probe_scores, select_blocks, select_with)
+                                key_sketch, probe_scores, select_blocks, select_with,
+                                sketch_scores)
 
 BS = 32
 N_KV, GROUP, HD = 2, 3, 16
@@ -85,6 +86,52 @@ def test_bounds_follow_trim():
     assert np.array_equal(c.bounds[0, 1, :3, 1], ref[1])
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8"])
+def test_sketch_kept_up_to_date_and_scores_match_numpy(dtype):
+    """Every written key at 4 bits (from the values the cache holds), through prefill
+    chunks, single tokens and a trim; the kernel's block scores are the NumPy log-sum-exp
+    of the sketched dots, and they track the true block mass."""
+    rng = np.random.default_rng(3)
+    seq = 7 * BS + 13
+    c = filled_cache(CacheSpec(dtype, sparse_k=2, sparse_probe="sketch"), seq, rng)
+    assert c.sparse_opts & kernels.SKETCH and c.bounds.dtype == np.uint8
+    c.trim(5 * BS + 3)
+    c.reserve(9)
+    kk = rng.standard_normal((9, N_KV * HD)).astype(np.float32)
+    c.write(0, kk, kk)
+    c.commit(9)
+    n = c.offset
+    nb = -(-n // BS)
+    for kh in range(N_KV):
+        keys = c.keys(0)[:, kh * HD:(kh + 1) * HD]
+        packed, sc = key_sketch(keys)
+        assert np.array_equal(c.bounds[0, kh].reshape(-1, HD // 2)[:n], packed)
+        assert np.array_equal(c.bound_scales[0, kh].reshape(-1)[:n], sc)
+        # the nibbles decode to the key within half a step
+        u = np.concatenate([packed & 15, packed >> 4], axis=1).astype(np.float32) - 8
+        assert np.all(np.abs(u * sc[:, None] - keys) <= sc[:, None] * 0.5001 + 1e-7)
+        q = rng.standard_normal(HD).astype(np.float32)
+        got = kernels.sketch_scores(q, c.bounds[0], c.bound_scales[0], kh, 0.25, n)
+        np.testing.assert_allclose(got, sketch_scores(q, packed, sc, 0.25), rtol=1e-5,
+                                   atol=1e-5)
+        s = (keys @ q) * 0.25                                # the true block log-mass
+        true = [np.log(np.exp(s[b * BS:(b + 1) * BS]).sum()) for b in range(nb)]
+        assert np.corrcoef(got, true)[0, 1] > 0.9
+
+
+def test_sketch_needs_a_cache_made_with_it():
+    c = KVCache(1, N_KV, HD, 128, CacheSpec(sparse_k=2, sparse_probe="bound"))
+    with pytest.raises(KestrelError, match="sketch probe needs a cache made with it"):
+        c.respec(CacheSpec(sparse_k=2, sparse_probe="sketch"))
+    c = KVCache(1, N_KV, HD, 128, CacheSpec(sparse_k=2, sparse_probe="sketch"))
+    with pytest.raises(KestrelError, match="bound probe needs a cache made with it"):
+        c.respec(CacheSpec(sparse_k=2, sparse_probe="bound"))
+    c.respec(CacheSpec(sparse_k=4))            # sampled probes: the sketch is still kept
+    assert c.sparse_opts == kernels.SKETCH
+    with pytest.raises(KestrelError, match="even head_dim"):
+        KVCache(1, N_KV, 15, 128, CacheSpec(sparse_k=2, sparse_probe="sketch"))
+
+
 def test_no_bounds_without_the_option():
     c = KVCache(1, N_KV, HD, 256, CacheSpec(sparse_k=4))
     assert c.bounds is None and c.sparse_opts == 0 and CacheSpec().sparse_opts == 0
@@ -107,6 +154,9 @@ def decode_picks(cache, rng, layer=0):
 
 def ref_scores(cache, q, kh, probe, n_probe=8):
     keys = cache.keys(0)[:, kh * HD:(kh + 1) * HD]
+    if probe == "sketch":
+        return kernels.sketch_scores(q, cache.bounds[0], cache.bound_scales[0], kh,
+                                     cache.scale, keys.shape[0])
     if probe == "bound":
         nb = -(-keys.shape[0] // BS)
         return kernels.bound_scores(q, cache.bounds[0], cache.bound_scales[0], cache.kv_kind,
@@ -115,7 +165,7 @@ def ref_scores(cache, q, kh, probe, n_probe=8):
 
 
 @pytest.mark.parametrize("sink", ["off", "in", "out"])
-@pytest.mark.parametrize("probe", ["sample", "bound"])
+@pytest.mark.parametrize("probe", ["sample", "bound", "sketch"])
 @pytest.mark.parametrize("group", ["head", "max", "sum", "union"])
 def test_decode_picks_match_the_reference(sink, probe, group):
     rng = np.random.default_rng(hash((sink, probe, group)) % 2**32)
@@ -161,13 +211,32 @@ def test_plain_options_are_the_default_selection():
                                                   4).tolist()
 
 
+def test_sketch_decode_picks_on_every_variant(isa):
+    """The sketch probe's picks (decode phases, this ISA variant's kernels) are the
+    reference selection over the sketch scores, int8 and float caches."""
+    rng = np.random.default_rng(17)
+    for dtype in ("f32", "q8"):
+        spec = CacheSpec(dtype, sparse_k=4, sparse_probe="sketch", sparse_sink="out",
+                         sparse_importance=False)
+        c = filled_cache(spec, 17 * BS + 9, rng)
+        q, picks = decode_picks(c, rng)
+        n = c.offset
+        keys = c.keys(0)
+        for h in range(N_HEADS):
+            kh = h // GROUP
+            packed, sc = key_sketch(keys[:, kh * HD:(kh + 1) * HD])
+            want = select_with(sketch_scores(q[h], packed, sc, c.scale), None, n, 4, "out")
+            assert picks[h][picks[h] >= 0].tolist() == want.tolist(), (isa, dtype, h)
+
+
+@pytest.mark.parametrize("probe", ["bound", "sketch"])
 @pytest.mark.parametrize("group", ["head", "max", "union"])
-def test_prefill_rows_with_options(group):
+def test_prefill_rows_with_options(group, probe):
     """A first prefill (no importance): each sparse row's picks as the reference over its
     causal prefix; checked on the last row, whose block bounds hold no later token."""
     rng = np.random.default_rng(7)
     seq, k = 10 * BS + 5, 3
-    spec = CacheSpec(sparse_k=k, sparse_sink="out", sparse_probe="bound", sparse_group=group)
+    spec = CacheSpec(sparse_k=k, sparse_sink="out", sparse_probe=probe, sparse_group=group)
     c = KVCache(1, N_KV, HD, seq, spec, threads=1)
     c.record_selection = True
     c.reserve(seq)
@@ -182,8 +251,7 @@ def test_prefill_rows_with_options(group):
     assert all(sel[i, :, 0].tolist() == [0] * N_HEADS for i in sparse_rows)   # sink
     qs = q[-1].reshape(N_HEADS, HD)
     for kh in range(N_KV):
-        scores = [kernels.bound_scores(qs[kh * GROUP + g], c.bounds[0], c.bound_scales[0],
-                                       c.kv_kind, kh, -(-seq // BS)) for g in range(GROUP)]
+        scores = [ref_scores(c, qs[kh * GROUP + g], kh, probe) for g in range(GROUP)]
         if group == "max":
             scores = [np.maximum(np.maximum(scores[0], scores[1]), scores[2])] * GROUP
         for g in range(GROUP):
