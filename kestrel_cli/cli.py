@@ -124,6 +124,10 @@ class EngineOptions:
         "--sparse-importance/--no-sparse-importance", help="Half of the k picks by prefill "
         "importance, or all k by probes.", show_default="importance",
         rich_help_panel=_MODEL)] = None
+    sparse_rest: Annotated[Optional[bool], typer.Option(
+        "--sparse-rest/--no-sparse-rest", help="Decode: the blocks not picked also count, "
+        "each by its mass estimated from the key sketch and its mean value (needs "
+        "--sparse-probe sketch).", show_default="no", rich_help_panel=_MODEL)] = None
     sparse_prefill: Annotated[Optional[bool], typer.Option(
         "--sparse-prefill/--exact-prefill", help="Sparse or exact prompt attention "
         "(decode is sparse either way).", show_default="sparse", rich_help_panel=_MODEL)] = None
@@ -151,6 +155,7 @@ class EngineOptions:
                            sparse_window=self.sparse_window,
                            sparse_recent=self.sparse_recent,
                            sparse_importance=self.sparse_importance,
+                           sparse_rest=self.sparse_rest,
                            sparse_dense_first=self.sparse_dense_first,
                            sparse_dense_layers=self.sparse_dense_layers)
 

@@ -54,7 +54,7 @@ class LoadOptions:
         sparse_preset: a named set of the options below (`sparse.PRESETS`; implies
             sparse_attn); options given explicitly override it.
         sparse_sink, sparse_probe, sparse_group, sparse_prefill, sparse_window,
-            sparse_recent, sparse_importance: the selection options of
+            sparse_recent, sparse_importance, sparse_rest: the selection options of
             `CacheSpec` (None: the preset's, else the plain selection's).
         sparse_dense_first: the first N layers attend exactly; sparse_dense_layers: layer
             indices (a list or "0,5,7") that do too (together: their union).
@@ -78,6 +78,7 @@ class LoadOptions:
     sparse_window: int | None = None
     sparse_recent: int | None = None
     sparse_importance: bool | None = None
+    sparse_rest: bool | None = None
     sparse_dense_first: int | None = None
     sparse_dense_layers: str | tuple | None = None
 
@@ -89,7 +90,7 @@ class LoadOptions:
                                f"got {self.sparse_preset!r}")
         out = dict(PRESETS.get(self.sparse_preset or "seed", {}))
         for name in ("sparse_sink", "sparse_probe", "sparse_group", "sparse_prefill",
-                     "sparse_window", "sparse_recent", "sparse_importance"):
+                     "sparse_window", "sparse_recent", "sparse_importance", "sparse_rest"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         first = out.pop("sparse_dense_first", 0)

@@ -602,7 +602,7 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             raise ValueError(f"imp_slots: expected ({_lib.SLOTS}, >= {n_ctx}), "
                              f"got {imp_slots.shape}")
     sparse_opts = int(sparse_opts)
-    if not 0 <= sparse_opts < 2 * SKETCH or (sparse_opts & 3) == 3:
+    if not 0 <= sparse_opts < 2 * REST or (sparse_opts & 3) == 3:
         raise ValueError(f"attention: bad sparse_opts {sparse_opts}")
     width = sparse_k + (sparse_k > 0) * (((sparse_opts & 3) == 2) + ((sparse_opts >> 4) & 63))
     if bounds is not None and sparse_opts & SKETCH:
@@ -616,7 +616,7 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         if bound_scales is None:
             raise ValueError("bound_scales: required with the sketch probe")
         _array(bound_scales, "bound_scales", np.float32)
-        _shape(bound_scales, "bound_scales", (n_kv_heads, int(bound_cap), kv_bs))
+        _shape(bound_scales, "bound_scales", (n_kv_heads, int(bound_cap), kv_bs + head_dim))
         bounds, bound_scales = bounds.reshape(-1), bound_scales.reshape(-1)
     elif bounds is not None:
         bt = np.int8 if kv_q8 else np.float32
@@ -650,29 +650,33 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
 HD_MAX = _lib.HD_MAX_F16     # most head_dim of a float16 cache and of the key bounds
 SKETCH = _lib.SKETCH         # sparse_opts bit: the cache's bounds arrays hold key sketches
 SKETCH_HD_MAX = _lib.SKETCH_HD_MAX   # most head_dim of the sketch probe
+REST = _lib.REST             # sparse_opts bit: decode also counts the blocks not picked
 
 
-def sketch_update(k_block: int, kv_kind: int, n_kv_heads: int, head_dim: int, r0: int,
-                  r1: int, sketch: np.ndarray, scales: np.ndarray, block: int) -> None:
+def sketch_update(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int, head_dim: int,
+                  r0: int, r1: int, sketch: np.ndarray, scales: np.ndarray,
+                  block: int) -> None:
     """Sketch rows r0..r1-1 of the K block at address k_block (KV_BLOCK tokens, just
     written) at 4 bits for the sketch probe: per token and kv head S = max|k| / 7 into
-    scales (n_kv_heads, cap, KV_BLOCK) and the nibbles rint(k / S) + 8 into sketch
-    (n_kv_heads, cap, KV_BLOCK, head_dim // 2) uint8, byte j = dim j | dim j + hd/2 << 4
-    (attn_kv.h ka_sketch_update; from the values the cache holds)."""
+    scales[:, block, :KV_BLOCK] (scales: (n_kv_heads, cap, KV_BLOCK + head_dim)) and the
+    nibbles rint(k / S) + 8 into sketch (n_kv_heads, cap, KV_BLOCK, head_dim // 2) uint8,
+    byte j = dim j | dim j + hd/2 << 4; the mean of rows 0..r1-1 of the V block at v_block
+    into scales[:, block, KV_BLOCK:] (attn_kv.h ka_sketch_update; from the values the
+    cache holds)."""
     _array(sketch, "sketch", np.uint8, 4, writable=True)
     _array(scales, "scales", np.float32, 3, writable=True)
     cap = sketch.shape[1]
     _shape(sketch, "sketch", (n_kv_heads, cap, KV_BLOCK, head_dim // 2))
-    _shape(scales, "scales", (n_kv_heads, cap, KV_BLOCK))
-    _lib.sketch_update(int(k_block), kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1,
+    _shape(scales, "scales", (n_kv_heads, cap, KV_BLOCK + head_dim))
+    _lib.sketch_update(int(k_block), int(v_block), kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1,
                        sketch.reshape(-1), scales.reshape(-1), cap, block)
 
 
-def sketch_update_unchecked(k_block: int, kv_kind: int, n_kv_heads: int, head_dim: int,
-                            r0: int, r1: int, sketch_u8: np.ndarray, scales: np.ndarray,
-                            cap: int, block: int) -> None:
+def sketch_update_unchecked(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int,
+                            head_dim: int, r0: int, r1: int, sketch_u8: np.ndarray,
+                            scales: np.ndarray, cap: int, block: int) -> None:
     """`sketch_update` on one layer's flat views: `KVCache.write`'s per-token path."""
-    _lib.sketch_update(k_block, kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1, sketch_u8,
+    _lib.sketch_update(k_block, v_block, kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1, sketch_u8,
                        scales, cap, block)
 
 

@@ -65,6 +65,9 @@ class CacheSpec:
             window); 0: of all its rows.
         sparse_recent: the last R blocks (0..63) are attended besides the k picks.
         sparse_importance: False: no importance picks (step 2), all k by probes.
+        sparse_rest: decode rows also count the blocks not picked, each as one pseudo-token
+            of score its sketch probe (estimated log-mass) and value the block's mean value
+            (needs sparse_probe "sketch"; prefill rows attend their picks only).
     """
     dtype: str = "f32"
     sparse_k: int = 0
@@ -77,6 +80,7 @@ class CacheSpec:
     sparse_window: int = 0
     sparse_recent: int = 0
     sparse_importance: bool = True
+    sparse_rest: bool = False
     block: ClassVar[int] = KV_BLOCK          # tokens per block (not a choice)
 
     def __post_init__(self):
@@ -92,6 +96,9 @@ class CacheSpec:
                               ("sparse_group", self.sparse_group, GROUPS)):
             if val not in ok:
                 raise KestrelError(f"{name} must be one of {', '.join(ok)}, got {val!r}")
+        if self.sparse_rest and self.sparse_k and self.sparse_probe != "sketch":
+            raise KestrelError("sparse_rest needs the sketch probe (--sparse-probe sketch): "
+                               "the rest is weighed by the sketch's block masses")
         if not 0 <= self.sparse_recent <= 63:
             raise KestrelError(f"sparse_recent must be 0..63, got {self.sparse_recent}")
         if self.sparse_window < 0:
@@ -103,9 +110,9 @@ class CacheSpec:
     @property
     def sparse_opts(self) -> int:
         """The kernel's code of the selection options (attn_select.h: sink | pool << 2 |
-        recent << 4)."""
+        recent << 4 | rest (bit 11))."""
         return (SINKS.index(self.sparse_sink) | GROUPS.index(self.sparse_group) << 2
-                | self.sparse_recent << 4)
+                | self.sparse_recent << 4 | (K.REST if self.sparse_rest else 0))
 
     @property
     def sparse_width(self) -> int:
@@ -166,7 +173,8 @@ class KVCache:
         # bound probe: per layer, kv head and block the max then min of K (int8 with an
         # int8 cache, float32 otherwise), kept up to date by write(); sketch probe, in the
         # same arrays: per layer, kv head and token the key at 4 bits (uint8 (n_kv, cap,
-        # KV_BLOCK, head_dim / 2)) and its scale (float32 (n_kv, cap, KV_BLOCK))
+        # KV_BLOCK, head_dim / 2)) and its scale, then per block the mean value (float32
+        # (n_kv, cap, KV_BLOCK + head_dim))
         self.sketch = spec.sparse_k > 0 and spec.sparse_probe == "sketch"
         self.sparse_opts, self.sparse_width = self._opts(spec), spec.sparse_width
         self.bounds = self.bound_scales = None
@@ -190,7 +198,8 @@ class KVCache:
                                    f"{K.SKETCH_HD_MAX}, got {head_dim}")
             self.bounds = np.zeros((n_layers, n_kv_heads, cap, KV_BLOCK, head_dim // 2),
                                    np.uint8)
-            self.bound_scales = np.zeros((n_layers, n_kv_heads, cap, KV_BLOCK), np.float32)
+            self.bound_scales = np.zeros((n_layers, n_kv_heads, cap, KV_BLOCK + head_dim),
+                                         np.float32)
             for layer in range(n_layers):
                 self._bnd[layer] = self.bounds[layer].reshape(-1)
                 self._bsc[layer] = self.bound_scales[layer].reshape(-1)
@@ -257,7 +266,8 @@ class KVCache:
     def _update_bounds(self, layer: int, b: int, r0: int, r1: int) -> None:
         """Fold rows r0..r1-1 of K block b of `layer` into its key bounds (or sketch)."""
         if self.sketch:
-            K.sketch_update_unchecked(int(self.k_ptrs[layer, b]), self.kv_kind,
+            K.sketch_update_unchecked(int(self.k_ptrs[layer, b]), int(self.v_ptrs[layer, b]),
+                                      self.kv_kind,
                                       self.n_kv_heads, self.head_dim, r0, r1,
                                       self._bnd[layer], self._bsc[layer], self._bcap, b)
             return
@@ -395,7 +405,7 @@ class KVCache:
             del self.v_blocks[layer][keep:]
             self.k_ptrs[layer, keep:] = 0
             self.v_ptrs[layer, keep:] = 0
-        if self.bounds is not None and not self.sketch and self.offset % KV_BLOCK:
+        if self.bounds is not None and self.offset % KV_BLOCK:
             for layer in range(self.n_layers):       # the kept rows of the last block only
                 self._update_bounds(layer, keep - 1, 0, self.offset % KV_BLOCK)
         self.importance[:, self.offset:self._imp_end] = 0

@@ -54,8 +54,10 @@ cdef extern from "attention.h" nogil:
     int ka_ktot(int k, int sopt) noexcept
     enum:
         KA_SKETCH
+        KA_REST
         KA_SKHDMAX
-    void ka_sketch_update(const uint8_t *blk, int kind, Py_ssize_t bs, Py_ssize_t n_kv,
+    void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind, Py_ssize_t bs,
+                          Py_ssize_t n_kv,
                           Py_ssize_t hd, Py_ssize_t r0, Py_ssize_t r1, uint8_t *skt,
                           Py_ssize_t bstride, float *ssc, Py_ssize_t sstride) noexcept
     int32_t ka_sketch_query(const float *q, Py_ssize_t hd, float scale, int8_t *qi,
@@ -97,6 +99,7 @@ KV_F32, KV_Q8, KV_F16 = KA_KV_F32, KA_KV_Q8, KA_KV_F16   # kv_kind values
 HD_MAX_F16 = KA_HDMAX       # most head_dim with a float16 cache
 SKETCH = KA_SKETCH          # sparse_opts bit: bounds hold key sketches (the sketch probe)
 SKETCH_HD_MAX = KA_SKHDMAX  # most head_dim with the sketch probe
+REST = KA_REST              # sparse_opts bit: decode also counts the blocks not picked
 
 
 def kv_q8_layout(Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim):
@@ -299,22 +302,25 @@ def bounds_update(uint64_t k_block, int kv_kind, Py_ssize_t kv_bs, Py_ssize_t n_
                      cap)
 
 
-def sketch_update(uint64_t k_block, int kv_kind, Py_ssize_t kv_bs, Py_ssize_t n_kv_heads,
-                  Py_ssize_t head_dim, Py_ssize_t r0, Py_ssize_t r1,
+def sketch_update(uint64_t k_block, uint64_t v_block, int kv_kind, Py_ssize_t kv_bs,
+                  Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t r0, Py_ssize_t r1,
                   uint8_t[::1] sketch,         # IN/OUT (n_kv, cap, kv_bs, hd / 2) one layer's
-                  float[::1] scales,           # IN/OUT (n_kv, cap, kv_bs) their scales
+                  float[::1] scales,           # IN/OUT (n_kv, cap, kv_bs + hd) their scales,
+                                               #     then each block's mean value
                   Py_ssize_t cap, Py_ssize_t block):
-    """Sketch rows r0..r1-1 of K block `block` (address k_block), just written, at 4 bits
-    (attn_kv.h ka_sketch_update)."""
+    """Sketch rows r0..r1-1 of K block `block` (address k_block), just written, at 4 bits,
+    and the mean of rows 0..r1-1 of its V block (v_block) (attn_kv.h ka_sketch_update)."""
     if (head_dim > KA_SKHDMAX or head_dim % 2 or not (0 <= r0 < r1 <= kv_bs)
             or not (0 <= block < cap)):
         raise ValueError("sketch_update: bad geometry")
     if (sketch.shape[0] < n_kv_heads * cap * kv_bs * (head_dim // 2)
-            or scales.shape[0] < n_kv_heads * cap * kv_bs):
+            or scales.shape[0] < n_kv_heads * cap * (kv_bs + head_dim)):
         raise ValueError("sketch_update: sketch too small")
-    ka_sketch_update(<const uint8_t *> <uintptr_t> k_block, kv_kind, kv_bs, n_kv_heads,
+    ka_sketch_update(<const uint8_t *> <uintptr_t> k_block, <const uint8_t *> <uintptr_t> v_block,
+                     kv_kind, kv_bs, n_kv_heads,
                      head_dim, r0, r1, &sketch[block * kv_bs * (head_dim // 2)],
-                     cap * kv_bs * (head_dim // 2), &scales[block * kv_bs], cap * kv_bs)
+                     cap * kv_bs * (head_dim // 2), &scales[block * (kv_bs + head_dim)],
+                     cap * (kv_bs + head_dim))
 
 
 def sketch_scores(const float[::1] q, const uint8_t[::1] sketch, const float[::1] scales,
@@ -332,7 +338,7 @@ def sketch_scores(const float[::1] q, const uint8_t[::1] sketch, const float[::1
             or kv_bs > 1024 or not 0 <= kh < n_kv_heads or n_blocks * kv_bs < n_ctx
             or (n_blocks - 1) * kv_bs >= n_ctx
             or sketch.shape[0] < n_kv_heads * cap * kv_bs * (head_dim // 2)
-            or scales.shape[0] < n_kv_heads * cap * kv_bs):
+            or scales.shape[0] < n_kv_heads * cap * (kv_bs + head_dim)):
         raise ValueError("sketch_scores: bad geometry")
     ka_kv_init(&kv, NULL, NULL, kv_bs, n_kv_heads, head_dim, KA_KV_F32)
     ka_kv_bounds(&kv, &sketch[0], &scales[0], cap)

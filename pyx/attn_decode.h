@@ -415,4 +415,52 @@ KF_INLINE void ka_decode_merge(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptr
         o[d] = acc[d] * inv;
 }
 
+/* Phase M with the rest (KA_REST, the sketch probe): head h's blocks not attended also
+ * count, each as one pseudo-token of score its sketch score (the block's estimated
+ * log-mass, phase A1's probe) and value the block's mean value (ka_sketch_update): the
+ * exact softmax over the picks and this estimate of the other blocks in one
+ * normalisation, folded in block order after the parts. */
+KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_heads,
+                                    ptrdiff_t nb, int sopt, ka_ws *ws, const float *tab,
+                                    float *out)
+{
+    const ptrdiff_t hd = kv->hd, bs = kv->bs, group = n_heads / kv->n_kv, kh = h / group;
+    const ptrdiff_t np = ka_decode_parts(nb), ld = n_heads * (hd + 2);
+    const float *probe = tab + ka_decode_states(nb, n_heads, hd) + h * nb;
+    const uint8_t *masks = (const uint8_t *)(tab + ka_decode_states(nb, n_heads, hd)
+                                             + n_heads * nb);
+    const int own = KA_POOL(sopt) != KA_POOL_UNION;
+    float m = -INFINITY, l = 0.0f, *acc = ws->acc, *o = out + h * hd;
+    for (ptrdiff_t p = 0; p < np; p++)
+        m = tab[p * ld + h * (hd + 2)] > m ? tab[p * ld + h * (hd + 2)] : m;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const int att = own ? masks[h * nb + b] : ka_read(masks + kh * group * nb, group, nb, b);
+        if (!att)
+            m = probe[b] > m ? probe[b] : m;
+    }
+    memset(acc, 0, (size_t)hd * sizeof(float));
+    for (ptrdiff_t p = 0; p < np; p++) {
+        const float *st = tab + p * ld + h * (hd + 2);
+        if (!(st[1] > 0.0f))
+            continue;
+        const float f = kf_expf(st[0] - m);
+        l += st[1] * f;
+        for (ptrdiff_t d = 0; d < hd; d++)
+            acc[d] += st[2 + d] * f;
+    }
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const int att = own ? masks[h * nb + b] : ka_read(masks + kh * group * nb, group, nb, b);
+        if (att)
+            continue;
+        const float f = kf_expf(probe[b] - m);
+        const float *vm = kv->bsc + (kh * kv->bcap + b) * (bs + hd) + bs;
+        l += f;
+        for (ptrdiff_t d = 0; d < hd; d++)
+            acc[d] += vm[d] * f;
+    }
+    const float inv = 1.0f / l;
+    for (ptrdiff_t d = 0; d < hd; d++)
+        o[d] = acc[d] * inv;
+}
+
 #endif /* KESTREL_ATTN_DECODE_H */

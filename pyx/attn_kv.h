@@ -43,7 +43,8 @@ typedef struct {
     const float *bsc;
     ptrdiff_t bcap;           /* blocks per kv head in bnd */
     /* sketch probe (ka_sketch; sketch 1): bnd holds instead (n_kv, bcap, bs, hd / 2)
-     * bytes, every key at 4 bits, and bsc its (n_kv, bcap, bs) float32 scales */
+     * bytes, every key at 4 bits, and bsc per (kv head, block) bs + hd floats: the
+     * tokens' scales, then the block's mean value (ka_sketch_update) */
     int sketch;
     float sk_scale;           /* the attention's softmax scale (the block mass needs it) */
     ptrdiff_t imp_from;       /* prefill: queries at positions below it record no
@@ -274,29 +275,47 @@ static inline void ka_bounds_update(const uint8_t *blk, int kind, ptrdiff_t bs,
 
 #define KA_SKHDMAX 256   /* most head_dim with the sketch probe (kernels.attention checks) */
 
+/* Value d of kv head h, row t of a block (kind: KA_KV_*) as the cache holds it, as a
+ * float (int8 dequantised, half widened). */
+KF_INLINE float ka_blk_val(const uint8_t *blk, int kind, ptrdiff_t bs, ptrdiff_t ld,
+                           ptrdiff_t hd, ptrdiff_t h, ptrdiff_t t, ptrdiff_t d)
+{
+    if (kind == KA_KV_Q8)
+        return ((const float *)(blk + ka_q8_scale_offset(bs, ld)))[h * bs + t]
+               * (float)((const int8_t *)blk)[t * ld + h * hd + d];
+    if (kind == KA_KV_F16)
+        return kf_f16_f32(((const uint16_t *)blk)[t * ld + h * hd + d]);
+    return ((const float *)blk)[t * ld + h * hd + d];
+}
+
 /* Sketch rows r0 .. r1 - 1 of one K block just written (kind: KA_KV_*) from the values the
- * cache holds (int8 dequantised, half widened). skt: the block's (bs, hd/2) bytes of kv
- * head 0, kv heads `bstride` bytes apart; ssc: its (bs,) scales, kv heads `sstride`
- * floats apart. Rows are independent: nothing to redo after a trim. */
-static inline void ka_sketch_update(const uint8_t *blk, int kind, ptrdiff_t bs,
-                                    ptrdiff_t n_kv, ptrdiff_t hd, ptrdiff_t r0, ptrdiff_t r1,
-                                    uint8_t *skt, ptrdiff_t bstride, float *ssc,
+ * cache holds, and recompute the block's mean value over rows 0 .. r1 - 1 of its V block
+ * vblk (in row order, so no result depends on how the rows were split between writes).
+ * skt: the block's (bs, hd/2) bytes of kv head 0, kv heads `bstride` bytes apart; ssc:
+ * its bs scales then hd mean values, kv heads `sstride` floats apart. A trim redoes the
+ * kept rows of its last block (the mean). */
+static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind,
+                                    ptrdiff_t bs, ptrdiff_t n_kv, ptrdiff_t hd, ptrdiff_t r0,
+                                    ptrdiff_t r1, uint8_t *skt, ptrdiff_t bstride, float *ssc,
                                     ptrdiff_t sstride)
 {
     const ptrdiff_t ld = n_kv * hd, h2 = hd / 2;
     float x[KA_HDMAX];
+    for (ptrdiff_t h = 0; h < n_kv; h++) {
+        float *vm = ssc + h * sstride + bs;
+        for (ptrdiff_t d = 0; d < hd; d++)
+            vm[d] = 0.0f;
+        for (ptrdiff_t t = 0; t < r1; t++)
+            for (ptrdiff_t d = 0; d < hd; d++)
+                vm[d] += ka_blk_val(vblk, kind, bs, ld, hd, h, t, d);
+        for (ptrdiff_t d = 0; d < hd; d++)
+            vm[d] /= (float)r1;
+    }
     for (ptrdiff_t h = 0; h < n_kv; h++)
         for (ptrdiff_t t = r0; t < r1; t++) {
             float m = 0.0f;
             for (ptrdiff_t d = 0; d < hd; d++) {
-                float v;
-                if (kind == KA_KV_Q8)
-                    v = ((const float *)(blk + ka_q8_scale_offset(bs, ld)))[h * bs + t]
-                        * (float)((const int8_t *)blk)[t * ld + h * hd + d];
-                else if (kind == KA_KV_F16)
-                    v = kf_f16_f32(((const uint16_t *)blk)[t * ld + h * hd + d]);
-                else
-                    v = ((const float *)blk)[t * ld + h * hd + d];
+                float v = ka_blk_val(blk, kind, bs, ld, hd, h, t, d);
                 x[d] = v;
                 m = fabsf(v) > m ? fabsf(v) : m;
             }
@@ -339,7 +358,7 @@ KF_INLINE float ka_sketch(const ka_kv *kv, const int8_t *restrict qi, float qs, 
     const ptrdiff_t bs = kv->bs, h2 = kv->hd / 2, i = kh * kv->bcap + b;
     const ptrdiff_t len = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
     const uint8_t *x = kv->bnd + i * bs * h2;
-    const float *sc = kv->bsc + i * bs;
+    const float *sc = kv->bsc + i * (bs + 2 * h2);
     float mx = -INFINITY;
     for (ptrdiff_t t = 0; t < len; t++) {
         const uint8_t *r = x + t * h2;

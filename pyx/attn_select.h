@@ -14,7 +14,7 @@
 /* Options of the selection beyond the default (docs/DESIGN.md §3 Options), one int:
  * bits 0-1 the sink block, bits 2-3 the pooling of a kv head's query heads, bits 4-9 the
  * recent blocks kept besides the k picks (0..63), bit 10 (KA_SKETCH) the cache keeps key
- * sketches, not bounds, in kv->bnd. The bound (sketch) probe is on when the cache view
+ * sketches, not bounds, in kv->bnd, bit 11 (KA_REST) the decode's rest estimate. The bound (sketch) probe is on when the cache view
  * carries bounds (kv->bnd). sopt 0 is the default. */
 enum { KA_SINK_OFF = 0, KA_SINK_IN = 1, KA_SINK_OUT = 2 };
 enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
@@ -22,6 +22,8 @@ enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
 #define KA_POOL(sopt) (((sopt) >> 2) & 3)
 #define KA_RECENT(sopt) (((sopt) >> 4) & 63)
 #define KA_SKETCH 1024
+#define KA_REST 2048   /* decode: the blocks not picked count by their sketch mass and mean
+                        * value (attn_decode.h ka_decode_merge_rest; with KA_SKETCH) */
 
 /* Blocks a query attends to at most (k, plus block 0 when the sink is outside the
  * budget, plus the recent blocks): attention is exact while the context has no more

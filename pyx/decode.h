@@ -141,7 +141,9 @@ static void ka_decode_team(const ka_kv *kv, const float *q, ptrdiff_t n_heads,
         }
 #pragma omp for schedule(static)
     for (i = 0; i < n_heads; i++)                                     /* M */
-        if (ws != NULL)
+        if (ws != NULL && sparse && (sopt & KA_REST) && kv->sketch)
+            ka_decode_merge_rest(kv, i, n_heads, nb, sopt, ws, tab, out);
+        else if (ws != NULL)
             ka_decode_merge(i, n_heads, nb, hd, ws, tab, out);
 }
 
@@ -244,10 +246,11 @@ static void kd_qkv_post(kd_step *S, int l, ka_kv *kv)
     const ptrdiff_t es = S->kv_kind == KA_KV_Q8 ? 1 : 4, h2 = hd / 2;
     const int sketch = (S->sopt & KA_SKETCH) != 0;
     if (S->bnds[l] != 0 && sketch)
-        ka_sketch_update(kb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
+        ka_sketch_update(kb, vb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
                          (uint8_t *)(uintptr_t)S->bnds[l] + b * S->kv_bs * h2,
-                         S->bcap * S->kv_bs * h2, (float *)(uintptr_t)S->bscs[l] + b * S->kv_bs,
-                         S->bcap * S->kv_bs);
+                         S->bcap * S->kv_bs * h2,
+                         (float *)(uintptr_t)S->bscs[l] + b * (S->kv_bs + hd),
+                         S->bcap * (S->kv_bs + hd));
     else if (S->bnds[l] != 0)
         ka_bounds_update(kb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
                          (uint8_t *)(uintptr_t)S->bnds[l] + b * 2 * hd * es, S->bcap * 2 * hd,

@@ -47,6 +47,7 @@ CONFIGS = {
     "sink-out": {"sparse_sink": "out"},
     "bound": {"sparse_probe": "bound"},
     "sketch": {"sparse_probe": "sketch"},
+    "rest": {"sparse_rest": True},
     "dense2": {"sparse_dense_first": 2},
     "kv-max": {"sparse_group": "max"},
     "kv-sum": {"sparse_group": "sum"},
@@ -102,11 +103,13 @@ def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
 #   :group=union|sum     each head attends its kv head's union; sum: one pick per kv head
 #                        from the heads' scores softmax-normalised and summed
 #   :dense=a-b           layers a..b exact (dense=0-1: the first two)
+#   :rest=mean           the blocks not picked also count: each with its mass estimated
+#                        from 4-bit keys and its mean value (besides the exact picks)
 
 def parse_sim(config: str) -> dict:
     """The policy of a "sim:key=val:..." config."""
     pol = {"oracle": None, "probe": "p8", "imp": 0, "swap": 0, "sink": "off", "recent": 0,
-           "group": "head", "dense": ()}
+           "group": "head", "dense": (), "rest": "off"}
     for part in config.split(":")[1:]:
         key, _, val = part.partition("=")
         if key not in pol:
@@ -294,6 +297,28 @@ class SimAttend:
                 order = c._order[layer] = importance_order(c.importance[layer], c.max_tokens)
         sel = sim_select(self.pol, s, qh, kq, n, self.k, group, order, c.kv_bs, c.scale)
         tok = np.repeat(sel, c.kv_bs, axis=1)[:, :n]
+        if self.pol["rest"] != "off":
+            # the blocks not picked: their mass from the 4-bit sketch (block log-sum-exp)
+            # times their mean value, besides the exact softmax over the picks
+            nb = sel.shape[1]
+            amax = np.abs(kq).max(axis=2, keepdims=True)
+            ksc = np.where(amax > 0, amax / 7, 1.0)
+            kd = np.clip(np.rint(kq / ksc), -7, 7) * ksc
+            sa = np.einsum("kgd,nkd->kgn", qh.reshape(nkv, group, hd), kd).reshape(nh, n) * c.scale
+            lse = block_reduce(sa, n, c.kv_bs, "lse")                  # (nh, nb)
+            vb = np.zeros((nb * c.kv_bs, nkv, hd))
+            vb[:n] = vq
+            cnt = np.minimum(c.kv_bs, n - np.arange(nb) * c.kv_bs)
+            vmean = vb.reshape(nb, c.kv_bs, nkv, hd).sum(axis=1) / cnt[:, None, None]
+            st = np.where(tok, s, -np.inf)
+            m = np.maximum(st.max(axis=1), np.where(sel, -np.inf, lse).max(axis=1))
+            e = np.exp(st - m[:, None])
+            w = np.where(sel, 0.0, np.exp(lse - m[:, None]))            # (nh, nb)
+            num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)
+                   + np.einsum("kgb,bkd->kgd", w.reshape(nkv, group, nb), vmean))
+            den = (e.sum(axis=1) + w.sum(axis=1)).reshape(nkv, group, 1)
+            out[0] = (num / den).reshape(-1)
+            return out
         s = np.where(tok, s, -np.inf)
         p = np.exp(s - s.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)

@@ -52,6 +52,8 @@ def test_native_equals_loop(ckpts, arch):
     dict(sparse_attn=True, sparse_k=1, kv_q8=True, sparse_probe="sketch"),
     dict(sparse_attn=True, sparse_k=2, sparse_probe="sketch", sparse_group="union",
          sparse_sink="out", sparse_recent=1, sparse_importance=False),
+    dict(sparse_attn=True, sparse_k=1, kv_q8=True, sparse_probe="sketch", sparse_rest=True,
+         sparse_prefill=False),
     dict(sparse_attn=True, sparse_k=2, sparse_sink="out", sparse_group="union",
          sparse_dense_layers="1"),
     dict(sparse_preset="quality", sparse_k=1),

@@ -106,7 +106,11 @@ def test_sketch_kept_up_to_date_and_scores_match_numpy(dtype):
         keys = c.keys(0)[:, kh * HD:(kh + 1) * HD]
         packed, sc = key_sketch(keys)
         assert np.array_equal(c.bounds[0, kh].reshape(-1, HD // 2)[:n], packed)
-        assert np.array_equal(c.bound_scales[0, kh].reshape(-1)[:n], sc)
+        assert np.array_equal(c.bound_scales[0, kh, :, :BS].reshape(-1)[:n], sc)
+        vals = c.values(0)[:, kh * HD:(kh + 1) * HD]
+        for b in range(nb):                             # each block's mean value
+            np.testing.assert_allclose(c.bound_scales[0, kh, b, BS:],
+                                       vals[b * BS:(b + 1) * BS].mean(axis=0), rtol=1e-5, atol=1e-6)
         # the nibbles decode to the key within half a step
         u = np.concatenate([packed & 15, packed >> 4], axis=1).astype(np.float32) - 8
         assert np.all(np.abs(u * sc[:, None] - keys) <= sc[:, None] * 0.5001 + 1e-7)
@@ -465,3 +469,75 @@ def test_recent_and_importance_flags():
         LoadOptions(sparse_attn=True, sparse_recent=64).validate()
     with pytest.raises(KestrelError, match="sparse_recent"):
         CacheSpec(sparse_k=2, sparse_recent=-1)
+
+
+# ---------------------------------------------------------------- the rest estimate
+
+@pytest.mark.parametrize("group", ["head", "union"])
+@pytest.mark.parametrize("dtype", ["f32", "q8"])
+def test_rest_decode_matches_numpy(group, dtype, isa):
+    """--sparse-rest: a decode head's output is the softmax over its picks' exact scores
+    and, for each block it does not attend, one pseudo-token (the sketch score, the
+    block's mean value), in one normalisation; without the option the picks alone."""
+    rng = np.random.default_rng(23)
+    kw = dict(sparse_k=3, sparse_probe="sketch", sparse_group=group, sparse_sink="out",
+              sparse_importance=False)
+    c = filled_cache(CacheSpec(dtype, sparse_rest=True, **kw), 14 * BS + 5, rng)
+    c.record_selection = True
+    q = rng.standard_normal((1, N_HEADS * HD)).astype(np.float32)
+    c.reserve(1)
+    kv = rng.standard_normal((1, N_KV * HD)).astype(np.float32)
+    c.write(0, kv, kv)
+    got = c.attend(0, q, np.empty_like(q))[0].copy()
+    picks = c.selection[0][0]
+    c.respec(CacheSpec(dtype, **kw))
+    plain = c.attend(0, q, np.empty_like(q))[0].copy()
+    n = c.offset + 1
+    nb = -(-n // BS)
+    for h in range(N_HEADS):
+        kh = h // GROUP
+        mine = picks[kh * GROUP:(kh + 1) * GROUP] if group == "union" else picks[h:h + 1]
+        att = np.zeros(nb, bool)
+        att[mine[mine >= 0]] = True
+        K_ = keys_of(c, 0, n)[:, kh * HD:(kh + 1) * HD].astype(np.float64)
+        V_ = values_of(c, 0, n)[:, kh * HD:(kh + 1) * HD].astype(np.float64)
+        s = K_ @ q[0, h * HD:(h + 1) * HD].astype(np.float64) * c.scale
+        tok = np.repeat(att, BS)[:n]
+        lse = kernels.sketch_scores(q[0, h * HD:(h + 1) * HD], c.bounds[0], c.bound_scales[0],
+                                    kh, c.scale, n).astype(np.float64)
+        vm = c.bound_scales[0, kh, :nb, BS:].astype(np.float64)
+        m = max(s[tok].max(), lse[~att].max())
+        e = np.exp(s[tok] - m)
+        w = np.exp(lse[~att] - m)
+        want = (e @ V_[tok] + w @ vm[~att]) / (e.sum() + w.sum())
+        np.testing.assert_allclose(got[h * HD:(h + 1) * HD], want, rtol=2e-4, atol=2e-5)
+        p = np.exp(s[tok] - s[tok].max())
+        np.testing.assert_allclose(plain[h * HD:(h + 1) * HD], p @ V_[tok] / p.sum(),
+                                   rtol=2e-4, atol=2e-5)
+    assert not np.allclose(got, plain)
+
+
+def keys_of(c, layer, n):
+    """K of tokens 0..n-1, including a row written but not committed."""
+    off = c.offset
+    c.offset = n
+    try:
+        return c.keys(layer)
+    finally:
+        c.offset = off
+
+
+def values_of(c, layer, n):
+    off = c.offset
+    c.offset = n
+    try:
+        return c.values(layer)
+    finally:
+        c.offset = off
+
+
+def test_rest_needs_the_sketch():
+    with pytest.raises(KestrelError, match="sketch probe"):
+        CacheSpec(sparse_k=4, sparse_rest=True)
+    assert CacheSpec(sparse_k=4, sparse_probe="sketch", sparse_rest=True).sparse_opts \
+        & kernels.REST
