@@ -610,7 +610,7 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             raise ValueError(f"attention: the sketch probe needs an even head_dim <= "
                              f"{SKETCH_HD_MAX}, got {head_dim}")
         _array(bounds, "bounds", np.uint8)
-        _shape(bounds, "bounds", (n_kv_heads, int(bound_cap), kv_bs, head_dim // 2))
+        _shape(bounds, "bounds", (n_kv_heads, int(bound_cap), head_dim // 2, kv_bs))
         if k_ptrs.shape[0] > bound_cap:
             raise ValueError(f"bounds: {bound_cap} blocks, the cache has {k_ptrs.shape[0]}")
         if bound_scales is None:
@@ -659,14 +659,14 @@ def sketch_update(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int, hea
     """Sketch rows r0..r1-1 of the K block at address k_block (KV_BLOCK tokens, just
     written) at 4 bits for the sketch probe: per token and kv head S = max|k| / 7 into
     scales[:, block, :KV_BLOCK] (scales: (n_kv_heads, cap, KV_BLOCK + head_dim)) and the
-    nibbles rint(k / S) + 8 into sketch (n_kv_heads, cap, KV_BLOCK, head_dim // 2) uint8,
-    byte j = dim j | dim j + hd/2 << 4; the mean of rows 0..r1-1 of the V block at v_block
+    nibbles rint(k / S) + 8 into sketch (n_kv_heads, cap, head_dim // 2, KV_BLOCK) uint8,
+    byte [j, t] = dim j | dim j + hd/2 << 4 of token t (dimension-major per block); the mean of rows 0..r1-1 of the V block at v_block
     into scales[:, block, KV_BLOCK:] (attn_kv.h ka_sketch_update; from the values the
     cache holds)."""
     _array(sketch, "sketch", np.uint8, 4, writable=True)
     _array(scales, "scales", np.float32, 3, writable=True)
     cap = sketch.shape[1]
-    _shape(sketch, "sketch", (n_kv_heads, cap, KV_BLOCK, head_dim // 2))
+    _shape(sketch, "sketch", (n_kv_heads, cap, head_dim // 2, KV_BLOCK))
     _shape(scales, "scales", (n_kv_heads, cap, KV_BLOCK + head_dim))
     _lib.sketch_update(int(k_block), int(v_block), kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1,
                        sketch.reshape(-1), scales.reshape(-1), cap, block)
@@ -689,7 +689,7 @@ def sketch_scores(q: np.ndarray, sketch: np.ndarray, scales: np.ndarray, kh: int
     _array(q, "q", np.float32, 1)
     _array(sketch, "sketch", np.uint8, 4)
     _array(scales, "scales", np.float32, 3)
-    n_kv, cap, bs, h2 = sketch.shape
+    n_kv, cap, h2, bs = sketch.shape
     out = np.empty(-(-int(n_ctx) // bs), np.float32)
     _lib.sketch_scores(q, sketch.reshape(-1), scales.reshape(-1), bs, n_kv, 2 * h2, cap, kh,
                        float(scale), int(n_ctx), out)

@@ -173,7 +173,7 @@ class KVCache:
         # bound probe: per layer, kv head and block the max then min of K (int8 with an
         # int8 cache, float32 otherwise), kept up to date by write(); sketch probe, in the
         # same arrays: per layer, kv head and token the key at 4 bits (uint8 (n_kv, cap,
-        # KV_BLOCK, head_dim / 2)) and its scale, then per block the mean value (float32
+        # head_dim / 2, KV_BLOCK): dimension-major per block) and its scale, then per block the mean value (float32
         # (n_kv, cap, KV_BLOCK + head_dim))
         self.sketch = spec.sparse_k > 0 and spec.sparse_probe == "sketch"
         self.sparse_opts, self.sparse_width = self._opts(spec), spec.sparse_width
@@ -196,7 +196,7 @@ class KVCache:
             if head_dim % 2 or head_dim > K.SKETCH_HD_MAX:
                 raise KestrelError(f"the sketch probe needs an even head_dim <= "
                                    f"{K.SKETCH_HD_MAX}, got {head_dim}")
-            self.bounds = np.zeros((n_layers, n_kv_heads, cap, KV_BLOCK, head_dim // 2),
+            self.bounds = np.zeros((n_layers, n_kv_heads, cap, head_dim // 2, KV_BLOCK),
                                    np.uint8)
             self.bound_scales = np.zeros((n_layers, n_kv_heads, cap, KV_BLOCK + head_dim),
                                          np.float32)

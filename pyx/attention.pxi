@@ -56,14 +56,15 @@ cdef extern from "attention.h" nogil:
         KA_SKETCH
         KA_REST
         KA_SKHDMAX
+        KA_SKBS
     void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind, Py_ssize_t bs,
                           Py_ssize_t n_kv,
                           Py_ssize_t hd, Py_ssize_t r0, Py_ssize_t r1, uint8_t *skt,
                           Py_ssize_t bstride, float *ssc, Py_ssize_t sstride) noexcept
     int32_t ka_sketch_query(const float *q, Py_ssize_t hd, float scale, int8_t *qi,
-                            float *qs) noexcept
-    float ka_sketch(const ka_kv *kv, const int8_t *qi, float qs, int32_t qsum, Py_ssize_t kh,
-                    Py_ssize_t b, Py_ssize_t n_ctx, float *tmp) noexcept
+                            float *qs, float *cv) noexcept
+    float ka_sketch(const ka_kv *kv, const int8_t *qi, float qs, int32_t qsum, float cv,
+                    Py_ssize_t kh, Py_ssize_t b, Py_ssize_t n_ctx) noexcept
     Py_ssize_t ka_q8_scale_offset(Py_ssize_t bs, Py_ssize_t ld) noexcept
     Py_ssize_t ka_q8_block_bytes(Py_ssize_t bs, Py_ssize_t n_kv, Py_ssize_t hd) noexcept
     float ka_quant_row(const float *x, Py_ssize_t n, int8_t *q) noexcept
@@ -304,14 +305,14 @@ def bounds_update(uint64_t k_block, int kv_kind, Py_ssize_t kv_bs, Py_ssize_t n_
 
 def sketch_update(uint64_t k_block, uint64_t v_block, int kv_kind, Py_ssize_t kv_bs,
                   Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t r0, Py_ssize_t r1,
-                  uint8_t[::1] sketch,         # IN/OUT (n_kv, cap, kv_bs, hd / 2) one layer's
+                  uint8_t[::1] sketch,         # IN/OUT (n_kv, cap, hd / 2, kv_bs) one layer's
                   float[::1] scales,           # IN/OUT (n_kv, cap, kv_bs + hd) their scales,
                                                #     then each block's mean value
                   Py_ssize_t cap, Py_ssize_t block):
     """Sketch rows r0..r1-1 of K block `block` (address k_block), just written, at 4 bits,
     and the mean of rows 0..r1-1 of its V block (v_block) (attn_kv.h ka_sketch_update)."""
-    if (head_dim > KA_SKHDMAX or head_dim % 2 or not (0 <= r0 < r1 <= kv_bs)
-            or not (0 <= block < cap)):
+    if (head_dim > KA_SKHDMAX or head_dim % 2 or kv_bs != KA_SKBS
+            or not (0 <= r0 < r1 <= kv_bs) or not (0 <= block < cap)):
         raise ValueError("sketch_update: bad geometry")
     if (sketch.shape[0] < n_kv_heads * cap * kv_bs * (head_dim // 2)
             or scales.shape[0] < n_kv_heads * cap * (kv_bs + head_dim)):
@@ -327,24 +328,23 @@ def sketch_scores(const float[::1] q, const uint8_t[::1] sketch, const float[::1
                   Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t cap,
                   Py_ssize_t kh, float scale, Py_ssize_t n_ctx, float[::1] out):
     """out[b] := the sketch probe (attn_kv.h ka_sketch) of block b < len(out) of kv head kh
-    for the query q over the tokens < n_ctx."""
+    for the query q over the tokens < n_ctx; kv_bs must be KA_SKBS (32)."""
     cdef ka_kv kv
     cdef Py_ssize_t b, n_blocks = out.shape[0]
     cdef int8_t qi[KA_SKHDMAX]
-    cdef float qs
+    cdef float qs, cv
     cdef int32_t qsum
-    cdef float tmp[1024]
     if (q.shape[0] != head_dim or head_dim > KA_SKHDMAX or head_dim % 2 or n_blocks > cap
-            or kv_bs > 1024 or not 0 <= kh < n_kv_heads or n_blocks * kv_bs < n_ctx
+            or kv_bs != KA_SKBS or not 0 <= kh < n_kv_heads or n_blocks * kv_bs < n_ctx
             or (n_blocks - 1) * kv_bs >= n_ctx
             or sketch.shape[0] < n_kv_heads * cap * kv_bs * (head_dim // 2)
             or scales.shape[0] < n_kv_heads * cap * (kv_bs + head_dim)):
         raise ValueError("sketch_scores: bad geometry")
     ka_kv_init(&kv, NULL, NULL, kv_bs, n_kv_heads, head_dim, KA_KV_F32)
     ka_kv_bounds(&kv, &sketch[0], &scales[0], cap)
-    qsum = ka_sketch_query(&q[0], head_dim, scale, qi, &qs)
+    qsum = ka_sketch_query(&q[0], head_dim, scale, qi, &qs, &cv)
     for b in range(n_blocks):
-        out[b] = ka_sketch(&kv, qi, qs, qsum, kh, b, n_ctx, tmp)
+        out[b] = ka_sketch(&kv, qi, qs, qsum, cv, kh, b, n_ctx)
 
 
 def bound_scores(const float[::1] q, const uint8_t[::1] bounds, const float[::1] bound_scales,

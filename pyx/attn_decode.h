@@ -199,15 +199,16 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     if (mode == KA_DEC_PROBES && kv->bnd != NULL && kv->sketch) {
         /* the sketch probe: the kv head's sketched keys of the part, for every head */
         int8_t qi[KA_GMAX * KA_SKHDMAX];
-        float *tmp = ws->s;                              /* bs floats */
-        float qs[KA_GMAX];
+        float qs[KA_GMAX], cv[KA_GMAX];
         int32_t qsum[KA_GMAX];
         for (ptrdiff_t g = 0; g < group; g++)
-            qsum[g] = ka_sketch_query(qv[g].q, hd, kv->sk_scale, qi + g * hd, &qs[g]);
-        for (ptrdiff_t b = b0; b < b1; b++)
+            qsum[g] = ka_sketch_query(qv[g].q, hd, kv->sk_scale, qi + g * hd, &qs[g], &cv[g]);
+        for (ptrdiff_t b = b0; b < b1; b++) {
+            float sb[KA_GMAX];
+            ka_sketch_heads(kv, qi, group, qs, qsum, cv, kh, b, n_ctx, sb);
             for (ptrdiff_t g = 0; g < group; g++)
-                probe[(kh * group + g) * nb + b] =
-                    ka_sketch(kv, qi + g * hd, qs[g], qsum[g], kh, b, n_ctx, tmp);
+                probe[(kh * group + g) * nb + b] = sb[g];
+        }
         return;
     }
     if (mode == KA_DEC_PROBES && kv->bnd != NULL) {

@@ -42,7 +42,7 @@ typedef struct {
     const uint8_t *bnd;
     const float *bsc;
     ptrdiff_t bcap;           /* blocks per kv head in bnd */
-    /* sketch probe (ka_sketch; sketch 1): bnd holds instead (n_kv, bcap, bs, hd / 2)
+    /* sketch probe (ka_sketch; sketch 1): bnd holds instead (n_kv, bcap, hd / 2, bs)
      * bytes, every key at 4 bits, and bsc per (kv head, block) bs + hd floats: the
      * tokens' scales, then the block's mean value (ka_sketch_update) */
     int sketch;
@@ -266,14 +266,16 @@ static inline void ka_bounds_update(const uint8_t *blk, int kind, ptrdiff_t bs,
 /* The sketch probe (docs/DESIGN.md §3 Options): every key also kept at 4 bits, so a block
  * is ranked by its attention mass estimated from ALL its keys, not by a few samples or a
  * bound. Per (token, kv head): S = max|k| / 7, u[d] = clamp(rint(k[d] / S), -7, 7) + 8
- * in 1..15; byte j holds u[j] (low nibble) and u[j + hd/2] (high nibble), the token's
- * hd/2 bytes contiguous, a block's bs tokens contiguous, a kv head's blocks contiguous
- * (one streamed read per kv head). The block score is log sum_t exp(scale * q . k~_t)
- * over the block's sketched keys k~ (a log-sum-exp: its mass, what attention spends on
- * it), with the query at int8 so the dots are exact integers (the same picks on every
- * ISA up to the last bits of exp). */
-
+ * in 1..15. Per (kv head, block) hd/2 x KA_SKBS bytes, dimension-major: byte
+ * [j * KA_SKBS + t] holds u[j] of token t (low nibble) and u[j + hd/2] (high nibble), so
+ * the scoring loops run over the block's 32 tokens at once (they vectorise); a kv head's
+ * blocks are contiguous (one streamed read per kv head). The block score is
+ * log sum_t exp(scale * q~ . k~_t) over the block's sketched keys k~ (a log-sum-exp: its
+ * mass, what attention spends on it), with the query at int8 so the dots are exact
+ * integers (the same on every ISA; only exp's last bits differ). */
 #define KA_SKHDMAX 256   /* most head_dim with the sketch probe (kernels.attention checks) */
+#define KA_SKBS 32       /* tokens per sketched block: the sparse block (kernels checks) */
+#define KA_SKGMAX 64     /* most queries scored at once (attn_decode.h KA_GMAX) */
 
 /* Value d of kv head h, row t of a block (kind: KA_KV_*) as the cache holds it, as a
  * float (int8 dequantised, half widened). */
@@ -288,12 +290,12 @@ KF_INLINE float ka_blk_val(const uint8_t *blk, int kind, ptrdiff_t bs, ptrdiff_t
     return ((const float *)blk)[t * ld + h * hd + d];
 }
 
-/* Sketch rows r0 .. r1 - 1 of one K block just written (kind: KA_KV_*) from the values the
- * cache holds, and recompute the block's mean value over rows 0 .. r1 - 1 of its V block
- * vblk (in row order, so no result depends on how the rows were split between writes).
- * skt: the block's (bs, hd/2) bytes of kv head 0, kv heads `bstride` bytes apart; ssc:
- * its bs scales then hd mean values, kv heads `sstride` floats apart. A trim redoes the
- * kept rows of its last block (the mean). */
+/* Sketch rows r0 .. r1 - 1 of one K block just written (kind: KA_KV_*; bs == KA_SKBS)
+ * from the values the cache holds, and recompute the block's mean value over rows
+ * 0 .. r1 - 1 of its V block vblk (in row order, so no result depends on how the rows
+ * were split between writes). skt: the block's (hd/2, bs) bytes of kv head 0, kv heads
+ * `bstride` bytes apart; ssc: its bs scales then hd mean values, kv heads `sstride`
+ * floats apart. A trim redoes the kept rows of its last block (the mean). */
 static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind,
                                     ptrdiff_t bs, ptrdiff_t n_kv, ptrdiff_t hd, ptrdiff_t r0,
                                     ptrdiff_t r1, uint8_t *skt, ptrdiff_t bstride, float *ssc,
@@ -320,59 +322,118 @@ static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int
                 m = fabsf(v) > m ? fabsf(v) : m;
             }
             const float inv = m > 0.0f ? 7.0f / m : 0.0f;
-            uint8_t *out = skt + h * bstride + t * h2;
+            uint8_t *out = skt + h * bstride + t;
             for (ptrdiff_t j = 0; j < h2; j++) {
                 float a = kf_rint(x[j] * inv), b = kf_rint(x[j + h2] * inv);
                 a = a > 7.0f ? 7.0f : (a < -7.0f ? -7.0f : a);
                 b = b > 7.0f ? 7.0f : (b < -7.0f ? -7.0f : b);
-                out[j] = (uint8_t)((int)a + 8) | (uint8_t)(((int)b + 8) << 4);
+                out[j * bs] = (uint8_t)((int)a + 8) | (uint8_t)(((int)b + 8) << 4);
             }
             ssc[h * sstride + t] = m / 7.0f;
         }
 }
 
 /* The query for the sketch: qi = rint(q / Sq) at int8, Sq = max|q| / 127; returns
- * Sq * scale into *qs and sum(qi) (the nibbles' +8 offset comes off as 8 * sum). */
+ * Sq * scale into *qs and sum(qi) (the nibbles' +8 offset comes off as 8 * sum), and into
+ * *cv the rounding's variance coefficient qs^2 sum(qi^2) / 24: a sketched key's rounding
+ * errors (uniform, +-S/2 per dimension) make its score noisy by variance cv * S^2, which
+ * inflates exp of it by exp(cv * S^2 / 2) on average, so a score is taken as
+ * q~ . k~ - cv * S^2 / 2 ... written cv * S * S with cv holding the halving. */
 KF_INLINE int32_t ka_sketch_query(const float *q, ptrdiff_t hd, float scale, int8_t *qi,
-                                  float *qs)
+                                  float *qs, float *cv)
 {
     float m = 0.0f;
     for (ptrdiff_t d = 0; d < hd; d++)
         m = fabsf(q[d]) > m ? fabsf(q[d]) : m;
     const float inv = m > 0.0f ? 127.0f / m : 0.0f;
-    int32_t sum = 0;
+    int32_t sum = 0, sq = 0;
     for (ptrdiff_t d = 0; d < hd; d++) {
         int v = (int)kf_rint(q[d] * inv);
         qi[d] = (int8_t)v;
         sum += v;
+        sq += v * v;
     }
     *qs = m / 127.0f * scale;
+    *cv = *qs * *qs * (float)sq / 24.0f;
     return sum;
 }
 
-/* Sketch score of block b (tokens t < n_ctx) of kv head kh for the int8 query qi (qs,
- * qsum from ka_sketch_query). tmp: bs floats. */
-KF_INLINE float ka_sketch(const ka_kv *kv, const int8_t *restrict qi, float qs, int32_t qsum,
-                          ptrdiff_t kh, ptrdiff_t b, ptrdiff_t n_ctx, float *restrict tmp)
+/* Sketch scores of block b (tokens t < n_ctx) of kv head kh for ng int8 queries qi
+ * (ng x hd, from ka_sketch_query: qs, qsum, cv): out[g] for g < ng. The nibbles are unpacked
+ * once for all the queries; 16-bit products summed 8 dims at a time (|sum| <= 8 * 2 *
+ * 15 * 127 < 2^15), then into 32 bits: exact. */
+KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdiff_t ng,
+                               const float *qs, const int32_t *qsum, const float *cv,
+                               ptrdiff_t kh,
+                               ptrdiff_t b, ptrdiff_t n_ctx, float *restrict out)
 {
-    const ptrdiff_t bs = kv->bs, h2 = kv->hd / 2, i = kh * kv->bcap + b;
-    const ptrdiff_t len = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
-    const uint8_t *x = kv->bnd + i * bs * h2;
-    const float *sc = kv->bsc + i * (bs + 2 * h2);
-    float mx = -INFINITY;
-    for (ptrdiff_t t = 0; t < len; t++) {
-        const uint8_t *r = x + t * h2;
-        int32_t acc = 0;
-        for (ptrdiff_t j = 0; j < h2; j++)
-            acc += (int32_t)(r[j] & 15) * qi[j] + (int32_t)(r[j] >> 4) * qi[j + h2];
-        float s = (float)(acc - 8 * qsum) * (sc[t] * qs);
-        tmp[t] = s;
-        mx = s > mx ? s : mx;
+    enum { B = KA_SKBS };
+    const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
+    const ptrdiff_t len = n_ctx - b * B < B ? n_ctx - b * B : B;
+    const uint8_t *x = kv->bnd + i * B * h2;
+    const float *sc = kv->bsc + i * (B + 2 * h2);
+    int32_t acc[KA_SKGMAX][B];
+    int16_t a16[KA_SKGMAX][B];
+    for (ptrdiff_t g = 0; g < ng; g++)
+        for (int t = 0; t < B; t++) {
+            acc[g][t] = 0;
+            a16[g][t] = 0;
+        }
+    for (ptrdiff_t j = 0; j < h2; j++) {
+        int16_t lo[B], hi[B];
+        for (int t = 0; t < B; t++) {
+            lo[t] = (int16_t)(x[j * B + t] & 15);
+            hi[t] = (int16_t)(x[j * B + t] >> 4);
+        }
+        for (ptrdiff_t g = 0; g < ng; g++) {
+            const int16_t ql = qi[g * 2 * h2 + j], qh = qi[g * 2 * h2 + h2 + j];
+            for (int t = 0; t < B; t++)
+                a16[g][t] = (int16_t)(a16[g][t] + lo[t] * ql + hi[t] * qh);
+        }
+        if ((j & 7) == 7 || j == h2 - 1)
+            for (ptrdiff_t g = 0; g < ng; g++)
+                for (int t = 0; t < B; t++) {
+                    acc[g][t] += a16[g][t];
+                    a16[g][t] = 0;
+                }
     }
-    float l = 0.0f;
-    for (ptrdiff_t t = 0; t < len; t++)
-        l += kf_expf(tmp[t] - mx);
-    return mx + logf(l);
+    for (ptrdiff_t g = 0; g < ng; g++) {
+        float s[B], e[B], pm[8], ps[8];
+        const float f = qs[g];
+        const int32_t off = 8 * qsum[g];
+        const float c = cv[g];
+        for (int t = 0; t < B; t++)
+            s[t] = t < len ? (float)(acc[g][t] - off) * (sc[t] * f) - c * sc[t] * sc[t]
+                           : -INFINITY;
+        for (int k = 0; k < 8; k++)
+            pm[k] = s[k];
+        for (int t = 8; t < B; t += 8)
+            for (int k = 0; k < 8; k++)
+                pm[k] = s[t + k] > pm[k] ? s[t + k] : pm[k];
+        float mx = pm[0];
+        for (int k = 1; k < 8; k++)
+            mx = pm[k] > mx ? pm[k] : mx;
+        for (int t = 0; t < B; t++)
+            e[t] = t < len ? kf_expf(s[t] - mx) : 0.0f;
+        for (int k = 0; k < 8; k++)
+            ps[k] = e[k];
+        for (int t = 8; t < B; t += 8)
+            for (int k = 0; k < 8; k++)
+                ps[k] += e[t + k];
+        float l = ps[0];
+        for (int k = 1; k < 8; k++)
+            l += ps[k];
+        out[g] = mx + logf(l);
+    }
+}
+
+/* One query's sketch score of block b: ka_sketch_heads for ng = 1. */
+KF_INLINE float ka_sketch(const ka_kv *kv, const int8_t *restrict qi, float qs, int32_t qsum,
+                          float cv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t n_ctx)
+{
+    float out;
+    ka_sketch_heads(kv, qi, 1, &qs, &qsum, &cv, kh, b, n_ctx, &out);
+    return out;
 }
 
 /* Prefetch hint for rows 0, step, .. (n of them) of kv head kh in block b of `ptrs`

@@ -58,9 +58,9 @@ KF_INLINE float ka_score_block(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrd
 {
     if (kv->bnd != NULL && kv->sketch) {
         int8_t qi[KA_HDMAX];
-        float qs;
-        int32_t qsum = ka_sketch_query(q->q, kv->hd, kv->sk_scale, qi, &qs);
-        return ka_sketch(kv, qi, qs, qsum, q->kh, b, n_ctx, tmp);
+        float qs, cv;
+        int32_t qsum = ka_sketch_query(q->q, kv->hd, kv->sk_scale, qi, &qs, &cv);
+        return ka_sketch(kv, qi, qs, qsum, cv, q->kh, b, n_ctx);
     }
     return kv->bnd != NULL ? ka_bound(kv, q, b) : ka_probe(kv, q, b, n_ctx, n_probe, tmp);
 }

@@ -105,7 +105,8 @@ def test_sketch_kept_up_to_date_and_scores_match_numpy(dtype):
     for kh in range(N_KV):
         keys = c.keys(0)[:, kh * HD:(kh + 1) * HD]
         packed, sc = key_sketch(keys)
-        assert np.array_equal(c.bounds[0, kh].reshape(-1, HD // 2)[:n], packed)
+        assert np.array_equal(c.bounds[0, kh].transpose(0, 2, 1).reshape(-1, HD // 2)[:n],
+                              packed)
         assert np.array_equal(c.bound_scales[0, kh, :, :BS].reshape(-1)[:n], sc)
         vals = c.values(0)[:, kh * HD:(kh + 1) * HD]
         for b in range(nb):                             # each block's mean value
