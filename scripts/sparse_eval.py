@@ -22,7 +22,7 @@ filler; greedy, 24 tokens; prints recalled yes/no per (size, depth) for exact an
 config and k, and the recall per k.
 
 Configs: seed (the plain selection), sink-in, sink-out, bound, dense2 (first 2 layers
-exact), kv-max, kv-sum, kv-union, exact-prefill, win32/64/128, recent1/2, noimp, and every
+exact), kv-max, kv-sum, kv-union, kv-head (the plain per-head picks), sketch, rest, exact-prefill, win32/64/128, recent1/2, noimp, and every
 --sparse-preset name (kestrel_cli.sparse.PRESETS); "a+b" combines configs. "sim:..."
 configs decode in NumPy with an oracle or a trial selection (see parse_sim below; e.g.
 sim:oracle=mass, the k blocks of largest true attention mass per head): slow, for
@@ -52,6 +52,7 @@ CONFIGS = {
     "kv-max": {"sparse_group": "max"},
     "kv-sum": {"sparse_group": "sum"},
     "kv-union": {"sparse_group": "union"},
+    "kv-head": {"sparse_group": "head"},
     "exact-prefill": {"sparse_prefill": False},
     "win32": {"sparse_window": 32},
     "win64": {"sparse_window": 64},
