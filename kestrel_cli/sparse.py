@@ -115,13 +115,10 @@ def key_sketch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return u[:, :h2] | (u[:, h2:] << 4), (m / np.float32(7.0)).astype(np.float32)
 
 
-def sketch_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray, scale: float,
-                  bs: int = BS) -> np.ndarray:
-    """The sketch probe: score[b] = log sum over block b's tokens t of exp(scale * q~ . k~_t
-    - cv * S_t^2), q~ = rint(q / Sq) * Sq at int8 (Sq = max|q| / 127), k~ the sketched
-    keys (`key_sketch`, S_t their scales), cv = (Sq scale)^2 |q~ / Sq|^2 / 24 (the
-    rounding noise's variance, whose exp would inflate the mass, taken off): the block's
-    attention mass estimated from all its keys. float32."""
+def sketch_token_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray,
+                        scale: float) -> np.ndarray:
+    """Each sketched key's score, scale * q~ . k~_t - cv * S_t^2 (see `sketch_scores`):
+    float32 (seq,)."""
     q = np.asarray(q, np.float32)
     m = np.abs(q).max()
     qi = np.rint(q * (np.float32(127.0) / m if m > 0 else np.float32(0.0))).astype(np.int64)
@@ -129,7 +126,17 @@ def sketch_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray, scale: 
     u = np.concatenate([packed & 15, packed >> 4], axis=1).astype(np.int64)
     acc = u @ qi - 8 * qi.sum()
     cv = np.float32(qs * qs * np.float32(int((qi * qi).sum())) / np.float32(24.0))
-    s = acc.astype(np.float32) * (scales * qs) - cv * scales * scales
+    return acc.astype(np.float32) * (scales * qs) - cv * scales * scales
+
+
+def sketch_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray, scale: float,
+                  bs: int = BS) -> np.ndarray:
+    """The sketch probe: score[b] = log sum over block b's tokens t of exp(scale * q~ . k~_t
+    - cv * S_t^2), q~ = rint(q / Sq) * Sq at int8 (Sq = max|q| / 127), k~ the sketched
+    keys (`key_sketch`, S_t their scales), cv = (Sq scale)^2 |q~ / Sq|^2 / 24 (the
+    rounding noise's variance, whose exp would inflate the mass, taken off): the block's
+    attention mass estimated from all its keys. float32."""
+    s = sketch_token_scores(q, packed, scales, scale)
     n = s.shape[0]
     nb = -(-n // bs)
     x = np.full(nb * bs, -np.inf)

@@ -19,7 +19,8 @@
  * Every float sum runs in an order fixed by the block and part indices (KA_PB is a
  * constant), so no result depends on the thread count.
  * tab: part states (n_parts, n_heads, hd + 2), then the probes (n_heads, nb), then the
- * picked-block masks (n_heads, nb) bytes. */
+ * picked-block masks (n_heads, nb) bytes, then (sketch probe) each block's sketched mass
+ * but its largest token's (n_heads, nb) (log; --sparse-rest). */
 #ifndef KESTREL_ATTN_DECODE_H
 #define KESTREL_ATTN_DECODE_H
 
@@ -49,7 +50,7 @@ KF_INLINE ptrdiff_t ka_decode_states(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t 
 /* Floats of tab a decode over nb blocks needs. */
 KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
 {
-    return ka_decode_states(nb, n_heads, hd) + n_heads * nb + (n_heads * nb + 3) / 4;
+    return ka_decode_states(nb, n_heads, hd) + 2 * n_heads * nb + (n_heads * nb + 3) / 4;
 }
 
 /* Phase P for query head h: its picks (pick order into sel + h * ka_ktot(k, sopt) when sel
@@ -203,11 +204,15 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         int32_t qsum[KA_GMAX];
         for (ptrdiff_t g = 0; g < group; g++)
             qsum[g] = ka_sketch_query(qv[g].q, hd, kv->sk_scale, qi + g * hd, &qs[g], &cv[g]);
+        float *rest = tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb
+                      + (n_heads * nb + 3) / 4;
         for (ptrdiff_t b = b0; b < b1; b++) {
-            float sb[KA_GMAX];
-            ka_sketch_heads(kv, qi, group, qs, qsum, cv, kh, b, n_ctx, sb);
-            for (ptrdiff_t g = 0; g < group; g++)
+            float sb[KA_GMAX], tb[KA_GMAX];
+            ka_sketch_heads(kv, qi, group, qs, qsum, cv, kh, b, n_ctx, sb, tb);
+            for (ptrdiff_t g = 0; g < group; g++) {
                 probe[(kh * group + g) * nb + b] = sb[g];
+                rest[(kh * group + g) * nb + b] = tb[g];
+            }
         }
         return;
     }
@@ -417,8 +422,9 @@ KF_INLINE void ka_decode_merge(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptr
 }
 
 /* Phase M with the rest (KA_REST, the sketch probe): head h's blocks not attended also
- * count, each as one pseudo-token of score its sketch score (the block's estimated
- * log-mass, phase A1's probe) and value the block's mean value (ka_sketch_update): the
+ * count, each as one pseudo-token of score the block's sketched log-mass but its largest
+ * token's (phase A1 keeps it in the table after the masks) and value the block's mean
+ * value (ka_sketch_update): the
  * exact softmax over the picks and this estimate of the other blocks in one
  * normalisation, folded in block order after the parts. */
 KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_heads,
@@ -427,9 +433,10 @@ KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_he
 {
     const ptrdiff_t hd = kv->hd, bs = kv->bs, group = n_heads / kv->n_kv, kh = h / group;
     const ptrdiff_t np = ka_decode_parts(nb), ld = n_heads * (hd + 2);
-    const float *probe = tab + ka_decode_states(nb, n_heads, hd) + h * nb;
     const uint8_t *masks = (const uint8_t *)(tab + ka_decode_states(nb, n_heads, hd)
                                              + n_heads * nb);
+    const float *probe = tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb
+                         + (n_heads * nb + 3) / 4 + h * nb;
     const int own = KA_POOL(sopt) != KA_POOL_UNION;
     float m = -INFINITY, l = 0.0f, *acc = ws->acc, *o = out + h * hd;
     for (ptrdiff_t p = 0; p < np; p++)

@@ -365,7 +365,8 @@ KF_INLINE int32_t ka_sketch_query(const float *q, ptrdiff_t hd, float scale, int
 KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdiff_t ng,
                                const float *qs, const int32_t *qsum, const float *cv,
                                ptrdiff_t kh,
-                               ptrdiff_t b, ptrdiff_t n_ctx, float *restrict out)
+                               ptrdiff_t b, ptrdiff_t n_ctx, float *restrict out,
+                               float *restrict top)
 {
     enum { B = KA_SKBS };
     const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
@@ -424,6 +425,8 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
         for (int k = 1; k < 8; k++)
             l += ps[k];
         out[g] = mx + logf(l);
+        if (top != NULL)                 /* the block's mass but its largest token's */
+            top[g] = l > 1.0f ? mx + logf(l - 1.0f) : -INFINITY;
     }
 }
 
@@ -432,7 +435,7 @@ KF_INLINE float ka_sketch(const ka_kv *kv, const int8_t *restrict qi, float qs, 
                           float cv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t n_ctx)
 {
     float out;
-    ka_sketch_heads(kv, qi, 1, &qs, &qsum, &cv, kh, b, n_ctx, &out);
+    ka_sketch_heads(kv, qi, 1, &qs, &qsum, &cv, kh, b, n_ctx, &out, NULL);
     return out;
 }
 

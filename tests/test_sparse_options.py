@@ -13,7 +13,7 @@ from kestrel_cli.errors import KestrelError
 from kestrel_cli.kv_cache import CacheSpec, KVCache
 from kestrel_cli.sparse import (bound_scores, importance_order, key_bounds, key_bounds_q8,
                                 key_sketch, probe_scores, select_blocks, select_with,
-                                sketch_scores)
+                                sketch_scores, sketch_token_scores)
 
 BS = 32
 N_KV, GROUP, HD = 2, 3, 16
@@ -478,8 +478,9 @@ def test_recent_and_importance_flags():
 @pytest.mark.parametrize("dtype", ["f32", "q8"])
 def test_rest_decode_matches_numpy(group, dtype, isa):
     """--sparse-rest: a decode head's output is the softmax over its picks' exact scores
-    and, for each block it does not attend, one pseudo-token (the sketch score, the
-    block's mean value), in one normalisation; without the option the picks alone."""
+    and, for each block it does not attend, one pseudo-token (the block's sketch mass
+    but its largest token's, the block's mean value), in one normalisation; without the
+    option the picks alone."""
     rng = np.random.default_rng(23)
     kw = dict(sparse_k=3, sparse_probe="sketch", sparse_group=group, sparse_sink="out",
               sparse_importance=False)
@@ -504,8 +505,12 @@ def test_rest_decode_matches_numpy(group, dtype, isa):
         V_ = values_of(c, 0, n)[:, kh * HD:(kh + 1) * HD].astype(np.float64)
         s = K_ @ q[0, h * HD:(h + 1) * HD].astype(np.float64) * c.scale
         tok = np.repeat(att, BS)[:n]
-        lse = kernels.sketch_scores(q[0, h * HD:(h + 1) * HD], c.bounds[0], c.bound_scales[0],
-                                    kh, c.scale, n).astype(np.float64)
+        packed, scs = key_sketch(K_.astype(np.float32))
+        st = sketch_token_scores(q[0, h * HD:(h + 1) * HD], packed, scs, c.scale)
+        st = np.concatenate([st, np.full(nb * BS - n, -np.inf, np.float32)]).reshape(nb, BS)
+        top = st.max(axis=1).astype(np.float64)
+        left = np.exp(st - top[:, None]).sum(axis=1) - 1      # the block's mass but its top
+        lse = np.where(left > 0, top + np.log(np.maximum(left, 1e-300)), -np.inf)
         vm = c.bound_scales[0, kh, :nb, BS:].astype(np.float64)
         m = max(s[tok].max(), lse[~att].max())
         e = np.exp(s[tok] - m)
