@@ -607,6 +607,7 @@ typedef struct {
     float *m, *l;        /* (nq,) running max and denominator */
     float *kt;           /* (hd, KA_W) a chunk's keys, transposed (decode: rows as floats) */
     float *vf;           /* (KA_W, hd) a chunk's int8 values as floats */
+    float *kf;           /* (KA_W, hd) a chunk's int8 / float16 keys as floats (prefill) */
     float *probe;        /* (nbc,) block probes */
     int32_t *sel;        /* (k,) picks in pick order */
     int32_t *blk;        /* (k + nbc,) picks ascending (the order they are read in) */
@@ -624,7 +625,7 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
     ptrdiff_t kk = k > 0 ? k : 1;
     const ptrdiff_t npq = k > 0 ? nq * nbc : 0;
     size_t nf = (size_t)(cap + (tile_e ? nq * (cap + nch) : 0) + nq * (hd + 2)
-                         + 2 * hd * KA_W + nbc + npq);
+                         + 3 * hd * KA_W + nbc + npq);
     size_t bytes = sizeof(ka_ws) + 64 + nf * sizeof(float) + 16 + (size_t)nq * sizeof(ka_q)
                    + (2 * (size_t)kk + (size_t)nbc) * sizeof(int32_t) + (size_t)nbc
                    + (size_t)npq;
@@ -637,6 +638,7 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
     w->nbc = nbc;
     w->kt = f; f += hd * KA_W;
     w->vf = f; f += hd * KA_W;
+    w->kf = f; f += hd * KA_W;
     w->s = f; f += cap;
     w->e = tile_e ? f : NULL; f += tile_e ? nq * cap : 0;
     w->mb = tile_e ? f : NULL; f += tile_e ? nq * nch : 0;

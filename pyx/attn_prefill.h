@@ -1,16 +1,16 @@
 /* Prefill attention (T > 1): units of (tile of query rows, kv head). All of a tile's
  * queries (its rows x the kv head's query heads) go through one ka_tile: online softmax
- * over chunks of KA_W keys, each chunk's keys transposed once into an L1 buffer and its
- * values read once for all the queries that attend to it, the scores vectorised over the
- * keys. Exact queries -- causal prefix of at most k blocks, or all when not sparse --
- * attend to every chunk of their prefix. Sparse ones (past k blocks) first select their
- * blocks with attn_select.h, each (row, head) its own probes and picks as ever
- * (ka_tile_select: the probes taken block by block over the tile's queries, so a block's
- * probe keys are read once while they are in L1), then attend only to the chunks of
- * their picks: the tile walks the union of its queries' blocks ascending and a query skips
- * the blocks it did not pick (what a -inf score would do, without computing it). Prefill
- * records the attention mass each token receives into the caller's partial importance
- * row. Included through attention.h only.
+ * over chunks of KA_W keys, each chunk's values read (and converted) once for all the
+ * queries that attend to it. Exact queries -- causal prefix of at most k blocks, or all
+ * when not sparse -- attend to every chunk of their prefix, scored from the chunk's keys
+ * transposed once into an L1 buffer (vectorised over the keys). Sparse ones (past k
+ * blocks) first select their blocks with attn_select.h, each (row, head) its own probes
+ * and picks as ever (ka_tile_select: the probes taken block by block over the tile's
+ * queries, so a block's probe keys are read once while they are in L1), then attend only
+ * to the chunks of their picks: the tile walks the union of its queries' blocks ascending
+ * and a query skips the blocks it did not pick (what a -inf score would do, without
+ * computing it). Prefill records the attention mass each token receives into the caller's
+ * partial importance row. Included through attention.h only.
  */
 #ifndef KESTREL_ATTN_PREFILL_H
 #define KESTREL_ATTN_PREFILL_H
@@ -68,15 +68,20 @@ KF_INLINE void ka_kt_scores(const float *restrict q, const float *restrict kt,
 }
 
 /* Causal attention of nq queries of kv head kh, query i seeing tokens t < q[i].n of the
- * blocks blk[0..nblk) (ascending; blk NULL: every block) that it attends to (mask NULL: all
- * of them; else mask[i * ws->nbc + b] != 0). Online softmax over chunks of <= KA_W keys
- * (one cache block or part of one), in token order per query: each chunk's keys are
- * transposed once and its values read once for all the queries that attend to it. imp
+ * blocks blk[0..nblk) (ascending; blk NULL: every block): the exact queries q[0..s0) every
+ * block of their prefix, the sparse ones q[s0..nq) the blocks b with mask[i * ws->nbc + b]
+ * (mask may be NULL when s0 == nq). Online softmax over chunks of <= KA_W keys (one cache
+ * block or part of one), in token order per query; each chunk's values are read (int8 and
+ * float16 ones converted) once for all the queries that attend to it. Exact queries score
+ * a chunk from its keys transposed once into L1 (vectorised over the keys); sparse ones,
+ * which share a chunk with fewer queries, from its rows in place (float32) or converted
+ * once (ka_scores, vectorised over head_dim): no transpose to pay for a few queries, and
+ * a sparse query's bits do not depend on which queries share its tile. imp
  * (NULL: off): imp[t] += p_{i,t} for every query; the exp values of each chunk are kept
  * (ws->e) with the running max they were taken against (ws->mb, by chunk index b * the
  * chunks per block + the chunk in the block) and rescaled to the final max and denominator
  * at the end. */
-KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float scale,
+KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, int s0, ptrdiff_t kh, float scale,
                        const int32_t *blk, ptrdiff_t nblk, const uint8_t *mask, ka_ws *ws,
                        float *imp)
 {
@@ -91,6 +96,7 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float sca
     }
     if (blk == NULL)
         nblk = (n_max + bs - 1) / bs;
+    const ptrdiff_t n_exact = s0 > 0 ? q[s0 - 1].n : 0;  /* rows ascending: the longest */
     float sbuf[KA_W];
     for (ptrdiff_t x = 0; x < nblk; x++) {
         const ptrdiff_t b = blk != NULL ? blk[x] : x;
@@ -103,7 +109,10 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float sca
             const ptrdiff_t t0 = b * bs + j0, c = b * cpb + j0 / KA_W;
             ptrdiff_t w = bs - j0 < KA_W ? bs - j0 : KA_W;
             w = n_max - t0 < w ? n_max - t0 : w;
-            ka_load_kt(kv, kh, b, j0, w, ws->kt);
+            if (t0 < n_exact)
+                ka_load_kt(kv, kh, b, j0, w, ws->kt);
+            const float *krows = NULL;                     /* sparse queries' key rows */
+            ptrdiff_t kst = 0;
             const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, j0);
             /* values: float32 rows in place, int8 ones converted once for all queries */
             ptrdiff_t vst;
@@ -111,12 +120,18 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float sca
             const float *vs = ka_row_scales(kv, kv->v_ptrs, kh, b, j0);
             for (int i = 0; i < nq; i++) {
                 ptrdiff_t nr = q[i].n - t0;
-                if (nr <= 0 || (mask != NULL && !mask[i * nbc + b]))
+                if (nr <= 0 || (i >= s0 && !mask[i * nbc + b]))
                     continue;
                 nr = nr < w ? nr : w;
                 float *s = imp != NULL ? ws->e + i * cap + t0 : sbuf;
                 float sc[KA_W];
-                ka_kt_scores(q[i].q, ws->kt, hd, sc);
+                if (i < s0) {
+                    ka_kt_scores(q[i].q, ws->kt, hd, sc);
+                } else {
+                    if (krows == NULL)
+                        krows = ka_rows(kv, kv->k_ptrs, kh, b, j0, 1, w, ws->kf, &kst);
+                    ka_scores(q[i].q, krows, kst, nr, hd, sc);
+                }
                 float bmax = -INFINITY;
                 for (ptrdiff_t j = 0; j < nr; j++) {
                     float v = ks != NULL ? sc[j] * ks[j] : sc[j];
@@ -152,7 +167,7 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float sca
             const ptrdiff_t b = blk != NULL ? blk[x] : x;
             if (b * bs >= q[i].n)
                 break;
-            if (mask != NULL && !mask[i * nbc + b])
+            if (i >= s0 && !mask[i * nbc + b])
                 continue;
             for (ptrdiff_t j0 = 0; j0 < bs && b * bs + j0 < q[i].n; j0 += KA_W) {
                 const ptrdiff_t t0 = b * bs + j0;
@@ -183,9 +198,9 @@ KF_INLINE ptrdiff_t ka_tile_rows(ptrdiff_t group)
  * query: probes (ka_score_block, taken block-major over the queries: the same values, a
  * block's probe keys read once for them all), then ka_pick per head (KA_POOL_HEAD), per row
  * from the heads' probes folded in head order (KA_POOL_MAX / _SUM), or per head with every
- * head attending the row's union (KA_POOL_UNION). Writes ws->qmask (nq, ws->nbc): query i
- * attends block b iff qmask[i * nbc + b], for b < the tile's last block + 1, and the union
- * of all queries' blocks ascending into ws->blk; returns their count. sel (NULL: off): the
+ * head attending the row's union (KA_POOL_UNION). Writes ws->qmask (nq, ws->nbc): sparse
+ * query i attends block b iff qmask[i * nbc + b], for b < the tile's last block + 1, and
+ * the union of all queries' blocks ascending into ws->blk; returns their count. sel (NULL: off): the
  * picks of query i, in pick order, at sel + (i / group) * ld_row + (i % group) * kt. */
 KF_INLINE ptrdiff_t ka_tile_select(const ka_kv *kv, const ka_q *q, int nq, int s0,
                                    ptrdiff_t group, int k, int sopt, int n_probe,
@@ -200,8 +215,6 @@ KF_INLINE ptrdiff_t ka_tile_select(const ka_kv *kv, const ka_q *q, int nq, int s
         for (int i = s0; i < nq; i++)
             if (b * bs < q[i].n)
                 pq[i * nbc + b] = ka_score_block(kv, &q[i], b, q[i].n, n_probe, ws->s);
-    for (int i = 0; i < s0; i++)
-        memset(qm + i * nbc, 1, (size_t)nb_max);
     for (int i = s0; i < nq; i += (int)group) {            /* 2-4. picks, one row at a time */
         const ptrdiff_t nb = (q[i].n + bs - 1) / bs;
         uint8_t *rm = qm + i * nbc;                       /* the row's first head */
@@ -240,10 +253,11 @@ KF_INLINE ptrdiff_t ka_tile_select(const ka_kv *kv, const ka_q *q, int nq, int s
             for (ptrdiff_t g = 1; g < group; g++)
                 memcpy(rm + g * nbc, rm, (size_t)nb_max);
     }
+    const ptrdiff_t nb_exact = s0 > 0 ? (q[s0 - 1].n + bs - 1) / bs : 0;
     ptrdiff_t n = 0;                                       /* the tile's union */
     for (ptrdiff_t b = 0; b < nb_max; b++) {
-        uint8_t any = 0;
-        for (int i = 0; i < nq; i++)
+        uint8_t any = b < nb_exact;
+        for (int i = s0; i < nq; i++)
             any |= qm[i * nbc + b];
         if (any)
             ws->blk[n++] = (int32_t)b;
@@ -284,14 +298,14 @@ KF_INLINE void ka_prefill_unit(const ka_kv *kv, const float *q, ptrdiff_t ldq,
         }
     }
     if (s0 < 0) {
-        ka_tile(kv, qv, nq, kh, scale, NULL, 0, NULL, ws, imp);
+        ka_tile(kv, qv, nq, nq, kh, scale, NULL, 0, NULL, ws, imp);
         return;
     }
     const ptrdiff_t nblk = ka_tile_select(
         kv, qv, nq, s0, group, k, sopt, n_probe, imp_order, n_order, ws,
         sel != NULL ? sel + (i0 * n_heads + kh * group) * kt : NULL,
         n_heads * kt);
-    ka_tile(kv, qv, nq, kh, scale, ws->blk, nblk, ws->qmask, ws, imp);
+    ka_tile(kv, qv, nq, s0, kh, scale, ws->blk, nblk, ws->qmask, ws, imp);
 }
 
 #endif /* KESTREL_ATTN_PREFILL_H */
