@@ -9,9 +9,9 @@
 # states of the part's (picked) blocks for each of the kv head's query heads, so K/V
 # leave memory once per kv head -- then one over query heads that merges the parts;
 # attn_decode.h.
-# Prefill (T > 1): units are (tile of query rows, kv head); the tile's exact queries (its
-# rows x the kv head's query heads) share each K/V chunk read (ka_tile), the (row, head)
-# pairs past k blocks run the sparse ka_row one by one.
+# Prefill (T > 1): units are (tile of query rows, kv head); the tile's queries (its rows x
+# the kv head's query heads) share each K/V chunk read (ka_tile), the (row, head) pairs past
+# k blocks over the union of the blocks they picked, each query only its own picks.
 # Importance without races or thread-count dependence: unit u adds into partial row
 # u % KA_SLOTS of `imp_slots`; a slot's units run in order on one thread (prange over
 # slots), and the slots are summed in slot order into `importance` at the end.

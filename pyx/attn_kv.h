@@ -782,7 +782,8 @@ KF_INLINE void ka_accum(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t j0
 /* ---------------------------------------------------------------- workspace */
 
 /* One thread's scratch: one malloc, carved. cap: most tokens a query sees (a multiple of
- * bs); nq: most queries per tile; k: most picks; tile_e: keep the tile's exp values. */
+ * bs); nq: most queries per tile; k: most picks (> 0: also a prefill tile's probes and
+ * blocks per query); tile_e: keep the tile's exp values. */
 typedef struct {
     float *s;            /* (cap,) one row's scores, then exp values */
     float *e;            /* (nq, cap) a tile's exp values (importance only) */
@@ -791,13 +792,15 @@ typedef struct {
     float *m, *l;        /* (nq,) running max and denominator */
     float *kt;           /* (hd, KA_W) a chunk's keys, transposed (decode: rows as floats) */
     float *vf;           /* (KA_W, hd) a chunk's int8 values as floats */
+    float *kf;           /* (KA_W, hd) a chunk's int8 / float16 keys as floats (prefill) */
     float *probe;        /* (nbc,) block probes */
     int32_t *sel;        /* (k,) picks in pick order */
     int32_t *blk;        /* (k + nbc,) picks ascending (the order they are read in) */
     uint8_t *used;       /* (nbc,) taken by importance */
-    uint8_t *mark;       /* (nbc,) a query group's union of picks */
+    float *pq;           /* (nq, nbc) a prefill tile's probes per query (k > 0 only) */
+    uint8_t *qmask;      /* (nq, nbc) a prefill tile's blocks per query (k > 0 only) */
     struct ka_q_ *qv;    /* (nq,) a tile's queries */
-    ptrdiff_t cap, nch;
+    ptrdiff_t cap, nch, nbc;
 } ka_ws;
 
 static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq, int k,
@@ -805,18 +808,22 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
 {
     ptrdiff_t nbc = cap / bs + 1, nch = cap / bs * ((bs + KA_W - 1) / KA_W) + 1;
     ptrdiff_t kk = k > 0 ? k : 1;
+    const ptrdiff_t npq = k > 0 ? nq * nbc : 0;
     size_t nf = (size_t)(cap + (tile_e ? nq * (cap + nch) : 0) + nq * (hd + 2)
-                         + 2 * hd * KA_W + nbc);
+                         + 3 * hd * KA_W + nbc + npq);
     size_t bytes = sizeof(ka_ws) + 64 + nf * sizeof(float) + 16 + (size_t)nq * sizeof(ka_q)
-                   + (2 * (size_t)kk + (size_t)nbc) * sizeof(int32_t) + 2 * (size_t)nbc;
+                   + (2 * (size_t)kk + (size_t)nbc) * sizeof(int32_t) + (size_t)nbc
+                   + (size_t)npq;
     ka_ws *w = (ka_ws *)malloc(bytes);
     if (w == NULL)
         return NULL;
     float *f = (float *)(((uintptr_t)(w + 1) + 63) / 64 * 64);
     w->cap = cap;
     w->nch = nch;
+    w->nbc = nbc;
     w->kt = f; f += hd * KA_W;
     w->vf = f; f += hd * KA_W;
+    w->kf = f; f += hd * KA_W;
     w->s = f; f += cap;
     w->e = tile_e ? f : NULL; f += tile_e ? nq * cap : 0;
     w->mb = tile_e ? f : NULL; f += tile_e ? nq * nch : 0;
@@ -824,11 +831,12 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
     w->m = f; f += nq;
     w->l = f; f += nq;
     w->probe = f; f += nbc;
+    w->pq = k > 0 ? f : NULL; f += npq;
     w->qv = (ka_q *)(((uintptr_t)f + 15) / 16 * 16);
     w->sel = (int32_t *)(w->qv + nq);
     w->blk = w->sel + kk;
     w->used = (uint8_t *)(w->blk + kk + nbc);
-    w->mark = w->used + nbc;
+    w->qmask = k > 0 ? w->used + nbc : NULL;
     return w;
 }
 

@@ -1,11 +1,16 @@
-/* Prefill attention (T > 1): units of (tile of query rows, kv head). A tile's exact
- * queries -- causal prefix of at most k blocks, or all when not sparse -- share each
- * chunk of K and V (ka_tile: online softmax over chunks of KA_W keys, each chunk's keys
- * transposed once into an L1 buffer and its values read once for all the tile's
- * queries, the scores vectorised over the keys); the (row, head) pairs past k blocks run
- * one by one (ka_row: their own probes and picks, attn_select.h, then a two-pass softmax
- * over the picks). Prefill records the attention mass each token receives into the
- * caller's partial importance row. Included through attention.h only.
+/* Prefill attention (T > 1): units of (tile of query rows, kv head). All of a tile's
+ * queries (its rows x the kv head's query heads) go through one ka_tile: online softmax
+ * over chunks of KA_W keys, each chunk's values read (and converted) once for all the
+ * queries that attend to it. Exact queries -- causal prefix of at most k blocks, or all
+ * when not sparse -- attend to every chunk of their prefix, scored from the chunk's keys
+ * transposed once into an L1 buffer (vectorised over the keys). Sparse ones (past k
+ * blocks) first select their blocks with attn_select.h, each (row, head) its own probes
+ * and picks as ever (ka_tile_select: the probes taken block by block over the tile's
+ * queries, so a block's probe keys are read once while they are in L1), then attend only
+ * to the chunks of their picks: the tile walks the union of its queries' blocks ascending
+ * and a query skips the blocks it did not pick (what a -inf score would do, without
+ * computing it). Prefill records the attention mass each token receives into the caller's
+ * partial importance row. Included through attention.h only.
  */
 #ifndef KESTREL_ATTN_PREFILL_H
 #define KESTREL_ATTN_PREFILL_H
@@ -14,129 +19,6 @@
 
 #define KA_RT 8          /* query rows per prefill tile */
 #define KA_QMAX 32       /* most queries (rows x group heads) per tile */
-
-/* ---------------------------------------------------------------- one query row */
-
-
-/* q->o := softmax(scale * q . K[t]) @ V[t] over the tokens t < q->n of blocks blk[0..nsel)
- * (ascending; blk == NULL: all blocks). Two passes: scores, then max-subtracted exp and
- * P.V. imp (NULL: off): imp[t] += the probability of each attended token, when the
- * query's position is >= kv->imp_from. */
-KF_INLINE void ka_attend(const ka_kv *kv, const ka_q *q, const int32_t *blk,
-                         ptrdiff_t nsel, float scale, ka_ws *ws, float *imp)
-{
-    const ptrdiff_t bs = kv->bs, hd = kv->hd, n_ctx = q->n;
-    float *s = ws->s, mx = -INFINITY;
-    ptrdiff_t n = 0;
-    for (ptrdiff_t i = 0; i < nsel; i++) {
-        ptrdiff_t b = blk != NULL ? blk[i] : i;
-        ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
-        if (blk != NULL && i + 1 < nsel)          /* scattered blocks: fetch the next one */
-            ka_prefetch_blk(kv, kv->k_ptrs, q->kh, blk[i + 1], 1,
-                            n_ctx - blk[i + 1] * bs < bs ? n_ctx - blk[i + 1] * bs : bs);
-        ka_dots(kv, q, b, 0, 1, nr, s + n);
-        for (ptrdiff_t j = n; j < n + nr; j++) {
-            s[j] *= scale;
-            mx = s[j] > mx ? s[j] : mx;
-        }
-        n += nr;
-    }
-    float l = ka_exp_sum(s, n, mx);
-    float *acc = ws->acc;
-    memset(acc, 0, (size_t)hd * sizeof(float));
-    n = 0;
-    for (ptrdiff_t i = 0; i < nsel; i++) {
-        ptrdiff_t b = blk != NULL ? blk[i] : i;
-        ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
-        if (blk != NULL && i + 1 < nsel)
-            ka_prefetch_blk(kv, kv->v_ptrs, q->kh, blk[i + 1], 1,
-                            n_ctx - blk[i + 1] * bs < bs ? n_ctx - blk[i + 1] * bs : bs);
-        for (ptrdiff_t j0 = 0; j0 < nr; j0 += KA_W)
-            ka_accum(kv, q->kh, b, j0, nr - j0 < KA_W ? nr - j0 : KA_W, s + n + j0, ws->vf,
-                     acc);
-        n += nr;
-    }
-    float inv = 1.0f / l;
-    for (ptrdiff_t j = 0; j < hd; j++)
-        q->o[j] = acc[j] * inv;
-    if (imp != NULL && q->n - 1 >= kv->imp_from) {
-        n = 0;
-        for (ptrdiff_t i = 0; i < nsel; i++) {
-            ptrdiff_t b = blk != NULL ? blk[i] : i;
-            ptrdiff_t nr = n_ctx - b * bs < bs ? n_ctx - b * bs : bs;
-            float *dst = imp + b * bs;
-            for (ptrdiff_t j = 0; j < nr; j++)
-                dst[j] += s[n + j] * inv;
-            n += nr;
-        }
-    }
-}
-
-/* One query head of one row (the sparse prefill rows): exact when k <= 0 or
- * ceil(q->n / bs) <= ka_ktot(k, sopt), else the selection of attn_select.h with this
- * query's own probes (sampled or bound), then ka_attend over the picks. sel_out (NULL:
- * off, else ka_ktot entries): the picks in pick order, written only when sparse. */
-KF_INLINE void ka_row(const ka_kv *kv, ka_q *q, float scale, int k, int sopt, int n_probe,
-                      const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws, float *imp,
-                      int32_t *sel_out)
-{
-    const ptrdiff_t bs = kv->bs, nb = (q->n + bs - 1) / bs;
-    if (k <= 0 || nb <= ka_ktot(k, sopt)) {
-        ka_attend(kv, q, NULL, nb, scale, ws, imp);
-        return;
-    }
-    for (ptrdiff_t b = 0; b < nb; b++)
-        ws->probe[b] = ka_score_block(kv, q, b, q->n, n_probe, ws->s);
-    int nsel = ka_pick(ws->probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);
-    ka_sorted(ws->sel, nsel, ws->blk);
-    if (sel_out != NULL)
-        memcpy(sel_out, ws->sel, (size_t)nsel * sizeof(int32_t));
-    ka_attend(kv, q, ws->blk, nsel, scale, ws, imp);
-}
-
-/* The `group` query heads qs[0..group) of one kv head and one sparse row, one selection
- * for them all (KA_POOL(sopt) != KA_POOL_HEAD): max / sum pooling picks once from the
- * heads' pooled probes (folded in head order); union picks per head and every head
- * attends the union. sel_out (NULL: off): the heads' picks, ka_ktot(k, sopt) apart. */
-KF_INLINE void ka_row_group(const ka_kv *kv, ka_q *qs, ptrdiff_t group, float scale, int k,
-                            int sopt, int n_probe, const int32_t *imp_order,
-                            ptrdiff_t n_order, ka_ws *ws, float *imp, int32_t *sel_out)
-{
-    const ptrdiff_t bs = kv->bs, nb = (qs[0].n + bs - 1) / bs;
-    const int pool = KA_POOL(sopt), kt = ka_ktot(k, sopt);
-    ptrdiff_t n = 0;
-    if (pool != KA_POOL_UNION) {
-        for (ptrdiff_t b = 0; b < nb; b++) {
-            float v = ka_score_block(kv, &qs[0], b, qs[0].n, n_probe, ws->s);
-            for (ptrdiff_t g = 1; g < group; g++) {
-                float w = ka_score_block(kv, &qs[g], b, qs[g].n, n_probe, ws->s);
-                v = pool == KA_POOL_SUM ? v + w : (w > v ? w : v);
-            }
-            ws->probe[b] = v;
-        }
-        n = ka_pick(ws->probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);
-        ka_sorted(ws->sel, n, ws->blk);
-        for (ptrdiff_t g = 0; sel_out != NULL && g < group; g++)
-            memcpy(sel_out + g * kt, ws->sel, (size_t)n * sizeof(int32_t));
-    } else {
-        memset(ws->mark, 0, (size_t)nb);
-        for (ptrdiff_t g = 0; g < group; g++) {
-            for (ptrdiff_t b = 0; b < nb; b++)
-                ws->probe[b] = ka_score_block(kv, &qs[g], b, qs[g].n, n_probe, ws->s);
-            int nsel = ka_pick(ws->probe, nb, k, sopt, imp_order, n_order, ws->used,
-                               ws->sel);
-            for (int i = 0; i < nsel; i++)
-                ws->mark[ws->sel[i]] = 1;
-            if (sel_out != NULL)
-                memcpy(sel_out + g * kt, ws->sel, (size_t)nsel * sizeof(int32_t));
-        }
-        for (ptrdiff_t b = 0; b < nb; b++)
-            if (ws->mark[b])
-                ws->blk[n++] = (int32_t)b;
-    }
-    for (ptrdiff_t g = 0; g < group; g++)
-        ka_attend(kv, &qs[g], ws->blk, n, scale, ws, imp);
-}
 
 /* ---------------------------------------------------------------- prefill tile */
 
@@ -185,16 +67,26 @@ KF_INLINE void ka_kt_scores(const float *restrict q, const float *restrict kt,
         s[j] = a[j];
 }
 
-/* Exact causal attention of nq queries of kv head kh, query i seeing tokens
- * t < q[i].n. Online softmax over chunks of <= KA_W keys (one cache block or part of
- * one): each chunk's keys are transposed once and its values read once for all queries.
- * imp (NULL: off): imp[t] += p_{i,t} for every query; the exp values of each chunk are
- * kept (ws->e) with the running max they were taken against (ws->mb) and rescaled to the
- * final max and denominator at the end. */
-KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float scale,
-                       ka_ws *ws, float *imp)
+/* Causal attention of nq queries of kv head kh, query i seeing tokens t < q[i].n of the
+ * blocks blk[0..nblk) (ascending; blk NULL: every block): the exact queries q[0..s0) every
+ * block of their prefix, the sparse ones q[s0..nq) the blocks b with mask[i * ws->nbc + b]
+ * (mask may be NULL when s0 == nq). Online softmax over chunks of <= KA_W keys (one cache
+ * block or part of one), in token order per query; each chunk's values are read (int8 and
+ * float16 ones converted) once for all the queries that attend to it. Exact queries score
+ * a chunk from its keys transposed once into L1 (vectorised over the keys); sparse ones,
+ * which share a chunk with fewer queries, from its rows in place (float32) or converted
+ * once (ka_scores, vectorised over head_dim): no transpose to pay for a few queries, and
+ * a sparse query's bits do not depend on which queries share its tile. imp
+ * (NULL: off): imp[t] += p_{i,t} for every query; the exp values of each chunk are kept
+ * (ws->e) with the running max they were taken against (ws->mb, by chunk index b * the
+ * chunks per block + the chunk in the block) and rescaled to the final max and denominator
+ * at the end. */
+KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, int s0, ptrdiff_t kh, float scale,
+                       const int32_t *blk, ptrdiff_t nblk, const uint8_t *mask, ka_ws *ws,
+                       float *imp)
 {
-    const ptrdiff_t bs = kv->bs, hd = kv->hd, cap = ws->cap, nch = ws->nch;
+    const ptrdiff_t bs = kv->bs, hd = kv->hd, cap = ws->cap, nch = ws->nch, nbc = ws->nbc;
+    const ptrdiff_t cpb = (bs + KA_W - 1) / KA_W;          /* chunks per block */
     ptrdiff_t n_max = 0;
     for (int i = 0; i < nq; i++) {
         n_max = q[i].n > n_max ? q[i].n : n_max;
@@ -202,50 +94,68 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float sca
         ws->l[i] = 0.0f;
         memset(ws->acc + i * hd, 0, (size_t)hd * sizeof(float));
     }
+    if (blk == NULL)
+        nblk = (n_max + bs - 1) / bs;
+    const ptrdiff_t n_exact = s0 > 0 ? q[s0 - 1].n : 0;  /* rows ascending: the longest */
     float sbuf[KA_W];
-    ptrdiff_t c = 0;                                     /* chunk counter */
-    for (ptrdiff_t t0 = 0; t0 < n_max; c++) {
-        const ptrdiff_t b = t0 / bs, j0 = t0 - b * bs;
-        ptrdiff_t w = bs - j0 < KA_W ? bs - j0 : KA_W;
-        w = n_max - t0 < w ? n_max - t0 : w;
-        ka_load_kt(kv, kh, b, j0, w, ws->kt);
-        const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, j0);
-        /* values: float32 rows in place, int8 ones converted once for all queries */
-        ptrdiff_t vst;
-        const float *vrows = ka_rows(kv, kv->v_ptrs, kh, b, j0, 1, w, ws->vf, &vst);
-        const float *vs = ka_row_scales(kv, kv->v_ptrs, kh, b, j0);
-        for (int i = 0; i < nq; i++) {
-            ptrdiff_t nr = q[i].n - t0;
-            if (nr <= 0)
-                continue;
-            nr = nr < w ? nr : w;
-            float *s = imp != NULL ? ws->e + i * cap + t0 : sbuf;
-            float sc[KA_W];
-            ka_kt_scores(q[i].q, ws->kt, hd, sc);
-            float bmax = -INFINITY;
-            for (ptrdiff_t j = 0; j < nr; j++) {
-                float v = ks != NULL ? sc[j] * ks[j] : sc[j];
-                s[j] = v * scale;
-                bmax = s[j] > bmax ? s[j] : bmax;
-            }
-            float *acc = ws->acc + i * hd;
-            if (bmax > ws->m[i]) {
-                /* first chunk: m = -inf, exp(-inf) = 0 and acc, l are still 0 */
-                float corr = kf_expf(ws->m[i] - bmax);
-                ws->l[i] *= corr;
-                for (ptrdiff_t d = 0; d < hd; d++)
-                    acc[d] *= corr;
-                ws->m[i] = bmax;
-            }
-            ws->l[i] += ka_exp_sum(s, nr, ws->m[i]);
-            if (vs != NULL)
-                ka_pv_scaled(s, vs, vrows, vst, nr, hd, acc);
-            else
-                ka_pv_f32(s, vrows, vst, nr, hd, acc);
-            if (imp != NULL)
-                ws->mb[i * nch + c] = ws->m[i];
+    for (ptrdiff_t x = 0; x < nblk; x++) {
+        const ptrdiff_t b = blk != NULL ? blk[x] : x;
+        if (blk != NULL && x + 1 < nblk) {                 /* scattered blocks: fetch ahead */
+            const ptrdiff_t b1 = blk[x + 1], n1 = n_max - b1 * bs < bs ? n_max - b1 * bs : bs;
+            ka_prefetch_blk(kv, kv->k_ptrs, kh, b1, 1, n1);
+            ka_prefetch_blk(kv, kv->v_ptrs, kh, b1, 1, n1);
         }
-        t0 += w;
+        for (ptrdiff_t j0 = 0; j0 < bs && b * bs + j0 < n_max; j0 += KA_W) {
+            const ptrdiff_t t0 = b * bs + j0, c = b * cpb + j0 / KA_W;
+            ptrdiff_t w = bs - j0 < KA_W ? bs - j0 : KA_W;
+            w = n_max - t0 < w ? n_max - t0 : w;
+            if (t0 < n_exact)
+                ka_load_kt(kv, kh, b, j0, w, ws->kt);
+            const float *krows = NULL;                     /* sparse queries' key rows */
+            ptrdiff_t kst = 0;
+            const float *ks = ka_row_scales(kv, kv->k_ptrs, kh, b, j0);
+            /* values: float32 rows in place, int8 ones converted once for all queries */
+            ptrdiff_t vst;
+            const float *vrows = ka_rows(kv, kv->v_ptrs, kh, b, j0, 1, w, ws->vf, &vst);
+            const float *vs = ka_row_scales(kv, kv->v_ptrs, kh, b, j0);
+            for (int i = 0; i < nq; i++) {
+                ptrdiff_t nr = q[i].n - t0;
+                if (nr <= 0 || (i >= s0 && !mask[i * nbc + b]))
+                    continue;
+                nr = nr < w ? nr : w;
+                float *s = imp != NULL ? ws->e + i * cap + t0 : sbuf;
+                float sc[KA_W];
+                if (i < s0) {
+                    ka_kt_scores(q[i].q, ws->kt, hd, sc);
+                } else {
+                    if (krows == NULL)
+                        krows = ka_rows(kv, kv->k_ptrs, kh, b, j0, 1, w, ws->kf, &kst);
+                    ka_scores(q[i].q, krows, kst, nr, hd, sc);
+                }
+                float bmax = -INFINITY;
+                for (ptrdiff_t j = 0; j < nr; j++) {
+                    float v = ks != NULL ? sc[j] * ks[j] : sc[j];
+                    s[j] = v * scale;
+                    bmax = s[j] > bmax ? s[j] : bmax;
+                }
+                float *acc = ws->acc + i * hd;
+                if (bmax > ws->m[i]) {
+                    /* first chunk: m = -inf, exp(-inf) = 0 and acc, l are still 0 */
+                    float corr = kf_expf(ws->m[i] - bmax);
+                    ws->l[i] *= corr;
+                    for (ptrdiff_t d = 0; d < hd; d++)
+                        acc[d] *= corr;
+                    ws->m[i] = bmax;
+                }
+                ws->l[i] += ka_exp_sum(s, nr, ws->m[i]);
+                if (vs != NULL)
+                    ka_pv_scaled(s, vs, vrows, vst, nr, hd, acc);
+                else
+                    ka_pv_f32(s, vrows, vst, nr, hd, acc);
+                if (imp != NULL)
+                    ws->mb[i * nch + c] = ws->m[i];
+            }
+        }
     }
     for (int i = 0; i < nq; i++) {
         const float inv = 1.0f / ws->l[i], *acc = ws->acc + i * hd;
@@ -253,19 +163,21 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, ptrdiff_t kh, float sca
             q[i].o[d] = acc[d] * inv;
         if (imp == NULL || q[i].n - 1 < kv->imp_from)
             continue;
-        c = 0;
-        for (ptrdiff_t t0 = 0; t0 < n_max; c++) {       /* the same chunks again */
-            const ptrdiff_t j0 = t0 % bs;
-            ptrdiff_t w = bs - j0 < KA_W ? bs - j0 : KA_W;
-            w = n_max - t0 < w ? n_max - t0 : w;
-            ptrdiff_t nr = q[i].n - t0 < w ? q[i].n - t0 : w;
-            if (nr <= 0)
+        for (ptrdiff_t x = 0; x < nblk; x++) {            /* the same chunks again */
+            const ptrdiff_t b = blk != NULL ? blk[x] : x;
+            if (b * bs >= q[i].n)
                 break;
-            const float f = kf_expf(ws->mb[i * nch + c] - ws->m[i]) * inv;
-            const float *e = ws->e + i * cap + t0;
-            for (ptrdiff_t j = 0; j < nr; j++)
-                imp[t0 + j] += e[j] * f;
-            t0 += w;
+            if (i >= s0 && !mask[i * nbc + b])
+                continue;
+            for (ptrdiff_t j0 = 0; j0 < bs && b * bs + j0 < q[i].n; j0 += KA_W) {
+                const ptrdiff_t t0 = b * bs + j0;
+                ptrdiff_t nr = bs - j0 < KA_W ? bs - j0 : KA_W;
+                nr = q[i].n - t0 < nr ? q[i].n - t0 : nr;
+                const float f = kf_expf(ws->mb[i * nch + b * cpb + j0 / KA_W] - ws->m[i]) * inv;
+                const float *e = ws->e + i * cap + t0;
+                for (ptrdiff_t j = 0; j < nr; j++)
+                    imp[t0 + j] += e[j] * f;
+            }
         }
     }
 }
@@ -280,12 +192,86 @@ KF_INLINE ptrdiff_t ka_tile_rows(ptrdiff_t group)
     return r < KA_RT ? r : KA_RT;
 }
 
+/* The blocks each query of a tile attends to. q[0..nq): rows of `group` query heads of kv
+ * head q->kh, rows ascending; q[0..s0) exact (every block of their prefix), q[s0..nq) the
+ * sparse rows' heads (s0 a multiple of group), each selecting as attn_select.h does for one
+ * query: probes (ka_score_block, taken block-major over the queries: the same values, a
+ * block's probe keys read once for them all), then ka_pick per head (KA_POOL_HEAD), per row
+ * from the heads' probes folded in head order (KA_POOL_MAX / _SUM), or per head with every
+ * head attending the row's union (KA_POOL_UNION). Writes ws->qmask (nq, ws->nbc): sparse
+ * query i attends block b iff qmask[i * nbc + b], for b < the tile's last block + 1, and
+ * the union of all queries' blocks ascending into ws->blk; returns their count. sel (NULL: off): the
+ * picks of query i, in pick order, at sel + (i / group) * ld_row + (i % group) * kt. */
+KF_INLINE ptrdiff_t ka_tile_select(const ka_kv *kv, const ka_q *q, int nq, int s0,
+                                   ptrdiff_t group, int k, int sopt, int n_probe,
+                                   const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws,
+                                   int32_t *sel, ptrdiff_t ld_row)
+{
+    const ptrdiff_t bs = kv->bs, nbc = ws->nbc, nb_max = (q[nq - 1].n + bs - 1) / bs;
+    const int pool = KA_POOL(sopt), kt = ka_ktot(k, sopt);
+    float *pq = ws->pq;
+    uint8_t *qm = ws->qmask;
+    for (ptrdiff_t b = 0; b < nb_max; b++)                 /* 1. probes, block-major */
+        for (int i = s0; i < nq; i++)
+            if (b * bs < q[i].n)
+                pq[i * nbc + b] = ka_score_block(kv, &q[i], b, q[i].n, n_probe, ws->s);
+    for (int i = s0; i < nq; i += (int)group) {            /* 2-4. picks, one row at a time */
+        const ptrdiff_t nb = (q[i].n + bs - 1) / bs;
+        uint8_t *rm = qm + i * nbc;                       /* the row's first head */
+        for (ptrdiff_t g = 0; g < group; g++)
+            memset(rm + g * nbc, 0, (size_t)nb_max);
+        int32_t *so = sel != NULL ? sel + (i / group) * ld_row : NULL;   /* head 0's */
+        if (pool == KA_POOL_MAX || pool == KA_POOL_SUM) {
+            const float *p0 = pq + i * nbc;
+            for (ptrdiff_t b = 0; b < nb; b++) {
+                float v = p0[b];
+                for (ptrdiff_t g = 1; g < group; g++) {
+                    float w = p0[g * nbc + b];
+                    v = pool == KA_POOL_SUM ? v + w : (w > v ? w : v);
+                }
+                ws->probe[b] = v;
+            }
+            int n = ka_pick(ws->probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);
+            for (ptrdiff_t g = 0; g < group; g++) {
+                for (int j = 0; j < n; j++)
+                    rm[g * nbc + ws->sel[j]] = 1;
+                if (so != NULL)
+                    memcpy(so + g * kt, ws->sel, (size_t)n * sizeof(int32_t));
+            }
+            continue;
+        }
+        for (ptrdiff_t g = 0; g < group; g++) {
+            int n = ka_pick(pq + (i + g) * nbc, nb, k, sopt, imp_order, n_order, ws->used,
+                            ws->sel);
+            uint8_t *m = pool == KA_POOL_UNION ? rm : rm + g * nbc;
+            for (int j = 0; j < n; j++)
+                m[ws->sel[j]] = 1;
+            if (so != NULL)
+                memcpy(so + g * kt, ws->sel, (size_t)n * sizeof(int32_t));
+        }
+        if (pool == KA_POOL_UNION)
+            for (ptrdiff_t g = 1; g < group; g++)
+                memcpy(rm + g * nbc, rm, (size_t)nb_max);
+    }
+    const ptrdiff_t nb_exact = s0 > 0 ? (q[s0 - 1].n + bs - 1) / bs : 0;
+    ptrdiff_t n = 0;                                       /* the tile's union */
+    for (ptrdiff_t b = 0; b < nb_max; b++) {
+        uint8_t any = b < nb_exact;
+        for (int i = s0; i < nq; i++)
+            any |= qm[i * nbc + b];
+        if (any)
+            ws->blk[n++] = (int32_t)b;
+    }
+    return n;
+}
+
 /* Prefill unit u = (tile u / n_kv of rt query rows, kv head u % n_kv) of T rows, row i
- * at position pos0 + i. Its exact (row, head) pairs -- causal prefix of at most k blocks,
- * or all when k <= 0 -- go through one ka_tile; the others, one by one, through the
- * sparse ka_row. q, out: (T, ld) rows, head h at column h * hd. sel (NULL: off):
- * (T, n_heads, k) picks of the sparse rows. imp: this unit's partial importance or NULL.
- * A tile's rows past the ones with at most k blocks are contiguous (prefixes grow). */
+ * at position pos0 + i: one ka_tile over all its (row, head) queries. When some are
+ * sparse (causal prefix past ka_ktot(k, sopt) blocks; none when k <= 0), ka_tile_select
+ * picks their blocks first and the tile reads the union of everyone's blocks. q, out:
+ * (T, ld) rows, head h at column h * hd. sel (NULL: off): (T, n_heads, ka_ktot) picks of
+ * the sparse rows. imp: this unit's partial importance or NULL. A tile's rows past the
+ * ones with at most k blocks are contiguous (prefixes grow). */
 KF_INLINE void ka_prefill_unit(const ka_kv *kv, const float *q, ptrdiff_t ldq,
                                ptrdiff_t T, ptrdiff_t n_heads, ptrdiff_t pos0, float scale,
                                int k, int sopt, int n_probe, const int32_t *imp_order,
@@ -295,32 +281,31 @@ KF_INLINE void ka_prefill_unit(const ka_kv *kv, const float *q, ptrdiff_t ldq,
     const ptrdiff_t hd = kv->hd, bs = kv->bs, group = n_heads / kv->n_kv;
     const ptrdiff_t rt = ka_tile_rows(group), kh = u % kv->n_kv, i0 = (u / kv->n_kv) * rt;
     const ptrdiff_t nrow = T - i0 < rt ? T - i0 : rt;
-    ka_q *qv = ws->qv;                                   /* (rt * group,) */
-    const int kt = ka_ktot(k, sopt), pooled = KA_POOL(sopt) != KA_POOL_HEAD;
-    int nq = 0;
+    ka_q *qv = ws->qv;                                   /* (rt * group,) row-major */
+    const int kt = ka_ktot(k, sopt);
+    int nq = 0, s0 = -1;
     for (ptrdiff_t r = 0; r < nrow; r++) {
         const ptrdiff_t n = pos0 + i0 + r + 1;
-        const int exact = k <= 0 || (n + bs - 1) / bs <= kt;
+        if (s0 < 0 && k > 0 && (n + bs - 1) / bs > kt)
+            s0 = nq;                                     /* the first sparse row */
         for (ptrdiff_t g = 0; g < group; g++) {
             const ptrdiff_t h = kh * group + g;
-            ka_q *x = &qv[exact || !pooled ? nq : nq + g];
+            ka_q *x = &qv[nq++];
             x->q = q + (i0 + r) * ldq + h * hd;
             x->o = out + (i0 + r) * ldo + h * hd;
             x->kh = kh;
             x->n = n;
-            if (exact) {
-                nq++;
-            } else if (!pooled) {
-                ka_row(kv, x, scale, k, sopt, n_probe, imp_order, n_order, ws, imp,
-                       sel != NULL ? sel + ((i0 + r) * n_heads + h) * kt : NULL);
-            }
         }
-        if (!exact && pooled)          /* the row's group heads sit at qv[nq .. nq + group) */
-            ka_row_group(kv, &qv[nq], group, scale, k, sopt, n_probe, imp_order, n_order, ws,
-                         imp, sel != NULL ? sel + ((i0 + r) * n_heads + kh * group) * kt : NULL);
     }
-    if (nq > 0)
-        ka_tile(kv, qv, nq, kh, scale, ws, imp);
+    if (s0 < 0) {
+        ka_tile(kv, qv, nq, nq, kh, scale, NULL, 0, NULL, ws, imp);
+        return;
+    }
+    const ptrdiff_t nblk = ka_tile_select(
+        kv, qv, nq, s0, group, k, sopt, n_probe, imp_order, n_order, ws,
+        sel != NULL ? sel + (i0 * n_heads + kh * group) * kt : NULL,
+        n_heads * kt);
+    ka_tile(kv, qv, nq, s0, kh, scale, ws->blk, nblk, ws->qmask, ws, imp);
 }
 
 #endif /* KESTREL_ATTN_PREFILL_H */

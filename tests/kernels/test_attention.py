@@ -112,7 +112,8 @@ def test_attention_rejects_bad_input():
 # int8 cache, block-sparse selection, prefill importance (docs/DESIGN.md §2-§3)
 
 from kestrel_cli.kv_cache import CacheSpec, KVCache            # noqa: E402
-from kestrel_cli.sparse import importance_order, select_blocks  # noqa: E402
+from kestrel_cli.sparse import (importance_order, probe_scores, select_blocks,  # noqa: E402
+                                select_with)
 
 
 def q8_cache(K, V, kv_bs=32):        # kv_bs: the cache's block, kernels.KV_BLOCK
@@ -458,3 +459,137 @@ def test_sparse_decode_many_parts_and_kv_heads(isa, dtype, n_heads, n_kv, hd, n_
             np.testing.assert_array_equal(sel, first[1])
     finally:
         kernels.set_isa(VARIANTS[-1])
+
+
+# ---------------------------------------------------------------- sparse prefill tiles
+# A prefill tile's sparse (row, head) pairs pick their own blocks (attn_select.h), then
+# attend inside the tile (attn_prefill.h ka_tile over the union of the tile's picks, each
+# query masked to its own): checked per (row, head) against the §3 reference selection
+# (kestrel_cli.sparse.select_with over probe_scores or the bound scores) and a float64
+# softmax over the picked tokens, on every kernel variant, cache type and option.
+
+# (sink, pool, recent, bound probe, prior importance, imp_from offset, (n_heads, n_kv), hd)
+PREFILL_OPTS = [
+    ("off", "head", 0, False, False, None, (4, 4), 32),    # plain, no GQA, no importance
+    ("off", "head", 0, False, True, 0, (6, 2), 40),        # importance picks, group 3
+    ("in", "max", 0, False, True, 20, (6, 2), 32),         # pooled, imp_from inside the call
+    ("out", "sum", 1, True, False, 0, (8, 1), 16),         # MQA group 8: 4-row tiles
+    ("off", "union", 2, False, True, 0, (12, 2), 36),      # group 6: 5-row tiles, recent 2
+    ("out", "head", 0, True, True, 0, (4, 2), 32),         # bound probe, sink outside
+]
+
+
+def sparse_prefill_ref(q, Kd, Vd, pos0, scale, k, n_probe, prior, opts, score):
+    """(out (T, n_heads, hd) float64, mass (pos0 + T,), picks {(i, h): list}) of a prefill
+    with the selection options `opts` = (sink, pool, recent, imp_from); score(q, kh, n):
+    the block scores of query head q over the first n tokens."""
+    sink, pool, recent, imp_from = opts
+    T, n_heads, hd = q.shape
+    group = n_heads // Kd.shape[1]
+    ktot = k + (sink == "out") + recent
+    out, mass, picks = np.zeros((T, n_heads, hd)), np.zeros(pos0 + T), {}
+    for i in range(T):
+        n = pos0 + i + 1
+        imp = prior[:n] if prior is not None else None
+        for kh in range(Kd.shape[1]):
+            heads = range(kh * group, (kh + 1) * group)
+            toks = {h: np.arange(n) for h in heads}
+            if -(-n // 32) > ktot:
+                sc = [score(q[i, h], kh, n) for h in heads]
+                if pool in ("max", "sum"):
+                    s = sc[0].copy()
+                    for x in sc[1:]:
+                        s = np.maximum(s, x) if pool == "max" else (s + x).astype(np.float32)
+                    sc = [s] * group
+                own = {h: select_with(sc[g], imp, n, k, sink, recent=recent)
+                       for g, h in enumerate(heads)}
+                both = np.unique(np.concatenate(list(own.values())))
+                for h in heads:
+                    picks[i, h] = own[h].tolist()
+                    toks[h] = blocks_tokens(both if pool == "union" else own[h], n)
+            for h in heads:
+                kk, vv = Kd[toks[h], kh].astype(np.float64), Vd[toks[h], kh].astype(np.float64)
+                s = scale * (kk @ q[i, h].astype(np.float64))
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[i, h] = p @ vv
+                if n - 1 >= imp_from:
+                    mass[toks[h]] += p
+    return out, mass, picks
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8", "f16"])
+@pytest.mark.parametrize("case", range(len(PREFILL_OPTS)))
+def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
+    """Sparse prefill rows through the tile: 160 rows from position 45 (205 tokens, 7
+    blocks, the last partial) at k = 2, so tiles hold exact rows only, exact and sparse
+    rows, and sparse rows only; picks, outputs and the recorded importance against the
+    reference; the same bits at 1 and 3 threads; the exact rows the bits of k = 0."""
+    sink, pool, recent, bound, prior_on, imp_off, (n_heads, n_kv), hd = PREFILL_OPTS[case]
+    rng = np.random.default_rng([case, len(dtype)])
+    k, n_probe, pos0, T = 2, (8, 5, 3)[case % 3], 45, 160
+    n = pos0 + T
+    spec = CacheSpec(dtype, sparse_k=k, sparse_probes=n_probe, sparse_sink=sink,
+                     sparse_probe="bound" if bound else "sample", sparse_group=pool,
+                     sparse_recent=recent)
+    c = KVCache(1, n_kv, hd, n + 32, spec, threads=1)
+    c.reserve(n)
+    c.write(0, (rng.standard_normal((n, n_kv * hd)) * 2).astype(np.float32),
+            rng.standard_normal((n, n_kv * hd)).astype(np.float32))
+    c.commit(n)
+    Kd, Vd = c.keys(0).reshape(n, n_kv, hd), c.values(0).reshape(n, n_kv, hd)
+    kp, vp = c.views(0, n)
+    q = (rng.standard_normal((T, n_heads, hd)) * 2).astype(np.float32)
+    prior = np.zeros(n, np.float32)
+    if prior_on:
+        prior[:pos0] = rng.random(pos0).astype(np.float32)
+    imp_from = 0 if imp_off is None else pos0 + imp_off
+
+    def score(qh, kh, m):
+        nb = -(-m // 32)
+        if bound:
+            return kernels.bound_scores(qh, c.bounds[0], c.bound_scales[0], c.kv_kind, kh, nb)
+        return probe_scores(qh, Kd[:m, kh], n_probe)
+
+    runs = []
+    for threads in (1, 3):
+        out = np.full((T, n_heads * hd), np.nan, np.float32)
+        sel = np.full((T, n_heads, spec.sparse_width), -1, np.int32)
+        imp = prior.copy() if imp_off is not None else None
+        kernels.attention(q.reshape(T, -1), kp, vp, 32, n_kv, hd, pos0, 0.2, out, threads,
+                          kv_q8=dtype == "q8", kv_f16=dtype == "f16", sparse_k=k,
+                          sparse_probes=n_probe,
+                          imp_order=importance_order(prior, n) if prior_on else None,
+                          importance=imp,
+                          imp_slots=np.zeros((kernels.SLOTS, n), np.float32)
+                          if imp is not None else None,
+                          sel=sel, sparse_opts=spec.sparse_opts,
+                          bounds=c.bounds[0] if bound else None,
+                          bound_scales=c.bound_scales[0] if bound else None,
+                          bound_cap=c.bounds.shape[2] if bound else 0, imp_from=imp_from)
+        runs.append((out, sel, imp))
+    for a, b in zip(runs[0], runs[1]):
+        assert a is None and b is None or np.array_equal(a, b)
+    out, sel, imp = runs[0]
+    ref, mass, picks = sparse_prefill_ref(q, Kd, Vd, pos0, 0.2, k, n_probe,
+                                          prior if prior_on else None,
+                                          (sink, pool, recent, imp_from), score)
+    ktot = spec.sparse_width
+    first_sparse = next(i for i in range(T) if -(-(pos0 + i + 1) // 32) > ktot)
+    rt = min(8, 32 // (n_heads // n_kv))                 # rows per tile (attn_prefill.h)
+    assert first_sparse % rt and T - first_sparse > rt  # a mixed tile, then sparse ones
+    exact = np.empty_like(out)                          # rows within k blocks: exact bits
+    kernels.attention(q.reshape(T, -1), kp, vp, 32, n_kv, hd, pos0, 0.2, exact, 1,
+                      kv_q8=dtype == "q8", kv_f16=dtype == "f16")
+    assert np.array_equal(out[:first_sparse], exact[:first_sparse])
+    for i in range(T):
+        for h in range(n_heads):
+            want = picks.get((i, h), [])
+            assert sel[i, h].tolist() == want + [-1] * (ktot - len(want)), (i, h)
+    np.testing.assert_allclose(out, ref.reshape(T, -1), rtol=0, atol=2e-5 * np.abs(Vd).max())
+    if imp is not None:
+        got = imp - prior
+        np.testing.assert_allclose(got, mass, rtol=1e-4, atol=1e-5)
+        rows = sum(1 for i in range(T) if pos0 + i >= imp_from)
+        assert abs(float(got.sum()) - rows * n_heads) < 1e-3 * rows
+        assert np.all(got[:imp_from] >= 0)
