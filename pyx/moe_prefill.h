@@ -7,8 +7,8 @@
  * rows into panels (kq_pack: ~60% of the MoE time, measured), fork / joined 3 times and
  * went through the interpreter; the 4 tokens then used each panel once.
  * Here the weights stay as they are: a 16-row group of an x16 weight (gemv_x16.h, the
- * decode layout) is read in place, a row-major q4_0 / q4_1 / q4_k / q6_k group is copied
- * into that layout in L1 (kx_pack_group*: word moves, no arithmetic), and each group is
+ * decode layout) is read in place, a row-major q4_0 / q4_1 / q4_k group is copied into
+ * that layout in L1 (kx_pack_group*: word moves, no arithmetic), and each group is
  * dotted with all the expert's tokens (kx_group_tokens: the weight unpacked once for up to
  * KX_NT tokens where the variant has such a kernel); other formats run the one-token GEMV
  * per token.
@@ -207,8 +207,10 @@ static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const
  * kx_pack_group_n / _6n). */
 static inline int kx_group_fmt(int fmt)
 {
-    return fmt == KF_Q4_K ? KF_Q4_KX16 : (fmt == KF_Q6_K ? KF_Q6_KX16
-           : (fmt == KF_Q4_0 ? KF_Q4_0X16 : (fmt == KF_Q4_1 ? KF_Q4_1X16 : -1)));
+    /* not q6_k: its copy (kx_pack_group_6n, scalar bit moves) measured at ~2x the GEMV it
+     * saves (Qwen3-30B-A3B's q6_k downs, 3 super-blocks a row, 4 tokens an expert) */
+    return fmt == KF_Q4_K ? KF_Q4_KX16
+           : (fmt == KF_Q4_0 ? KF_Q4_0X16 : (fmt == KF_Q4_1 ? KF_Q4_1X16 : -1));
 }
 
 /* Rows r0 <= r < r0 + 16 (those < d) of a weight (fmt, rows ldw bytes apart from w: an
@@ -227,8 +229,6 @@ static void kf_moep_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t d, 
         const uint8_t *src = w + r0 * ldw;
         if (xf == KF_Q4_KX16)
             kx_pack_group_k(src, ldw, nr, pack);
-        else if (xf == KF_Q6_KX16)
-            kx_pack_group_6n(src, ldw, n / KF_QK_K, nr, pack);
         else
             kx_pack_group_n(xf == KF_Q4_1X16, src, ldw, n / KF_QK, nr, pack);
         kx_group_tokens(xf, a, nt, n, pack, out, KX_G);

@@ -57,8 +57,8 @@ def per_expert(ex, x, experts, starts, rows, threads, act_q8):
 
 
 CASES = [  # (H, I, formats)
-    (256, 768, ["q4_k", "q6_k"]),                 # row-major, copied group by group (q6_k
-    (512, 512, ["q4_kx16", "q6_kx16"]),           # with 1 and 3 super-blocks a row)
+    (256, 768, ["q4_k", "q6_k"]),                 # row-major: copied group by group (q4_k),
+    (512, 512, ["q4_kx16", "q6_kx16"]),           # the GEMV (q6_k); x16 in place
     (64, 96, ["q4_0", "q4_1x16", "q8_0"]),        # 3 blocks a row; q8_0: the GEMV
     (128, 64, ["q4_1", "q4_0x16"]),
     (64, 40, [("q4_0", "q4_1", "f32"), "bf16"]),  # 40 gate rows: a last partial group
@@ -68,8 +68,8 @@ CASES = [  # (H, I, formats)
 
 def goes_x16(w) -> bool:
     """Whether the kernel runs w through the x16 group kernels: in place, or its rows copied
-    to that layout group by group (q4_0, q4_1, q4_k, q6_k)."""
-    return w.fmt.endswith("x16") or w.fmt in ("q4_0", "q4_1", "q4_k", "q6_k")
+    to that layout group by group (q4_0, q4_1, q4_k; a row-major q6_k runs the GEMV)."""
+    return w.fmt.endswith("x16") or w.fmt in ("q4_0", "q4_1", "q4_k")
 
 
 def as_x16(w):
