@@ -285,6 +285,42 @@ class ExpertTable:
                         self.I, out, _threads(threads), bool(act_q8))
         return out
 
+    def prefill(self, x: np.ndarray, experts, starts, rows, threads: int | None,
+                act_q8: bool = False) -> np.ndarray:
+        """Every routed (token, expert) pair of a prompt, one kernel call (`moe_prefill`):
+        y[s] = down_e(silu(x[rows[s]] @ gate_e.T) * (x[rows[s]] @ up_e.T)) for the slots s
+        of each expert e = experts[i], starts[i] <= s < starts[i + 1].
+
+        The weights are read in place (an x16 group, or a row-major q4 / q6_k group copied
+        to that layout in cache), each group dotted with all of the expert's tokens. For int8
+        activations the same bits as `matmul` of each expert's gathered rows (then
+        `swiglu`, `matmul`); for float ones as the one-token GEMV per token (equal to the
+        float GEMM up to rounding).
+
+        Args:
+            x: float32 (T, H), C-contiguous.
+            experts: int64 (ne,) expert indices; starts: int64 (ne + 1,), from 0 to M.
+            rows: int64 (M,) the token (row of x) of each slot.
+        Returns:
+            y, float32 (M, H): each slot's expert output, not yet weighted.
+        """
+        _array(x, "x", np.float32, 2)
+        if x.shape[1] != self.H:
+            raise ValueError(f"x: expected (T, {self.H}), got {x.shape}")
+        experts = np.ascontiguousarray(experts, dtype=np.int64)
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        rows = np.ascontiguousarray(rows, dtype=np.int64)
+        M = rows.shape[0]
+        h = np.empty((M, self.I), np.float32)
+        y = np.empty((M, self.H), np.float32)
+        with self._lock:                 # a snapshot: pack() may swap an expert's weights
+            fmts, ptrs, ldws = self.fmts.copy(), self.ptrs.copy(), self.ldws.copy()
+            keep = list(self.experts)    # ... and let the old ones go
+        _lib.moe_prefill(x, fmts, ptrs, ldws, experts, starts, rows, h, y,
+                         _threads(threads), bool(act_q8))
+        del keep
+        return y
+
 
 def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
                   threads: int | None = None) -> np.ndarray:

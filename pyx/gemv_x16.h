@@ -61,9 +61,20 @@ static inline int kx_base_fmt(int fmt)
 
 /* One group (16 rows of ldw bytes, rows ldw apart in src; rows >= nr are zero) -> the
  * x16 group at dst (16 ldw bytes). */
+static void kx_pack_group_n(int q41, const uint8_t *src, ptrdiff_t ldw, ptrdiff_t nb, int nr,
+                            uint8_t *dst);
 static void kx_pack_group(int q41, const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *dst)
 {
-    const ptrdiff_t bb = q41 ? 20 : 18, qo = q41 ? 4 : 2, nb = ldw / bb;
+    kx_pack_group_n(q41, src, ldw, ldw / (q41 ? 20 : 18), nr, dst);
+}
+
+/* As kx_pack_group, for the first nb blocks of rows ldw bytes apart; nb may be odd (the
+ * MoE prefill's copy in cache: the missing block of the last pair is left as it is, the
+ * kernels read only nb blocks). */
+static void kx_pack_group_n(int q41, const uint8_t *src, ptrdiff_t ldw, ptrdiff_t nb, int nr,
+                            uint8_t *dst)
+{
+    const ptrdiff_t bb = q41 ? 20 : 18, qo = q41 ? 4 : 2;
     for (ptrdiff_t b = 0; b < nb; b++)
         for (int r = 0; r < KX_G; r++) {
             uint8_t *Q = (uint8_t *)KX_Q(dst, q41, b), *D = (uint8_t *)KX_D(dst, q41, b);
@@ -325,8 +336,89 @@ KF_TARGET_AVX512 static void kx_avx512_group(int q41, const kf_act *a, ptrdiff_t
 #define KX_KPF 4096
 #endif
 
+#if KF_X86_DISPATCH
+/* The 16 x 16 dword transpose: r[i] lane j <- r[j] lane i (unpacks in 128-bit lanes, then
+ * two rounds of 128-bit lane shuffles). */
+KF_TARGET_AVX512 static inline void kx_tr16x16(__m512i *r)
+{
+    __m512i t[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) {     /* r[4k + i] lane 4j + q: row 4k + q, element 4j + i */
+        r[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        r[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        r[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        r[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512i u0 = _mm512_shuffle_i32x4(r[i], r[4 + i], 0x88);
+        const __m512i u1 = _mm512_shuffle_i32x4(r[i], r[4 + i], 0xdd);
+        const __m512i v0 = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0x88);
+        const __m512i v1 = _mm512_shuffle_i32x4(r[8 + i], r[12 + i], 0xdd);
+        t[i] = _mm512_shuffle_i32x4(u0, v0, 0x88);
+        t[8 + i] = _mm512_shuffle_i32x4(u0, v0, 0xdd);
+        t[4 + i] = _mm512_shuffle_i32x4(u1, v1, 0x88);
+        t[12 + i] = _mm512_shuffle_i32x4(u1, v1, 0xdd);
+    }
+    for (int i = 0; i < 16; i++)
+        r[i] = t[i];
+}
+
+/* kx_pack_group_k of 16 whole rows by vector transposes (the MoE prefill copies each
+ * expert group like this on every prompt: the scalar word moves cost more than the dots). */
+KF_TARGET_AVX512 static void kx_avx512_pack_group_k(const uint8_t *src, ptrdiff_t ldw,
+                                                    uint8_t *dst)
+{
+    const ptrdiff_t nsb = ldw / 144;
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *s0 = src + sb * 144;
+        uint8_t *Q = KX_KQA(dst, sb), *M = KX_KMA(dst, sb);
+        for (int h = 0; h < 2; h++) {         /* quant dwords 16 h .. 16 h + 15 */
+            __m512i r[16];
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_loadu_si512((const void *)(s0 + i * ldw + 16 + 64 * h));
+            kx_tr16x16(r);
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_si512((void *)(Q + 64 * (16 * h + i)), r[i]);
+        }
+        /* the 16-byte heads (d, dmin, 12 scale bytes): dword i of each row, 16 lanes */
+        __m512i hd[4];
+        for (int k = 0; k < 4; k++) {
+            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(s0 + 4 * k * ldw)));
+            for (int j = 1; j < 4; j++)
+                v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(s0 + (4 * k + j) * ldw)), j);
+            hd[k] = v;                        /* lane 4 j + i: row 4 k + j, dword i */
+        }
+        for (int i = 0; i < 4; i++) {
+            const __m512i idx = _mm512_setr_epi32(i, 4 + i, 8 + i, 12 + i, 16 + i, 20 + i,
+                                                  24 + i, 28 + i, 0, 0, 0, 0, 0, 0, 0, 0);
+            const __m512i lo = _mm512_permutex2var_epi32(hd[0], idx, hd[1]);
+            const __m512i hi = _mm512_permutex2var_epi32(hd[2], idx, hd[3]);
+            const __m512i v = _mm512_shuffle_i64x2(lo, hi, 0x44);     /* lane r: row r */
+            if (i == 0) {
+                _mm256_storeu_si256((__m256i *)M, _mm512_cvtepi32_epi16(v));
+                _mm256_storeu_si256((__m256i *)(M + 32),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+            } else {
+                for (int b = 0; b < 4; b++)   /* head byte 4 i + b = scale byte 4 (i-1) + b */
+                    _mm_storeu_si128((__m128i *)(M + 64 + 16 * (4 * (i - 1) + b)),
+                                     _mm512_cvtepi32_epi8(_mm512_srli_epi32(v, 8 * b)));
+            }
+        }
+    }
+}
+#endif /* KF_X86_DISPATCH */
+
 static void kx_pack_group_k(const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *dst)
 {
+#if KF_X86_DISPATCH
+    if (nr == KX_G && kf_isa == KF_ISA_AVX512) {
+        kx_avx512_pack_group_k(src, ldw, dst);
+        return;
+    }
+#endif
     const ptrdiff_t nsb = ldw / 144;
     memset(dst, 0, (size_t)(16 * ldw));
     for (ptrdiff_t sb = 0; sb < nsb; sb++)
@@ -645,10 +737,20 @@ static inline void kx6_lane_sb(const uint8_t *restrict Q, int r, uint8_t *restri
         }
 }
 
+static void kx_pack_group_6n(const uint8_t *src, ptrdiff_t ldw, ptrdiff_t nsb, int nr,
+                             uint8_t *dst);
 static void kx_pack_group_6(const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *dst)
 {
-    const ptrdiff_t nsb = ldw / 210;
-    memset(dst, 0, (size_t)(16 * ldw));
+    kx_pack_group_6n(src, ldw, ldw / 210, nr, dst);
+}
+
+/* As kx_pack_group_6, for the first nsb super-blocks of rows ldw bytes apart; nsb may be
+ * odd (the MoE prefill's copy in cache: dst then holds 16 x 210 (nsb + 1) bytes, the
+ * unpaired last super-block's partner zero; the kernels read only nsb). */
+static void kx_pack_group_6n(const uint8_t *src, ptrdiff_t ldw, ptrdiff_t nsb, int nr,
+                             uint8_t *dst)
+{
+    memset(dst, 0, (size_t)(16 * 210 * (nsb + nsb % 2)));
     for (ptrdiff_t sb = 0; sb < nsb; sb++)
         for (int r = 0; r < nr && r < KX_G; r++) {
             const uint8_t *blk = src + r * ldw + sb * 210;

@@ -397,4 +397,7 @@ static void kf_moe_thread(kf_moe_plan *p)
 /* The prefill GEMM with int8 activations (matmul act_q8, T > 1): its own header. */
 #include "gemm_q8.h"
 
+/* The MoE prefill (all of a block's experts, one parallel region): its own header. */
+#include "moe_prefill.h"
+
 #endif /* KESTREL_MATMUL_H */

@@ -80,6 +80,25 @@ cdef extern from "matmul.h" nogil:
         kf_act *ga
         float *out
     void kf_moe_thread(kf_moe_plan *p) noexcept
+    ctypedef struct kf_moep_plan:
+        int qx, qh
+        Py_ssize_t H, I, T, M, E, ne
+        const int32_t *fmts
+        const uint64_t *ptrs
+        const int64_t *ldws
+        const int64_t *eid
+        const int64_t *start
+        const int64_t *tok
+        const float *x
+        float *h
+        float *y
+        kf_act *ax
+        kf_act *ah
+        uint8_t *axmem
+        uint8_t *ahmem
+        uint8_t *pack
+        size_t axbytes, ahbytes, packbytes
+    void kf_moep_thread(kf_moep_plan *p) noexcept
 
 
 DEF MAX_GROUP = 8
@@ -449,3 +468,74 @@ def moe_decode(const float[:, ::1] x,        # IN  (1, H) the experts' input
         return
     with nogil, parallel(num_threads=nt):
         kf_moe_thread(pp)
+
+
+def moe_prefill(const float[:, ::1] x,       # IN  (T, H) the experts' input
+                const int32_t[:, ::1] fmts,  # IN  (3, E) formats of gate, up, down
+                const uint64_t[:, ::1] ptrs, # IN  (3, E) their raw rows
+                const int64_t[:, ::1] ldws,  # IN  (3, E) their row bytes
+                const int64_t[::1] eid,      # IN  (ne,) experts with tokens
+                const int64_t[::1] start,    # IN  (ne + 1,) expert eid[i]'s slots start[i]..
+                const int64_t[::1] tok,      # IN  (M,) the token of each slot
+                float[:, ::1] h,             # OUT (M, I) scratch: the SwiGLU outputs
+                float[:, ::1] y,             # OUT (M, H)
+                int n_threads,
+                bint act_q8=False):
+    """y[s] := down_e(silu(x[tok[s]] G_e^T) * (x[tok[s]] U_e^T)) for every slot s of every
+    expert e = eid[i], start[i] <= s < start[i + 1], in one parallel region
+    (moe_prefill.h); the caller keeps the weights alive."""
+    cdef Py_ssize_t T = x.shape[0], H = x.shape[1], I = h.shape[1], M = tok.shape[0]
+    cdef Py_ssize_t E = fmts.shape[1], ne = eid.shape[0], i, s, ldmax = 0
+    cdef kf_moep_plan plan
+    cdef kf_moep_plan *pp = &plan
+    cdef char *mem
+    cdef size_t off, ax_all, ah_all
+    cdef int nt
+    if fmts.shape[0] != 3 or ptrs.shape[0] != 3 or ldws.shape[0] != 3 \
+            or ptrs.shape[1] != E or ldws.shape[1] != E:
+        raise ValueError("moe_prefill: fmts, ptrs, ldws must be (3, E)")
+    if start.shape[0] != ne + 1 or (ne and (start[0] != 0 or start[ne] != M)):
+        raise ValueError("moe_prefill: start must be (ne + 1,) from 0 to the slots")
+    if h.shape[0] != M or y.shape[0] != M or y.shape[1] != H:
+        raise ValueError(f"moe_prefill: h must be ({M}, I), y ({M}, {H})")
+    for i in range(ne):
+        if not 0 <= eid[i] < E or start[i + 1] < start[i]:
+            raise ValueError("moe_prefill: eid out of range or start not ascending")
+    for s in range(M):
+        if not 0 <= tok[s] < T:
+            raise ValueError(f"moe_prefill: tok[{s}] = {tok[s]} not in [0, {T})")
+    if M == 0 or H == 0 or I == 0:
+        return
+    for i in range(3 * E):
+        ldmax = max(ldmax, (&ldws[0, 0])[i])
+    plan.qx = 1 if act_q8 and H % KF_QK == 0 else 0
+    plan.qh = 1 if act_q8 and I % KF_QK == 0 else 0
+    plan.H, plan.I, plan.T, plan.M, plan.E, plan.ne = H, I, T, M, E, ne
+    plan.fmts, plan.ptrs, plan.ldws = &fmts[0, 0], &ptrs[0, 0], &ldws[0, 0]
+    plan.eid, plan.start, plan.tok = &eid[0] if ne else NULL, &start[0], &tok[0]
+    plan.x, plan.h, plan.y = &x[0, 0], &h[0, 0], &y[0, 0]
+    plan.axbytes = (kf_act_bytes(H) + 63) // 64 * 64
+    plan.ahbytes = (kf_act_bytes(I) + 63) // 64 * 64
+    plan.packbytes = (16 * (ldmax + 210) + 63) // 64 * 64   # a q6_k pair completed
+    nt = team_size(n_threads, M * (H + I), 16384)
+    ax_all = (T * sizeof(kf_act) + 63) // 64 * 64
+    ah_all = (M * sizeof(kf_act) + 63) // 64 * 64
+    mem = <char *> malloc(ax_all + ah_all + T * plan.axbytes + M * plan.ahbytes
+                          + nt * plan.packbytes + 64)
+    if mem == NULL:
+        raise MemoryError("moe_prefill: could not allocate scratch")
+    off = (64 - (<uintptr_t> mem) % 64) % 64
+    plan.ax = <kf_act *> (mem + off)
+    plan.ah = <kf_act *> (mem + off + ax_all)
+    plan.axmem = <uint8_t *> (mem + off + ax_all + ah_all)
+    plan.ahmem = plan.axmem + T * plan.axbytes
+    plan.pack = plan.ahmem + M * plan.ahbytes
+    try:
+        if nt == 1:
+            with nogil:
+                kf_moep_thread(pp)
+        else:
+            with nogil, parallel(num_threads=nt):
+                kf_moep_thread(pp)
+    finally:
+        free(mem)

@@ -116,33 +116,41 @@ def test_experts_are_views_of_the_mapped_file(moe):
 
 def test_routing_reads_only_the_selected_experts(moe, monkeypatch):
     """Decode multiplies by the weights of top_k experts per sparse layer, no others; prefill
-    runs each expert's projections at most once per layer (its tokens grouped, one matmul)."""
+    runs each sparse layer's experts in one call, each expert at most once with all of its
+    tokens grouped, and never the per-expert projections."""
     from kestrel_cli import kernels
     d, _, dense = moe
     eng = Engine.from_pretrained(d / "m.q8_0.gguf", threads=1)
     sparse = [i for i in range(len(eng.model.layers)) if i not in dense]
-    owner = {}                               # id(Projection) -> (layer, expert, which)
+    owner = set()                            # the experts' own Projections
     for i in sparse:
-        for e, ex in enumerate(eng.model.layers[i].mlp.experts):
-            owner[id(ex.gate_up)] = (i, e, "gate_up")
-            owner[id(ex.down)] = (i, e, "down")
+        for ex in eng.model.layers[i].mlp.experts:
+            owner |= {id(ex.gate_up), id(ex.down)}
     calls = []
     orig = kernels.Projection.__call__
 
     def spy(self, x, *args, **kw):
         if id(self) in owner:
-            calls.append((*owner[id(self)], x.shape[0]))
+            calls.append(x.shape[0])
         return orig(self, x, *args, **kw)
     monkeypatch.setattr(kernels.Projection, "__call__", spy)
+    tables = {id(eng.model.layers[i].mlp.table): i for i in sparse}
+    prefills = []
+    orig_prefill = kernels.ExpertTable.prefill
+
+    def spy_prefill(self, x, experts, starts, rows, *args, **kw):
+        prefills.append((tables[id(self)], list(experts), np.diff(starts).tolist(), list(rows)))
+        return orig_prefill(self, x, experts, starts, rows, *args, **kw)
+    monkeypatch.setattr(kernels.ExpertTable, "prefill", spy_prefill)
     ids = rand_ids(12, seed=3)
     eng.prefill(ids)
-    for i in sparse:
-        for which in ("gate_up", "down"):
-            rows = [(e, n) for layer, e, w, n in calls if layer == i and w == which]
-            assert len({e for e, _ in rows}) == len(rows) <= 6
-            assert sum(n for _, n in rows) == 12 * 2        # every token routed to 2 experts
-    calls.clear()
-    tables = {id(eng.model.layers[i].mlp.table): i for i in sparse}
+    assert calls == []
+    assert sorted(i for i, *_ in prefills) == sparse
+    for _, experts, counts, rows in prefills:
+        assert experts == sorted(set(experts)) and len(experts) <= 6 and min(counts) > 0
+        assert sum(counts) == 12 * 2                        # every token routed to 2 experts
+        for s0, n in zip(np.cumsum([0] + counts), counts):  # an expert's tokens: distinct
+            assert len(set(rows[s0:s0 + n])) == n
     picked = []
     orig_decode = kernels.ExpertTable.decode
 

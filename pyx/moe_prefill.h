@@ -1,0 +1,351 @@
+/* MoE prefill: every routed (token, expert) pair of one MoE block in one parallel region
+ * (kestrel_cli.kernels.ExpertTable.prefill; llama.cpp's mul_mat_id has the same shape:
+ * group the rows by expert, one matmul per expert, threads split over weight rows).
+ *
+ * Why: a 64-token prompt through Qwen3-30B-A3B's 128 experts, top 8, gives each expert
+ * ~4 tokens. Run as one GEMM per expert (gemm_q8.h), each call repacked the expert's
+ * rows into panels (kq_pack: ~60% of the MoE time, measured), fork / joined 3 times and
+ * went through the interpreter; the 4 tokens then used each panel once.
+ * Here the weights stay as they are: a 16-row group of an x16 weight (gemv_x16.h, the
+ * decode layout) is read in place, a row-major q4_0 / q4_1 / q4_k group is copied into
+ * that layout in L1 (kx_pack_group*: word moves, no arithmetic), and each group is
+ * dotted with all the expert's tokens (kx_group_tokens: the weight unpacked once for up to
+ * KX_NT tokens where the variant has such a kernel); other formats run the one-token GEMV
+ * per token.
+ *
+ * Results: per output the x16 GEMV's arithmetic (kx_*_group*), which for int8 activations
+ * is the GEMM's (gemv_x16.h): the same bits as the per-expert matmuls, a token's bits do
+ * not depend on the other tokens or the thread count. Float activations sum as the x16
+ * GEMV does (one token of decode), not as the float GEMM: equal up to rounding.
+ *
+ * The phases (kf_moep_thread), 2 barriers between them:
+ *   1. every token of x prepared once as an activation (kf_prep_act), tokens split;
+ *   2. h[s] = silu(x_t G_e^T) * (x_t U_e^T) for every slot s = (token t, expert e): items
+ *      (expert, 16 rows of I), threads given contiguous ranges of equal token-row work;
+ *   3. each h[s] prepared (slots split);
+ *   4. y[s] = h[s] D_e^T, items (expert, 16 rows of H) likewise.
+ * The caller adds the routing-weighted y into the output (ops scatter_add). */
+#ifndef KESTREL_MOE_PREFILL_H
+#define KESTREL_MOE_PREFILL_H
+
+#define KX_NT 8                     /* tokens per call of a group kernel */
+
+/* ---------------------------------------------------------------- group x tokens */
+
+/* out[t * ldo + r] = row r of x16 group G . a[t], r < 16, t < nt (nt <= KX_NT): the
+ * one-token group kernel per token (the weights stay in L1 between tokens). */
+static void kx_group_tokens_loop(kx_group_fn fn, int q41, const kf_act *a, int nt,
+                                 ptrdiff_t nb, const uint8_t *G, float *out, ptrdiff_t ldo)
+{
+    for (int t = 0; t < nt; t++)
+        fn(q41, a + t, nb, G, out + t * ldo);
+}
+
+#if KF_X86_DISPATCH
+/* kx_avx512_group_k for NT_ int8 tokens at once: each quant vector's nibbles split once,
+ * then one vpdpbusd chain per token; per token the same operations in the same order as
+ * the one-token kernel (the same bits). */
+#define KX_AVX512_GROUP_K_T(NT_)                                                           \
+KF_TARGET_AVX512 static void kx_avx512_group_k_t##NT_(const kf_act *a, ptrdiff_t nsb,      \
+                                                     const uint8_t *G, float *out,         \
+                                                     ptrdiff_t ldo)                        \
+{                                                                                          \
+    const __m512i m4 = _mm512_set1_epi8(0x0f);                                             \
+    __m512 acc[NT_];                                                                       \
+    for (int k = 0; k < (NT_); k++)                                                        \
+        acc[k] = _mm512_setzero_ps();                                                      \
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
+        const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);                              \
+        __m512 sc[8], mn[8];                                                               \
+        KX_K_SCALES(__m512i, _mm512_cvtepu8_epi32, KX_LP5T, _mm512_and_si512,              \
+                    _mm512_or_si512, _mm512_srli_epi32, _mm512_slli_epi32,                 \
+                    _mm512_set1_epi32, _mm512_cvtepi32_ps, sc, mn);                        \
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)M));          \
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(M + 32)));  \
+        for (int c = 0; c < 4; c++) {                                                      \
+            const ptrdiff_t b0 = sb * 8 + 2 * c;                                           \
+            __m512i s0[NT_], s1[NT_];                                                      \
+            for (int k = 0; k < (NT_); k++)                                                \
+                s0[k] = s1[k] = _mm512_setzero_si512();                                    \
+            for (int t = 0; t < 8; t++) {                                                  \
+                const __m512i v = _mm512_loadu_si512((const void *)(Q + 64 * (8 * c + t)));\
+                const __m512i lo = _mm512_and_si512(v, m4);                                \
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);          \
+                for (int k = 0; k < (NT_); k++) {                                          \
+                    const int8_t *x0 = a[k].xq + b0 * KF_QK;                               \
+                    s0[k] = _mm512_dpbusd_epi32(s0[k], lo,                                 \
+                                                _mm512_set1_epi32(kx_ld32(x0 + 4 * t)));   \
+                    s1[k] = _mm512_dpbusd_epi32(s1[k], hi,                                 \
+                                                _mm512_set1_epi32(kx_ld32(x0 + KF_QK + 4 * t))); \
+                }                                                                          \
+            }                                                                              \
+            for (int e = 0; e < 2; e++) {                                                  \
+                const ptrdiff_t b = b0 + e;                                                \
+                const __m512 dw = _mm512_mul_ps(d, sc[2 * c + e]);                         \
+                const __m512 mw = _mm512_sub_ps(_mm512_setzero_ps(),                       \
+                                                _mm512_mul_ps(dm, mn[2 * c + e]));         \
+                for (int k = 0; k < (NT_); k++) {                                          \
+                    acc[k] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a[k].xd[b])),\
+                                             _mm512_cvtepi32_ps(e ? s1[k] : s0[k]), acc[k]); \
+                    acc[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[k].sx[b]), acc[k]);      \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+    for (int k = 0; k < (NT_); k++)                                                        \
+        _mm512_storeu_ps(out + k * ldo, acc[k]);                                           \
+}
+#define KX_LP5T(i_) _mm_loadu_si128((const __m128i *)(M + 64 + 16 * (i_)))
+KX_AVX512_GROUP_K_T(4)
+KX_AVX512_GROUP_K_T(2)
+#undef KX_LP5T
+#undef KX_AVX512_GROUP_K_T
+
+/* kx_avx512_group_6 for NT_ int8 tokens at once: block by block (m), each quant vector
+ * unpacked once for all the tokens; per token the one-token kernel's operations in its
+ * order (integer sums are exact in any order; the float FMAs go block, half as there). */
+#define KX_AVX512_GROUP_6_T(NT_)                                                           \
+KF_TARGET_AVX512 static void kx_avx512_group_6_t##NT_(const kf_act *a, ptrdiff_t nsb,      \
+                                                     const uint8_t *G, float *out,         \
+                                                     ptrdiff_t ldo)                        \
+{                                                                                          \
+    __m512 acc[NT_];                                                                       \
+    for (int k = 0; k < (NT_); k++)                                                        \
+        acc[k] = _mm512_setzero_ps();                                                      \
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
+        const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);             \
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)D));          \
+        for (int h = 0; h < 2; h++) {                                                      \
+            const ptrdiff_t b0 = sb * 8 + 4 * h;                                           \
+            for (int m = 0; m < 4; m++) {                                                  \
+                const ptrdiff_t b = b0 + m;                                                \
+                __m512i is0[NT_], is1[NT_];                                                \
+                for (int k = 0; k < (NT_); k++) {                                          \
+                    is0[k] = _mm512_set1_epi32(-32 * a[k].xh[b]);                          \
+                    is1[k] = _mm512_set1_epi32(-32 * (a[k].xs[b] - a[k].xh[b]));           \
+                }                                                                          \
+                for (int s = 0; s < 8; s++) {                                              \
+                    const uint8_t *v = Q + 64 * (24 * h + 3 * s);                          \
+                    __m512i u;                                                             \
+                    if (m < 3) {                                                           \
+                        u = _mm512_and_si512(_mm512_loadu_si512((const void *)(v + 64 * m)),\
+                                             _mm512_set1_epi8(63));                        \
+                    } else {                                                               \
+                        const __m512i p0 = _mm512_loadu_si512((const void *)v);            \
+                        const __m512i p1 = _mm512_loadu_si512((const void *)(v + 64));     \
+                        const __m512i p2 = _mm512_loadu_si512((const void *)(v + 128));    \
+                        u = _mm512_or_si512(                                               \
+                            _mm512_or_si512(                                               \
+                                _mm512_and_si512(_mm512_srli_epi16(p0, 6), _mm512_set1_epi8(3)),  \
+                                _mm512_and_si512(_mm512_srli_epi16(p1, 4), _mm512_set1_epi8(12))),\
+                            _mm512_and_si512(_mm512_srli_epi16(p2, 2), _mm512_set1_epi8(48)));   \
+                    }                                                                      \
+                    for (int k = 0; k < (NT_); k++) {                                      \
+                        const __m512i xv = _mm512_set1_epi32(                              \
+                            kx_ld32(a[k].xq + b * KF_QK + 4 * s));                         \
+                        if (s < 4)                                                         \
+                            is0[k] = _mm512_dpbusd_epi32(is0[k], u, xv);                   \
+                        else                                                               \
+                            is1[k] = _mm512_dpbusd_epi32(is1[k], u, xv);                   \
+                    }                                                                      \
+                }                                                                          \
+                for (int e = 0; e < 2; e++) {                                              \
+                    const int j = 2 * (4 * h + m) + e;                                     \
+                    const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(\
+                        _mm_loadu_si128((const __m128i *)(S + 16 * j)))));                 \
+                    for (int k = 0; k < (NT_); k++)                                        \
+                        acc[k] = _mm512_fmadd_ps(                                          \
+                            _mm512_mul_ps(dw, _mm512_set1_ps(a[k].xd[b])),                 \
+                            _mm512_cvtepi32_ps(e ? is1[k] : is0[k]), acc[k]);              \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }                                                                                      \
+    for (int k = 0; k < (NT_); k++)                                                        \
+        _mm512_storeu_ps(out + k * ldo, acc[k]);                                           \
+}
+KX_AVX512_GROUP_6_T(4)
+KX_AVX512_GROUP_6_T(2)
+#undef KX_AVX512_GROUP_6_T
+#endif /* KF_X86_DISPATCH */
+
+/* The group kernel of x16 format fmt with the variant in use, for nt tokens. */
+static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const uint8_t *G,
+                            float *out, ptrdiff_t ldo)
+{
+    const int q41 = fmt == KF_Q4_1X16;
+    const kx_group_fn fn = fmt == KF_Q4_KX16 ? kx_group_k_tab[kf_isa]
+                           : (fmt == KF_Q6_KX16 ? kx_group_6_tab[kf_isa] : kx_group_tab[kf_isa]);
+    const ptrdiff_t nb = kf_is_k(fmt) ? n / KF_QK_K : n / KF_QK;
+#if KF_X86_DISPATCH
+    if (fmt == KF_Q4_KX16 && kf_isa == KF_ISA_AVX512 && a[0].xq != NULL) {
+        int t = 0;
+        for (; t + 4 <= nt; t += 4)
+            kx_avx512_group_k_t4(a + t, nb, G, out + t * ldo, ldo);
+        for (; t + 2 <= nt; t += 2)
+            kx_avx512_group_k_t2(a + t, nb, G, out + t * ldo, ldo);
+        if (t < nt)
+            fn(q41, a + t, nb, G, out + t * ldo);
+        return;
+    }
+    if (fmt == KF_Q6_KX16 && kf_isa == KF_ISA_AVX512 && a[0].xq != NULL) {
+        int t = 0;
+        for (; t + 4 <= nt; t += 4)
+            kx_avx512_group_6_t4(a + t, nb, G, out + t * ldo, ldo);
+        for (; t + 2 <= nt; t += 2)
+            kx_avx512_group_6_t2(a + t, nb, G, out + t * ldo, ldo);
+        if (t < nt)
+            fn(q41, a + t, nb, G, out + t * ldo);
+        return;
+    }
+#endif
+    kx_group_tokens_loop(fn, q41, a, nt, nb, G, out, ldo);
+}
+
+/* The x16 format a row-major weight of format fmt is copied into, group by group, or -1
+ * (any row count: a last partial group is padded with zero rows; any number of blocks:
+ * kx_pack_group_n / _6n). */
+static inline int kx_group_fmt(int fmt)
+{
+    /* not q6_k: its copy (kx_pack_group_6n, scalar bit moves) measured at ~2x the GEMV it
+     * saves (Qwen3-30B-A3B's q6_k downs, 3 super-blocks a row, 4 tokens an expert) */
+    return fmt == KF_Q4_K ? KF_Q4_KX16
+           : (fmt == KF_Q4_0 ? KF_Q4_0X16 : (fmt == KF_Q4_1 ? KF_Q4_1X16 : -1));
+}
+
+/* Rows r0 <= r < r0 + 16 (those < d) of a weight (fmt, rows ldw bytes apart from w: an
+ * x16 weight's group 0, or row-major rows) dotted with the nt tokens a[t]:
+ * out[t * 16 + r - r0]. pack: 16 (ldw + 210) bytes of 64-byte aligned scratch. */
+static void kf_moep_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t d, ptrdiff_t n,
+                         ptrdiff_t r0, const kf_act *a, int nt, float *out, uint8_t *pack)
+{
+    const int nr = d - r0 < KX_G ? (int)(d - r0) : KX_G;
+    if (kx_is_x16(fmt)) {                 /* d % 16 == 0: a whole group, in place */
+        kx_group_tokens(fmt, a, nt, n, w + r0 * ldw, out, KX_G);
+        return;
+    }
+    const int xf = kx_group_fmt(fmt);
+    if (xf >= 0 && n > 0) {
+        const uint8_t *src = w + r0 * ldw;
+        if (xf == KF_Q4_KX16)
+            kx_pack_group_k(src, ldw, nr, pack);
+        else
+            kx_pack_group_n(xf == KF_Q4_1X16, src, ldw, n / KF_QK, nr, pack);
+        kx_group_tokens(xf, a, nt, n, pack, out, KX_G);
+        return;
+    }
+    for (int t = 0; t < nt; t++)
+        kf_gemv_rows(fmt, a + t, n, w + r0 * ldw, ldw, 0, nr, out + t * KX_G);
+}
+
+/* ---------------------------------------------------------------- the block */
+
+typedef struct {
+    int qx, qh;                         /* int8 activations for x (H % 32 == 0), for h */
+    ptrdiff_t H, I, T, M, E;            /* widths, tokens, routed slots, experts */
+    ptrdiff_t ne;                       /* experts with tokens */
+    const int32_t *fmts;                /* (3, E) formats of gate, up, down */
+    const uint64_t *ptrs;               /* (3, E) their raw rows */
+    const int64_t *ldws;                /* (3, E) their row bytes */
+    const int64_t *eid;                 /* (ne,) the experts with tokens */
+    const int64_t *start;               /* (ne + 1,) expert i's slots: start[i] .. [i+1] */
+    const int64_t *tok;                 /* (M,) each slot's token */
+    const float *x;                     /* (T, H) */
+    float *h;                           /* (M, I) */
+    float *y;                           /* (M, H) */
+    kf_act *ax, *ah;                    /* (T,), (M,) */
+    uint8_t *axmem, *ahmem, *pack;      /* T x axbytes, M x ahbytes, threads x packbytes */
+    size_t axbytes, ahbytes, packbytes;
+} kf_moep_plan;
+
+/* Items (expert i, row group g), expert-major, each weighing expert i's tokens: call
+ * body(i, g) for those whose first unit of work lies in [lo, hi) of the total
+ * M x ngroups. */
+#define KF_MOEP_ITEMS(p, ngroups, lo, hi, BODY)                                            \
+    do {                                                                                   \
+        ptrdiff_t cum_ = 0;                                                                \
+        for (ptrdiff_t i = 0; i < (p)->ne && cum_ < (hi); i++) {                           \
+            const ptrdiff_t ni_ = (p)->start[i + 1] - (p)->start[i];                       \
+            if (ni_ > 0 && cum_ + ni_ * (ngroups) > (lo)) {                                \
+                ptrdiff_t g0_ = (lo) > cum_ ? ((lo) - cum_ + ni_ - 1) / ni_ : 0;           \
+                ptrdiff_t g1_ = ((hi) - cum_ + ni_ - 1) / ni_;                             \
+                if (g1_ > (ngroups))                                                       \
+                    g1_ = (ngroups);                                                       \
+                for (ptrdiff_t g = g0_; g < g1_; g++)                                      \
+                    BODY;                                                                  \
+            }                                                                              \
+            cum_ += ni_ * (ngroups);                                                       \
+        }                                                                                  \
+    } while (0)
+
+/* gate / up rows 16 g.. of expert i for its slots: h[s] = silu(gate) * up there. */
+static void kf_moep_gate_up(const kf_moep_plan *p, ptrdiff_t i, ptrdiff_t g, uint8_t *pack)
+{
+    const ptrdiff_t e = p->eid[i], E = p->E, I = p->I, H = p->H, r0 = g * KX_G;
+    const int nr = I - r0 < KX_G ? (int)(I - r0) : KX_G;
+    kf_act a[KX_NT];
+    float gv[KX_NT * KX_G], uv[KX_NT * KX_G];
+    for (ptrdiff_t s0 = p->start[i]; s0 < p->start[i + 1]; s0 += KX_NT) {
+        const int nt = p->start[i + 1] - s0 < KX_NT ? (int)(p->start[i + 1] - s0) : KX_NT;
+        for (int t = 0; t < nt; t++)
+            a[t] = p->ax[p->tok[s0 + t]];
+        kf_moep_rows(p->fmts[e], (const uint8_t *)(uintptr_t)p->ptrs[e], p->ldws[e], I, H, r0,
+                     a, nt, gv, pack);
+        kf_moep_rows(p->fmts[E + e], (const uint8_t *)(uintptr_t)p->ptrs[E + e], p->ldws[E + e],
+                     I, H, r0, a, nt, uv, pack);
+        for (int t = 0; t < nt; t++) {
+            float *hs = p->h + (s0 + t) * I + r0;
+            for (int r = 0; r < nr; r++) {     /* as ops.swiglu */
+                const float v = gv[t * KX_G + r];
+                hs[r] = v / (1.0f + expf(-v)) * uv[t * KX_G + r];
+            }
+        }
+    }
+}
+
+/* down rows 16 g.. of expert i for its slots: y[s] there. */
+static void kf_moep_down(const kf_moep_plan *p, ptrdiff_t i, ptrdiff_t g, uint8_t *pack)
+{
+    const ptrdiff_t e = p->eid[i], E = p->E, I = p->I, H = p->H, r0 = g * KX_G;
+    const int nr = H - r0 < KX_G ? (int)(H - r0) : KX_G;
+    float yv[KX_NT * KX_G];
+    for (ptrdiff_t s0 = p->start[i]; s0 < p->start[i + 1]; s0 += KX_NT) {
+        const int nt = p->start[i + 1] - s0 < KX_NT ? (int)(p->start[i + 1] - s0) : KX_NT;
+        kf_moep_rows(p->fmts[2 * E + e], (const uint8_t *)(uintptr_t)p->ptrs[2 * E + e],
+                     p->ldws[2 * E + e], H, I, r0, p->ah + s0, nt, yv, pack);
+        for (int t = 0; t < nt; t++)
+            memcpy(p->y + (s0 + t) * H + r0, yv + t * KX_G, (size_t)nr * sizeof(float));
+    }
+}
+
+/* One thread's share of every phase; called by each thread of one parallel region. */
+static void kf_moep_thread(kf_moep_plan *p)
+{
+#ifdef _OPENMP
+    const ptrdiff_t c = omp_get_thread_num(), m = omp_get_num_threads();
+#else
+    const ptrdiff_t c = 0, m = 1;
+#endif
+    uint8_t *pack = p->pack + (size_t)c * p->packbytes;
+    for (ptrdiff_t t = p->T * c / m; t < p->T * (c + 1) / m; t++)
+        kf_prep_act(p->x + t * p->H, p->H, p->qx, p->axmem + (size_t)t * p->axbytes, &p->ax[t]);
+#ifdef _OPENMP
+    _Pragma("omp barrier")
+#endif
+    const ptrdiff_t gi = (p->I + KX_G - 1) / KX_G, gh = (p->H + KX_G - 1) / KX_G;
+    ptrdiff_t lo = p->M * gi * c / m, hi = p->M * gi * (c + 1) / m;
+    KF_MOEP_ITEMS(p, gi, lo, hi, kf_moep_gate_up(p, i, g, pack));
+#ifdef _OPENMP
+    _Pragma("omp barrier")
+#endif
+    for (ptrdiff_t s = p->M * c / m; s < p->M * (c + 1) / m; s++)
+        kf_prep_act(p->h + s * p->I, p->I, p->qh, p->ahmem + (size_t)s * p->ahbytes, &p->ah[s]);
+#ifdef _OPENMP
+    _Pragma("omp barrier")
+#endif
+    lo = p->M * gh * c / m;
+    hi = p->M * gh * (c + 1) / m;
+    KF_MOEP_ITEMS(p, gh, lo, hi, kf_moep_down(p, i, g, pack));
+}
+
+#endif /* KESTREL_MOE_PREFILL_H */
