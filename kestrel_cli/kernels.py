@@ -187,12 +187,17 @@ class ExpertTable:
     decode kernel reads: formats, raw addresses and row bytes, (3, E); `decode` runs one
     token through the selected experts (`moe_decode`).
 
-    With repack, an expert's q4 matrices take the x16 decode layout (`repack_x16`) the
-    first time a token is routed to it, not at load: repacking every expert would read the
-    whole file (Qwen3-30B-A3B: ~17 GiB) where decode reads the experts tokens use. The
-    mapped row-major pages are then let go, and `on_pack(e, (gate, up, down))` hands the
-    new weights to the block (its prefill reads them from then on).
+    With repack, an expert's q4 matrices take the x16 decode layout (`repack_x16`) once
+    decode has routed PACK_AFTER tokens to it, not at load: repacking every expert would
+    read the whole file (Qwen3-30B-A3B: ~17 GiB) where decode reads the experts tokens
+    use, and copying each expert on its first use made the first tokens of a reply ~3x
+    slower than no repack (most experts are used once or twice in 16 tokens); the kernel
+    reads row-major q4 too. The mapped row-major pages are then let go, and
+    `on_pack(e, (gate, up, down))` hands the new weights to the block (its prefill reads
+    them from then on).
     """
+
+    PACK_AFTER = 4           # decode tokens routed to an expert before it is repacked
 
     def __init__(self, experts, repack: bool = False, on_pack=None):
         """experts: (gate, up, down) Weights per expert; gate / up (I, H), down (H, I)."""
@@ -216,6 +221,7 @@ class ExpertTable:
         # experts still to repack on first use (none without repack or q4 matrices)
         self.unpacked = np.array([repack and any(can_repack_x16(w) for w in ws)
                                   for ws in self.experts], bool)
+        self.uses = np.zeros(E, np.int64)       # decode tokens routed to each expert
         self.on_pack = on_pack
         self._lock = threading.Lock()           # forks decode in threads (serve --parallel)
         self._bufs = threading.local()          # decode's per-thread gather tables
@@ -276,7 +282,8 @@ class ExpertTable:
                                         for a in (self.fmts, self.ptrs, self.ldws))
         fmts, ptrs, ldws = bufs
         with self._lock:
-            for e in sel[self.unpacked[sel]]:
+            self.uses[sel] += 1
+            for e in sel[self.unpacked[sel] & (self.uses[sel] >= self.PACK_AFTER)]:
                 self.pack(int(e), threads)
             np.take(self.fmts, sel, axis=1, out=fmts)
             np.take(self.ptrs, sel, axis=1, out=ptrs)

@@ -306,14 +306,15 @@ def test_missing_metadata_key_is_named(tmp_path):
         Engine.from_pretrained(path, threads=1)
 
 
-def test_experts_repacked_on_first_use(moe):
+def test_experts_repacked_after_a_few_uses(moe):
     """With --repack (the default) the dense q4 weights take the decode layout at load; a
-    MoE expert's only when decode first routes a token to it (repacking every expert
-    would read the whole file at load; the mapping reads only the routed ones). The
-    results stay those of the row-major experts up to summation order (the x16 int8 dot
-    is the prefill GEMM's), and prefill afterwards reads the new layout."""
+    MoE expert's only once decode has routed ExpertTable.PACK_AFTER tokens to it
+    (repacking every expert would read the whole file at load; copying each on its first
+    use slows the first tokens of a reply). The results stay those of the row-major
+    experts up to summation order (the x16 int8 dot is the prefill GEMM's), and prefill
+    afterwards reads the new layout."""
     d, _, dense = moe
-    ids = rand_ids(20, seed=4)
+    ids = rand_ids(30, seed=4)
     for act in ("q8", "f32"):
         eng = Engine.load(d / "hf", LoadOptions(quant="q4", threads=1, act=act))
         ref = Engine.load(d / "hf", LoadOptions(quant="q4", threads=1, act=act, repack=False))
@@ -321,13 +322,16 @@ def test_experts_repacked_on_first_use(moe):
         block = eng.model.layers[sparse[0]].mlp
         assert eng.model.layers[sparse[0]].self_attn.q_proj.fmt == "q4_0x16"
         fmts = lambda: [ex.up_proj.fmt for ex in block.experts]     # noqa: E731
-        eng.prefill(ids[:-3])
-        ref.prefill(ids[:-3])
+        eng.prefill(ids[:10])
+        ref.prefill(ids[:10])
         assert set(fmts()) == {"q4_0"}
-        got = [eng.decode_step(t) for t in ids[-3:]]
-        want = [ref.decode_step(t) for t in ids[-3:]]
+        got = [eng.decode_step(t) for t in ids[10:]]
+        want = [ref.decode_step(t) for t in ids[10:]]
         packed = [e for e, f in enumerate(fmts()) if f == "q4_0x16"]
-        assert 2 <= len(packed) <= 6 and not block.table.unpacked[packed].any()
+        uses = block.table.uses
+        assert packed == np.flatnonzero(uses >= block.table.PACK_AFTER).tolist()
+        assert packed and not block.table.unpacked[packed].any()
+        assert ((uses > 0) & (uses < block.table.PACK_AFTER)).any()   # used, not yet packed
         assert all(f in ("q4_0", "q4_0x16") for f in fmts())
         np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=1e-4)
         np.testing.assert_allclose(eng.logits(ids), ref.logits(ids), atol=1e-4, rtol=0)
