@@ -502,8 +502,8 @@ def test_rest_decode_matches_numpy(group, dtype, isa):
         mine = picks[kh * GROUP:(kh + 1) * GROUP] if group == "union" else picks[h:h + 1]
         att = np.zeros(nb, bool)
         att[mine[mine >= 0]] = True
-        K_ = keys_of(c, 0, n)[:, kh * HD:(kh + 1) * HD].astype(np.float64)
-        V_ = values_of(c, 0, n)[:, kh * HD:(kh + 1) * HD].astype(np.float64)
+        K_ = rows_of(c, 0, n)[:, kh * HD:(kh + 1) * HD].astype(np.float64)
+        V_ = rows_of(c, 0, n, values=True)[:, kh * HD:(kh + 1) * HD].astype(np.float64)
         s = K_ @ q[0, h * HD:(h + 1) * HD].astype(np.float64) * c.scale
         tok = np.repeat(att, BS)[:n]
         packed, scs = key_sketch(K_.astype(np.float32))
@@ -524,21 +524,12 @@ def test_rest_decode_matches_numpy(group, dtype, isa):
     assert not np.allclose(got, plain)
 
 
-def keys_of(c, layer, n):
-    """K of tokens 0..n-1, including a row written but not committed."""
+def rows_of(c, layer, n, values=False):
+    """K (or V) of tokens 0..n-1, including a row written but not committed."""
     off = c.offset
     c.offset = n
     try:
-        return c.keys(layer)
-    finally:
-        c.offset = off
-
-
-def values_of(c, layer, n):
-    off = c.offset
-    c.offset = n
-    try:
-        return c.values(layer)
+        return c.values(layer) if values else c.keys(layer)
     finally:
         c.offset = off
 
