@@ -9,8 +9,9 @@
  * this file compiles the decode and prefill units per ISA variant and lists them for
  * isa.h's dispatcher; attention.pxi owns the parallel loops and the thread scratch.
  *
- * Same rules as simd.h: portable C99, no intrinsics (one exception: F16C half->float,
- * attn_kv.h), no -ffast-math, every float sum in
+ * Same rules as simd.h: portable C99, no intrinsics (the exceptions, all in attn_kv.h
+ * beside the portable code they stand in for, under the avx2 entries only: F16C
+ * half->float, int8 row loads, the sketch's integer dots), no -ffast-math, every float sum in
  * a fixed order written in the source, so no result depends on the thread count.
  */
 #ifndef KESTREL_ATTENTION_H

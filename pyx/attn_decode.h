@@ -190,7 +190,7 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
     float *probe = tab + ka_decode_states(nb, n_heads, hd);
     /* phase A1 only (mode KA_DEC_PROBES): A / A2 run in ka_decode_heads */
-    (void)k; (void)sopt; (void)scale; (void)imp_order; (void)n_order; (void)sel;
+    (void)k; (void)scale; (void)imp_order; (void)n_order; (void)sel;
     ka_q *qv = ws->qv;                                   /* (group,) */
     for (ptrdiff_t g = 0; g < group; g++) {
         qv[g].q = q + (kh * group + g) * hd;
@@ -208,10 +208,14 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
                       + (n_heads * nb + 3) / 4;
         for (ptrdiff_t b = b0; b < b1; b++) {
             float sb[KA_GMAX], tb[KA_GMAX];
-            ka_sketch_heads(kv, qi, group, qs, qsum, cv, kh, b, n_ctx, sb, tb);
+            if (b + KA_SKPF < nb)
+                ka_sketch_prefetch(kv, kh, b + KA_SKPF);
+            ka_sketch_heads(kv, qi, group, qs, qsum, cv, kh, b, n_ctx, sb,
+                            (sopt & KA_REST) ? tb : NULL);
             for (ptrdiff_t g = 0; g < group; g++) {
                 probe[(kh * group + g) * nb + b] = sb[g];
-                rest[(kh * group + g) * nb + b] = tb[g];
+                if (sopt & KA_REST)
+                    rest[(kh * group + g) * nb + b] = tb[g];
             }
         }
         return;

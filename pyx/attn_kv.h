@@ -333,7 +333,9 @@ static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int
         }
 }
 
-/* The query for the sketch: qi = rint(q / Sq) at int8, Sq = max|q| / 127; returns
+/* The query for the sketch: qi = rint(q / Sq) at int8, Sq = max|q| / 127, in the nibbles'
+ * pair order (qi[2j] = dim j, qi[2j + 1] = dim j + hd/2: one 16-bit load per byte row of
+ * the sketch); returns
  * Sq * scale into *qs and sum(qi) (the nibbles' +8 offset comes off as 8 * sum), and into
  * *cv the rounding's variance coefficient qs^2 sum(qi^2) / 24: a sketched key's rounding
  * errors (uniform, +-S/2 per dimension) make its score noisy by variance cv * S^2, which
@@ -342,14 +344,22 @@ static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int
 KF_INLINE int32_t ka_sketch_query(const float *q, ptrdiff_t hd, float scale, int8_t *qi,
                                   float *qs, float *cv)
 {
-    float m = 0.0f;
-    for (ptrdiff_t d = 0; d < hd; d++)
-        m = fabsf(q[d]) > m ? fabsf(q[d]) : m;
+    float pm[8] = {0};                   /* 8 lanes: a chain of hd dependent maxes is slow */
+    ptrdiff_t d8 = hd - hd % 8;
+    for (ptrdiff_t d = 0; d < d8; d += 8)
+        for (int k = 0; k < 8; k++)
+            pm[k] = fabsf(q[d + k]) > pm[k] ? fabsf(q[d + k]) : pm[k];
+    for (ptrdiff_t d = d8; d < hd; d++)
+        pm[0] = fabsf(q[d]) > pm[0] ? fabsf(q[d]) : pm[0];
+    float m = pm[0];
+    for (int k = 1; k < 8; k++)
+        m = pm[k] > m ? pm[k] : m;
     const float inv = m > 0.0f ? 127.0f / m : 0.0f;
     int32_t sum = 0, sq = 0;
+    const ptrdiff_t h2 = hd / 2;
     for (ptrdiff_t d = 0; d < hd; d++) {
         int v = (int)kf_rint(q[d] * inv);
-        qi[d] = (int8_t)v;
+        qi[d < h2 ? 2 * d : 2 * (d - h2) + 1] = (int8_t)v;
         sum += v;
         sq += v * v;
     }
@@ -358,22 +368,15 @@ KF_INLINE int32_t ka_sketch_query(const float *q, ptrdiff_t hd, float scale, int
     return sum;
 }
 
-/* Sketch scores of block b (tokens t < n_ctx) of kv head kh for ng int8 queries qi
- * (ng x hd, from ka_sketch_query: qs, qsum, cv): out[g] for g < ng. The nibbles are unpacked
- * once for all the queries; 16-bit products summed 8 dims at a time (|sum| <= 8 * 2 *
- * 15 * 127 < 2^15), then into 32 bits: exact. */
-KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdiff_t ng,
-                               const float *qs, const int32_t *qsum, const float *cv,
-                               ptrdiff_t kh,
-                               ptrdiff_t b, ptrdiff_t n_ctx, float *restrict out,
-                               float *restrict top)
+/* The integer dots of a sketched block (x: its hd/2 x KA_SKBS bytes) with ng int8
+ * queries: acc[g][t] = sum_d qi[g][d] * u_t[d] (the nibbles as stored, 1..15; the caller
+ * takes off the +8 offset). Portable: the nibbles unpacked once for all the queries,
+ * 16-bit products summed 8 dims at a time (|sum| <= 8 * 2 * 15 * 127 < 2^15), then into
+ * 32 bits: exact, so every variant gives the same integers. */
+KF_INLINE void ka_sketch_dots(const uint8_t *restrict x, ptrdiff_t h2, const int8_t *restrict qi,
+                              ptrdiff_t ng, int32_t (*restrict acc)[KA_SKBS])
 {
     enum { B = KA_SKBS };
-    const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
-    const ptrdiff_t len = n_ctx - b * B < B ? n_ctx - b * B : B;
-    const uint8_t *x = kv->bnd + i * B * h2;
-    const float *sc = kv->bsc + i * (B + 2 * h2);
-    int32_t acc[KA_SKGMAX][B];
     int16_t a16[KA_SKGMAX][B];
     for (ptrdiff_t g = 0; g < ng; g++)
         for (int t = 0; t < B; t++) {
@@ -387,7 +390,7 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
             hi[t] = (int16_t)(x[j * B + t] >> 4);
         }
         for (ptrdiff_t g = 0; g < ng; g++) {
-            const int16_t ql = qi[g * 2 * h2 + j], qh = qi[g * 2 * h2 + h2 + j];
+            const int16_t ql = qi[g * 2 * h2 + 2 * j], qh = qi[g * 2 * h2 + 2 * j + 1];
             for (int t = 0; t < B; t++)
                 a16[g][t] = (int16_t)(a16[g][t] + lo[t] * ql + hi[t] * qh);
         }
@@ -398,6 +401,115 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
                     a16[g][t] = 0;
                 }
     }
+}
+
+#if KF_X86_DISPATCH
+/* ka_sketch_dots under the avx2 entries (kv->x86v3; GCC does not find vpmaddubsw in the
+ * portable loops, which multiply and add 16-bit lanes): each row j of 32 bytes becomes
+ * two vectors of (low, high) nibble pairs, tokens 0-15 and 16-31 in order (vpermq puts
+ * the quarters where the in-lane unpacks want them), once for all the queries; then per
+ * query one vpmaddubsw per 16 tokens with its (dim j, dim j + hd/2) pair, the same
+ * 16-bit sums of 8 rows, widened into 32 bits: the portable code's integers. */
+KF_TARGET_AVX2 static inline void ka_sketch_dots_avx2(const uint8_t *restrict x, ptrdiff_t h2,
+                                                      const int8_t *restrict qi, ptrdiff_t ng,
+                                                      int32_t (*restrict acc)[KA_SKBS])
+{
+    __m256i u[KA_SKHDMAX / 2][2];
+    const __m256i m15 = _mm256_set1_epi8(15);
+    for (ptrdiff_t j = 0; j < h2; j++) {
+        __m256i b = _mm256_permute4x64_epi64(
+            _mm256_loadu_si256((const __m256i *)(x + j * KA_SKBS)), 0xD8);
+        __m256i lo = _mm256_and_si256(b, m15);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m15);
+        u[j][0] = _mm256_unpacklo_epi8(lo, hi);
+        u[j][1] = _mm256_unpackhi_epi8(lo, hi);
+    }
+    for (ptrdiff_t g = 0; g < ng; g++) {
+        const int8_t *q = qi + g * 2 * h2;
+        __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(),
+                        _mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (ptrdiff_t j0 = 0; j0 < h2; j0 += 8) {
+            const ptrdiff_t j1 = j0 + 8 < h2 ? j0 + 8 : h2;
+            __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+            for (ptrdiff_t j = j0; j < j1; j++) {
+                int16_t pair;
+                memcpy(&pair, q + 2 * j, 2);
+                const __m256i w = _mm256_set1_epi16(pair);
+                a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(u[j][0], w));
+                a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(u[j][1], w));
+            }
+            s[0] = _mm256_add_epi32(s[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a0)));
+            s[1] = _mm256_add_epi32(s[1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a0, 1)));
+            s[2] = _mm256_add_epi32(s[2], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a1)));
+            s[3] = _mm256_add_epi32(s[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a1, 1)));
+        }
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_si256((__m256i *)(acc[g] + 8 * i), s[i]);
+    }
+}
+/* ka_sketch_dots with AVX-512 VNNI (the avx2 entries on a CPU that has it: kf_isa;
+ * hd/2 even): rows j and j + 1 become, per token, one dword of its four nibbles (dims j,
+ * j + hd/2, j + 1, j + 1 + hd/2: the order ka_sketch_query lays the query out in), once
+ * for all the queries; then per query one vpdpbusd per 16 tokens and row pair. The two
+ * vectors of a pair hold tokens {0-3, 8-11, ..} and {4-7, 12-15, ..} (the in-lane
+ * unpacks), put back in order at the end: the portable code's integers. */
+KF_TARGET_AVX512 static void ka_sketch_dots_avx512(const uint8_t *restrict x, ptrdiff_t h2,
+                                                   const int8_t *restrict qi, ptrdiff_t ng,
+                                                   int32_t (*restrict acc)[KA_SKBS])
+{
+    __m512i u[KA_SKHDMAX / 4][2];
+    const __m512i m1 = _mm512_set1_epi32(0x000F000F), m2 = _mm512_set1_epi32(0x0F000F00);
+    for (ptrdiff_t j = 0; j < h2; j += 2) {
+        const __m512i w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(x + j * KA_SKBS)));
+        const __m512i w1 = _mm512_cvtepu8_epi16(
+            _mm256_loadu_si256((const __m256i *)(x + (j + 1) * KA_SKBS)));
+        const __m512i a = _mm512_unpacklo_epi16(w0, w1), b = _mm512_unpackhi_epi16(w0, w1);
+        /* (a & m1) | ((a << 4) & m2): imm 0xF8 = A | (B & C) over (a & m1, a << 4, m2) */
+        u[j / 2][0] = _mm512_ternarylogic_epi32(_mm512_and_si512(a, m1), _mm512_slli_epi32(a, 4), m2, 0xF8);
+        u[j / 2][1] = _mm512_ternarylogic_epi32(_mm512_and_si512(b, m1), _mm512_slli_epi32(b, 4), m2, 0xF8);
+    }
+    /* token t's place: vector (t & 4) != 0, lane (t >> 3) * 4 + (t & 3) */
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (ptrdiff_t g = 0; g < ng; g++) {
+        const int8_t *q = qi + g * 2 * h2;
+        __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
+        for (ptrdiff_t j = 0; j < h2; j += 2) {
+            int32_t quad;
+            memcpy(&quad, q + 2 * j, 4);
+            const __m512i w = _mm512_set1_epi32(quad);
+            sa = _mm512_dpbusd_epi32(sa, u[j / 2][0], w);
+            sb = _mm512_dpbusd_epi32(sb, u[j / 2][1], w);
+        }
+        _mm512_storeu_si512((void *)acc[g], _mm512_permutex2var_epi32(sa, lo, sb));
+        _mm512_storeu_si512((void *)(acc[g] + 16), _mm512_permutex2var_epi32(sa, hi, sb));
+    }
+}
+#endif
+
+/* Sketch scores of block b (tokens t < n_ctx) of kv head kh for ng int8 queries qi
+ * (ng x hd, from ka_sketch_query: qs, qsum, cv): out[g] for g < ng (ka_sketch_dots, then
+ * a log-sum-exp per query). */
+KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdiff_t ng,
+                               const float *qs, const int32_t *qsum, const float *cv,
+                               ptrdiff_t kh,
+                               ptrdiff_t b, ptrdiff_t n_ctx, float *restrict out,
+                               float *restrict top)
+{
+    enum { B = KA_SKBS };
+    const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
+    const ptrdiff_t len = n_ctx - b * B < B ? n_ctx - b * B : B;
+    const uint8_t *x = kv->bnd + i * B * h2;
+    const float *sc = kv->bsc + i * (B + 2 * h2);
+    int32_t acc[KA_SKGMAX][B];
+#if KF_X86_DISPATCH
+    if (kv->x86v3 && kf_isa >= KF_ISA_AVX512 && h2 % 2 == 0)
+        ka_sketch_dots_avx512(x, h2, qi, ng, acc);
+    else if (kv->x86v3)
+        ka_sketch_dots_avx2(x, h2, qi, ng, acc);
+    else
+#endif
+        ka_sketch_dots(x, h2, qi, ng, acc);
     for (ptrdiff_t g = 0; g < ng; g++) {
         float s[B], e[B], pm[8], ps[8];
         const float f = qs[g];
@@ -428,6 +540,25 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
         if (top != NULL)                 /* the block's mass but its largest token's */
             top[g] = l > 1.0f ? mx + logf(l - 1.0f) : -INFINITY;
     }
+}
+
+/* Prefetch hint for the sketch of block b of kv head kh (its bytes and token scales):
+ * the decode probe asks for the block KA_SKPF ahead of the one it scores (the sketch is
+ * read once per step, from memory; the hardware prefetcher alone left the scoring
+ * waiting on its loads). */
+#define KA_SKPF 2
+KF_INLINE void ka_sketch_prefetch(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
+    const uint8_t *x = kv->bnd + i * KA_SKBS * h2;
+    for (ptrdiff_t c = 0; c < KA_SKBS * h2; c += 64)
+        __builtin_prefetch(x + c, 0, 3);
+    __builtin_prefetch(kv->bsc + i * (KA_SKBS + 2 * h2), 0, 3);
+    __builtin_prefetch(kv->bsc + i * (KA_SKBS + 2 * h2) + 16, 0, 3);
+#else
+    (void)kv; (void)kh; (void)b;
+#endif
 }
 
 /* One query's sketch score of block b: ka_sketch_heads for ng = 1. */

@@ -105,7 +105,10 @@ def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
 #                        from the heads' scores softmax-normalised and summed
 #   :dense=a-b           layers a..b exact (dense=0-1: the first two)
 #   :rest=mean           the blocks not picked also count: each with its mass estimated
-#                        from 4-bit keys and its mean value (besides the exact picks)
+#                        from 4-bit keys and its mean value (besides the exact picks);
+#                        rest=true: their true mass, mean value; rest=top: each one's top
+#                        token exact, the others' true mass at the mean value; rest=v4:
+#                        every token at its true weight, its value at 4 bits
 
 def parse_sim(config: str) -> dict:
     """The policy of a "sim:key=val:..." config."""
@@ -306,15 +309,37 @@ class SimAttend:
             ksc = np.where(amax > 0, amax / 7, 1.0)
             kd = np.clip(np.rint(kq / ksc), -7, 7) * ksc
             sa = np.einsum("kgd,nkd->kgn", qh.reshape(nkv, group, hd), kd).reshape(nh, n) * c.scale
+            rest = self.pol["rest"]
+            if rest in ("true", "top", "v4"):   # the true scores: value error only
+                sa = s
             lse = block_reduce(sa, n, c.kv_bs, "lse")                  # (nh, nb)
             vb = np.zeros((nb * c.kv_bs, nkv, hd))
             vb[:n] = vq
             cnt = np.minimum(c.kv_bs, n - np.arange(nb) * c.kv_bs)
             vmean = vb.reshape(nb, c.kv_bs, nkv, hd).sum(axis=1) / cnt[:, None, None]
+            if rest == "top":        # each unpicked block's top token exact, the rest mean
+                tok = tok.copy()
+                sp = np.full((nh, nb * c.kv_bs), -np.inf)
+                sp[:, :n] = s
+                top = sp.reshape(nh, nb, c.kv_bs).argmax(axis=2) + np.arange(nb) * c.kv_bs
+                for h in range(nh):
+                    tok[h, top[h][~sel[h]]] = True
+                ex = np.exp(sp.reshape(nh, nb, c.kv_bs) - lse[:, :, None])
+                lse = lse + np.log(np.maximum(1 - ex.max(axis=2), 1e-30))
             st = np.where(tok, s, -np.inf)
             m = np.maximum(st.max(axis=1), np.where(sel, -np.inf, lse).max(axis=1))
             e = np.exp(st - m[:, None])
             w = np.where(sel, 0.0, np.exp(lse - m[:, None]))            # (nh, nb)
+            if rest == "v4":         # every unpicked token at its true weight, value at 4 bits
+                vmax = np.abs(vq).max(axis=2, keepdims=True)
+                vsc = np.where(vmax > 0, vmax / 7, 1.0)
+                vd = np.clip(np.rint(vq / vsc), -7, 7) * vsc
+                eu = np.where(tok, 0.0, np.exp(s - m[:, None]))
+                num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)
+                       + np.einsum("kgn,nkd->kgd", eu.reshape(nkv, group, n), vd))
+                den = (e.sum(axis=1) + eu.sum(axis=1)).reshape(nkv, group, 1)
+                out[0] = (num / den).reshape(-1)
+                return out
             num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)
                    + np.einsum("kgb,bkd->kgd", w.reshape(nkv, group, nb), vmean))
             den = (e.sum(axis=1) + w.sum(axis=1)).reshape(nkv, group, 1)
