@@ -7,6 +7,8 @@ usage:
   python scripts/sparse_eval.py needle [-m MODEL] [--sizes 1024,2048,4096]
                                        [--depths 10,30,50,70,90] [-k 32,16,8,4]
                                        [--configs seed,quality] [-t 1]
+  python scripts/sparse_eval.py speed [-m MODEL] [-d 4096] [-k 32] [--configs seed,quality]
+                                      [--dtype q8] [--rounds 5] [-n 16] [-t 2]
 
 kld: the text is cut into windows of -c tokens (as `kestrel ppl`). The exact path (float32
 cache, exact attention) runs each window once; then for every config and k, each window
@@ -21,7 +23,11 @@ kestrel.", a question) at about --sizes tokens with the needle at --depths perce
 filler; greedy, 24 tokens; prints recalled yes/no per (size, depth) for exact and for each
 config and k, and the recall per k.
 
-Configs: seed (the plain selection), sink-in, sink-out, bound, dense2 (first 2 layers
+speed: decode tokens/s of each config at depth -d over one exact prefill of the text,
+the configs in turns (--rounds of them), median and ratio to the first config: ratios that
+a drifting machine moves together (separate `kestrel bench` runs swing 5-20% here).
+
+Configs (speed also takes exact; not sim:): seed (the plain selection), sink-in, sink-out, bound, dense2 (first 2 layers
 exact), kv-max, kv-sum, kv-union, kv-head (the plain per-head picks), sketch, rest, exact-prefill, win32/64/128, recent1/2, noimp, and every
 --sparse-preset name (kestrel_cli.sparse.PRESETS); "a+b" combines configs. "sim:..."
 configs decode in NumPy with an oracle or a trial selection (see parse_sim below; e.g.
@@ -108,7 +114,8 @@ def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
 #                        from 4-bit keys and its mean value (besides the exact picks);
 #                        rest=true: their true mass, mean value; rest=top: each one's top
 #                        token exact, the others' true mass at the mean value; rest=v4:
-#                        every token at its true weight, its value at 4 bits
+#                        every token at its true weight, its value at 4 bits; rest=v4s:
+#                        at its sketched weight (what a kernel would have)
 
 def parse_sim(config: str) -> dict:
     """The policy of a "sim:key=val:..." config."""
@@ -330,11 +337,17 @@ class SimAttend:
             m = np.maximum(st.max(axis=1), np.where(sel, -np.inf, lse).max(axis=1))
             e = np.exp(st - m[:, None])
             w = np.where(sel, 0.0, np.exp(lse - m[:, None]))            # (nh, nb)
-            if rest == "v4":         # every unpicked token at its true weight, value at 4 bits
+            if rest in ("v4", "v4s"):  # every unpicked token at its true (v4) or sketched
+                # (v4s: 4-bit key, less the rounding's mean inflation) weight, value at 4 bits
                 vmax = np.abs(vq).max(axis=2, keepdims=True)
                 vsc = np.where(vmax > 0, vmax / 7, 1.0)
                 vd = np.clip(np.rint(vq / vsc), -7, 7) * vsc
-                eu = np.where(tok, 0.0, np.exp(s - m[:, None]))
+                if rest == "v4s":
+                    cv = (c.scale ** 2 * (qh ** 2).sum(axis=1) / 24)[:, None]   # (nh, 1)
+                    sw = sa - cv * np.repeat(ksc[:, :, 0].T ** 2, group, axis=0)
+                    eu = np.where(tok, 0.0, np.exp(np.minimum(sw - m[:, None], 0.0)))
+                else:
+                    eu = np.where(tok, 0.0, np.exp(s - m[:, None]))
                 num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)
                        + np.einsum("kgn,nkd->kgd", eu.reshape(nkv, group, n), vd))
                 den = (e.sum(axis=1) + eu.sum(axis=1)).reshape(nkv, group, 1)
@@ -565,10 +578,44 @@ def cmd_needle(a) -> None:
               flush=True)
 
 
+def cmd_speed(a) -> None:
+    """Decode tokens/s of each config at one depth, round-robin over ONE exact prefill of
+    the text (KVCache.respec, trimmed back after each run): configs measured in turns in
+    one process, so a drifting machine moves them together; the median of --rounds runs
+    and its ratio to the first config."""
+    eng = Engine.load(a.model, LoadOptions(threads=a.threads, ctx_size=a.depth + a.n + 8))
+    model = eng.model
+    ids = np.asarray(eng.tokenizer.encode(open(a.file, encoding="utf-8").read()), np.int64)
+    ids = np.resize(ids, a.depth + a.n + 1)             # the text repeated to the depth
+    cache = model.make_cache(a.depth + a.n + 8, CacheSpec(a.dtype, sparse_k=1,
+                                                           sparse_probe="sketch",
+                                                           sparse_prefill=False))
+    model(ids[:a.depth], cache)
+    configs = a.configs.split(",")
+    runs: dict[str, list[float]] = {c: [] for c in configs}
+    for _ in range(a.rounds):
+        for config in configs:
+            cache.trim(a.depth)
+            cache.respec(CacheSpec(a.dtype) if config == "exact" else
+                         spec_of(config, a.k, a.dtype))
+            model(ids[a.depth:a.depth + 1], cache)       # warm: the first step's tables
+            t0 = time.perf_counter()
+            for t in ids[a.depth + 1:a.depth + a.n]:
+                model(np.array([t]), cache)
+            runs[config].append((a.n - 1) / (time.perf_counter() - t0))
+    first = float(np.median(runs[configs[0]]))
+    print(f"# depth {a.depth}, k {a.k}, {a.dtype} cache, {a.threads} threads, "
+          f"{a.n - 1} decode steps x {a.rounds} rounds (t/s: median, ratio to {configs[0]})")
+    for config in configs:
+        m = float(np.median(runs[config]))
+        print(f"{config:<40} {m:8.2f} {m / first:6.2f}x   "
+              f"{' '.join(f'{x:.1f}' for x in runs[config])}", flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("kld", "needle"):
+    for name in ("kld", "needle", "speed"):
         s = sub.add_parser(name)
         s.add_argument("-m", "--model", default=None)
         s.add_argument("-t", "--threads", type=int, default=1)
@@ -587,8 +634,19 @@ def main(argv=None) -> None:
     s = sub.choices["needle"]
     s.add_argument("--sizes", default="1024,2048,4096")
     s.add_argument("--depths", default="10,30,50,70,90")
+    s = sub.choices["speed"]
+    s.add_argument("-f", "--file", default="/usr/share/common-licenses/GPL-3")
+    s.add_argument("-d", "--depth", type=int, default=4096)
+    s.add_argument("-n", type=int, default=16, help="decode steps per run (+1 warm-up)")
+    s.add_argument("--rounds", type=int, default=5)
     a = p.parse_args(argv)
-    (cmd_kld if a.cmd == "kld" else cmd_needle)(a)
+    if a.cmd == "speed":
+        if "," in a.k or not a.k.isdigit():
+            sys.exit("speed: -k takes one k")
+        a.k = int(a.k)
+        if any(c.startswith("sim:") for c in a.configs.split(",")):
+            sys.exit("speed: sim: configs decode in NumPy; time the kernel's configs")
+    {"kld": cmd_kld, "needle": cmd_needle, "speed": cmd_speed}[a.cmd](a)
 
 
 if __name__ == "__main__":

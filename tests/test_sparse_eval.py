@@ -114,3 +114,25 @@ def test_use_policy_routes_decode_through_the_sim():
     assert m.native_decode is False and isinstance(c.attend, se.SimAttend)
     se.use_policy(m, c, "seed", 2)
     assert m.native_decode is True and "attend" not in c.__dict__
+
+
+def test_sim_rest_variants_order_as_measured():
+    """The rest's stand-ins for the blocks not picked, on one decode row whose heads spread
+    their mass: 4-bit values at the true (v4) or sketched (v4s) weights land near exact
+    attention, the picks alone and the block means further off; rest=top keeps each
+    unpicked block's largest token exact (the means' error is mostly that token's)."""
+    rng = np.random.default_rng(8)
+    c = prefilled(CacheSpec(sparse_k=0), 12 * BS + 5, rng)
+    c.reserve(1)
+    kv = rng.standard_normal((1, N_KV * HD)).astype(np.float32)
+    c.write(0, kv, kv)
+    q = rng.standard_normal((1, N_HEADS * HD)).astype(np.float32) * 0.5
+    exact = c.attend(0, q, np.empty_like(q)).copy()
+    err = {}
+    for rest in ("off", "mean", "true", "top", "v4", "v4s"):
+        pol = se.parse_sim(f"sim:probe=q4:group=union:sink=out:recent=1:rest={rest}")
+        sim = se.SimAttend(c, pol, 2)(0, q, np.empty_like(q))
+        err[rest] = float(np.abs(sim - exact).max())
+    assert err["v4"] < 0.1 * err["off"] and err["v4s"] < 0.1 * err["off"]
+    assert err["v4"] < err["top"] < err["true"]
+    assert err["true"] < err["off"]          # spread heads: the means beat dropping them
