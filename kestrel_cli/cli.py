@@ -126,8 +126,8 @@ class EngineOptions:
         rich_help_panel=_MODEL)] = None
     sparse_rest: Annotated[Optional[bool], typer.Option(
         "--sparse-rest/--no-sparse-rest", help="Decode: the blocks not picked also count, "
-        "each by its mass estimated from the key sketch and its mean value (needs "
-        "--sparse-probe sketch).", show_default="no", rich_help_panel=_MODEL)] = None
+        "at 4 bits: each by its mass estimated from the key sketch and its values' sketch "
+        "(needs --sparse-probe sketch).", show_default="no", rich_help_panel=_MODEL)] = None
     sparse_prefill: Annotated[Optional[bool], typer.Option(
         "--sparse-prefill/--exact-prefill", help="Sparse or exact prompt attention "
         "(decode is sparse either way).", show_default="sparse", rich_help_panel=_MODEL)] = None

@@ -653,13 +653,13 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             raise ValueError(f"attention: the sketch probe needs an even head_dim <= "
                              f"{SKETCH_HD_MAX}, got {head_dim}")
         _array(bounds, "bounds", np.uint8)
-        _shape(bounds, "bounds", (n_kv_heads, int(bound_cap), head_dim // 2, kv_bs))
+        _shape(bounds, "bounds", (n_kv_heads, int(bound_cap), head_dim, kv_bs))
         if k_ptrs.shape[0] > bound_cap:
             raise ValueError(f"bounds: {bound_cap} blocks, the cache has {k_ptrs.shape[0]}")
         if bound_scales is None:
             raise ValueError("bound_scales: required with the sketch probe")
         _array(bound_scales, "bound_scales", np.float32)
-        _shape(bound_scales, "bound_scales", (n_kv_heads, int(bound_cap), kv_bs + head_dim))
+        _shape(bound_scales, "bound_scales", (n_kv_heads, int(bound_cap), 2 * kv_bs))
         bounds, bound_scales = bounds.reshape(-1), bound_scales.reshape(-1)
     elif bounds is not None:
         bt = np.int8 if kv_q8 else np.float32
@@ -699,18 +699,18 @@ REST = _lib.REST             # sparse_opts bit: decode also counts the blocks no
 def sketch_update(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int, head_dim: int,
                   r0: int, r1: int, sketch: np.ndarray, scales: np.ndarray,
                   block: int) -> None:
-    """Sketch rows r0..r1-1 of the K block at address k_block (KV_BLOCK tokens, just
-    written) at 4 bits for the sketch probe: per token and kv head S = max|k| / 7 into
-    scales[:, block, :KV_BLOCK] (scales: (n_kv_heads, cap, KV_BLOCK + head_dim)) and the
-    nibbles rint(k / S) + 8 into sketch (n_kv_heads, cap, head_dim // 2, KV_BLOCK) uint8,
-    byte [j, t] = dim j | dim j + hd/2 << 4 of token t (dimension-major per block); the mean of rows 0..r1-1 of the V block at v_block
-    into scales[:, block, KV_BLOCK:] (attn_kv.h ka_sketch_update; from the values the
-    cache holds)."""
+    """Sketch rows r0..r1-1 of the K and V blocks at addresses k_block and v_block
+    (KV_BLOCK tokens, just written) at 4 bits: per token and kv head S = max|x| / 7 into
+    scales (n_kv_heads, cap, 2 * KV_BLOCK) (keys' [:KV_BLOCK], values' [KV_BLOCK:]) and
+    the nibbles rint(x / S) + 8 into sketch (n_kv_heads, cap, head_dim, KV_BLOCK) uint8,
+    rows [:head_dim // 2] the keys', [head_dim // 2:] the values': byte [j, t] = dim j |
+    dim j + hd/2 << 4 of token t (dimension-major per block) (attn_kv.h ka_sketch_update;
+    from the values the cache holds)."""
     _array(sketch, "sketch", np.uint8, 4, writable=True)
     _array(scales, "scales", np.float32, 3, writable=True)
     cap = sketch.shape[1]
-    _shape(sketch, "sketch", (n_kv_heads, cap, head_dim // 2, KV_BLOCK))
-    _shape(scales, "scales", (n_kv_heads, cap, KV_BLOCK + head_dim))
+    _shape(sketch, "sketch", (n_kv_heads, cap, head_dim, KV_BLOCK))
+    _shape(scales, "scales", (n_kv_heads, cap, 2 * KV_BLOCK))
     _lib.sketch_update(int(k_block), int(v_block), kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1,
                        sketch.reshape(-1), scales.reshape(-1), cap, block)
 
@@ -732,9 +732,9 @@ def sketch_scores(q: np.ndarray, sketch: np.ndarray, scales: np.ndarray, kh: int
     _array(q, "q", np.float32, 1)
     _array(sketch, "sketch", np.uint8, 4)
     _array(scales, "scales", np.float32, 3)
-    n_kv, cap, h2, bs = sketch.shape
+    n_kv, cap, hd, bs = sketch.shape
     out = np.empty(-(-int(n_ctx) // bs), np.float32)
-    _lib.sketch_scores(q, sketch.reshape(-1), scales.reshape(-1), bs, n_kv, 2 * h2, cap, kh,
+    _lib.sketch_scores(q, sketch.reshape(-1), scales.reshape(-1), bs, n_kv, hd, cap, kh,
                        float(scale), int(n_ctx), out)
     return out
 

@@ -65,9 +65,10 @@ class CacheSpec:
             window); 0: of all its rows.
         sparse_recent: the last R blocks (0..63) are attended besides the k picks.
         sparse_importance: False: no importance picks (step 2), all k by probes.
-        sparse_rest: decode rows also count the blocks not picked, each as one pseudo-token
-            of score its sketch probe (estimated log-mass) and value the block's mean value
-            (needs sparse_probe "sketch"; prefill rows attend their picks only).
+        sparse_rest: decode rows also count the blocks not picked, at 4 bits: each as one
+            pseudo-token of score its sketch probe (estimated log-mass) and value its
+            sketched values weighted by its tokens' sketched shares (needs sparse_probe
+            "sketch"; prefill rows attend their picks only).
     """
     dtype: str = "f32"
     sparse_k: int = 0
@@ -172,9 +173,9 @@ class KVCache:
         self.dense = frozenset(spec.sparse_dense)
         # bound probe: per layer, kv head and block the max then min of K (int8 with an
         # int8 cache, float32 otherwise), kept up to date by write(); sketch probe, in the
-        # same arrays: per layer, kv head and token the key at 4 bits (uint8 (n_kv, cap,
-        # head_dim / 2, KV_BLOCK): dimension-major per block) and its scale, then per block the mean value (float32
-        # (n_kv, cap, KV_BLOCK + head_dim))
+        # same arrays: per layer, kv head and token the key and the value at 4 bits (uint8
+        # (n_kv, cap, head_dim, KV_BLOCK): per block hd/2 key rows then hd/2 value rows,
+        # dimension-major) and their scales (float32 (n_kv, cap, 2 * KV_BLOCK))
         self.sketch = spec.sparse_k > 0 and spec.sparse_probe == "sketch"
         self.sparse_opts, self.sparse_width = self._opts(spec), spec.sparse_width
         self.bounds = self.bound_scales = None
@@ -196,9 +197,8 @@ class KVCache:
             if head_dim % 2 or head_dim > K.SKETCH_HD_MAX:
                 raise KestrelError(f"the sketch probe needs an even head_dim <= "
                                    f"{K.SKETCH_HD_MAX}, got {head_dim}")
-            self.bounds = np.zeros((n_layers, n_kv_heads, cap, head_dim // 2, KV_BLOCK),
-                                   np.uint8)
-            self.bound_scales = np.zeros((n_layers, n_kv_heads, cap, KV_BLOCK + head_dim),
+            self.bounds = np.zeros((n_layers, n_kv_heads, cap, head_dim, KV_BLOCK), np.uint8)
+            self.bound_scales = np.zeros((n_layers, n_kv_heads, cap, 2 * KV_BLOCK),
                                          np.float32)
             for layer in range(n_layers):
                 self._bnd[layer] = self.bounds[layer].reshape(-1)
@@ -405,8 +405,9 @@ class KVCache:
             del self.v_blocks[layer][keep:]
             self.k_ptrs[layer, keep:] = 0
             self.v_ptrs[layer, keep:] = 0
-        if self.bounds is not None and self.offset % KV_BLOCK:
+        if self.bounds is not None and not self.sketch and self.offset % KV_BLOCK:
             for layer in range(self.n_layers):       # the kept rows of the last block only
+                # (a bound folds rows together; a sketch's rows are independent)
                 self._update_bounds(layer, keep - 1, 0, self.offset % KV_BLOCK)
         self.importance[:, self.offset:self._imp_end] = 0
         self._imp_end = self.offset

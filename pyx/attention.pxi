@@ -305,23 +305,22 @@ def bounds_update(uint64_t k_block, int kv_kind, Py_ssize_t kv_bs, Py_ssize_t n_
 
 def sketch_update(uint64_t k_block, uint64_t v_block, int kv_kind, Py_ssize_t kv_bs,
                   Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t r0, Py_ssize_t r1,
-                  uint8_t[::1] sketch,         # IN/OUT (n_kv, cap, hd / 2, kv_bs) one layer's
-                  float[::1] scales,           # IN/OUT (n_kv, cap, kv_bs + hd) their scales,
-                                               #     then each block's mean value
+                  uint8_t[::1] sketch,         # IN/OUT (n_kv, cap, hd, kv_bs) one layer's
+                                               #     key rows then value rows per block
+                  float[::1] scales,           # IN/OUT (n_kv, cap, 2 * kv_bs) their scales
                   Py_ssize_t cap, Py_ssize_t block):
-    """Sketch rows r0..r1-1 of K block `block` (address k_block), just written, at 4 bits,
-    and the mean of rows 0..r1-1 of its V block (v_block) (attn_kv.h ka_sketch_update)."""
+    """Sketch rows r0..r1-1 of K and V block `block` (addresses k_block, v_block), just
+    written, at 4 bits (attn_kv.h ka_sketch_update)."""
     if (head_dim > KA_SKHDMAX or head_dim % 2 or kv_bs != KA_SKBS
             or not (0 <= r0 < r1 <= kv_bs) or not (0 <= block < cap)):
         raise ValueError("sketch_update: bad geometry")
-    if (sketch.shape[0] < n_kv_heads * cap * kv_bs * (head_dim // 2)
-            or scales.shape[0] < n_kv_heads * cap * (kv_bs + head_dim)):
+    if (sketch.shape[0] < n_kv_heads * cap * kv_bs * head_dim
+            or scales.shape[0] < n_kv_heads * cap * 2 * kv_bs):
         raise ValueError("sketch_update: sketch too small")
     ka_sketch_update(<const uint8_t *> <uintptr_t> k_block, <const uint8_t *> <uintptr_t> v_block,
                      kv_kind, kv_bs, n_kv_heads,
-                     head_dim, r0, r1, &sketch[block * kv_bs * (head_dim // 2)],
-                     cap * kv_bs * (head_dim // 2), &scales[block * (kv_bs + head_dim)],
-                     cap * (kv_bs + head_dim))
+                     head_dim, r0, r1, &sketch[block * kv_bs * head_dim],
+                     cap * kv_bs * head_dim, &scales[block * 2 * kv_bs], cap * 2 * kv_bs)
 
 
 def sketch_scores(const float[::1] q, const uint8_t[::1] sketch, const float[::1] scales,
@@ -337,8 +336,8 @@ def sketch_scores(const float[::1] q, const uint8_t[::1] sketch, const float[::1
     if (q.shape[0] != head_dim or head_dim > KA_SKHDMAX or head_dim % 2 or n_blocks > cap
             or kv_bs != KA_SKBS or not 0 <= kh < n_kv_heads or n_blocks * kv_bs < n_ctx
             or (n_blocks - 1) * kv_bs >= n_ctx
-            or sketch.shape[0] < n_kv_heads * cap * kv_bs * (head_dim // 2)
-            or scales.shape[0] < n_kv_heads * cap * (kv_bs + head_dim)):
+            or sketch.shape[0] < n_kv_heads * cap * kv_bs * head_dim
+            or scales.shape[0] < n_kv_heads * cap * 2 * kv_bs):
         raise ValueError("sketch_scores: bad geometry")
     ka_kv_init(&kv, NULL, NULL, kv_bs, n_kv_heads, head_dim, KA_KV_F32)
     ka_kv_bounds(&kv, &sketch[0], &scales[0], cap)

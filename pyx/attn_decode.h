@@ -19,8 +19,8 @@
  * Every float sum runs in an order fixed by the block and part indices (KA_PB is a
  * constant), so no result depends on the thread count.
  * tab: part states (n_parts, n_heads, hd + 2), then the probes (n_heads, nb), then the
- * picked-block masks (n_heads, nb) bytes, then (sketch probe) each block's sketched mass
- * but its largest token's (n_heads, nb) (log; --sparse-rest). */
+ * picked-block masks (n_heads, nb) bytes, then (--sparse-rest) each block's token weights
+ * (n_heads, nb, KA_SKBS): share of the block's sketched mass times value scale. */
 #ifndef KESTREL_ATTN_DECODE_H
 #define KESTREL_ATTN_DECODE_H
 
@@ -47,10 +47,12 @@ KF_INLINE ptrdiff_t ka_decode_states(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t 
     return ka_decode_parts(nb) * n_heads * (hd + 2);
 }
 
-/* Floats of tab a decode over nb blocks needs. */
+/* Floats of tab a decode over nb blocks needs: the parts' states, the probes, the masks,
+ * then (KA_REST) the rest's token weights (n_heads, nb, KA_SKBS). */
 KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
 {
-    return ka_decode_states(nb, n_heads, hd) + 2 * n_heads * nb + (n_heads * nb + 3) / 4;
+    return ka_decode_states(nb, n_heads, hd) + n_heads * nb * (1 + KA_SKBS)
+           + (n_heads * nb + 3) / 4;
 }
 
 /* Phase P for query head h: its picks (pick order into sel + h * ka_ktot(k, sopt) when sel
@@ -207,15 +209,16 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         float *rest = tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb
                       + (n_heads * nb + 3) / 4;
         for (ptrdiff_t b = b0; b < b1; b++) {
-            float sb[KA_GMAX], tb[KA_GMAX];
+            float sb[KA_GMAX], wb[KA_GMAX * KA_SKBS];
             if (b + KA_SKPF < nb)
                 ka_sketch_prefetch(kv, kh, b + KA_SKPF);
             ka_sketch_heads(kv, qi, group, qs, qsum, cv, kh, b, n_ctx, sb,
-                            (sopt & KA_REST) ? tb : NULL);
+                            (sopt & KA_REST) ? wb : NULL);
             for (ptrdiff_t g = 0; g < group; g++) {
                 probe[(kh * group + g) * nb + b] = sb[g];
                 if (sopt & KA_REST)
-                    rest[(kh * group + g) * nb + b] = tb[g];
+                    memcpy(rest + ((kh * group + g) * nb + b) * KA_SKBS, wb + g * KA_SKBS,
+                           KA_SKBS * sizeof(float));
             }
         }
         return;
@@ -426,21 +429,24 @@ KF_INLINE void ka_decode_merge(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptr
 }
 
 /* Phase M with the rest (KA_REST, the sketch probe): head h's blocks not attended also
- * count, each as one pseudo-token of score the block's sketched log-mass but its largest
- * token's (phase A1 keeps it in the table after the masks) and value the block's mean
- * value (ka_sketch_update): the
- * exact softmax over the picks and this estimate of the other blocks in one
- * normalisation, folded in block order after the parts. */
+ * count, at 4 bits: each block as one pseudo-token of score its sketched log-mass (the
+ * probe) and value the sketched values weighted by its tokens' sketched shares (phase A1
+ * keeps the weights in the table after the masks: share times value scale), in one
+ * normalisation with the exact softmax over the picks, folded in block order after the
+ * parts. The picks stay exact; the rest, which the picks alone drop, is attention at 4
+ * bits (scripts/sparse_eval.py sim rest=v4s). */
 KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_heads,
                                     ptrdiff_t nb, int sopt, ka_ws *ws, const float *tab,
                                     float *out)
 {
-    const ptrdiff_t hd = kv->hd, bs = kv->bs, group = n_heads / kv->n_kv, kh = h / group;
+    enum { B = KA_SKBS };
+    const ptrdiff_t hd = kv->hd, h2 = hd / 2, group = n_heads / kv->n_kv, kh = h / group;
     const ptrdiff_t np = ka_decode_parts(nb), ld = n_heads * (hd + 2);
     const uint8_t *masks = (const uint8_t *)(tab + ka_decode_states(nb, n_heads, hd)
                                              + n_heads * nb);
-    const float *probe = tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb
-                         + (n_heads * nb + 3) / 4 + h * nb;
+    const float *probe = tab + ka_decode_states(nb, n_heads, hd) + h * nb;
+    const float *wt = tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb
+                      + (n_heads * nb + 3) / 4 + h * nb * B;
     const int own = KA_POOL(sopt) != KA_POOL_UNION;
     float m = -INFINITY, l = 0.0f, *acc = ws->acc, *o = out + h * hd;
     for (ptrdiff_t p = 0; p < np; p++)
@@ -465,10 +471,29 @@ KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_he
         if (att)
             continue;
         const float f = kf_expf(probe[b] - m);
-        const float *vm = kv->bsc + (kh * kv->bcap + b) * (bs + hd) + bs;
+        const float *w = wt + b * B;
+        const uint8_t *x = kv->bnd + (kh * kv->bcap + b) * B * hd + h2 * B;   /* value rows */
+        float wsum[8], pl[8], ph[8];
+        for (int k = 0; k < 8; k++)
+            wsum[k] = w[k];
+        for (int t = 8; t < B; t += 8)
+            for (int k = 0; k < 8; k++)
+                wsum[k] += w[t + k];
+        const float off = 8.0f * kf_hsum(wsum, 8);      /* the nibbles' +8, weighted */
         l += f;
-        for (ptrdiff_t d = 0; d < hd; d++)
-            acc[d] += vm[d] * f;
+        for (ptrdiff_t j = 0; j < h2; j++) {
+            for (int k = 0; k < 8; k++) {
+                pl[k] = w[k] * (float)(x[j * B + k] & 15);
+                ph[k] = w[k] * (float)(x[j * B + k] >> 4);
+            }
+            for (int t = 8; t < B; t += 8)
+                for (int k = 0; k < 8; k++) {
+                    pl[k] += w[t + k] * (float)(x[j * B + t + k] & 15);
+                    ph[k] += w[t + k] * (float)(x[j * B + t + k] >> 4);
+                }
+            acc[j] += (kf_hsum(pl, 8) - off) * f;
+            acc[j + h2] += (kf_hsum(ph, 8) - off) * f;
+        }
     }
     const float inv = 1.0f / l;
     for (ptrdiff_t d = 0; d < hd; d++)

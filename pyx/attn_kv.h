@@ -42,9 +42,10 @@ typedef struct {
     const uint8_t *bnd;
     const float *bsc;
     ptrdiff_t bcap;           /* blocks per kv head in bnd */
-    /* sketch probe (ka_sketch; sketch 1): bnd holds instead (n_kv, bcap, hd / 2, bs)
-     * bytes, every key at 4 bits, and bsc per (kv head, block) bs + hd floats: the
-     * tokens' scales, then the block's mean value (ka_sketch_update) */
+    /* sketch probe (ka_sketch; sketch 1): bnd holds instead (n_kv, bcap, hd, bs) bytes,
+     * per block the hd/2 rows of its keys at 4 bits then the hd/2 rows of its values, and
+     * bsc per (kv head, block) 2 * bs floats: the keys' scales, then the values'
+     * (ka_sketch_update) */
     int sketch;
     float sk_scale;           /* the attention's softmax scale (the block mass needs it) */
     ptrdiff_t imp_from;       /* prefill: queries at positions below it record no
@@ -290,12 +291,29 @@ KF_INLINE float ka_blk_val(const uint8_t *blk, int kind, ptrdiff_t bs, ptrdiff_t
     return ((const float *)blk)[t * ld + h * hd + d];
 }
 
-/* Sketch rows r0 .. r1 - 1 of one K block just written (kind: KA_KV_*; bs == KA_SKBS)
- * from the values the cache holds, and recompute the block's mean value over rows
- * 0 .. r1 - 1 of its V block vblk (in row order, so no result depends on how the rows
- * were split between writes). skt: the block's (hd/2, bs) bytes of kv head 0, kv heads
- * `bstride` bytes apart; ssc: its bs scales then hd mean values, kv heads `sstride`
- * floats apart. A trim redoes the kept rows of its last block (the mean). */
+/* The 4-bit sketch of one row x (hd values): nibbles out[j * bs] = u[j] | u[j + hd/2] << 4
+ * (u = clip(rint(x / S), -7, 7) + 8); returns S = max|x| / 7. */
+KF_INLINE float ka_sketch_row(const float *x, ptrdiff_t hd, ptrdiff_t bs, uint8_t *out)
+{
+    const ptrdiff_t h2 = hd / 2;
+    float m = 0.0f;
+    for (ptrdiff_t d = 0; d < hd; d++)
+        m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
+    const float inv = m > 0.0f ? 7.0f / m : 0.0f;
+    for (ptrdiff_t j = 0; j < h2; j++) {
+        float a = kf_rint(x[j] * inv), b = kf_rint(x[j + h2] * inv);
+        a = a > 7.0f ? 7.0f : (a < -7.0f ? -7.0f : a);
+        b = b > 7.0f ? 7.0f : (b < -7.0f ? -7.0f : b);
+        out[j * bs] = (uint8_t)((int)a + 8) | (uint8_t)(((int)b + 8) << 4);
+    }
+    return m / 7.0f;
+}
+
+/* Sketch rows r0 .. r1 - 1 of one block just written (kind: KA_KV_*; bs == KA_SKBS): its
+ * keys (blk) and values (vblk) at 4 bits, from the values the cache holds. skt: the
+ * block's (hd, bs) bytes of kv head 0 (key rows, then value rows), kv heads `bstride`
+ * bytes apart; ssc: its bs key scales then bs value scales, kv heads `sstride` floats
+ * apart. Rows are independent: a trim leaves nothing to redo. */
 static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind,
                                     ptrdiff_t bs, ptrdiff_t n_kv, ptrdiff_t hd, ptrdiff_t r0,
                                     ptrdiff_t r1, uint8_t *skt, ptrdiff_t bstride, float *ssc,
@@ -303,34 +321,15 @@ static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int
 {
     const ptrdiff_t ld = n_kv * hd, h2 = hd / 2;
     float x[KA_HDMAX];
-    for (ptrdiff_t h = 0; h < n_kv; h++) {
-        float *vm = ssc + h * sstride + bs;
-        for (ptrdiff_t d = 0; d < hd; d++)
-            vm[d] = 0.0f;
-        for (ptrdiff_t t = 0; t < r1; t++)
-            for (ptrdiff_t d = 0; d < hd; d++)
-                vm[d] += ka_blk_val(vblk, kind, bs, ld, hd, h, t, d);
-        for (ptrdiff_t d = 0; d < hd; d++)
-            vm[d] /= (float)r1;
-    }
     for (ptrdiff_t h = 0; h < n_kv; h++)
-        for (ptrdiff_t t = r0; t < r1; t++) {
-            float m = 0.0f;
-            for (ptrdiff_t d = 0; d < hd; d++) {
-                float v = ka_blk_val(blk, kind, bs, ld, hd, h, t, d);
-                x[d] = v;
-                m = fabsf(v) > m ? fabsf(v) : m;
+        for (ptrdiff_t t = r0; t < r1; t++)
+            for (int part = 0; part < 2; part++) {
+                const uint8_t *src = part ? vblk : blk;
+                for (ptrdiff_t d = 0; d < hd; d++)
+                    x[d] = ka_blk_val(src, kind, bs, ld, hd, h, t, d);
+                ssc[h * sstride + part * bs + t] =
+                    ka_sketch_row(x, hd, bs, skt + h * bstride + part * h2 * bs + t);
             }
-            const float inv = m > 0.0f ? 7.0f / m : 0.0f;
-            uint8_t *out = skt + h * bstride + t;
-            for (ptrdiff_t j = 0; j < h2; j++) {
-                float a = kf_rint(x[j] * inv), b = kf_rint(x[j + h2] * inv);
-                a = a > 7.0f ? 7.0f : (a < -7.0f ? -7.0f : a);
-                b = b > 7.0f ? 7.0f : (b < -7.0f ? -7.0f : b);
-                out[j * bs] = (uint8_t)((int)a + 8) | (uint8_t)(((int)b + 8) << 4);
-            }
-            ssc[h * sstride + t] = m / 7.0f;
-        }
 }
 
 /* The query for the sketch: qi = rint(q / Sq) at int8, Sq = max|q| / 127, in the nibbles'
@@ -489,18 +488,19 @@ KF_TARGET_AVX512 static void ka_sketch_dots_avx512(const uint8_t *restrict x, pt
 
 /* Sketch scores of block b (tokens t < n_ctx) of kv head kh for ng int8 queries qi
  * (ng x hd, from ka_sketch_query: qs, qsum, cv): out[g] for g < ng (ka_sketch_dots, then
- * a log-sum-exp per query). */
+ * a log-sum-exp per query); w (or NULL): (ng, KA_SKBS) each token's share of its block's
+ * sketched mass times its value's sketch scale (ka_sketch_rest's weights). */
 KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdiff_t ng,
                                const float *qs, const int32_t *qsum, const float *cv,
                                ptrdiff_t kh,
                                ptrdiff_t b, ptrdiff_t n_ctx, float *restrict out,
-                               float *restrict top)
+                               float *restrict w)
 {
     enum { B = KA_SKBS };
     const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
     const ptrdiff_t len = n_ctx - b * B < B ? n_ctx - b * B : B;
-    const uint8_t *x = kv->bnd + i * B * h2;
-    const float *sc = kv->bsc + i * (B + 2 * h2);
+    const uint8_t *x = kv->bnd + i * B * 2 * h2;
+    const float *sc = kv->bsc + i * 2 * B;
     int32_t acc[KA_SKGMAX][B];
 #if KF_X86_DISPATCH
     if (kv->x86v3 && kf_isa >= KF_ISA_AVX512 && h2 % 2 == 0)
@@ -537,8 +537,11 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
         for (int k = 1; k < 8; k++)
             l += ps[k];
         out[g] = mx + logf(l);
-        if (top != NULL)                 /* the block's mass but its largest token's */
-            top[g] = l > 1.0f ? mx + logf(l - 1.0f) : -INFINITY;
+        if (w != NULL) {                 /* the tokens' shares times their value scales */
+            const float inv = 1.0f / l;
+            for (int t = 0; t < B; t++)
+                w[g * B + t] = e[t] * inv * sc[B + t];
+        }
     }
 }
 
@@ -551,11 +554,11 @@ KF_INLINE void ka_sketch_prefetch(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b)
 {
 #if defined(__GNUC__) || defined(__clang__)
     const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
-    const uint8_t *x = kv->bnd + i * KA_SKBS * h2;
-    for (ptrdiff_t c = 0; c < KA_SKBS * h2; c += 64)
+    const uint8_t *x = kv->bnd + i * KA_SKBS * 2 * h2;
+    for (ptrdiff_t c = 0; c < KA_SKBS * h2; c += 64)         /* the key rows */
         __builtin_prefetch(x + c, 0, 3);
-    __builtin_prefetch(kv->bsc + i * (KA_SKBS + 2 * h2), 0, 3);
-    __builtin_prefetch(kv->bsc + i * (KA_SKBS + 2 * h2) + 16, 0, 3);
+    __builtin_prefetch(kv->bsc + i * 2 * KA_SKBS, 0, 3);
+    __builtin_prefetch(kv->bsc + i * 2 * KA_SKBS + 16, 0, 3);
 #else
     (void)kv; (void)kh; (void)b;
 #endif

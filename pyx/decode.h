@@ -247,10 +247,10 @@ static void kd_qkv_post(kd_step *S, int l, ka_kv *kv)
     const int sketch = (S->sopt & KA_SKETCH) != 0;
     if (S->bnds[l] != 0 && sketch)
         ka_sketch_update(kb, vb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
-                         (uint8_t *)(uintptr_t)S->bnds[l] + b * S->kv_bs * h2,
-                         S->bcap * S->kv_bs * h2,
-                         (float *)(uintptr_t)S->bscs[l] + b * (S->kv_bs + hd),
-                         S->bcap * (S->kv_bs + hd));
+                         (uint8_t *)(uintptr_t)S->bnds[l] + b * S->kv_bs * 2 * h2,
+                         S->bcap * S->kv_bs * 2 * h2,
+                         (float *)(uintptr_t)S->bscs[l] + b * 2 * S->kv_bs,
+                         S->bcap * 2 * S->kv_bs);
     else if (S->bnds[l] != 0)
         ka_bounds_update(kb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
                          (uint8_t *)(uintptr_t)S->bnds[l] + b * 2 * hd * es, S->bcap * 2 * hd,

@@ -105,13 +105,13 @@ def test_sketch_kept_up_to_date_and_scores_match_numpy(dtype):
     for kh in range(N_KV):
         keys = c.keys(0)[:, kh * HD:(kh + 1) * HD]
         packed, sc = key_sketch(keys)
-        assert np.array_equal(c.bounds[0, kh].transpose(0, 2, 1).reshape(-1, HD // 2)[:n],
-                              packed)
+        sk = c.bounds[0, kh].transpose(0, 2, 1)           # (cap, BS, HD): key rows, value rows
+        assert np.array_equal(sk[:, :, :HD // 2].reshape(-1, HD // 2)[:n], packed)
         assert np.array_equal(c.bound_scales[0, kh, :, :BS].reshape(-1)[:n], sc)
         vals = c.values(0)[:, kh * HD:(kh + 1) * HD]
-        for b in range(nb):                             # each block's mean value
-            np.testing.assert_allclose(c.bound_scales[0, kh, b, BS:],
-                                       vals[b * BS:(b + 1) * BS].mean(axis=0), rtol=1e-5, atol=1e-6)
+        vpacked, vsc = key_sketch(vals)                   # the values, sketched alike
+        assert np.array_equal(sk[:, :, HD // 2:].reshape(-1, HD // 2)[:n], vpacked)
+        assert np.array_equal(c.bound_scales[0, kh, :, BS:].reshape(-1)[:n], vsc)
         # the nibbles decode to the key within half a step
         u = np.concatenate([packed & 15, packed >> 4], axis=1).astype(np.float32) - 8
         assert np.all(np.abs(u * sc[:, None] - keys) <= sc[:, None] * 0.5001 + 1e-7)
@@ -479,9 +479,9 @@ def test_recent_and_importance_flags():
 @pytest.mark.parametrize("dtype", ["f32", "q8"])
 def test_rest_decode_matches_numpy(group, dtype, isa):
     """--sparse-rest: a decode head's output is the softmax over its picks' exact scores
-    and, for each block it does not attend, one pseudo-token (the block's sketch mass
-    but its largest token's, the block's mean value), in one normalisation; without the
-    option the picks alone."""
+    and, for each block it does not attend, one pseudo-token (the block's sketch mass; its
+    sketched values weighted by its tokens' sketched shares), in one normalisation: the
+    blocks not picked at 4 bits; without the option the picks alone."""
     rng = np.random.default_rng(23)
     kw = dict(sparse_k=3, sparse_probe="sketch", sparse_group=group, sparse_sink="out",
               sparse_importance=False)
@@ -510,9 +510,13 @@ def test_rest_decode_matches_numpy(group, dtype, isa):
         st = sketch_token_scores(q[0, h * HD:(h + 1) * HD], packed, scs, c.scale)
         st = np.concatenate([st, np.full(nb * BS - n, -np.inf, np.float32)]).reshape(nb, BS)
         top = st.max(axis=1).astype(np.float64)
-        left = np.exp(st - top[:, None]).sum(axis=1) - 1      # the block's mass but its top
-        lse = np.where(left > 0, top + np.log(np.maximum(left, 1e-300)), -np.inf)
-        vm = c.bound_scales[0, kh, :nb, BS:].astype(np.float64)
+        lse = top + np.log(np.exp(st - top[:, None]).sum(axis=1))   # the block's mass
+        share = np.exp(st - lse[:, None]).reshape(-1)[:n]          # of its tokens
+        vp, vsc = key_sketch(V_.astype(np.float32))
+        vd = (np.concatenate([vp & 15, vp >> 4], axis=1).astype(np.float64) - 8) * vsc[:, None]
+        vb = np.zeros((nb * BS, HD))
+        vb[:n] = share[:, None] * vd
+        vm = vb.reshape(nb, BS, HD).sum(axis=1)                     # the block at 4 bits
         m = max(s[tok].max(), lse[~att].max())
         e = np.exp(s[tok] - m)
         w = np.exp(lse[~att] - m)
