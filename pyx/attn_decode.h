@@ -19,8 +19,8 @@
  * Every float sum runs in an order fixed by the block and part indices (KA_PB is a
  * constant), so no result depends on the thread count.
  * tab: part states (n_parts, n_heads, hd + 2), then the probes (n_heads, nb), then the
- * picked-block masks (n_heads, nb) bytes, then (--sparse-rest) each block's token weights
- * (n_heads, nb, KA_SKBS): share of the block's sketched mass times value scale. */
+ * picked-block masks (n_heads, nb) bytes, then (--sparse-rest) each block's rest weights
+ * (n_heads, nb, KA_RESTW floats: ka_rest_weights). */
 #ifndef KESTREL_ATTN_DECODE_H
 #define KESTREL_ATTN_DECODE_H
 
@@ -51,7 +51,7 @@ KF_INLINE ptrdiff_t ka_decode_states(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t 
  * then (KA_REST) the rest's token weights (n_heads, nb, KA_SKBS). */
 KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
 {
-    return ka_decode_states(nb, n_heads, hd) + n_heads * nb * (1 + KA_SKBS)
+    return ka_decode_states(nb, n_heads, hd) + n_heads * nb * (1 + KA_RESTW)
            + (n_heads * nb + 3) / 4;
 }
 
@@ -209,7 +209,7 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         float *rest = tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb
                       + (n_heads * nb + 3) / 4;
         for (ptrdiff_t b = b0; b < b1; b++) {
-            float sb[KA_GMAX], wb[KA_GMAX * KA_SKBS];
+            float sb[KA_GMAX], wb[KA_GMAX * KA_RESTW];
             if (b + KA_SKPF < nb)
                 ka_sketch_prefetch(kv, kh, b + KA_SKPF);
             ka_sketch_heads(kv, qi, group, qs, qsum, cv, kh, b, n_ctx, sb,
@@ -217,8 +217,8 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
             for (ptrdiff_t g = 0; g < group; g++) {
                 probe[(kh * group + g) * nb + b] = sb[g];
                 if (sopt & KA_REST)
-                    memcpy(rest + ((kh * group + g) * nb + b) * KA_SKBS, wb + g * KA_SKBS,
-                           KA_SKBS * sizeof(float));
+                    memcpy(rest + ((kh * group + g) * nb + b) * KA_RESTW, wb + g * KA_RESTW,
+                           KA_RESTW * sizeof(float));
             }
         }
         return;
@@ -431,7 +431,7 @@ KF_INLINE void ka_decode_merge(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptr
 /* Phase M with the rest (KA_REST, the sketch probe): head h's blocks not attended also
  * count, at 4 bits: each block as one pseudo-token of score its sketched log-mass (the
  * probe) and value the sketched values weighted by its tokens' sketched shares (phase A1
- * keeps the weights in the table after the masks: share times value scale), in one
+ * keeps the weights in the table after the masks, at 7 bits: ka_rest_weights), in one
  * normalisation with the exact softmax over the picks, folded in block order after the
  * parts. The picks stay exact; the rest, which the picks alone drop, is attention at 4
  * bits (scripts/sparse_eval.py sim rest=v4s). */
@@ -446,7 +446,7 @@ KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_he
                                              + n_heads * nb);
     const float *probe = tab + ka_decode_states(nb, n_heads, hd) + h * nb;
     const float *wt = tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb
-                      + (n_heads * nb + 3) / 4 + h * nb * B;
+                      + (n_heads * nb + 3) / 4 + h * nb * KA_RESTW;
     const int own = KA_POOL(sopt) != KA_POOL_UNION;
     float m = -INFINITY, l = 0.0f, *acc = ws->acc, *o = out + h * hd;
     for (ptrdiff_t p = 0; p < np; p++)
@@ -466,33 +466,29 @@ KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_he
         for (ptrdiff_t d = 0; d < hd; d++)
             acc[d] += st[2 + d] * f;
     }
+    int32_t lo[KA_SKHDMAX / 2], hi[KA_SKHDMAX / 2];
     for (ptrdiff_t b = 0; b < nb; b++) {
         const int att = own ? masks[h * nb + b] : ka_read(masks + kh * group * nb, group, nb, b);
         if (att)
             continue;
         const float f = kf_expf(probe[b] - m);
-        const float *w = wt + b * B;
+        const float *w = wt + b * KA_RESTW;
+        const int8_t *w8 = (const int8_t *)w;
         const uint8_t *x = kv->bnd + (kh * kv->bcap + b) * B * hd + h2 * B;   /* value rows */
-        float wsum[8], pl[8], ph[8];
-        for (int k = 0; k < 8; k++)
-            wsum[k] = w[k];
-        for (int t = 8; t < B; t += 8)
-            for (int k = 0; k < 8; k++)
-                wsum[k] += w[t + k];
-        const float off = 8.0f * kf_hsum(wsum, 8);      /* the nibbles' +8, weighted */
+        int32_t sw = 0;
+        for (int t = 0; t < B; t++)
+            sw += w8[t];
+#if KF_X86_DISPATCH
+        if (kf_isa >= KF_ISA_AVX2)     /* phase M runs outside the variants' entries */
+            ka_rest_dots_avx2(x, h2, w8, lo, hi);
+        else
+#endif
+            ka_rest_dots(x, h2, w8, lo, hi);
+        const float fs = f * w[8];
         l += f;
         for (ptrdiff_t j = 0; j < h2; j++) {
-            for (int k = 0; k < 8; k++) {
-                pl[k] = w[k] * (float)(x[j * B + k] & 15);
-                ph[k] = w[k] * (float)(x[j * B + k] >> 4);
-            }
-            for (int t = 8; t < B; t += 8)
-                for (int k = 0; k < 8; k++) {
-                    pl[k] += w[t + k] * (float)(x[j * B + t + k] & 15);
-                    ph[k] += w[t + k] * (float)(x[j * B + t + k] >> 4);
-                }
-            acc[j] += (kf_hsum(pl, 8) - off) * f;
-            acc[j + h2] += (kf_hsum(ph, 8) - off) * f;
+            acc[j] += (float)(lo[j] - 8 * sw) * fs;
+            acc[j + h2] += (float)(hi[j] - 8 * sw) * fs;
         }
     }
     const float inv = 1.0f / l;

@@ -486,10 +486,96 @@ KF_TARGET_AVX512 static void ka_sketch_dots_avx512(const uint8_t *restrict x, pt
 }
 #endif
 
+/* The rest's weights of one block for one query (--sparse-rest: the block counted at 4
+ * bits, attn_decode.h ka_decode_merge_rest): w_t = e_t * inv * vs_t (each token's share
+ * of the block's sketched mass times its value's sketch scale) at 7 bits, w8_t =
+ * rint(127 w_t / max w), in the first KA_SKBS bytes of out, and max w / 127 in out[8]:
+ * so the block's sketched value is out[8] * (sum_t w8_t u_t - 8 sum_t w8_t), integer dots
+ * over the value nibbles u. */
+#define KA_RESTW 9       /* floats per (head, block): 32 bytes of weights, their scale */
+KF_INLINE void ka_rest_weights(const float *e, float inv, const float *vs, float *out)
+{
+    enum { B = KA_SKBS };
+    float w[B], pm[8];
+    for (int t = 0; t < B; t++)
+        w[t] = e[t] * inv * vs[t];
+    for (int k = 0; k < 8; k++)
+        pm[k] = w[k];
+    for (int t = 8; t < B; t += 8)
+        for (int k = 0; k < 8; k++)
+            pm[k] = w[t + k] > pm[k] ? w[t + k] : pm[k];
+    float mx = pm[0];
+    for (int k = 1; k < 8; k++)
+        mx = pm[k] > mx ? pm[k] : mx;
+    const float f = mx > 0.0f ? 127.0f / mx : 0.0f;
+    int8_t w8[B];
+    for (int t = 0; t < B; t++)
+        w8[t] = (int8_t)kf_rint(w[t] * f);
+    memcpy(out, w8, B);
+    out[8] = mx / 127.0f;
+}
+
+/* The rest's integer dots of one block's value rows x (hd/2 rows of KA_SKBS bytes, the
+ * nibbles u): lo[j] = sum_t w8_t (u_t of dim j), hi[j] = the same of dim j + hd/2. */
+KF_INLINE void ka_rest_dots(const uint8_t *restrict x, ptrdiff_t h2, const int8_t *restrict w8,
+                            int32_t *restrict lo, int32_t *restrict hi)
+{
+    for (ptrdiff_t j = 0; j < h2; j++) {
+        int32_t sl = 0, sh = 0;
+        for (int t = 0; t < KA_SKBS; t++) {
+            sl += (int32_t)w8[t] * (x[j * KA_SKBS + t] & 15);
+            sh += (int32_t)w8[t] * (x[j * KA_SKBS + t] >> 4);
+        }
+        lo[j] = sl;
+        hi[j] = sh;
+    }
+}
+
+#if KF_X86_DISPATCH
+/* ka_rest_dots where the CPU runs the avx2 variant (kf_isa): per row one vpmaddubsw (nibbles x 7-bit weights,
+ * token pairs in 16 bits) and one vpmaddwd into 8 partial sums, 8 rows' partials reduced
+ * together by horizontal adds: the same integers. */
+KF_TARGET_AVX2 static void ka_rest_dots_avx2(const uint8_t *restrict x, ptrdiff_t h2,
+                                                    const int8_t *restrict w8,
+                                                    int32_t *restrict lo, int32_t *restrict hi)
+{
+    const __m256i w = _mm256_loadu_si256((const __m256i *)w8);
+    const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (ptrdiff_t j0 = 0; j0 < h2; j0 += 8) {
+        __m256i sl[8], sh[8];
+        for (int r = 0; r < 8; r++) {
+            if (j0 + r >= h2) {
+                sl[r] = sh[r] = _mm256_setzero_si256();
+                continue;
+            }
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(x + (j0 + r) * KA_SKBS));
+            const __m256i l4 = _mm256_and_si256(b, m15);
+            const __m256i h4 = _mm256_and_si256(_mm256_srli_epi16(b, 4), m15);
+            sl[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(l4, w), ones);
+            sh[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(h4, w), ones);
+        }
+        int32_t ol[8], oh[8];
+        for (int part = 0; part < 2; part++) {
+            __m256i *s8 = part ? sh : sl;
+            const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s8[0], s8[1]),
+                                                 _mm256_hadd_epi32(s8[2], s8[3]));
+            const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s8[4], s8[5]),
+                                                 _mm256_hadd_epi32(s8[6], s8[7]));
+            const __m256i v = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
+                                               _mm256_permute2x128_si256(u0, u1, 0x31));
+            _mm256_storeu_si256((__m256i *)(part ? oh : ol), v);
+        }
+        const ptrdiff_t n = h2 - j0 < 8 ? h2 - j0 : 8;
+        memcpy(lo + j0, ol, (size_t)n * sizeof(int32_t));
+        memcpy(hi + j0, oh, (size_t)n * sizeof(int32_t));
+    }
+}
+#endif
+
 /* Sketch scores of block b (tokens t < n_ctx) of kv head kh for ng int8 queries qi
  * (ng x hd, from ka_sketch_query: qs, qsum, cv): out[g] for g < ng (ka_sketch_dots, then
- * a log-sum-exp per query); w (or NULL): (ng, KA_SKBS) each token's share of its block's
- * sketched mass times its value's sketch scale (ka_sketch_rest's weights). */
+ * a log-sum-exp per query); w (or NULL): per query KA_RESTW floats, the block's rest
+ * weights (ka_rest_weights). */
 KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdiff_t ng,
                                const float *qs, const int32_t *qsum, const float *cv,
                                ptrdiff_t kh,
@@ -537,11 +623,8 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
         for (int k = 1; k < 8; k++)
             l += ps[k];
         out[g] = mx + logf(l);
-        if (w != NULL) {                 /* the tokens' shares times their value scales */
-            const float inv = 1.0f / l;
-            for (int t = 0; t < B; t++)
-                w[g * B + t] = e[t] * inv * sc[B + t];
-        }
+        if (w != NULL)                   /* the tokens' shares times their value scales */
+            ka_rest_weights(e, 1.0f / l, sc + B, w + g * KA_RESTW);
     }
 }
 

@@ -511,12 +511,15 @@ def test_rest_decode_matches_numpy(group, dtype, isa):
         st = np.concatenate([st, np.full(nb * BS - n, -np.inf, np.float32)]).reshape(nb, BS)
         top = st.max(axis=1).astype(np.float64)
         lse = top + np.log(np.exp(st - top[:, None]).sum(axis=1))   # the block's mass
-        share = np.exp(st - lse[:, None]).reshape(-1)[:n]          # of its tokens
         vp, vsc = key_sketch(V_.astype(np.float32))
-        vd = (np.concatenate([vp & 15, vp >> 4], axis=1).astype(np.float64) - 8) * vsc[:, None]
-        vb = np.zeros((nb * BS, HD))
-        vb[:n] = share[:, None] * vd
-        vm = vb.reshape(nb, BS, HD).sum(axis=1)                     # the block at 4 bits
+        wv = np.zeros(nb * BS)
+        wv[:n] = np.exp(st - lse[:, None]).reshape(-1)[:n] * vsc   # share x value scale
+        wv = wv.reshape(nb, BS)
+        wmax = wv.max(axis=1, keepdims=True)
+        w8 = np.rint(wv * 127 / wmax)                               # at 7 bits, per block
+        u = np.zeros((nb * BS, HD))
+        u[:n] = np.concatenate([vp & 15, vp >> 4], axis=1).astype(np.float64) - 8
+        vm = np.einsum("bt,btd->bd", w8, u.reshape(nb, BS, HD)) * wmax / 127   # at 4 bits
         m = max(s[tok].max(), lse[~att].max())
         e = np.exp(s[tok] - m)
         w = np.exp(lse[~att] - m)
