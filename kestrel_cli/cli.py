@@ -93,7 +93,8 @@ class EngineOptions:
     sparse_preset: Annotated[Optional[str], typer.Option(
         "--sparse-preset", help="Named sparse options, implies --sparse-attn: 'quality' = "
         "--exact-prefill --sparse-group union --no-sparse-importance --sparse-sink out "
-        "--sparse-recent 1 --sparse-probe sketch; 'seed' = none. Flags given override it.",
+        "--sparse-recent 1 --sparse-probe sketch --sparse-rest; 'seed' = none. Flags given "
+        "override it.",
         show_default="none", rich_help_panel=_MODEL)] = None
     sparse_sink: Annotated[Optional[str], typer.Option(
         "--sparse-sink", help="Always attend block 0: off, in (one of the k picks) or out "

@@ -435,6 +435,8 @@ KF_INLINE void ka_decode_merge(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptr
  * normalisation with the exact softmax over the picks, folded in block order after the
  * parts. The picks stay exact; the rest, which the picks alone drop, is attention at 4
  * bits (scripts/sparse_eval.py sim rest=v4s). */
+#define KA_REST_FLOOR -16.0f   /* rest blocks below e^-16 of the largest mass: skipped
+                               * (< 1.2e-7 each; most of a concentrated head's blocks) */
 KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_heads,
                                     ptrdiff_t nb, int sopt, ka_ws *ws, const float *tab,
                                     float *out)
@@ -469,7 +471,7 @@ KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_he
     int32_t lo[KA_SKHDMAX / 2], hi[KA_SKHDMAX / 2];
     for (ptrdiff_t b = 0; b < nb; b++) {
         const int att = own ? masks[h * nb + b] : ka_read(masks + kh * group * nb, group, nb, b);
-        if (att)
+        if (att || probe[b] - m < KA_REST_FLOOR)
             continue;
         const float f = kf_expf(probe[b] - m);
         const float *w = wt + b * KA_RESTW;

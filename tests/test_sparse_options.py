@@ -319,7 +319,8 @@ def test_presets_and_overrides():
     spec = LoadOptions(sparse_preset="quality").cache_spec
     assert spec.sparse_k == 32 and spec.sparse_group == "union" and not spec.sparse_prefill
     assert not spec.sparse_importance and spec.sparse_sink == "out" and spec.sparse_recent == 1
-    assert spec.sparse_probe == "sketch" and not spec.sparse_rest
+    assert spec.sparse_probe == "sketch" and spec.sparse_rest
+    assert not LoadOptions(sparse_preset="quality", sparse_rest=False).cache_spec.sparse_rest
     assert LoadOptions(sparse_preset="quality", sparse_recent=0,
                        sparse_importance=True).cache_spec.sparse_importance
     spec = LoadOptions(sparse_preset="quality", sparse_group="max", sparse_k=8).cache_spec
