@@ -486,6 +486,22 @@ KF_TARGET_AVX512 static void ka_sketch_dots_avx512(const uint8_t *restrict x, pt
 }
 #endif
 
+/* The largest of a block's KA_SKBS floats, 8 lanes at a time (a chain of 32 dependent
+ * maxes is slow). */
+KF_INLINE float ka_max_block(const float *x)
+{
+    float pm[8];
+    for (int k = 0; k < 8; k++)
+        pm[k] = x[k];
+    for (int t = 8; t < KA_SKBS; t += 8)
+        for (int k = 0; k < 8; k++)
+            pm[k] = x[t + k] > pm[k] ? x[t + k] : pm[k];
+    float mx = pm[0];
+    for (int k = 1; k < 8; k++)
+        mx = pm[k] > mx ? pm[k] : mx;
+    return mx;
+}
+
 /* The rest's weights of one block for one query (--sparse-rest: the block counted at 4
  * bits, attn_decode.h ka_decode_merge_rest): w_t = e_t * inv * vs_t (each token's share
  * of the block's sketched mass times its value's sketch scale) at 7 bits, w8_t =
@@ -496,17 +512,10 @@ KF_TARGET_AVX512 static void ka_sketch_dots_avx512(const uint8_t *restrict x, pt
 KF_INLINE void ka_rest_weights(const float *e, float inv, const float *vs, float *out)
 {
     enum { B = KA_SKBS };
-    float w[B], pm[8];
+    float w[B];
     for (int t = 0; t < B; t++)
         w[t] = e[t] * inv * vs[t];
-    for (int k = 0; k < 8; k++)
-        pm[k] = w[k];
-    for (int t = 8; t < B; t += 8)
-        for (int k = 0; k < 8; k++)
-            pm[k] = w[t + k] > pm[k] ? w[t + k] : pm[k];
-    float mx = pm[0];
-    for (int k = 1; k < 8; k++)
-        mx = pm[k] > mx ? pm[k] : mx;
+    const float mx = ka_max_block(w);
     const float f = mx > 0.0f ? 127.0f / mx : 0.0f;
     int8_t w8[B];
     for (int t = 0; t < B; t++)
@@ -597,21 +606,14 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
 #endif
         ka_sketch_dots(x, h2, qi, ng, acc);
     for (ptrdiff_t g = 0; g < ng; g++) {
-        float s[B], e[B], pm[8], ps[8];
+        float s[B], e[B], ps[8];
         const float f = qs[g];
         const int32_t off = 8 * qsum[g];
         const float c = cv[g];
         for (int t = 0; t < B; t++)
             s[t] = t < len ? (float)(acc[g][t] - off) * (sc[t] * f) - c * sc[t] * sc[t]
                            : -INFINITY;
-        for (int k = 0; k < 8; k++)
-            pm[k] = s[k];
-        for (int t = 8; t < B; t += 8)
-            for (int k = 0; k < 8; k++)
-                pm[k] = s[t + k] > pm[k] ? s[t + k] : pm[k];
-        float mx = pm[0];
-        for (int k = 1; k < 8; k++)
-            mx = pm[k] > mx ? pm[k] : mx;
+        const float mx = ka_max_block(s);
         for (int t = 0; t < B; t++)
             e[t] = t < len ? kf_expf(s[t] - mx) : 0.0f;
         for (int k = 0; k < 8; k++)
