@@ -753,11 +753,7 @@ static void kf_gemm_q8_items(const kf_q8_plan *p, const uint8_t *w, ptrdiff_t ld
 static void kf_gemm_q8_thread(kf_q8_plan *p, const float *x, ptrdiff_t ldx, const uint8_t *w,
                               ptrdiff_t ldw, float *out, ptrdiff_t ldo)
 {
-#ifdef _OPENMP
-    const ptrdiff_t c = omp_get_thread_num(), m = omp_get_num_threads();
-#else
-    const ptrdiff_t c = 0, m = 1;
-#endif
+    const ptrdiff_t c = kf_thread_num(), m = kf_num_threads();
     kf_gemm_q8_prep(p, x, ldx, p->T * c / m, p->T * (c + 1) / m);
 #ifdef _OPENMP
     _Pragma("omp barrier")

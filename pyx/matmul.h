@@ -360,11 +360,7 @@ static inline ptrdiff_t kf_split16(ptrdiff_t d, ptrdiff_t c, ptrdiff_t nc)
 
 static void kf_moe_thread(kf_moe_plan *p)
 {
-#ifdef _OPENMP
-    const ptrdiff_t c = omp_get_thread_num(), m = omp_get_num_threads();
-#else
-    const ptrdiff_t c = 0, m = 1;
-#endif
+    const ptrdiff_t c = kf_thread_num(), m = kf_num_threads();
     const ptrdiff_t I = p->I, H = p->H;
     const ptrdiff_t i0 = kf_split16(I, c, m), i1 = kf_split16(I, c + 1, m);
     for (int e = 0; e < p->k; e++) {

@@ -321,11 +321,7 @@ static void kf_moep_down(const kf_moep_plan *p, ptrdiff_t i, ptrdiff_t g, uint8_
 /* One thread's share of every phase; called by each thread of one parallel region. */
 static void kf_moep_thread(kf_moep_plan *p)
 {
-#ifdef _OPENMP
-    const ptrdiff_t c = omp_get_thread_num(), m = omp_get_num_threads();
-#else
-    const ptrdiff_t c = 0, m = 1;
-#endif
+    const ptrdiff_t c = kf_thread_num(), m = kf_num_threads();
     uint8_t *pack = p->pack + (size_t)c * p->packbytes;
     for (ptrdiff_t t = p->T * c / m; t < p->T * (c + 1) / m; t++)
         kf_prep_act(p->x + t * p->H, p->H, p->qx, p->axmem + (size_t)t * p->axbytes, &p->ax[t]);

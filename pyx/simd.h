@@ -23,8 +23,14 @@
 #ifdef _OPENMP
 #include <omp.h>
 static inline int kf_max_threads(void) { return omp_get_max_threads(); }
+/* This thread's index in the current parallel region, and the region's thread count
+ * (0 and 1 outside one, or without OpenMP). */
+static inline ptrdiff_t kf_thread_num(void) { return omp_get_thread_num(); }
+static inline ptrdiff_t kf_num_threads(void) { return omp_get_num_threads(); }
 #else
 static inline int kf_max_threads(void) { return 1; }
+static inline ptrdiff_t kf_thread_num(void) { return 0; }
+static inline ptrdiff_t kf_num_threads(void) { return 1; }
 #endif
 
 /* Partial sums in one dot product: 4 vector registers' worth (SSE2/NEON: 4 x 4). */
