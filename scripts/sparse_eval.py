@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from kestrel_cli.engine import Engine, LoadOptions
+from kestrel_cli.errors import KestrelError
 from kestrel_cli.kv_cache import CacheSpec
 from kestrel_cli.sparse import PRESETS, importance_order
 
@@ -636,6 +637,7 @@ def main(argv=None) -> None:
     s.add_argument("--sizes", default="1024,2048,4096")
     s.add_argument("--depths", default="10,30,50,70,90")
     s = sub.choices["speed"]
+    s.set_defaults(k="32")
     s.add_argument("-f", "--file", default="/usr/share/common-licenses/GPL-3")
     s.add_argument("-d", "--depth", type=int, default=4096)
     s.add_argument("-n", type=int, default=16, help="decode steps per run (+1 warm-up)")
@@ -647,7 +649,10 @@ def main(argv=None) -> None:
         a.k = int(a.k)
         if any(c.startswith("sim:") for c in a.configs.split(",")):
             sys.exit("speed: sim: configs decode in NumPy; time the kernel's configs")
-    {"kld": cmd_kld, "needle": cmd_needle, "speed": cmd_speed}[a.cmd](a)
+    try:
+        {"kld": cmd_kld, "needle": cmd_needle, "speed": cmd_speed}[a.cmd](a)
+    except (KestrelError, OSError) as e:          # a missing/corrupt model or text file
+        sys.exit(f"sparse_eval: {e}")
 
 
 if __name__ == "__main__":

@@ -136,3 +136,16 @@ def test_sim_rest_variants_order_as_measured():
     assert err["v4"] < 0.1 * err["off"] and err["v4s"] < 0.1 * err["off"]
     assert err["v4"] < err["top"] < err["true"]
     assert err["true"] < err["off"]          # spread heads: the means beat dropping them
+
+
+def test_bad_input_is_one_line(tmp_path):
+    """speed takes one k (its default too); a missing model or text file is one line."""
+    for argv, msg in ((["speed", "-k", "8,4"], "one k"),
+                      (["speed", "-m", str(tmp_path / "none.gguf")], "does not exist"),
+                      (["kld", "-m", str(tmp_path / "none.gguf")], "does not exist")):
+        with pytest.raises(SystemExit) as e:
+            se.main(argv)
+        assert msg in str(e.value)
+    with pytest.raises(SystemExit) as e:
+        se.main(["speed", "--configs", "sim:oracle=mass"])      # default k accepted
+    assert "sim:" in str(e.value)
