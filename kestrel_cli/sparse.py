@@ -118,6 +118,16 @@ def key_sketch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return u[:, :h2] | (u[:, h2:] << 4), (m / np.float32(7.0)).astype(np.float32)
 
 
+def value_nibbles(raw: np.ndarray, head_dim: int, bs: int = BS) -> np.ndarray:
+    """The 4-bit values of sketched blocks as the cache lays them out for the rest's dots
+    (attn_kv.h ka_sketch_vrow: dims along lanes, byte (p * head_dim + d) * 4 + i holding
+    token 8p + i's nibble low and token 8p + 4 + i's high): raw uint8 (n_blocks,
+    bs * head_dim / 2) -> u uint8 (n_blocks * bs, head_dim), 1..15 (0 where unwritten)."""
+    x = np.asarray(raw, np.uint8).reshape(-1, bs // 8, head_dim, 4)
+    u = np.concatenate([x & 15, x >> 4], axis=3)          # (nb, p, d, 8): token 8p + i
+    return u.transpose(0, 1, 3, 2).reshape(-1, head_dim)
+
+
 def sketch_token_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray,
                         scale: float) -> np.ndarray:
     """Each sketched key's score, scale * q~ . k~_t - cv * S_t^2 (see `sketch_scores`):

@@ -18,9 +18,12 @@
  *   M.  as above.
  * Every float sum runs in an order fixed by the block and part indices (KA_PB is a
  * constant), so no result depends on the thread count.
+ * With --sparse-rest (the sketch probe), A2 also folds each block a head does not attend
+ * into the part's state as one pseudo-token (ka_decode_rest).
  * tab: part states (n_parts, n_heads, hd + 2), then the probes (n_heads, nb), then the
  * picked-block masks (n_heads, nb) bytes, then (--sparse-rest) each block's rest weights
- * (n_heads, nb, KA_RESTW floats: ka_rest_weights). */
+ * (n_heads, nb, KA_RESTW floats: ka_rest_weights), then each head's rest floor
+ * (n_heads). */
 #ifndef KESTREL_ATTN_DECODE_H
 #define KESTREL_ATTN_DECODE_H
 
@@ -47,13 +50,40 @@ KF_INLINE ptrdiff_t ka_decode_states(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t 
     return ka_decode_parts(nb) * n_heads * (hd + 2);
 }
 
+/* Where tab's parts lie (see the top of the file). */
+KF_INLINE float *ka_tab_probes(float *tab, ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
+{
+    return tab + ka_decode_states(nb, n_heads, hd);
+}
+
+KF_INLINE uint8_t *ka_tab_masks(float *tab, ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
+{
+    return (uint8_t *)(ka_tab_probes(tab, nb, n_heads, hd) + n_heads * nb);
+}
+
+KF_INLINE float *ka_tab_rest(float *tab, ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
+{
+    return ka_tab_probes(tab, nb, n_heads, hd) + n_heads * nb + (n_heads * nb + 3) / 4;
+}
+
+KF_INLINE float *ka_tab_floor(float *tab, ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
+{
+    return ka_tab_rest(tab, nb, n_heads, hd) + n_heads * nb * KA_RESTW;
+}
+
 /* Floats of tab a decode over nb blocks needs: the parts' states, the probes, the masks,
- * then (KA_REST) the rest's token weights (n_heads, nb, KA_SKBS). */
+ * then (KA_REST) the rest's token weights and floors. */
 KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
 {
     return ka_decode_states(nb, n_heads, hd) + n_heads * nb * (1 + KA_RESTW)
-           + (n_heads * nb + 3) / 4;
+           + (n_heads * nb + 3) / 4 + n_heads;
 }
+
+/* The rest skips a block whose sketched mass is below e^KA_REST_FLOOR of the head's
+ * largest block mass (phase P keeps the threshold per head in tab). */
+#ifndef KA_REST_FLOOR
+#define KA_REST_FLOOR -16.0f
+#endif
 
 /* Phase P for query head h: its picks (pick order into sel + h * ka_ktot(k, sopt) when sel
  * is given) and its row of the mask table. Pooled (KA_POOL_MAX / _SUM): the first query
@@ -63,10 +93,16 @@ KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t group, p
                               ptrdiff_t hd, int k, int sopt, const int32_t *imp_order,
                               ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel)
 {
-    const float *probes = tab + ka_decode_states(nb, n_heads, hd), *probe = probes + h * nb;
-    uint8_t *masks = (uint8_t *)(tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb);
+    const float *probes = ka_tab_probes(tab, nb, n_heads, hd), *probe = probes + h * nb;
+    uint8_t *masks = ka_tab_masks(tab, nb, n_heads, hd);
     const int pool = KA_POOL(sopt), kt = ka_ktot(k, sopt);
     ptrdiff_t h1 = h + 1;
+    if (sopt & KA_REST) {                       /* this head's rest floor */
+        float m = -INFINITY;
+        for (ptrdiff_t b = 0; b < nb; b++)
+            m = probe[b] > m ? probe[b] : m;
+        ka_tab_floor(tab, nb, n_heads, hd)[h] = m + KA_REST_FLOOR;
+    }
     if (pool == KA_POOL_MAX || pool == KA_POOL_SUM) {
         if (h % group)
             return;
@@ -143,7 +179,7 @@ KF_INLINE void ka_decode_probes(const ka_kv *kv, const float *q, ptrdiff_t p,
     const ptrdiff_t bs = kv->bs, hd = kv->hd, nb = (n_ctx + bs - 1) / bs;
     const ptrdiff_t group = n_heads / kv->n_kv;
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
-    float *probe = tab + ka_decode_states(nb, n_heads, hd);
+    float *probe = ka_tab_probes(tab, nb, n_heads, hd);
     float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
     if (b0 < nb)
         ka_prefetch_probe_rows(kv, b0, n_ctx, n_probe);
@@ -190,7 +226,7 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     const ptrdiff_t bs = kv->bs, hd = kv->hd, nb = (n_ctx + bs - 1) / bs;
     const ptrdiff_t group = n_heads / kv->n_kv, kh = u % kv->n_kv, p = u / kv->n_kv;
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
-    float *probe = tab + ka_decode_states(nb, n_heads, hd);
+    float *probe = ka_tab_probes(tab, nb, n_heads, hd);
     /* phase A1 only (mode KA_DEC_PROBES): A / A2 run in ka_decode_heads */
     (void)k; (void)scale; (void)imp_order; (void)n_order; (void)sel;
     ka_q *qv = ws->qv;                                   /* (group,) */
@@ -206,8 +242,7 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         int32_t qsum[KA_GMAX];
         for (ptrdiff_t g = 0; g < group; g++)
             qsum[g] = ka_sketch_query(qv[g].q, hd, kv->sk_scale, qi + g * hd, &qs[g], &cv[g]);
-        float *rest = tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb
-                      + (n_heads * nb + 3) / 4;
+        float *rest = ka_tab_rest(tab, nb, n_heads, hd);
         for (ptrdiff_t b = b0; b < b1; b++) {
             float sb[KA_GMAX], wb[KA_GMAX * KA_RESTW];
             if (b + KA_SKPF < nb)
@@ -233,6 +268,82 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     /* the sampled probe: unit (p, 0) reads the part's probe rows once for every kv head */
     if (mode == KA_DEC_PROBES && kh == 0)
         ka_decode_probes(kv, q, p, n_heads, n_ctx, n_probe, ws, tab);
+}
+
+/* --sparse-rest (the sketch probe): block b counts for query head h, besides its picks,
+ * as one pseudo-token when h does not attend b and b's sketched mass (its probe) is at
+ * least h's floor: score the probe (the block's log-mass), value the block's sketched
+ * values weighted by its tokens' sketched shares (ka_rest_weights, kept by A1 at 7 bits):
+ * out[8] * (sum_t w8_t u_t - 8 sum_t w8_t). The picks stay exact; the rest, which the
+ * picks alone drop, is attention at 4 bits (scripts/sparse_eval.py sim rest=v4s). A2's
+ * unit folds its part's rest blocks into the part's state, so phase M merges as exact. */
+KF_INLINE int ka_is_rest(const uint8_t *mask, const float *probe, const float *floor,
+                         ptrdiff_t h, ptrdiff_t group, ptrdiff_t nb, ptrdiff_t b, int own)
+{
+    const int att = own ? mask[h * nb + b] : ka_read(mask + (h / group) * group * nb, group, nb, b);
+    return !att && probe[h * nb + b] >= floor[h];
+}
+
+/* mx[i] (query head kh0 * group + i of the unit) := max(mx[i], the probes of its rest
+ * blocks in part p): the part's softmax max before A2's value pass. */
+KF_INLINE void ka_decode_rest_max(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdiff_t kh1,
+                                  ptrdiff_t n_heads, ptrdiff_t nb, int sopt, float *tab,
+                                  float *mx)
+{
+    const ptrdiff_t hd = kv->hd, group = n_heads / kv->n_kv, h0 = kh0 * group;
+    const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
+    const int own = KA_POOL(sopt) != KA_POOL_UNION;
+    const uint8_t *mask = ka_tab_masks(tab, nb, n_heads, hd);
+    const float *probe = ka_tab_probes(tab, nb, n_heads, hd);
+    const float *floor = ka_tab_floor(tab, nb, n_heads, hd);
+    for (ptrdiff_t h = h0; h < kh1 * group; h++)
+        for (ptrdiff_t b = b0; b < b1; b++)
+            if (ka_is_rest(mask, probe, floor, h, group, nb, b, own) && probe[h * nb + b] > mx[h - h0])
+                mx[h - h0] = probe[h * nb + b];
+}
+
+/* After A2's value pass: part p's rest blocks into the states of the unit's heads (state
+ * max already theirs: ka_decode_rest_max), a block's value dots once for all the heads of
+ * its kv head that count it. */
+KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdiff_t kh1,
+                              ptrdiff_t n_heads, ptrdiff_t nb, int sopt, float *tab)
+{
+    enum { B = KA_SKBS };
+    const ptrdiff_t hd = kv->hd, h2 = hd / 2, group = n_heads / kv->n_kv;
+    const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
+    const int own = KA_POOL(sopt) != KA_POOL_UNION;
+    const uint8_t *mask = ka_tab_masks(tab, nb, n_heads, hd);
+    const float *probe = ka_tab_probes(tab, nb, n_heads, hd);
+    const float *floor = ka_tab_floor(tab, nb, n_heads, hd);
+    const float *wt = ka_tab_rest(tab, nb, n_heads, hd);
+    int32_t dots[KA_GMAX * KA_SKHDMAX];
+    for (ptrdiff_t kh = kh0; kh < kh1; kh++)
+        for (ptrdiff_t b = b0; b < b1; b++) {
+            ptrdiff_t hs[KA_GMAX], ng = 0;
+            const int8_t *w8[KA_GMAX];
+            for (ptrdiff_t h = kh * group; h < (kh + 1) * group; h++)
+                if (ka_is_rest(mask, probe, floor, h, group, nb, b, own)) {
+                    w8[ng] = (const int8_t *)(wt + (h * nb + b) * KA_RESTW);
+                    hs[ng++] = h;
+                }
+            if (!ng)
+                continue;
+            const uint8_t *x = kv->bnd + (kh * kv->bcap + b) * B * hd + h2 * B;
+            ka_rest_dots_any(kv->x86v3, x, hd, ng, w8, dots);
+            for (ptrdiff_t g = 0; g < ng; g++) {
+                const ptrdiff_t h = hs[g];
+                float *st = tab + (p * n_heads + h) * (hd + 2);
+                int32_t sw = 0;
+                for (int t = 0; t < B; t++)
+                    sw += w8[g][t];
+                const float f = kf_expf(probe[h * nb + b] - st[0]);
+                const float fs = f * wt[(h * nb + b) * KA_RESTW + 8];
+                const int32_t *dg = dots + g * hd;
+                st[1] += f;
+                for (ptrdiff_t d = 0; d < hd; d++)
+                    st[2 + d] += (float)(dg[d] - 8 * sw) * fs;
+            }
+        }
 }
 
 /* Phase A / A2, token-major: unit = (part p, kv heads kh0 <= kh < kh1). The cache is
@@ -301,8 +412,8 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
     const ptrdiff_t pt = KA_PB * bs;                     /* a head's score slots */
     /* mask[h * nb + b]: query head h attends block b (phase P's table) */
-    const uint8_t *mask = !picked ? NULL
-        : (const uint8_t *)(tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb);
+    const uint8_t *mask = !picked ? NULL : ka_tab_masks(tab, nb, n_heads, hd);
+    const int rest = picked && (sopt & KA_REST) && kv->sketch;
     float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
     ptrdiff_t cnt[KA_HMAX], bl[KA_PB], nbl = 0;
     float mx[KA_HMAX];
@@ -318,6 +429,8 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
             }
     for (int pass = 0; pass < 2; pass++) {              /* K: scores; V: weighted sums */
         const uint64_t *ptrs = pass ? kv->v_ptrs : kv->k_ptrs;
+        if (pass && rest)
+            ka_decode_rest_max(kv, p, kh0, kh1, n_heads, nb, sopt, tab, mx);
         if (pass)
             for (ptrdiff_t i = 0; i < nh; i++) {
                 float *st = tab + (p * n_heads + h0 + i) * (hd + 2);
@@ -403,6 +516,8 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
             }
         }
     }
+    if (rest)
+        ka_decode_rest(kv, p, kh0, kh1, n_heads, nb, sopt, tab);
 }
 
 /* Phase M for query head h: out[h] = the merge of the parts' states. */
@@ -422,76 +537,6 @@ KF_INLINE void ka_decode_merge(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t nb, ptr
         l += st[1] * f;
         for (ptrdiff_t d = 0; d < hd; d++)
             acc[d] += st[2 + d] * f;
-    }
-    const float inv = 1.0f / l;
-    for (ptrdiff_t d = 0; d < hd; d++)
-        o[d] = acc[d] * inv;
-}
-
-/* Phase M with the rest (KA_REST, the sketch probe): head h's blocks not attended also
- * count, at 4 bits: each block as one pseudo-token of score its sketched log-mass (the
- * probe) and value the sketched values weighted by its tokens' sketched shares (phase A1
- * keeps the weights in the table after the masks, at 7 bits: ka_rest_weights), in one
- * normalisation with the exact softmax over the picks, folded in block order after the
- * parts. The picks stay exact; the rest, which the picks alone drop, is attention at 4
- * bits (scripts/sparse_eval.py sim rest=v4s). */
-#define KA_REST_FLOOR -16.0f   /* rest blocks below e^-16 of the largest mass: skipped
-                               * (< 1.2e-7 each; most of a concentrated head's blocks) */
-KF_INLINE void ka_decode_merge_rest(const ka_kv *kv, ptrdiff_t h, ptrdiff_t n_heads,
-                                    ptrdiff_t nb, int sopt, ka_ws *ws, const float *tab,
-                                    float *out)
-{
-    enum { B = KA_SKBS };
-    const ptrdiff_t hd = kv->hd, h2 = hd / 2, group = n_heads / kv->n_kv, kh = h / group;
-    const ptrdiff_t np = ka_decode_parts(nb), ld = n_heads * (hd + 2);
-    const uint8_t *masks = (const uint8_t *)(tab + ka_decode_states(nb, n_heads, hd)
-                                             + n_heads * nb);
-    const float *probe = tab + ka_decode_states(nb, n_heads, hd) + h * nb;
-    const float *wt = tab + ka_decode_states(nb, n_heads, hd) + n_heads * nb
-                      + (n_heads * nb + 3) / 4 + h * nb * KA_RESTW;
-    const int own = KA_POOL(sopt) != KA_POOL_UNION;
-    float m = -INFINITY, l = 0.0f, *acc = ws->acc, *o = out + h * hd;
-    for (ptrdiff_t p = 0; p < np; p++)
-        m = tab[p * ld + h * (hd + 2)] > m ? tab[p * ld + h * (hd + 2)] : m;
-    for (ptrdiff_t b = 0; b < nb; b++) {
-        const int att = own ? masks[h * nb + b] : ka_read(masks + kh * group * nb, group, nb, b);
-        if (!att)
-            m = probe[b] > m ? probe[b] : m;
-    }
-    memset(acc, 0, (size_t)hd * sizeof(float));
-    for (ptrdiff_t p = 0; p < np; p++) {
-        const float *st = tab + p * ld + h * (hd + 2);
-        if (!(st[1] > 0.0f))
-            continue;
-        const float f = kf_expf(st[0] - m);
-        l += st[1] * f;
-        for (ptrdiff_t d = 0; d < hd; d++)
-            acc[d] += st[2 + d] * f;
-    }
-    int32_t lo[KA_SKHDMAX / 2], hi[KA_SKHDMAX / 2];
-    for (ptrdiff_t b = 0; b < nb; b++) {
-        const int att = own ? masks[h * nb + b] : ka_read(masks + kh * group * nb, group, nb, b);
-        if (att || probe[b] - m < KA_REST_FLOOR)
-            continue;
-        const float f = kf_expf(probe[b] - m);
-        const float *w = wt + b * KA_RESTW;
-        const int8_t *w8 = (const int8_t *)w;
-        const uint8_t *x = kv->bnd + (kh * kv->bcap + b) * B * hd + h2 * B;   /* value rows */
-        int32_t sw = 0;
-        for (int t = 0; t < B; t++)
-            sw += w8[t];
-#if KF_X86_DISPATCH
-        if (kf_isa >= KF_ISA_AVX2)     /* phase M runs outside the variants' entries */
-            ka_rest_dots_avx2(x, h2, w8, lo, hi);
-        else
-#endif
-            ka_rest_dots(x, h2, w8, lo, hi);
-        const float fs = f * w[8];
-        l += f;
-        for (ptrdiff_t j = 0; j < h2; j++) {
-            acc[j] += (float)(lo[j] - 8 * sw) * fs;
-            acc[j + h2] += (float)(hi[j] - 8 * sw) * fs;
-        }
     }
     const float inv = 1.0f / l;
     for (ptrdiff_t d = 0; d < hd; d++)

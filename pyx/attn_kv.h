@@ -43,7 +43,7 @@ typedef struct {
     const float *bsc;
     ptrdiff_t bcap;           /* blocks per kv head in bnd */
     /* sketch probe (ka_sketch; sketch 1): bnd holds instead (n_kv, bcap, hd, bs) bytes,
-     * per block the hd/2 rows of its keys at 4 bits then the hd/2 rows of its values, and
+     * per block the hd/2 rows of its keys at 4 bits then its values (ka_sketch_vrow), and
      * bsc per (kv head, block) 2 * bs floats: the keys' scales, then the values'
      * (ka_sketch_update) */
     int sketch;
@@ -309,9 +309,30 @@ KF_INLINE float ka_sketch_row(const float *x, ptrdiff_t hd, ptrdiff_t bs, uint8_
     return m / 7.0f;
 }
 
+/* The 4-bit sketch of token t's value row x (hd values) into its block's value bytes
+ * out (KA_SKBS * hd / 2), dims along lanes for the rest's dots (ka_rest_dots): byte
+ * (p * hd + d) * 4 + i holds u_{8p+i}[d] (low nibble) and u_{8p+4+i}[d] (high), p < 4,
+ * i < 4 (the other token's nibble of the byte is kept); returns S = max|x| / 7. */
+KF_INLINE float ka_sketch_vrow(const float *x, ptrdiff_t hd, ptrdiff_t t, uint8_t *out)
+{
+    float m = 0.0f;
+    for (ptrdiff_t d = 0; d < hd; d++)
+        m = fabsf(x[d]) > m ? fabsf(x[d]) : m;
+    const float inv = m > 0.0f ? 7.0f / m : 0.0f;
+    const int high = (t & 4) != 0;
+    uint8_t *o = out + (t / 8) * hd * 4 + (t & 3);
+    for (ptrdiff_t d = 0; d < hd; d++) {
+        float a = kf_rint(x[d] * inv);
+        a = a > 7.0f ? 7.0f : (a < -7.0f ? -7.0f : a);
+        const uint8_t u = (uint8_t)((int)a + 8);
+        o[d * 4] = high ? (uint8_t)((o[d * 4] & 15) | (u << 4)) : (uint8_t)((o[d * 4] & 0xf0) | u);
+    }
+    return m / 7.0f;
+}
+
 /* Sketch rows r0 .. r1 - 1 of one block just written (kind: KA_KV_*; bs == KA_SKBS): its
  * keys (blk) and values (vblk) at 4 bits, from the values the cache holds. skt: the
- * block's (hd, bs) bytes of kv head 0 (key rows, then value rows), kv heads `bstride`
+ * block's (hd, bs) bytes of kv head 0 (hd/2 key rows, then the values: ka_sketch_vrow), kv heads `bstride`
  * bytes apart; ssc: its bs key scales then bs value scales, kv heads `sstride` floats
  * apart. Rows are independent: a trim leaves nothing to redo. */
 static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind,
@@ -327,8 +348,9 @@ static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int
                 const uint8_t *src = part ? vblk : blk;
                 for (ptrdiff_t d = 0; d < hd; d++)
                     x[d] = ka_blk_val(src, kind, bs, ld, hd, h, t, d);
-                ssc[h * sstride + part * bs + t] =
-                    ka_sketch_row(x, hd, bs, skt + h * bstride + part * h2 * bs + t);
+                ssc[h * sstride + part * bs + t] = part
+                    ? ka_sketch_vrow(x, hd, t, skt + h * bstride + h2 * bs)
+                    : ka_sketch_row(x, hd, bs, skt + h * bstride + t);
             }
 }
 
@@ -503,7 +525,7 @@ KF_INLINE float ka_max_block(const float *x)
 }
 
 /* The rest's weights of one block for one query (--sparse-rest: the block counted at 4
- * bits, attn_decode.h ka_decode_merge_rest): w_t = e_t * inv * vs_t (each token's share
+ * bits, attn_decode.h ka_decode_rest): w_t = e_t * inv * vs_t (each token's share
  * of the block's sketched mass times its value's sketch scale) at 7 bits, w8_t =
  * rint(127 w_t / max w), in the first KA_SKBS bytes of out, and max w / 127 in out[8]:
  * so the block's sketched value is out[8] * (sum_t w8_t u_t - 8 sum_t w8_t), integer dots
@@ -524,62 +546,105 @@ KF_INLINE void ka_rest_weights(const float *e, float inv, const float *vs, float
     out[8] = mx / 127.0f;
 }
 
-/* The rest's integer dots of one block's value rows x (hd/2 rows of KA_SKBS bytes, the
- * nibbles u): lo[j] = sum_t w8_t (u_t of dim j), hi[j] = the same of dim j + hd/2. */
-KF_INLINE void ka_rest_dots(const uint8_t *restrict x, ptrdiff_t h2, const int8_t *restrict w8,
-                            int32_t *restrict lo, int32_t *restrict hi)
+/* The rest's integer dots of one block's sketched values x (KA_SKBS * hd / 2 bytes in
+ * ka_sketch_vrow's layout) with ng queries' 7-bit weights w8[g] (KA_SKBS bytes each):
+ * out[g * hd + d] = sum_t w8[g][t] u_t[d]. Values lie dims-along-lanes, four tokens a
+ * dword per nibble plane, so every form below accumulates lanes of dims with no
+ * horizontal reduction, and a block's bytes are unpacked once for all ng queries. */
+KF_INLINE void ka_rest_dots(const uint8_t *restrict x, ptrdiff_t hd, ptrdiff_t ng,
+                            const int8_t *const *w8, int32_t *restrict out)
 {
-    for (ptrdiff_t j = 0; j < h2; j++) {
-        int32_t sl = 0, sh = 0;
-        for (int t = 0; t < KA_SKBS; t++) {
-            sl += (int32_t)w8[t] * (x[j * KA_SKBS + t] & 15);
-            sh += (int32_t)w8[t] * (x[j * KA_SKBS + t] >> 4);
-        }
-        lo[j] = sl;
-        hi[j] = sh;
-    }
+    for (ptrdiff_t i = 0; i < ng * hd; i++)
+        out[i] = 0;
+    for (int p = 0; p < KA_SKBS / 8; p++)
+        for (ptrdiff_t d = 0; d < hd; d++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t b = x[(p * hd + d) * 4 + i];
+                for (ptrdiff_t g = 0; g < ng; g++)
+                    out[g * hd + d] += (int32_t)w8[g][8 * p + i] * (b & 15)
+                                       + (int32_t)w8[g][8 * p + 4 + i] * (b >> 4);
+            }
 }
 
 #if KF_X86_DISPATCH
-/* ka_rest_dots where the CPU runs the avx2 variant (kf_isa): per row one vpmaddubsw (nibbles x 7-bit weights,
- * token pairs in 16 bits) and one vpmaddwd into 8 partial sums, 8 rows' partials reduced
- * together by horizontal adds: the same integers. */
-KF_TARGET_AVX2 static void ka_rest_dots_avx2(const uint8_t *restrict x, ptrdiff_t h2,
-                                                    const int8_t *restrict w8,
-                                                    int32_t *restrict lo, int32_t *restrict hi)
+/* ka_rest_dots under the avx2 entries (hd % 8 == 0): per 8 dims and token quad one
+ * vpmaddubsw (nibbles x weights, token pairs in 16 bits) and one vpmaddwd (the quad in a
+ * dword): the same integers. */
+KF_TARGET_AVX2 static void ka_rest_dots_avx2(const uint8_t *restrict x, ptrdiff_t hd,
+                                             ptrdiff_t ng, const int8_t *const *w8,
+                                             int32_t *restrict out)
 {
-    const __m256i w = _mm256_loadu_si256((const __m256i *)w8);
+    enum { NP = KA_SKBS / 8 };
     const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    for (ptrdiff_t j0 = 0; j0 < h2; j0 += 8) {
-        __m256i sl[8], sh[8];
-        for (int r = 0; r < 8; r++) {
-            if (j0 + r >= h2) {
-                sl[r] = sh[r] = _mm256_setzero_si256();
-                continue;
+    for (ptrdiff_t d0 = 0; d0 < hd; d0 += 8) {
+        __m256i lo[NP], hi[NP];
+        for (int p = 0; p < NP; p++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(x + (p * hd + d0) * 4));
+            lo[p] = _mm256_and_si256(b, m15);
+            hi[p] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m15);
+        }
+        for (ptrdiff_t g = 0; g < ng; g++) {
+            __m256i acc = _mm256_setzero_si256();
+            for (int p = 0; p < NP; p++) {
+                int32_t wl, wh;
+                memcpy(&wl, w8[g] + 8 * p, 4);
+                memcpy(&wh, w8[g] + 8 * p + 4, 4);
+                const __m256i sl = _mm256_maddubs_epi16(lo[p], _mm256_set1_epi32(wl));
+                const __m256i sh = _mm256_maddubs_epi16(hi[p], _mm256_set1_epi32(wh));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(sl, sh), ones));
             }
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(x + (j0 + r) * KA_SKBS));
-            const __m256i l4 = _mm256_and_si256(b, m15);
-            const __m256i h4 = _mm256_and_si256(_mm256_srli_epi16(b, 4), m15);
-            sl[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(l4, w), ones);
-            sh[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(h4, w), ones);
+            _mm256_storeu_si256((__m256i *)(out + g * hd + d0), acc);
         }
-        int32_t ol[8], oh[8];
-        for (int part = 0; part < 2; part++) {
-            __m256i *s8 = part ? sh : sl;
-            const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(s8[0], s8[1]),
-                                                 _mm256_hadd_epi32(s8[2], s8[3]));
-            const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(s8[4], s8[5]),
-                                                 _mm256_hadd_epi32(s8[6], s8[7]));
-            const __m256i v = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20),
-                                               _mm256_permute2x128_si256(u0, u1, 0x31));
-            _mm256_storeu_si256((__m256i *)(part ? oh : ol), v);
+    }
+}
+
+/* ka_rest_dots with AVX-512 VNNI (hd % 16 == 0): per 16 dims and token quad one vpdpbusd
+ * per nibble plane. */
+KF_TARGET_AVX512 static void ka_rest_dots_avx512(const uint8_t *restrict x, ptrdiff_t hd,
+                                                 ptrdiff_t ng, const int8_t *const *w8,
+                                                 int32_t *restrict out)
+{
+    enum { NP = KA_SKBS / 8 };
+    const __m512i m15 = _mm512_set1_epi8(15);
+    for (ptrdiff_t d0 = 0; d0 < hd; d0 += 16) {
+        __m512i lo[NP], hi[NP];
+        for (int p = 0; p < NP; p++) {
+            const __m512i b = _mm512_loadu_si512((const void *)(x + (p * hd + d0) * 4));
+            lo[p] = _mm512_and_si512(b, m15);
+            hi[p] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m15);
         }
-        const ptrdiff_t n = h2 - j0 < 8 ? h2 - j0 : 8;
-        memcpy(lo + j0, ol, (size_t)n * sizeof(int32_t));
-        memcpy(hi + j0, oh, (size_t)n * sizeof(int32_t));
+        for (ptrdiff_t g = 0; g < ng; g++) {
+            __m512i acc = _mm512_setzero_si512();
+            for (int p = 0; p < NP; p++) {
+                int32_t wl, wh;
+                memcpy(&wl, w8[g] + 8 * p, 4);
+                memcpy(&wh, w8[g] + 8 * p + 4, 4);
+                acc = _mm512_dpbusd_epi32(acc, lo[p], _mm512_set1_epi32(wl));
+                acc = _mm512_dpbusd_epi32(acc, hi[p], _mm512_set1_epi32(wh));
+            }
+            _mm512_storeu_si512((void *)(out + g * hd + d0), acc);
+        }
     }
 }
 #endif
+
+/* ka_rest_dots on the best form the entry and CPU allow (x86v3: the avx2 entries). */
+KF_INLINE void ka_rest_dots_any(int x86v3, const uint8_t *restrict x, ptrdiff_t hd,
+                                ptrdiff_t ng, const int8_t *const *w8, int32_t *restrict out)
+{
+#if KF_X86_DISPATCH
+    if (x86v3 && kf_isa >= KF_ISA_AVX512 && hd % 16 == 0) {
+        ka_rest_dots_avx512(x, hd, ng, w8, out);
+        return;
+    }
+    if (x86v3 && hd % 8 == 0) {
+        ka_rest_dots_avx2(x, hd, ng, w8, out);
+        return;
+    }
+#endif
+    (void)x86v3;
+    ka_rest_dots(x, hd, ng, w8, out);
+}
 
 /* Sketch scores of block b (tokens t < n_ctx) of kv head kh for ng int8 queries qi
  * (ng x hd, from ka_sketch_query: qs, qsum, cv): out[g] for g < ng (ka_sketch_dots, then

@@ -23,7 +23,7 @@ enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
 #define KA_RECENT(sopt) (((sopt) >> 4) & 63)
 #define KA_SKETCH 1024
 #define KA_REST 2048   /* decode: the blocks not picked count at 4 bits, by their sketch mass
-                        * and sketched values (attn_decode.h ka_decode_merge_rest; with
+                        * and sketched values (attn_decode.h ka_decode_rest; with
                         * KA_SKETCH) */
 
 /* Blocks a query attends to at most (k, plus block 0 when the sink is outside the

@@ -141,9 +141,7 @@ static void ka_decode_team(const ka_kv *kv, const float *q, ptrdiff_t n_heads,
         }
 #pragma omp for schedule(static)
     for (i = 0; i < n_heads; i++)                                     /* M */
-        if (ws != NULL && sparse && (sopt & KA_REST) && kv->sketch)
-            ka_decode_merge_rest(kv, i, n_heads, nb, sopt, ws, tab, out);
-        else if (ws != NULL)
+        if (ws != NULL)
             ka_decode_merge(i, n_heads, nb, hd, ws, tab, out);
 }
 

@@ -13,7 +13,7 @@ from kestrel_cli.errors import KestrelError
 from kestrel_cli.kv_cache import CacheSpec, KVCache
 from kestrel_cli.sparse import (bound_scores, importance_order, key_bounds, key_bounds_q8,
                                 key_sketch, probe_scores, select_blocks, select_with,
-                                sketch_scores, sketch_token_scores)
+                                sketch_scores, sketch_token_scores, value_nibbles)
 
 BS = 32
 N_KV, GROUP, HD = 2, 3, 16
@@ -109,8 +109,9 @@ def test_sketch_kept_up_to_date_and_scores_match_numpy(dtype):
         assert np.array_equal(sk[:, :, :HD // 2].reshape(-1, HD // 2)[:n], packed)
         assert np.array_equal(c.bound_scales[0, kh, :, :BS].reshape(-1)[:n], sc)
         vals = c.values(0)[:, kh * HD:(kh + 1) * HD]
-        vpacked, vsc = key_sketch(vals)                   # the values, sketched alike
-        assert np.array_equal(sk[:, :, HD // 2:].reshape(-1, HD // 2)[:n], vpacked)
+        vpacked, vsc = key_sketch(vals)                   # the values, sketched alike,
+        vu = value_nibbles(c.bounds[0, kh, :, HD // 2:], HD)   # laid out dims along lanes
+        assert np.array_equal(vu[:n], np.concatenate([vpacked & 15, vpacked >> 4], axis=1))
         assert np.array_equal(c.bound_scales[0, kh, :, BS:].reshape(-1)[:n], vsc)
         # the nibbles decode to the key within half a step
         u = np.concatenate([packed & 15, packed >> 4], axis=1).astype(np.float32) - 8
