@@ -106,7 +106,10 @@ class EngineOptions:
         rich_help_panel=_MODEL)] = None
     sparse_group: Annotated[Optional[str], typer.Option(
         "--sparse-group", help="head: each query head picks; max / sum: one pick per kv "
-        "head from its heads' pooled probes; union: each head attends its kv head's union.",
+        "head from its heads' pooled probes; share: one pick per kv head from each head's "
+        "probes less their log-sum-exp (its blocks' shares of attention with the sketch); "
+        "rank: one pick per kv head, its heads' own picks taken in turns; "
+        "union: each head attends its kv head's union.",
         show_default="head", rich_help_panel=_MODEL)] = None
     sparse_dense_first: Annotated[Optional[int], typer.Option(
         "--sparse-dense-first", help="The first N layers attend exactly (--sparse-attn).",

@@ -645,7 +645,9 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             raise ValueError(f"imp_slots: expected ({_lib.SLOTS}, >= {n_ctx}), "
                              f"got {imp_slots.shape}")
     sparse_opts = int(sparse_opts)
-    if not 0 <= sparse_opts < 2 * REST or (sparse_opts & 3) == 3:
+    if (not 0 <= sparse_opts < 2 * RANK or (sparse_opts & 3) == 3
+            or sparse_opts & (SHARE | RANK) and ((sparse_opts >> 2) & 3 != 1
+                                                 or sparse_opts & SHARE and sparse_opts & RANK)):
         raise ValueError(f"attention: bad sparse_opts {sparse_opts}")
     width = sparse_k + (sparse_k > 0) * (((sparse_opts & 3) == 2) + ((sparse_opts >> 4) & 63))
     if bounds is not None and sparse_opts & SKETCH:
@@ -694,6 +696,8 @@ HD_MAX = _lib.HD_MAX_F16     # most head_dim of a float16 cache and of the key b
 SKETCH = _lib.SKETCH         # sparse_opts bit: the cache's bounds arrays hold key sketches
 SKETCH_HD_MAX = _lib.SKETCH_HD_MAX   # most head_dim of the sketch probe
 REST = _lib.REST             # sparse_opts bit: decode also counts the blocks not picked
+SHARE = _lib.SHARE           # sparse_opts bit: pooled picks from each head's probe shares
+RANK = _lib.RANK             # sparse_opts bit: pooled picks, the heads' own picks in turns
 
 
 def sketch_update(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int, head_dim: int,

@@ -36,7 +36,9 @@ from .sparse import importance_order
 DTYPES = ("f32", "q8", "f16")
 SINKS = ("off", "in", "out")            # sparse_sink values (kernel code: their index)
 PROBES = ("sample", "bound", "sketch")  # sparse_probe values
-GROUPS = ("head", "max", "sum", "union")  # sparse_group values (kernel code: their index)
+# sparse_group values; the kernel's pool code is the index ("share" / "rank": max and
+# the KA_SHARE / KA_RANK bit)
+GROUPS = ("head", "max", "sum", "union", "share", "rank")
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,12 @@ class CacheSpec:
             min/max key bound, kept as tokens are written) or "sketch" (every key also kept
             at 4 bits; a block ranked by its attention mass estimated from all its keys).
         sparse_group: "head" (each query head picks its own blocks); "max" / "sum": one
-            selection per kv head from its query heads' pooled probes; "union": each head
-            picks, every head of the kv head attends the union.
+            selection per kv head from its query heads' pooled probes; "share": the same
+            from the max of each head's probes less their log-sum-exp (with the sketch
+            probe: each block's share of a head's attention); "rank": the same from the
+            heads' own picks taken in turns (each head's first, then each one's second, ..
+            until k); "union": each head picks, every head of the kv head attends the
+            union.
         sparse_dense: layers that attend exactly.
         sparse_prefill: False: prefill attends exactly, only decode is sparse.
         sparse_window: > 0: a prefill records the importance of its last sparse_window
@@ -111,9 +117,10 @@ class CacheSpec:
     @property
     def sparse_opts(self) -> int:
         """The kernel's code of the selection options (attn_select.h: sink | pool << 2 |
-        recent << 4 | rest (bit 11))."""
-        return (SINKS.index(self.sparse_sink) | GROUPS.index(self.sparse_group) << 2
-                | self.sparse_recent << 4 | (K.REST if self.sparse_rest else 0))
+        recent << 4 | rest (bit 11) | share (bit 12) | rank (bit 13))."""
+        flag = {"share": K.SHARE, "rank": K.RANK}.get(self.sparse_group, 0)
+        return (SINKS.index(self.sparse_sink) | (1 if flag else GROUPS.index(self.sparse_group)) << 2
+                | self.sparse_recent << 4 | (K.REST if self.sparse_rest else 0) | flag)
 
     @property
     def sparse_width(self) -> int:

@@ -217,12 +217,48 @@ def select_blocks_opts(q: np.ndarray, keys: np.ndarray, importance: np.ndarray |
     return select_with(score, importance, keys.shape[0], k, sink, bs, recent)
 
 
+def pool_scores(scores, pool: str) -> np.ndarray:
+    """One selection's block scores from a kv head's query heads' (attn_select.h
+    ka_pool_probes): folded in head order by max ("max") or sum ("sum"); "share": the max
+    of each head's scores less their log-sum-exp over the blocks (the block's share of the
+    head's estimated attention with the sketch probe). float32 (n_blocks,)."""
+    out = None
+    for x in scores:
+        x = np.asarray(x, np.float32)
+        if pool == "share":
+            m = x.max()
+            x = (x - (m + np.log(np.exp(x - m).sum(dtype=np.float32)))).astype(np.float32)
+        if out is None:
+            out = x.copy()
+        else:
+            out = (out + x).astype(np.float32) if pool == "sum" else np.maximum(out, x)
+    return out
+
+
+def group_scores(scores, pool: str, pick=None) -> list[np.ndarray]:
+    """The block scores each query head of one kv head selects from (attn_select.h): its
+    own ("head", "union"), or one pooled score for all: "max" / "sum" / "share" by
+    `pool_scores`; "rank" (ka_rank_pool): from each head's picks alone, pick(score) in pick
+    order, block b scores -(r * group + g) at its first place r in head g's (-inf in
+    none), so picking from it takes the heads' picks in turns."""
+    if pool in ("head", "union"):
+        return list(scores)
+    if pool != "rank":
+        return [pool_scores(scores, pool)] * len(scores)
+    group = len(scores)
+    out = np.full(len(scores[0]), -np.inf, np.float32)
+    for g, s in enumerate(scores):
+        for r, b in enumerate(pick(s)):
+            out[b] = max(out[b], np.float32(-(r * group + g)))
+    return [out] * group
+
+
 def select_group(qs: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
                  pool: str, n_probe: int = 8, bs: int = BS, *, sink: str = "off",
                  probe: str = "sample", bounds=None, scale: float = 1.0) -> list[np.ndarray]:
     """The blocks each of the query heads qs (group, head_dim) of one kv head attends to
-    with one selection per kv head: pool "max" / "sum" picks once from the heads' scores
-    folded in head order; "union" picks per head and each attends the union (ascending).
+    with one selection per kv head: pool "max" / "sum" / "share" / "rank" picks once from
+    the heads' scores pooled (`group_scores`); "union" picks per head and each attends the union (ascending).
     Returns one array per head (pick order for max / sum)."""
     if pool == "union":
         each = [select_blocks_opts(q, keys, importance, k, n_probe, bs, sink=sink,
@@ -239,10 +275,9 @@ def select_group(qs: np.ndarray, keys: np.ndarray, importance: np.ndarray | None
             scores.append(bound_scores(q, *b))
         else:
             scores.append(probe_scores(q, keys, n_probe, bs))
-    s = scores[0].copy()
-    for x in scores[1:]:
-        s = np.maximum(s, x) if pool == "max" else (s + x).astype(np.float32)
-    sel = select_with(s, importance, keys.shape[0], k, sink, bs)
+    def pick(x):
+        return select_with(x, importance, keys.shape[0], k, sink, bs)
+    sel = pick(group_scores(scores, pool, pick)[0])
     return [sel for _ in qs]
 
 

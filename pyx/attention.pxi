@@ -55,6 +55,8 @@ cdef extern from "attention.h" nogil:
     enum:
         KA_SKETCH
         KA_REST
+        KA_SHARE
+        KA_RANK
         KA_SKHDMAX
         KA_SKBS
     void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind, Py_ssize_t bs,
@@ -101,6 +103,8 @@ HD_MAX_F16 = KA_HDMAX       # most head_dim with a float16 cache
 SKETCH = KA_SKETCH          # sparse_opts bit: bounds hold key sketches (the sketch probe)
 SKETCH_HD_MAX = KA_SKHDMAX  # most head_dim with the sketch probe
 REST = KA_REST              # sparse_opts bit: decode also counts the blocks not picked
+SHARE = KA_SHARE            # sparse_opts bit: pooled picks from each head's probe shares
+RANK = KA_RANK              # sparse_opts bit: pooled picks, the heads' own picks in turns
 
 
 def kv_q8_layout(Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim):

@@ -106,16 +106,12 @@ KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t group, p
     if (pool == KA_POOL_MAX || pool == KA_POOL_SUM) {
         if (h % group)
             return;
-        float *pp = ws->probe;
-        for (ptrdiff_t b = 0; b < nb; b++) {
-            float v = probe[b];
-            for (ptrdiff_t g = 1; g < group; g++) {
-                float w = probe[g * nb + b];
-                v = pool == KA_POOL_SUM ? v + w : (w > v ? w : v);
-            }
-            pp[b] = v;
-        }
-        probe = pp;
+        if (sopt & KA_RANK)
+            ka_rank_pool(probe, nb, group, nb, k, sopt, imp_order, n_order, ws->used, ws->sel,
+                         ws->probe);
+        else
+            ka_pool_probes(probe, nb, group, nb, sopt, ws->probe);
+        probe = ws->probe;
         h1 = h + group;
     }
     int nsel = ka_pick(probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);

@@ -222,15 +222,11 @@ KF_INLINE ptrdiff_t ka_tile_select(const ka_kv *kv, const ka_q *q, int nq, int s
             memset(rm + g * nbc, 0, (size_t)nb_max);
         int32_t *so = sel != NULL ? sel + (i / group) * ld_row : NULL;   /* head 0's */
         if (pool == KA_POOL_MAX || pool == KA_POOL_SUM) {
-            const float *p0 = pq + i * nbc;
-            for (ptrdiff_t b = 0; b < nb; b++) {
-                float v = p0[b];
-                for (ptrdiff_t g = 1; g < group; g++) {
-                    float w = p0[g * nbc + b];
-                    v = pool == KA_POOL_SUM ? v + w : (w > v ? w : v);
-                }
-                ws->probe[b] = v;
-            }
+            if (sopt & KA_RANK)
+                ka_rank_pool(pq + i * nbc, nbc, group, nb, k, sopt, imp_order, n_order,
+                             ws->used, ws->sel, ws->probe);
+            else
+                ka_pool_probes(pq + i * nbc, nbc, group, nb, sopt, ws->probe);
             int n = ka_pick(ws->probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);
             for (ptrdiff_t g = 0; g < group; g++) {
                 for (int j = 0; j < n; j++)

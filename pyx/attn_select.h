@@ -25,6 +25,36 @@ enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
 #define KA_REST 2048   /* decode: the blocks not picked count at 4 bits, by their sketch mass
                         * and sketched values (attn_decode.h ka_decode_rest; with
                         * KA_SKETCH) */
+#define KA_SHARE 4096  /* with KA_POOL_MAX: each head's probes less their log-sum-exp over
+                        * the blocks before the max (ka_pool_probes) */
+#define KA_RANK 8192   /* with KA_POOL_MAX: the heads' own picks taken in turns (ka_rank_pool) */
+
+/* One selection per kv head (KA_POOL_MAX / _SUM): out[b] = the group's probes p[g * ld + b]
+ * of block b < nb folded in head order, max or sum; KA_SHARE: the max of each head's
+ * probe less that head's log-sum-exp over the nb blocks (with the sketch probe, a block's
+ * share of the head's estimated attention: a block any head gives a large share ranks
+ * high, whatever the heads' scales). */
+KF_INLINE void ka_pool_probes(const float *p, ptrdiff_t ld, ptrdiff_t group, ptrdiff_t nb,
+                              int sopt, float *restrict out)
+{
+    const int sum = KA_POOL(sopt) == KA_POOL_SUM, share = (sopt & KA_SHARE) != 0;
+    for (ptrdiff_t g = 0; g < group; g++) {
+        const float *pg = p + g * ld;
+        float c = 0.0f;
+        if (share) {
+            float m = -INFINITY, l = 0.0f;
+            for (ptrdiff_t b = 0; b < nb; b++)
+                m = pg[b] > m ? pg[b] : m;
+            for (ptrdiff_t b = 0; b < nb; b++)
+                l += kf_expf(pg[b] - m);
+            c = m + logf(l);
+        }
+        for (ptrdiff_t b = 0; b < nb; b++) {
+            const float v = pg[b] - c;
+            out[b] = g == 0 ? v : (sum ? out[b] + v : (v > out[b] ? v : out[b]));
+        }
+    }
+}
 
 /* Blocks a query attends to at most (k, plus block 0 when the sink is outside the
  * budget, plus the recent blocks): attention is exact while the context has no more
@@ -137,6 +167,27 @@ KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k, int sopt
             top[cnt - 1] = (int32_t)(nb - 1);
     }
     return n_sink + n_imp + cnt;
+}
+
+/* KA_RANK pooling: each head of the group picks as ka_pick would alone (its k picks, the
+ * sink, recent and importance ones included, in pick order), and block b scores
+ * -(r * group + g) at its first place r in head g's picks (-inf in none): ka_pick over
+ * these takes the heads' picks in turns (every head's first, then every head's second,
+ * ..) until the budget is spent, so each head keeps its own best blocks whatever the
+ * other heads' scales. p: the heads' probes, ld apart; used, sel: ka_pick's scratch. */
+KF_INLINE void ka_rank_pool(const float *p, ptrdiff_t ld, ptrdiff_t group, ptrdiff_t nb,
+                            int k, int sopt, const int32_t *imp_order, ptrdiff_t n_order,
+                            uint8_t *restrict used, int32_t *restrict sel, float *restrict out)
+{
+    for (ptrdiff_t b = 0; b < nb; b++)
+        out[b] = -INFINITY;
+    for (ptrdiff_t g = 0; g < group; g++) {
+        const int n = ka_pick(p + g * ld, nb, k, sopt, imp_order, n_order, used, sel);
+        for (int r = 0; r < n; r++) {
+            const float v = -(float)(r * group + g);
+            out[sel[r]] = v > out[sel[r]] ? v : out[sel[r]];
+        }
+    }
 }
 
 /* The picks sel[0..n) in ascending order into blk (insertion sort; n <= k is small). */

@@ -12,7 +12,8 @@ from kestrel_cli.engine import LoadOptions
 from kestrel_cli.errors import KestrelError
 from kestrel_cli.kv_cache import CacheSpec, KVCache
 from kestrel_cli.sparse import (bound_scores, importance_order, key_bounds, key_bounds_q8,
-                                key_sketch, probe_scores, select_blocks, select_with,
+                                group_scores, key_sketch, probe_scores, select_blocks,
+                                select_with,
                                 sketch_scores, sketch_token_scores, value_nibbles)
 
 BS = 32
@@ -172,7 +173,7 @@ def ref_scores(cache, q, kh, probe, n_probe=8):
 
 @pytest.mark.parametrize("sink", ["off", "in", "out"])
 @pytest.mark.parametrize("probe", ["sample", "bound", "sketch"])
-@pytest.mark.parametrize("group", ["head", "max", "sum", "union"])
+@pytest.mark.parametrize("group", ["head", "max", "sum", "union", "share", "rank"])
 def test_decode_picks_match_the_reference(sink, probe, group):
     rng = np.random.default_rng(hash((sink, probe, group)) % 2**32)
     for k, seq, with_imp in ((1, 9 * BS, False), (3, 11 * BS + 7, True), (6, 20 * BS - 1, True)):
@@ -186,18 +187,14 @@ def test_decode_picks_match_the_reference(sink, probe, group):
         n = seq + 1
         for kh in range(N_KV):
             scores = [ref_scores(c, q[kh * GROUP + g], kh, probe) for g in range(GROUP)]
-            if group in ("max", "sum"):
-                s = scores[0].copy()
-                for x in scores[1:]:
-                    s = np.maximum(s, x) if group == "max" else (s + x).astype(np.float32)
-                scores = [s] * GROUP
+            scores = group_scores(scores, group, lambda x: select_with(x, imp, n, k, sink))
             for g in range(GROUP):
                 want = select_with(scores[g], imp, n, k, sink)
                 got = picks[kh * GROUP + g]
                 assert got[got >= 0].tolist() == want.tolist(), (kh, g, k)
                 if sink != "off":
                     assert got[0] == 0                            # the sink is always kept
-            if group in ("max", "sum"):                           # one selection per kv head
+            if group not in ("head", "union"):                    # one selection per kv head
                 assert all(np.array_equal(picks[kh * GROUP], picks[kh * GROUP + g])
                            for g in range(GROUP))
 
@@ -236,7 +233,7 @@ def test_sketch_decode_picks_on_every_variant(isa):
 
 
 @pytest.mark.parametrize("probe", ["bound", "sketch"])
-@pytest.mark.parametrize("group", ["head", "max", "union"])
+@pytest.mark.parametrize("group", ["head", "max", "union", "share", "rank"])
 def test_prefill_rows_with_options(group, probe):
     """A first prefill (no importance): each sparse row's picks as the reference over its
     causal prefix; checked on the last row, whose block bounds hold no later token."""
@@ -258,8 +255,7 @@ def test_prefill_rows_with_options(group, probe):
     qs = q[-1].reshape(N_HEADS, HD)
     for kh in range(N_KV):
         scores = [ref_scores(c, qs[kh * GROUP + g], kh, probe) for g in range(GROUP)]
-        if group == "max":
-            scores = [np.maximum(np.maximum(scores[0], scores[1]), scores[2])] * GROUP
+        scores = group_scores(scores, group, lambda x: select_with(x, None, seq, k, "out"))
         for g in range(GROUP):
             want = select_with(scores[g], None, seq, k, "out")
             assert sel[-1, kh * GROUP + g].tolist() == want.tolist()
@@ -405,7 +401,8 @@ def test_window_importance_from_the_last_rows_only():
 
 @pytest.mark.parametrize("recent", [1, 3])
 @pytest.mark.parametrize("importance", [True, False])
-@pytest.mark.parametrize("sink,group", [("off", "head"), ("out", "union"), ("in", "sum")])
+@pytest.mark.parametrize("sink,group", [("off", "head"), ("out", "union"), ("in", "sum"),
+                                        ("out", "rank")])
 def test_recent_blocks_and_no_importance_decode_picks(recent, importance, sink, group):
     rng = np.random.default_rng(recent * 7 + importance + len(sink) + len(group))
     for k, seq in ((2, 9 * BS + 4), (5, 16 * BS - 1)):
@@ -420,11 +417,8 @@ def test_recent_blocks_and_no_importance_decode_picks(recent, importance, sink, 
         assert picks.shape[1] == k + (sink == "out") + recent
         for kh in range(N_KV):
             scores = [ref_scores(c, q[kh * GROUP + g], kh, "sample") for g in range(GROUP)]
-            if group == "sum":
-                s = scores[0].copy()
-                for x in scores[1:]:
-                    s = (s + x).astype(np.float32)
-                scores = [s] * GROUP
+            scores = group_scores(scores, group,
+                                  lambda x: select_with(x, imp, n, k, sink, recent=recent))
             for g in range(GROUP):
                 want = select_with(scores[g], imp, n, k, sink, recent=recent)
                 got = picks[kh * GROUP + g]

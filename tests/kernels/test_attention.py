@@ -112,8 +112,8 @@ def test_attention_rejects_bad_input():
 # int8 cache, block-sparse selection, prefill importance (docs/DESIGN.md §2-§3)
 
 from kestrel_cli.kv_cache import CacheSpec, KVCache            # noqa: E402
-from kestrel_cli.sparse import (importance_order, probe_scores, select_blocks,  # noqa: E402
-                                select_with)
+from kestrel_cli.sparse import (group_scores, importance_order, probe_scores,  # noqa: E402
+                                select_blocks, select_with)
 
 
 def q8_cache(K, V, kv_bs=32):        # kv_bs: the cache's block, kernels.KV_BLOCK
@@ -476,6 +476,8 @@ PREFILL_OPTS = [
     ("out", "sum", 1, True, False, 0, (8, 1), 16),         # MQA group 8: 4-row tiles
     ("off", "union", 2, False, True, 0, (12, 2), 36),      # group 6: 5-row tiles, recent 2
     ("out", "head", 0, True, True, 0, (4, 2), 32),         # bound probe, sink outside
+    ("off", "share", 1, False, True, 0, (6, 2), 32),       # pooled shares
+    ("out", "rank", 1, False, True, 0, (6, 2), 32),        # the heads' picks in turns
 ]
 
 
@@ -496,11 +498,8 @@ def sparse_prefill_ref(q, Kd, Vd, pos0, scale, k, n_probe, prior, opts, score):
             toks = {h: np.arange(n) for h in heads}
             if -(-n // 32) > ktot:
                 sc = [score(q[i, h], kh, n) for h in heads]
-                if pool in ("max", "sum"):
-                    s = sc[0].copy()
-                    for x in sc[1:]:
-                        s = np.maximum(s, x) if pool == "max" else (s + x).astype(np.float32)
-                    sc = [s] * group
+                sc = group_scores(sc, pool, lambda x: select_with(x, imp, n, k, sink,
+                                                                  recent=recent))
                 own = {h: select_with(sc[g], imp, n, k, sink, recent=recent)
                        for g, h in enumerate(heads)}
                 both = np.unique(np.concatenate(list(own.values())))
