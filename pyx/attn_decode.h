@@ -82,7 +82,7 @@ KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
 /* The rest skips a block whose sketched mass is below e^KA_REST_FLOOR of the head's
  * largest block mass (phase P keeps the threshold per head in tab). */
 #ifndef KA_REST_FLOOR
-#define KA_REST_FLOOR -16.0f
+#define KA_REST_FLOOR -10.0f
 #endif
 
 /* Phase P for query head h: its picks (pick order into sel + h * ka_ktot(k, sopt) when sel
@@ -325,6 +325,11 @@ KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdi
             if (!ng)
                 continue;
             const uint8_t *x = kv->bnd + (kh * kv->bcap + b) * B * hd + h2 * B;
+#if defined(__GNUC__) || defined(__clang__)
+            if (b + 1 < b1)                  /* the next block's value sketch */
+                for (ptrdiff_t c = 0; c < B * h2; c += 64)
+                    __builtin_prefetch(x + B * hd + c, 0, 3);
+#endif
             ka_rest_dots_any(kv->x86v3, x, hd, ng, w8, dots);
             for (ptrdiff_t g = 0; g < ng; g++) {
                 const ptrdiff_t h = hs[g];
