@@ -698,6 +698,7 @@ SKETCH_HD_MAX = _lib.SKETCH_HD_MAX   # most head_dim of the sketch probe
 REST = _lib.REST             # sparse_opts bit: decode also counts the blocks not picked
 SHARE = _lib.SHARE           # sparse_opts bit: pooled picks from each head's probe shares
 RANK = _lib.RANK             # sparse_opts bit: pooled picks, the heads' own picks in turns
+REST_FLOOR = _lib.REST_FLOOR  # the rest skips blocks below e^REST_FLOOR of a head's largest mass
 
 
 def sketch_update(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int, head_dim: int,

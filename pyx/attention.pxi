@@ -59,6 +59,7 @@ cdef extern from "attention.h" nogil:
         KA_RANK
         KA_SKHDMAX
         KA_SKBS
+    const float KA_REST_FLOOR
     void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind, Py_ssize_t bs,
                           Py_ssize_t n_kv,
                           Py_ssize_t hd, Py_ssize_t r0, Py_ssize_t r1, uint8_t *skt,
@@ -105,6 +106,7 @@ SKETCH_HD_MAX = KA_SKHDMAX  # most head_dim with the sketch probe
 REST = KA_REST              # sparse_opts bit: decode also counts the blocks not picked
 SHARE = KA_SHARE            # sparse_opts bit: pooled picks from each head's probe shares
 RANK = KA_RANK              # sparse_opts bit: pooled picks, the heads' own picks in turns
+REST_FLOOR = KA_REST_FLOOR  # the rest skips blocks below e^REST_FLOOR of a head's largest mass
 
 
 def kv_q8_layout(Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim):

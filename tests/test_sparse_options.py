@@ -471,13 +471,14 @@ def test_recent_and_importance_flags():
 
 # ---------------------------------------------------------------- the rest estimate
 
-@pytest.mark.parametrize("group", ["head", "union"])
+@pytest.mark.parametrize("group", ["head", "union", "rank"])
 @pytest.mark.parametrize("dtype", ["f32", "q8"])
 def test_rest_decode_matches_numpy(group, dtype, isa):
     """--sparse-rest: a decode head's output is the softmax over its picks' exact scores
     and, for each block it does not attend, one pseudo-token (the block's sketch mass; its
     sketched values weighted by its tokens' sketched shares), in one normalisation: the
-    blocks not picked at 4 bits; without the option the picks alone."""
+    blocks not picked at 4 bits (those whose mass is below e^REST_FLOOR of the head's
+    largest skipped); without the option the picks alone."""
     rng = np.random.default_rng(23)
     kw = dict(sparse_k=3, sparse_probe="sketch", sparse_group=group, sparse_sink="out",
               sparse_importance=False)
@@ -496,6 +497,8 @@ def test_rest_decode_matches_numpy(group, dtype, isa):
     for h in range(N_HEADS):
         kh = h // GROUP
         mine = picks[kh * GROUP:(kh + 1) * GROUP] if group == "union" else picks[h:h + 1]
+        if group == "rank":                               # one selection for the group
+            assert np.array_equal(picks[h], picks[kh * GROUP])
         att = np.zeros(nb, bool)
         att[mine[mine >= 0]] = True
         K_ = rows_of(c, 0, n)[:, kh * HD:(kh + 1) * HD].astype(np.float64)
@@ -516,15 +519,51 @@ def test_rest_decode_matches_numpy(group, dtype, isa):
         u = np.zeros((nb * BS, HD))
         u[:n] = np.concatenate([vp & 15, vp >> 4], axis=1).astype(np.float64) - 8
         vm = np.einsum("bt,btd->bd", w8, u.reshape(nb, BS, HD)) * wmax / 127   # at 4 bits
-        m = max(s[tok].max(), lse[~att].max())
-        e = np.exp(s[tok] - m)
-        w = np.exp(lse[~att] - m)
-        want = (e @ V_[tok] + w @ vm[~att]) / (e.sum() + w.sum())
+        def rest_out(rest):
+            m = max(s[tok].max(), lse[rest].max(initial=-np.inf))
+            e, w = np.exp(s[tok] - m), np.exp(lse[rest] - m)
+            return (e @ V_[tok] + w @ vm[rest]) / (e.sum() + w.sum())
+        want = rest_out(~att & (lse >= lse.max() + kernels.REST_FLOOR))   # the floor
         np.testing.assert_allclose(got[h * HD:(h + 1) * HD], want, rtol=2e-4, atol=2e-5)
         p = np.exp(s[tok] - s[tok].max())
         np.testing.assert_allclose(plain[h * HD:(h + 1) * HD], p @ V_[tok] / p.sum(),
                                    rtol=2e-4, atol=2e-5)
     assert not np.allclose(got, plain)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8"])
+def test_rest_skips_blocks_below_the_floor(dtype, isa):
+    """Blocks whose sketched mass is below e^REST_FLOOR of the head's largest do not count:
+    6 blocks, every key a multiple of one axis so each block's scores are one value (0 for
+    blocks 0, 1, 5; -5 for block 2; REST_FLOOR - 2 for blocks 3, 4), k = 1 with the sink
+    and the recent block: blocks 0, 1, 5 attended, 2 counted at 4 bits, 3 and 4 skipped:
+    their values (x 1e4 or 0) change nothing; block 2's do."""
+    spec = CacheSpec(dtype, sparse_k=1, sparse_probe="sketch", sparse_rest=True,
+                     sparse_sink="out", sparse_recent=1, sparse_importance=False)
+    score = np.array([0, 0, -5, kernels.REST_FLOOR - 2, kernels.REST_FLOOR - 2, 0], np.float32)
+    n = 6 * BS
+    rng = np.random.default_rng(4)
+    v0 = rng.standard_normal((n, N_KV * HD)).astype(np.float32)
+
+    def decode(scale_blocks):
+        c = KVCache(1, N_KV, HD, n + 8, spec, threads=1)
+        axis = np.zeros(HD, np.float32)
+        axis[0] = 1.0
+        k = np.tile(np.repeat(score, BS)[:, None] * axis, (1, N_KV)).astype(np.float32)
+        v = v0.copy()
+        for b, f in scale_blocks.items():
+            v[b * BS:(b + 1) * BS] *= np.float32(f)
+        c.reserve(n - 1)
+        c.write(0, k[:n - 1], v[:n - 1])
+        c.commit(n - 1)
+        c.reserve(1)
+        c.write(0, k[n - 1:], v[n - 1:])
+        q = np.tile(axis / np.float32(c.scale), N_HEADS)[None].astype(np.float32)
+        return c.attend(0, q, np.empty_like(q))[0].copy()
+
+    base = decode({3: 1e4, 4: 1e4})
+    assert np.array_equal(base, decode({3: 0.0, 4: 0.0}))          # below the floor
+    assert not np.allclose(base, decode({3: 1e4, 4: 1e4, 2: 0.0}))  # above it: counted
 
 
 def rows_of(c, layer, n, values=False):
