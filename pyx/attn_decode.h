@@ -280,27 +280,9 @@ KF_INLINE int ka_is_rest(const uint8_t *mask, const float *probe, const float *f
     return !att && probe[h * nb + b] >= floor[h];
 }
 
-/* mx[i] (query head kh0 * group + i of the unit) := max(mx[i], the probes of its rest
- * blocks in part p): the part's softmax max before A2's value pass. */
-KF_INLINE void ka_decode_rest_max(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdiff_t kh1,
-                                  ptrdiff_t n_heads, ptrdiff_t nb, int sopt, float *tab,
-                                  float *mx)
-{
-    const ptrdiff_t hd = kv->hd, group = n_heads / kv->n_kv, h0 = kh0 * group;
-    const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
-    const int own = KA_POOL(sopt) != KA_POOL_UNION;
-    const uint8_t *mask = ka_tab_masks(tab, nb, n_heads, hd);
-    const float *probe = ka_tab_probes(tab, nb, n_heads, hd);
-    const float *floor = ka_tab_floor(tab, nb, n_heads, hd);
-    for (ptrdiff_t h = h0; h < kh1 * group; h++)
-        for (ptrdiff_t b = b0; b < b1; b++)
-            if (ka_is_rest(mask, probe, floor, h, group, nb, b, own) && probe[h * nb + b] > mx[h - h0])
-                mx[h - h0] = probe[h * nb + b];
-}
-
-/* After A2's value pass: part p's rest blocks into the states of the unit's heads (state
- * max already theirs: ka_decode_rest_max), a block's value dots once for all the heads of
- * its kv head that count it. */
+/* After A2's value pass: part p's rest blocks into the states of the unit's heads (a
+ * block above a state's max rescales it first), a block's value dots once for all the
+ * heads of its kv head that count it. */
 KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdiff_t kh1,
                               ptrdiff_t n_heads, ptrdiff_t nb, int sopt, float *tab)
 {
@@ -334,10 +316,18 @@ KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdi
             for (ptrdiff_t g = 0; g < ng; g++) {
                 const ptrdiff_t h = hs[g];
                 float *st = tab + (p * n_heads + h) * (hd + 2);
+                const float pb = probe[h * nb + b];
+                if (pb > st[0]) {                /* the new max (exp(-inf) = 0: no picks) */
+                    const float r = kf_expf(st[0] - pb);
+                    st[1] *= r;
+                    for (ptrdiff_t d = 0; d < hd; d++)
+                        st[2 + d] *= r;
+                    st[0] = pb;
+                }
                 int32_t sw = 0;
                 for (int t = 0; t < B; t++)
                     sw += w8[g][t];
-                const float f = kf_expf(probe[h * nb + b] - st[0]);
+                const float f = kf_expf(pb - st[0]);
                 const float fs = f * wt[(h * nb + b) * KA_RESTW + 8];
                 const int32_t *dg = dots + g * hd;
                 st[1] += f;
@@ -430,8 +420,6 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
             }
     for (int pass = 0; pass < 2; pass++) {              /* K: scores; V: weighted sums */
         const uint64_t *ptrs = pass ? kv->v_ptrs : kv->k_ptrs;
-        if (pass && rest)
-            ka_decode_rest_max(kv, p, kh0, kh1, n_heads, nb, sopt, tab, mx);
         if (pass)
             for (ptrdiff_t i = 0; i < nh; i++) {
                 float *st = tab + (p * n_heads + h0 + i) * (hd + 2);
