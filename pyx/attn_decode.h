@@ -33,9 +33,11 @@
 #if KF_X86_DISPATCH
 #define KA_SCORES_I8 ka_scores_i8
 #define KA_SCORES_HEADS_I8 ka_scores_heads_i8
+#define KA_PV_HEADS_I8 ka_pv_heads_i8
 #else
 #define KA_SCORES_I8(q, r, st, n, hd, s) ((void)0)
 #define KA_SCORES_HEADS_I8(q, ng, r, st, w, hd, out) ((void)0)
+#define KA_PV_HEADS_I8(p, ng, r, st, w, hd, acc) ((void)0)
 #endif
 
 #define KA_PB 4       /* blocks per decode part: 16 -> 4 measured ~10% faster decode */
@@ -471,6 +473,32 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
                         else
                             ka_scores_heads(q + kh * group * hd, group, rows, st, w, hd, outs);
                     }
+                    /* V: when every head of the group reads the block, their weighted
+                     * sums in one call (ka_pv_heads: the rows read once, the same bits) */
+                    int allv = pass && group > 1;
+                    for (ptrdiff_t g = 0; allv && mask != NULL && own && g < group; g++)
+                        allv = mask[(kh * group + g) * nb + b];
+                    if (allv) {
+                        float pw[KA_GMAX][KA_DW], *accs[KA_GMAX];
+                        const float *pp[KA_GMAX];
+                        for (ptrdiff_t g = 0; g < group; g++) {
+                            const ptrdiff_t h = kh * group + g, i = h - h0;
+                            const float *sg = ws->s + i * pt + cnt[i];
+                            if (sc != NULL) {
+                                for (ptrdiff_t j = 0; j < w; j++)
+                                    pw[g][j] = sg[j] * sc[j];
+                                sg = pw[g];
+                            }
+                            pp[g] = sg;
+                            accs[g] = tab + (p * n_heads + h) * (hd + 2) + 2;
+                            cnt[i] += w;
+                        }
+                        if (r8 != NULL)
+                            KA_PV_HEADS_I8(pp, group, r8, st, w, hd, accs);
+                        else
+                            ka_pv_heads_f32(pp, group, rows, st, w, hd, accs);
+                        continue;
+                    }
                     for (ptrdiff_t g = 0; g < group; g++) {
                         const ptrdiff_t h = kh * group + g, i = h - h0;
                         if (mask != NULL && own && !mask[h * nb + b])
@@ -480,7 +508,9 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
                             float ps[KA_DW];
                             for (ptrdiff_t j = 0; j < w; j++)
                                 ps[j] = sg[j] * sc[j];
-                            ka_pv_i8(ps, r8, st, w, hd, tab + (p * n_heads + h) * (hd + 2) + 2);
+                            const float *pp = ps;
+                            float *acc = tab + (p * n_heads + h) * (hd + 2) + 2;
+                            KA_PV_HEADS_I8(&pp, 1, r8, st, w, hd, &acc);
                         } else if (pass) {
                             ka_pv_scaled(sg, sc, rows, st, w, hd,
                                          tab + (p * n_heads + h) * (hd + 2) + 2);

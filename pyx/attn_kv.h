@@ -828,9 +828,8 @@ KF_INLINE float ka_exp_sum(float *restrict s, ptrdiff_t n, float m)
 /* acc[d] += sum_{i < n} p[i] * v[i * ld + d], d < hd, each in i order. Four keys per
  * pass over acc: acc[d] is loaded and stored once per four rows, and the four products
  * are added to it one after the other (the same sum, in the same order, as one key at a
- * time); the d loop is the vector one, its hd / lanes chains independent. The rows are
- * float32 (ka_pv_f32) or int8 (ka_pv_i8: read where they lie, each value converted to
- * float exactly in a register, so the same sums as over a converted copy). */
+ * time); the d loop is the vector one, its hd / lanes chains independent. Rows float32
+ * (int8 ones: ka_pv_heads_i8 below). */
 #define KA_PV_FN(NAME, T)                                                                \
     KF_INLINE void NAME(const float *restrict p, const T *restrict v, ptrdiff_t ld,      \
                         ptrdiff_t n, ptrdiff_t hd, float *restrict acc)                  \
@@ -856,7 +855,7 @@ KF_INLINE float ka_exp_sum(float *restrict s, ptrdiff_t n, float m)
         }                                                                                \
     }
 KA_PV_FN(ka_pv_f32, float)
-KA_PV_FN(ka_pv_i8, int8_t)
+
 
 /* s[i] = q . rows[i * st] (hd values each), i < n. Four keys per pass with the query
  * read once for all four: each dot keeps KA_SL partial sums (lane k: columns d = k mod
@@ -1022,7 +1021,53 @@ KA_SCORES_FN(KF_TARGET_AVX2 static inline, ka_scores_i8, int8_t, ka_ld8_i8)
 KA_DOTS_FN(KF_INLINE, ka_dots_4x2, float, ka_ld8, 4, 2)
 KA_DOTS_FN(KF_INLINE, ka_dots_8x1, float, ka_ld8, 8, 1)
 KA_SCORES_HEADS_FN(KF_INLINE, ka_scores_heads, float, ka_dots_4x2, ka_dots_8x1, ka_scores)
+
+/* acc[g][d] += sum_{i < n} p[g][i] * v[i * ld + d] for the ng heads g of one kv head
+ * that read the same n rows: ka_pv_f32's sums, element by element in i order (the same
+ * bits), with each row read (int8, avx2 entries: converted to float exactly, as
+ * ka_ld8_i8 does) once for KA_PVH heads, 2 * KA_SL dims at a time, the heads' sums held
+ * in registers over the n rows. */
+#define KA_PVH 4
+#define KA_PV_HEADS_FN(ATTR, NAME, T, LD)                                                \
+    ATTR void NAME(const float *const *p, ptrdiff_t ng, const T *restrict v,        \
+                        ptrdiff_t ld, ptrdiff_t n, ptrdiff_t hd, float *const *acc)      \
+    {                                                                                    \
+        ptrdiff_t d0 = 0;                                                                \
+        for (; d0 + 2 * KA_SL <= hd; d0 += 2 * KA_SL)                                    \
+            for (ptrdiff_t g0 = 0; g0 < ng; g0 += KA_PVH) {                              \
+                const ptrdiff_t m = ng - g0 < KA_PVH ? ng - g0 : KA_PVH;                 \
+                ka_v8 a[KA_PVH][2];                                                      \
+                for (int g = 0; g < KA_PVH; g++)                                         \
+                    if (g < m) {                                                         \
+                        a[g][0] = ka_ld8(acc[g0 + g] + d0);                              \
+                        a[g][1] = ka_ld8(acc[g0 + g] + d0 + KA_SL);                      \
+                    }                                                                    \
+                for (ptrdiff_t i = 0; i < n; i++) {                                      \
+                    const ka_v8 x0 = LD(v + i * ld + d0), x1 = LD(v + i * ld + d0 + KA_SL); \
+                    for (int g = 0; g < KA_PVH; g++)                                     \
+                        if (g < m) {                                                     \
+                            const float pi = p[g0 + g][i];                               \
+                            a[g][0] += pi * x0;                                          \
+                            a[g][1] += pi * x1;                                          \
+                        }                                                                \
+                }                                                                        \
+                for (int g = 0; g < KA_PVH; g++)                                         \
+                    if (g < m) {                                                         \
+                        memcpy(acc[g0 + g] + d0, &a[g][0], sizeof a[g][0]);              \
+                        memcpy(acc[g0 + g] + d0 + KA_SL, &a[g][1], sizeof a[g][1]);      \
+                    }                                                                    \
+            }                                                                            \
+        for (; d0 < hd; d0++)                                                            \
+            for (ptrdiff_t g = 0; g < ng; g++) {                                         \
+                float a = acc[g][d0];                                                    \
+                for (ptrdiff_t i = 0; i < n; i++)                                        \
+                    a += p[g][i] * (float)v[i * ld + d0];                                \
+                acc[g][d0] = a;                                                          \
+            }                                                                            \
+    }
+KA_PV_HEADS_FN(KF_INLINE, ka_pv_heads_f32, float, ka_ld8)
 #if KF_X86_DISPATCH
+KA_PV_HEADS_FN(KF_TARGET_AVX2 static inline, ka_pv_heads_i8, int8_t, ka_ld8_i8)
 KA_DOTS_FN(KF_TARGET_AVX2 static inline, ka_dots_4x2_i8, int8_t, ka_ld8_i8, 4, 2)
 KA_DOTS_FN(KF_TARGET_AVX2 static inline, ka_dots_8x1_i8, int8_t, ka_ld8_i8, 8, 1)
 KA_SCORES_HEADS_FN(KF_TARGET_AVX2 static, ka_scores_heads_i8, int8_t, ka_dots_4x2_i8,
@@ -1035,6 +1080,20 @@ KF_INLINE void ka_scores_heads(const float *restrict q, ptrdiff_t ng, const floa
     for (ptrdiff_t g = 0; g < ng; g++)
         ka_scores(q + g * hd, rows, st, w, hd, out[g]);
 }
+/* ka_pv_heads_f32 (above) without vector types: the same sums, one head at a time */
+#define KA_PV_HEADS_FN(NAME, T)                                                          \
+    KF_INLINE void NAME(const float *const *p, ptrdiff_t ng, const T *restrict v,        \
+                        ptrdiff_t ld, ptrdiff_t n, ptrdiff_t hd, float *const *acc)      \
+    {                                                                                    \
+        for (ptrdiff_t g = 0; g < ng; g++)                                               \
+            for (ptrdiff_t d = 0; d < hd; d++) {                                         \
+                float a = acc[g][d];                                                     \
+                for (ptrdiff_t i = 0; i < n; i++)                                        \
+                    a += p[g][i] * (float)v[i * ld + d];                                 \
+                acc[g][d] = a;                                                           \
+            }                                                                            \
+    }
+KA_PV_HEADS_FN(ka_pv_heads_f32, float)
 #endif
 
 /* acc (hd) += sum_{i < n} p[i] * s[i] * rows[i] (rows `st` floats apart; s NULL: 1), in
