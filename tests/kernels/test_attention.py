@@ -599,3 +599,40 @@ def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
         rows = sum(1 for i in range(T) if pos0 + i >= imp_from)
         assert abs(float(got.sum()) - rows * n_heads) < 1e-3 * rows
         assert np.all(got[:imp_from] >= 0)
+
+
+@pytest.mark.parametrize("isa", VARIANTS)
+@pytest.mark.parametrize("dtype", ["f32", "q8", "f16"])
+@pytest.mark.parametrize("group,hd,sparse_k", [(5, 40, 0), (2, 64, 0), (3, 64, 3), (6, 32, 4)])
+def test_gqa_decode_is_mha_over_copied_kv_heads(isa, dtype, group, hd, sparse_k):
+    """A kv head's query heads in one unit (scores and weighted sums of a block every
+    head reads in one call: ka_scores_heads, ka_pv_heads, up to 4 heads a pass) give the
+    bits each head gets alone: decode with group query heads per kv head equals, bit for
+    bit, decode over a cache with every kv head copied group times (one query head per
+    kv head). Exact (group 5: two passes of heads; hd 40: the tail dims) and the seed's
+    sparse selection (per-head picks: every head reads the recent block, some share
+    others)."""
+    kernels.set_isa(isa)
+    try:
+        rng = np.random.default_rng([group, hd, sparse_k, len(dtype)])
+        n_kv, n_tok = 2, 403
+        n_heads = n_kv * group
+        q = (rng.standard_normal((1, n_heads * hd)) * 2).astype(np.float32)
+        K = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
+        V = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
+        outs = []
+        for kv, Kc, Vc in ((n_kv, K, V), (n_heads, np.repeat(K, group, axis=1),
+                                          np.repeat(V, group, axis=1))):
+            c = KVCache(1, kv, hd, n_tok + 32, CacheSpec(dtype))
+            c.reserve(n_tok)
+            c.write(0, Kc.reshape(n_tok, -1), Vc.reshape(n_tok, -1))
+            c.commit(n_tok)
+            kp, vp = c.views(0, n_tok)
+            out = np.full((1, n_heads * hd), np.nan, np.float32)
+            kernels.attention(q, kp, vp, 32, kv, hd, n_tok - 1, hd ** -0.5, out, 2,
+                              kv_q8=dtype == "q8", kv_f16=dtype == "f16", sparse_k=sparse_k)
+            outs.append(out)
+        assert np.isfinite(outs[0]).all()
+        np.testing.assert_array_equal(outs[0], outs[1])
+    finally:
+        kernels.set_isa(VARIANTS[-1])
