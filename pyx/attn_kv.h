@@ -856,7 +856,6 @@ KF_INLINE float ka_exp_sum(float *restrict s, ptrdiff_t n, float m)
     }
 KA_PV_FN(ka_pv_f32, float)
 
-
 /* s[i] = q . rows[i * st] (hd values each), i < n. Four keys per pass with the query
  * read once for all four: each dot keeps KA_SL partial sums (lane k: columns d = k mod
  * KA_SL), summed pairwise, then the columns past the last multiple of KA_SL in order.
@@ -955,6 +954,16 @@ KA_SCORES_FN(KF_TARGET_AVX2 static inline, ka_scores_i8, int8_t, ka_ld8_i8)
  * row is loaded (and int8 converted) once for two heads; ka_scores takes the rows left
  * over. Every dot is ka_scores' (the same lanes, the same pairwise reduction, the same
  * tail): only the interleaving of independent sums changes, not a bit. */
+/* ka_pv_heads' dims d0 <= d < hd one at a time (its tail; all of them without vector
+ * types): acc[g][d] += p[g][i] * v[i * ld + d] in i order. */
+#define KA_PV_HEADS_COLS(d0)                                                             \
+    for (ptrdiff_t d = (d0); d < hd; d++)                                                \
+        for (ptrdiff_t g = 0; g < ng; g++) {                                             \
+            float a = acc[g][d];                                                         \
+            for (ptrdiff_t i = 0; i < n; i++)                                            \
+                a += p[g][i] * (float)v[i * ld + d];                                     \
+            acc[g][d] = a;                                                               \
+        }
 #if defined(__GNUC__) || defined(__clang__)
 #define KA_DOTS_FN(ATTR, NAME, T, LD, R, G)                                              \
     ATTR void NAME(const float *restrict q, ptrdiff_t qs, const T *restrict rows,        \
@@ -1057,13 +1066,7 @@ KA_SCORES_HEADS_FN(KF_INLINE, ka_scores_heads, float, ka_dots_4x2, ka_dots_8x1, 
                         memcpy(acc[g0 + g] + d0 + KA_SL, &a[g][1], sizeof a[g][1]);      \
                     }                                                                    \
             }                                                                            \
-        for (; d0 < hd; d0++)                                                            \
-            for (ptrdiff_t g = 0; g < ng; g++) {                                         \
-                float a = acc[g][d0];                                                    \
-                for (ptrdiff_t i = 0; i < n; i++)                                        \
-                    a += p[g][i] * (float)v[i * ld + d0];                                \
-                acc[g][d0] = a;                                                          \
-            }                                                                            \
+        KA_PV_HEADS_COLS(d0);                                                            \
     }
 KA_PV_HEADS_FN(KF_INLINE, ka_pv_heads_f32, float, ka_ld8)
 #if KF_X86_DISPATCH
@@ -1080,20 +1083,12 @@ KF_INLINE void ka_scores_heads(const float *restrict q, ptrdiff_t ng, const floa
     for (ptrdiff_t g = 0; g < ng; g++)
         ka_scores(q + g * hd, rows, st, w, hd, out[g]);
 }
-/* ka_pv_heads_f32 (above) without vector types: the same sums, one head at a time */
-#define KA_PV_HEADS_FN(NAME, T)                                                          \
-    KF_INLINE void NAME(const float *const *p, ptrdiff_t ng, const T *restrict v,        \
-                        ptrdiff_t ld, ptrdiff_t n, ptrdiff_t hd, float *const *acc)      \
-    {                                                                                    \
-        for (ptrdiff_t g = 0; g < ng; g++)                                               \
-            for (ptrdiff_t d = 0; d < hd; d++) {                                         \
-                float a = acc[g][d];                                                     \
-                for (ptrdiff_t i = 0; i < n; i++)                                        \
-                    a += p[g][i] * (float)v[i * ld + d];                                 \
-                acc[g][d] = a;                                                           \
-            }                                                                            \
-    }
-KA_PV_HEADS_FN(ka_pv_heads_f32, float)
+/* ka_pv_heads_f32 (above) without vector types: the same sums, a dim at a time */
+KF_INLINE void ka_pv_heads_f32(const float *const *p, ptrdiff_t ng, const float *restrict v,
+                               ptrdiff_t ld, ptrdiff_t n, ptrdiff_t hd, float *const *acc)
+{
+    KA_PV_HEADS_COLS(0);
+}
 #endif
 
 /* acc (hd) += sum_{i < n} p[i] * s[i] * rows[i] (rows `st` floats apart; s NULL: 1), in
