@@ -234,17 +234,19 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         qv[g].n = n_ctx;
     }
     if (mode == KA_DEC_PROBES && kv->bnd != NULL && kv->sketch) {
-        /* the sketch probe: the kv head's sketched keys of the part, for every head */
-        int8_t qi[KA_GMAX * KA_SKHDMAX];
-        float qs[KA_GMAX], cv[KA_GMAX];
-        int32_t qsum[KA_GMAX];
-        for (ptrdiff_t g = 0; g < group; g++)
-            qsum[g] = ka_sketch_query(qv[g].q, hd, kv->sk_scale, qi + g * hd, &qs[g], &cv[g]);
+        /* the sketch probe: the kv head's sketched keys of the part, for every head (the
+         * heads' sketch queries: ka_decode_team put them in ws) */
+        const int8_t *qi = ws->skq + kh * group * hd;
+        const float *qs = ws->skqs + kh * group, *cv = ws->skcv + kh * group;
+        const int32_t *qsum = ws->sksum + kh * group;
         float *rest = ka_tab_rest(tab, nb, n_heads, hd);
+        const int rw = (sopt & KA_REST) != 0;
+        for (ptrdiff_t b = b0; b < b1 && b < b0 + KA_SKPF; b++)   /* the unit's first */
+            ka_sketch_prefetch(kv, kh, b, rw);
         for (ptrdiff_t b = b0; b < b1; b++) {
             float sb[KA_GMAX], wb[KA_GMAX * KA_RESTW];
             if (b + KA_SKPF < nb)
-                ka_sketch_prefetch(kv, kh, b + KA_SKPF);
+                ka_sketch_prefetch(kv, kh, b + KA_SKPF, rw);
             ka_sketch_heads(kv, qi, group, qs, qsum, cv, kh, b, n_ctx, sb,
                             (sopt & KA_REST) ? wb : NULL);
             for (ptrdiff_t g = 0; g < group; g++) {

@@ -646,6 +646,80 @@ KF_INLINE void ka_rest_dots_any(int x86v3, const uint8_t *restrict x, ptrdiff_t 
     ka_rest_dots(x, hd, ng, w8, out);
 }
 
+#if KF_X86_DISPATCH
+/* kf_expf on 16 lanes (the same clamps, rounding and polynomial; the compiler's FMA
+ * contractions aside, the same values). */
+KF_TARGET_AVX512 static inline __m512 ka_exp16(__m512 x)
+{
+    const __m512 hi = _mm512_set1_ps(88.72283f), lo = _mm512_set1_ps(-87.33654f);
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                         _mm512_set1_epi32(127)), 23);
+    const __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    const __mmask16 over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
+    return _mm512_mask_mov_ps(_mm512_maskz_mov_ps((__mmask16)~under, y), over,
+                              _mm512_set1_ps(INFINITY));
+}
+
+/* ka_sketch_heads' scores from the dots, 16 tokens a vector (AVX-512): per query the
+ * block's log-sum-exp and (w) its rest weights, as the portable loops compute them but
+ * for the sums' order (a tree over lanes) and FMA contractions. sc: the block's 32 key
+ * then 32 value scales. */
+KF_TARGET_AVX512 static void ka_sketch_scores_avx512(int32_t (*restrict acc)[KA_SKBS],
+                                                     ptrdiff_t ng, const float *qs,
+                                                     const int32_t *qsum, const float *cv,
+                                                     const float *restrict sc, ptrdiff_t len,
+                                                     float *restrict out, float *restrict w)
+{
+    const __mmask16 m0 = len >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << len) - 1);
+    const __mmask16 m1 = len >= 32 ? (__mmask16)0xFFFF
+                                   : (len > 16 ? (__mmask16)((1u << (len - 16)) - 1) : 0);
+    const __m512 k0 = _mm512_loadu_ps(sc), k1 = _mm512_loadu_ps(sc + 16);
+    const __m512 kk0 = _mm512_mul_ps(k0, k0), kk1 = _mm512_mul_ps(k1, k1);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (ptrdiff_t g = 0; g < ng; g++) {
+        const __m512i off = _mm512_set1_epi32(8 * qsum[g]);
+        const __m512 f = _mm512_set1_ps(qs[g]), c = _mm512_set1_ps(cv[g]);
+        __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc[g]), off));
+        __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(acc[g] + 16), off));
+        s0 = _mm512_fmsub_ps(s0, _mm512_mul_ps(k0, f), _mm512_mul_ps(c, kk0));
+        s1 = _mm512_fmsub_ps(s1, _mm512_mul_ps(k1, f), _mm512_mul_ps(c, kk1));
+        s0 = _mm512_mask_mov_ps(ninf, m0, s0);
+        s1 = _mm512_mask_mov_ps(ninf, m1, s1);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        const __m512 vm = _mm512_set1_ps(mx);
+        const __m512 e0 = _mm512_maskz_mov_ps(m0, ka_exp16(_mm512_sub_ps(s0, vm)));
+        const __m512 e1 = _mm512_maskz_mov_ps(m1, ka_exp16(_mm512_sub_ps(s1, vm)));
+        const float l = _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+        out[g] = mx + logf(l);
+        if (w == NULL)
+            continue;
+        const __m512 inv = _mm512_set1_ps(1.0f / l);
+        const __m512 w0 = _mm512_mul_ps(_mm512_mul_ps(e0, inv), _mm512_loadu_ps(sc + 32));
+        const __m512 w1 = _mm512_mul_ps(_mm512_mul_ps(e1, inv), _mm512_loadu_ps(sc + 48));
+        const float wm = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1));
+        const __m512 fw = _mm512_set1_ps(wm > 0.0f ? 127.0f / wm : 0.0f);
+        int8_t *w8 = (int8_t *)(w + g * KA_RESTW);
+        _mm_storeu_si128((__m128i *)w8, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w0, fw))));
+        _mm_storeu_si128((__m128i *)(w8 + 16),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w1, fw))));
+        w[g * KA_RESTW + 8] = wm / 127.0f;
+    }
+}
+#endif
+
 /* Sketch scores of block b (tokens t < n_ctx) of kv head kh for ng int8 queries qi
  * (ng x hd, from ka_sketch_query: qs, qsum, cv): out[g] for g < ng (ka_sketch_dots, then
  * a log-sum-exp per query); w (or NULL): per query KA_RESTW floats, the block's rest
@@ -663,9 +737,11 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
     const float *sc = kv->bsc + i * 2 * B;
     int32_t acc[KA_SKGMAX][B];
 #if KF_X86_DISPATCH
-    if (kv->x86v3 && kf_isa >= KF_ISA_AVX512 && h2 % 2 == 0)
+    if (kv->x86v3 && kf_isa >= KF_ISA_AVX512 && h2 % 2 == 0) {
         ka_sketch_dots_avx512(x, h2, qi, ng, acc);
-    else if (kv->x86v3)
+        ka_sketch_scores_avx512(acc, ng, qs, qsum, cv, sc, len, out, w);
+        return;
+    } else if (kv->x86v3)
         ka_sketch_dots_avx2(x, h2, qi, ng, acc);
     else
 #endif
@@ -698,19 +774,21 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
 /* Prefetch hint for the sketch of block b of kv head kh (its bytes and token scales):
  * the decode probe asks for the block KA_SKPF ahead of the one it scores (the sketch is
  * read once per step, from memory; the hardware prefetcher alone left the scoring
- * waiting on its loads). */
+ * waiting on its loads); with the rest, the value scales too. */
+#ifndef KA_SKPF
 #define KA_SKPF 2
-KF_INLINE void ka_sketch_prefetch(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b)
+#endif
+KF_INLINE void ka_sketch_prefetch(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, int rest)
 {
 #if defined(__GNUC__) || defined(__clang__)
     const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
     const uint8_t *x = kv->bnd + i * KA_SKBS * 2 * h2;
     for (ptrdiff_t c = 0; c < KA_SKBS * h2; c += 64)         /* the key rows */
         __builtin_prefetch(x + c, 0, 3);
-    __builtin_prefetch(kv->bsc + i * 2 * KA_SKBS, 0, 3);
-    __builtin_prefetch(kv->bsc + i * 2 * KA_SKBS + 16, 0, 3);
+    for (ptrdiff_t c = 0; c < (rest ? 2 : 1) * KA_SKBS; c += 16)  /* key (value) scales */
+        __builtin_prefetch(kv->bsc + i * 2 * KA_SKBS + c, 0, 3);
 #else
-    (void)kv; (void)kh; (void)b;
+    (void)kv; (void)kh; (void)b; (void)rest;
 #endif
 }
 
@@ -1121,7 +1199,8 @@ KF_INLINE void ka_accum(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t j0
 
 /* One thread's scratch: one malloc, carved. cap: most tokens a query sees (a multiple of
  * bs); nq: most queries per tile; k: most picks (> 0: also a prefill tile's probes and
- * blocks per query); tile_e: keep the tile's exp values. */
+ * blocks per query); tile_e: keep the tile's exp values; nsk: query heads whose sketch
+ * queries it holds (decode with the sketch probe; 0: none). */
 typedef struct {
     float *s;            /* (cap,) one row's scores, then exp values */
     float *e;            /* (nq, cap) a tile's exp values (importance only) */
@@ -1138,11 +1217,14 @@ typedef struct {
     float *pq;           /* (nq, nbc) a prefill tile's probes per query (k > 0 only) */
     uint8_t *qmask;      /* (nq, nbc) a prefill tile's blocks per query (k > 0 only) */
     struct ka_q_ *qv;    /* (nq,) a tile's queries */
+    int8_t *skq;         /* (nsk, hd) the heads' sketch queries (ka_sketch_query) */
+    float *skqs, *skcv;  /* (nsk,) their scales and rounding-variance terms */
+    int32_t *sksum;      /* (nsk,) their sums */
     ptrdiff_t cap, nch, nbc;
 } ka_ws;
 
 static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq, int k,
-                               int tile_e)
+                               int tile_e, ptrdiff_t nsk)
 {
     ptrdiff_t nbc = cap / bs + 1, nch = cap / bs * ((bs + KA_W - 1) / KA_W) + 1;
     ptrdiff_t kk = k > 0 ? k : 1;
@@ -1151,7 +1233,7 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
                          + 3 * hd * KA_W + nbc + npq);
     size_t bytes = sizeof(ka_ws) + 64 + nf * sizeof(float) + 16 + (size_t)nq * sizeof(ka_q)
                    + (2 * (size_t)kk + (size_t)nbc) * sizeof(int32_t) + (size_t)nbc
-                   + (size_t)npq;
+                   + (size_t)npq + (size_t)nsk * (3 * sizeof(float) + (size_t)hd) + 16;
     ka_ws *w = (ka_ws *)malloc(bytes);
     if (w == NULL)
         return NULL;
@@ -1175,6 +1257,10 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
     w->blk = w->sel + kk;
     w->used = (uint8_t *)(w->blk + kk + nbc);
     w->qmask = k > 0 ? w->used + nbc : NULL;
+    w->skqs = (float *)(((uintptr_t)(w->used + nbc + npq) + 15) / 16 * 16);
+    w->skcv = w->skqs + nsk;
+    w->sksum = (int32_t *)(w->skcv + nsk);
+    w->skq = (int8_t *)(w->sksum + nsk);
     return w;
 }
 

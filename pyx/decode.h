@@ -99,7 +99,7 @@ static inline ka_ws *ka_decode_ws(const ka_kv *kv, ptrdiff_t n_heads, ptrdiff_t 
     const int nth = omp_get_num_threads();
     ptrdiff_t nb = (n_ctx + kv->bs - 1) / kv->bs, cap, group = n_heads / kv->n_kv;
     ka_decode_chunks(kv->n_kv, group, ka_decode_parts(nb), kv->bs, n_ctx, nth, &cap);
-    return ka_ws_new(cap, kv->bs, kv->hd, (int)group, ka_ktot(k, sopt), 0);
+    return ka_ws_new(cap, kv->bs, kv->hd, (int)group, ka_ktot(k, sopt), 0, n_heads);
 }
 
 /* One decode row of attention (attn_decode.h's phases A1, P, A / A2, M as worksharing
@@ -119,6 +119,10 @@ static void ka_decode_team(const ka_kv *kv, const float *q, ptrdiff_t n_heads,
     const ptrdiff_t nc = ka_decode_chunks(n_kv, group, n_parts, kv->bs, n_ctx, nth, &cap);
     ptrdiff_t i;
     if (sparse) {
+        if (ws != NULL && kv->bnd != NULL && kv->sketch)  /* each thread: the sketch queries */
+            for (ptrdiff_t h = 0; h < n_heads; h++)
+                ws->sksum[h] = ka_sketch_query(q + h * hd, hd, kv->sk_scale, ws->skq + h * hd,
+                                               &ws->skqs[h], &ws->skcv[h]);
 #pragma omp for schedule(dynamic, 1)
         for (i = 0; i < n_parts; i++)                                 /* A1 */
             for (ptrdiff_t kh = 0; kh < n_kv; kh++)

@@ -70,6 +70,7 @@ CONFIGS = {
     "recent1": {"sparse_recent": 1},
     "recent2": {"sparse_recent": 2},
     "noimp": {"sparse_importance": False},
+    "imp": {"sparse_importance": True},
 }
 
 
