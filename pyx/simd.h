@@ -189,19 +189,31 @@ KF_INLINE uint16_t kf_f32_f16(float f)
 #pragma GCC push_options
 #pragma GCC optimize("no-trapping-math")
 #endif
+/* its constants, shared with the intrinsic forms (attn_kv.h ka_exp16) */
+#define KF_EXP_HI 88.72283f
+#define KF_EXP_LO -87.33654f
+#define KF_EXP_LOG2E 1.44269504088896341f
+#define KF_EXP_LN2_HI 0.693359375f
+#define KF_EXP_LN2_LO -2.12194440e-4f
+#define KF_EXP_P0 1.9875691500e-4f
+#define KF_EXP_P1 1.3981999507e-3f
+#define KF_EXP_P2 8.3334519073e-3f
+#define KF_EXP_P3 4.1665795894e-2f
+#define KF_EXP_P4 1.6666665459e-1f
+#define KF_EXP_P5 5.0000001201e-1f
 KF_INLINE float kf_expf(float x)
 {
-    const float hi = 88.72283f, lo = -87.33654f;
+    const float hi = KF_EXP_HI, lo = KF_EXP_LO;
     float xc = x > hi ? hi : (x < lo ? lo : x);
-    float n = kf_rint(xc * 1.44269504088896341f);
-    float r = xc - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float n = kf_rint(xc * KF_EXP_LOG2E);
+    float r = xc - n * KF_EXP_LN2_HI;
+    r = r - n * KF_EXP_LN2_LO;
+    float p = KF_EXP_P0;
+    p = p * r + KF_EXP_P1;
+    p = p * r + KF_EXP_P2;
+    p = p * r + KF_EXP_P3;
+    p = p * r + KF_EXP_P4;
+    p = p * r + KF_EXP_P5;
     p = p * r * r + r + 1.0f;
     int32_t e = ((int32_t)n + 127) << 23;                 /* 2^n, n in [-126, 128] */
     float y = p * kf_bits_f32((uint32_t)e);
