@@ -84,7 +84,7 @@ KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
 /* The rest skips a block whose sketched mass is below e^KA_REST_FLOOR of the head's
  * largest block mass (phase P keeps the threshold per head in tab). */
 #ifndef KA_REST_FLOOR
-#define KA_REST_FLOOR -10.0f
+#define KA_REST_FLOOR -6.0f
 #endif
 
 /* Phase P for query head h: its picks (pick order into sel + h * ka_ktot(k, sopt) when sel

@@ -120,7 +120,9 @@ def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
 #                        rest=true: their true mass, mean value; rest=top: each one's top
 #                        token exact, the others' true mass at the mean value; rest=v4:
 #                        every token at its true weight, its value at 4 bits; rest=v4s:
-#                        at its sketched weight (what a kernel would have)
+#                        at its sketched weight (what a kernel would have); rest=tierT:
+#                        v4s in the blocks within e^-T of the head's largest block
+#                        mass, the others at their sketched mass and mean value
 
 def parse_sim(config: str) -> dict:
     """The policy of a "sim:key=val:..." config."""
@@ -342,20 +344,29 @@ class SimAttend:
             m = np.maximum(st.max(axis=1), np.where(sel, -np.inf, lse).max(axis=1))
             e = np.exp(st - m[:, None])
             w = np.where(sel, 0.0, np.exp(lse - m[:, None]))            # (nh, nb)
-            if rest in ("v4", "v4s"):  # every unpicked token at its true (v4) or sketched
-                # (v4s: 4-bit key, less the rounding's mean inflation) weight, value at 4 bits
+            tier = rest.startswith("tier")
+            if rest in ("v4", "v4s") or tier:  # every unpicked token at its true (v4) or
+                # sketched (v4s: 4-bit key, less the rounding's mean inflation) weight, value
+                # at 4 bits; tierT: so only in the blocks within e^-T of the head's largest
+                # block mass, the others at their sketched mass and mean value
                 vmax = np.abs(vq).max(axis=2, keepdims=True)
                 vsc = np.where(vmax > 0, vmax / 7, 1.0)
                 vd = np.clip(np.rint(vq / vsc), -7, 7) * vsc
-                if rest == "v4s":
+                if rest == "v4s" or tier:
                     cv = (c.scale ** 2 * (qh ** 2).sum(axis=1) / 24)[:, None]   # (nh, 1)
                     sw = sa - cv * np.repeat(ksc[:, :, 0].T ** 2, group, axis=0)
                     eu = np.where(tok, 0.0, np.exp(np.minimum(sw - m[:, None], 0.0)))
                 else:
                     eu = np.where(tok, 0.0, np.exp(s - m[:, None]))
+                wl = np.zeros_like(w)
+                if tier:
+                    hi = lse - lse.max(axis=1, keepdims=True) >= -float(rest[4:])
+                    eu = np.where(np.repeat(hi, c.kv_bs, axis=1)[:, :n], eu, 0.0)
+                    wl = np.where(hi, 0.0, w)
                 num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)
-                       + np.einsum("kgn,nkd->kgd", eu.reshape(nkv, group, n), vd))
-                den = (e.sum(axis=1) + eu.sum(axis=1)).reshape(nkv, group, 1)
+                       + np.einsum("kgn,nkd->kgd", eu.reshape(nkv, group, n), vd)
+                       + np.einsum("kgb,bkd->kgd", wl.reshape(nkv, group, nb), vmean))
+                den = (e.sum(axis=1) + eu.sum(axis=1) + wl.sum(axis=1)).reshape(nkv, group, 1)
                 out[0] = (num / den).reshape(-1)
                 return out
             num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)

@@ -129,13 +129,18 @@ def test_sim_rest_variants_order_as_measured():
     q = rng.standard_normal((1, N_HEADS * HD)).astype(np.float32) * 0.5
     exact = c.attend(0, q, np.empty_like(q)).copy()
     err = {}
-    for rest in ("off", "mean", "true", "top", "v4", "v4s"):
+    outs = {}
+    for rest in ("off", "mean", "true", "top", "v4", "v4s", "tier1", "tier100"):
         pol = se.parse_sim(f"sim:probe=q4:group=union:sink=out:recent=1:rest={rest}")
-        sim = se.SimAttend(c, pol, 2)(0, q, np.empty_like(q))
-        err[rest] = float(np.abs(sim - exact).max())
+        outs[rest] = se.SimAttend(c, pol, 2)(0, q, np.empty_like(q)).copy()
+        err[rest] = float(np.abs(outs[rest] - exact).max())
     assert err["v4"] < 0.1 * err["off"] and err["v4s"] < 0.1 * err["off"]
     assert err["v4"] < err["top"] < err["true"]
     assert err["true"] < err["off"]          # spread heads: the means beat dropping them
+    # tiers: 4-bit values within e^-T of a head's largest block mass, means below it; a
+    # tier below every block is v4s, and e^-1 here sits between v4s and the means
+    np.testing.assert_array_equal(outs["tier100"], outs["v4s"])
+    assert err["v4s"] < err["tier1"] < err["mean"]
 
 
 def test_bad_input_is_one_line(tmp_path):
