@@ -141,6 +141,11 @@ def parse_sim(config: str) -> dict:
             pol[key] = val
     if pol["oracle"] not in (None, "mass", "max", "kvmass"):
         sys.exit(f"unknown oracle {pol['oracle']!r}: mass, max or kvmass")
+    rest = pol["rest"]
+    if rest not in ("off", "mean", "true", "top", "v4", "v4s") and not (
+            rest.startswith("tier") and rest[4:].replace(".", "", 1).isdigit()):
+        sys.exit(f"unknown rest {rest!r} in {config!r}: off, mean, true, top, v4, v4s or "
+                 f"tierT (T >= 0, e.g. tier6)")
     return pol
 
 
@@ -358,15 +363,17 @@ class SimAttend:
                     eu = np.where(tok, 0.0, np.exp(np.minimum(sw - m[:, None], 0.0)))
                 else:
                     eu = np.where(tok, 0.0, np.exp(s - m[:, None]))
-                wl = np.zeros_like(w)
-                if tier:
-                    hi = lse - lse.max(axis=1, keepdims=True) >= -float(rest[4:])
-                    eu = np.where(np.repeat(hi, c.kv_bs, axis=1)[:, :n], eu, 0.0)
-                    wl = np.where(hi, 0.0, w)
+                if tier:             # the blocks below the tier: their means, not 4 bits
+                    lo = lse - lse.max(axis=1, keepdims=True) < -float(rest[4:])
+                    eu = np.where(np.repeat(lo, c.kv_bs, axis=1)[:, :n], 0.0, eu)
                 num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)
-                       + np.einsum("kgn,nkd->kgd", eu.reshape(nkv, group, n), vd)
-                       + np.einsum("kgb,bkd->kgd", wl.reshape(nkv, group, nb), vmean))
-                den = (e.sum(axis=1) + eu.sum(axis=1) + wl.sum(axis=1)).reshape(nkv, group, 1)
+                       + np.einsum("kgn,nkd->kgd", eu.reshape(nkv, group, n), vd))
+                den = e.sum(axis=1) + eu.sum(axis=1)
+                if tier:
+                    wl = np.where(lo, w, 0.0)
+                    num += np.einsum("kgb,bkd->kgd", wl.reshape(nkv, group, nb), vmean)
+                    den += wl.sum(axis=1)
+                den = den.reshape(nkv, group, 1)
                 out[0] = (num / den).reshape(-1)
                 return out
             num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)

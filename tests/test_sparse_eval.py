@@ -154,3 +154,8 @@ def test_bad_input_is_one_line(tmp_path):
     with pytest.raises(SystemExit) as e:
         se.main(["speed", "--configs", "sim:oracle=mass"])      # default k accepted
     assert "sim:" in str(e.value)
+    for bad in ("tierx", "tier", "v5"):                      # a rest it does not know
+        with pytest.raises(SystemExit) as e:
+            se.parse_sim(f"sim:probe=q4:rest={bad}")
+        assert "unknown rest" in str(e.value)
+    assert se.parse_sim("sim:rest=tier6.5")["rest"] == "tier6.5"
