@@ -72,7 +72,7 @@ cdef extern from "attention.h" nogil:
     Py_ssize_t ka_q8_block_bytes(Py_ssize_t bs, Py_ssize_t n_kv, Py_ssize_t hd) noexcept
     float ka_quant_row(const float *x, Py_ssize_t n, int8_t *q) noexcept
     ka_ws *ka_ws_new(Py_ssize_t cap, Py_ssize_t bs, Py_ssize_t hd, int nq, int k,
-                     int tile_e, Py_ssize_t nsk) noexcept
+                     int tile_e, Py_ssize_t nsk, Py_ssize_t stage) noexcept
     Py_ssize_t ka_tile_rows(Py_ssize_t group) noexcept
     Py_ssize_t ka_decode_parts(Py_ssize_t nb) noexcept
     Py_ssize_t ka_decode_tab(Py_ssize_t nb, Py_ssize_t n_heads, Py_ssize_t hd) noexcept
@@ -241,7 +241,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     nt = team_size(n_threads, KA_SLOTS if U > KA_SLOTS else U, 1)
     with nogil, parallel(num_threads=nt):
         ws = ka_ws_new(cap, kv_bs, head_dim, <int> (rt * (n_heads // n_kv_heads)), kt,
-                       imp_p != NULL, 0)
+                       imp_p != NULL, 0, 0)
         if ws == NULL:
             p_failed[0] = 1
         # slot s runs units s, s + KA_SLOTS, ... in order; causal rows get longer with the

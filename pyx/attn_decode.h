@@ -344,12 +344,15 @@ KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdi
 /* Phase A / A2, token-major: unit = (part p, kv heads kh0 <= kh < kh1). The cache is
  * token-major (SPEC §4: a token's kv heads side by side), so the unit walks each block
  * KA_DW tokens at a time, all its kv heads for those tokens before the next ones: the
- * chunk's rows are one contiguous span of memory (for a unit of every kv head), read
- * in address order, the next chunk prefetched while this one is scored. (One kv head
- * at a time read 64..256 bytes every kv_dim bytes: 2 KiB strides that neither the
- * hardware prefetcher nor the TLB follow; measured 5 GB/s.) Each query head's scores,
- * softmax state and weighted sum are computed with the same operations in the same
- * order as a unit of one kv head would: the chunking changes no bit.
+ * chunk's rows are one contiguous span of memory (for a unit of every kv head). Scoring
+ * takes them kv head by kv head, which is not address order: exact float32 rows under a
+ * page are first copied into a stage in address order (see the chunk loop), sparse
+ * units ask for their picked rows up front, int8 / float16 chunks prefetch the next one.
+ * (One kv head at a time over a whole block read 64..256 bytes every kv_dim bytes: 2 KiB
+ * strides that neither the hardware prefetcher nor the TLB follow; measured 5 GB/s.)
+ * Each query head's scores, softmax state and weighted sum are computed with the same
+ * operations in the same order as a unit of one kv head would: the chunking (and the
+ * stage: the same values) changes no bit.
  * picked: A2 (a head reads the blocks its row of the mask table picks, or with
  * KA_POOL_UNION those its kv head's group picked), else exact. */
 #ifndef KA_DW
@@ -359,6 +362,34 @@ KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdi
 #define KA_SPAN_LOC 1  /* int8 / float16 spans: __builtin_prefetch locality (1: to L2) */
 #endif
 #define KA_HMAX 256   /* most query heads in a unit */
+#ifndef KA_STAGE_ROW
+#define KA_STAGE_ROW 4096  /* stage cache rows (every kv head) of fewer bytes (a page) */
+#endif
+
+/* Sparse A2: the rows (nr) of block b its reading kv heads among kh0 <= kh < kh1 hold, to
+ * L2, all at the start of the unit. Picked blocks lie apart, each read once, too short a
+ * stream for the hardware prefetcher to ramp up on: asking for all of the unit's rows at
+ * once keeps many misses in flight (measured: sparse decode attention ~20% faster). */
+#ifndef KA_BLOCK_LOC
+#define KA_BLOCK_LOC 1
+#endif
+KF_INLINE void ka_prefetch_block(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t b,
+                                 ptrdiff_t nr, ptrdiff_t kh0, ptrdiff_t kh1,
+                                 const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    const uint8_t *blk = ka_blk(ptrs, b);
+    const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), row = kv->ld * es, len = kv->hd * es;
+    for (ptrdiff_t kh = kh0; kh < kh1; kh++)
+        if (ka_read(mask + kh * group * nb, group, nb, b))
+            for (ptrdiff_t j = 0; j < nr; j++)
+                for (ptrdiff_t c = kh * len; c < (kh + 1) * len; c += 64)
+                    __builtin_prefetch(blk + j * row + c, 0, KA_BLOCK_LOC);
+#else
+    (void)kv; (void)ptrs; (void)b; (void)nr; (void)kh0; (void)kh1; (void)mask; (void)group;
+    (void)nb;
+#endif
+}
 
 KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t b,
                                 ptrdiff_t j0, ptrdiff_t w, ptrdiff_t kh0, ptrdiff_t kh1,
@@ -367,8 +398,10 @@ KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t
 #if defined(__GNUC__) || defined(__clang__)
     const uint8_t *blk = ka_blk(ptrs, b);
     const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), row = kv->ld * es, len = kv->hd * es;
-    /* int8 and float16 rows to L2 (measured ~10-20% faster than to L1), float32 rows to
-     * L1 (~5-10% faster than to L2) */
+    /* int8 and float16 rows to L2 (measured ~10-20% faster than to L1); float32 rows not
+     * at all: read forward (staged or a page a row), the hardware prefetcher runs ahead
+     * of them, and these prefetches, at most a dozen or two in flight, only held it back
+     * (measured: exact decode 8-10% slower with them, on the 135M and 1.7B shapes) */
 #define KA_PF_SPAN(LOC)                                                                  \
     if (mask == NULL) {                 /* every head: the rows' contiguous span */          \
         for (ptrdiff_t i = 0; i < w; i++)                                                    \
@@ -381,9 +414,7 @@ KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t
                     for (ptrdiff_t c = kh * len; c < (kh + 1) * len; c += 64)                \
                         __builtin_prefetch(blk + (j0 + i) * row + c, 0, LOC);                \
     }
-    if (es == 4) {
-        KA_PF_SPAN(3)
-    } else {
+    if (es != 4) {
         KA_PF_SPAN(KA_SPAN_LOC)
     }
 #undef KA_PF_SPAN
@@ -396,6 +427,22 @@ KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t
 #endif
 }
 
+/* w rows (src: the first) of kv heads kh0 <= kh < kh1 into stage as rows of
+ * (kh1 - kh0) * hd values, copied in address order: one span for every kv head, else a
+ * run a row. */
+KF_INLINE void ka_stage_rows(const ka_kv *kv, const uint8_t *src, ptrdiff_t w, ptrdiff_t kh0,
+                             ptrdiff_t kh1, uint8_t *restrict stage)
+{
+    const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), len = kv->hd * es;
+    const ptrdiff_t row = kv->ld * es, srow = (kh1 - kh0) * len;
+    if (srow == row) {
+        memcpy(stage, src, (size_t)(w * row));
+        return;
+    }
+    for (ptrdiff_t i = 0; i < w; i++)
+        memcpy(stage + i * srow, src + i * row + kh0 * len, (size_t)srow);
+}
+
 KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptrdiff_t kh0,
                                ptrdiff_t kh1, ptrdiff_t n_heads, ptrdiff_t n_ctx, float scale,
                                int picked, int sopt, ka_ws *ws, float *tab)
@@ -406,6 +453,7 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
     const ptrdiff_t group = n_heads / kv->n_kv, h0 = kh0 * group, nh = (kh1 - kh0) * group;
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
     const ptrdiff_t pt = KA_PB * bs;                     /* a head's score slots */
+    const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4);  /* bytes a cache value */
     /* mask[h * nb + b]: query head h attends block b (phase P's table) */
     const uint8_t *mask = !picked ? NULL : ka_tab_masks(tab, nb, n_heads, hd);
     const int rest = picked && (sopt & KA_REST) && kv->sketch;
@@ -422,6 +470,12 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
                 bl[nbl++] = b;
                 break;
             }
+    if (mask != NULL)                   /* sparse: the unit's picked rows, K and V */
+        for (int pass = 0; pass < 2; pass++)
+            for (ptrdiff_t ib = 0; ib < nbl; ib++)
+                ka_prefetch_block(kv, pass ? kv->v_ptrs : kv->k_ptrs, bl[ib],
+                                  n_ctx - bl[ib] * bs < bs ? n_ctx - bl[ib] * bs : bs, kh0, kh1,
+                                  mask, group, nb);
     for (int pass = 0; pass < 2; pass++) {              /* K: scores; V: weighted sums */
         const uint64_t *ptrs = pass ? kv->v_ptrs : kv->k_ptrs;
         if (pass)
@@ -450,16 +504,31 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
                                      n_ctx - bl[ib + 1] * bs < KA_DW
                                          ? n_ctx - bl[ib + 1] * bs : KA_DW, kh0, kh1,
                                      mask, group, nb);
+                /* exact, float32 rows of less than a page (KA_STAGE_ROW bytes): the
+                 * chunk's rows, copied into the stage in address order (ka_stage_rows).
+                 * Read in place kv head by kv head, the reads would go back and forth
+                 * within each page and the hardware prefetcher, which follows a page's
+                 * lines going one way, stops (measured: exact decode attention at a third
+                 * of the read bandwidth); rows of a page or more are read in place (each
+                 * page holds one row, read forward). Sparse units read few blocks, asked
+                 * for up front (ka_prefetch_block); int8 and float16 rows are converted
+                 * as they are read, slowly enough that the copy only cost time (measured:
+                 * 10-25% slower). sw: the stage's or the cache's row. */
+                const int stage = mask == NULL && es == 4 && kv->ld * es < KA_STAGE_ROW;
+                const ptrdiff_t sw = stage ? (kh1 - kh0) * hd : kv->ld;
+                if (stage)
+                    ka_stage_rows(kv, ka_blk(ptrs, b) + j0 * kv->ld * es, w, kh0, kh1,
+                                  ws->stage);
                 for (ptrdiff_t kh = kh0; kh < kh1; kh++) {
                     if (mask != NULL && !ka_read(mask + kh * group * nb, group, nb, b))
                         continue;
                     /* int8 rows under the avx2 entries are read where they lie (converted
                      * in registers); else rows are converted into buf once for the group */
-                    ptrdiff_t st = kv->ld;
-                    const int8_t *r8 = kv->q8 && kv->x86v3
-                        ? (const int8_t *)ka_blk(ptrs, b) + j0 * kv->ld + kh * hd : NULL;
-                    const float *rows = r8 != NULL ? NULL
-                                                   : ka_rows(kv, ptrs, kh, b, j0, 1, w, buf, &st);
+                    ptrdiff_t st = sw;
+                    const uint8_t *x = stage ? ws->stage + (kh - kh0) * hd * es
+                                             : ka_blk(ptrs, b) + (j0 * kv->ld + kh * hd) * es;
+                    const int8_t *r8 = kv->q8 && kv->x86v3 ? (const int8_t *)x : NULL;
+                    const float *rows = r8 != NULL ? NULL : ka_rows_at(kv, x, sw, w, buf, &st);
                     const float *sc = ka_row_scales(kv, ptrs, kh, b, j0);
                     /* K: when every head of the group reads the block, their scores in
                      * one call (ka_scores_heads: the same dots, several per pass) */

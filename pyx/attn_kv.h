@@ -863,6 +863,26 @@ KF_INLINE const float *ka_rows(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t 
     return buf;
 }
 
+/* ka_rows over n rows of one kv head at x, ldx values apart (a decode stage). */
+KF_INLINE const float *ka_rows_at(const ka_kv *kv, const uint8_t *x, ptrdiff_t ldx,
+                                  ptrdiff_t n, float *restrict buf, ptrdiff_t *stride)
+{
+    const ptrdiff_t hd = kv->hd;
+    *stride = hd;
+    if (kv->f16) {
+        ka_f16_rows(kv, (const uint16_t *)x, ldx, n, hd, buf);
+        return buf;
+    }
+    if (!kv->q8) {
+        *stride = ldx;
+        return (const float *)x;
+    }
+    for (ptrdiff_t i = 0; i < n; i++)
+        for (ptrdiff_t d = 0; d < hd; d++)
+            buf[i * hd + d] = (float)((const int8_t *)x)[i * ldx + d];
+    return buf;
+}
+
 /* The scales of those rows (int8 cache; NULL for float32 and float16), stride `step`. */
 KF_INLINE const float *ka_row_scales(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
                                      ptrdiff_t b, ptrdiff_t j0)
@@ -895,15 +915,21 @@ KF_INLINE float ka_quant_row(const float *restrict x, ptrdiff_t n, int8_t *restr
 }
 
 
-/* s[j] = exp(s[j] - m) for j < n; returns their sum, in j order */
+/* s[j] = exp(s[j] - m) for j < n; returns their sum: KA_SL partial sums (lane k: j = k
+ * mod KA_SL, in j order) summed pairwise, then the tail in j order (one chain of n adds
+ * was latency-bound: ~6% of a decode) */
 KF_INLINE float ka_exp_sum(float *restrict s, ptrdiff_t n, float m)
 {
     for (ptrdiff_t j = 0; j < n; j++)
         s[j] = kf_expf(s[j] - m);
-    float sum = 0.0f;
-    for (ptrdiff_t j = 0; j < n; j++)
-        sum += s[j];
-    return sum;
+    float acc[8] = {0}, tail = 0.0f;
+    const ptrdiff_t nv = n - n % 8;
+    for (ptrdiff_t j = 0; j < nv; j += 8)
+        for (int k = 0; k < 8; k++)
+            acc[k] += s[j + k];
+    for (ptrdiff_t j = nv; j < n; j++)
+        tail += s[j];
+    return kf_hsum(acc, 8) + tail;
 }
 
 /* acc[d] += sum_{i < n} p[i] * v[i * ld + d], d < hd, each in i order. Four keys per
@@ -959,6 +985,30 @@ KF_INLINE float ka_hsum8(ka_v8 v)
     float a[KA_SL];
     memcpy(a, &v, sizeof a);
     return kf_hsum(a, KA_SL);
+}
+/* o[r] = ka_hsum8(a[r]) for r < 4, with the same adds in the same pairs (kf_hsum: lane k
+ * + lane k + 4, then k + k + 2, then 0 + 1), the four sums transposed through in-lane
+ * shuffles so each add serves four rows (one reduction for four keys, not four). */
+typedef int ka_m8 __attribute__((vector_size(KA_SL * sizeof(int))));
+#ifdef __clang__
+#define KA_SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else                                   /* GCC < 12 has no __builtin_shufflevector */
+#define KA_SHUF(a, b, ...) __builtin_shuffle(a, b, (ka_m8){__VA_ARGS__})
+#endif
+KF_INLINE void ka_hsum4(const ka_v8 *a, float *o)
+{
+    const ka_v8 s01 = KA_SHUF(a[0], a[1], 0, 1, 2, 3, 8, 9, 10, 11)
+                      + KA_SHUF(a[0], a[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    const ka_v8 s23 = KA_SHUF(a[2], a[3], 0, 1, 2, 3, 8, 9, 10, 11)
+                      + KA_SHUF(a[2], a[3], 4, 5, 6, 7, 12, 13, 14, 15);
+    /* s01: row 0's four lane pairs, then row 1's; u: (row 0, row 2 | row 1, row 3) */
+    const ka_v8 u = KA_SHUF(s01, s23, 0, 1, 8, 9, 4, 5, 12, 13)
+                    + KA_SHUF(s01, s23, 2, 3, 10, 11, 6, 7, 14, 15);
+    const ka_v8 r = KA_SHUF(u, u, 0, 2, 4, 6, 0, 2, 4, 6) + KA_SHUF(u, u, 1, 3, 5, 7, 1, 3, 5, 7);
+    o[0] = r[0];
+    o[1] = r[2];
+    o[2] = r[1];
+    o[3] = r[3];
 }
 #define KA_SCORE_LANES(NAME) ka_v8 NAME = {0}
 #define KA_SCORE_STEP(A, Q, R, LD) (A) += (Q) * LD(R)
@@ -1074,20 +1124,33 @@ KA_SCORES_FN(KF_TARGET_AVX2 static inline, ka_scores_i8, int8_t, ka_ld8_i8)
         }                                                                                \
         KF_UNROLL_ALL                                                                    \
         for (int g = 0; g < G; g++) {                                                    \
+            float hs[R];                                                                 \
+            KF_UNROLL_ALL                                                                \
+            for (int r = 0; r < R; r += 4)                                               \
+                ka_hsum4(&a[g][r], hs + r);                                              \
             KF_UNROLL_ALL                                                                \
             for (int r = 0; r < R; r++) {                                                \
                 float t = 0.0f;                                                          \
                 for (ptrdiff_t d = hv; d < hd; d++)                                      \
                     t += q[g * qs + d] * (float)rows[r * st + d];                        \
-                out[g][r] = ka_hsum8(a[g][r]) + t;                                       \
+                out[g][r] = hs[r] + t;                                                   \
             }                                                                            \
         }                                                                                \
     }
-#define KA_SCORES_HEADS_FN(ATTR, NAME, T, D42, D81, S1)                                  \
+#define KA_SCORES_HEADS_FN(ATTR, NAME, T, D43, D42, D81, S1)                                  \
     ATTR void NAME(const float *restrict q, ptrdiff_t ng, const T *restrict rows,         \
                    ptrdiff_t st, ptrdiff_t w, ptrdiff_t hd, float *const *out)           \
     {                                                                                    \
         ptrdiff_t g = 0;                                                                 \
+        for (; g + 3 <= ng; g += 3) {                                                    \
+            ptrdiff_t r = 0;                                                             \
+            for (; r + 4 <= w; r += 4) {                                                 \
+                float *o[3] = {out[g] + r, out[g + 1] + r, out[g + 2] + r};              \
+                D43(q + g * hd, hd, rows + r * st, st, hd, o);                           \
+            }                                                                            \
+            for (int x = 0; r < w && x < 3; x++)                                         \
+                S1(q + (g + x) * hd, rows + r * st, st, w - r, hd, out[g + x] + r);      \
+        }                                                                                \
         for (; g + 2 <= ng; g += 2) {                                                    \
             ptrdiff_t r = 0;                                                             \
             for (; r + 4 <= w; r += 4) {                                                 \
@@ -1109,54 +1172,83 @@ KA_SCORES_FN(KF_TARGET_AVX2 static inline, ka_scores_i8, int8_t, ka_ld8_i8)
                 S1(q + g * hd, rows + r * st, st, w - r, hd, out[g] + r);                \
         }                                                                                \
     }
+KA_DOTS_FN(KF_INLINE, ka_dots_4x3, float, ka_ld8, 4, 3)
 KA_DOTS_FN(KF_INLINE, ka_dots_4x2, float, ka_ld8, 4, 2)
 KA_DOTS_FN(KF_INLINE, ka_dots_8x1, float, ka_ld8, 8, 1)
-KA_SCORES_HEADS_FN(KF_INLINE, ka_scores_heads, float, ka_dots_4x2, ka_dots_8x1, ka_scores)
+KA_SCORES_HEADS_FN(KF_INLINE, ka_scores_heads, float, ka_dots_4x3, ka_dots_4x2, ka_dots_8x1,
+                   ka_scores)
 
 /* acc[g][d] += sum_{i < n} p[g][i] * v[i * ld + d] for the ng heads g of one kv head
  * that read the same n rows: ka_pv_f32's sums, element by element in i order (the same
  * bits), with each row read (int8, avx2 entries: converted to float exactly, as
- * ka_ld8_i8 does) once for KA_PVH heads, 2 * KA_SL dims at a time, the heads' sums held
- * in registers over the n rows. */
-#define KA_PVH 4
-#define KA_PV_HEADS_FN(ATTR, NAME, T, LD)                                                \
-    ATTR void NAME(const float *const *p, ptrdiff_t ng, const T *restrict v,        \
-                        ptrdiff_t ld, ptrdiff_t n, ptrdiff_t hd, float *const *acc)      \
+ * ka_ld8_i8 does) once for up to KA_PVH heads, KA_PVV * KA_SL dims at a time (then
+ * narrower tiles for the tail dims), the heads' sums held in registers over the n rows:
+ * KA_PVH x KA_PVV = 12 independent accumulators, enough to keep both FMA pipes busy
+ * (6 were latency-bound). The head count of a pass is a constant of its loop (M). */
+#define KA_PVH 3
+#define KA_PVV 4
+#define KA_PV_TILE(LD, M, NV)                                                            \
+    for (; d0 + (NV) * KA_SL <= hd; d0 += (NV) * KA_SL) {                                \
+        ka_v8 a[M][NV];                                                                  \
+        KF_UNROLL_ALL                                                                    \
+        for (int g = 0; g < (M); g++) {                                                  \
+            KF_UNROLL_ALL                                                                \
+            for (int x = 0; x < (NV); x++)                                               \
+                a[g][x] = ka_ld8(acc[g0 + g] + d0 + x * KA_SL);                          \
+        }                                                                                \
+        for (ptrdiff_t i = 0; i < n; i++) {                                              \
+            ka_v8 xv[NV];                                                                \
+            KF_UNROLL_ALL                                                                \
+            for (int x = 0; x < (NV); x++)                                               \
+                xv[x] = LD(v + i * ld + d0 + x * KA_SL);                                 \
+            KF_UNROLL_ALL                                                                \
+            for (int g = 0; g < (M); g++) {                                              \
+                const float pi = p[g0 + g][i];                                           \
+                KF_UNROLL_ALL                                                            \
+                for (int x = 0; x < (NV); x++)                                           \
+                    a[g][x] += pi * xv[x];                                               \
+            }                                                                            \
+        }                                                                                \
+        KF_UNROLL_ALL                                                                    \
+        for (int g = 0; g < (M); g++) {                                                  \
+            KF_UNROLL_ALL                                                                \
+            for (int x = 0; x < (NV); x++)                                               \
+                memcpy(acc[g0 + g] + d0 + x * KA_SL, &a[g][x], sizeof a[g][x]);          \
+        }                                                                                \
+    }
+#define KA_PV_PASS(LD, M)                                                                \
     {                                                                                    \
         ptrdiff_t d0 = 0;                                                                \
-        for (; d0 + 2 * KA_SL <= hd; d0 += 2 * KA_SL)                                    \
-            for (ptrdiff_t g0 = 0; g0 < ng; g0 += KA_PVH) {                              \
-                const ptrdiff_t m = ng - g0 < KA_PVH ? ng - g0 : KA_PVH;                 \
-                ka_v8 a[KA_PVH][2];                                                      \
-                for (int g = 0; g < KA_PVH; g++)                                         \
-                    if (g < m) {                                                         \
-                        a[g][0] = ka_ld8(acc[g0 + g] + d0);                              \
-                        a[g][1] = ka_ld8(acc[g0 + g] + d0 + KA_SL);                      \
-                    }                                                                    \
-                for (ptrdiff_t i = 0; i < n; i++) {                                      \
-                    const ka_v8 x0 = LD(v + i * ld + d0), x1 = LD(v + i * ld + d0 + KA_SL); \
-                    for (int g = 0; g < KA_PVH; g++)                                     \
-                        if (g < m) {                                                     \
-                            const float pi = p[g0 + g][i];                               \
-                            a[g][0] += pi * x0;                                          \
-                            a[g][1] += pi * x1;                                          \
-                        }                                                                \
-                }                                                                        \
-                for (int g = 0; g < KA_PVH; g++)                                         \
-                    if (g < m) {                                                         \
-                        memcpy(acc[g0 + g] + d0, &a[g][0], sizeof a[g][0]);              \
-                        memcpy(acc[g0 + g] + d0 + KA_SL, &a[g][1], sizeof a[g][1]);      \
-                    }                                                                    \
-            }                                                                            \
+        KA_PV_TILE(LD, M, KA_PVV)                                                        \
+        KA_PV_TILE(LD, M, 2)                                                             \
+        KA_PV_TILE(LD, M, 1)                                                             \
+        dt = d0;                                                                         \
+    }
+#define KA_PV_HEADS_FN(ATTR, NAME, T, LD)                                                \
+    ATTR void NAME(const float *const *p, ptrdiff_t ng, const T *restrict v,             \
+                   ptrdiff_t ld, ptrdiff_t n, ptrdiff_t hd, float *const *acc)           \
+    {                                                                                    \
+        ptrdiff_t dt = 0;                                                                \
+        for (ptrdiff_t g0 = 0; g0 < ng; g0 += KA_PVH) {                                  \
+            const ptrdiff_t m = ng - g0 < KA_PVH ? ng - g0 : KA_PVH;                     \
+            if (m == 3)                                                                  \
+                KA_PV_PASS(LD, 3)                                                        \
+            else if (m == 2)                                                             \
+                KA_PV_PASS(LD, 2)                                                        \
+            else                                                                         \
+                KA_PV_PASS(LD, 1)                                                        \
+        }                                                                                \
+        const ptrdiff_t d0 = dt;                                                         \
         KA_PV_HEADS_COLS(d0);                                                            \
     }
 KA_PV_HEADS_FN(KF_INLINE, ka_pv_heads_f32, float, ka_ld8)
 #if KF_X86_DISPATCH
 KA_PV_HEADS_FN(KF_TARGET_AVX2 static inline, ka_pv_heads_i8, int8_t, ka_ld8_i8)
+KA_DOTS_FN(KF_TARGET_AVX2 static inline, ka_dots_4x3_i8, int8_t, ka_ld8_i8, 4, 3)
 KA_DOTS_FN(KF_TARGET_AVX2 static inline, ka_dots_4x2_i8, int8_t, ka_ld8_i8, 4, 2)
 KA_DOTS_FN(KF_TARGET_AVX2 static inline, ka_dots_8x1_i8, int8_t, ka_ld8_i8, 8, 1)
-KA_SCORES_HEADS_FN(KF_TARGET_AVX2 static, ka_scores_heads_i8, int8_t, ka_dots_4x2_i8,
-                   ka_dots_8x1_i8, ka_scores_i8)
+KA_SCORES_HEADS_FN(KF_TARGET_AVX2 static, ka_scores_heads_i8, int8_t, ka_dots_4x3_i8,
+                   ka_dots_4x2_i8, ka_dots_8x1_i8, ka_scores_i8)
 #endif
 #else
 KF_INLINE void ka_scores_heads(const float *restrict q, ptrdiff_t ng, const float *restrict rows,
@@ -1204,7 +1296,8 @@ KF_INLINE void ka_accum(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t j0
 /* One thread's scratch: one malloc, carved. cap: most tokens a query sees (a multiple of
  * bs); nq: most queries per tile; k: most picks (> 0: also a prefill tile's probes and
  * blocks per query); tile_e: keep the tile's exp values; nsk: query heads whose sketch
- * queries it holds (decode with the sketch probe; 0: none). */
+ * queries it holds (decode with the sketch probe; 0: none); stage: bytes of the decode's
+ * staged rows (ka_decode_heads; 0: none). */
 typedef struct {
     float *s;            /* (cap,) one row's scores, then exp values */
     float *e;            /* (nq, cap) a tile's exp values (importance only) */
@@ -1224,11 +1317,12 @@ typedef struct {
     int8_t *skq;         /* (nsk, hd) the heads' sketch queries (ka_sketch_query) */
     float *skqs, *skcv;  /* (nsk,) their scales and rounding-variance terms */
     int32_t *sksum;      /* (nsk,) their sums */
+    uint8_t *stage;      /* (stage bytes) a decode chunk's rows, copied in address order */
     ptrdiff_t cap, nch, nbc;
 } ka_ws;
 
 static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq, int k,
-                               int tile_e, ptrdiff_t nsk)
+                               int tile_e, ptrdiff_t nsk, ptrdiff_t stage)
 {
     ptrdiff_t nbc = cap / bs + 1, nch = cap / bs * ((bs + KA_W - 1) / KA_W) + 1;
     ptrdiff_t kk = k > 0 ? k : 1;
@@ -1237,7 +1331,8 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
                          + 3 * hd * KA_W + nbc + npq);
     size_t bytes = sizeof(ka_ws) + 64 + nf * sizeof(float) + 16 + (size_t)nq * sizeof(ka_q)
                    + (2 * (size_t)kk + (size_t)nbc) * sizeof(int32_t) + (size_t)nbc
-                   + (size_t)npq + (size_t)nsk * (3 * sizeof(float) + (size_t)hd) + 16;
+                   + (size_t)npq + (size_t)nsk * (3 * sizeof(float) + (size_t)hd) + 16
+                   + (size_t)stage + 64;
     ka_ws *w = (ka_ws *)malloc(bytes);
     if (w == NULL)
         return NULL;
@@ -1265,6 +1360,7 @@ static inline ka_ws *ka_ws_new(ptrdiff_t cap, ptrdiff_t bs, ptrdiff_t hd, int nq
     w->skcv = w->skqs + nsk;
     w->sksum = (int32_t *)(w->skcv + nsk);
     w->skq = (int8_t *)(w->sksum + nsk);
+    w->stage = (uint8_t *)(((uintptr_t)(w->skq + nsk * hd) + 63) / 64 * 64);
     return w;
 }
 

@@ -99,7 +99,8 @@ static inline ka_ws *ka_decode_ws(const ka_kv *kv, ptrdiff_t n_heads, ptrdiff_t 
     const int nth = omp_get_num_threads();
     ptrdiff_t nb = (n_ctx + kv->bs - 1) / kv->bs, cap, group = n_heads / kv->n_kv;
     ka_decode_chunks(kv->n_kv, group, ka_decode_parts(nb), kv->bs, n_ctx, nth, &cap);
-    return ka_ws_new(cap, kv->bs, kv->hd, (int)group, ka_ktot(k, sopt), 0, n_heads);
+    return ka_ws_new(cap, kv->bs, kv->hd, (int)group, ka_ktot(k, sopt), 0, n_heads,
+                     KA_DW * kv->n_kv * kv->hd * (ptrdiff_t)sizeof(float));
 }
 
 /* One decode row of attention (attn_decode.h's phases A1, P, A / A2, M as worksharing

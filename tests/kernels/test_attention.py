@@ -393,16 +393,17 @@ def test_sparse_decode_every_variant(isa, q8):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("n_heads,n_kv", [(8, 8), (12, 4), (6, 3)])
-def test_decode_many_parts_and_heads(isa, n_heads, n_kv):
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(8, 8, 32), (12, 4, 32), (6, 3, 32), (16, 8, 128)])
+def test_decode_many_parts_and_heads(isa, n_heads, n_kv, hd):
     """Decode over many parts (19 blocks of 16: 5 parts, the last block partial) with units
     of several kv heads (the token-major walk, attn_decode.h ka_decode_heads): the float64
     reference, and the same bits at every thread count (which regroups the kv heads into
-    other units)."""
+    other units). Rows under a page are staged in address order (every kv head, or a
+    unit's range of them), rows of a page (8 x 128 floats) read in place."""
     kernels.set_isa(isa)
     try:
-        rng = np.random.default_rng([n_heads, n_kv])
-        n_tok, hd, kv_bs = 300, 32, 16
+        rng = np.random.default_rng([n_heads, n_kv, hd])
+        n_tok, kv_bs = 300, 16
         q = (rng.standard_normal((1, n_heads, hd)) * 2).astype(np.float32)
         K = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
         V = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
