@@ -98,6 +98,32 @@ def test_stream_triad_builds_and_reports(tmp_path):
     assert all(float(d["best_gbs"]) > 0 for d in kv)
 
 
+@pytest.mark.parametrize("dtype,k", [("f32", 0), ("q8", 0), ("f16", 4)])
+def test_attn_bench_reports(tmp_path, dtype, k):
+    """scripts/attn_bench.py: the shape's geometry (qwen3-1.7b: 16 heads on 8 kv heads of
+    128; 2 of its 28 layers here), a rate > 0, and with --stream the read figure of a
+    stream_triad binary and the share of it; a --stream that is no executable is one
+    usage error."""
+    exe = tmp_path / "triad"
+    r = subprocess.run(["cc", "-O2", str(ROOT / "scripts/stream_triad.c"), "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    cmd = [sys.executable, str(ROOT / "scripts/attn_bench.py"), "--shape", "qwen3-1.7b",
+           "-d", "300", "-L", "2", "-r", "2", "--dtype", dtype, "-k", str(k)]
+    r = subprocess.run(cmd + ["--stream", str(exe), "--stream-mib", "8"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"\[ATTN\] shape=qwen3-1.7b layers=2 heads=16/8x128 depth=300 "
+                  rf"dtype={dtype} {'exact' if k == 0 else f'sparse k={k}'} threads=2: "
+                  r"([0-9.]+) ms/step ([0-9.]+) GB/s", r.stdout)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, r.stdout
+    assert re.search(r"\[STREAM\] read [0-9.]+ GB/s: attention at \d+% of it", r.stdout)
+    bad = subprocess.run(cmd + ["--stream", str(tmp_path / "none")], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "not an executable" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 def test_make_random_checkpoint_loads(tmp_path):
     """The Qwen3-VL-2B text config (one layer here), loadable, tokenizer included."""
     out = tmp_path / "ckpt"

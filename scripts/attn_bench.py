@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Decode attention alone: how fast the kernel reads a model's KV cache at depth.
+
+usage:
+  python scripts/attn_bench.py [--shape qwen3-1.7b] [-d 4096] [--dtype f32|f16|q8]
+                               [-k 0] [-t 2] [-r 20] [--stream BIN [--stream-mib 1024]]
+
+A cache of the shape's geometry (every layer, `-d` tokens of random K and V, blocks
+allocated as `kestrel` allocates them) and one query; each repetition runs one decode
+row of attention per layer, in layer order, as a decode step does (the whole cache is
+several times the last-level cache, so it comes from memory). Prints the median ms a
+step and the bytes of K and V per second (`-k 0`: exact attention, which reads all of
+them; `-k K`: the seed's sparse selection, whose GB/s counts the whole cache too, so
+read it as a speed, not a bandwidth). `--stream BIN` runs scripts/stream_triad.c's
+binary (built as its header says) right after, with the same threads, and prints the
+attention's share of its read bandwidth: a ratio from one command, on a machine whose
+bandwidth drifts between commands.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_random_checkpoint import SHAPES  # noqa: E402
+
+from kestrel_cli import kernels as K  # noqa: E402
+from kestrel_cli.kv_cache import CacheSpec, KVCache  # noqa: E402
+
+
+def geometry(shape: str) -> tuple[int, int, int, int]:
+    """(layers, query heads, kv heads, head_dim) of a published shape."""
+    c = SHAPES[shape]
+    c = c.get("text_config", c)
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return (c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"], hd)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="qwen3-1.7b", choices=sorted(SHAPES))
+    p.add_argument("-d", "--depth", type=int, default=4096)
+    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "q8"])
+    p.add_argument("-k", type=int, default=0, help="sparse blocks per head (0: exact)")
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("-r", "--reps", type=int, default=20)
+    p.add_argument("-L", "--layers", type=int, default=0, help="fewer layers (0: the shape's)")
+    p.add_argument("--stream", default=None, help="stream_triad binary to compare with")
+    p.add_argument("--stream-mib", type=int, default=1024, help="its MiB per array")
+    a = p.parse_args(argv)
+    if a.depth < 1 or a.reps < 1 or a.threads < 1 or a.k < 0:
+        p.error("depth, reps and threads must be >= 1, k >= 0")
+    if a.stream and not os.access(a.stream, os.X_OK):
+        p.error(f"--stream {a.stream}: not an executable (build scripts/stream_triad.c)")
+    L, H, KV, hd = geometry(a.shape)
+    L = a.layers or L
+    rng = np.random.default_rng(0)
+    cache = KVCache(L, KV, hd, a.depth + K.KV_BLOCK, CacheSpec(a.dtype))
+    cache.reserve(a.depth)
+    for layer in range(L):
+        cache.write(layer, rng.standard_normal((a.depth, KV * hd), dtype=np.float32),
+                    rng.standard_normal((a.depth, KV * hd), dtype=np.float32))
+    cache.commit(a.depth)
+    views = [tuple(np.ascontiguousarray(v) for v in cache.views(layer, a.depth))
+             for layer in range(L)]
+    q = rng.standard_normal((1, H * hd), dtype=np.float32)
+    out = np.empty_like(q)
+    tab = np.empty(K.decode_tab_size(a.depth, H, hd), np.float32)
+    nb = -(-a.depth // K.KV_BLOCK)
+    order = np.arange(nb, dtype=np.int32) if a.k else None
+    times = []
+    for _ in range(a.reps + 1):                       # the first: warm-up
+        t0 = time.perf_counter()
+        for kp, vp in views:
+            K.attention(q, kp, vp, K.KV_BLOCK, KV, hd, a.depth - 1, hd ** -0.5, out, a.threads,
+                        kv_q8=a.dtype == "q8", kv_f16=a.dtype == "f16", dec_tab=tab,
+                        sparse_k=a.k, imp_order=order)
+        times.append(time.perf_counter() - t0)
+    t = float(np.median(times[1:]))
+    es = {"f32": 4, "f16": 2, "q8": 1}[a.dtype]
+    gbs = L * 2 * a.depth * KV * hd * es / t / 1e9
+    mode = f"sparse k={a.k}" if a.k else "exact"
+    print(f"[ATTN] shape={a.shape} layers={L} heads={H}/{KV}x{hd} depth={a.depth} "
+          f"dtype={a.dtype} {mode} threads={a.threads}: {t * 1e3:.2f} ms/step "
+          f"{gbs:.1f} GB/s of K+V")
+    if a.stream:
+        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+        r = subprocess.run([a.stream, str(a.stream_mib), "5"], capture_output=True, text=True,
+                           env=env)
+        m = re.search(r"kernel=read .*best_gbs=([0-9.]+)", r.stdout)
+        if r.returncode or not m:
+            print(f"attn_bench: {a.stream} printed no read figure: {r.stderr.strip()}",
+                  file=sys.stderr)
+            return 1
+        print(f"[STREAM] read {float(m.group(1)):.1f} GB/s: attention at "
+              f"{gbs / float(m.group(1)):.0%} of it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
