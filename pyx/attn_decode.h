@@ -372,9 +372,6 @@ KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdi
  * (many misses in flight: measured ~20% faster sparse decode attention than a chunk
  * ahead) and for each chunk's V rows while it scores the chunk's keys (~5-10% faster than
  * V up front too: the V misses overlap the scoring). */
-#ifndef KA_BLOCK_LOC
-#define KA_BLOCK_LOC 1
-#endif
 KF_INLINE void ka_prefetch_block(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t b,
                                  ptrdiff_t j0, ptrdiff_t n, ptrdiff_t kh0, ptrdiff_t kh1,
                                  const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb)
@@ -386,7 +383,7 @@ KF_INLINE void ka_prefetch_block(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_
         if (ka_read(mask + kh * group * nb, group, nb, b))
             for (ptrdiff_t j = j0; j < j0 + n; j++)
                 for (ptrdiff_t c = kh * len; c < (kh + 1) * len; c += 64)
-                    __builtin_prefetch(blk + j * row + c, 0, KA_BLOCK_LOC);
+                    __builtin_prefetch(blk + j * row + c, 0, KA_SPAN_LOC);
 #else
     (void)kv; (void)ptrs; (void)b; (void)j0; (void)n; (void)kh0; (void)kh1; (void)mask;
     (void)group; (void)nb;
@@ -404,22 +401,12 @@ KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t
      * at all: read forward (staged or a page a row), the hardware prefetcher runs ahead
      * of them, and these prefetches, at most a dozen or two in flight, only held it back
      * (measured: exact decode 8-10% slower with them, on the 135M and 1.7B shapes) */
-#define KA_PF_SPAN(LOC)                                                                  \
-    if (mask == NULL) {                 /* every head: the rows' contiguous span */          \
-        for (ptrdiff_t i = 0; i < w; i++)                                                    \
-            for (ptrdiff_t c = kh0 * len; c < kh1 * len; c += 64)                            \
-                __builtin_prefetch(blk + (j0 + i) * row + c, 0, LOC);                        \
-    } else {                            /* sparse: the heads that read block b */            \
-        for (ptrdiff_t kh = kh0; kh < kh1; kh++)                                             \
-            if (ka_read(mask + kh * group * nb, group, nb, b))                               \
-                for (ptrdiff_t i = 0; i < w; i++)                                            \
-                    for (ptrdiff_t c = kh * len; c < (kh + 1) * len; c += 64)                \
-                        __builtin_prefetch(blk + (j0 + i) * row + c, 0, LOC);                \
-    }
-    if (es != 4) {
-        KA_PF_SPAN(KA_SPAN_LOC)
-    }
-#undef KA_PF_SPAN
+    if (es != 4 && mask == NULL)        /* every head: the rows' contiguous span */
+        for (ptrdiff_t i = 0; i < w; i++)
+            for (ptrdiff_t c = kh0 * len; c < kh1 * len; c += 64)
+                __builtin_prefetch(blk + (j0 + i) * row + c, 0, KA_SPAN_LOC);
+    else if (es != 4)                   /* sparse: the heads that read block b */
+        ka_prefetch_block(kv, ptrs, b, j0, w, kh0, kh1, mask, group, nb);
     if (kv->q8 && j0 == 0)
         for (ptrdiff_t c = kh0 * kv->bs * 4; c < kh1 * kv->bs * 4; c += 64)
             __builtin_prefetch(blk + kv->soff + c, 0, KA_SPAN_LOC);
