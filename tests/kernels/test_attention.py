@@ -393,13 +393,15 @@ def test_sparse_decode_every_variant(isa, q8):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("n_heads,n_kv,hd", [(8, 8, 32), (12, 4, 32), (6, 3, 32), (16, 8, 128)])
+@pytest.mark.parametrize("n_heads,n_kv,hd", [(8, 8, 32), (12, 4, 32), (6, 3, 32), (8, 2, 48),
+                                             (16, 8, 128)])
 def test_decode_many_parts_and_heads(isa, n_heads, n_kv, hd):
     """Decode over many parts (19 blocks of 16: 5 parts, the last block partial) with units
     of several kv heads (the token-major walk, attn_decode.h ka_decode_heads): the float64
     reference, and the same bits at every thread count (which regroups the kv heads into
     other units). Rows under a page are staged in address order (every kv head, or a
-    unit's range of them), rows of a page (8 x 128 floats) read in place."""
+    unit's range of them), rows of a page (8 x 128 floats) read in place; hd 48 takes the
+    value pass's 32- and 16-dim tiles, 4 heads a kv head passes of 3 and 1."""
     kernels.set_isa(isa)
     try:
         rng = np.random.default_rng([n_heads, n_kv, hd])
@@ -604,13 +606,15 @@ def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
 
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("dtype", ["f32", "q8", "f16"])
-@pytest.mark.parametrize("group,hd,sparse_k", [(5, 40, 0), (2, 64, 0), (3, 64, 3), (6, 32, 4)])
+@pytest.mark.parametrize("group,hd,sparse_k", [(5, 40, 0), (2, 64, 0), (4, 48, 0), (3, 64, 3),
+                                               (6, 32, 4)])
 def test_gqa_decode_is_mha_over_copied_kv_heads(isa, dtype, group, hd, sparse_k):
     """A kv head's query heads in one unit (scores and weighted sums of a block every
-    head reads in one call: ka_scores_heads, ka_pv_heads, up to 4 heads a pass) give the
+    head reads in one call: ka_scores_heads, ka_pv_heads, up to 3 heads a pass) give the
     bits each head gets alone: decode with group query heads per kv head equals, bit for
     bit, decode over a cache with every kv head copied group times (one query head per
-    kv head). Exact (group 5: two passes of heads; hd 40: the tail dims) and the seed's
+    kv head). Exact (group 5: passes of 3 and 2 heads, group 4: 3 and 1; hd 40: a tile of
+    32 dims then 8, hd 48: 32 then 16) and the seed's
     sparse selection (per-head picks: every head reads the recent block, some share
     others)."""
     kernels.set_isa(isa)
