@@ -366,12 +366,12 @@ KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdi
 #define KA_STAGE_ROW 4096  /* stage cache rows (every kv head) of fewer bytes (a page) */
 #endif
 
-/* Sparse A2: rows j0 .. j0 + n of block b, of its reading kv heads among kh0 <= kh < kh1,
- * to L2. Picked blocks lie apart, each read once, too short a stream for the hardware
- * prefetcher to ramp up on, so a unit asks for all of its picked K rows at its start
- * (many misses in flight: measured ~20% faster sparse decode attention than a chunk
- * ahead) and for each chunk's V rows while it scores the chunk's keys (~5-10% faster than
- * V up front too: the V misses overlap the scoring). */
+/* Rows j0 .. j0 + n of block b, of the kv heads among kh0 <= kh < kh1 that read it (mask
+ * NULL: all of them), to L2, a kv head at a time. Sparse A2: picked blocks lie apart, each
+ * read once, too short a stream for the hardware prefetcher to ramp up on, so a unit asks
+ * for all of its picked K rows at its start (many misses in flight: measured ~20% faster
+ * sparse decode attention than a chunk ahead) and for each chunk's V rows while it scores
+ * the chunk's keys (~5-10% faster than V up front too: the V misses overlap the scoring). */
 KF_INLINE void ka_prefetch_block(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t b,
                                  ptrdiff_t j0, ptrdiff_t n, ptrdiff_t kh0, ptrdiff_t kh1,
                                  const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb)
@@ -380,7 +380,7 @@ KF_INLINE void ka_prefetch_block(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_
     const uint8_t *blk = ka_blk(ptrs, b);
     const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), row = kv->ld * es, len = kv->hd * es;
     for (ptrdiff_t kh = kh0; kh < kh1; kh++)
-        if (ka_read(mask + kh * group * nb, group, nb, b))
+        if (mask == NULL || ka_read(mask + kh * group * nb, group, nb, b))
             for (ptrdiff_t j = j0; j < j0 + n; j++)
                 for (ptrdiff_t c = kh * len; c < (kh + 1) * len; c += 64)
                     __builtin_prefetch(blk + j * row + c, 0, KA_SPAN_LOC);
@@ -390,29 +390,21 @@ KF_INLINE void ka_prefetch_block(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_
 #endif
 }
 
+/* The int8 / float16 rows of a chunk (the next one: ka_prefetch_block) and, at a block's
+ * first chunk, its int8 scales, to L2 (measured ~10-20% faster than to L1). Float32 rows
+ * not at all: read forward (staged or a page a row), the hardware prefetcher runs ahead
+ * of them, and these prefetches, at most a dozen or two in flight, only held it back
+ * (measured: exact decode 8-10% slower with them, on the 135M and 1.7B shapes). */
 KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t b,
                                 ptrdiff_t j0, ptrdiff_t w, ptrdiff_t kh0, ptrdiff_t kh1,
                                 const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb)
 {
-#if defined(__GNUC__) || defined(__clang__)
-    const uint8_t *blk = ka_blk(ptrs, b);
-    const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), row = kv->ld * es, len = kv->hd * es;
-    /* int8 and float16 rows to L2 (measured ~10-20% faster than to L1); float32 rows not
-     * at all: read forward (staged or a page a row), the hardware prefetcher runs ahead
-     * of them, and these prefetches, at most a dozen or two in flight, only held it back
-     * (measured: exact decode 8-10% slower with them, on the 135M and 1.7B shapes) */
-    if (es != 4 && mask == NULL)        /* every head: the rows' contiguous span */
-        for (ptrdiff_t i = 0; i < w; i++)
-            for (ptrdiff_t c = kh0 * len; c < kh1 * len; c += 64)
-                __builtin_prefetch(blk + (j0 + i) * row + c, 0, KA_SPAN_LOC);
-    else if (es != 4)                   /* sparse: the heads that read block b */
+    if (kv->q8 || kv->f16)
         ka_prefetch_block(kv, ptrs, b, j0, w, kh0, kh1, mask, group, nb);
+#if defined(__GNUC__) || defined(__clang__)
     if (kv->q8 && j0 == 0)
         for (ptrdiff_t c = kh0 * kv->bs * 4; c < kh1 * kv->bs * 4; c += 64)
-            __builtin_prefetch(blk + kv->soff + c, 0, KA_SPAN_LOC);
-#else
-    (void)kv; (void)ptrs; (void)b; (void)j0; (void)w; (void)kh0; (void)kh1; (void)mask;
-    (void)group; (void)nb;
+            __builtin_prefetch(ka_blk(ptrs, b) + kv->soff + c, 0, KA_SPAN_LOC);
 #endif
 }
 

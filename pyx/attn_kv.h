@@ -835,35 +835,10 @@ KF_INLINE void ka_prefetch_rows(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b,
     ka_prefetch_blk(kv, kv->k_ptrs, kh, b, step, n);
 }
 
-/* Rows t = j0, j0 + step, .. (n of them) of kv head kh in block b of `ptrs` as floats:
- * float32 blocks give their own rows (stride ld), int8 ones are converted (the integer
- * values; the caller applies the scales) and float16 ones (their values) into buf,
- * stride hd. Returns the first row;
- * *stride gets the stride. */
-KF_INLINE const float *ka_rows(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
-                               ptrdiff_t b, ptrdiff_t j0, ptrdiff_t step, ptrdiff_t n,
-                               float *restrict buf, ptrdiff_t *stride)
-{
-    const uint8_t *blk = ka_blk(ptrs, b);
-    const ptrdiff_t hd = kv->hd, ld = kv->ld;
-    *stride = hd;
-    if (kv->f16) {
-        const uint16_t *x = (const uint16_t *)blk + j0 * ld + kh * hd;
-        ka_f16_rows(kv, x, step * ld, n, hd, buf);
-        return buf;
-    }
-    if (!kv->q8) {
-        *stride = step * ld;
-        return (const float *)blk + j0 * ld + kh * hd;
-    }
-    const int8_t *x = (const int8_t *)blk + j0 * ld + kh * hd;
-    for (ptrdiff_t i = 0; i < n; i++)
-        for (ptrdiff_t d = 0; d < hd; d++)
-            buf[i * hd + d] = (float)x[i * step * ld + d];
-    return buf;
-}
-
-/* ka_rows over n rows of one kv head at x, ldx values apart (a decode stage). */
+/* n rows of one kv head starting at x (its first value), ldx values apart, as floats:
+ * float32 rows are given as they lie (stride ldx), int8 ones are converted (the integer
+ * values; the caller applies the scales) and float16 ones (their values) into buf, stride
+ * hd. Returns the first row; *stride gets the stride. */
 KF_INLINE const float *ka_rows_at(const ka_kv *kv, const uint8_t *x, ptrdiff_t ldx,
                                   ptrdiff_t n, float *restrict buf, ptrdiff_t *stride)
 {
@@ -881,6 +856,17 @@ KF_INLINE const float *ka_rows_at(const ka_kv *kv, const uint8_t *x, ptrdiff_t l
         for (ptrdiff_t d = 0; d < hd; d++)
             buf[i * hd + d] = (float)((const int8_t *)x)[i * ldx + d];
     return buf;
+}
+
+/* Rows t = j0, j0 + step, .. (n of them) of kv head kh in block b of `ptrs`: ka_rows_at
+ * from where they lie. */
+KF_INLINE const float *ka_rows(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
+                               ptrdiff_t b, ptrdiff_t j0, ptrdiff_t step, ptrdiff_t n,
+                               float *restrict buf, ptrdiff_t *stride)
+{
+    const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4);
+    return ka_rows_at(kv, ka_blk(ptrs, b) + (j0 * kv->ld + kh * kv->hd) * es, step * kv->ld,
+                      n, buf, stride);
 }
 
 /* The scales of those rows (int8 cache; NULL for float32 and float16), stride `step`. */
