@@ -55,12 +55,18 @@ def main(argv=None) -> int:
     p.add_argument("--stream", default=None, help="stream_triad binary to compare with")
     p.add_argument("--stream-mib", type=int, default=1024, help="its MiB per array")
     a = p.parse_args(argv)
-    if a.depth < 1 or a.reps < 1 or a.threads < 1 or a.k < 0:
-        p.error("depth, reps and threads must be >= 1, k >= 0")
+    if a.depth < 1 or a.reps < 1 or a.threads < 1 or a.k < 0 or a.stream_mib < 1:
+        p.error("depth, reps, threads and stream-mib must be >= 1, k >= 0")
     if a.stream and not os.access(a.stream, os.X_OK):
         p.error(f"--stream {a.stream}: not an executable (build scripts/stream_triad.c)")
     L, H, KV, hd = geometry(a.shape)
     L = a.layers or L
+    es = {"f32": 4, "f16": 2, "q8": 1}[a.dtype]
+    need = L * 2 * a.depth * KV * hd * es + 2 * a.depth * KV * hd * 4   # cache + one layer's input
+    avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    if need > avail:
+        p.error(f"the cache needs {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is free: "
+                "fewer layers (-L) or a smaller depth (-d)")
     rng = np.random.default_rng(0)
     cache = KVCache(L, KV, hd, a.depth + K.KV_BLOCK, CacheSpec(a.dtype))
     cache.reserve(a.depth)
@@ -84,7 +90,6 @@ def main(argv=None) -> int:
                         sparse_k=a.k, imp_order=order)
         times.append(time.perf_counter() - t0)
     t = float(np.median(times[1:]))
-    es = {"f32": 4, "f16": 2, "q8": 1}[a.dtype]
     gbs = L * 2 * a.depth * KV * hd * es / t / 1e9
     mode = f"sparse k={a.k}" if a.k else "exact"
     print(f"[ATTN] shape={a.shape} layers={L} heads={H}/{KV}x{hd} depth={a.depth} "

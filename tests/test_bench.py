@@ -122,6 +122,9 @@ def test_attn_bench_reports(tmp_path, dtype, k):
                          text=True)
     assert bad.returncode == 2 and "not an executable" in bad.stderr
     assert "Traceback" not in bad.stderr
+    huge = subprocess.run(cmd[:2] + ["-d", "1000000000", "-L", "28"], capture_output=True,
+                          text=True)
+    assert huge.returncode == 2 and "GiB is free" in huge.stderr, huge.stderr
 
 
 def test_make_random_checkpoint_loads(tmp_path):
