@@ -731,17 +731,20 @@ def sketch_update_unchecked(k_block: int, v_block: int, kv_kind: int, n_kv_heads
 def sketch_scores(q: np.ndarray, sketch: np.ndarray, scales: np.ndarray, kh: int,
                   scale: float, n_ctx: int) -> np.ndarray:
     """The sketch probe of the blocks covering tokens 0..n_ctx-1 of kv head kh for the
-    query q (head_dim,): float32 (n_blocks,), log sum over the block's tokens t of
-    exp(scale * q~ . k~_t), q~ the query at int8, k~ the sketched keys, as the kernel
-    scores them."""
-    _array(q, "q", np.float32, 1)
+    query q (head_dim,), or for several queries at once (ng, head_dim) as a decode step
+    scores a kv head's query heads: float32 (n_blocks,) or (ng, n_blocks), log sum over
+    the block's tokens t of exp(scale * q~ . k~_t), q~ the query at int8, k~ the sketched
+    keys, as the kernels of the ISA variant in use score them."""
+    one = np.ndim(q) == 1
+    q2 = q[None] if one else q
+    _array(q2, "q", np.float32, 2)
     _array(sketch, "sketch", np.uint8, 4)
     _array(scales, "scales", np.float32, 3)
     n_kv, cap, hd, bs = sketch.shape
-    out = np.empty(-(-int(n_ctx) // bs), np.float32)
-    _lib.sketch_scores(q, sketch.reshape(-1), scales.reshape(-1), bs, n_kv, hd, cap, kh,
+    out = np.empty((q2.shape[0], -(-int(n_ctx) // bs)), np.float32)
+    _lib.sketch_scores(q2, sketch.reshape(-1), scales.reshape(-1), bs, n_kv, hd, cap, kh,
                        float(scale), int(n_ctx), out)
-    return out
+    return out[0] if one else out
 
 
 def bounds_update(k_block: int, kv_kind: int, n_kv_heads: int, head_dim: int, r0: int,

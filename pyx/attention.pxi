@@ -24,6 +24,7 @@ cdef extern from "attention.h" nogil:
 
     ctypedef struct ka_kv:
         Py_ssize_t imp_from
+        int x86v3
         int sketch
         float sk_scale
         Py_ssize_t n_kv
@@ -59,6 +60,7 @@ cdef extern from "attention.h" nogil:
         KA_RANK
         KA_SKHDMAX
         KA_SKBS
+        KA_SKGMAX
     const float KA_REST_FLOOR
     void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind, Py_ssize_t bs,
                           Py_ssize_t n_kv,
@@ -66,8 +68,9 @@ cdef extern from "attention.h" nogil:
                           Py_ssize_t bstride, float *ssc, Py_ssize_t sstride) noexcept
     int32_t ka_sketch_query(const float *q, Py_ssize_t hd, float scale, int8_t *qi,
                             float *qs, float *cv) noexcept
-    float ka_sketch(const ka_kv *kv, const int8_t *qi, float qs, int32_t qsum, float cv,
-                    Py_ssize_t kh, Py_ssize_t b, Py_ssize_t n_ctx) noexcept
+    void ka_sketch_heads(const ka_kv *kv, const int8_t *qi, Py_ssize_t ng, const float *qs,
+                         const int32_t *qsum, const float *cv, Py_ssize_t kh, Py_ssize_t b,
+                         Py_ssize_t n_ctx, float *out, float *w) noexcept
     Py_ssize_t ka_q8_scale_offset(Py_ssize_t bs, Py_ssize_t ld) noexcept
     Py_ssize_t ka_q8_block_bytes(Py_ssize_t bs, Py_ssize_t n_kv, Py_ssize_t hd) noexcept
     float ka_quant_row(const float *x, Py_ssize_t n, int8_t *q) noexcept
@@ -329,17 +332,22 @@ def sketch_update(uint64_t k_block, uint64_t v_block, int kv_kind, Py_ssize_t kv
                      cap * kv_bs * head_dim, &scales[block * 2 * kv_bs], cap * 2 * kv_bs)
 
 
-def sketch_scores(const float[::1] q, const uint8_t[::1] sketch, const float[::1] scales,
+def sketch_scores(const float[:, ::1] q, const uint8_t[::1] sketch, const float[::1] scales,
                   Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t cap,
-                  Py_ssize_t kh, float scale, Py_ssize_t n_ctx, float[::1] out):
-    """out[b] := the sketch probe (attn_kv.h ka_sketch) of block b < len(out) of kv head kh
-    for the query q over the tokens < n_ctx; kv_bs must be KA_SKBS (32)."""
+                  Py_ssize_t kh, float scale, Py_ssize_t n_ctx, float[:, ::1] out):
+    """out[g, b] := the sketch probe (attn_kv.h ka_sketch_heads) of block b < out.shape[1]
+    of kv head kh for query g < out.shape[0] (<= KA_SKGMAX) over the tokens < n_ctx, all
+    queries at once as a decode step scores them, with the kernels of the ISA variant in
+    use; kv_bs must be KA_SKBS (32)."""
     cdef ka_kv kv
-    cdef Py_ssize_t b, n_blocks = out.shape[0]
-    cdef int8_t qi[KA_SKHDMAX]
-    cdef float qs, cv
-    cdef int32_t qsum
-    if (q.shape[0] != head_dim or head_dim > KA_SKHDMAX or head_dim % 2 or n_blocks > cap
+    cdef Py_ssize_t b, g, ng = q.shape[0], n_blocks = out.shape[1]
+    cdef int8_t qi[KA_SKGMAX * KA_SKHDMAX]
+    cdef float qs[KA_SKGMAX]
+    cdef float cv[KA_SKGMAX]
+    cdef float sb[KA_SKGMAX]
+    cdef int32_t qsum[KA_SKGMAX]
+    if (q.shape[1] != head_dim or head_dim > KA_SKHDMAX or head_dim % 2 or n_blocks > cap
+            or not 1 <= ng <= KA_SKGMAX or out.shape[0] != ng
             or kv_bs != KA_SKBS or not 0 <= kh < n_kv_heads or n_blocks * kv_bs < n_ctx
             or (n_blocks - 1) * kv_bs >= n_ctx
             or sketch.shape[0] < n_kv_heads * cap * kv_bs * head_dim
@@ -347,9 +355,13 @@ def sketch_scores(const float[::1] q, const uint8_t[::1] sketch, const float[::1
         raise ValueError("sketch_scores: bad geometry")
     ka_kv_init(&kv, NULL, NULL, kv_bs, n_kv_heads, head_dim, KA_KV_F32)
     ka_kv_bounds(&kv, &sketch[0], &scales[0], cap)
-    qsum = ka_sketch_query(&q[0], head_dim, scale, qi, &qs, &cv)
+    kv.x86v3 = kf_isa >= 1                 # as the avx2 / avx512 decode entries set it
+    for g in range(ng):
+        qsum[g] = ka_sketch_query(&q[g, 0], head_dim, scale, &qi[g * head_dim], &qs[g], &cv[g])
     for b in range(n_blocks):
-        out[b] = ka_sketch(&kv, qi, qs, qsum, cv, kh, b, n_ctx)
+        ka_sketch_heads(&kv, qi, ng, qs, qsum, cv, kh, b, n_ctx, sb, NULL)
+        for g in range(ng):
+            out[g, b] = sb[g]
 
 
 def bound_scores(const float[::1] q, const uint8_t[::1] bounds, const float[::1] bound_scales,

@@ -126,6 +126,24 @@ def test_sketch_kept_up_to_date_and_scores_match_numpy(dtype):
         assert np.corrcoef(got, true)[0, 1] > 0.9
 
 
+def test_sketch_scores_of_several_queries_on_every_variant(isa):
+    """A kv head's query heads scored together (4 a pass, the rest in a shorter pass:
+    1 to 6 of them) give each query's NumPy log-sum-exp on this ISA variant, the last
+    block partial; a wrong query offset, pass remainder or lane order fails."""
+    rng = np.random.default_rng(29)
+    seq = 6 * BS + 11
+    c = filled_cache(CacheSpec("f32", sparse_k=2, sparse_probe="sketch"), seq, rng)
+    for kh in range(N_KV):
+        packed, sc = key_sketch(c.keys(0)[:, kh * HD:(kh + 1) * HD])
+        for ng in (1, 3, 4, 6):
+            q = (rng.standard_normal((ng, HD)) * rng.uniform(0.2, 3, (ng, 1))).astype(np.float32)
+            got = kernels.sketch_scores(q, c.bounds[0], c.bound_scales[0], kh, 0.3, seq)
+            assert got.shape == (ng, 7)
+            for g in range(ng):
+                np.testing.assert_allclose(got[g], sketch_scores(q[g], packed, sc, 0.3),
+                                           rtol=1e-5, atol=1e-5, err_msg=f"{isa} ng={ng} g={g}")
+
+
 def test_sketch_needs_a_cache_made_with_it():
     c = KVCache(1, N_KV, HD, 128, CacheSpec(sparse_k=2, sparse_probe="bound"))
     with pytest.raises(KestrelError, match="sketch probe needs a cache made with it"):
