@@ -589,8 +589,9 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         sparse_opts: the selection options (`CacheSpec.sparse_opts`: sink | pool << 2 |
             recent << 4; 0: the plain selection).
         bounds: with the bound probe, the layer's key bounds (n_kv_heads, bound_cap, 2,
-            head_dim), float32, or int8 with kv_q8 (`bounds_update` keeps them); None: the
-            sampled probes.
+            head_dim), float32, or int8 with kv_q8 (`bounds_update` keeps them); with
+            SKETCH in sparse_opts, its sketch (n_kv_heads, 2, bound_cap, head_dim // 2,
+            kv_bs) uint8 (`sketch_update`); None: the sampled probes.
         bound_scales: float32 (n_kv_heads, bound_cap), the int8 bounds' scales.
         bound_cap: blocks per kv head in bounds.
         imp_from: with importance, only query rows at positions >= imp_from add to it.
@@ -655,7 +656,7 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             raise ValueError(f"attention: the sketch probe needs an even head_dim <= "
                              f"{SKETCH_HD_MAX}, got {head_dim}")
         _array(bounds, "bounds", np.uint8)
-        _shape(bounds, "bounds", (n_kv_heads, int(bound_cap), head_dim, kv_bs))
+        _shape(bounds, "bounds", (n_kv_heads, 2, int(bound_cap), head_dim // 2, kv_bs))
         if k_ptrs.shape[0] > bound_cap:
             raise ValueError(f"bounds: {bound_cap} blocks, the cache has {k_ptrs.shape[0]}")
         if bound_scales is None:
@@ -707,14 +708,15 @@ def sketch_update(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int, hea
     """Sketch rows r0..r1-1 of the K and V blocks at addresses k_block and v_block
     (KV_BLOCK tokens, just written) at 4 bits: per token and kv head S = max|x| / 7 into
     scales (n_kv_heads, cap, 2 * KV_BLOCK) (keys' [:KV_BLOCK], values' [KV_BLOCK:]) and
-    the nibbles rint(x / S) + 8 into sketch (n_kv_heads, cap, head_dim, KV_BLOCK) uint8,
-    rows [:head_dim // 2] the keys', [head_dim // 2:] the values': byte [j, t] = dim j |
-    dim j + hd/2 << 4 of token t (dimension-major per block) (attn_kv.h ka_sketch_update;
-    from the values the cache holds)."""
-    _array(sketch, "sketch", np.uint8, 4, writable=True)
+    the nibbles rint(x / S) + 8 into sketch (n_kv_heads, 2, cap, head_dim // 2, KV_BLOCK)
+    uint8, [:, 0] the keys', [:, 1] the values' (a kv head's key sketches one run, block
+    after block): key byte [j, t] = dim j | dim j + hd/2 << 4 of token t
+    (dimension-major per block) (attn_kv.h ka_sketch_update; from the values the cache
+    holds)."""
+    _array(sketch, "sketch", np.uint8, 5, writable=True)
     _array(scales, "scales", np.float32, 3, writable=True)
-    cap = sketch.shape[1]
-    _shape(sketch, "sketch", (n_kv_heads, cap, head_dim, KV_BLOCK))
+    cap = sketch.shape[2]
+    _shape(sketch, "sketch", (n_kv_heads, 2, cap, head_dim // 2, KV_BLOCK))
     _shape(scales, "scales", (n_kv_heads, cap, 2 * KV_BLOCK))
     _lib.sketch_update(int(k_block), int(v_block), kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1,
                        sketch.reshape(-1), scales.reshape(-1), cap, block)
@@ -738,9 +740,10 @@ def sketch_scores(q: np.ndarray, sketch: np.ndarray, scales: np.ndarray, kh: int
     one = np.ndim(q) == 1
     q2 = q[None] if one else q
     _array(q2, "q", np.float32, 2)
-    _array(sketch, "sketch", np.uint8, 4)
+    _array(sketch, "sketch", np.uint8, 5)
     _array(scales, "scales", np.float32, 3)
-    n_kv, cap, hd, bs = sketch.shape
+    n_kv, _, cap, h2, bs = sketch.shape
+    hd = 2 * h2
     out = np.empty((q2.shape[0], -(-int(n_ctx) // bs)), np.float32)
     _lib.sketch_scores(q2, sketch.reshape(-1), scales.reshape(-1), bs, n_kv, hd, cap, kh,
                        float(scale), int(n_ctx), out)

@@ -181,8 +181,8 @@ class KVCache:
         # bound probe: per layer, kv head and block the max then min of K (int8 with an
         # int8 cache, float32 otherwise), kept up to date by write(); sketch probe, in the
         # same arrays: per layer, kv head and token the key and the value at 4 bits (uint8
-        # (n_kv, cap, head_dim, KV_BLOCK): per block hd/2 key rows then hd/2 value rows,
-        # dimension-major) and their scales (float32 (n_kv, cap, 2 * KV_BLOCK))
+        # (n_kv, 2, cap, head_dim // 2, KV_BLOCK): a kv head's blocks' key rows, then their
+        # value rows, dimension-major) and their scales (float32 (n_kv, cap, 2 * KV_BLOCK))
         self.sketch = spec.sparse_k > 0 and spec.sparse_probe == "sketch"
         self.sparse_opts, self.sparse_width = self._opts(spec), spec.sparse_width
         self.bounds = self.bound_scales = None
@@ -204,7 +204,8 @@ class KVCache:
             if head_dim % 2 or head_dim > K.SKETCH_HD_MAX:
                 raise KestrelError(f"the sketch probe needs an even head_dim <= "
                                    f"{K.SKETCH_HD_MAX}, got {head_dim}")
-            self.bounds = np.zeros((n_layers, n_kv_heads, cap, head_dim, KV_BLOCK), np.uint8)
+            self.bounds = np.zeros((n_layers, n_kv_heads, 2, cap, head_dim // 2, KV_BLOCK),
+                                   np.uint8)
             self.bound_scales = np.zeros((n_layers, n_kv_heads, cap, 2 * KV_BLOCK),
                                          np.float32)
             for layer in range(n_layers):

@@ -63,9 +63,8 @@ cdef extern from "attention.h" nogil:
         KA_SKGMAX
     const float KA_REST_FLOOR
     void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int kind, Py_ssize_t bs,
-                          Py_ssize_t n_kv,
-                          Py_ssize_t hd, Py_ssize_t r0, Py_ssize_t r1, uint8_t *skt,
-                          Py_ssize_t bstride, float *ssc, Py_ssize_t sstride) noexcept
+                          Py_ssize_t n_kv, Py_ssize_t hd, Py_ssize_t r0, Py_ssize_t r1,
+                          uint8_t *skt, float *ssc, Py_ssize_t cap, Py_ssize_t b) noexcept
     int32_t ka_sketch_query(const float *q, Py_ssize_t hd, float scale, int8_t *qi,
                             float *qs, float *cv) noexcept
     void ka_sketch_heads(const ka_kv *kv, const int8_t *qi, Py_ssize_t ng, const float *qs,
@@ -314,8 +313,8 @@ def bounds_update(uint64_t k_block, int kv_kind, Py_ssize_t kv_bs, Py_ssize_t n_
 
 def sketch_update(uint64_t k_block, uint64_t v_block, int kv_kind, Py_ssize_t kv_bs,
                   Py_ssize_t n_kv_heads, Py_ssize_t head_dim, Py_ssize_t r0, Py_ssize_t r1,
-                  uint8_t[::1] sketch,         # IN/OUT (n_kv, cap, hd, kv_bs) one layer's
-                                               #     key rows then value rows per block
+                  uint8_t[::1] sketch,         # IN/OUT (n_kv, 2, cap, hd/2, kv_bs) one
+                                               #     layer's key rows, then value rows
                   float[::1] scales,           # IN/OUT (n_kv, cap, 2 * kv_bs) their scales
                   Py_ssize_t cap, Py_ssize_t block):
     """Sketch rows r0..r1-1 of K and V block `block` (addresses k_block, v_block), just
@@ -328,8 +327,7 @@ def sketch_update(uint64_t k_block, uint64_t v_block, int kv_kind, Py_ssize_t kv
         raise ValueError("sketch_update: sketch too small")
     ka_sketch_update(<const uint8_t *> <uintptr_t> k_block, <const uint8_t *> <uintptr_t> v_block,
                      kv_kind, kv_bs, n_kv_heads,
-                     head_dim, r0, r1, &sketch[block * kv_bs * head_dim],
-                     cap * kv_bs * head_dim, &scales[block * 2 * kv_bs], cap * 2 * kv_bs)
+                     head_dim, r0, r1, &sketch[0], &scales[0], cap, block)
 
 
 def sketch_scores(const float[:, ::1] q, const uint8_t[::1] sketch, const float[::1] scales,

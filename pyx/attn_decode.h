@@ -310,11 +310,11 @@ KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdi
                 }
             if (!ng)
                 continue;
-            const uint8_t *x = kv->bnd + (kh * kv->bcap + b) * B * hd + h2 * B;
+            const uint8_t *x = kv->bnd + ka_sk_vals(kh, b, kv->bcap, hd);
 #if defined(__GNUC__) || defined(__clang__)
             if (b + 1 < b1)                  /* the next block's value sketch */
                 for (ptrdiff_t c = 0; c < B * h2; c += 64)
-                    __builtin_prefetch(x + B * hd + c, 0, 3);
+                    __builtin_prefetch(x + B * h2 + c, 0, 3);
 #endif
             ka_rest_dots_any(kv->x86v3, x, hd, ng, w8, dots);
             for (ptrdiff_t g = 0; g < ng; g++) {

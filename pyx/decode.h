@@ -261,14 +261,12 @@ static void kd_qkv_post(kd_step *S, int l, ka_kv *kv)
                 ka_quant_row(v + h * hd, hd, (int8_t *)vb + r * kvd + h * hd);
         }
     }
-    const ptrdiff_t es = S->kv_kind == KA_KV_Q8 ? 1 : 4, h2 = hd / 2;
+    const ptrdiff_t es = S->kv_kind == KA_KV_Q8 ? 1 : 4;
     const int sketch = (S->sopt & KA_SKETCH) != 0;
     if (S->bnds[l] != 0 && sketch)
         ka_sketch_update(kb, vb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
-                         (uint8_t *)(uintptr_t)S->bnds[l] + b * S->kv_bs * 2 * h2,
-                         S->bcap * S->kv_bs * 2 * h2,
-                         (float *)(uintptr_t)S->bscs[l] + b * 2 * S->kv_bs,
-                         S->bcap * 2 * S->kv_bs);
+                         (uint8_t *)(uintptr_t)S->bnds[l], (float *)(uintptr_t)S->bscs[l],
+                         S->bcap, b);
     else if (S->bnds[l] != 0)
         ka_bounds_update(kb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
                          (uint8_t *)(uintptr_t)S->bnds[l] + b * 2 * hd * es, S->bcap * 2 * hd,
