@@ -132,6 +132,10 @@ class EngineOptions:
         "--sparse-rest/--no-sparse-rest", help="Decode: the blocks not picked also count, "
         "at 4 bits: each by its mass estimated from the key sketch and its values' sketch "
         "(needs --sparse-probe sketch).", show_default="no", rich_help_panel=_MODEL)] = None
+    sparse_rest_max: Annotated[Optional[int], typer.Option(
+        "--sparse-rest-max", help="With --sparse-rest: count at most R blocks not picked "
+        "per head, those of the largest estimated mass (1..255; 0 = all above the floor).",
+        show_default="0", rich_help_panel=_MODEL)] = None
     sparse_prefill: Annotated[Optional[bool], typer.Option(
         "--sparse-prefill/--exact-prefill", help="Sparse or exact prompt attention "
         "(decode is sparse either way).", show_default="sparse", rich_help_panel=_MODEL)] = None
@@ -160,6 +164,7 @@ class EngineOptions:
                            sparse_recent=self.sparse_recent,
                            sparse_importance=self.sparse_importance,
                            sparse_rest=self.sparse_rest,
+                           sparse_rest_max=self.sparse_rest_max,
                            sparse_dense_first=self.sparse_dense_first,
                            sparse_dense_layers=self.sparse_dense_layers)
 

@@ -54,7 +54,7 @@ class LoadOptions:
         sparse_preset: a named set of the options below (`sparse.PRESETS`; implies
             sparse_attn); options given explicitly override it.
         sparse_sink, sparse_probe, sparse_group, sparse_prefill, sparse_window,
-            sparse_recent, sparse_importance, sparse_rest: the selection options of
+            sparse_recent, sparse_importance, sparse_rest, sparse_rest_max: the selection options of
             `CacheSpec` (None: the preset's, else the plain selection's).
         sparse_dense_first: the first N layers attend exactly; sparse_dense_layers: layer
             indices (a list or "0,5,7") that do too (together: their union).
@@ -79,6 +79,7 @@ class LoadOptions:
     sparse_recent: int | None = None
     sparse_importance: bool | None = None
     sparse_rest: bool | None = None
+    sparse_rest_max: int | None = None
     sparse_dense_first: int | None = None
     sparse_dense_layers: str | tuple | None = None
 
@@ -90,9 +91,12 @@ class LoadOptions:
                                f"got {self.sparse_preset!r}")
         out = dict(PRESETS.get(self.sparse_preset or "seed", {}))
         for name in ("sparse_sink", "sparse_probe", "sparse_group", "sparse_prefill",
-                     "sparse_window", "sparse_recent", "sparse_importance", "sparse_rest"):
+                     "sparse_window", "sparse_recent", "sparse_importance", "sparse_rest",
+                     "sparse_rest_max"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if not out.get("sparse_rest") and self.sparse_rest_max is None:
+            out.pop("sparse_rest_max", None)        # the preset's cap goes with its rest
         first = out.pop("sparse_dense_first", 0)
         if self.sparse_dense_first is not None:
             first = self.sparse_dense_first
@@ -102,6 +106,8 @@ class LoadOptions:
             raise KestrelError(f"--sparse-window must be >= 0, got {out['sparse_window']}")
         if not 0 <= out.get("sparse_recent", 0) <= 63:
             raise KestrelError(f"--sparse-recent must be 0..63, got {out['sparse_recent']}")
+        if not 0 <= out.get("sparse_rest_max", 0) <= 255:
+            raise KestrelError(f"--sparse-rest-max must be 0..255, got {out['sparse_rest_max']}")
         layers = self.sparse_dense_layers
         if isinstance(layers, str):
             try:

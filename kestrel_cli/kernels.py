@@ -646,7 +646,8 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             raise ValueError(f"imp_slots: expected ({_lib.SLOTS}, >= {n_ctx}), "
                              f"got {imp_slots.shape}")
     sparse_opts = int(sparse_opts)
-    if (not 0 <= sparse_opts < 2 * RANK or (sparse_opts & 3) == 3
+    if (not 0 <= sparse_opts < 256 << REST_MAX_SHIFT or (sparse_opts & 3) == 3
+            or sparse_opts >> REST_MAX_SHIFT and not sparse_opts & REST
             or sparse_opts & (SHARE | RANK) and ((sparse_opts >> 2) & 3 != 1
                                                  or sparse_opts & SHARE and sparse_opts & RANK)):
         raise ValueError(f"attention: bad sparse_opts {sparse_opts}")
@@ -699,6 +700,7 @@ SKETCH_HD_MAX = _lib.SKETCH_HD_MAX   # most head_dim of the sketch probe
 REST = _lib.REST             # sparse_opts bit: decode also counts the blocks not picked
 SHARE = _lib.SHARE           # sparse_opts bit: pooled picks from each head's probe shares
 RANK = _lib.RANK             # sparse_opts bit: pooled picks, the heads' own picks in turns
+REST_MAX_SHIFT = 14          # sparse_opts bits 14-21: the rest's cap (attn_select.h KA_REST_MAX)
 REST_FLOOR = _lib.REST_FLOOR  # the rest skips blocks below e^REST_FLOOR of a head's largest mass
 
 

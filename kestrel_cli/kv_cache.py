@@ -75,6 +75,10 @@ class CacheSpec:
             pseudo-token of score its sketch probe (estimated log-mass) and value its
             sketched values weighted by its tokens' sketched shares (needs sparse_probe
             "sketch"; prefill rows attend their picks only).
+        sparse_rest_max: with sparse_rest, a head counts at most this many blocks it does
+            not pick (1..255; those of the largest sketched masses, ties at the last all
+            counting): bounds the rest's reads when attention is spread over every block;
+            0: every block above the floor (e^REST_FLOOR of the head's largest).
     """
     dtype: str = "f32"
     sparse_k: int = 0
@@ -88,6 +92,7 @@ class CacheSpec:
     sparse_recent: int = 0
     sparse_importance: bool = True
     sparse_rest: bool = False
+    sparse_rest_max: int = 0
     block: ClassVar[int] = KV_BLOCK          # tokens per block (not a choice)
 
     def __post_init__(self):
@@ -106,6 +111,11 @@ class CacheSpec:
         if self.sparse_rest and self.sparse_k and self.sparse_probe != "sketch":
             raise KestrelError("sparse_rest needs the sketch probe (--sparse-probe sketch): "
                                "the rest is weighed by the sketch's block masses")
+        if not 0 <= self.sparse_rest_max <= 255:
+            raise KestrelError(f"sparse_rest_max must be 0..255, got {self.sparse_rest_max}")
+        if self.sparse_rest_max and self.sparse_k and not self.sparse_rest:
+            raise KestrelError("sparse_rest_max caps the rest: it needs sparse_rest "
+                               "(--sparse-rest)")
         if not 0 <= self.sparse_recent <= 63:
             raise KestrelError(f"sparse_recent must be 0..63, got {self.sparse_recent}")
         if self.sparse_window < 0:
@@ -117,10 +127,12 @@ class CacheSpec:
     @property
     def sparse_opts(self) -> int:
         """The kernel's code of the selection options (attn_select.h: sink | pool << 2 |
-        recent << 4 | rest (bit 11) | share (bit 12) | rank (bit 13))."""
+        recent << 4 | rest (bit 11) | share (bit 12) | rank (bit 13) | rest_max << 14,
+        the cap only with the rest)."""
         flag = {"share": K.SHARE, "rank": K.RANK}.get(self.sparse_group, 0)
         return (SINKS.index(self.sparse_sink) | (1 if flag else GROUPS.index(self.sparse_group)) << 2
-                | self.sparse_recent << 4 | (K.REST if self.sparse_rest else 0) | flag)
+                | self.sparse_recent << 4 | (K.REST if self.sparse_rest else 0) | flag
+                | (self.sparse_rest_max << 14 if self.sparse_rest else 0))
 
     @property
     def sparse_width(self) -> int:

@@ -87,6 +87,56 @@ KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
 #define KA_REST_FLOOR -6.0f
 #endif
 
+/* The r-th largest of x[0..n-1] (1 <= r <= n; x is reordered): Hoare's selection, the
+ * middle element as pivot. */
+KF_INLINE float ka_kth_largest(float *x, ptrdiff_t n, ptrdiff_t r)
+{
+    ptrdiff_t lo = 0, hi = n - 1, want = r - 1;
+    while (lo < hi) {
+        const float piv = x[lo + (hi - lo) / 2];
+        ptrdiff_t i = lo, j = hi;
+        while (i <= j) {
+            while (x[i] > piv)
+                i++;
+            while (x[j] < piv)
+                j--;
+            if (i <= j) {
+                const float t = x[i];
+                x[i++] = x[j];
+                x[j--] = t;
+            }
+        }
+        if (want <= j)
+            hi = j;
+        else if (want >= i)
+            lo = i;
+        else
+            return x[want];
+    }
+    return x[want];
+}
+
+/* A head's rest floor (KA_REST): e^KA_REST_FLOOR below its largest block mass (probe);
+ * with a cap r > 0 raised, when more than r blocks it does not attend (mask 0) lie above
+ * that, to the r-th largest of theirs. buf: nb floats of scratch. */
+KF_INLINE float ka_rest_floor(const float *probe, const uint8_t *mask, ptrdiff_t nb, int r,
+                              float *buf)
+{
+    float m = -INFINITY;
+    for (ptrdiff_t b = 0; b < nb; b++)
+        m = probe[b] > m ? probe[b] : m;
+    float floor = m + KA_REST_FLOOR;
+    if (r > 0) {
+        ptrdiff_t n = 0;
+        for (ptrdiff_t b = 0; b < nb; b++)
+            if (!mask[b] && probe[b] >= floor)
+                buf[n++] = probe[b];
+        if (n > r)
+            floor = ka_kth_largest(buf, n, r);
+    }
+    return floor;
+}
+
 /* Phase P for query head h: its picks (pick order into sel + h * ka_ktot(k, sopt) when sel
  * is given) and its row of the mask table. Pooled (KA_POOL_MAX / _SUM): the first query
  * head of each kv head picks once for its `group` heads from their probes' max or sum (in
@@ -99,12 +149,6 @@ KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t group, p
     uint8_t *masks = ka_tab_masks(tab, nb, n_heads, hd);
     const int pool = KA_POOL(sopt), kt = ka_ktot(k, sopt);
     ptrdiff_t h1 = h + 1;
-    if (sopt & KA_REST) {                       /* this head's rest floor */
-        float m = -INFINITY;
-        for (ptrdiff_t b = 0; b < nb; b++)
-            m = probe[b] > m ? probe[b] : m;
-        ka_tab_floor(tab, nb, n_heads, hd)[h] = m + KA_REST_FLOOR;
-    }
     if (pool == KA_POOL_MAX || pool == KA_POOL_SUM) {
         if (h % group)
             return;
@@ -124,6 +168,9 @@ KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t group, p
             mask[ws->sel[i]] = 1;
         if (sel != NULL)
             memcpy(sel + x * kt, ws->sel, (size_t)nsel * sizeof(int32_t));
+        if (sopt & KA_REST)
+            ka_tab_floor(tab, nb, n_heads, hd)[x] = ka_rest_floor(probes + x * nb, mask, nb,
+                                                                  KA_REST_MAX(sopt), ws->s);
     }
 }
 

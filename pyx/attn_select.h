@@ -14,7 +14,8 @@
 /* Options of the selection beyond the default (docs/DESIGN.md §3 Options), one int:
  * bits 0-1 the sink block, bits 2-3 the pooling of a kv head's query heads, bits 4-9 the
  * recent blocks kept besides the k picks (0..63), bit 10 (KA_SKETCH) the cache keeps key
- * sketches, not bounds, in kv->bnd, bit 11 (KA_REST) the decode's rest estimate. The bound (sketch) probe is on when the cache view
+ * sketches, not bounds, in kv->bnd, bit 11 (KA_REST) the decode's rest estimate, bits
+ * 12-13 KA_SHARE / KA_RANK, bits 14-21 the rest's cap (KA_REST_MAX, 0: none). The bound (sketch) probe is on when the cache view
  * carries bounds (kv->bnd). sopt 0 is the default. */
 enum { KA_SINK_OFF = 0, KA_SINK_IN = 1, KA_SINK_OUT = 2 };
 enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
@@ -28,6 +29,9 @@ enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
 #define KA_SHARE 4096  /* with KA_POOL_MAX: each head's probes less their log-sum-exp over
                         * the blocks before the max (ka_pool_probes) */
 #define KA_RANK 8192   /* with KA_POOL_MAX: the heads' own picks taken in turns (ka_rank_pool) */
+/* with KA_REST: a head counts at most R (1..255) blocks it does not pick, those of the
+ * largest sketched masses (ties at the R-th all count); 0: every block above the floor */
+#define KA_REST_MAX(sopt) (((sopt) >> 14) & 255)
 
 /* One selection per kv head (KA_POOL_MAX / _SUM): out[b] = the group's probes p[g * ld + b]
  * of block b < nb folded in head order, max or sum; KA_SHARE: the max of each head's

@@ -56,6 +56,11 @@ CONFIGS = {
     "sketch": {"sparse_probe": "sketch"},
     "rest": {"sparse_rest": True},
     "no-rest": {"sparse_rest": False},
+    "restmax0": {"sparse_rest_max": 0},
+    "restmax8": {"sparse_rest_max": 8},
+    "restmax16": {"sparse_rest_max": 16},
+    "restmax32": {"sparse_rest_max": 32},
+    "restmax64": {"sparse_rest_max": 64},
     "dense2": {"sparse_dense_first": 2},
     "kv-max": {"sparse_group": "max"},
     "kv-sum": {"sparse_group": "sum"},
@@ -88,6 +93,8 @@ def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
             opts.update(CONFIGS[part])
         else:
             sys.exit(f"unknown config {part!r}: one of {', '.join([*CONFIGS, *PRESETS])}")
+    if not opts.get("sparse_rest"):
+        opts.pop("sparse_rest_max", None)           # the preset's cap goes with its rest
     first = opts.pop("sparse_dense_first", 0)
     if first:
         opts["sparse_dense"] = tuple(range(first))
@@ -122,7 +129,12 @@ def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
 #                        every token at its true weight, its value at 4 bits; rest=v4s:
 #                        at its sketched weight (what a kernel would have); rest=tierT:
 #                        v4s in the blocks within e^-T of the head's largest block
-#                        mass, the others at their sketched mass and mean value
+#                        mass, the others at their sketched mass and mean value;
+#                        rest=adaptE: the kernel's floor (blocks below e^-6 of the
+#                        largest dropped), above it a block at its mean value when its
+#                        tokens' sketched shares are near uniform (L1 distance from 1/n
+#                        times the block's share of the head's mass < E), else at v4s
+#                        (kld prints how the unpicked blocks split)
 
 def parse_sim(config: str) -> dict:
     """The policy of a "sim:key=val:..." config."""
@@ -143,9 +155,10 @@ def parse_sim(config: str) -> dict:
         sys.exit(f"unknown oracle {pol['oracle']!r}: mass, max or kvmass")
     rest = pol["rest"]
     if rest not in ("off", "mean", "true", "top", "v4", "v4s") and not (
-            rest.startswith("tier") and rest[4:].replace(".", "", 1).isdigit()):
-        sys.exit(f"unknown rest {rest!r} in {config!r}: off, mean, true, top, v4, v4s or "
-                 f"tierT (T >= 0, e.g. tier6)")
+            rest.startswith(("tier", "adapt")) and
+            rest.lstrip("tierapd").replace(".", "", 1).replace("e-", "", 1).isdigit()):
+        sys.exit(f"unknown rest {rest!r} in {config!r}: off, mean, true, top, v4, v4s, "
+                 f"tierT (T >= 0, e.g. tier6) or adaptE (E > 0, e.g. adapt0.001)")
     return pol
 
 
@@ -285,6 +298,8 @@ class SimAttend:
         self.K = np.zeros((cache.n_layers, n, cache.kv_dim), np.float32)
         self.V = np.zeros((cache.n_layers, n, cache.kv_dim), np.float32)
         self.have = [0] * cache.n_layers
+        # rest=adaptE: unpicked blocks at their mean, at 4 bits, below the floor
+        self.stats = [0, 0, 0]
 
     def _rows(self, layer: int, n: int) -> None:
         c, r0 = self.c, self.have[layer]
@@ -350,14 +365,15 @@ class SimAttend:
             e = np.exp(st - m[:, None])
             w = np.where(sel, 0.0, np.exp(lse - m[:, None]))            # (nh, nb)
             tier = rest.startswith("tier")
-            if rest in ("v4", "v4s") or tier:  # every unpicked token at its true (v4) or
+            adapt = rest.startswith("adapt")
+            if rest in ("v4", "v4s") or tier or adapt:  # every unpicked token at its true (v4) or
                 # sketched (v4s: 4-bit key, less the rounding's mean inflation) weight, value
                 # at 4 bits; tierT: so only in the blocks within e^-T of the head's largest
                 # block mass, the others at their sketched mass and mean value
                 vmax = np.abs(vq).max(axis=2, keepdims=True)
                 vsc = np.where(vmax > 0, vmax / 7, 1.0)
                 vd = np.clip(np.rint(vq / vsc), -7, 7) * vsc
-                if rest == "v4s" or tier:
+                if rest == "v4s" or tier or adapt:
                     cv = (c.scale ** 2 * (qh ** 2).sum(axis=1) / 24)[:, None]   # (nh, 1)
                     sw = sa - cv * np.repeat(ksc[:, :, 0].T ** 2, group, axis=0)
                     eu = np.where(tok, 0.0, np.exp(np.minimum(sw - m[:, None], 0.0)))
@@ -366,6 +382,28 @@ class SimAttend:
                 if tier:             # the blocks below the tier: their means, not 4 bits
                     lo = lse - lse.max(axis=1, keepdims=True) < -float(rest[4:])
                     eu = np.where(np.repeat(lo, c.kv_bs, axis=1)[:, :n], 0.0, eu)
+                if adapt:            # above the kernel's floor (e^-6 of the largest block):
+                    # a block whose tokens' sketched shares are near uniform (their L1
+                    # distance from 1/n, times the block's share of the head's sketched
+                    # mass, below E) at its mean value, the others at 4 bits; below: none
+                    floor = lse < lse.max(axis=1, keepdims=True) - 6.0
+                    ep = np.zeros((nh, nb * c.kv_bs))
+                    ep[:, :n] = np.where(tok, 0.0, np.exp(np.minimum(sw - m[:, None], 0.0)))
+                    ep = ep.reshape(nh, nb, c.kv_bs)
+                    bsum = ep.sum(axis=2)
+                    pt = ep / np.where(bsum > 0, bsum, 1.0)[:, :, None]
+                    l1 = np.abs(pt - 1.0 / cnt[None, :, None])
+                    l1 = np.where(np.arange(c.kv_bs)[None, None, :] < cnt[None, :, None], l1,
+                                  0.0).sum(axis=2)
+                    share = bsum / bsum.sum(axis=1, keepdims=True)
+                    lo = (share * l1 < float(rest[5:])) & ~sel
+                    self.stats[0] += int((lo & ~floor).sum())
+                    self.stats[1] += int((~lo & ~floor & ~sel).sum())
+                    self.stats[2] += int((floor & ~sel).sum())
+                    lo = lo | floor
+                    w = np.where(floor, 0.0, w)
+                    eu = np.where(np.repeat(lo, c.kv_bs, axis=1)[:, :n], 0.0, eu)
+                    tier = True
                 num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)
                        + np.einsum("kgn,nkd->kgd", eu.reshape(nkv, group, n), vd))
                 den = e.sum(axis=1) + eu.sum(axis=1)
@@ -441,6 +479,7 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
     for config, k in runs:
         t0 = time.perf_counter()
         kl, nll, n = 0.0, 0.0, 0
+        stats = [0, 0, 0]
         spec = CacheSpec(a.dtype) if k == 0 else spec_of(config, k, a.dtype)
         for win, cut, lq, pre in wins:
             # the prefill records importance and the key summary the probe reads, so one
@@ -463,8 +502,15 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
             kl += float((np.exp(lq) * (lq - lp)).sum())
             nll -= float(lp[np.arange(lp.shape[0]), win[cut:]].sum())
             n += lp.shape[0]
+            if isinstance(sc.__dict__.get("attend"), SimAttend):   # one per window
+                stats = [x + y for x, y in zip(stats, sc.attend.stats)]
+        extra = ""
+        if config.startswith("sim:") and k and sum(stats):   # rest=adaptE's split
+            extra = (f"  unpicked blocks: {stats[2] / sum(stats):.0%} below the floor, "
+                     f"{stats[0] / sum(stats):.0%} at their mean, {stats[1] / sum(stats):.0%} "
+                     f"at 4 bits")
         print(f"{config:<40} {k:>3} {kl / n:>9.6f} {np.exp(nll / n):>8.4f} "
-              f"{time.perf_counter() - t0:>5.0f}", flush=True)
+              f"{time.perf_counter() - t0:>5.0f}{extra}", flush=True)
 
 
 def cmd_kld(a) -> None:

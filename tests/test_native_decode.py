@@ -57,6 +57,7 @@ def test_native_equals_loop(ckpts, arch):
     dict(sparse_attn=True, sparse_k=2, sparse_sink="out", sparse_group="union",
          sparse_dense_layers="1"),
     dict(sparse_preset="quality", sparse_k=1),
+    dict(sparse_preset="quality", sparse_k=1, sparse_rest_max=1),
     dict(sparse_attn=True, sparse_k=1, sparse_recent=2, sparse_importance=False),
     dict(quant="q8", act="q8"), dict(quant="q4", act="q8"), dict(quant="q4", repack=False),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))

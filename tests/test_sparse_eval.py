@@ -130,7 +130,8 @@ def test_sim_rest_variants_order_as_measured():
     exact = c.attend(0, q, np.empty_like(q)).copy()
     err = {}
     outs = {}
-    for rest in ("off", "mean", "true", "top", "v4", "v4s", "tier1", "tier100"):
+    for rest in ("off", "mean", "true", "top", "v4", "v4s", "tier1", "tier100", "adapt0",
+                 "adapt1000"):
         pol = se.parse_sim(f"sim:probe=q4:group=union:sink=out:recent=1:rest={rest}")
         outs[rest] = se.SimAttend(c, pol, 2)(0, q, np.empty_like(q)).copy()
         err[rest] = float(np.abs(outs[rest] - exact).max())
@@ -141,6 +142,13 @@ def test_sim_rest_variants_order_as_measured():
     # tier below every block is v4s, and e^-1 here sits between v4s and the means
     np.testing.assert_array_equal(outs["tier100"], outs["v4s"])
     assert err["v4s"] < err["tier1"] < err["mean"]
+    # adaptE: E = 0 is v4s (no block here lies below the floor, e^-6), a large E every
+    # block above the floor at its mean, as far off as tier0's means
+    np.testing.assert_allclose(outs["adapt0"], outs["v4s"], rtol=1e-10, atol=1e-12)
+    assert err["v4s"] < 0.5 * err["adapt1000"]
+    np.testing.assert_allclose(outs["adapt1000"], se.SimAttend(c, se.parse_sim(
+        "sim:probe=q4:group=union:sink=out:recent=1:rest=tier0"), 2)(0, q, np.empty_like(q)),
+        rtol=1e-10, atol=1e-12)
 
 
 def test_bad_input_is_one_line(tmp_path):

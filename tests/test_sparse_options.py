@@ -11,6 +11,7 @@ from kestrel_cli import kernels
 from kestrel_cli.engine import LoadOptions
 from kestrel_cli.errors import KestrelError
 from kestrel_cli.kv_cache import CacheSpec, KVCache
+from kestrel_cli.sparse import PRESETS
 from kestrel_cli.sparse import (bound_scores, importance_order, key_bounds, key_bounds_q8,
                                 group_scores, key_sketch, probe_scores, select_blocks,
                                 select_with,
@@ -489,18 +490,22 @@ def test_recent_and_importance_flags():
 
 # ---------------------------------------------------------------- the rest estimate
 
+@pytest.mark.parametrize("rest_max", [0, 3])
 @pytest.mark.parametrize("group", ["head", "union", "rank"])
 @pytest.mark.parametrize("dtype", ["f32", "q8"])
-def test_rest_decode_matches_numpy(group, dtype, isa):
+def test_rest_decode_matches_numpy(group, dtype, rest_max, isa):
     """--sparse-rest: a decode head's output is the softmax over its picks' exact scores
     and, for each block it does not attend, one pseudo-token (the block's sketch mass; its
     sketched values weighted by its tokens' sketched shares), in one normalisation: the
     blocks not picked at 4 bits (those whose mass is below e^REST_FLOOR of the head's
-    largest skipped); without the option the picks alone."""
+    largest skipped; with --sparse-rest-max R only those at or above the R-th largest
+    mass of the blocks above the floor that the head itself did not pick); without the
+    option the picks alone."""
     rng = np.random.default_rng(23)
     kw = dict(sparse_k=3, sparse_probe="sketch", sparse_group=group, sparse_sink="out",
               sparse_importance=False)
-    c = filled_cache(CacheSpec(dtype, sparse_rest=True, **kw), 14 * BS + 5, rng)
+    c = filled_cache(CacheSpec(dtype, sparse_rest=True, sparse_rest_max=rest_max, **kw),
+                     14 * BS + 5, rng)
     c.record_selection = True
     q = rng.standard_normal((1, N_HEADS * HD)).astype(np.float32)
     c.reserve(1)
@@ -512,6 +517,7 @@ def test_rest_decode_matches_numpy(group, dtype, isa):
     plain = c.attend(0, q, np.empty_like(q))[0].copy()
     n = c.offset + 1
     nb = -(-n // BS)
+    capped = 0
     for h in range(N_HEADS):
         kh = h // GROUP
         mine = picks[kh * GROUP:(kh + 1) * GROUP] if group == "union" else picks[h:h + 1]
@@ -541,12 +547,20 @@ def test_rest_decode_matches_numpy(group, dtype, isa):
             m = max(s[tok].max(), lse[rest].max(initial=-np.inf))
             e, w = np.exp(s[tok] - m), np.exp(lse[rest] - m)
             return (e @ V_[tok] + w @ vm[rest]) / (e.sum() + w.sum())
-        want = rest_out(~att & (lse >= lse.max() + kernels.REST_FLOOR))   # the floor
+        floor = lse.max() + kernels.REST_FLOOR
+        own = np.zeros(nb, bool)
+        own[picks[h][picks[h] >= 0]] = True
+        above = lse[~own & (lse >= floor)]
+        if rest_max and above.size > rest_max:            # the cap: the R largest
+            floor = np.sort(above)[::-1][rest_max - 1]
+            capped += 1
+        want = rest_out(~att & (lse >= floor))
         np.testing.assert_allclose(got[h * HD:(h + 1) * HD], want, rtol=2e-4, atol=2e-5)
         p = np.exp(s[tok] - s[tok].max())
         np.testing.assert_allclose(plain[h * HD:(h + 1) * HD], p @ V_[tok] / p.sum(),
                                    rtol=2e-4, atol=2e-5)
     assert not np.allclose(got, plain)
+    assert capped == (N_HEADS if rest_max else 0)          # the cap bit for every head
 
 
 @pytest.mark.parametrize("dtype", ["f32", "q8"])
@@ -592,6 +606,27 @@ def rows_of(c, layer, n, values=False):
         return c.values(layer) if values else c.keys(layer)
     finally:
         c.offset = off
+
+
+def test_rest_max_options():
+    """--sparse-rest-max: 0..255, only with the rest (sparse_opts bits 14-21); over the
+    quality preset (no cap of its own: it costs the needles, README) it stays with the
+    rest and fails without it."""
+    spec = CacheSpec(sparse_k=4, sparse_probe="sketch", sparse_rest=True, sparse_rest_max=32)
+    assert spec.sparse_opts >> kernels.REST_MAX_SHIFT == 32
+    for kw, msg in ((dict(sparse_rest_max=256), "0..255"), (dict(sparse_rest_max=-1), "0..255"),
+                    (dict(sparse_rest=False, sparse_rest_max=8), "needs sparse_rest")):
+        with pytest.raises(KestrelError, match=msg):
+            CacheSpec(**{**dict(sparse_k=4, sparse_probe="sketch", sparse_rest=True), **kw})
+    with pytest.raises(KestrelError, match="--sparse-rest-max"):
+        LoadOptions(sparse_attn=True, sparse_rest_max=300).validate()
+    q = LoadOptions(sparse_preset="quality").cache_spec
+    assert q.sparse_rest and q.sparse_rest_max == PRESETS["quality"].get("sparse_rest_max", 0)
+    q = LoadOptions(sparse_preset="quality", sparse_rest_max=64).cache_spec
+    assert q.sparse_rest and q.sparse_opts >> kernels.REST_MAX_SHIFT == 64
+    assert LoadOptions(sparse_preset="quality", sparse_rest=False).cache_spec.sparse_rest_max == 0
+    with pytest.raises(KestrelError, match="needs sparse_rest"):
+        LoadOptions(sparse_preset="quality", sparse_rest=False, sparse_rest_max=4).cache_spec
 
 
 def test_rest_needs_the_sketch():

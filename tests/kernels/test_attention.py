@@ -106,10 +106,12 @@ def test_attention_rejects_bad_input():
         kernels.attention(q, np.array([kp[0], 0], dtype=np.uint64), vp, 8, 2, 16, 10, 1.0, out, 1)
     with pytest.raises(ValueError, match="out: expected shape"):
         kernels.attention(q, kp, vp, 8, 2, 16, 0, 1.0, out[:2].copy(), 1)
-    # the pooling flags: share or rank, each with the max pool only
+    # the pooling flags: share or rank, each with the max pool only; the rest's cap only
+    # with the rest, at most 255
     kb32, vb32, kp32, vp32 = build_cache(np.concatenate([K] * 4), np.concatenate([K] * 4), 32)
     for opts in (kernels.SHARE | kernels.RANK | 1 << 2, kernels.SHARE | 2 << 2,
-                 kernels.RANK, 2 * kernels.RANK):
+                 kernels.RANK, 2 * kernels.RANK, 8 << kernels.REST_MAX_SHIFT,
+                 kernels.REST | kernels.SKETCH | 256 << kernels.REST_MAX_SHIFT):
         with pytest.raises(ValueError, match="bad sparse_opts"):
             kernels.attention(q, kp32, vp32, 32, 2, 16, 0, 1.0, out, 1, sparse_k=1,
                               sparse_opts=opts)
