@@ -23,7 +23,6 @@ prefill call (T > 1) adds to; decode steps add nothing, so tokens after the prom
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -35,27 +34,6 @@ from .kernels import KV_BLOCK
 from .sparse import importance_order
 
 DTYPES = ("f32", "q8", "f16")
-ARENA_BYTES = 32 << 20                  # KV blocks come from arenas of this size
-
-
-def _huge_arena(nbytes: int) -> np.ndarray:
-    """nbytes of zeroed anonymous memory (uint8) starting on a 2 MiB boundary, advised as
-    transparent huge pages where the kernel offers them (Linux: madvise mode is the common
-    default); an unaligned start would leave the first huge page to small ones."""
-    huge = 2 << 20
-    if not hasattr(mmap, "MAP_PRIVATE"):                    # Windows: plain memory
-        return np.zeros(nbytes, dtype=np.uint8)
-    # private: a shared anonymous map is shmem, which takes huge pages only when the
-    # system's shmem_enabled says so (commonly never)
-    mm = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    a = np.frombuffer(mm, dtype=np.uint8)
-    skip = -a.ctypes.data % huge
-    return a[skip:skip + nbytes]
 SINKS = ("off", "in", "out")            # sparse_sink values (kernel code: their index)
 PROBES = ("sample", "bound", "sketch")  # sparse_probe values
 # sparse_group values; the kernel's pool code is the index ("share" / "rank": max and
@@ -192,8 +170,6 @@ class KVCache:
             self.scale_offset = 0
             self.block_bytes = KV_BLOCK * self.kv_dim * (2 if self.f16 else 4)
         self.k_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
-        self._arena, self._arena_off = None, 0          # _new_block's current arena
-        self._free: list[np.ndarray] = []               # blocks trim() gave back
         self.v_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         cap = -(-max_tokens // KV_BLOCK)
         self.k_ptrs = np.zeros((n_layers, cap), dtype=np.uint64)   # block addresses
@@ -259,20 +235,9 @@ class KVCache:
         return len(self.k_blocks[0]) if self.n_layers else 0
 
     def _new_block(self) -> np.ndarray:
-        """A block: one freed by trim(), else the next 64-byte aligned slot of the current
-        arena (ARENA_BYTES of anonymous memory asked for as transparent huge pages, so the
-        scattered reads of sparse decode walk few page tables; untouched pages cost
-        nothing)."""
-        if self._free:
-            return self._free.pop()
-        nbytes = self.block_bytes if self.q8 else KV_BLOCK * self.kv_dim * (2 if self.f16 else 4)
-        if self._arena is None or self._arena_off + nbytes > self._arena.size:
-            self._arena, self._arena_off = _huge_arena(max(ARENA_BYTES, nbytes)), 0
-        b = self._arena[self._arena_off:self._arena_off + nbytes]
-        self._arena_off += -(-nbytes // 64) * 64
         if self.q8:
-            return b
-        return b.view(np.float16 if self.f16 else np.float32).reshape(KV_BLOCK, self.kv_dim)
+            return np.empty(self.block_bytes, dtype=np.uint8)
+        return np.empty((KV_BLOCK, self.kv_dim), dtype=np.float16 if self.f16 else np.float32)
 
     def _q8_views(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values int8 (KV_BLOCK, kv_dim), scales float32 (n_kv_heads, KV_BLOCK)) of an
@@ -456,7 +421,6 @@ class KVCache:
         self.offset = min(n, self.offset)
         keep = -(-self.offset // KV_BLOCK)
         for layer in range(self.n_layers):
-            self._free += self.k_blocks[layer][keep:] + self.v_blocks[layer][keep:]
             del self.k_blocks[layer][keep:]
             del self.v_blocks[layer][keep:]
             self.k_ptrs[layer, keep:] = 0
