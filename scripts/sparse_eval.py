@@ -28,7 +28,7 @@ the configs in turns (--rounds of them), median and ratio to the first config: r
 a drifting machine moves together (separate `kestrel bench` runs swing 5-20% here).
 
 Configs (speed also takes exact; not sim:): seed (the plain selection), sink-in, sink-out, bound, dense2 (first 2 layers
-exact), kv-max, kv-sum, kv-share, kv-rank, kv-union, kv-head (the plain per-head picks), sketch, rest, no-rest, exact-prefill, win32/64/128, recent1/2, noimp, and every
+exact), kv-max, kv-sum, kv-share, kv-rank, kv-union, kv-head (the plain per-head picks), sketch, rest, no-rest, restmax0/8/16/32/64 (--sparse-rest-max), exact-prefill, win32/64/128, recent1/2, noimp, and every
 --sparse-preset name (kestrel_cli.sparse.PRESETS); "a+b" combines configs. "sim:..."
 configs decode in NumPy with an oracle or a trial selection (see parse_sim below; e.g.
 sim:oracle=mass, the k blocks of largest true attention mass per head): slow, for
