@@ -95,8 +95,6 @@ class LoadOptions:
                      "sparse_rest_max"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
-        if not out.get("sparse_rest") and self.sparse_rest_max is None:
-            out.pop("sparse_rest_max", None)        # the preset's cap goes with its rest
         first = out.pop("sparse_dense_first", 0)
         if self.sparse_dense_first is not None:
             first = self.sparse_dense_first

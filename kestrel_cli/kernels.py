@@ -700,7 +700,7 @@ SKETCH_HD_MAX = _lib.SKETCH_HD_MAX   # most head_dim of the sketch probe
 REST = _lib.REST             # sparse_opts bit: decode also counts the blocks not picked
 SHARE = _lib.SHARE           # sparse_opts bit: pooled picks from each head's probe shares
 RANK = _lib.RANK             # sparse_opts bit: pooled picks, the heads' own picks in turns
-REST_MAX_SHIFT = 14          # sparse_opts bits 14-21: the rest's cap (attn_select.h KA_REST_MAX)
+REST_MAX_SHIFT = _lib.REST_MAX_SHIFT  # sparse_opts bits 14-21: the rest's cap (KA_REST_MAX)
 REST_FLOOR = _lib.REST_FLOOR  # the rest skips blocks below e^REST_FLOOR of a head's largest mass
 
 

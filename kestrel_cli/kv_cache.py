@@ -132,7 +132,7 @@ class CacheSpec:
         flag = {"share": K.SHARE, "rank": K.RANK}.get(self.sparse_group, 0)
         return (SINKS.index(self.sparse_sink) | (1 if flag else GROUPS.index(self.sparse_group)) << 2
                 | self.sparse_recent << 4 | (K.REST if self.sparse_rest else 0) | flag
-                | (self.sparse_rest_max << 14 if self.sparse_rest else 0))
+                | (self.sparse_rest_max << K.REST_MAX_SHIFT if self.sparse_rest else 0))
 
     @property
     def sparse_width(self) -> int:

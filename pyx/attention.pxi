@@ -58,6 +58,7 @@ cdef extern from "attention.h" nogil:
         KA_REST
         KA_SHARE
         KA_RANK
+        KA_REST_MAX_SHIFT
         KA_SKHDMAX
         KA_SKBS
         KA_SKGMAX
@@ -108,6 +109,7 @@ SKETCH_HD_MAX = KA_SKHDMAX  # most head_dim with the sketch probe
 REST = KA_REST              # sparse_opts bit: decode also counts the blocks not picked
 SHARE = KA_SHARE            # sparse_opts bit: pooled picks from each head's probe shares
 RANK = KA_RANK              # sparse_opts bit: pooled picks, the heads' own picks in turns
+REST_MAX_SHIFT = KA_REST_MAX_SHIFT  # sparse_opts bits from here: the rest's cap (8 bits)
 REST_FLOOR = KA_REST_FLOOR  # the rest skips blocks below e^REST_FLOOR of a head's largest mass
 
 

@@ -346,6 +346,13 @@ KF_INLINE ptrdiff_t ka_sk_vals(ptrdiff_t kh, ptrdiff_t b, ptrdiff_t cap, ptrdiff
     return ((kh * 2 + 1) * cap + b) * KA_SKBS * (hd / 2);
 }
 
+/* ... and its token scales in a layer's scales (cap blocks a kv head): KA_SKBS key scales,
+ * then KA_SKBS value scales. */
+KF_INLINE ptrdiff_t ka_sk_scales(ptrdiff_t kh, ptrdiff_t b, ptrdiff_t cap)
+{
+    return (kh * cap + b) * 2 * KA_SKBS;
+}
+
 /* Sketch rows r0 .. r1 - 1 of block b just written (kind: KA_KV_*; bs == KA_SKBS): its
  * keys (blk) and values (vblk) at 4 bits, from the values the cache holds, into the
  * layer's sketch skt (ka_sk_keys, ka_sk_vals; cap blocks a kv head) and its scales ssc
@@ -364,7 +371,7 @@ static inline void ka_sketch_update(const uint8_t *blk, const uint8_t *vblk, int
                 const uint8_t *src = part ? vblk : blk;
                 for (ptrdiff_t d = 0; d < hd; d++)
                     x[d] = ka_blk_val(src, kind, bs, ld, hd, h, t, d);
-                ssc[(h * cap + b) * 2 * bs + part * bs + t] = part
+                ssc[ka_sk_scales(h, b, cap) + part * bs + t] = part
                     ? ka_sketch_vrow(x, hd, t, skt + ka_sk_vals(h, b, cap, hd))
                     : ka_sketch_row(x, hd, bs, skt + ka_sk_keys(h, b, cap, hd) + t);
             }
@@ -816,10 +823,10 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
                                float *restrict w)
 {
     enum { B = KA_SKBS };
-    const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
+    const ptrdiff_t h2 = kv->hd / 2;
     const ptrdiff_t len = n_ctx - b * B < B ? n_ctx - b * B : B;
     const uint8_t *x = kv->bnd + ka_sk_keys(kh, b, kv->bcap, kv->hd);
-    const float *sc = kv->bsc + i * 2 * B;
+    const float *sc = kv->bsc + ka_sk_scales(kh, b, kv->bcap);
     int32_t acc[KA_SKGMAX][B];
 #if KF_X86_DISPATCH
     if (kv->x86v3 && kf_isa >= KF_ISA_AVX512 && h2 % 2 == 0) {
@@ -866,12 +873,13 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
 KF_INLINE void ka_sketch_prefetch(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, int rest)
 {
 #if defined(__GNUC__) || defined(__clang__)
-    const ptrdiff_t h2 = kv->hd / 2, i = kh * kv->bcap + b;
+    const ptrdiff_t h2 = kv->hd / 2;
     const uint8_t *x = kv->bnd + ka_sk_keys(kh, b, kv->bcap, kv->hd);
+    const float *sc = kv->bsc + ka_sk_scales(kh, b, kv->bcap);
     for (ptrdiff_t c = 0; c < KA_SKBS * h2; c += 64)         /* the key rows */
         __builtin_prefetch(x + c, 0, 3);
     for (ptrdiff_t c = 0; c < (rest ? 2 : 1) * KA_SKBS; c += 16)  /* key (value) scales */
-        __builtin_prefetch(kv->bsc + i * 2 * KA_SKBS + c, 0, 3);
+        __builtin_prefetch(sc + c, 0, 3);
 #else
     (void)kv; (void)kh; (void)b; (void)rest;
 #endif

@@ -31,7 +31,8 @@ enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
 #define KA_RANK 8192   /* with KA_POOL_MAX: the heads' own picks taken in turns (ka_rank_pool) */
 /* with KA_REST: a head counts at most R (1..255) blocks it does not pick, those of the
  * largest sketched masses (ties at the R-th all count); 0: every block above the floor */
-#define KA_REST_MAX(sopt) (((sopt) >> 14) & 255)
+#define KA_REST_MAX_SHIFT 14
+#define KA_REST_MAX(sopt) (((sopt) >> KA_REST_MAX_SHIFT) & 255)
 
 /* One selection per kv head (KA_POOL_MAX / _SUM): out[b] = the group's probes p[g * ld + b]
  * of block b < nb folded in head order, max or sum; KA_SHARE: the max of each head's

@@ -28,7 +28,7 @@ the configs in turns (--rounds of them), median and ratio to the first config: r
 a drifting machine moves together (separate `kestrel bench` runs swing 5-20% here).
 
 Configs (speed also takes exact; not sim:): seed (the plain selection), sink-in, sink-out, bound, dense2 (first 2 layers
-exact), kv-max, kv-sum, kv-share, kv-rank, kv-union, kv-head (the plain per-head picks), sketch, rest, no-rest, restmax0/8/16/32/64 (--sparse-rest-max), exact-prefill, win32/64/128, recent1/2, noimp, and every
+exact), kv-max, kv-sum, kv-share, kv-rank, kv-union, kv-head (the plain per-head picks), sketch, rest, no-rest, restmax8/16/32/64 (--sparse-rest-max), exact-prefill, win32/64/128, recent1/2, noimp, and every
 --sparse-preset name (kestrel_cli.sparse.PRESETS); "a+b" combines configs. "sim:..."
 configs decode in NumPy with an oracle or a trial selection (see parse_sim below; e.g.
 sim:oracle=mass, the k blocks of largest true attention mass per head): slow, for
@@ -38,6 +38,7 @@ run it under nice.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -56,7 +57,6 @@ CONFIGS = {
     "sketch": {"sparse_probe": "sketch"},
     "rest": {"sparse_rest": True},
     "no-rest": {"sparse_rest": False},
-    "restmax0": {"sparse_rest_max": 0},
     "restmax8": {"sparse_rest_max": 8},
     "restmax16": {"sparse_rest_max": 16},
     "restmax32": {"sparse_rest_max": 32},
@@ -93,8 +93,6 @@ def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
             opts.update(CONFIGS[part])
         else:
             sys.exit(f"unknown config {part!r}: one of {', '.join([*CONFIGS, *PRESETS])}")
-    if not opts.get("sparse_rest"):
-        opts.pop("sparse_rest_max", None)           # the preset's cap goes with its rest
     first = opts.pop("sparse_dense_first", 0)
     if first:
         opts["sparse_dense"] = tuple(range(first))
@@ -154,9 +152,8 @@ def parse_sim(config: str) -> dict:
     if pol["oracle"] not in (None, "mass", "max", "kvmass"):
         sys.exit(f"unknown oracle {pol['oracle']!r}: mass, max or kvmass")
     rest = pol["rest"]
-    if rest not in ("off", "mean", "true", "top", "v4", "v4s") and not (
-            rest.startswith(("tier", "adapt")) and
-            rest.lstrip("tierapd").replace(".", "", 1).replace("e-", "", 1).isdigit()):
+    if rest not in ("off", "mean", "true", "top", "v4", "v4s") and not re.fullmatch(
+            r"(tier|adapt)[0-9]*\.?[0-9]+(e-?[0-9]+)?", rest):
         sys.exit(f"unknown rest {rest!r} in {config!r}: off, mean, true, top, v4, v4s, "
                  f"tierT (T >= 0, e.g. tier6) or adaptE (E > 0, e.g. adapt0.001)")
     return pol

@@ -101,6 +101,10 @@ def test_sim_options_checked():
         se.parse_sim("sim:nope=1")
     with pytest.raises(SystemExit):
         se.parse_sim("sim:oracle=best")
+    for rest in ("pat6", "tier", "adapt", "adapt1e"):          # tierT / adaptE need a number
+        with pytest.raises(SystemExit):
+            se.parse_sim(f"sim:rest={rest}")
+    assert se.parse_sim("sim:rest=adapt1e-4")["rest"] == "adapt1e-4"
     assert se.parse_sim("sim:dense=0-2")["dense"] == (0, 1, 2)
 
 
