@@ -68,6 +68,9 @@ typedef struct {
 #define KF_VIDOT_ROWS_DOT kf_avx2_idot4
 #define KF_VIDOT_ONE kf_avx2_idot1
 #define KF_VKFAST(name) kf_avx2_kx_##name
+#define KF_VSG_NT KF_AVX2_SGNT
+#define KF_VSG_ROWS 16
+#define KF_VSG_TILE kf_avx2_sg_tile
 #include "matmul_isa.h"
 
 /* ---------------------------------------------------------------- avx512 variant */
@@ -96,6 +99,9 @@ typedef struct {
 #define KF_VIDOT_ROWS_DOT kf_avx512_idot4
 #define KF_VIDOT_ONE kf_avx512_idot1
 #define KF_VKFAST(name) kf_avx512_kx_##name
+#define KF_VSG_NT KF_AVX512_SGNT
+#define KF_VSG_ROWS 32
+#define KF_VSG_TILE kf_avx512_sg_tile
 #include "matmul_isa.h"
 #endif /* KF_X86_DISPATCH */
 
@@ -104,7 +110,8 @@ typedef struct {
 typedef void (*kf_gemv_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, ptrdiff_t,
                            ptrdiff_t, ptrdiff_t, float *);
 typedef void (*kf_gemm_fn)(int, const uint8_t *, ptrdiff_t, ptrdiff_t, ptrdiff_t,
-                           const float *, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t, float *);
+                           const float *, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t, float *,
+                           const float *);
 typedef void (*kf_quant_fn)(const float *, uint8_t *, ptrdiff_t);
 
 #if KF_X86_DISPATCH
@@ -117,6 +124,8 @@ static const kf_quant_fn kf_q8_tab[KF_N_ISA] = {
 static const kf_quant_fn kf_q4_tab[KF_N_ISA] = {
     kf_base_quantize_q4_0, kf_avx2_quantize_q4_0, kf_avx512_quantize_q4_0};
 static const int kf_mr_tab[KF_N_ISA] = {8, KF_AVX2_MR, KF_AVX512_MR};
+static const int kf_sgnt_tab[KF_N_ISA] = {0, KF_AVX2_SGNT, KF_AVX512_SGNT};
+static const int kf_sgrows_tab[KF_N_ISA] = {8, 16, 32};
 #else
 static const kf_gemv_fn kf_gemv_tab[KF_N_ISA] = {
     kf_base_gemv_rows, kf_base_gemv_rows, kf_base_gemv_rows};
@@ -127,6 +136,8 @@ static const kf_quant_fn kf_q8_tab[KF_N_ISA] = {
 static const kf_quant_fn kf_q4_tab[KF_N_ISA] = {
     kf_base_quantize_q4_0, kf_base_quantize_q4_0, kf_base_quantize_q4_0};
 static const int kf_mr_tab[KF_N_ISA] = {8, 8, 8};
+static const int kf_sgnt_tab[KF_N_ISA] = {0, 0, 0};
+static const int kf_sgrows_tab[KF_N_ISA] = {8, 8, 8};
 #endif
 
 #include "gemv_x16.h"
@@ -141,11 +152,48 @@ static inline void kf_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uin
     kf_gemv_tab[kf_isa](fmt, a, n, w, ldw, r0, r1, out);
 }
 
+/* xp: x packed by kf_pack_xtile in tiles of kf_gemm_xnt() tokens, or NULL (the
+ * variant's portable micro-kernels read x itself; always so when kf_gemm_xnt() is 0). */
 static inline void kf_gemm_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t nr,
                                 ptrdiff_t n, const float *x, ptrdiff_t ldx, ptrdiff_t T,
-                                float *out, ptrdiff_t ldo, float *panels)
+                                float *out, ptrdiff_t ldo, float *panels, const float *xp)
 {
-    kf_gemm_tab[kf_isa](fmt, w, ldw, nr, n, x, ldx, T, out, ldo, panels);
+    kf_gemm_tab[kf_isa](fmt, w, ldw, nr, n, x, ldx, T, out, ldo, panels, xp);
+}
+
+/* Tokens per tile of the variant's float GEMM kernels over packed x (0: it has none). */
+static inline int kf_gemm_xnt(void) { return kf_sgnt_tab[kf_isa]; }
+
+/* Weight rows per tile of those kernels (AVX-512: 2 panels of 16, AVX2: 1). */
+static inline int kf_gemm_xrows(void) { return kf_sgrows_tab[kf_isa]; }
+
+/* Tile `tile` of x (T rows of n, ldx apart) into xp: tokens t0 = tile * nt .. t0 + m - 1
+ * (m = min(nt, T - t0)) side by side, xp[t0 * n + j * m + t] = x[(t0 + t) * ldx + j]. */
+static inline void kf_pack_xtile(const float *x, ptrdiff_t ldx, ptrdiff_t n, ptrdiff_t T,
+                                 int nt, ptrdiff_t tile, float *xp)
+{
+    const ptrdiff_t t0 = tile * nt;
+    const int m = T - t0 < nt ? (int)(T - t0) : nt;
+    float *restrict dst = xp + t0 * n;
+    const float *src = x + t0 * ldx;
+    for (ptrdiff_t j = 0; j < n; j++)
+        for (int t = 0; t < m; t++)
+            dst[j * m + t] = src[t * ldx + j];
+}
+
+/* The calling thread's second scratch (the packed x a GEMM's team shares; kf_scratch is
+ * the calling thread's own panels inside the parallel region). */
+static void *kf_scratch_x(size_t bytes)
+{
+    static _Thread_local void *buf = NULL;
+    static _Thread_local size_t cap = 0;
+    if (bytes > cap) {
+        free(buf);
+        size_t want = (bytes + 63) / 64 * 64;
+        buf = aligned_alloc(64, want);
+        cap = buf != NULL ? want : 0;
+    }
+    return buf;
 }
 
 /* Rows r0 <= r < r1 of k weights stacked logically: weight i (format fmts[i], raw rows

@@ -36,9 +36,14 @@ cdef extern from "matmul.h" nogil:
                       Py_ssize_t ldw, Py_ssize_t r0, Py_ssize_t r1, float *out) noexcept
     void kf_gemm_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t nr,
                       Py_ssize_t n, const float *x, Py_ssize_t ldx, Py_ssize_t T,
-                      float *out, Py_ssize_t ldo, float *panels) noexcept
+                      float *out, Py_ssize_t ldo, float *panels, const float *xp) noexcept
     int kf_gemm_mr() noexcept
+    int kf_gemm_xnt() noexcept
+    int kf_gemm_xrows() noexcept
+    void kf_pack_xtile(const float *x, Py_ssize_t ldx, Py_ssize_t n, Py_ssize_t T, int nt,
+                       Py_ssize_t tile, float *xp) noexcept
     void *kf_scratch(size_t nbytes) noexcept
+    void *kf_scratch_x(size_t nbytes) noexcept
     size_t kf_act_bytes(Py_ssize_t n) noexcept
     void kf_prep_act(const float *x, Py_ssize_t n, int int8, void *scratch,
                      kf_act *a) noexcept
@@ -141,11 +146,12 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
            bint act_q8=False):             # IN  int8 activations (q formats, n % 32 == 0)
     """out := x @ dequantise(w).T"""
     cdef Py_ssize_t T = x.shape[0], n = x.shape[1], d = w.shape[0], ldw = w.shape[1]
-    cdef Py_ssize_t b, c, nb, rb, i0, nr, mr
+    cdef Py_ssize_t b, c, nb, rb, i0, nr, mr, tile, ntiles
     cdef float *panels                     # (rb / mr, n, mr) this thread's row panels
+    cdef float *xp                         # x in tiles of xnt tokens (kf_pack_xtile)
     cdef void *scratch
     cdef kf_act a
-    cdef int failed = 0, nt, x16
+    cdef int failed = 0, nt, x16, xnt
     cdef int *p_failed = &failed
     cdef uint8_t *rows
     if T == 0 or d == 0:
@@ -178,16 +184,29 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
         _gemm_q8(x, w, fmt, out, n_threads)
         return
     # GEMM: each row block is dequantised once into panels, then dotted with every token
+    # (x first packed in tiles of xnt tokens side by side, when the variant has kernels
+    # for that: the team packs the tiles, then runs the row blocks)
     nt = team_size(n_threads, d, 16)
     mr = kf_gemm_mr()
     rb = rows_per_block(n, d, nt, mr)
+    xnt = kf_gemm_xnt()
+    if xnt > 0 and rb < kf_gemm_xrows() and d >= 2 * nt * kf_gemm_xrows():
+        rb = kf_gemm_xrows()         # a whole tile of rows (AVX-512: 2 panels) at long n
     nb = (d + rb - 1) // rb
     x16 = kx_is_x16(fmt)
+    ntiles = (T + xnt - 1) // xnt if xnt > 0 else 0
+    xp = NULL
+    if xnt > 0:
+        xp = <float *> kf_scratch_x(T * n * sizeof(float))
+        if xp == NULL:
+            raise MemoryError("matmul: could not allocate scratch")
     with nogil, parallel(num_threads=nt):
         # x16 weights: each row block back to row-major (after the panels) first
         panels = <float *> kf_scratch(rb * n * sizeof(float) + (rb * ldw if x16 else 0))
         if panels == NULL:
             p_failed[0] = 1
+        for tile in prange(ntiles, schedule="static"):
+            kf_pack_xtile(&x[0, 0], n, n, T, xnt, tile, xp)
         for b in prange(nb, schedule="static"):
             if panels == NULL:
                 continue
@@ -197,10 +216,10 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
                 rows = <uint8_t *> (panels + rb * n)
                 kx_unpack_rows(fmt, &w[0, 0], ldw, i0, nr, rows)
                 kf_gemm_rows(kx_base_fmt(fmt), rows, ldw, nr, n, &x[0, 0], n, T,
-                             &out[0, i0], d, panels)
+                             &out[0, i0], d, panels, xp)
             else:
                 kf_gemm_rows(fmt, &w[i0, 0], ldw, nr, n, &x[0, 0], n, T, &out[0, i0], d,
-                             panels)
+                             panels, xp)
     if failed:
         raise MemoryError("matmul: could not allocate thread scratch")
 

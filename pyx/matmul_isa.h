@@ -720,12 +720,27 @@ KF_VMICRO(1)
 KF_TARGET static void KF_V(gemm_rows)(int fmt, const uint8_t *w, ptrdiff_t ldw,
                                       ptrdiff_t nr, ptrdiff_t n, const float *x,
                                       ptrdiff_t ldx, ptrdiff_t T, float *out, ptrdiff_t ldo,
-                                      float *panels)
+                                      float *panels, const float *xp)
 {
     for (ptrdiff_t r = 0; r < nr; r += KF_VMR) {
         int mr = nr - r < KF_VMR ? (int)(nr - r) : KF_VMR;
         KF_V(pack_panel)(fmt, w + r * ldw, ldw, mr, n, panels + r * n);
     }
+#ifdef KF_VSG_NT
+    /* x packed by kf_pack_xtile (tiles of KF_VSG_NT tokens): matmul_x86.h's kernels */
+    if (xp != NULL) {
+        for (ptrdiff_t t = 0; t < T; t += KF_VSG_NT) {
+            int nt = T - t < KF_VSG_NT ? (int)(T - t) : KF_VSG_NT;
+            for (ptrdiff_t r = 0; r < nr; r += KF_VSG_ROWS) {
+                int mr = nr - r < KF_VSG_ROWS ? (int)(nr - r) : KF_VSG_ROWS;
+                KF_VSG_TILE(nt, panels + r * n, n, xp + t * n, out + t * ldo + r, ldo, mr);
+            }
+        }
+        return;
+    }
+#else
+    (void)xp;
+#endif
     /* token tiles of KF_VNT, then of 4, then single tokens */
     for (ptrdiff_t t = 0; t < T;) {
         int nt = T - t >= KF_VNT ? KF_VNT : (T - t >= 4 ? 4 : 1);
@@ -813,3 +828,6 @@ KF_TARGET KF_NO_CONTRACT static void KF_V(quantize_q4_0)(const float *restrict x
 #undef KF_VIDOT_ROWS
 #undef KF_VIDOT_ROWS_DOT
 #undef KF_VIDOT_ONE
+#undef KF_VSG_NT
+#undef KF_VSG_ROWS
+#undef KF_VSG_TILE

@@ -203,6 +203,20 @@ def test_matmul_long_rows_every_variant(isa, fmt):
         check_matmul(rng.standard_normal((T, 8192)).astype(np.float32), w, 2)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "bf16", "q4_0"])
+@pytest.mark.parametrize("n", [64, 4128])
+def test_matmul_gemm_kernel_tiles_every_variant(isa, fmt, n):
+    """The float GEMM's tiled kernels over packed x (matmul_x86.h): 84 rows make row blocks
+    of 32 (two AVX-512 panels) and a last one of 20 (a partial second panel; at n = 4128
+    the blocks are widened to 32 rows), every token count of a tile and its tails; one
+    and two threads give the same bits."""
+    rng = np.random.default_rng([FORMATS.index(fmt), n])
+    w = make_weight(fmt, 84, n, rng)
+    for T in ((2, 6, 7, 12, 13, 25, 30) if n == 64 else (12, 17)):
+        x = rng.standard_normal((T, n)).astype(np.float32)
+        np.testing.assert_array_equal(check_matmul(x, w, 1), check_matmul(x, w, 2))
+
+
 def test_variants_agree_closely():
     """Different variants sum in different orders; they agree to float32 rounding."""
     rng = np.random.default_rng(21)
