@@ -1089,4 +1089,132 @@ static void kx_unpack_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r
     }
 }
 
+/* ---------------------------------------------------------------- x16 -> float panels
+ * The float GEMM (T > 1, float activations) of an x16 weight: each group of 16 rows is
+ * dequantised straight into the GEMM's panel p[j * 16 + r] (the lanes are already the
+ * rows) instead of going back to row-major bytes, being dequantised (kf_deq_span) and
+ * transposed (matmul_isa.h's pack_panel): ~17% of a qwen3-1.7b Q4_K_M prefill went there.
+ * The values are kf_deq_span's bits: every product below is exact in float (d and dmin
+ * f16, sub-block scales of <= 8 bits, quants of <= 6), so at most the one sum rounds, as
+ * there. Elements of the group's n columns; AVX-512 one vector a panel row, AVX2 two. */
+#if KF_X86_DISPATCH
+#define KX_PANEL_BODY(TGT, VF, VI, LOADI, STORE, CVTPH, LDH, SET1I, SRL, AND, SUB, OR, SLL,  \
+                      CVT, MUL, FMA, FMS, CVT8U, CVT8S, LDS, LPK, HALF)                        \
+    const VI m15 = SET1I(15), m63 = SET1I(63), m3 = SET1I(3);                                  \
+    if (fmt == KF_Q4_0X16 || fmt == KF_Q4_1X16) {                                              \
+        const int q41 = fmt == KF_Q4_1X16;                                                     \
+        for (ptrdiff_t b = 0; b < n / KF_QK; b++, p += 16 * KF_QK) {                           \
+            const uint8_t *Q = KX_Q(G, q41, b) + HALF;                                         \
+            const VF d = CVTPH(LDH(KX_D(G, q41, b) + HALF / 2));                               \
+            const VF m = q41 ? CVTPH(LDH(KX_M(G, q41, b) + HALF / 2)) : d;                     \
+            for (int k = 0; k < 4; k++) {                                                      \
+                const VI v = LOADI(Q + 64 * k);                                                \
+                for (int i = 0; i < 4; i++) {                                                  \
+                    const VI lo = AND(SRL(v, 8 * i), m15), hi = AND(SRL(v, 8 * i + 4), m15);   \
+                    if (q41) {                                                                 \
+                        STORE(p + 16 * (4 * k + i), FMA(d, CVT(lo), m));                       \
+                        STORE(p + 16 * (16 + 4 * k + i), FMA(d, CVT(hi), m));                  \
+                    } else {                                                                   \
+                        STORE(p + 16 * (4 * k + i), MUL(d, CVT(SUB(lo, SET1I(8)))));           \
+                        STORE(p + 16 * (16 + 4 * k + i), MUL(d, CVT(SUB(hi, SET1I(8)))));      \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    } else if (fmt == KF_Q4_KX16) {                                                            \
+        for (ptrdiff_t sb = 0; sb < n / KF_QK_K; sb++, p += 16 * KF_QK_K) {                    \
+            const uint8_t *Q = KX_KQA(G, sb) + HALF, *M = KX_KMA(G, sb);                       \
+            VF sc[8], mn[8], dl[8], ml[8];                                                     \
+            KX_K_SCALES(VI, CVT8U, LPK, AND, OR, SRL, SLL, SET1I, CVT, sc, mn);                \
+            const VF d = CVTPH(LDH(M + HALF / 2)), dm = CVTPH(LDH(M + 32 + HALF / 2));         \
+            for (int j = 0; j < 8; j++) {                                                      \
+                dl[j] = MUL(d, sc[j]);                                                         \
+                ml[j] = MUL(dm, mn[j]);                                                        \
+            }                                                                                  \
+            for (int c = 0; c < 4; c++)                                                        \
+                for (int t = 0; t < 8; t++) {                                                  \
+                    const VI v = LOADI(Q + 64 * (8 * c + t));                                  \
+                    for (int i = 0; i < 4; i++) {                                              \
+                        const VI lo = AND(SRL(v, 8 * i), m15), hi = AND(SRL(v, 8 * i + 4), m15); \
+                        STORE(p + 16 * (64 * c + 4 * t + i), FMS(dl[2 * c], CVT(lo), ml[2 * c])); \
+                        STORE(p + 16 * (64 * c + 32 + 4 * t + i),                              \
+                              FMS(dl[2 * c + 1], CVT(hi), ml[2 * c + 1]));                     \
+                    }                                                                          \
+                }                                                                              \
+        }                                                                                      \
+    } else {                                                    /* q6_k */                     \
+        for (ptrdiff_t sb = 0; sb < n / KF_QK_K; sb++, p += 16 * KF_QK_K) {                    \
+            const uint8_t *Q = KX_6Q(G, sb) + HALF, *S = KX_6S(G, sb) + HALF / 4;              \
+            const VF d = CVTPH(LDH(KX_6D(G, sb) + HALF / 2));                                  \
+            VF dl[16];                                                                         \
+            for (int j = 0; j < 16; j++)                                                       \
+                dl[j] = MUL(d, CVT(CVT8S(LDS(S + 16 * j))));                                   \
+            for (int h = 0; h < 2; h++)                                                        \
+                for (int s = 0; s < 8; s++) {                                                  \
+                    const uint8_t *V = Q + 64 * (24 * h + 3 * s);                              \
+                    const VI v0 = LOADI(V), v1 = LOADI(V + 64), v2 = LOADI(V + 128);           \
+                    const int j0 = 8 * h + s / 4;                                              \
+                    for (int c = 0; c < 4; c++) {                                              \
+                        const int e = 128 * h + 4 * s + c;                                     \
+                        const VI o = SET1I(32);                                                \
+                        STORE(p + 16 * e, MUL(dl[j0], CVT(SUB(AND(SRL(v0, 8 * c), m63), o)))); \
+                        STORE(p + 16 * (e + 32),                                               \
+                              MUL(dl[j0 + 2], CVT(SUB(AND(SRL(v1, 8 * c), m63), o))));         \
+                        STORE(p + 16 * (e + 64),                                               \
+                              MUL(dl[j0 + 4], CVT(SUB(AND(SRL(v2, 8 * c), m63), o))));         \
+                        const VI q3 = OR(OR(AND(SRL(v0, 8 * c + 6), m3),                       \
+                                            SLL(AND(SRL(v1, 8 * c + 6), m3), 2)),              \
+                                         SLL(AND(SRL(v2, 8 * c + 6), m3), 4));                 \
+                        STORE(p + 16 * (e + 96), MUL(dl[j0 + 6], CVT(SUB(q3, o))));            \
+                    }                                                                          \
+                }                                                                              \
+        }                                                                                      \
+    }
+
+#define KX_LD512(q) _mm512_loadu_si512((const void *)(q))
+#define KX_LDH512(q) _mm256_loadu_si256((const __m256i *)(q))
+#define KX_LDS512(q) _mm_loadu_si128((const __m128i *)(q))
+#define KX_LPK512(i_) _mm_loadu_si128((const __m128i *)(M + 64 + 16 * (i_)))
+#define KX_FMS512(a, b, c) _mm512_fmsub_ps(a, b, c)
+KF_TARGET_AVX512 static void kx_avx512_panel(int fmt, const uint8_t *G, ptrdiff_t n,
+                                             float *restrict p)
+{
+    KX_PANEL_BODY(KF_TARGET_AVX512, __m512, __m512i, KX_LD512, _mm512_storeu_ps,
+                  _mm512_cvtph_ps, KX_LDH512, _mm512_set1_epi32, _mm512_srli_epi32,
+                  _mm512_and_si512, _mm512_sub_epi32, _mm512_or_si512, _mm512_slli_epi32,
+                  _mm512_cvtepi32_ps, _mm512_mul_ps, _mm512_fmadd_ps, KX_FMS512,
+                  _mm512_cvtepu8_epi32, _mm512_cvtepi8_epi32, KX_LDS512, KX_LPK512, 0)
+}
+
+/* AVX2: rows 0-7 (HALF 0) and 8-15 (HALF 32: the bytes of a 64-byte vector's upper half,
+ * f16 scales 16 bytes on, planar scale bytes 8 on) into two half-panels p and p + 8 */
+#define KX_LD256(q) _mm256_loadu_si256((const __m256i *)(q))
+#define KX_LDH256(q) _mm_loadu_si128((const __m128i *)(q))
+#define KX_LDS256(q) _mm_loadl_epi64((const __m128i *)(q))
+#define KX_FMS256(a, b, c) _mm256_fmsub_ps(a, b, c)
+#define KX_AVX2_HALF(H)                                                                     \
+KF_TARGET_AVX2 static void kx_avx2_panel_##H(int fmt, const uint8_t *G, ptrdiff_t n,        \
+                                             float *restrict p)                             \
+{                                                                                           \
+    KX_PANEL_BODY(KF_TARGET_AVX2, __m256, __m256i, KX_LD256, KX_ST256_##H,                  \
+                  _mm256_cvtph_ps, KX_LDH256, _mm256_set1_epi32, _mm256_srli_epi32,         \
+                  _mm256_and_si256, _mm256_sub_epi32, _mm256_or_si256, _mm256_slli_epi32,   \
+                  _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps, KX_FMS256,            \
+                  _mm256_cvtepu8_epi32, _mm256_cvtepi8_epi32, KX_LDS256, KX_LPK256_##H,     \
+                  (32 * H))                                                                 \
+}
+#define KX_ST256_0(q, v) _mm256_storeu_ps(q, v)
+#define KX_ST256_1(q, v) _mm256_storeu_ps((q) + 8, v)
+#define KX_LPK256_0(i_) _mm_loadl_epi64((const __m128i *)(M + 64 + 16 * (i_)))
+#define KX_LPK256_1(i_) _mm_loadl_epi64((const __m128i *)(M + 64 + 16 * (i_) + 8))
+KX_AVX2_HALF(0)
+KX_AVX2_HALF(1)
+KF_TARGET_AVX2 static void kx_avx2_panel(int fmt, const uint8_t *G, ptrdiff_t n,
+                                         float *restrict p)
+{
+    kx_avx2_panel_0(fmt, G, n, p);
+    kx_avx2_panel_1(fmt, G, n, p);
+}
+#endif /* KF_X86_DISPATCH */
+
 #endif /* KESTREL_GEMV_X16_H */

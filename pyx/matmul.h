@@ -142,6 +142,37 @@ static const int kf_sgrows_tab[KF_N_ISA] = {8, 8, 8};
 
 #include "gemv_x16.h"
 
+/* Rows i0 <= i < i0 + nr (i0 a multiple of 16) of an x16 weight (group 0 at w, rows ldw
+ * bytes apart) against T > 1 float tokens, x packed (xp, kf_pack_xtile): each group
+ * dequantised straight into its panel (gemv_x16.h), then the variant's tiles. 0 when the
+ * variant has no such path (the caller unpacks the rows to row-major, kf_gemm_rows). */
+static inline int kx_gemm_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t i0,
+                               ptrdiff_t nr, ptrdiff_t n, const float *x, ptrdiff_t ldx,
+                               ptrdiff_t T, float *out, ptrdiff_t ldo, float *panels,
+                               const float *xp)
+{
+#if KF_X86_DISPATCH
+    if (xp == NULL || kf_isa == KF_ISA_BASE)
+        return 0;
+    for (ptrdiff_t r = 0; r < nr; r += KX_G) {
+        const uint8_t *G = w + (i0 + r) * ldw;
+        if (kf_isa == KF_ISA_AVX512)
+            kx_avx512_panel(fmt, G, n, panels + r * n);
+        else
+            kx_avx2_panel(fmt, G, n, panels + r * n);
+    }
+    if (kf_isa == KF_ISA_AVX512)
+        kf_avx512_gemm_panels(nr, n, x, ldx, T, out, ldo, panels, xp);
+    else
+        kf_avx2_gemm_panels(nr, n, x, ldx, T, out, ldo, panels, xp);
+    return 1;
+#else
+    (void)fmt; (void)w; (void)ldw; (void)i0; (void)nr; (void)n; (void)x; (void)ldx;
+    (void)T; (void)out; (void)ldo; (void)panels; (void)xp;
+    return 0;
+#endif
+}
+
 static inline void kf_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t *w,
                                 ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1, float *out)
 {

@@ -29,6 +29,9 @@ cdef extern from "matmul.h" nogil:
     void kx_pack_group_6(const uint8_t *src, Py_ssize_t ldw, int nr, uint8_t *dst) noexcept
     void kx_unpack_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t r0,
                         Py_ssize_t nr, uint8_t *dst) noexcept
+    int kx_gemm_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t i0, Py_ssize_t nr,
+                     Py_ssize_t n, const float *x, Py_ssize_t ldx, Py_ssize_t T, float *out,
+                     Py_ssize_t ldo, float *panels, const float *xp) noexcept
     void kf_deq_row(int fmt, const uint8_t *w, float *out, Py_ssize_t n) noexcept
     ctypedef struct kf_act:
         pass
@@ -212,7 +215,10 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
                 continue
             i0 = b * rb
             nr = d - i0 if d - i0 < rb else rb
-            if x16:
+            if x16 and kx_gemm_rows(fmt, &w[0, 0], ldw, i0, nr, n, &x[0, 0], n, T,
+                                    &out[0, i0], d, panels, xp):
+                pass
+            elif x16:
                 rows = <uint8_t *> (panels + rb * n)
                 kx_unpack_rows(fmt, &w[0, 0], ldw, i0, nr, rows)
                 kf_gemm_rows(kx_base_fmt(fmt), rows, ldw, nr, n, &x[0, 0], n, T,

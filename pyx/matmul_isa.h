@@ -717,15 +717,12 @@ KF_VMICRO(1)
 /* out[t * ldo + i] = sum_j x[t * ldx + j] * W[i][j] for t < T, i < nr: the nr raw rows
  * at w (ldw bytes apart) are dequantised into panels (scratch of
  * ceil(nr / KF_VMR) * KF_VMR * n floats), then every token tile passes over them. */
-KF_TARGET static void KF_V(gemm_rows)(int fmt, const uint8_t *w, ptrdiff_t ldw,
-                                      ptrdiff_t nr, ptrdiff_t n, const float *x,
-                                      ptrdiff_t ldx, ptrdiff_t T, float *out, ptrdiff_t ldo,
-                                      float *panels, const float *xp)
+/* The token tiles of gemm_rows over nr rows already in panels (ceil(nr / KF_VMR) panels
+ * of KF_VMR x n floats). */
+KF_TARGET static void KF_V(gemm_panels)(ptrdiff_t nr, ptrdiff_t n, const float *x,
+                                        ptrdiff_t ldx, ptrdiff_t T, float *out, ptrdiff_t ldo,
+                                        const float *panels, const float *xp)
 {
-    for (ptrdiff_t r = 0; r < nr; r += KF_VMR) {
-        int mr = nr - r < KF_VMR ? (int)(nr - r) : KF_VMR;
-        KF_V(pack_panel)(fmt, w + r * ldw, ldw, mr, n, panels + r * n);
-    }
 #ifdef KF_VSG_NT
     /* x packed by kf_pack_xtile (tiles of KF_VSG_NT tokens): matmul_x86.h's kernels */
     if (xp != NULL) {
@@ -757,6 +754,18 @@ KF_TARGET static void KF_V(gemm_rows)(int fmt, const uint8_t *w, ptrdiff_t ldw,
         }
         t += nt;
     }
+}
+
+KF_TARGET static void KF_V(gemm_rows)(int fmt, const uint8_t *w, ptrdiff_t ldw,
+                                      ptrdiff_t nr, ptrdiff_t n, const float *x,
+                                      ptrdiff_t ldx, ptrdiff_t T, float *out, ptrdiff_t ldo,
+                                      float *panels, const float *xp)
+{
+    for (ptrdiff_t r = 0; r < nr; r += KF_VMR) {
+        int mr = nr - r < KF_VMR ? (int)(nr - r) : KF_VMR;
+        KF_V(pack_panel)(fmt, w + r * ldw, ldw, mr, n, panels + r * n);
+    }
+    KF_V(gemm_panels)(nr, n, x, ldx, T, out, ldo, panels, xp);
 }
 
 /* ---------------------------------------------------------------- quantisation */
