@@ -212,19 +212,26 @@ static inline void kf_pack_xtile(const float *x, ptrdiff_t ldx, ptrdiff_t n, ptr
             dst[j * m + t] = src[t * ldx + j];
 }
 
+/* *buf (capacity *cap) grown to at least `bytes`, 64-byte aligned, old contents dropped;
+ * NULL if out of memory. */
+static void *kf_grow(void **buf, size_t *cap, size_t bytes)
+{
+    if (bytes > *cap) {
+        free(*buf);
+        size_t want = (bytes + 63) / 64 * 64;
+        *buf = aligned_alloc(64, want);
+        *cap = *buf != NULL ? want : 0;
+    }
+    return *buf;
+}
+
 /* The calling thread's second scratch (the packed x a GEMM's team shares; kf_scratch is
  * the calling thread's own panels inside the parallel region). */
 static void *kf_scratch_x(size_t bytes)
 {
     static _Thread_local void *buf = NULL;
     static _Thread_local size_t cap = 0;
-    if (bytes > cap) {
-        free(buf);
-        size_t want = (bytes + 63) / 64 * 64;
-        buf = aligned_alloc(64, want);
-        cap = buf != NULL ? want : 0;
-    }
-    return buf;
+    return kf_grow(&buf, &cap, bytes);
 }
 
 /* Rows r0 <= r < r1 of k weights stacked logically: weight i (format fmts[i], raw rows
@@ -310,13 +317,7 @@ static void *kf_scratch(size_t bytes)
 {
     static _Thread_local void *buf = NULL;
     static _Thread_local size_t cap = 0;
-    if (bytes > cap) {
-        free(buf);
-        size_t want = (bytes + 63) / 64 * 64;
-        buf = aligned_alloc(64, want);
-        cap = buf != NULL ? want : 0;
-    }
-    return buf;
+    return kf_grow(&buf, &cap, bytes);
 }
 
 /* ---------------------------------------------------------------- activations */

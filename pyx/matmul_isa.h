@@ -714,11 +714,8 @@ KF_VMICRO(4)
 KF_VMICRO(1)
 #undef KF_VMICRO
 
-/* out[t * ldo + i] = sum_j x[t * ldx + j] * W[i][j] for t < T, i < nr: the nr raw rows
- * at w (ldw bytes apart) are dequantised into panels (scratch of
- * ceil(nr / KF_VMR) * KF_VMR * n floats), then every token tile passes over them. */
 /* The token tiles of gemm_rows over nr rows already in panels (ceil(nr / KF_VMR) panels
- * of KF_VMR x n floats). */
+ * of KF_VMR x n floats); xp: x packed by kf_pack_xtile, or NULL. */
 KF_TARGET static void KF_V(gemm_panels)(ptrdiff_t nr, ptrdiff_t n, const float *x,
                                         ptrdiff_t ldx, ptrdiff_t T, float *out, ptrdiff_t ldo,
                                         const float *panels, const float *xp)
@@ -756,6 +753,9 @@ KF_TARGET static void KF_V(gemm_panels)(ptrdiff_t nr, ptrdiff_t n, const float *
     }
 }
 
+/* out[t * ldo + i] = sum_j x[t * ldx + j] * W[i][j] for t < T, i < nr: the nr raw rows
+ * at w (ldw bytes apart) are dequantised into panels (scratch of
+ * ceil(nr / KF_VMR) * KF_VMR * n floats), then every token tile passes over them. */
 KF_TARGET static void KF_V(gemm_rows)(int fmt, const uint8_t *w, ptrdiff_t ldw,
                                       ptrdiff_t nr, ptrdiff_t n, const float *x,
                                       ptrdiff_t ldx, ptrdiff_t T, float *out, ptrdiff_t ldo,
