@@ -1098,7 +1098,7 @@ static void kx_unpack_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r
  * f16, sub-block scales of <= 8 bits, quants of <= 6), so at most the one sum rounds, as
  * there. Elements of the group's n columns; AVX-512 one vector a panel row, AVX2 two. */
 #if KF_X86_DISPATCH
-#define KX_PANEL_BODY(TGT, VF, VI, LOADI, STORE, CVTPH, LDH, SET1I, SRL, AND, SUB, OR, SLL,  \
+#define KX_PANEL_BODY(VF, VI, LOADI, STORE, CVTPH, LDH, SET1I, SRL, AND, SUB, OR, SLL,  \
                       CVT, MUL, FMA, FMS, CVT8U, CVT8S, LDS, LPK, HALF)                        \
     const VI m15 = SET1I(15), m63 = SET1I(63), m3 = SET1I(3);                                  \
     if (fmt == KF_Q4_0X16 || fmt == KF_Q4_1X16) {                                              \
@@ -1179,7 +1179,7 @@ static void kx_unpack_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r
 KF_TARGET_AVX512 static void kx_avx512_panel(int fmt, const uint8_t *G, ptrdiff_t n,
                                              float *restrict p)
 {
-    KX_PANEL_BODY(KF_TARGET_AVX512, __m512, __m512i, KX_LD512, _mm512_storeu_ps,
+    KX_PANEL_BODY(__m512, __m512i, KX_LD512, _mm512_storeu_ps,
                   _mm512_cvtph_ps, KX_LDH512, _mm512_set1_epi32, _mm512_srli_epi32,
                   _mm512_and_si512, _mm512_sub_epi32, _mm512_or_si512, _mm512_slli_epi32,
                   _mm512_cvtepi32_ps, _mm512_mul_ps, _mm512_fmadd_ps, KX_FMS512,
@@ -1196,7 +1196,7 @@ KF_TARGET_AVX512 static void kx_avx512_panel(int fmt, const uint8_t *G, ptrdiff_
 KF_TARGET_AVX2 static void kx_avx2_panel_##H(int fmt, const uint8_t *G, ptrdiff_t n,        \
                                              float *restrict p)                             \
 {                                                                                           \
-    KX_PANEL_BODY(KF_TARGET_AVX2, __m256, __m256i, KX_LD256, KX_ST256_##H,                  \
+    KX_PANEL_BODY(__m256, __m256i, KX_LD256, KX_ST256_##H,                  \
                   _mm256_cvtph_ps, KX_LDH256, _mm256_set1_epi32, _mm256_srli_epi32,         \
                   _mm256_and_si256, _mm256_sub_epi32, _mm256_or_si256, _mm256_slli_epi32,   \
                   _mm256_cvtepi32_ps, _mm256_mul_ps, _mm256_fmadd_ps, KX_FMS256,            \

@@ -127,9 +127,10 @@ cdef extern from "decode.h" nogil:
 
 
 cdef inline Py_ssize_t rows_per_block(Py_ssize_t n, Py_ssize_t d, int n_threads,
-                                      int mr) noexcept nogil:
+                                      int mr, int tile) noexcept nogil:
     """Weight rows dequantised together for T > 1: ~512 KiB of panels (L2-sized), at most
-    128 rows, at least 2 blocks per thread when d allows, a multiple of mr."""
+    128 rows, at least 2 blocks per thread when d allows, a multiple of mr; at least the
+    kernel's `tile` rows (AVX-512: 2 panels) when d still gives 2 blocks per thread."""
     cdef Py_ssize_t rb = 131072 // (n if n > 0 else 1)
     cdef Py_ssize_t fair = (d + 2 * n_threads - 1) // (2 * n_threads)
     if rb > 128:
@@ -137,6 +138,8 @@ cdef inline Py_ssize_t rows_per_block(Py_ssize_t n, Py_ssize_t d, int n_threads,
     if rb > fair:
         rb = fair
     rb = rb // mr * mr
+    if rb < tile and d >= 2 * n_threads * tile:
+        return tile
     return rb if rb > mr else mr
 
 
@@ -191,10 +194,8 @@ def matmul(const float[:, ::1] x,          # IN  (T, n) activations
     # for that: the team packs the tiles, then runs the row blocks)
     nt = team_size(n_threads, d, 16)
     mr = kf_gemm_mr()
-    rb = rows_per_block(n, d, nt, mr)
     xnt = kf_gemm_xnt()
-    if xnt > 0 and rb < kf_gemm_xrows() and d >= 2 * nt * kf_gemm_xrows():
-        rb = kf_gemm_xrows()         # a whole tile of rows (AVX-512: 2 panels) at long n
+    rb = rows_per_block(n, d, nt, mr, kf_gemm_xrows() if xnt > 0 else 0)
     nb = (d + rb - 1) // rb
     x16 = kx_is_x16(fmt)
     ntiles = (T + xnt - 1) // xnt if xnt > 0 else 0

@@ -1250,26 +1250,18 @@ KF_SG512(1) KF_SG512(2) KF_SG512(3) KF_SG512(4) KF_SG512(5) KF_SG512(6)
 KF_SG512(7) KF_SG512(8) KF_SG512(9) KF_SG512(10) KF_SG512(11) KF_SG512(12)
 #undef KF_SG512
 
+typedef void (*kf_sg512_fn)(const float *, ptrdiff_t, const float *, ptrdiff_t, float *,
+                            ptrdiff_t, int);
+static const kf_sg512_fn kf_avx512_sg[KF_AVX512_SGNT + 1] = {
+    NULL, kf_avx512_sg_1, kf_avx512_sg_2, kf_avx512_sg_3, kf_avx512_sg_4, kf_avx512_sg_5,
+    kf_avx512_sg_6, kf_avx512_sg_7, kf_avx512_sg_8, kf_avx512_sg_9, kf_avx512_sg_10,
+    kf_avx512_sg_11, kf_avx512_sg_12};
+
 /* nt tokens (1..KF_AVX512_SGNT) x nr <= 32 rows: panels p and p + 16 n */
-KF_TARGET_AVX512 static void kf_avx512_sg_tile(int nt, const float *p, ptrdiff_t n,
-                                               const float *xt, float *out, ptrdiff_t ldo,
-                                               int nr)
+static inline void kf_avx512_sg_tile(int nt, const float *p, ptrdiff_t n, const float *xt,
+                                     float *out, ptrdiff_t ldo, int nr)
 {
-    const ptrdiff_t ps = 16 * n;
-    switch (nt) {
-    case 1: kf_avx512_sg_1(p, ps, xt, n, out, ldo, nr); break;
-    case 2: kf_avx512_sg_2(p, ps, xt, n, out, ldo, nr); break;
-    case 3: kf_avx512_sg_3(p, ps, xt, n, out, ldo, nr); break;
-    case 4: kf_avx512_sg_4(p, ps, xt, n, out, ldo, nr); break;
-    case 5: kf_avx512_sg_5(p, ps, xt, n, out, ldo, nr); break;
-    case 6: kf_avx512_sg_6(p, ps, xt, n, out, ldo, nr); break;
-    case 7: kf_avx512_sg_7(p, ps, xt, n, out, ldo, nr); break;
-    case 8: kf_avx512_sg_8(p, ps, xt, n, out, ldo, nr); break;
-    case 9: kf_avx512_sg_9(p, ps, xt, n, out, ldo, nr); break;
-    case 10: kf_avx512_sg_10(p, ps, xt, n, out, ldo, nr); break;
-    case 11: kf_avx512_sg_11(p, ps, xt, n, out, ldo, nr); break;
-    default: kf_avx512_sg_12(p, ps, xt, n, out, ldo, nr); break;
-    }
+    kf_avx512_sg[nt](p, 16 * n, xt, n, out, ldo, nr);
 }
 
 #define KF_SG256(NT)                                                                        \
@@ -1306,18 +1298,16 @@ KF_TARGET_AVX2 static void kf_avx2_sg_##NT(const float *restrict p,             
 KF_SG256(1) KF_SG256(2) KF_SG256(3) KF_SG256(4) KF_SG256(5) KF_SG256(6)
 #undef KF_SG256
 
+typedef void (*kf_sg256_fn)(const float *, const float *, ptrdiff_t, float *, ptrdiff_t,
+                            int);
+static const kf_sg256_fn kf_avx2_sg[KF_AVX2_SGNT + 1] = {
+    NULL, kf_avx2_sg_1, kf_avx2_sg_2, kf_avx2_sg_3, kf_avx2_sg_4, kf_avx2_sg_5, kf_avx2_sg_6};
+
 /* nt tokens (1..KF_AVX2_SGNT) x nr <= 16 rows: the panel at p */
-KF_TARGET_AVX2 static void kf_avx2_sg_tile(int nt, const float *p, ptrdiff_t n,
-                                           const float *xt, float *out, ptrdiff_t ldo, int nr)
+static inline void kf_avx2_sg_tile(int nt, const float *p, ptrdiff_t n, const float *xt,
+                                   float *out, ptrdiff_t ldo, int nr)
 {
-    switch (nt) {
-    case 1: kf_avx2_sg_1(p, xt, n, out, ldo, nr); break;
-    case 2: kf_avx2_sg_2(p, xt, n, out, ldo, nr); break;
-    case 3: kf_avx2_sg_3(p, xt, n, out, ldo, nr); break;
-    case 4: kf_avx2_sg_4(p, xt, n, out, ldo, nr); break;
-    case 5: kf_avx2_sg_5(p, xt, n, out, ldo, nr); break;
-    default: kf_avx2_sg_6(p, xt, n, out, ldo, nr); break;
-    }
+    kf_avx2_sg[nt](p, xt, n, out, ldo, nr);
 }
 
 #endif /* KESTREL_MATMUL_X86_H */
