@@ -26,10 +26,11 @@ CTX = 256
 CHAT = "/v1/chat/completions"
 
 
-def start_server(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str, Path]:
+def start_server(tmp_path: Path, *flags: str,
+                 ctx: int = CTX) -> tuple[subprocess.Popen, str, Path]:
     port = _free_port()
     log = tmp_path / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "kestrel_cli.cli", "serve", "-t", "1", "-c", str(CTX),
+    cmd = [sys.executable, "-m", "kestrel_cli.cli", "serve", "-t", "1", "-c", str(ctx),
            "--port", str(port), *flags]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
@@ -366,21 +367,24 @@ def test_limit_flags_are_checked(args, needle):
 def test_sigterm_drains_then_ends_streams_with_an_error_and_done(tmp_path):
     """SIGTERM: a new request is refused, a short one in flight finishes, a long stream gets
     --shutdown-timeout seconds, then an error event and [DONE] (a complete chunked reply),
-    a long non-streamed one a 503; the server exits 0."""
+    a long non-streamed one a 503; the server exits 0. Both long requests ask for a
+    2048-token context (~14 s of decode here), so neither can end within the drain: at 256
+    the non-streamed one once finished in 1.5 s, before its 503."""
+    ctx = 2048
     proc, url, log = start_server(tmp_path, "--shutdown-timeout", "1.5", "--parallel", "2",
-                                  "--queue-size", "4")
+                                  "--queue-size", "4", ctx=ctx)
     try:
         events, plain = [], {}
 
         def stream():
             with httpx.stream("POST", url + CHAT, json=chat(
-                    "Tell me a long story.", max_tokens=CTX, ignore_eos=True, stream=True),
+                    "Tell me a long story.", max_tokens=ctx, ignore_eos=True, stream=True),
                     timeout=60) as r:
                 for line in r.iter_lines():      # raises on a broken chunked reply
                     events.append(line)
 
         def long_plain():
-            r = httpx.post(url + CHAT, json=chat("Count.", max_tokens=CTX, ignore_eos=True),
+            r = httpx.post(url + CHAT, json=chat("Count.", max_tokens=ctx, ignore_eos=True),
                            timeout=60)
             plain["r"] = r
         threads = [threading.Thread(target=stream), threading.Thread(target=long_plain)]
