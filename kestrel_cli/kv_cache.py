@@ -141,6 +141,44 @@ class CacheSpec:
         return self.sparse_k + (self.sparse_sink == "out") + self.sparse_recent
 
 
+class BlockPool:
+    """The memory of a cache's blocks (`nbytes` each, 64-byte aligned): carved in order from
+    chunks of `kernels._big_buffer` memory, private anonymous mappings on transparent huge
+    pages, each touched only as its blocks are written; blocks given back (a trim) are
+    handed out again first. A sparse decode step reads a few rows of blocks all over
+    the cache: on 4 KiB pages nearly every one is a TLB miss (qwen3-1.7b shape at depth
+    8192, int8 cache, `scripts/attn_bench.py -k 32`, 2 threads: 22.1 ms a step with each
+    block its own np.empty, 18.4 from huge pages). A chunk's memory is unmapped once none
+    of its blocks is referenced (the arrays hold the mapping)."""
+
+    CHUNK = 64 << 20        # bytes a chunk maps (virtual; resident as its blocks are written)
+
+    def __init__(self, nbytes: int, total: int):
+        """nbytes: one block's bytes; total: most blocks the cache will hold (the first
+        chunk is no larger than they need)."""
+        self.nbytes, self.stride = nbytes, -(-nbytes // 64) * 64
+        self.total = max(1, total)
+        self._chunk: np.ndarray | None = None
+        self._used = 0                   # bytes of _chunk handed out
+        self._free: list[np.ndarray] = []
+
+    def take(self) -> np.ndarray:
+        """A block: uint8 (nbytes,), contents undefined."""
+        if self._free:
+            return self._free.pop()
+        if self._chunk is None or self._used + self.stride > self._chunk.size:
+            self._chunk = K._big_buffer(min(self.CHUNK // self.stride, self.total)
+                                        * self.stride)
+            self._used = 0
+        b = self._chunk[self._used:self._used + self.nbytes]
+        self._used += self.stride
+        return b
+
+    def give(self, blocks: list[np.ndarray]) -> None:
+        """Blocks the cache no longer holds, for the next take()s."""
+        self._free.extend(blocks)
+
+
 class KVCache:
     """K and V of one sequence, every layer, and attention over them.
 
@@ -169,9 +207,10 @@ class KVCache:
         else:
             self.scale_offset = 0
             self.block_bytes = KV_BLOCK * self.kv_dim * (2 if self.f16 else 4)
+        cap = -(-max_tokens // KV_BLOCK)
+        self._pool = BlockPool(self.block_bytes, 2 * n_layers * cap)
         self.k_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         self.v_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
-        cap = -(-max_tokens // KV_BLOCK)
         self.k_ptrs = np.zeros((n_layers, cap), dtype=np.uint64)   # block addresses
         self.v_ptrs = np.zeros((n_layers, cap), dtype=np.uint64)
         self.offset = 0                  # tokens committed
@@ -235,9 +274,10 @@ class KVCache:
         return len(self.k_blocks[0]) if self.n_layers else 0
 
     def _new_block(self) -> np.ndarray:
+        b = self._pool.take()
         if self.q8:
-            return np.empty(self.block_bytes, dtype=np.uint8)
-        return np.empty((KV_BLOCK, self.kv_dim), dtype=np.float16 if self.f16 else np.float32)
+            return b
+        return b.view(np.float16 if self.f16 else np.float32).reshape(KV_BLOCK, self.kv_dim)
 
     def _q8_views(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values int8 (KV_BLOCK, kv_dim), scales float32 (n_kv_heads, KV_BLOCK)) of an
@@ -420,7 +460,11 @@ class KVCache:
         """Keep the first `n` tokens; blocks past them are freed, their importance cleared."""
         self.offset = min(n, self.offset)
         keep = -(-self.offset // KV_BLOCK)
+        if keep == 0:                    # all of it: the memory goes back to the system
+            self._pool = BlockPool(self.block_bytes, self._pool.total)
         for layer in range(self.n_layers):
+            if keep:
+                self._pool.give(self.k_blocks[layer][keep:] + self.v_blocks[layer][keep:])
             del self.k_blocks[layer][keep:]
             del self.v_blocks[layer][keep:]
             self.k_ptrs[layer, keep:] = 0

@@ -22,7 +22,7 @@ import numpy as np
 from .config import Config
 from .errors import KestrelError
 from . import kernels
-from .quantize import drop_pages, quantize
+from .quantize import drop_pages, is_file_mapped, quantize
 from .weights import QK, Weight
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,8 +80,11 @@ class TensorStore:
                                f"expected {list(shape)}")
         return fmt, raw, actual
 
-    def matrix(self, name, shape) -> Weight:
-        """A 2-D weight (d, n) as stored (or quantised, see quantize_to)."""
+    def matrix(self, name, shape, streamed: bool = True) -> Weight:
+        """A 2-D weight (d, n) as stored (or quantised, see quantize_to). With repack_x16
+        set, a weight decode streams (`streamed`: not an untied embedding, which is only
+        gathered from) leaves the file's pages: repacked to x16, else copied as it is into
+        memory on huge pages (kernels.to_huge_pages). MoE experts stay mapped."""
         fmt, raw, actual = self._get(name, shape)
         if name in self._quantised:
             return self._quantised[name]
@@ -95,6 +98,11 @@ class TensorStore:
             # reads only those tokens route to (Qwen3-30B-A3B: RSS ~7.5 GiB, not ~18)
             src = w.data
             w = self._quantised[name] = kernels.repack_x16(w, self.threads)
+            drop_pages(src)
+        elif (self.repack_x16 and streamed and ".experts." not in name
+              and w.nbytes >= kernels.HUGE_MIN and is_file_mapped(w.data)):
+            src = w.data
+            w = self._quantised[name] = kernels.to_huge_pages(w)
             drop_pages(src)
         return w
 

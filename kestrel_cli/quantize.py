@@ -40,6 +40,16 @@ def _mmap_of(a: np.ndarray):
     return None
 
 
+def is_file_mapped(a: np.ndarray) -> bool:
+    """Whether an array's memory is a file's mapping (np.memmap: GGUF and safetensors)."""
+    base = a
+    while isinstance(base, np.ndarray):
+        if isinstance(base, np.memmap):
+            return True
+        base = base.base
+    return False
+
+
 def drop_pages(a: np.ndarray) -> None:
     """Tell the kernel a memory-mapped array's pages are not needed for now (they leave
     this process's RSS; the page cache keeps them). No-op for ordinary arrays."""

@@ -16,10 +16,11 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import CORPUS, VOCAB, make_checkpoint, rand_ids
-from kestrel_cli import Engine, gguf_export, kquants
+from kestrel_cli import Engine, gguf_export, kernels, kquants
 from kestrel_cli.cli import app
 from kestrel_cli.engine import LoadOptions
 from kestrel_cli.loader import _hf_name, _unpermute_rows, open_checkpoint
+from kestrel_cli.quantize import is_file_mapped
 
 # the tiny shapes, at hidden 256 so rows are whole K-quant super-blocks
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -173,6 +174,27 @@ def test_repacked_decode(files, t):
     q8 = dict(threads=2, act="q8")
     on, off = (Engine.from_pretrained(files["qwen3", t], repack=r, **q8) for r in (True, False))
     np.testing.assert_array_equal(on.logits(ids), off.logits(ids))
+
+
+def test_streamed_weights_leave_the_mapping(ckpts, files, monkeypatch):
+    """With --repack (the default) each weight decode streams and that is not repacked
+    (q8_0 here, f32 from safetensors) is copied off the file's mapping at load into memory
+    on huge pages (kernels.to_huge_pages), an untied embedding excepted (only gathered
+    from); --no-repack keeps every weight mapped. Same bytes, so the same logits."""
+    monkeypatch.setattr(kernels, "HUGE_MIN", 4096)     # the test weights are small
+    ids = rand_ids(12, seed=5)
+    for path, tied in ((files["qwen3", "q8_0"], False), (ckpts["llama_tied"], True)):
+        on = Engine.from_pretrained(path, threads=2)
+        off = Engine.from_pretrained(path, threads=2, repack=False)
+        for eng, copied in ((on, True), (off, False)):
+            m = eng.model
+            ws = [m.lm_head] + [w for layer in m.layers for w in (
+                layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj)]
+            assert {is_file_mapped(w.data) for w in ws} == {not copied}
+            assert is_file_mapped(m.embed_tokens.data) == (not copied or not tied)
+            assert (m.lm_head is m.embed_tokens) == tied
+        assert on.model.layers[1].mlp.up_proj.fmt == off.model.layers[1].mlp.up_proj.fmt
+        np.testing.assert_array_equal(on.logits(ids), off.logits(ids))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

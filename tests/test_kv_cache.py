@@ -90,3 +90,59 @@ def test_spec_rejects_bad_values():
     spec = CacheSpec("q8", 4)
     with pytest.raises(Exception):
         spec.sparse_k = 8                          # frozen: a spec is a value
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8", "f16"])
+def test_blocks_come_from_the_pool(dtype, monkeypatch):
+    """KV blocks are carved from BlockPool chunks (huge-page mappings from 2 MiB, starting
+    on a 2 MiB boundary): 64-byte aligned, never overlapping, across chunk boundaries
+    (CHUNK made small here); a trim gives its blocks back and the next growth takes them
+    again, the kept tokens untouched; a reset starts a new pool. K and V read back as
+    written through it all."""
+    from kestrel_cli.kv_cache import BlockPool
+    n_kv, hd, L = 4, 128, 2
+    c = KVCache(L, n_kv, hd, 64 * 32, CacheSpec(dtype), threads=2)
+    stride = -(-c.block_bytes // 64) * 64
+    monkeypatch.setattr(BlockPool, "CHUNK", max(5 * stride, kernels.HUGE_MIN))
+    rng = np.random.default_rng(1)
+
+    def fill(n):
+        K = rng.standard_normal((n, n_kv * hd)).astype(np.float32)
+        V = rng.standard_normal((n, n_kv * hd)).astype(np.float32)
+        c.reserve(n)
+        for layer in range(L):
+            c.write(layer, K, V)
+        c.commit(n)
+        return K, V
+
+    def addresses():
+        return [int(p) for blocks in (c.k_ptrs, c.v_ptrs) for p in blocks.ravel() if p]
+
+    def check(K, V):
+        a = sorted(addresses())
+        assert all(x % 64 == 0 for x in a)
+        assert all(y - x >= c.block_bytes for x, y in zip(a, a[1:]))   # no overlap
+        assert all(b.ctypes.data == p for layer in range(L)
+                   for b, p in zip(c.k_blocks[layer], c.k_ptrs[layer]))
+        tol = dict(f32=0, f16=1e-3, q8=0.02)[dtype]
+        for layer in range(L):
+            np.testing.assert_allclose(c.keys(layer), K, atol=tol * 4)
+            np.testing.assert_allclose(c.values(layer), V, atol=tol * 4)
+
+    K, V = fill(40 * 32 + 5)                     # 41 blocks a layer: several chunks
+    check(K, V)
+    first = addresses()
+    if min(BlockPool.CHUNK // stride, c._pool.total) * stride >= kernels.HUGE_MIN:
+        assert first[0] % kernels.HUGE_MIN == 0        # the first block taken
+    c.trim(10 * 32 + 3)
+    kept = set(addresses())
+    assert kept == set(first[:11]) | set(first[41:52]) | set(first[82:93]) | set(first[123:134])
+    K2, V2 = fill(20 * 32)
+    again = set(addresses()) - kept
+    assert again <= set(first)                   # grown into the blocks given back
+    check(np.concatenate([K[:10 * 32 + 3], K2]), np.concatenate([V[:10 * 32 + 3], V2]))
+    old_pool = c._pool
+    c.reset()
+    assert c._pool is not old_pool and not addresses()
+    K3, V3 = fill(33)
+    check(K3, V3)

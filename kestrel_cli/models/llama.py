@@ -188,10 +188,13 @@ class Model:
         if act not in ACT_MODES:
             raise ValueError(f"act must be one of {', '.join(ACT_MODES)}, got {act!r}")
         self.act = act
-        self.embed_tokens = store.matrix(f"{self.prefix}.embed_tokens.weight", (V, H))  # (V, H)
+        tied = cfg.tie_word_embeddings and "lm_head.weight" not in store
+        # an untied embedding is only gathered from: it stays mapped (store.matrix)
+        self.embed_tokens = store.matrix(f"{self.prefix}.embed_tokens.weight", (V, H),
+                                         streamed=tied)                             # (V, H)
         self.layers = [self.layer_cls(self, cfg, store, i) for i in range(cfg.num_hidden_layers)]
         self.norm = store.vector(f"{self.prefix}.norm.weight", (H,))
-        if cfg.tie_word_embeddings and "lm_head.weight" not in store:
+        if tied:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = store.matrix("lm_head.weight", (V, H))                      # (V, H)
