@@ -145,8 +145,9 @@ class EngineOptions:
 
     repack: Annotated[bool, typer.Option(
         "--repack/--no-repack", help="Interleave q4_0/q4_1/q4_k/q6_k weights by 16 rows at load, the "
-        "decode GEMV's layout (same results; MoE experts on first use; off: the file's "
-        "row-major layout, kept as mapped pages).",
+        "decode GEMV's layout, and copy the other weights decode reads (not an untied "
+        "embedding) into memory on huge pages (same results; MoE experts on first use; "
+        "off: the file's row-major layout, kept as mapped pages).",
         rich_help_panel=_MODEL)] = True
 
     def load_options(self) -> LoadOptions:
