@@ -243,7 +243,7 @@ class ExpertTable:
         from .quantize import drop_pages
         old = self.experts[e]
         if self._arena is None:          # every expert's slot, pages taken on first touch
-            self._arena = _big_buffer(self._slot * len(self.experts))
+            self._arena = huge_buffer(self._slot * len(self.experts))
         new, off = [], e * self._slot
         for w in old:
             if can_repack_x16(w):
@@ -374,7 +374,7 @@ def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = N
                          f"super-blocks (q6_k), got {w.fmt} {w.shape}")
     raw = _weight_bytes(w)
     if out is None:
-        out = _big_buffer(raw.nbytes)
+        out = huge_buffer(raw.nbytes)
     elif out.dtype != np.uint8 or out.size != raw.nbytes or out.ctypes.data % 64:
         raise ValueError("repack_x16: out must be uint8, 64-byte aligned, of the weight's size")
     out = out.reshape(raw.shape)
@@ -386,17 +386,17 @@ HUGE_MIN = 1 << 21      # a transparent huge page: smaller buffers stay on the h
 
 
 def to_huge_pages(w: Weight) -> Weight:
-    """w with its bytes copied into `_big_buffer` memory (same format, layout and values).
+    """w with its bytes copied into `huge_buffer` memory (same format, layout and values).
     A file-mapped weight sits on 4 KiB page-cache pages: a decode GEMV streams every weight
     once a token, and with 4 KiB pages its TLB misses cost (qwen3-1.7b Q8_0 decode, 2
     threads: ~13.2 -> ~14.3 t/s copied)."""
     raw = _weight_bytes(w)
-    out = _big_buffer(raw.nbytes).reshape(raw.shape)
+    out = huge_buffer(raw.nbytes).reshape(raw.shape)
     np.copyto(out, raw)
     return Weight(w.fmt, out.view(w.data.dtype), w.shape)
 
 
-def _big_buffer(nbytes: int) -> np.ndarray:
+def huge_buffer(nbytes: int) -> np.ndarray:
     """uint8 (nbytes,), 64-byte aligned: for 2 MiB and more, private anonymous memory that
     asks for transparent huge pages (THP's common "madvise" mode gives none otherwise; a
     shared mapping would be shmem, not THP). A decode GEMV streams each weight once per

@@ -143,7 +143,7 @@ class CacheSpec:
 
 class BlockPool:
     """The memory of a cache's blocks (`nbytes` each, 64-byte aligned): carved in order from
-    chunks of `kernels._big_buffer` memory, private anonymous mappings on transparent huge
+    chunks of `kernels.huge_buffer` memory, private anonymous mappings on transparent huge
     pages, each touched only as its blocks are written; blocks given back (a trim) are
     handed out again first. A sparse decode step reads a few rows of blocks all over
     the cache: on 4 KiB pages nearly every one is a TLB miss (qwen3-1.7b shape at depth
@@ -167,7 +167,7 @@ class BlockPool:
         if self._free:
             return self._free.pop()
         if self._chunk is None or self._used + self.stride > self._chunk.size:
-            self._chunk = K._big_buffer(min(self.CHUNK // self.stride, self.total)
+            self._chunk = K.huge_buffer(max(1, min(self.CHUNK // self.stride, self.total))
                                         * self.stride)
             self._used = 0
         b = self._chunk[self._used:self._used + self.nbytes]

@@ -20,7 +20,8 @@ def quantize(w: Weight, to_fmt: str, threads: int | None = None) -> Weight:
     memory-mapped source once quantised (`drop_pages`), so quantising at load never holds
     the float checkpoint and its quantised copy in memory together."""
     d, n = w.shape
-    out = np.empty((d, n // QK * BLOCK_BYTES[to_fmt]), dtype=np.uint8)
+    row = n // QK * BLOCK_BYTES[to_fmt]
+    out = kernels.huge_buffer(d * row).reshape(d, row)     # decode streams it: huge pages
     step = max(1, _CHUNK_BYTES // max(1, w.data.strides[0]))
     for r0 in range(0, d, step):
         src = w.data[r0:r0 + step]

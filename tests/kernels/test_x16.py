@@ -166,16 +166,19 @@ def test_embedding_rows(fmt):
     np.testing.assert_array_equal(out, w.dequantize()[ids])
 
 
-def test_big_buffer_is_private_and_aligned():
+def testhuge_buffer_is_private_and_aligned():
     """Buffers of 2 MiB and more come from a private anonymous mapping (THP's "madvise"
     mode grants huge pages there, not to shared ones): writable, 64-byte aligned, the
-    size asked, not shared with a second buffer."""
-    a, b = kernels._big_buffer(5 << 20), kernels._big_buffer(5 << 20)
-    assert a.size == 5 << 20 and a.ctypes.data % 64 == 0 and a.flags.writeable
+    size asked, starting on a 2 MiB boundary (only whole aligned huge pages are granted),
+    not shared with a second buffer; smaller ones come from the heap, 64-byte aligned."""
+    a, b = kernels.huge_buffer(5 << 20), kernels.huge_buffer(5 << 20)
+    assert a.size == 5 << 20 and a.ctypes.data % kernels.HUGE_MIN == 0 and a.flags.writeable
+    small = kernels.huge_buffer(kernels.HUGE_MIN - 1)
+    assert small.size == kernels.HUGE_MIN - 1 and small.ctypes.data % 64 == 0
     a[:] = 7
     b[:] = 1
     assert int(a.sum()) == 7 * (5 << 20)
-    m = kernels._big_buffer.__globals__["mmap"]
+    m = kernels.huge_buffer.__globals__["mmap"]
     base = a.base
     while base is not None and not isinstance(base, m.mmap):
         base = getattr(base, "base", getattr(base, "obj", None))
