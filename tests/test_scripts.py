@@ -84,3 +84,19 @@ def test_needle_passes_flags_and_fails_cleanly(kestrel):
     r = run("needle.sh", "", "--sparse-k", "0", kestrel=kestrel, NEEDLE_FILLER="4")
     assert r.returncode == 2
     assert "--sparse-k must be >= 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_device_table_checks_its_arguments(tmp_path):
+    """scripts/device_table.sh (the 16-core table; needs llama.cpp's sources, so only its
+    refusals run here): usage without arguments, one line for a tree that is not
+    llama.cpp's, exit 2 both times, nothing built."""
+    script = ROOT / "scripts" / "device_table.sh"
+    assert os.access(script, os.X_OK)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "usage: scripts/device_table.sh LLAMA_CPP_SRC" in r.stdout
+    r = subprocess.run(["bash", str(script), str(tmp_path), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"device_table: {tmp_path} is not a llama.cpp source tree"
+    assert not (tmp_path / "out").exists()
