@@ -407,14 +407,19 @@ def huge_buffer(nbytes: int) -> np.ndarray:
         off = (-buf.ctypes.data) % 64
         return buf[off:off + nbytes]
     # 2 MiB more, never touched (so never resident), to start on a huge page's boundary:
-    # only whole aligned 2 MiB ranges of a mapping become huge pages
+    # only whole aligned 2 MiB ranges of a mapping become huge pages. Only the buffer's
+    # whole huge pages ask for them; its last part stays on small pages (a huge page
+    # there would be partly unused: up to 2 MiB resident for nothing, per buffer)
     m = mmap.mmap(-1, nbytes + HUGE_MIN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        m.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass
     buf = np.frombuffer(m, dtype=np.uint8)
     off = (-buf.ctypes.data) % HUGE_MIN
+    whole = nbytes // HUGE_MIN * HUGE_MIN
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, off, whole)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            m.madvise(mmap.MADV_NOHUGEPAGE, off + whole, len(m) - off - whole)
+    except OSError:
+        pass
     return buf[off:off + nbytes]
 
 

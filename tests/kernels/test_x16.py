@@ -1,6 +1,8 @@
 """The decode layout of q4_0 / q4_1 / q4_k / q6_k weights, 16 rows interleaved (pyx/gemv_x16.h): the
 repack against its NumPy model, every kernel (GEMV, GEMM, embedding rows, the fused
 decode plan) on it against the row-major weight, on every kernel variant this CPU runs."""
+import os
+
 import numpy as np
 import pytest
 
@@ -166,7 +168,7 @@ def test_embedding_rows(fmt):
     np.testing.assert_array_equal(out, w.dequantize()[ids])
 
 
-def testhuge_buffer_is_private_and_aligned():
+def test_huge_buffer_is_private_and_aligned():
     """Buffers of 2 MiB and more come from a private anonymous mapping (THP's "madvise"
     mode grants huge pages there, not to shared ones): writable, 64-byte aligned, the
     size asked, starting on a 2 MiB boundary (only whole aligned huge pages are granted),
@@ -183,3 +185,27 @@ def testhuge_buffer_is_private_and_aligned():
     while base is not None and not isinstance(base, m.mmap):
         base = getattr(base, "base", getattr(base, "obj", None))
     assert isinstance(base, m.mmap)
+
+
+def _vma_rss_kib(addr: int) -> int:
+    """Resident KiB of the mapping of this process that holds addr (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's smaps")
+def test_huge_buffer_keeps_no_partial_huge_page():
+    """A big buffer's whole 2 MiB pages may be huge; its last part may not, or (THP on) a
+    buffer of 6 MiB less a page, written through, would hold 6 MiB: its mapping's resident
+    set is the buffer's bytes, whatever THP grants."""
+    n = (6 << 20) - 4096
+    a = kernels.huge_buffer(n)
+    a[:] = 1
+    assert _vma_rss_kib(a.ctypes.data) <= n >> 10
