@@ -11,6 +11,7 @@ at what the model touches.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -92,18 +93,19 @@ class TensorStore:
         if (self.quant is not None and fmt in ("f32", "f16", "bf16") and actual[1] % QK == 0
                 and not name.endswith("mlp.gate.weight")):
             w = self._quantised[name] = quantize(w, self.quant, self.threads)
-        if self.repack_x16 and kernels.can_repack_x16(w) and ".experts." not in name:
-            # the decode layout (pyx/gemv_x16.h); the mapped row-major pages are let go.
-            # Not MoE experts: repacking reads every expert at load, where the mapping
-            # reads only those tokens route to (Qwen3-30B-A3B: RSS ~7.5 GiB, not ~18)
-            src = w.data
-            w = self._quantised[name] = kernels.repack_x16(w, self.threads)
-            drop_pages(src)
-        elif (self.repack_x16 and streamed and ".experts." not in name
-              and w.nbytes >= kernels.HUGE_MIN and is_file_mapped(w.data)):
-            src = w.data
-            w = self._quantised[name] = kernels.to_huge_pages(w)
-            drop_pages(src)
+        # Not MoE experts: moving them reads every expert at load, where the mapping reads
+        # only those tokens route to (Qwen3-30B-A3B: RSS ~7.5 GiB, not ~18)
+        if not self.repack_x16 or ".experts." in name:
+            return w
+        if kernels.can_repack_x16(w):      # the decode layout (pyx/gemv_x16.h)
+            move = functools.partial(kernels.repack_x16, threads=self.threads)
+        elif streamed and w.nbytes >= kernels.HUGE_MIN and is_file_mapped(w.data):
+            move = kernels.to_huge_pages
+        else:
+            return w
+        src = w.data                       # the mapped pages are let go
+        w = self._quantised[name] = move(w)
+        drop_pages(src)
         return w
 
     def vector(self, name, shape) -> np.ndarray:

@@ -32,23 +32,21 @@ def quantize(w: Weight, to_fmt: str, threads: int | None = None) -> Weight:
 
 
 def _mmap_of(a: np.ndarray):
-    """The mmap.mmap an array's memory comes from, or None."""
-    base = a
+    """The mmap.mmap of the file an array's memory comes from (through an np.memmap: GGUF
+    and safetensors), or None. An anonymous mapping (kernels.huge_buffer) is no file's:
+    dropping its pages would zero them."""
+    base, file = a, False
     while base is not None:
+        file = file or isinstance(base, np.memmap)
         if isinstance(base, mmap.mmap):
-            return base
+            return base if file else None
         base = getattr(base, "base", None) if not isinstance(base, memoryview) else base.obj
     return None
 
 
 def is_file_mapped(a: np.ndarray) -> bool:
-    """Whether an array's memory is a file's mapping (np.memmap: GGUF and safetensors)."""
-    base = a
-    while isinstance(base, np.ndarray):
-        if isinstance(base, np.memmap):
-            return True
-        base = base.base
-    return False
+    """Whether an array's memory is a file's mapping."""
+    return _mmap_of(a) is not None
 
 
 def drop_pages(a: np.ndarray) -> None:

@@ -97,7 +97,8 @@ def test_bad_quant_value(tmp_path):
 
 
 def test_drop_pages_keeps_the_data(tmp_path):
-    """Dropping a read-only mapping's pages only releases memory: the data reads back."""
+    """Dropping a read-only mapping's pages only releases memory: the data reads back;
+    other memory, a huge_buffer's anonymous mapping included, is left alone."""
     from kestrel_cli.quantize import drop_pages
     a = np.arange(1 << 20, dtype=np.float32)
     a.tofile(tmp_path / "a.bin")
@@ -106,6 +107,11 @@ def test_drop_pages_keeps_the_data(tmp_path):
     drop_pages(m[4096:])
     drop_pages(a)                                   # not a mapping: no-op
     np.testing.assert_array_equal(m, a)
+    from kestrel_cli import kernels
+    h = kernels.huge_buffer(4 << 20)                # an anonymous mapping is no file's:
+    h[:] = 5                                        # dropping its pages would zero them
+    drop_pages(h[4096:])
+    assert int(h.min()) == 5
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
