@@ -15,6 +15,7 @@ from .loader import open_checkpoint
 from .models import resolve
 from .models.llama import ACT_MODES
 from .sampling import check_params, make_sampler
+from .tokenizer import TooManyTokens
 from .weights import QUANT_FORMATS
 
 
@@ -416,21 +417,27 @@ class Engine:
         self.reset()
         return self._forward(ids, 0, all_logits=True)
 
-    def encode_prompt(self, prompt, **template_kwargs) -> list[int]:
+    def encode_prompt(self, prompt, limit: int | None = None, **template_kwargs) -> list[int]:
         """messages -> chat template (with images: a VisionPrompt); str -> raw text; list
-        of ints (or a VisionPrompt) -> as is."""
+        of ints (or a VisionPrompt) -> as is. With `limit`, a prompt of more text tokens
+        than that raises TooManyTokens, found after tokenising about `limit` tokens of it
+        (Tokenizer.encode)."""
         if isinstance(prompt, VisionPrompt):
             return prompt
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=True, limit=limit)
         if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt) and prompt:
             parts = _image_parts(prompt)
             if parts:
                 self._check_vision()       # before a text-only template meets image parts
-            ids = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
-                                                     tokenize=True, **template_kwargs)
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
+                                                      tokenize=False, **template_kwargs)
+            # the template writes BOS itself when it wants one
+            ids = self.tokenizer.encode(text, add_special_tokens=False, limit=limit)
             return self._with_images(ids, parts) if parts else ids
         ids = [int(t) for t in prompt]
+        if limit is not None and len(ids) > limit:
+            raise TooManyTokens(len(ids), limit, exact=True)
         if any(t < 0 or t >= self.config.vocab_size for t in ids):
             raise KestrelError(f"token id out of range [0, {self.config.vocab_size})")
         return ids

@@ -27,9 +27,24 @@ from tokenizers import Tokenizer as _Backend
 
 from .errors import KestrelError
 
-__all__ = ["Tokenizer", "Detokenizer"]
+__all__ = ["Tokenizer", "Detokenizer", "TooManyTokens"]
 
 NO_TEMPLATE_MESSAGE = "model has no chat template; use --raw"
+
+# Tokenizer.encode(limit=...): texts are counted in pieces of this many characters, and each cut between two
+# pieces may add up to COUNT_CUT_SLACK tokens the whole text would not have
+COUNT_CHUNK_CHARS = 16384
+COUNT_CUT_SLACK = 32
+
+
+class TooManyTokens(KestrelError):
+    """A text has more tokens than the caller's limit: `n_tokens` of them exactly, or at least (`exact`
+    False: counting stopped once the limit was clearly passed)."""
+
+    def __init__(self, n_tokens: int, limit: int, exact: bool):
+        self.n_tokens, self.limit, self.exact = n_tokens, limit, exact
+        super().__init__(f"the text has {'' if exact else 'at least '}{n_tokens} tokens, more than the "
+                         f"{limit} allowed")
 
 # ---------------------------------------------------------------------------------------------------------------------
 # GGUF pre-tokenizers.
@@ -694,9 +709,11 @@ class Tokenizer:
 
     # -- encoding / decoding ------------------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
         """Token ids of `text`. Special tokens written in the text are recognised. `add_special_tokens` adds BOS
-        (and EOS) when the model asks for it."""
+        (and EOS) when the model asks for it. With `limit`, a text of more than `limit` tokens raises
+        TooManyTokens, and a text far longer than that is refused after tokenising about `limit` tokens of it
+        (`_count_upto`), not the whole: a megabyte prompt for a 4K context costs what a 4K prompt does."""
         if not isinstance(text, str):
             raise KestrelError(f"encode expects a string, got {type(text).__name__}")
         if not text.isascii():
@@ -705,9 +722,34 @@ class Tokenizer:
             except UnicodeEncodeError as e:   # a lone surrogate: the tokenizer would raise TypeError
                 raise KestrelError(f"text is not valid Unicode (a lone surrogate at character "
                                    f"{e.start})") from None
+        if limit is not None and len(text) > 2 * limit + COUNT_CHUNK_CHARS:
+            self._count_upto(text, limit)
         # encode_batch lets go of the GIL while it works (encode does not): a long prompt tokenised in a
         # worker thread leaves the server's event loop running
-        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        if limit is not None and len(ids) > limit:
+            raise TooManyTokens(len(ids), limit, exact=True)
+        return ids
+
+    def _count_upto(self, text: str, limit: int) -> None:
+        """Raise TooManyTokens once `text`, tokenised in pieces of about COUNT_CHUNK_CHARS characters, has
+        clearly more than `limit` tokens; return when it may fit. Each piece ends before a whitespace
+        character where one is near (where byte-level and SentencePiece pre-tokenizers split anyway); a cut
+        elsewhere can add a few tokens the whole text would not have (merges across it lost, a dummy prefix),
+        so the count must pass `limit` by COUNT_CUT_SLACK tokens a cut before the text is refused: a refused
+        text is too long for certain, and one that may fit is tokenised whole by `encode`."""
+        n, start, cuts = 0, 0, 0
+        while start < len(text):
+            end = min(start + COUNT_CHUNK_CHARS, len(text))
+            if end < len(text):
+                back = max(start + 1, end - 1024)
+                ws = max(text.rfind(" ", back, end), text.rfind("\n", back, end))
+                end = ws if ws > start else end
+            n += len(self._backend.encode_batch([text[start:end]], add_special_tokens=False)[0].ids)
+            cuts += start > 0
+            if n - cuts * COUNT_CUT_SLACK > limit:
+                raise TooManyTokens(n - cuts * COUNT_CUT_SLACK, limit, exact=False)
+            start = end
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]

@@ -267,15 +267,16 @@ def test_request_fields_are_bounded(tiny, field, value, param):
 def test_max_tokens_is_capped_by_the_context(tiny):
     from kestrel_cli.server import create_app
     app = create_app([tiny])
-    r, c = post_all(app, [(CHAT, chat(max_tokens=10 ** 12, ignore_eos=True)),
-                          ("/v1/completions", {"prompt": list(range(1, 64)), "max_tokens": 5})])
+    r, c, over = post_all(app, [
+        (CHAT, chat(max_tokens=10 ** 12, ignore_eos=True)),
+        ("/v1/completions", {"prompt": list(range(1, 64)), "max_tokens": 5}),
+        ("/v1/completions", {"prompt": list(range(1, 65)), "max_tokens": 5})])
     assert r.status_code == 200, r.text
     u = r.json()["usage"]
     assert u["total_tokens"] == tiny.ctx_size and r.json()["choices"][0]["finish_reason"] == \
         "length"
     assert c.status_code == 200 and c.json()["usage"]["completion_tokens"] == 1
-    r, = post_all(app, [("/v1/completions", {"prompt": list(range(1, 65)), "max_tokens": 5})])
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_schema_compile_time_is_bounded(tiny, monkeypatch):

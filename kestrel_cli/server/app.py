@@ -27,13 +27,17 @@ from ..engine import Engine
 from ..errors import KestrelError
 from ..generate import Stats
 from ..reasoning import AnswerSplitter, prompt_opens_thinking
+from ..tokenizer import TooManyTokens
+from .admission import (BODY_COPIES, Budget, Lease, default_budget, default_request_memory,
+                        prep_cost)
 from .models import (COMPLETIONS_MAX_TOKENS, APIError, Options, check_unsupported,
                      content_chars, first_bad_string, parse_messages, parse_prompt, parse_tools)
-from .scheduler import Job, Scheduler
+from .scheduler import Job, Scheduler, Ticket
 
 log = logging.getLogger("kestrel.server")
 
 MAX_BODY_BYTES = 32 << 20        # larger request bodies get 413
+RETRY_AFTER_S = 1                # 503 server_busy's Retry-After: a request or a slot frees soon
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -48,6 +52,14 @@ class Limits:
     max_connections: int = 64        # open connections; one more gets 503 and is closed
     schema_timeout: float = 5.0      # compiling a response_format / tool schema (-> 400)
     shutdown_timeout: float = 5.0    # SIGTERM: in-flight replies get this long, then 503
+    # bytes requests may hold while read and prepared (admission.py): all at once (-> 503
+    # server_busy), one request (-> 413); None: admission's defaults for this machine
+    memory_budget: int | None = None
+    max_request_memory: int | None = None
+
+    def budget(self) -> Budget:
+        total = self.memory_budget or default_budget()
+        return Budget(total, self.max_request_memory or default_request_memory(total))
 
 
 # ---------------------------------------------------------------------------- replies
@@ -69,6 +81,15 @@ def _timings(stats: Stats, gen_ms: float) -> dict:
             "predicted_n": gn, "predicted_ms": round(gms, 3),
             "predicted_per_token_ms": round(gms / gn, 3) if gn else 0.0,
             "predicted_per_second": round(gn / gms * 1e3, 3) if gms > 0 else 0.0}
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    """`err` as a reply; a 503 server_busy says when to retry (clients such as the OpenAI
+    SDKs wait that long before their next try)."""
+    resp = err.response()
+    if err.code == "server_busy":
+        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return resp
 
 
 def _sse(obj) -> str:
@@ -106,8 +127,13 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                limits: Limits | None = None) -> FastAPI:
     """The FastAPI app serving `engines` (one per slot, sharing weights and tokenizer)."""
     from contextlib import asynccontextmanager
+    if api_key is not None and not api_key.strip():
+        # `--api-key "$KEY"` with KEY unset: serving without a key was not what was asked
+        raise KestrelError("--api-key (or KESTREL_API_KEY) is empty: give a key, or leave it "
+                           "out to serve without one")
     limits = limits or Limits()
     sched = Scheduler(engines, queue_size)
+    budget = limits.budget()
     eng0 = engines[0]
     mid, created = model_id(eng0), int(time.time())
     fingerprint = f"kestrel-{__version__}"
@@ -122,12 +148,13 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                   openapi_url=None, redirect_slashes=False)   # "/v1/models/" is a 404
     app.state.scheduler = sched
     app.state.limits = limits
+    app.state.budget = budget
 
     # -- cross-cutting: errors, auth, one log line per request
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         request.scope["kestrel.error"] = exc.message
-        return exc.response()
+        return _error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
@@ -139,13 +166,18 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         return APIError(f"internal error: {type(exc).__name__}", 500).response()
 
     async def read_json(request: Request) -> dict:
+        """The body as a JSON object; its bytes are taken from the request's lease as they
+        arrive (held, joined and parsed: BODY_COPIES times), so bodies in flight are bounded
+        by the memory budget as well as by MAX_BODY_BYTES each."""
         size = 0
         parts = []
+        lease = lease_of(request)
         try:
             async for part in request.stream():
                 size += len(part)
                 if size > MAX_BODY_BYTES:
                     raise APIError(f"request body larger than {MAX_BODY_BYTES >> 20} MiB", 413)
+                lease.add(BODY_COPIES * len(part), "the request body")
                 parts.append(part)
         except ClientDisconnect:
             raise APIError("the client went away before sending the whole body", 400) from None
@@ -164,8 +196,16 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                            f"\\udfff escape), which is not valid Unicode", 400, param=where)
         return body
 
+    def lease_of(request: Request) -> Lease:
+        """The request's share of the memory budget (made by _FrontDoor, given back when the
+        reply has been sent)."""
+        lease = request.scope.get("kestrel.lease")
+        if lease is None:              # an app called without _FrontDoor (tests): its own
+            lease = request.scope["kestrel.lease"] = budget.lease()
+        return lease
+
     async def admit(request: Request, ids: list[int], params: dict, param: str,
-                    cache_prompt: bool) -> Job:
+                    cache_prompt: bool, ticket: Ticket | None = None) -> Job:
         if len(ids) >= eng0.ctx_size:
             raise APIError(f"the prompt has {len(ids)} tokens, and the context size is "
                            f"{eng0.ctx_size}: no room for an answer (start the server with a "
@@ -178,7 +218,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         job = Job(ids, params, asyncio.get_running_loop(), cache_prompt,
                   timeout=limits.request_timeout or None)
         request.scope["kestrel.job"] = job
-        sched.submit(job)
+        sched.submit(job, ticket)
         return job
 
     # a prompt longer than this cannot fit the context: refused before it is rendered or tokenised
@@ -191,9 +231,17 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                            f"-c/--ctx-size)", 400, param=param, code="context_length_exceeded")
 
     async def encode(prompt, param: str, **kw) -> list[int]:
-        """Template and tokeniser run in a worker thread: the event loop keeps serving."""
+        """Template and tokeniser run in a worker thread: the event loop keeps serving. A
+        prompt with no room left for an answer is refused once that is certain, without
+        tokenising the rest of it."""
         try:
-            return await asyncio.to_thread(eng0.encode_prompt, prompt, **kw)
+            return await asyncio.to_thread(eng0.encode_prompt, prompt,
+                                           limit=eng0.ctx_size - 1, **kw)
+        except TooManyTokens as e:
+            raise APIError(f"the prompt has {'' if e.exact else 'at least '}{e.n_tokens} "
+                           f"tokens, and the context size is {eng0.ctx_size}: no room for an "
+                           f"answer (start the server with a larger -c/--ctx-size)",
+                           400, param=param, code="context_length_exceeded") from None
         except KestrelError as e:
             raise APIError(str(e), 400, param=param) from None
 
@@ -407,7 +455,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                           for n, p in params.items()]}, ""
 
     async def answer(request: Request, opts: Options, prompt, param: str, kind: str,
-                     forced: str | None = None, **kw):
+                     forced: str | None = None, ticket: Ticket | None = None, **kw):
         ids = await encode(prompt, param, **kw)
         split, prefix = None, ""
         if kind == "chat":
@@ -429,7 +477,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         if forced is not None:                     # the call's JSON enforced while sampling
             params["json_schema"], params["json_then"] = forced_schema(kw["tools"], forced)
             suffix = "\n</tool_call>"
-        job = await admit(request, ids, params, param, opts.cache_prompt)
+        job = await admit(request, ids, params, param, opts.cache_prompt, ticket)
         return await generate(request, job, opts.stream, opts.include_usage, kind, split,
                               prefix, suffix)
 
@@ -456,19 +504,29 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         tools, forced = parse_tools(body)
         opts = Options.parse(body)
         kwargs = opts.template_kwargs()
-        if opts.json_schema is not None:
-            await check_schema(opts.json_schema)
-            if "enable_thinking" not in kwargs:
-                kwargs["enable_thinking"] = False  # the answer is JSON from its first token
-        if tools is not None:
-            kwargs["tools"] = tools
-        if forced is not None:
-            await check_schema(forced_schema(tools, forced)[0], "tools")
+        schema = opts.json_schema
         # tools are rendered into the prompt too: their JSON counts against its size
-        bound_prompt(sum(content_chars(m["content"]) for m in messages)
-                     + (len(json.dumps(tools)) if tools is not None else 0), "messages")
-        return await answer(request, opts, messages, "messages", "chat", forced=forced,
-                            max_chars=max_chars, **kwargs)
+        n_chars = (sum(content_chars(m["content"]) for m in messages)
+                   + (len(json.dumps(tools)) if tools is not None else 0))
+        bound_prompt(n_chars, "messages")
+        # admitted (a place, then memory) before any template, tokeniser, image or grammar work
+        ticket = sched.reserve()
+        try:
+            lease_of(request).add(prep_cost(n_chars, eng0.ctx_size, (),
+                                            (schema is not None) + (forced is not None)),
+                                  "the request")
+            if schema is not None:
+                await check_schema(schema)
+                if "enable_thinking" not in kwargs:
+                    kwargs["enable_thinking"] = False  # the answer is JSON from its first token
+            if tools is not None:
+                kwargs["tools"] = tools
+            if forced is not None:
+                await check_schema(forced_schema(tools, forced)[0], "tools")
+            return await answer(request, opts, messages, "messages", "chat", forced=forced,
+                                ticket=ticket, max_chars=max_chars, **kwargs)
+        finally:
+            ticket.release()               # not queued: the preparation failed
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -476,11 +534,17 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         check_unsupported(body)
         prompt = parse_prompt(body)
         opts = Options.parse(body)
-        if isinstance(prompt, str):
-            bound_prompt(len(prompt), "prompt")
-        return await answer(request, opts, prompt, "prompt", "completion")
+        n_chars = len(prompt) if isinstance(prompt, str) else 0
+        bound_prompt(n_chars, "prompt")
+        ticket = sched.reserve()
+        try:
+            lease_of(request).add(prep_cost(n_chars, eng0.ctx_size), "the request")
+            return await answer(request, opts, prompt, "prompt", "completion", ticket=ticket)
+        finally:
+            ticket.release()
 
-    app.add_middleware(_FrontDoor, api_key=api_key, body_timeout=limits.body_timeout)
+    app.add_middleware(_FrontDoor, api_key=api_key, body_timeout=limits.body_timeout,
+                       budget=budget)
     return app
 
 
@@ -490,8 +554,10 @@ class _FrontDoor:
     (408), then logs one line per request with status, tokens and time (the handlers
     leave `kestrel.log` = (job, stats, finish) in the scope)."""
 
-    def __init__(self, app, api_key: str | None = None, body_timeout: float | None = None):
+    def __init__(self, app, api_key: str | None = None, body_timeout: float | None = None,
+                 budget: Budget | None = None):
         self.app, self.api_key, self.body_timeout = app, api_key, body_timeout
+        self.budget = budget
 
     def _deadline_receive(self, receive):
         """`receive`, raising APIError 408 once the body has taken body_timeout seconds."""
@@ -514,18 +580,25 @@ class _FrontDoor:
         return receive_
 
     def _authorized(self, scope) -> bool:
+        """One Authorization header, `Bearer KEY`, with the key: a request carrying two
+        (a wrong one and a right one) is refused, whichever a proxy would have read."""
         if self.api_key is None or not scope["path"].startswith("/v1/"):
             return True
-        headers = dict(scope.get("headers") or [])
-        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("latin-1"), self.api_key.encode())
+        auth = [v for k, v in scope.get("headers") or [] if k.lower() == b"authorization"]
+        if len(auth) != 1:
+            return False
+        scheme, _, token = auth[0].decode("latin-1").partition(" ")
+        token = token.strip().encode("latin-1")
+        return (scheme.lower() == "bearer" and bool(token)
+                and hmac.compare_digest(token, self.api_key.encode()))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
         status = [None]
+        if self.budget is not None:
+            scope["kestrel.lease"] = self.budget.lease()
 
         async def send_(message):
             if message["type"] == "http.response.start":
@@ -535,9 +608,12 @@ class _FrontDoor:
             if self._authorized(scope):
                 await self.app(scope, self._deadline_receive(receive), send_)
             else:
-                await APIError("invalid or missing API key (send 'Authorization: Bearer KEY')",
-                               401, code="invalid_api_key").response()(scope, receive, send_)
+                await APIError("invalid or missing API key (send one 'Authorization: Bearer "
+                               "KEY' header)", 401,
+                               code="invalid_api_key").response()(scope, receive, send_)
         finally:
+            if scope.get("kestrel.lease") is not None:
+                scope["kestrel.lease"].release()
             self._line(scope, status[0], t0)
 
     @staticmethod
@@ -569,8 +645,9 @@ def _raw_error(err: APIError) -> bytes:
     (before any ASGI app runs)."""
     body = json.dumps(err.body()).encode()
     reason = {408: b"Request Timeout", 503: b"Service Unavailable"}.get(err.status, b"Error")
+    retry = b"retry-after: %d\r\n" % RETRY_AFTER_S if err.code == "server_busy" else b""
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n" % (err.status, reason, len(body))) + body
+            b"%sconnection: close\r\n\r\n" % (err.status, reason, len(body), retry)) + body
 
 
 class _Protocol(H11Protocol):

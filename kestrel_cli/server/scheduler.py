@@ -83,6 +83,19 @@ class Slot:
         self.thread: threading.Thread | None = None
 
 
+class Ticket:
+    """A request's reserved place (Scheduler.reserve), given back once: when its job is
+    queued, or when its preparation fails."""
+
+    def __init__(self, sched: "Scheduler"):
+        self.sched, self.live = sched, True
+
+    def release(self) -> None:
+        if self.live:
+            self.live = False
+            self.sched.preparing -= 1
+
+
 class Scheduler:
     """A bounded FIFO of jobs in front of the slots. All its state lives in the event loop
     thread; workers only run jobs and post events back (call_soon_threadsafe)."""
@@ -92,6 +105,7 @@ class Scheduler:
         self.idle = list(self.slots)
         self.pending: collections.deque[Job] = collections.deque()
         self.queue_size = queue_size
+        self.preparing = 0          # requests holding a Ticket (being rendered and tokenised)
         self.closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -103,10 +117,28 @@ class Scheduler:
                                         name=f"kestrel-slot-{s.index}")
             s.thread.start()
 
-    def submit(self, job: Job) -> None:
+    def reserve(self) -> "Ticket":
+        """A place for a request about to be prepared (template, tokeniser, images): taken
+        before that work, so the queue's bound holds for it too. Requests in preparation,
+        queued and running together are at most the slots plus --queue-size; one more gets
+        503 server_busy."""
         if self.closing:
             raise APIError("the server is shutting down", 503)
-        if not self.idle and len(self.pending) >= self.queue_size:
+        running = len(self.slots) - len(self.idle)
+        if self.preparing + len(self.pending) + running >= len(self.slots) + self.queue_size:
+            raise APIError(f"server busy: {running} running, {len(self.pending)} queued and "
+                           f"{self.preparing} in preparation for {len(self.slots)} slot(s) and "
+                           f"a queue of {self.queue_size}; retry later", 503, code="server_busy")
+        self.preparing += 1
+        return Ticket(self)
+
+    def submit(self, job: Job, ticket: "Ticket | None" = None) -> None:
+        """Queue `job`: in the place `ticket` reserved, or in a free one (else 503)."""
+        if self.closing:
+            raise APIError("the server is shutting down", 503)
+        if ticket is not None and ticket.live:
+            ticket.release()
+        elif not self.idle and len(self.pending) >= self.queue_size:
             raise APIError(f"server busy: {len(self.pending)} requests already wait for "
                            f"{len(self.slots)} slot(s); retry later", 503, code="server_busy")
         self.pending.append(job)
@@ -185,7 +217,7 @@ class Scheduler:
     def health(self) -> dict:
         return {"status": "shutting down" if self.closing else "ok",
                 "slots_idle": len(self.idle), "slots_processing": len(self.slots) - len(self.idle),
-                "requests_queued": len(self.pending)}
+                "requests_queued": len(self.pending), "requests_preparing": self.preparing}
 
     # -- worker threads
     def _work(self, slot: Slot) -> None:
