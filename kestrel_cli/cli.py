@@ -604,7 +604,9 @@ def info(
         ("rope theta", cfg.rope["rope_theta"]),
         ("dtypes", ", ".join(f"{f} x{n}" for f, n in dtypes)),
         ("weights memory", _human_bytes(store.nbytes)),
-        ("chat template", "yes" if tok.chat_template else "no (use --raw)"),
+        ("chat template", "no (use --raw)" if not tok.chat_template else "yes"
+         if (bad := tok.chat_template_error()) is None else "present, but it does not compile: "
+         + bad.removeprefix("invalid chat template: ")),
     ]
 
     def special(name):

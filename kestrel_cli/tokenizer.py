@@ -119,7 +119,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_template_cache: dict[str, Any] = {}
+_template_cache: dict[str, Any] = {}  # source -> the compiled template, or the KestrelError compiling it raised
 
 # A chat template is a program: rendering gets a time and a size limit. Time: every intercepted operation and
 # every output chunk checks the deadline, and a watchdog interrupts loops that do neither. Size: values made by
@@ -128,6 +128,11 @@ _template_cache: dict[str, Any] = {}
 TEMPLATE_SECONDS = 5.0
 TEMPLATE_MAX_CHARS = 32 << 20  # default size limit for one value and for the output, in characters
 _MAX_INT_BITS = 1 << 16  # ints in templates are counters and ids, not bignums
+# Levels of lists/dicts in each piece of data a template gets (a message, a tool, a document, a keyword argument;
+# the piece itself is level 1), checked without recursion before it is copied (_plain recurses once per level, as
+# do tojson and templates that walk a schema). An API request's JSON values are bounded at 64 levels
+# (constrained.MAX_JSON_DEPTH) and sit a few levels inside a message or a tool; 128 leaves room for that.
+TEMPLATE_MAX_DEPTH = 128
 
 
 class _TemplateTimeout(Exception):
@@ -333,10 +338,39 @@ def _render_limited(compiled, variables: dict, seconds: float, max_chars: int) -
 
 
 def _compile_template(source: str):
+    """The compiled template, or KestrelError("invalid chat template: <one line>"). Compiled once per source: the
+    template and the failure are both cached."""
     compiled = _template_cache.get(source)
-    if compiled is not None:
-        return compiled
+    if compiled is None:
+        compiled = _template_cache[source] = _compile_in_thread(source)
+    if isinstance(compiled, KestrelError):
+        raise KestrelError(str(compiled))  # a new exception each time: no traceback piles up on the cached one
+    return compiled
 
+
+def _compile_in_thread(source: str):
+    """_build_template(source), or the KestrelError it fails with. Jinja's parser and code generator recurse once
+    per level of nesting in the template (~80 nested parentheses exhaust Python's recursion limit); a new thread
+    starts with an empty stack, so whether a template compiles does not depend on where it is first used."""
+    result: list = []
+
+    def work():
+        try:
+            result.append(_build_template(source))
+        except RecursionError:
+            result.append(KestrelError("invalid chat template: nested too deeply (Python's recursion limit)"))
+        except MemoryError:
+            result.append(KestrelError("invalid chat template: out of memory while compiling it"))
+        except Exception as e:  # jinja2.TemplateSyntaxError; SyntaxError from Python's compiler; anything else
+            result.append(KestrelError(f"invalid chat template: {_one_line(e)}"))
+
+    t = threading.Thread(target=work, name="kestrel-template-compile", daemon=True)
+    t.start()
+    t.join()
+    return result[0] if result else KestrelError("invalid chat template: compiling it failed")
+
+
+def _build_template(source: str):
     import jinja2
     import jinja2.ext
     from jinja2.compiler import CodeGenerator
@@ -434,12 +468,7 @@ def _compile_template(source: str):
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
-    try:
-        compiled = env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise KestrelError(f"invalid chat template: {e}") from None
-    _template_cache[source] = compiled
-    return compiled
+    return env.from_string(source)
 
 
 def _plain(value: Any) -> Any:
@@ -468,11 +497,20 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def _check_depth(value: Any, what: str) -> None:
+    """KestrelError when `value` nests lists/dicts more than TEMPLATE_MAX_DEPTH levels (a cycle does)."""
+    from .constrained import too_deep
+
+    if too_deep(value, TEMPLATE_MAX_DEPTH):
+        raise KestrelError(f"chat template error: {what} is nested more than {TEMPLATE_MAX_DEPTH} levels deep")
+
+
 def _normalize_messages(messages: Iterable[Any]) -> list[dict]:
     out = []
-    for message in messages:
-        if not isinstance(message, Mapping):
-            raise KestrelError(f"chat messages must be dicts, got {message!r}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):  # its type, not its repr: that can be huge, or recurse without end
+            raise KestrelError(f"chat messages must be dicts, got {type(message).__name__} at messages[{i}]")
+        _check_depth(message, f"messages[{i}]")
         message = {k: v for k, v in message.items() if v is not None}
         reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
@@ -811,6 +849,16 @@ class Tokenizer:
             return {}
         return dict(t) if isinstance(t, dict) else {"default": t}
 
+    def chat_template_error(self) -> str | None:
+        """Why the model's chat templates do not compile ("invalid chat template: ...", naming the template when
+        there are several), or None when they do or there is none. Compiled once: rendering reuses the result."""
+        for name, source in self.chat_templates.items():
+            try:
+                _compile_template(source)
+            except KestrelError as e:
+                return str(e) if len(self.chat_templates) == 1 else f"{name}: {e}"
+        return None
+
     def _pick_template(self, tools, override: str | None = None) -> str:
         t = self._chat_templates
         if override is not None:
@@ -854,6 +902,12 @@ class Tokenizer:
             )
             if value is not None
         }
+        # before _plain copies them (it recurses once per level)
+        for name, value in kwargs.items():
+            _check_depth(value, name)
+        for name, items in (("tools", tools), ("documents", documents)):
+            for i, item in enumerate(items if isinstance(items, (list, tuple)) else [items]):
+                _check_depth(item, f"{name}[{i}]")
         variables.update(_plain(kwargs))
         variables.update(
             messages=_normalize_messages(messages),

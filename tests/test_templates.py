@@ -123,3 +123,82 @@ def test_cli_prints_one_error_line(tmp_path):
     r = CliRunner().invoke(app, ["run", "-m", str(tmp_path), "-p", "hi", "-n", "1", "-t", "1"])
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     assert "error:" in r.output and "over the limit" in r.output
+
+
+# ---------------------------------------------------------------------------- templates that do not compile
+
+@pytest.mark.parametrize("source,needle", [
+    ("{{ " + "(" * 80 + "1" + ")" * 80 + " }}", "nested too deeply"),       # jinja's parser recursion
+    ("{{ " + "[" * 300 + "1" + "]" * 300 + " }}", "nested too deeply"),
+    ("{{ 1" + " + 1" * 3000 + " }}", "nested too deeply"),                 # the code generator's
+    ("{% if x %}" * 200 + "{% endif %}" * 200, "too many levels of indentation"),  # Python's compiler
+])
+def test_templates_that_do_not_compile_are_one_line(tok, source, needle):
+    for _ in range(2):                      # the second time from the cache of failures
+        with pytest.raises(KestrelError) as e:
+            tok.apply_chat_template(MSGS, chat_template=source)
+        msg = str(e.value)
+        assert msg.startswith("invalid chat template:") and "\n" not in msg, msg
+        assert needle in msg and len(msg) < 300, msg
+
+
+def test_chat_template_error_names_the_reason():
+    """What `kestrel info` shows: None when the template compiles, else the one-line reason."""
+    good = Tokenizer.from_gguf(str(default_model_path()))
+    assert good.chat_template_error() is None
+    bad = Tokenizer(good.backend, chat_template="{{ " + "(" * 80 + "1" + ")" * 80 + " }}")
+    assert "nested too deeply" in bad.chat_template_error()
+    assert Tokenizer(good.backend).chat_template_error() is None       # no template: nothing to compile
+
+
+def test_compile_does_not_depend_on_the_caller_s_stack(tok):
+    """Compiled in a thread of its own: a template compiles (or not) wherever it is first used."""
+    source = "{{ " + "(" * 40 + "1" + ")" * 40 + " }}"
+
+    def deep(n):
+        return tok.apply_chat_template(MSGS, chat_template=source) if n == 0 else deep(n - 1)
+    assert deep(600) == "1"
+
+
+# ---------------------------------------------------------------------------- deeply nested template data
+
+def nested_list(n: int):
+    v: object = "x"
+    for _ in range(n):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize("kw", [
+    dict(messages=[{"role": "user", "content": nested_list(100_000)}]),
+    dict(messages=[{"role": "user", "content": "hi", "extra": nested_list(5000)}]),
+    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": nested_list(5000)}}]),
+    dict(documents=[{"text": nested_list(5000)}]),
+    dict(extra=nested_list(5000)),
+])
+def test_deep_template_data_is_one_error(tok, kw):
+    messages = kw.pop("messages", MSGS)
+    with pytest.raises(KestrelError) as e:
+        tok.apply_chat_template(messages, chat_template="{{ messages|tojson }}{{ tools|tojson }}", **kw)
+    msg = str(e.value)
+    assert "nested more than" in msg and "\n" not in msg, msg
+
+
+def test_cyclic_template_data_is_one_error(tok):
+    content: list = []
+    content.append(content)
+    with pytest.raises(KestrelError, match="nested more than"):
+        tok.apply_chat_template([{"role": "user", "content": content}])
+
+
+def test_template_data_within_the_limit_renders(tok):
+    data = nested_list(tokenizer_mod.TEMPLATE_MAX_DEPTH - 3)      # inside messages[0]["content"]
+    out = tok.apply_chat_template([{"role": "user", "content": data}],
+                                  chat_template="{{ messages[0].content|tojson }}")
+    assert out.count("[") == tokenizer_mod.TEMPLATE_MAX_DEPTH - 3
+
+
+def test_a_bad_message_is_named_by_its_type(tok):
+    with pytest.raises(KestrelError) as e:
+        tok.apply_chat_template([nested_list(100_000)])
+    assert str(e.value) == "chat messages must be dicts, got list at messages[0]"
