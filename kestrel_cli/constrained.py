@@ -7,12 +7,59 @@ a valid answer get -inf, EOS only once the JSON is complete) and follows the sam
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import numpy as np
 
 from .errors import KestrelError
 
 _TOKENIZERS: dict[int, object] = {}      # LLTokenizer per Tokenizer (building one takes ~1 s)
+
+# Levels of objects/arrays a JSON value from a user may nest (a schema, a tool's parameters, a
+# tool call's arguments, chat_template_kwargs; the value itself is level 1). What reads such a
+# value recurses once per level or more (json.dumps, pydantic, the chat template's data copy and
+# tojson, llguidance, whose own parser stops at 128), so the limit is checked first, by too_deep,
+# which does not recurse. Real schemas nest well under 20 levels.
+MAX_JSON_DEPTH = 64
+
+
+def too_deep(value, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `value` nests containers (mappings, lists, tuples) more than `limit` levels: {} and
+    [] are 1 level, {"a": []} 2, a scalar 0. Iterative, so any depth, a cycle included, is safe to
+    ask about; a container reached again at no greater depth is not walked again (shared parts)."""
+    seen: dict[int, int] = {}
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, Mapping):
+            children = (*v.keys(), *v.values())
+        elif isinstance(v, (list, tuple)):
+            children = v
+        else:
+            continue
+        if depth > limit:
+            return True
+        if seen.get(id(v), 0) >= depth:
+            continue
+        seen[id(v)] = depth
+        stack.extend((c, depth + 1) for c in children
+                     if isinstance(c, (dict, list, tuple, Mapping)))
+    return False
+
+
+def check_json_depth(value, what: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """KestrelError naming `what` when `value` nests more than `limit` levels (see too_deep)."""
+    if too_deep(value, limit):
+        raise KestrelError(f"{what} is nested more than {limit} levels deep")
+
+
+def _ll_error(msg) -> str:
+    """llguidance's error as one short line: the message before the parser state dump and the
+    grammar that follow it ("<state>...", "<grammar>..."), whitespace collapsed (a regex error
+    spans lines), at most 200 characters."""
+    text = str(msg).split("<state>", 1)[0].split("<grammar>", 1)[0]
+    line = " ".join(text.split()) or "unknown error"
+    return line if len(line) <= 200 else line[:199] + "…"
 
 
 def _import():
@@ -44,6 +91,8 @@ class JsonConstraint:
         schema = {"type": "object"} if schema is None else schema
         if not isinstance(schema, dict):
             raise KestrelError("a JSON schema must be a JSON object")
+        # before json.dumps and llguidance, which recurse once per level
+        check_json_depth(schema, "JSON schema not supported: the schema")
         try:
             if then:
                 grammar = llg.LLMatcher.grammar_from_lark(
@@ -51,14 +100,16 @@ class JsonConstraint:
             else:
                 grammar = llg.LLMatcher.grammar_from_json_schema(
                     json.dumps(schema), defaults={"whitespace_flexible": False})
-        except (ValueError, TypeError, RecursionError) as e:  # e.g. nested too deep
-            raise KestrelError(f"JSON schema not supported: {' '.join(str(e).split())}") from None
+        except (ValueError, TypeError, RecursionError) as e:  # e.g. not JSON (NaN)
+            raise KestrelError(f"JSON schema not supported: {_ll_error(e)}") from None
         msg = llg.LLMatcher.validate_grammar(grammar)     # "" when it is fine
         if msg:
-            raise KestrelError(f"JSON schema not supported: {' '.join(str(msg).split())}")
-        self.matcher = llg.LLMatcher(_ll_tokenizer(engine), grammar)
+            raise KestrelError(f"JSON schema not supported: {_ll_error(msg)}")
+        # log_level 0: llguidance's own warnings would be extra lines on stderr; its errors
+        # are read with get_error() and raised here, as one line
+        self.matcher = llg.LLMatcher(_ll_tokenizer(engine), grammar, log_level=0)
         if self.matcher.is_error():
-            raise KestrelError(f"JSON schema not supported: {self.matcher.get_error()}")
+            raise KestrelError(f"JSON schema not supported: {_ll_error(self.matcher.get_error())}")
         self.vocab = engine.config.vocab_size
         self.mask = llg.numpy.allocate_token_bitmask(1, self.vocab)
         self._llg = llg
@@ -66,13 +117,15 @@ class JsonConstraint:
     def apply(self, row: np.ndarray) -> None:
         """Set the logits of tokens the grammar does not allow next to -inf (in place)."""
         self._llg.numpy.fill_next_token_bitmask(self.matcher, self.mask, 0)
+        if self.matcher.is_error():   # e.g. a pattern whose lexer grows past llguidance's limits
+            raise KestrelError(f"constrained decoding: {_ll_error(self.matcher.get_error())}")
         bits = np.unpackbits(self.mask[0].view(np.uint8), bitorder="little")[:row.shape[-1]]
         row[bits == 0] = -np.inf
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
             raise KestrelError(f"constrained decoding: token {token} rejected "
-                               f"({self.matcher.get_error()})")
+                               f"({_ll_error(self.matcher.get_error())})")
 
     @property
     def done(self) -> bool:

@@ -8,6 +8,8 @@ import re
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..constrained import MAX_JSON_DEPTH, too_deep
+
 COMPLETIONS_MAX_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
 # bounds on what one request may ask for (README: "Running it safely")
 MAX_STOPS = 16                   # stop strings per request
@@ -15,6 +17,9 @@ MAX_STOP_CHARS = 1024            # characters per stop string
 MAX_LOGIT_BIAS = 1024            # logit_bias entries
 MAX_SCHEMA_BYTES = 64 << 10      # a response_format schema or a tool's parameters, as JSON
 MAX_TOOLS = 128                  # tools per request
+# levels of objects/arrays in a schema, a tool's parameters, a tool call's arguments and
+# chat_template_kwargs: constrained.MAX_JSON_DEPTH (64), checked before anything recursive
+# (json.dumps, the chat template's data copy and tojson, llguidance) reads them
 TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tokenize", "tools", "documents",
                      "chat_template", "max_chars"}   # apply_chat_template's own arguments
 
@@ -134,7 +139,7 @@ class Options(_Fields):
         bias = {}
         for k, v in (self.logit_bias or {}).items():
             if not k.strip().isdigit():
-                raise APIError(f"'logit_bias': keys must be token ids, got {k!r}",
+                raise APIError(f"'logit_bias': keys must be token ids, got {_short(k)}",
                                param="logit_bias")
             if not -100 <= v <= 100:
                 raise APIError("'logit_bias': values must be in [-100, 100]", param="logit_bias")
@@ -161,6 +166,7 @@ class Options(_Fields):
                 raise APIError("'response_format.json_schema.schema' must be an object",
                                param="response_format.json_schema")
             schema = js.get("schema") or {"type": "object"}
+            check_depth(schema, "response_format")
             check_schema_size(schema, "response_format.json_schema.schema")
             return schema
         raise APIError("'response_format.type' must be text, json_object or json_schema",
@@ -187,6 +193,7 @@ class Options(_Fields):
     def template_kwargs(self) -> dict:
         """chat_template_kwargs (e.g. enable_thinking), none of apply_chat_template's own."""
         kwargs = self.chat_template_kwargs or {}
+        check_depth(kwargs, "chat_template_kwargs")    # they reach the template as they are
         bad = sorted(TEMPLATE_RESERVED & set(kwargs))
         if bad:
             raise APIError(f"'chat_template_kwargs.{bad[0]}' is not allowed",
@@ -218,6 +225,22 @@ _NEUTRAL = {
     "suffix": lambda v: v == "",                  # /v1/completions
     "best_of": lambda v: v == 1,                  # /v1/completions
 }
+
+
+def check_depth(value, param: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """A JSON value nested more than `limit` levels is refused (checked without recursion)."""
+    if too_deep(value, limit):
+        raise APIError(f"'{param}' is nested more than {limit} levels deep", param=param)
+
+
+def _short(v, n: int = 80) -> str:
+    """A client's value quoted in an error message: repr(v) cut to about n characters for a
+    string or a number, the type's name for anything else (its repr could be megabytes, or
+    recurse past Python's limit)."""
+    if v is not None and not isinstance(v, (str, int, float)):
+        return type(v).__name__
+    r = repr(v)
+    return r if len(r) <= n else r[:n] + "…"
 
 
 def check_schema_size(schema, param: str) -> None:
@@ -290,7 +313,8 @@ def text_content(content, param: str):
             continue
         if kind != "text":
             if isinstance(kind, str):
-                raise unsupported(f"{p}.type", f": only text and image_url parts (got {kind!r})")
+                raise unsupported(f"{p}.type",
+                                  f": only text and image_url parts (got {_short(kind)})")
             raise APIError(f"'{p}.type' must be a string", param=f"{p}.type")
         if not isinstance(part.get("text"), str):
             raise APIError(f"'{p}.text' must be a string", param=f"{p}.text")
@@ -324,7 +348,7 @@ def parse_messages(body: dict) -> list[dict]:
                               ": the legacy functions API; use tools")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise APIError(f"'{p}.role' must be one of system, developer, user, assistant, "
-                           f"tool; got {role!r}", param=f"{p}.role")
+                           f"tool; got {_short(role)}", param=f"{p}.role")
         content = m.get("content")
         if content is None:
             if role != "assistant":
@@ -366,6 +390,11 @@ def parse_tool_calls(calls, param: str) -> list[dict]:
             except ValueError:
                 raise APIError(f"'{q}.function.arguments' is not valid JSON",
                                param=f"{q}.function.arguments") from None
+            except RecursionError:     # json.loads recurses once per level
+                raise APIError(f"'{q}.function.arguments' is nested more than {MAX_JSON_DEPTH} "
+                               f"levels deep", param=f"{q}.function.arguments") from None
+        # the template copies them and writes them with tojson: both recurse once per level
+        check_depth(args, f"{q}.function.arguments")
         if not isinstance(args, dict):
             raise APIError(f"'{q}.function.arguments' must be a JSON object",
                            param=f"{q}.function.arguments")
@@ -397,7 +426,14 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | None]:
             if not isinstance(fn["parameters"], dict):
                 raise APIError(f"'tools[{j}].function.parameters' must be a JSON schema "
                                f"(an object)", param=f"tools[{j}].function.parameters")
+            # tool_choice 'required' enforces {"anyOf": [{... "properties": {"arguments":
+            # parameters}}]} (server.app.forced_schema): 4 levels around them, and that schema
+            # is held to MAX_JSON_DEPTH as a whole
+            check_depth(fn["parameters"], f"tools[{j}].function.parameters",
+                        MAX_JSON_DEPTH - 4 if choice == "required" else MAX_JSON_DEPTH)
             check_schema_size(fn["parameters"], f"tools[{j}].function.parameters")
+        # the whole tool reaches the template: parameters sit 2 levels inside it
+        check_depth(t, f"tools[{j}]", MAX_JSON_DEPTH + 2)
         names.append(fn["name"])
     if choice is None or choice == "auto":
         return tools, None
@@ -408,8 +444,11 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | None]:
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict) \
             and choice.get("type") == "function":
         name = choice["function"].get("name")
+        if not isinstance(name, str):
+            raise APIError("'tool_choice.function.name' must be a string",
+                           param="tool_choice.function.name")
         if name not in names:
-            raise APIError(f"'tool_choice.function.name': {name!r} is not one of the tools",
+            raise APIError(f"'tool_choice.function.name': {_short(name)} is not one of the tools",
                            param="tool_choice.function.name")
         return tools, name
     raise APIError("'tool_choice' must be none, auto, required or "
