@@ -3,3 +3,8 @@
 
 class KestrelError(Exception):
     """Bad input: missing or corrupt files, unknown architectures, prompts too long, ..."""
+
+
+class ModelError(KestrelError):
+    """The model file is at fault, found at run time (NaN/Inf logits from corrupt weights):
+    not the request's fault (the server answers 500, not 400)."""

@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .sampling import apply_repetition_penalty
+from .sampling import apply_repetition_penalty, check_logits
 
 
 @dataclass
@@ -138,6 +138,9 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
             stats.decode_ms += ms
             stats.attn_ms += timing.attn
         row = logits[-1].copy()
+        # the model's own row, before penalties and masks (-inf there is a grammar's):
+        # NaN/Inf is a corrupt model, refused before a token is picked from it
+        check_logits(row, len(history) - 1, getattr(engine, "path", None))
         lp = log_softmax(row) if logprobs is not None else None
         apply_repetition_penalty(row, history[-repeat_last_n:] if repeat_last_n else [],
                                  repeat_penalty)

@@ -6,11 +6,12 @@ top-k, top-p, min-p on the temperature-scaled distribution, then a seeded draw.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import KestrelError
+from .errors import KestrelError, ModelError
 
 
 def check_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
@@ -30,6 +31,29 @@ def check_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=
         raise KestrelError(f"repeat_penalty must be > 0, got {repeat_penalty}")
 
 
+def check_logits(row: np.ndarray, position: int, source=None) -> None:
+    """ModelError unless the model's logits row is finite: NaN/Inf come from corrupt weights
+    (or an overflow they cause), and would make argmax pick an arbitrary token and the
+    sampler's probabilities NaN. One reduction over the row: cheap beside a decode step."""
+    if not np.isfinite(row).all():
+        where = f"{Path(source).name}: " if source is not None else ""
+        raise ModelError(f"{where}the model produced non-finite logits (NaN/Inf) at position "
+                         f"{position}: its weights are likely corrupt")
+
+
+def _refuse_unusable(logits: np.ndarray) -> float:
+    """The largest logit, or a ModelError when it is NaN or +inf (a row that did not pass
+    check_logits: a caller of make_sampler on its own). -inf entries are masked tokens
+    (constrained decoding); all of them masked leaves nothing to pick."""
+    top = float(np.max(logits))                     # NaN anywhere makes the max NaN
+    if not top < math.inf:
+        raise ModelError("the model produced non-finite logits (NaN/Inf): its weights are "
+                         "likely corrupt")
+    if top == -math.inf:
+        raise KestrelError("no token is allowed: every logit is -inf")
+    return top
+
+
 def apply_repetition_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> None:
     """In place, as transformers/llama.cpp: positive logits / penalty, negative * penalty."""
     if penalty == 1.0 or not len(recent):
@@ -47,11 +71,18 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                              or not 0 <= seed < 1 << 64):
         raise KestrelError(f"seed must be an integer in 0..2^64-1, got {seed!r}")
     if temperature == 0:
-        return lambda logits: int(np.argmax(logits))
+        def greedy(logits: np.ndarray) -> int:
+            _refuse_unusable(logits)
+            return int(np.argmax(logits))
+        return greedy
     rng = np.random.default_rng(seed)
 
     def sample(logits: np.ndarray) -> int:
-        x = logits.astype(np.float64) / temperature
+        top = _refuse_unusable(logits)
+        x = logits.astype(np.float64)
+        with np.errstate(over="ignore"):
+            # a tiny temperature overflows the best logit to inf (inf - inf: p NaN): shift first
+            x = x / temperature if np.isfinite(top / temperature) else (x - top) / temperature
         if 0 < top_k < x.shape[0]:
             idx = np.argpartition(-x, top_k - 1)[:top_k]
         else:

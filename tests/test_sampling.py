@@ -105,3 +105,41 @@ def test_prompt_cache_reuse(smollm2_engine):
     reused, n = smollm2_engine.prefill(ids)
     assert n == 20
     np.testing.assert_allclose(reused, fresh, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_non_finite_logits_refused(bad, temp):
+    """Greedy argmax over NaN picked a token silently; sampling raised numpy's ValueError
+    (an HTTP 500 with no explanation): both are one ModelError now."""
+    from kestrel_cli.errors import ModelError
+    x = LOGITS.copy()
+    x[3] = bad
+    with pytest.raises(ModelError, match="non-finite logits"):
+        make_sampler(temp, seed=0)(x)
+
+
+def test_check_logits_names_the_position_and_file():
+    from kestrel_cli.errors import ModelError
+    from kestrel_cli.sampling import check_logits
+    check_logits(LOGITS, 5)
+    x = LOGITS.copy()
+    x[0] = -np.inf                                  # from the model: corrupt too
+    with pytest.raises(ModelError) as e:
+        check_logits(x, 7, "/models/bad.gguf")
+    assert str(e.value).startswith("bad.gguf: the model produced non-finite logits (NaN/Inf) "
+                                   "at position 7")
+
+
+def test_masked_logits_still_sample():
+    """-inf is a grammar's mask, not a fault; every token masked is one clear error."""
+    x = LOGITS.copy()
+    x[1] = -np.inf
+    assert make_sampler(0.0)(x) == 2 and make_sampler(1.0, top_k=1, seed=0)(x) == 2
+    with pytest.raises(KestrelError, match="no token is allowed"):
+        make_sampler(1.0, seed=0)(np.full(5, -np.inf, np.float32))
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    """1e-310 is a finite positive temperature: logits / T overflowed to inf, inf - inf = NaN."""
+    assert make_sampler(1e-310, seed=0)(LOGITS.copy()) == 1
