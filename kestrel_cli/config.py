@@ -80,9 +80,10 @@ class Config:
         self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = list(self.mlp_only_layers or [])
         self.num_experts = self.num_experts or self.num_local_experts
-        if self.head_dim < 2 or self.head_dim % 2:
+        if not 2 <= self.head_dim <= MAX_HEAD_DIM or self.head_dim % 2:
             raise KestrelError(f"head_dim={self.head_dim} (hidden_size / num_attention_heads "
-                               f"unless given) must be an even number >= 2 (RoPE rotates pairs)")
+                               f"unless given) must be an even number in 2..{MAX_HEAD_DIM} "
+                               f"(RoPE rotates pairs)")
         self._refuse_ignored()
 
     def _check_values(self) -> None:
@@ -109,11 +110,12 @@ class Config:
 
         if not isinstance(self.model_type, str):
             bad("model_type", self.model_type, "expected a string")
-        for name in ("hidden_size", "num_attention_heads"):
-            integer(name, getattr(self, name), 1)
+        integer("hidden_size", self.hidden_size, 1)
+        integer("num_attention_heads", self.num_attention_heads, 1, MAX_HEADS)
         integer("num_hidden_layers", self.num_hidden_layers, 1, _MAX_LAYERS)
-        for name in ("num_key_value_heads", "head_dim"):       # 0 and null: the default
-            integer(name, getattr(self, name), 0, optional=True)
+        # 0 and null: the default (num_attention_heads; hidden_size / num_attention_heads)
+        integer("num_key_value_heads", self.num_key_value_heads, 0, MAX_HEADS, optional=True)
+        integer("head_dim", self.head_dim, 0, MAX_HEAD_DIM, optional=True)
         for name in ("intermediate_size", "num_experts", "num_local_experts",
                      "num_experts_per_tok", "moe_intermediate_size"):
             integer(name, getattr(self, name), 0)
@@ -247,6 +249,10 @@ class Config:
 _MAX_SIZE = 1 << 31
 _MAX_LAYERS = 1 << 16
 _MAX_POSITIONS = 1 << 24
+# attention heads and head size: published models have at most 128 heads of 256 (the GGUF
+# reader checks its head counts against the same bounds)
+MAX_HEADS = 1 << 12
+MAX_HEAD_DIM = 1 << 12
 # RoPE's base and scaling numbers: outside this range float32 frequencies overflow to inf or 0
 _ROPE_RANGE = (1e-4, 1e15)
 

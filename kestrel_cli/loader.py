@@ -430,6 +430,22 @@ def _gguf_refuse_ignored(path: Path, arch: str, number, field, raw: dict) -> Non
                                "factor": number(f"{arch}.rope.scaling.factor", kind=float)}
 
 
+def _gguf_check_heads(path: Path, arch: str, n_head: int, n_kv: int, key_len) -> None:
+    """The head counts and size as the GGUF keys give them, before anything divides by them:
+    config.json's 0 = "the default" does not apply (llama.cpp divides by head_count_kv)."""
+    from .config import MAX_HEAD_DIM, MAX_HEADS
+    key = f"{arch}.attention.head_count"
+    if not 1 <= n_head <= MAX_HEADS:
+        raise KestrelError(f"{path.name}: metadata {key}={n_head} is invalid "
+                           f"(num_attention_heads must be in 1..{MAX_HEADS})")
+    if not 1 <= n_kv <= n_head or n_head % n_kv:
+        raise KestrelError(f"{path.name}: metadata {key}_kv={n_kv} is invalid "
+                           f"(num_key_value_heads must be in 1..{n_head} and divide {key}={n_head})")
+    if key_len is not None and not (2 <= key_len <= MAX_HEAD_DIM and key_len % 2 == 0):
+        raise KestrelError(f"{path.name}: metadata {arch}.attention.key_length={key_len} is "
+                           f"invalid (head_dim must be an even number in 2..{MAX_HEAD_DIM})")
+
+
 def _gguf_reader(path: Path):
     """gguf.GGUFReader, with metadata arrays parsed in bulk: the stock reader slices its
     memmap once or twice per array element, ~1 minute for a Qwen vocabulary (152K tokens,
@@ -525,6 +541,7 @@ def _load_gguf(path: Path):
         return v
     n_head = need("attention.head_count")
     n_kv = number(f"{arch}.attention.head_count_kv", n_head)
+    _gguf_check_heads(path, arch, n_head, n_kv, number(f"{arch}.attention.key_length"))
     hidden = need("embedding_length")
     tok_field = reader.fields.get("tokenizer.ggml.tokens")
     raw = {
