@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from .constrained import MAX_JSON_DEPTH, too_deep
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -46,9 +48,10 @@ def parse_tool_call(body: str) -> dict | None:
     if isinstance(args, str):                  # some models write the arguments as a string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
-    if not isinstance(args, dict):
+    # arguments nested past the request limit are not a call (json.dumps would recurse)
+    if not isinstance(args, dict) or too_deep(args, MAX_JSON_DEPTH):
         return None
     return {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 

@@ -223,3 +223,17 @@ def test_cli_template_that_does_not_compile(tmp_path):
     assert "does not compile" in line and "nested too deeply" in line, line
     assert kestrel("run", "-m", str(tmp_path), "--raw", "-p", "hi", "-n", "1", "-t", "1",
                    "--no-timing").returncode == 0
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])
+def test_deep_arguments_in_the_models_answer_are_no_tool_call(depth):
+    """A model answer whose <tool_call> arguments nest past the limit (a JSON string parsed
+    deeper than Python's recursion limit used to raise RecursionError in the reply) is text,
+    not a call; the same call nested within the limit is one."""
+    from kestrel_cli.reasoning import parse_tool_call
+    inner = '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+    for args in (json.dumps(inner), inner if depth < 1000 else json.dumps(inner)):
+        assert parse_tool_call('{"name": "f", "arguments": ' + args + "}") is None
+    ok = '{"a": ' + "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1) + "}"
+    assert parse_tool_call('{"name": "f", "arguments": ' + json.dumps(ok) + "}") == \
+        {"name": "f", "arguments": ok}

@@ -571,3 +571,74 @@ def test_decode_rejects_out_of_range_ids(qwen):
     ours, _ = qwen
     with pytest.raises(KestrelError, match="outside the vocabulary"):
         ours.decode([ours.vocab_size + 5])
+
+
+# -- encode(limit=...): a text far over the limit is refused without tokenising all of it ---------------------------
+
+def _limit_texts() -> list[str]:
+    import random
+    rnd = random.Random(7)
+    words = ["kestrel", "hovers", "über", "数据", "🙂", "12345", "  ", "\n", "<|im_start|>", "a" * 40, "x=1;"]
+    return [
+        " ".join(rnd.choice(words) for _ in range(9000)),                # words, digits, specials, runs
+        "".join(chr(rnd.randint(0x4E00, 0x9FFF)) for _ in range(40000)),  # no whitespace to cut at
+        "".join(chr(rnd.randint(0x20, 0x2FFF)) for _ in range(40000)),   # anything printable
+        "b" * 50000,                                                      # one long run
+        (SAMPLES[0] + "\n") * 2000,
+        " ".join(rnd.choice(["The kestrel hovers over the meadow, watching for voles.",
+                             "Wind turbines hum beside the motorway in the evening light.",
+                             "def count(xs):\n    return sum(1 for x in xs if x)\n"]) for _ in range(3000)),
+    ]
+
+
+@pytest.mark.parametrize("name", ["smollm", "spm.gguf", "qwen2.gguf"])
+def test_encode_limit_never_refuses_a_text_that_fits(name, smol, tiny_ggufs):
+    """Counting in pieces may only refuse a text that is certainly over: at its exact token count every text is
+    accepted with the same ids as without a limit, one token less is refused exactly, and a third of it is refused
+    from the pieces ('at least')."""
+    from kestrel_cli.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
+    tok = smol[0] if name == "smollm" else Tokenizer.from_gguf(gguf.GGUFReader(str(tiny_ggufs / name)))
+    counted = fitted = 0
+    for text in _limit_texts():
+        for special in (False, True):
+            ids = tok.encode(text, add_special_tokens=special)
+            # limits that send the text through the pieces (encode counts in pieces past 2 * limit + a piece)
+            for limit in (len(ids), 4096, 1000):
+                if limit <= len(ids) and len(text) > 2 * limit + COUNT_CHUNK_CHARS:
+                    counted += 1
+                    if limit == len(ids):
+                        fitted += 1
+                        assert tok.encode(text, add_special_tokens=special, limit=limit) == ids
+                    else:
+                        with pytest.raises(TooManyTokens) as e:
+                            tok.encode(text, add_special_tokens=special, limit=limit)
+                        assert limit < e.value.n_tokens <= len(ids)
+            assert tok.encode(text, add_special_tokens=special, limit=len(ids)) == ids
+            with pytest.raises(TooManyTokens) as e:
+                tok.encode(text, add_special_tokens=special, limit=len(ids) - 1)
+            assert e.value.n_tokens == len(ids) and e.value.exact
+    assert counted >= 10 and (fitted >= 2 or name != "smollm")   # tiny vocabularies: ~1 character a token
+
+
+def test_encode_limit_tokenises_only_pieces(smol, monkeypatch):
+    """A 1.3M-character text for a 4096-token limit: the backend sees pieces of at most COUNT_CHUNK_CHARS
+    characters, about a limit's worth in all (it used to tokenise all 3.5M tokens, ~0.8 GB)."""
+    import random
+    from kestrel_cli.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
+    tok = smol[0]
+    backend, seen = tok._backend, []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def encode_batch(self, texts, **kw):
+            seen.extend(len(t) for t in texts)
+            return backend.encode_batch(texts, **kw)
+    monkeypatch.setattr(tok, "_backend", Recorder())
+    rnd = random.Random(3)
+    text = "".join(chr(rnd.randint(0x4E00, 0x9FFF)) for _ in range(1_300_000))
+    with pytest.raises(TooManyTokens) as e:
+        tok.encode(text, limit=4096)
+    assert "at least" in str(e.value) and "4096" in str(e.value)
+    assert max(seen) <= COUNT_CHUNK_CHARS and sum(seen) <= 2 * COUNT_CHUNK_CHARS, seen

@@ -787,6 +787,9 @@ def serve(engines: list[Engine], host: str = "127.0.0.1", port: int = 8080,
     log.info(f"limits: {limits.max_connections} connections, headers {limits.header_timeout:g} s,"
              f" body {limits.body_timeout:g} s, keep-alive {limits.keep_alive:g} s, request "
              f"{limits.request_timeout:g} s, shutdown drain {limits.shutdown_timeout:g} s")
+    budget = app.state.budget
+    log.info(f"memory for requests in preparation: memory budget {budget.total >> 20} MiB, "
+             f"{budget.per_request >> 20} MiB a request")
     warning = exposure_warning(host, api_key)
     if warning:
         log.warning(warning)

@@ -10,7 +10,7 @@ import time
 from typing import AsyncIterator
 
 from ..engine import Engine
-from ..errors import KestrelError
+from ..errors import KestrelError, ModelError
 from ..generate import Chunk
 from .models import APIError
 
@@ -251,6 +251,9 @@ class Scheduler:
                 if chunk.finish_reason is None and job.expired():
                     job.post(job.timeout_error())
                     break
+        except ModelError as e:           # the model file is at fault (NaN logits): not the client
+            log.error(f"model error: {e}")
+            job.post(APIError(str(e), 500, code="model_error"))
         except KestrelError as e:
             job.post(APIError(str(e), 400))
         except Exception as e:            # never let a request kill the worker
