@@ -338,6 +338,9 @@ def add_tokenizer_from_dir(w, path: Path, vocab_size: int) -> None:
     """Write a checkpoint directory's byte-level BPE tokenizer into GGUF writer `w`."""
     import gguf
     from tokenizers import Tokenizer as _Tok
+
+    from .loader import confine_model_files
+    confine_model_files(path)                    # no file read through a link out of `path`
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise KestrelError(f"{tok_file}: not found (a Hugging Face tokenizer.json is required)")

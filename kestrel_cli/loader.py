@@ -217,23 +217,58 @@ def _inside(target: Path, root: Path) -> bool:
     return target == root or root in target.parents
 
 
-def _shard_path(root: Path, name, source: Path) -> Path:
-    """`root/name` for a shard named in `source` (the index, or the directory listing).
-
-    A shard is a plain file name in the checkpoint directory: no separators, no "..", not
-    absolute, and not a symlink that leaves the directory, except into the blobs of a Hugging
-    Face cache snapshot (`models--org--name/snapshots/<rev>/x.safetensors -> ../../blobs/<hash>`).
-    """
-    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
-            or "\0" in name or Path(name).is_absolute()):
-        raise KestrelError(f"{source}: shard {name!r} is not a plain file name in {root}")
-    f = root / name
+def _leaves(root: Path, f: Path) -> bool:
+    """Whether existing path `f` under checkpoint directory `root` is (or goes through) a
+    symlink out of it, except into the blobs of a Hugging Face cache snapshot
+    (`models--org--name/snapshots/<rev>/config.json -> ../../blobs/<hash>`)."""
     real_root = root.resolve()
     allowed = [real_root]
     if real_root.parent.name == "snapshots":
         allowed.append(real_root.parent.parent / "blobs")
-    if f.exists() and not any(_inside(f.resolve(), a) for a in allowed):
-        raise KestrelError(f"{source}: shard {name!r} is a link to a file outside {root}")
+    return f.exists() and not any(_inside(f.resolve(), a) for a in allowed)
+
+
+def model_file(root: Path, name: str) -> Path:
+    """`root/name`, a file of checkpoint directory `root` that Kestrel reads, or one
+    KestrelError when it is a link that leaves the directory (as shards: a planted link
+    must not make the loader read, and echo parts of, a file elsewhere)."""
+    f = Path(root) / name
+    if _leaves(Path(root), f):
+        raise KestrelError(f"{f}: a link to a file outside {root} (refused: only the "
+                           f"directory's own files are read)")
+    return f
+
+
+# every file of a checkpoint directory that the loader, the tokenizer (tokenizer.py), the
+# image preprocessor (images.py) or the GGUF writer (gguf.SpecialVocab) reads: checked at load
+MODEL_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json",
+               "tokenizer_config.json", "generation_config.json", "preprocessor_config.json",
+               "chat_template.jinja", "chat_template.json", "special_tokens_map.json",
+               "merges.txt", "additional_chat_templates")
+
+
+def confine_model_files(root: Path) -> None:
+    """Refuse a checkpoint directory whose own files (MODEL_FILES, and each template in
+    additional_chat_templates/) link out of it, before any of them is read."""
+    for name in MODEL_FILES:
+        f = model_file(root, name)
+        if name == "additional_chat_templates" and f.is_dir():
+            for t in sorted(f.glob("*.jinja")):
+                model_file(root, t.relative_to(root))
+
+
+def _shard_path(root: Path, name, source: Path) -> Path:
+    """`root/name` for a shard named in `source` (the index, or the directory listing).
+
+    A shard is a plain file name in the checkpoint directory: no separators, no "..", not
+    absolute, and not a symlink that leaves the directory (`_leaves`).
+    """
+    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
+            or "\0" in name or Path(name).is_absolute()):
+        raise KestrelError(f"{source}: shard {_short(name)} is not a plain file name in {root}")
+    f = root / name
+    if _leaves(root, f):
+        raise KestrelError(f"{source}: shard {_short(name)} is a link to a file outside {root}")
     return f
 
 
@@ -241,8 +276,11 @@ _MAX_JSON = 64 << 20             # config.json and the shard index: a few KB / M
 
 
 def read_json_object(path: Path, limit: int = _MAX_JSON) -> dict:
-    """The JSON object in `path`, or one KestrelError naming it (too large, not UTF-8,
-    not JSON, nested too deeply, not an object)."""
+    """The JSON object in `path`, a file of a checkpoint directory (config.json, the index,
+    preprocessor_config.json: refused when a link out of its folder, `model_file`), or one
+    KestrelError naming it (too large, not UTF-8, not JSON, nested too deeply, not an object)."""
+    path = Path(path)
+    model_file(path.parent, path.name)
     try:
         size = path.stat().st_size
         if size > limit:
@@ -261,6 +299,7 @@ def read_json_object(path: Path, limit: int = _MAX_JSON) -> dict:
 
 
 def _load_hf_dir(path: Path):
+    confine_model_files(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise KestrelError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
