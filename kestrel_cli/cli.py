@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import sys
 import typing
 from dataclasses import dataclass
@@ -37,6 +38,23 @@ _cx = sys.modules[typer.BadParameter.__module__]
 _NoArgsIsHelp = getattr(_cx, "NoArgsIsHelpError", ())
 
 SPINNER_BYTES = 200 << 20         # show a spinner while loading weights larger than this
+
+# What the CLI reads is bounded: a file or stdin past its cap is refused with one line, and
+# is read in pieces so that /dev/zero, a FIFO or a huge file never costs more than the cap.
+MiB = 1 << 20
+READ_PIECE = 1 * MiB
+PROMPT_BYTES = 32 * MiB           # -f FILE, -p - / -f -: the server's request body cap
+PPL_BYTES = 16 * MiB              # ppl -f: tokenising costs ~170 bytes a byte of text at
+                                  # its peak (8 MiB: 1.4 GiB); wikitext-2's train split fits
+SCHEMA_BYTES = 1 * MiB            # --json-schema (the server takes 64 KiB of schema)
+CHAT_LINE_BYTES = PROMPT_BYTES    # one chat line read from a pipe or file
+# Threads: OpenMP starts -t threads per engine; past a few per core they only contend, and
+# enough of them fail to start (libgomp: "Thread creation failed", or a segfault)
+THREADS_PER_CORE = 4
+THREADS_FLOOR = 64                # allowed on any machine
+THREADS_MAX = 512                 # never more (ggml's GGML_MAX_N_THREADS)
+MAX_PARALLEL = 64                 # serve --parallel: each slot a thread, a KV cache, -t threads
+MAX_CTX = 1 << 24                 # -c: far past any model's context (numpy's arrays fail first)
 
 _MODEL, _SAMPLING, _OUTPUT, _PROMPT = "Model", "Sampling", "Output", "Prompt"
 
@@ -70,11 +88,13 @@ class EngineOptions:
         "-m", "--model", help="Checkpoint directory or .gguf file.",
         show_default="bundled SmolLM2-135M-Instruct", rich_help_panel=_MODEL)] = None
     ctx_size: Annotated[Optional[int], typer.Option(
-        "-c", "--ctx-size", help="Context size in tokens.",
+        "-c", "--ctx-size", help=f"Context size in tokens (at most {MAX_CTX}; its KV cache "
+        "must fit the machine's memory).",
         show_default=f"the model's, at most {DEFAULT_CTX_CAP}", rich_help_panel=_MODEL)] = None
     threads: Annotated[Optional[int], typer.Option(
-        "-t", "--threads", help="CPU threads.", show_default="all available cores",
-        rich_help_panel=_MODEL)] = None
+        "-t", "--threads", help=f"CPU threads: at most {THREADS_PER_CORE} per core, "
+        f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}.",
+        show_default="all available cores", rich_help_panel=_MODEL)] = None
     quant: Annotated[Quant, typer.Option(
         "--quant", help="Quantise the weights at load.", rich_help_panel=_MODEL)] = Quant.none
     kv_q8: Annotated[bool, typer.Option(
@@ -170,8 +190,12 @@ class EngineOptions:
                            sparse_dense_layers=self.sparse_dense_layers)
 
     def check(self) -> None:
-        """Fail fast, before any file is read (the Engine's own validation)."""
+        """Fail fast, before any file is read (the Engine's own validation, then the
+        bounds of what this machine can start)."""
         self.load_options().validate()
+        if self.ctx_size is not None and self.ctx_size > MAX_CTX:
+            raise KestrelError(f"-c/--ctx-size must be at most {MAX_CTX}, got {self.ctx_size}")
+        check_threads(self.threads)
 
 
 @dataclass
@@ -294,16 +318,78 @@ def _model_bytes(path: Path | None) -> int:
         return 0                  # from_pretrained reports it properly
 
 
-def engine_from_options(opts: EngineOptions, spinner: bool = True) -> Engine:
-    """Build the Engine the flags describe (a spinner on stderr for big models)."""
+def thread_cap() -> int:
+    """The most threads one command may start: THREADS_PER_CORE per core, at least
+    THREADS_FLOOR, at most THREADS_MAX."""
+    cores = os.cpu_count() or 1
+    return min(THREADS_MAX, max(THREADS_FLOOR, THREADS_PER_CORE * cores))
+
+
+def _thread_rule() -> str:
+    return (f"{THREADS_PER_CORE} per core, at least {THREADS_FLOOR}, at most {THREADS_MAX}")
+
+
+def check_threads(threads: int | None) -> None:
+    """-t within thread_cap() (below 1 is LoadOptions.validate's)."""
+    if threads is not None and threads > thread_cap():
+        raise KestrelError(f"-t/--threads must be at most {thread_cap()} ({_thread_rule()}), "
+                           f"got {threads}")
+
+
+def _physical_memory() -> int | None:
+    """This machine's RAM in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def kv_cache_bytes(eng: Engine, tokens: int) -> int:
+    """Bytes one KV cache of `eng`'s spec holds once `tokens` tokens fill it: K and V blocks
+    of every layer, the per-token importance, and the sparse probes' per-block bounds or
+    sketches. The cache takes its memory as it fills (kv_cache.BlockPool), so this is its
+    size at full context, not at start."""
+    from .kv_cache import KV_BLOCK
+    c = eng.cache
+    blocks = -(-tokens // KV_BLOCK)
+    n = 2 * c.n_layers * blocks * c.block_bytes + 4 * c.n_layers * tokens
+    for a in (c.bounds, c.bound_scales):       # sized by the cache's own blocks
+        if a is not None:
+            n += a.nbytes // max(1, c.k_ptrs.shape[1]) * blocks
+    return n
+
+
+def check_kv_memory(eng: Engine, tokens: int, slots: int = 1, hint: str = "") -> None:
+    """Refuse up front when `slots` KV caches of `tokens` tokens and the weights cannot fit
+    this machine's RAM once full (they would fail mid-answer, or wake the OOM killer)."""
+    ram = _physical_memory()
+    if not ram:
+        return
+    kv = slots * kv_cache_bytes(eng, tokens)
+    weights = int(getattr(eng.store, "nbytes", 0) or 0)
+    if kv + weights > ram:
+        what = (f"{slots} KV caches of {tokens} tokens need" if slots > 1 else
+                f"a KV cache of {tokens} tokens needs")
+        raise KestrelError(f"{what} {_human_bytes(kv)} when full (besides {_human_bytes(weights)}"
+                           f" of weights), more than this machine's {_human_bytes(ram)} of "
+                           f"memory (lower {hint or '-c/--ctx-size'}, or use --kv-q8)")
+
+
+def engine_from_options(opts: EngineOptions, spinner: bool = True, slots: int = 1) -> Engine:
+    """Build the Engine the flags describe (a spinner on stderr for big models), refused
+    when `slots` KV caches of its context cannot fit the memory (check_kv_memory)."""
     load = opts.load_options()                  # Engine.load validates it
     size = _model_bytes(opts.model)
     if spinner and size > SPINNER_BYTES and sys.stderr.isatty():
         from rich.console import Console
         name = "bundled model" if opts.model is None else Path(opts.model).name
         with Console(stderr=True).status(f"loading {name} ({size / 2**20:.0f} MiB)"):
-            return Engine.load(opts.model, load)
-    return Engine.load(opts.model, load)
+            eng = Engine.load(opts.model, load)
+    else:
+        eng = Engine.load(opts.model, load)
+    check_kv_memory(eng, eng.ctx_size, slots,
+                    "--parallel or -c/--ctx-size" if slots > 1 else "-c/--ctx-size")
+    return eng
 
 
 # ---------------------------------------------------------------------------- the app
@@ -346,24 +432,46 @@ app = typer.Typer(cls=_Group, name="kestrel", no_args_is_help=True, add_completi
                   help="Kestrel: CPU LLM inference (Llama, Qwen2/2.5, Qwen3 family).")
 
 
-def read_prompt(prompt: str | None, file: Path | None) -> str:
-    """The prompt text from -p TEXT, -f FILE, or stdin (-p - / -f -)."""
+def read_bounded(f, cap: int, what: str) -> bytearray:
+    """All of the binary file object `f`, read in pieces of at most READ_PIECE bytes;
+    KestrelError "WHAT is larger than N MiB" once it passes `cap` bytes (so /dev/zero, a
+    FIFO that never closes or a huge file hold at most cap + 1 bytes)."""
+    buf = bytearray()
+    while True:
+        piece = f.read(min(READ_PIECE, cap + 1 - len(buf)))
+        if not piece:
+            return buf
+        buf += piece
+        if len(buf) > cap:
+            raise KestrelError(f"{what} is larger than {cap // MiB} MiB")
+
+
+def read_file_bounded(path, cap: int, what: str) -> bytearray:
+    """read_bounded of the file at `path` (OSError as from open())."""
+    with open(path, "rb") as f:
+        return read_bounded(f, cap, what)
+
+
+def read_prompt(prompt: str | None, file: Path | None, cap: int = PROMPT_BYTES,
+                what: str = "prompt") -> str:
+    """The prompt text from -p TEXT, -f FILE, or stdin (-p - / -f -); a file or stdin of
+    more than `cap` bytes is refused (`what` names the text in the messages)."""
     if prompt is not None and file is not None:
         raise KestrelError("give the prompt with -p or -f, not both")
     if prompt is None and file is None:
         raise KestrelError("no prompt: give -p TEXT, -f FILE, or -p - to read stdin")
     if prompt == "-" or (file is not None and str(file) == "-"):
         try:
-            text = sys.stdin.buffer.read().decode("utf-8")
+            text = read_bounded(sys.stdin.buffer, cap, f"the {what} on stdin").decode("utf-8")
         except UnicodeDecodeError as e:
-            raise KestrelError(f"the prompt on stdin is not UTF-8 text (byte {e.start})") from None
+            raise KestrelError(f"the {what} on stdin is not UTF-8 text (byte {e.start})") from None
     elif file is not None:
         try:
-            text = Path(file).read_text(encoding="utf-8")
+            text = read_file_bounded(file, cap, f"{what} file {file}").decode("utf-8")
         except OSError as e:
-            raise KestrelError(f"cannot read prompt file {file}: {e.strerror or e}") from None
+            raise KestrelError(f"cannot read {what} file {file}: {e.strerror or e}") from None
         except UnicodeDecodeError:
-            raise KestrelError(f"prompt file {file} is not UTF-8 text") from None
+            raise KestrelError(f"{what} file {file} is not UTF-8 text") from None
     else:
         text = prompt
         try:
@@ -381,9 +489,11 @@ def read_prompt(prompt: str | None, file: Path | None) -> str:
 @with_options
 def run(
     prompt: Annotated[Optional[str], typer.Option(
-        "-p", "--prompt", help="Prompt text; '-' reads stdin.", rich_help_panel=_PROMPT)] = None,
+        "-p", "--prompt", help=f"Prompt text; '-' reads stdin (at most {PROMPT_BYTES // MiB} "
+        "MiB).", rich_help_panel=_PROMPT)] = None,
     file: Annotated[Optional[Path], typer.Option(
-        "-f", "--file", help="Read the prompt from a file.", rich_help_panel=_PROMPT)] = None,
+        "-f", "--file", help=f"Read the prompt from a file (at most {PROMPT_BYTES // MiB} MiB).",
+        rich_help_panel=_PROMPT)] = None,
     system: Annotated[Optional[str], typer.Option(
         "-s", "--system", help="System message (chat template).", rich_help_panel=_PROMPT)] = None,
     raw: Annotated[bool, typer.Option(
@@ -394,7 +504,8 @@ def run(
         "for several (Qwen3-VL).", rich_help_panel=_PROMPT)] = None,
     json_schema: Annotated[Optional[Path], typer.Option(
         "--json-schema", help="A JSON schema file: the answer is JSON matching it, enforced "
-        "while sampling (llguidance); '{}' in the file = any JSON object.",
+        f"while sampling (llguidance); '{{}}' in the file = any JSON object. At most "
+        f"{SCHEMA_BYTES // MiB} MiB.",
         rich_help_panel=_OUTPUT)] = None,
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
@@ -418,12 +529,17 @@ def run(
     if json_schema is not None:
         import json
         try:
-            schema = json.loads(Path(json_schema).read_text(encoding="utf-8"))
+            schema = json.loads(read_file_bounded(json_schema, SCHEMA_BYTES,
+                                                  f"--json-schema {json_schema}")
+                                .decode("utf-8"))
         except OSError as e:
             raise KestrelError(f"cannot read --json-schema {json_schema}: "
                                f"{e.strerror or e}") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise KestrelError(f"--json-schema {json_schema} is not JSON: {e}") from None
+        except RecursionError:         # json's decoder recurses once per nesting level
+            raise KestrelError(f"--json-schema {json_schema} is not JSON: nested too deeply "
+                               f"(past Python's recursion limit)") from None
         if not isinstance(schema, dict):
             raise KestrelError(f"--json-schema {json_schema}: a schema is a JSON object")
         schema = schema or {"type": "object"}
@@ -431,6 +547,11 @@ def run(
             thinking.think = False            # the answer is JSON from its first token
     text = read_prompt(prompt, file)
     eng = engine_from_options(engine)
+    # a prompt longer than this cannot fit the context: refused before it is tokenised
+    n_chars = len(text) + len(system or "")
+    if n_chars > eng.tokenizer.max_text_chars(eng.ctx_size):
+        raise KestrelError(f"the prompt has {n_chars} characters, more than a context of "
+                           f"{eng.ctx_size} tokens can hold (raise -c/--ctx-size)")
     if raw:
         request = text
     else:
@@ -479,7 +600,45 @@ def chat(
     eng = engine_from_options(engine)
     session = ChatSession(eng, system=system, sampling=sampling.stream_kwargs(eng),
                           timing=TimingPrinter(output.timing), thinking=thinking)
-    repl(session)
+    repl(session, read=chat_reader(session))
+
+
+def chat_reader(session) -> typing.Callable[[str], str]:
+    """`kestrel chat`'s line reader for chat.repl. On a terminal input() (line editing;
+    the terminal bounds a line). From a pipe or file a line is read with a bound: one of
+    more than CHAT_LINE_BYTES (/dev/zero has no newline) ends the chat with an error. A
+    message not UTF-8, or longer than the context can hold, is refused before it is
+    tokenised, and the next line is read."""
+    eng = session.engine
+    max_chars = eng.tokenizer.max_text_chars(eng.ctx_size)
+
+    def read(prompt: str) -> str:
+        while True:
+            if sys.stdin.isatty():
+                line = input(prompt)
+            else:
+                sys.stdout.write(prompt)
+                sys.stdout.flush()
+                raw = sys.stdin.buffer.readline(CHAT_LINE_BYTES + 1)
+                if not raw:
+                    raise EOFError
+                if len(raw) > CHAT_LINE_BYTES and not raw.endswith(b"\n"):
+                    raise KestrelError(f"a chat line on stdin is larger than "
+                                       f"{CHAT_LINE_BYTES // MiB} MiB")
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    session.say(f"[error: the message is not UTF-8 text (byte {e.start})]\n")
+                    continue
+            n_chars = len(line.strip())
+            if n_chars > max_chars:
+                session.say(f"[error: the message has {n_chars} characters, more "
+                            f"than a context of {eng.ctx_size} tokens can hold (start the "
+                            f"chat with a larger -c/--ctx-size)]\n")
+                continue
+            return line
+
+    return read
 
 
 @app.command()
@@ -495,7 +654,8 @@ def serve(
         rich_help_panel="Server")] = None,
     parallel: Annotated[int, typer.Option(
         "--parallel", help="Requests generated at once: N engines sharing the weights, each "
-        "with its own KV cache and -t threads (default -t: the cores split N ways).",
+        f"with its own KV cache and -t threads (default -t: the cores split N ways); at "
+        f"most {MAX_PARALLEL}, and N KV caches of the context must fit the memory.",
         rich_help_panel="Server")] = 1,
     queue_size: Annotated[int, typer.Option(
         "--queue-size", help="Requests that may wait for a free engine; more get 503.",
@@ -529,6 +689,12 @@ def serve(
         raise KestrelError(f"--port must be in 0..65535, got {port}")
     if parallel < 1:
         raise KestrelError(f"--parallel must be >= 1, got {parallel}")
+    if parallel > MAX_PARALLEL:     # a thread and a KV cache each: past this, --queue-size
+        raise KestrelError(f"--parallel must be at most {MAX_PARALLEL}, got {parallel}")
+    if engine.threads is not None and parallel * engine.threads > thread_cap():
+        raise KestrelError(f"--parallel {parallel} x -t {engine.threads} = "
+                           f"{parallel * engine.threads} threads, more than the {thread_cap()} "
+                           f"this machine allows ({_thread_rule()})")
     if queue_size < 0:
         raise KestrelError(f"--queue-size must be >= 0, got {queue_size}")
     if max_connections < 1:
@@ -547,7 +713,7 @@ def serve(
                            max_connections=max_connections, shutdown_timeout=shutdown_timeout)
     # each of the `parallel` engines runs -t threads; by default they split the cores
     eng = engine_from_options(dataclasses.replace(
-        engine, threads=engine.threads or default_threads(share=parallel)))
+        engine, threads=engine.threads or default_threads(share=parallel)), slots=parallel)
     server.serve([eng] + [eng.fork() for _ in range(parallel - 1)], host=host, port=port,
                  api_key=api_key, queue_size=queue_size, limits=limits)
 
@@ -625,8 +791,8 @@ def info(
 @with_options
 def ppl(
     file: Annotated[Path, typer.Option(
-        "-f", "--file", help="UTF-8 text to score ('-' reads stdin).",
-        rich_help_panel=_PROMPT)],
+        "-f", "--file", help=f"UTF-8 text to score ('-' reads stdin), at most "
+        f"{PPL_BYTES // MiB} MiB.", rich_help_panel=_PROMPT)],
     kld_ref: Annotated[bool, typer.Option(
         "--kld-ref", help="Also the mean KL divergence of the next-token distributions "
         "from the exact path (float32 exact attention, float32 activations) over the same "
@@ -643,7 +809,7 @@ def ppl(
     key=value."""
     from .ppl import perplexity
     engine.check()
-    text = read_prompt(None, file)
+    text = read_prompt(None, file, cap=PPL_BYTES, what="text")
     eng = engine_from_options(engine)
     ids = eng.tokenizer.encode(text, add_special_tokens=True)
     res = perplexity(eng, ids, eng.ctx_size, kld_ref=kld_ref, llama_cpp=llama_cpp)
@@ -679,7 +845,14 @@ def bench(
         raise KestrelError(f"-d/--depth: expected comma-separated integers, got {depth!r}")
     if output not in ("md", "json"):
         raise KestrelError(f"-o/--output must be md or json, got {output!r}")
+    # bench fills a cache of its own: the deepest test's tokens, bounded as -c is
+    need = max(depths or [0]) + max(n_prompt, n_gen) + 1
+    if need > MAX_CTX:
+        raise KestrelError(f"bench: -d + max(-p, -n) must be at most {MAX_CTX} tokens, "
+                           f"got {need - 1}")
     eng = engine_from_options(engine)
+    if min(depths or [0]) >= 0 and min(n_prompt, n_gen) >= 0:     # else run_bench says so
+        check_kv_memory(eng, need, hint="-d, -p or -n")
     report = run_bench(eng, n_prompt, n_gen, depths or [0], repetitions,
                        quant=Quant(engine.quant).value,
                        progress=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True))
@@ -701,12 +874,14 @@ def quantize(
         "--pure", help="Every matrix in the type's own quantisation, output and token "
         "embeddings included (llama-quantize --pure).")] = False,
     threads: Annotated[Optional[int], typer.Option(
-        "-t", "--threads", help="Threads quantising.",
+        "-t", "--threads", help=f"Threads quantising: at most {THREADS_PER_CORE} per core, "
+        f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}.",
         show_default="all available cores")] = None,
 ):
     """Write a checkpoint as a GGUF file (llama.cpp's layout), tensor by tensor in
     bounded memory; OUT appears only once complete (OUT.part while writing)."""
     from .gguf_export import quantize_checkpoint
+    check_threads(threads)
     try:
         quantize_checkpoint(src, out, GGUFType(type_).value, pure=pure,
                             progress=sys.stderr.isatty(),
