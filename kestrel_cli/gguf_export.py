@@ -30,11 +30,14 @@ written to OUT.part and renamed at the end; a failed or interrupted run removes 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import re
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -452,11 +455,13 @@ def write_gguf(path: Path, cfg: Config, plan: list[PlanTensor], rows: RowSource,
     then each tensor's data, quantised a chunk of rows at a time. `rows(name, shape, order)`
     yields a checkpoint tensor's float32 rows in chunks (`order`: the rows' order, or None).
     With threads > 1 up to 2*threads chunks are quantised at once (NumPy releases the GIL),
-    written in order. Returns the bytes of tensor data written."""
+    written in order. `path`: a file name, or a binary file open for writing (closed at
+    the end); the file is fsynced once complete. Returns the bytes of tensor data written."""
     import collections
     import gguf
     from concurrent.futures import ThreadPoolExecutor
-    w = gguf.GGUFWriter(path, gguf_arch(cfg))
+    given = None if isinstance(path, (str, os.PathLike)) else path   # an open file
+    w = gguf.GGUFWriter(path if given is None else None, gguf_arch(cfg))
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
     try:
         add_metadata(w)
@@ -464,6 +469,8 @@ def write_gguf(path: Path, cfg: Config, plan: list[PlanTensor], rows: RowSource,
             raw = gguf.GGMLQuantizationType[t.qtype]
             t.nbytes = type_nbytes(t.qtype, t.shape)
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=raw)
+        if given is not None:     # the caller's file, as the writer's own open() would set it
+            w.fout, w.state = [given], gguf.gguf_writer.WriterState.EMPTY   # (it follows links)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -494,6 +501,8 @@ def write_gguf(path: Path, cfg: Config, plan: list[PlanTensor], rows: RowSource,
                                    f"{t.nbytes}")
             total += t.nbytes
         w.write_padding(f, f.tell())
+        f.flush()
+        os.fsync(f.fileno())              # on disk before the caller gives it its name
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -597,6 +606,56 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _create_part(part: Path, out: Path):
+    """OUT.part, new and empty, open for writing. A stale one (a killed run's) or a planted
+    link is removed first (a link itself, never the file it names); O_EXCL | O_NOFOLLOW:
+    the file is created here, never opened through a link planted meanwhile."""
+    try:
+        if part.is_symlink() or part.is_file():
+            part.unlink()
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except FileExistsError:
+        raise KestrelError(f"{part} exists and is not a file (or another kestrel quantize is "
+                           f"writing {out}); remove it first") from None
+    except OSError as e:
+        raise KestrelError(f"{part}: cannot create ({e.strerror or e})") from None
+    return os.fdopen(fd, "wb")
+
+
+def _same_file(path: Path, st: os.stat_result) -> bool:
+    """Whether `path` (not followed if a link) is still the file `st` was taken of."""
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+
+
+class _Terminated(KestrelError):
+    pass
+
+
+@contextlib.contextmanager
+def _sigterm_raises(out: Path):
+    """SIGTERM (`kill`, a service manager) ends the write as Ctrl-C does: an exception at
+    the current Python line, so OUT.part is removed and the CLI prints one line; a second
+    SIGTERM meanwhile is ignored (the cleanup is short). Main thread only (Python runs
+    signal handlers there); the previous handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise _Terminated(f"terminated (SIGTERM): {out} not written")
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool = False,
                         log: Callable[[str], None] | None = None,
                         threads: int | None = None) -> dict:
@@ -634,16 +693,24 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
 
     part = out.with_name(out.name + ".part")
     update, bar = _progress_bar(plan, progress)
-    try:
-        with bar:
-            total = write_gguf(part, cfg, plan, _store_rows(store, chunk_values(threads)),
-                               metadata, update, threads)
-        _fsync(part)                      # on disk before it takes OUT's name: a crash or
-        os.replace(part, out)             # power cut leaves the old OUT or the whole new one
-        _fsync(out.parent)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
+    with _sigterm_raises(out):
+        f = made = None
+        try:
+            f = _create_part(part, out)
+            made = os.fstat(f.fileno())
+            with bar:
+                total = write_gguf(f, cfg, plan, _store_rows(store, chunk_values(threads)),
+                                   metadata, update, threads)
+            if not _same_file(part, made):
+                raise KestrelError(f"{part} was replaced while being written; {out} not written")
+            os.replace(part, out)         # fsynced first: a crash or power cut leaves the
+            _fsync(out.parent)            # old OUT or the whole new one
+        except BaseException:
+            if f is not None:
+                f.close()
+            if made is not None and _same_file(part, made):   # ours only, never a swapped-in one
+                part.unlink(missing_ok=True)
+            raise
     types: dict[str, int] = {}
     for t in plan:
         types[t.qtype] = types.get(t.qtype, 0) + 1
