@@ -74,10 +74,11 @@ class TensorStore:
             raise KestrelError(f"missing tensor {name!r} in the checkpoint")
         fmt, raw, actual, source = self.entries[name]
         if fmt.startswith("unsupported:"):
-            raise KestrelError(f"tensor {name!r} in {source} has dtype {fmt.split(':')[1]}; "
+            raise KestrelError(f"tensor {_short(name)} in {source} has dtype "
+                               f"{_short(fmt.split(':', 1)[1])}; "
                                f"supported: F32, F16, BF16")
         if shape is not None and tuple(shape) != actual:
-            raise KestrelError(f"tensor {name!r} in {source} has shape {list(actual)}, "
+            raise KestrelError(f"tensor {_short(name)} in {source} has shape {_dims(actual)}, "
                                f"expected {list(shape)}")
         return fmt, raw, actual
 
@@ -127,6 +128,7 @@ class TensorStore:
 # ---------------------------------------------------------------- safetensors
 
 _MAX_HEADER = 100 << 20          # a cap on the JSON header (the safetensors library: 100 MB)
+_MAX_ST_DIMS = 64                # numpy's limit on an array's dimensions
 
 
 def _read_header(path: Path, size: int) -> tuple[dict, int]:
@@ -145,8 +147,8 @@ def _read_header(path: Path, size: int) -> tuple[dict, int]:
             if n > size - 8 or n > _MAX_HEADER:   # a foreign file: its first bytes mean nothing
                 raise bad("the header length in its first 8 bytes is past the end of the file")
             header = json.loads(f.read(n).decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"corrupt JSON header: {e}") from None
+    except ValueError as e:         # JSON, UTF-8, or an integer of over 4300 digits
+        raise bad(f"corrupt JSON header: {_cut(e)}") from None
     except RecursionError:
         raise bad("corrupt JSON header: nested too deeply") from None
     except OSError as e:
@@ -165,10 +167,15 @@ def _tensor_entry(path: Path, name: str, info, data_size: int) -> tuple[str, lis
     except (KeyError, TypeError, ValueError):
         ok = False
     if not ok:
-        raise KestrelError(f"{path.name}: corrupt safetensors header entry for tensor {name!r}")
+        raise KestrelError(f"{path.name}: corrupt safetensors header entry for tensor "
+                           f"{_short(name)}")
+    if len(shape) > _MAX_ST_DIMS:
+        raise KestrelError(f"{path.name}: tensor {_short(name)} has {len(shape)} dimensions "
+                           f"(at most {_MAX_ST_DIMS})")
     if e > data_size or b > e:
-        raise KestrelError(f"{path.name}: tensor {name!r} points past the end of the file "
-                           f"(bytes {b}..{e} of {data_size}); the file is truncated or corrupt")
+        raise KestrelError(f"{path.name}: tensor {_short(name)} points past the end of the file "
+                           f"(bytes {_cut(b, 24)}..{_cut(e, 24)} of {data_size}); the file is "
+                           f"truncated or corrupt")
     return dtype, shape, b, e
 
 
@@ -191,8 +198,9 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
         np_dtype, fmt = _ST_DTYPES[dtype]
         count = math.prod(shape)
         if (e - b) != count * np.dtype(np_dtype).itemsize:
-            raise KestrelError(f"{path.name}: tensor {name!r} has {e - b} bytes, its shape "
-                               f"{shape} and dtype {dtype} need {count * np.dtype(np_dtype).itemsize}")
+            raise KestrelError(f"{path.name}: tensor {_short(name)} has {e - b} bytes, its "
+                               f"shape {_dims(shape)} and dtype {dtype} need "
+                               f"{_cut(count * np.dtype(np_dtype).itemsize, 24)}")
         arr = mm[b:e]
         if arr.ctypes.data % np.dtype(np_dtype).itemsize:
             arr = arr.copy()            # an unaligned tensor (rare writers): the kernels need alignment
@@ -207,8 +215,8 @@ def _refuse_overlaps(path: Path, extents: list[tuple[int, int, str]]) -> None:
     end, last = 0, None
     for b, e, name in sorted(extents):
         if b < end and e > b:
-            raise KestrelError(f"{path.name}: tensor {name!r} (bytes {b}..{e}) overlaps tensor "
-                               f"{last!r} (to byte {end}); the header is corrupt")
+            raise KestrelError(f"{path.name}: tensor {_short(name)} (bytes {b}..{e}) overlaps "
+                               f"tensor {_short(last)} (to byte {end}); the header is corrupt")
         if e > end:
             end, last = e, name
 
@@ -287,8 +295,8 @@ def read_json_object(path: Path, limit: int = _MAX_JSON) -> dict:
             raise KestrelError(f"{path}: {size} bytes, more than the {limit >> 20} MiB a "
                                f"{path.name} may have")
         raw = json.loads(path.read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KestrelError(f"{path}: not valid JSON ({e})") from None
+    except ValueError as e:         # JSON, UTF-8, or an integer of over 4300 digits
+        raise KestrelError(f"{path}: not valid JSON ({_cut(e)})") from None
     except RecursionError:
         raise KestrelError(f"{path}: not valid JSON (nested too deeply)") from None
     except OSError as e:
@@ -332,7 +340,7 @@ def shard_files(path: Path) -> list[Path]:
     files = sorted(_shard_path(path, name, source) for name in names)
     for f in files:
         if not f.is_file():
-            raise KestrelError(f"{index}: shard {f.name!r} named in the index is missing")
+            raise KestrelError(f"{index}: shard {_short(f.name)} named in the index is missing")
     return files
 
 
@@ -569,7 +577,7 @@ def _load_gguf(path: Path):
 
     arch = field("general.architecture")
     if not isinstance(arch, str) or arch not in _GGUF_ARCH:
-        raise KestrelError(f"{path.name}: unsupported GGUF architecture {arch!r} "
+        raise KestrelError(f"{path.name}: unsupported GGUF architecture {_short(arch)} "
                            f"(supported: {', '.join(_GGUF_ARCH)})")
     moe = arch in _GGUF_MOE
 
@@ -616,11 +624,13 @@ def _load_gguf(path: Path):
         name = _hf_name(t.name)
         if name is None:
             why = " (Llama 3.1 RoPE frequency factors)" if t.name == "rope_freqs.weight" else ""
-            raise KestrelError(f"{path.name}: tensor {t.name}{why} is not supported: the model "
+            raise KestrelError(f"{path.name}: tensor {printable(t.name)}{why} is not supported: "
+                               f"the model "
                                f"would run without it")
         tname = t.tensor_type.name
         if tname not in qtypes:
-            raise KestrelError(f"{path.name}: tensor {t.name} has type {tname}; supported: "
+            raise KestrelError(f"{path.name}: tensor {printable(t.name)} has type {tname}; "
+                               f"supported: "
                                f"{', '.join(qtypes)}")
         fmt = qtypes[tname]
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))   # GGUF lists ne0 first
@@ -631,7 +641,8 @@ def _load_gguf(path: Path):
             data = data.view(np.uint16)
         if "*" in name:
             if not moe or len(shape) != 3:
-                raise KestrelError(f"{path.name}: tensor {t.name} has shape {list(shape)}; "
+                raise KestrelError(f"{path.name}: tensor {printable(t.name)} has shape "
+                                   f"{list(shape)}; "
                                    f"stacked experts are 3-D, in a MoE architecture only")
             _add_experts(store, name, fmt, data, shape, path.name)
             continue
@@ -640,7 +651,8 @@ def _load_gguf(path: Path):
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = n_head if "q_proj" in name else n_kv
                 if shape[0] % (2 * heads):
-                    raise KestrelError(f"{path.name}: tensor {t.name} has {shape[0]} rows, not "
+                    raise KestrelError(f"{path.name}: tensor {printable(t.name)} has {shape[0]} "
+                                       f"rows, not "
                                        f"{heads} heads of an even size")
                 data = _unpermute_rows(data, heads)
         store.add(name, fmt, data, shape, path.name)
@@ -655,8 +667,20 @@ def _load_gguf(path: Path):
 
 
 def _short(v) -> str:
-    s = repr(v)
-    return s if len(s) <= 60 else s[:57] + "..."
+    """A value from a hostile file as an error shows it: its repr, cut to 60 characters."""
+    return _cut(repr(v) if not isinstance(v, int) or abs(v) < 10 ** 60 else "a huge number")
+
+
+def _cut(v, limit: int = 60) -> str:
+    """str(v) cut to `limit` characters (an exception's text may quote the input)."""
+    s = " ".join(str(v).split())
+    return s if len(s) <= limit else s[:limit - 3] + "..."
+
+
+def _dims(shape) -> str:
+    """A shape as an error shows it: 8 dimensions at most, then how many in all."""
+    s = ", ".join(_cut(d, 24) for d in list(shape)[:8])
+    return f"[{s}{f', ... ({len(shape)} dims)' if len(shape) > 8 else ''}]"
 
 
 def _has_gguf_magic(p: Path) -> bool:
