@@ -8,3 +8,10 @@ class KestrelError(Exception):
 class ModelError(KestrelError):
     """The model file is at fault, found at run time (NaN/Inf logits from corrupt weights):
     not the request's fault (the server answers 500, not 400)."""
+
+
+def clip(value, limit: int = 60) -> str:
+    """str(value) on one line, cut to `limit` characters: what an error line may echo of
+    input that a hostile file controls (names, shapes, an exception quoting its input)."""
+    s = " ".join(str(value).split())
+    return s if len(s) <= limit else s[:limit - 3] + "..."

@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from .config import Config
-from .errors import KestrelError
+from .errors import KestrelError, clip
 
 # llama.cpp's arch per config.json model_type
 GGUF_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3",
@@ -299,7 +299,8 @@ def _pre_name(pre: dict | None, where: str) -> str:
         regex = (steps[0].get("pattern") or {}).get("Regex")
         if regex in _PRE_BY_SPLIT and str(steps[0].get("behavior")).lower() == "isolated":
             return _PRE_BY_SPLIT[regex]
-    raise KestrelError(f"{where}: pre-tokenizer {json.dumps(kinds)} not recognised (supported: "
+    raise KestrelError(f"{where}: pre-tokenizer {clip(json.dumps(kinds), 120)} not recognised "
+                       f"(supported: "
                        f"GPT-2 byte-level, and the Qwen2, Llama 3, SmolLM and Tekken splits)")
 
 
@@ -369,7 +370,7 @@ def add_tokenizer_from_dir(w, path: Path, vocab_size: int) -> None:
     try:
         special = gguf.SpecialVocab(path, load_merges=True, n_vocab=vocab_size)
     except (ValueError, OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KestrelError(f"{path}: tokenizer files unreadable ({e})") from None
+        raise KestrelError(f"{path}: tokenizer files unreadable ({clip(e, 200)})") from None
     finally:
         quiet.setLevel(level)
     if not special.merges:
@@ -568,7 +569,8 @@ def _checked_tensors(cfg: Config, store, path: Path) -> list[tuple[str, tuple[in
                    and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
     if extra:
         more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
-        raise KestrelError(f"{path}: tensor(s) {', '.join(extra[:3])}{more} have no place in a "
+        raise KestrelError(f"{path}: tensor(s) {', '.join(clip(n) for n in extra[:3])}{more} "
+                           f"have no place in a "
                            f"{gguf_arch(cfg)} GGUF; not supported")
     return tensors
 
@@ -632,8 +634,8 @@ def _same_file(path: Path, st: os.stat_result) -> bool:
     return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
 
 
-class _Terminated(KestrelError):
-    pass
+class Terminated(KestrelError):
+    """SIGTERM while writing (the CLI may exit 143 on it, as a process killed by it would)."""
 
 
 @contextlib.contextmanager
@@ -648,7 +650,7 @@ def _sigterm_raises(out: Path):
 
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise _Terminated(f"terminated (SIGTERM): {out} not written")
+        raise Terminated(f"terminated (SIGTERM): {out} not written")
     old = signal.signal(signal.SIGTERM, stop)
     try:
         yield

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import Config
-from .errors import KestrelError
+from .errors import KestrelError, clip
 from . import kernels
 from .quantize import drop_pages, is_file_mapped, quantize
 from .weights import QK, Weight
@@ -148,7 +148,7 @@ def _read_header(path: Path, size: int) -> tuple[dict, int]:
                 raise bad("the header length in its first 8 bytes is past the end of the file")
             header = json.loads(f.read(n).decode("utf-8"))
     except ValueError as e:         # JSON, UTF-8, or an integer of over 4300 digits
-        raise bad(f"corrupt JSON header: {_cut(e)}") from None
+        raise bad(f"corrupt JSON header: {clip(e, 160)}") from None
     except RecursionError:
         raise bad("corrupt JSON header: nested too deeply") from None
     except OSError as e:
@@ -174,7 +174,7 @@ def _tensor_entry(path: Path, name: str, info, data_size: int) -> tuple[str, lis
                            f"(at most {_MAX_ST_DIMS})")
     if e > data_size or b > e:
         raise KestrelError(f"{path.name}: tensor {_short(name)} points past the end of the file "
-                           f"(bytes {_cut(b, 24)}..{_cut(e, 24)} of {data_size}); the file is "
+                           f"(bytes {clip(b, 24)}..{clip(e, 24)} of {data_size}); the file is "
                            f"truncated or corrupt")
     return dtype, shape, b, e
 
@@ -200,7 +200,7 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
         if (e - b) != count * np.dtype(np_dtype).itemsize:
             raise KestrelError(f"{path.name}: tensor {_short(name)} has {e - b} bytes, its "
                                f"shape {_dims(shape)} and dtype {dtype} need "
-                               f"{_cut(count * np.dtype(np_dtype).itemsize, 24)}")
+                               f"{clip(count * np.dtype(np_dtype).itemsize, 24)}")
         arr = mm[b:e]
         if arr.ctypes.data % np.dtype(np_dtype).itemsize:
             arr = arr.copy()            # an unaligned tensor (rare writers): the kernels need alignment
@@ -296,7 +296,7 @@ def read_json_object(path: Path, limit: int = _MAX_JSON) -> dict:
                                f"{path.name} may have")
         raw = json.loads(path.read_bytes().decode("utf-8"))
     except ValueError as e:         # JSON, UTF-8, or an integer of over 4300 digits
-        raise KestrelError(f"{path}: not valid JSON ({_cut(e)})") from None
+        raise KestrelError(f"{path}: not valid JSON ({clip(e, 160)})") from None
     except RecursionError:
         raise KestrelError(f"{path}: not valid JSON (nested too deeply)") from None
     except OSError as e:
@@ -668,18 +668,12 @@ def _load_gguf(path: Path):
 
 def _short(v) -> str:
     """A value from a hostile file as an error shows it: its repr, cut to 60 characters."""
-    return _cut(repr(v) if not isinstance(v, int) or abs(v) < 10 ** 60 else "a huge number")
-
-
-def _cut(v, limit: int = 60) -> str:
-    """str(v) cut to `limit` characters (an exception's text may quote the input)."""
-    s = " ".join(str(v).split())
-    return s if len(s) <= limit else s[:limit - 3] + "..."
+    return clip(repr(v) if not isinstance(v, int) or abs(v) < 10 ** 60 else "a huge number")
 
 
 def _dims(shape) -> str:
     """A shape as an error shows it: 8 dimensions at most, then how many in all."""
-    s = ", ".join(_cut(d, 24) for d in list(shape)[:8])
+    s = ", ".join(clip(d, 24) for d in list(shape)[:8])
     return f"[{s}{f', ... ({len(shape)} dims)' if len(shape) > 8 else ''}]"
 
 
