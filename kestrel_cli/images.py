@@ -11,6 +11,15 @@ processor does it (transformers' Qwen2VLImageProcessor, Pillow backend), without
   patches      (gh * gw, C * temporal_patch * patch * patch): merge_size x merge_size blocks
                of patches in raster order, each patch's values channel-major, the still
                frame repeated temporal_patch_size times
+
+Hostile input: `probe_image` reads a file's header only (format, width, height) and refuses
+what would be refused later without decoding a pixel: a format other than PNG, JPEG, WebP,
+GIF and BMP (Pillow's other plugins are never called: the five are opened by their own
+classes, not through Image.open's registry), an empty image, more than MAX_DECODE_PIXELS
+pixels, an aspect ratio over MAX_ASPECT_RATIO. With `ImageConfig.tokens_for`,
+`decode_cost` and `patch_bytes` a caller sizes an image (context, memory) from its header
+alone; `load_image` probes first; `prepare` decodes and preprocesses one image keeping
+only what the next step needs. Errors are one line, without heap addresses.
 """
 from __future__ import annotations
 
@@ -20,6 +29,8 @@ import hashlib
 import io
 import math
 import os
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +38,40 @@ import numpy as np
 
 from .errors import KestrelError
 
-MAX_DECODE_PIXELS = 10_000 * 10_000      # refuse larger files before decoding them
+# Refuse larger files before decoding them. 8192 x 8192 = 67.1 M pixels: phone photos (12 to
+# 50 MP, 8160 x 6120) pass; Qwen3-VL resizes anything over max_pixels = 16.8 M down anyway,
+# so more pixels only cost memory (decode_cost: 8 to 16 bytes a source pixel while decoding,
+# 0.5 to 1.1 GB at the cap; the old 100 M cap let the issue's 81 M pixel PNG bomb decode).
+MAX_DECODE_PIXELS = 8192 * 8192
+# transformers' smart_resize raises "absolute aspect ratio must be smaller than 200" past
+# max(h, w) / min(h, w) > 200: refused from the header, before the decode it would follow
+MAX_ASPECT_RATIO = 200
+# Images in one prompt. Each costs a header probe, a decode and a vision tower pass however
+# few tokens it has (Qwen3-VL: at least 64 tokens, min_pixels 65536 / 32^2, + 2 delimiters):
+# 32 small images fill half of the CLI's default 4096-token context; a client with more
+# (and a larger context) sends them in several prompts.
+MAX_IMAGES_PER_PROMPT = 32
+# preprocess normalises this many pixels at a time (whole merge blocks of rows, at least
+# one): its float64/float32 temporaries stay a few MB instead of 36 bytes a pixel
+BAND_PIXELS = 1 << 16
+ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+# Peak bytes a source pixel while decoding to RGB (ImageConfig.decode_cost), measured on
+# Pillow 13 at 50 MP; "PIL" (an image given decoded: RGBA composite) and unknown: the most
+DECODE_BYTES = {"PNG": 8, "GIF": 8, "BMP": 8, "JPEG": 12, "WEBP": 16, "PIL": 16}
+_FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"
 MAX_TEXT_CHUNK = 1 << 20                  # PNG text chunks: one, and all of them together
 MAX_TEXT_MEMORY = 8 << 20
 MAX_PATCH = 1024                          # patch, temporal patch and merge sizes
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an image file's header says: its format (one of ACCEPTED_FORMATS; "PIL" for an
+    image given decoded) and size as stored (an EXIF rotation may swap width and height
+    once decoded; tokens_for, decode_cost and patch_bytes are the same either way)."""
+    format: str
+    width: int
+    height: int
 
 
 @dataclass
@@ -115,6 +156,56 @@ class ImageConfig:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(h, w) an image of width x height is preprocessed at (KestrelError: empty, aspect
+        ratio over the limit, or not whole merge blocks with do_resize off)."""
+        if self.do_resize:
+            return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        if height % self.factor or width % self.factor:
+            raise KestrelError(f"image of {width}x{height} pixels is not whole "
+                               f"{self.merge_size}x{self.merge_size} blocks of "
+                               f"{self.patch_size}-pixel patches (do_resize is off?)")
+        return height, width
+
+    def tokens_for(self, width: int, height: int) -> int:
+        """The tokens an image of width x height takes in a prompt (its ImageInput.n_tokens),
+        from its size alone."""
+        h, w = self.resized(width, height)
+        return (h // self.patch_size) * (w // self.patch_size) // (self.merge_size ** 2)
+
+    def patch_bytes(self, width: int, height: int) -> int:
+        """Bytes of an image's preprocessed patches (float32, each pixel's 3 values repeated
+        temporal_patch_size times): held until the prompt has been run."""
+        h, w = self.resized(width, height)
+        return h * w * 3 * self.temporal_patch_size * 4
+
+    def decode_cost(self, width: int, height: int, format: str | None = None) -> int:
+        """Upper estimate of the peak bytes `prepare` (load_image + preprocess) adds for one
+        image of width x height in `format` (an ImageHeader's; None: the costliest), its
+        patches included, the file's own bytes not. With N0 = width * height, N1 = w1 * h1
+        the pixels after resizing and P = patch_bytes (Pillow keeps RGB and RGBA in 4
+        bytes a pixel), the largest of
+          decode      B * N0   the decoded image, the RGB conversion or EXIF rotation of it,
+                               and the decoder's own buffers; B = DECODE_BYTES[format],
+                               measured: PNG, GIF, BMP 4-8, progressive JPEG 10 (CMYK 12),
+                               WebP 16 (libwebp's two RGBA canvases, then Pillow's copy)
+          resize      4 N0 + 4 N1 + 4 w1 * height   source, result, and the horizontal
+                               pass (new width x old height) before the vertical one
+          patches     4 N1 + P + 43 * band   the resized image, the patches, one band's
+                               pixels (crop, uint8) and float64/float32 temporaries
+        plus 32 MiB (decoder and allocator slack). Peak RSS measured (Pillow 13, glibc) for
+        1 to 50 MP PNG (RGB, RGBA, LA, 16-bit, a 49 MP bomb), JPEG (baseline, progressive,
+        EXIF-rotated, CMYK), WebP, GIF, BMP, max_pixels 1 M and 16.8 M: 0.37 to 0.97 of
+        this, the low end a baseline JPEG (B is the progressive CMYK one's);
+        tests/test_images_hostile.py checks it stays under."""
+        h1, w1 = self.resized(width, height)
+        n0, n1 = width * height, h1 * w1
+        band = max(BAND_PIXELS, w1 * self.factor)
+        decode = DECODE_BYTES.get(format, max(DECODE_BYTES.values())) * n0
+        resize = 4 * n0 + 4 * n1 + 4 * w1 * height
+        patches = 4 * n1 + self.patch_bytes(width, height) + 43 * band
+        return max(decode, resize, patches) + (32 << 20)
+
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
                  ) -> tuple[int, int]:
@@ -167,11 +258,143 @@ def _pil():
     return Image, ImageOps
 
 
+def _opener(fmt: str):
+    """The Pillow class (JPEG: factory, which gives MPO for a multi-picture JPEG) that opens
+    `fmt`: called directly, so no other plugin, nor one registered under these names by
+    another library, ever sees the bytes."""
+    from PIL import BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
+    return {"PNG": PngImagePlugin.PngImageFile, "JPEG": JpegImagePlugin.jpeg_factory,
+            "WEBP": WebPImagePlugin.WebPImageFile, "GIF": GifImagePlugin.GifImageFile,
+            "BMP": BmpImagePlugin.BmpImageFile}[fmt]
+
+
+def _sniff(head: bytes) -> str | None:
+    """The accepted format whose signature `head` (a file's first bytes) starts with."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return "WEBP"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    if head.startswith(b"BM"):
+        return "BMP"
+    return None
+
+
+def _webp_size(head: bytes) -> tuple[int, int] | None:
+    """A WebP's canvas size from its first 30 bytes: libwebp allocates the canvas when the
+    file is opened, so the size is checked before Pillow opens it."""
+    import struct
+    kind = head[12:16]
+    if kind == b"VP8 " and len(head) >= 30 and head[23:26] == b"\x9d\x01\x2a":
+        w, h = struct.unpack("<HH", head[26:30])
+        return w & 0x3FFF, h & 0x3FFF
+    if kind == b"VP8X" and len(head) >= 30:
+        return (int.from_bytes(head[24:27], "little") + 1,
+                int.from_bytes(head[27:30], "little") + 1)
+    if kind == b"VP8L" and len(head) >= 25 and head[20] == 0x2F:
+        bits = int.from_bytes(head[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    return None
+
+
 def _describe(src) -> str:
     if isinstance(src, (bytes, bytearray)):
         return f"image ({len(src)} bytes)"
     s = str(src)
     return "image data: URL" if s.startswith("data:") else s
+
+
+_ADDRESS = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>|\b0x[0-9a-fA-F]{6,}\b")
+
+
+def _reason(e: BaseException) -> str:
+    """An exception as a short line: its type and message, no repr of a file object nor a
+    heap address (Pillow writes "cannot identify image file <_io.BytesIO object at 0x...>")."""
+    text = _ADDRESS.sub("(a buffer)", " ".join(str(e).split()))[:200]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _check_size(width: int, height: int, desc: str) -> None:
+    """The header checks: not empty, at most MAX_DECODE_PIXELS, aspect within the limit."""
+    if width < 1 or height < 1:
+        raise KestrelError(f"{desc}: {width}x{height} pixels is empty")
+    if width * height > MAX_DECODE_PIXELS:
+        raise KestrelError(f"{desc}: {width}x{height} pixels is too large (more than "
+                           f"{MAX_DECODE_PIXELS} pixels)")
+    ratio = max(width, height) / min(width, height)
+    if ratio > MAX_ASPECT_RATIO:
+        raise KestrelError(f"{desc}: {width}x{height} pixels has an aspect ratio of "
+                           f"{ratio:.0f}, over the image processor's limit of "
+                           f"{MAX_ASPECT_RATIO}")
+
+
+def _open(src):
+    """(the opened, not decoded, PIL image, its ImageHeader) with every header check done; a
+    PIL image given is checked and returned as is."""
+    Image, _ = _pil()
+    if isinstance(src, Image.Image):
+        _check_size(*src.size, "image")
+        return src, ImageHeader("PIL", *src.size)
+    desc = _describe(src)
+    if isinstance(src, str) and src.startswith(("http://", "https://")):
+        raise KestrelError(f"remote image URLs are not fetched ({src[:60]}): give a file "
+                           f"path or a data: URL")
+    if isinstance(src, str) and src.startswith("data:"):
+        src = decode_data_url(src)
+    if isinstance(src, (bytes, bytearray)):
+        fp, head = io.BytesIO(bytes(src)), bytes(src[:32])
+    elif isinstance(src, (str, os.PathLike)):
+        fp = Path(src).expanduser()
+        if not fp.is_file():
+            raise KestrelError(f"image {src}: no such file")
+        try:
+            with open(fp, "rb") as f:
+                head = f.read(32)
+        except OSError as e:
+            raise KestrelError(f"{desc}: cannot read it ({_reason(e)})") from None
+    else:
+        raise KestrelError(f"image must be a path, bytes, a data: URL or a PIL image, got "
+                           f"{type(src).__name__}")
+    fmt = _sniff(head)
+    if fmt is None:
+        raise KestrelError(f"{desc}: not a readable image (not a {_FORMAT_NAMES} file)")
+    if fmt == "WEBP" and (size := _webp_size(head)) is not None:
+        _check_size(*size, desc)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = _opener(fmt)(fp)                   # reads the header only
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise KestrelError(f"{desc}: too large (more than {MAX_DECODE_PIXELS} "
+                           f"pixels)") from None
+    except MemoryError:
+        raise KestrelError(f"{desc}: too large to open (out of memory)") from None
+    except Exception as e:     # a broken header meets the plugin's parser: any of its errors
+        raise KestrelError(f"{desc}: not a readable image ({_reason(e)})") from None
+    kind = "JPEG" if img.format == "MPO" else img.format    # MPO: a JPEG with more pictures
+    try:
+        if kind != fmt:
+            raise KestrelError(f"{desc}: not a readable image (opened as {img.format})")
+        _check_size(*img.size, desc)
+    except KestrelError:
+        img.close()
+        raise
+    return img, ImageHeader(fmt, *img.size)
+
+
+def probe_image(src) -> ImageHeader:
+    """An image's header: format, width, height, from a path, bytes, a data: URL or a PIL
+    image, with no pixel decoded. KestrelError (one line) for anything `load_image` would
+    refuse from the header: a format other than PNG, JPEG, WebP, GIF and BMP, an empty
+    image, more than MAX_DECODE_PIXELS pixels, an aspect ratio over MAX_ASPECT_RATIO, a
+    remote URL, a missing file."""
+    img, header = _open(src)
+    if img is not src:
+        img.close()
+    return header
 
 
 def decode_data_url(url: str) -> bytes:
@@ -186,79 +409,114 @@ def decode_data_url(url: str) -> bytes:
 
 
 def load_image(src):
-    """A PIL RGB image from a path, bytes, a data: URL or a PIL image (see module doc)."""
+    """A PIL RGB image from a path, bytes, a data: URL or a PIL image (see module doc); the
+    header is checked (probe_image) before any pixel is decoded."""
     Image, ImageOps = _pil()
+    img, _ = _open(src)
     if isinstance(src, Image.Image):
-        img = src
         if "A" in img.getbands() or img.info.get("transparency") is not None:
             img = img.convert("RGBA")
             white = Image.new("RGBA", img.size, (255, 255, 255, 255))
             return Image.alpha_composite(white, img).convert("RGB")
         return img.convert("RGB")
-    if isinstance(src, str) and src.startswith(("http://", "https://")):
-        raise KestrelError(f"remote image URLs are not fetched ({src[:60]}): give a file "
-                           f"path or a data: URL")
-    if isinstance(src, str) and src.startswith("data:"):
-        src = decode_data_url(src)
-    if isinstance(src, (bytes, bytearray)):
-        fp = io.BytesIO(bytes(src))
-    elif isinstance(src, (str, os.PathLike)):
-        p = Path(src).expanduser()
-        if not p.is_file():
-            raise KestrelError(f"image {src}: no such file")
-        fp = p
-    else:
-        raise KestrelError(f"image must be a path, bytes, a data: URL or a PIL image, got "
-                           f"{type(src).__name__}")
-    import warnings
+    desc = _describe(src)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(fp)                     # reads the header only
-            if img.size[0] * img.size[1] > MAX_DECODE_PIXELS:
-                raise Image.DecompressionBombError
-            if img.size[0] < 1 or img.size[1] < 1:
-                raise ValueError(f"{img.size[0]}x{img.size[1]} pixels")
-            img = ImageOps.exif_transpose(img)
-            return img.convert("RGB")
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise KestrelError(f"{_describe(src)}: too large (more than {MAX_DECODE_PIXELS} "
-                           f"pixels)") from None
+            ImageOps.exif_transpose(img, in_place=True)   # the processor's pixels, no copy
+            if img.mode == "RGB":
+                return img
+            rgb = img.convert("RGB")
+        img.close()                        # the decoded source goes now, not at its GC
+        return rgb
     except MemoryError:
-        raise KestrelError(f"{_describe(src)}: too large to decode (out of memory)") from None
+        img.close()
+        raise KestrelError(f"{desc}: too large to decode (out of memory)") from None
     except Exception as e:     # a foreign file meets Pillow's decoders: any of their errors
-        raise KestrelError(f"{_describe(src)}: not a readable image "
-                           f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        img.close()
+        raise KestrelError(f"{desc}: not a readable image ({_reason(e)})") from None
 
 
 def preprocess(img, cfg: ImageConfig) -> ImageInput:
     """An RGB PIL image -> its patches and grid, as the processor computes them."""
+    return _patchify(_resize(img, cfg), cfg)
+
+
+def prepare(src, cfg: ImageConfig) -> ImageInput:
+    """load_image + preprocess for one image, each step's input dropped as soon as the next
+    has its output (the decoded source before the patches are made): peak decode_cost."""
+    img = load_image(src)
+    _return_freed_memory()                 # a source converted to RGB, decoder buffers
+    img = _resize(img, cfg)                # the decoded source is freed here
+    _return_freed_memory()                 # it and the resize's intermediate
+    return _patchify(img, cfg)
+
+
+_malloc_trim = None
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed blocks smaller than its mmap threshold (which rises to as much as
+    32 MiB as larger blocks are freed) in the heap: the decoded source and the resize's
+    intermediate stayed resident under the patches (+40 MB for a second 6 MP image in a
+    process, +40 MB for a 50 MP RGBA PNG). Pillow allocates images in 16 MiB blocks, under
+    that ceiling. malloc_trim(0) gives their pages back; without glibc, nothing is done."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+def _resize(img, cfg: ImageConfig):
+    """smart_resize's size, Pillow bicubic (always, as the processor: same size is a copy)."""
     Image, _ = _pil()
-    w0, h0 = img.size
     if cfg.do_resize:
-        h, w = smart_resize(h0, w0, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    else:
-        h, w = h0, w0
-    if (h, w) != (h0, w0) or cfg.do_resize:
+        h, w = cfg.resized(*img.size)
         img = img.resize((w, h), resample=Image.BICUBIC)
-    x = np.asarray(img)                                  # (h, w, 3) uint8
-    if cfg.do_rescale:
-        x = (x.astype(np.float64) * cfg.rescale_factor).astype(np.float32)
-    else:
-        x = x.astype(np.float32)
-    if cfg.do_normalize:
-        mean = np.array(cfg.image_mean, dtype=np.float32)
-        std = np.array(cfg.image_std, dtype=np.float32)
-        x = (x - mean) / std
-    x = np.ascontiguousarray(x.transpose(2, 0, 1))       # (C, h, w)
-    C = x.shape[0]
+    return img
+
+
+def _patchify(img, cfg: ImageConfig) -> ImageInput:
+    """A resized RGB PIL image -> ImageInput. The processor's arithmetic (x * rescale_factor
+    in float64, then float32; (x - mean) / std in float32) is element by element, so it is
+    done a band of merge-block rows at a time, straight into the patches: bit for bit the
+    values of the whole image at once (tests/test_images_hostile.py), without the float64
+    and float32 copies of the whole image (36 bytes a pixel) next to the patches. The pixels
+    are read a band at a time too (np.asarray of the whole image joins tobytes' pieces:
+    another 6 bytes a pixel, left in the heap once freed)."""
+    w, h = img.size
+    C = len(img.getbands())
     ps, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-    gh, gw = h // ps, w // ps
-    if gh % m or gw % m:
+    if h % (ps * m) or w % (ps * m):
         raise KestrelError(f"image of {w}x{h} pixels is not whole {m}x{m} blocks of "
                            f"{ps}-pixel patches (do_resize is off?)")
-    p = x.reshape(C, gh // m, m, ps, gw // m, m, ps).transpose(1, 4, 2, 5, 0, 3, 6)
-    p = np.broadcast_to(p[:, :, :, :, :, None], (*p.shape[:5], tp, ps, ps))
-    patches = np.ascontiguousarray(p.reshape(gh * gw, C * tp * ps * ps), dtype=np.float32)
-    digest = hashlib.sha1(patches.tobytes()).hexdigest()[:16] + f"-{gh}x{gw}"
-    return ImageInput(patches, (1, gh, gw), digest, m)
+    gh, gw = h // ps, w // ps
+    out = np.empty((gh * gw, C * tp * ps * ps), dtype=np.float32)
+    # block row r of the image is patches [r * gw * m, (r + 1) * gw * m): their values as
+    # (block row, block col, row in block, col in block, C, t, y, x)
+    view = out.reshape(gh // m, gw // m, m, m, C, tp, ps, ps)
+    mean = np.array(cfg.image_mean, dtype=np.float32)
+    std = np.array(cfg.image_std, dtype=np.float32)
+    step = max(1, BAND_PIXELS // (w * ps * m))          # block rows a band
+    for r0 in range(0, gh // m, step):
+        r1 = min(gh // m, r0 + step)
+        band = np.asarray(img.crop((0, r0 * ps * m, w, r1 * ps * m)))
+        if cfg.do_rescale:
+            f = band.astype(np.float64)
+            f *= cfg.rescale_factor
+            f = f.astype(np.float32)
+        else:
+            f = band.astype(np.float32)
+        if cfg.do_normalize:
+            f -= mean
+            f /= std
+        # (rows, w, C) -> (block row, block col, row in block, col in block, C, y, x)
+        p = f.reshape(r1 - r0, m, ps, gw // m, m, ps, C).transpose(0, 3, 1, 4, 6, 2, 5)
+        view[r0:r1] = p[:, :, :, :, :, None]            # the still frame, tp times
+    digest = hashlib.sha1(out).hexdigest()[:16] + f"-{gh}x{gw}"     # no bytes copy
+    return ImageInput(out, (1, gh, gw), digest, m)
