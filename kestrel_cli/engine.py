@@ -448,21 +448,42 @@ class Engine:
                                f"tower: images need a Qwen3-VL checkpoint with its "
                                f"model.visual.* weights")
 
-    def _with_images(self, ids: list[int], parts: list) -> VisionPrompt:
-        """The template's ids with each image token expanded to its image's tokens."""
-        from .images import ImageConfig, load_image, preprocess
-        from .models.qwen3_vl import rope_index
-        model = self.model
+    def image_config(self):
+        """The checkpoint's images.ImageConfig (preprocessor_config.json), read once: with
+        images.probe_image, what a caller sizes an image with (tokens_for, decode_cost,
+        patch_bytes) before sending it."""
+        from .images import ImageConfig
         self._check_vision()
+        if self._image_config is None:
+            self._image_config = ImageConfig.from_dir(
+                self.path if self.path.is_dir() else None, self.config.vision_config)
+        return self._image_config
+
+    def _with_images(self, ids: list[int], parts: list) -> VisionPrompt:
+        """The template's ids with each image token expanded to its image's tokens. All that
+        needs no pixels is checked first, for every image: their number, each one's header
+        (format, size, aspect ratio) and the prompt's length with their tokens against the
+        context; only then are they decoded and preprocessed, one at a time."""
+        from .images import MAX_IMAGES_PER_PROMPT, prepare, probe_image
+        from .models.qwen3_vl import rope_index
+        self._check_vision()
+        if len(parts) > MAX_IMAGES_PER_PROMPT:
+            raise KestrelError(f"{len(parts)} images in one prompt, more than "
+                               f"{MAX_IMAGES_PER_PROMPT}")
         tok_id = self.config.image_token_id
         found = sum(1 for t in ids if t == tok_id)
         if found != len(parts):
             raise KestrelError(f"the chat template wrote {found} image token(s) for "
                                f"{len(parts)} image(s)")
-        if self._image_config is None:
-            self._image_config = ImageConfig.from_dir(
-                self.path if self.path.is_dir() else None, self.config.vision_config)
-        images = [preprocess(load_image(_image_source(p)), self._image_config) for p in parts]
+        cfg = self.image_config()
+        sources = [_image_source(p) for p in parts]
+        n_image = sum(cfg.tokens_for(h.width, h.height) for h in map(probe_image, sources))
+        total = len(ids) - len(parts) + n_image
+        if total > self.ctx_size:
+            raise KestrelError(f"prompt has {total} tokens ({n_image} of them for "
+                               f"{len(parts)} image(s)), more than the context size "
+                               f"{self.ctx_size} (raise -c/--ctx-size)")
+        images = [prepare(src, cfg) for src in sources]
         out, keys, k = [], [], 0
         for t in ids:
             if t == tok_id:

@@ -314,6 +314,7 @@ def test_bad_images_one_clear_error(vl, tmp_path):
 def test_huge_image_refused_before_decoding(vl, tmp_path, monkeypatch):
     import kestrel_cli.images as images
     d, model, eng, proc, imgs = vl
+    eng.image_config()                   # read before the cap drops under its max_pixels
     monkeypatch.setattr(images, "MAX_DECODE_PIXELS", 100 * 69)
     with pytest.raises(KestrelError, match="too large"):
         eng.prompt_logits(one_image(imgs["a"]))             # 100 x 70 pixels
@@ -330,6 +331,61 @@ def test_too_many_image_tokens_for_context(vl):
     small = Engine.from_pretrained(d, threads=1, ctx_size=24)
     with pytest.raises(KestrelError, match="image"):
         small.prompt_logits(two_images(imgs["a"], imgs["b"]))
+
+
+def _refuse_decoding(monkeypatch) -> list:
+    """Pixel decoding raises (a BaseException: no `except Exception` can hide it)."""
+    from PIL import ImageFile, WebPImagePlugin
+    calls = []
+
+    class Decoded(BaseException):
+        pass
+
+    def refuse(self, *a, **k):
+        calls.append(type(self).__name__)
+        raise Decoded(type(self).__name__)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", refuse)
+    monkeypatch.setattr(WebPImagePlugin.WebPImageFile, "load", refuse)
+    return calls
+
+
+def test_image_tokens_over_context_refused_before_decoding(vl, monkeypatch):
+    """Text + image tokens past the context: refused from the headers (was: every image
+    decoded and preprocessed first, then the length checked in prefill)."""
+    d, model, eng, proc, imgs = vl
+    small = Engine.from_pretrained(d, threads=1, ctx_size=24)
+    calls = _refuse_decoding(monkeypatch)
+    with pytest.raises(KestrelError, match="context size 24") as e:
+        small.encode_prompt(two_images(imgs["a"], imgs["b"]))
+    assert "2 image(s)" in str(e.value) and calls == []
+
+
+def test_too_many_images_refused_before_decoding(vl, monkeypatch):
+    from kestrel_cli.images import MAX_IMAGES_PER_PROMPT
+    d, model, eng, proc, imgs = vl
+    calls = _refuse_decoding(monkeypatch)
+    n = MAX_IMAGES_PER_PROMPT + 1
+    msgs = [{"role": "user", "content": [{"type": "image", "image": str(imgs["a"])}] * n}]
+    with pytest.raises(KestrelError, match=f"{n} images.*{MAX_IMAGES_PER_PROMPT}"):
+        eng.encode_prompt(msgs)
+    assert calls == []
+
+
+def test_every_image_checked_before_any_is_decoded(vl, tmp_path, monkeypatch):
+    """A good image then a bad one: the bad one's header refuses the prompt before the good
+    one is decoded; eight copies of the issue's 10 KB 9000x9000 PNG decode nothing."""
+    from test_images_hostile import data_url, png_bomb
+    d, model, eng, proc, imgs = vl
+    thin = tmp_path / "thin.png"
+    Image.new("L", (1, 300)).save(thin)                   # aspect ratio 300
+    calls = _refuse_decoding(monkeypatch)
+    with pytest.raises(KestrelError, match="aspect ratio"):
+        eng.encode_prompt(two_images(imgs["a"], thin))
+    bomb = data_url(png_bomb(9000, 9000))
+    with pytest.raises(KestrelError, match="too large"):
+        eng.encode_prompt([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": bomb}}] * 8}])
+    assert calls == []
 
 
 # ------------------------------------------------------------------ kestrel run / chat / serve
