@@ -13,6 +13,7 @@ from typing import Callable, TextIO
 from .engine import Engine
 from .errors import KestrelError
 from .timing import TimingPrinter, format_turn
+from .tokenizer import TooManyTokens
 
 HELP = """commands:
   /reset         forget the conversation (keeps the system message)
@@ -75,11 +76,16 @@ class ChatSession:
                 [{"type": "text", "text": text}]
             self.pending_images = []         # used by this turn, whatever comes of it
         msgs = self.conversation() + [{"role": "user", "content": content}]
-        ids = eng.encode_prompt(msgs, **(self.thinking.template_kwargs()
-                                         if self.thinking else {}))
-        if len(ids) >= eng.ctx_size:
-            self.say(f"[context full: this turn needs {len(ids)} tokens, the context holds "
-                      f"{eng.ctx_size}; /reset to start over, or restart with a larger -c]\n")
+        try:   # counted up to the context, not further: a huge paste costs what fits
+            ids = eng.encode_prompt(msgs, limit=eng.ctx_size - 1,
+                                    **(self.thinking.template_kwargs() if self.thinking else {}))
+        except TooManyTokens as e:
+            need = f"{'' if e.exact else 'at least '}{e.n_tokens}"
+        else:
+            need = None if len(ids) < eng.ctx_size else str(len(ids))   # images counted
+        if need is not None:
+            self.say(f"[context full: this turn needs {need} tokens, the context holds "
+                     f"{eng.ctx_size}; /reset to start over, or restart with a larger -c]\n")
             return None
         stats, finish = None, None
         # the reply kept in the history is the answer without its thinking, as Qwen3's

@@ -29,9 +29,11 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from .engine import DEFAULT_CTX_CAP, Engine, LoadOptions, default_threads
+from .engine import (DEFAULT_CTX_CAP, MAX_CTX, THREADS_FLOOR, THREADS_MAX, THREADS_PER_CORE,
+                     Engine, LoadOptions, default_threads, thread_cap, thread_rule)
 from .errors import KestrelError
 from .timing import TimingPrinter
+from .tokenizer import TooManyTokens
 
 # typer >= 0.20 vendors click as typer._click; take the exceptions from wherever typer does
 _cx = sys.modules[typer.BadParameter.__module__]
@@ -50,11 +52,7 @@ SCHEMA_BYTES = 1 * MiB            # --json-schema (the server takes 64 KiB of sc
 CHAT_LINE_BYTES = PROMPT_BYTES    # one chat line read from a pipe or file
 # Threads: OpenMP starts -t threads per engine; past a few per core they only contend, and
 # enough of them fail to start (libgomp: "Thread creation failed", or a segfault)
-THREADS_PER_CORE = 4
-THREADS_FLOOR = 64                # allowed on any machine
-THREADS_MAX = 512                 # never more (ggml's GGML_MAX_N_THREADS)
 MAX_PARALLEL = 64                 # serve --parallel: each slot a thread, a KV cache, -t threads
-MAX_CTX = 1 << 24                 # -c: far past any model's context (numpy's arrays fail first)
 
 _MODEL, _SAMPLING, _OUTPUT, _PROMPT = "Model", "Sampling", "Output", "Prompt"
 
@@ -193,9 +191,6 @@ class EngineOptions:
         """Fail fast, before any file is read (the Engine's own validation, then the
         bounds of what this machine can start)."""
         self.load_options().validate()
-        if self.ctx_size is not None and self.ctx_size > MAX_CTX:
-            raise KestrelError(f"-c/--ctx-size must be at most {MAX_CTX}, got {self.ctx_size}")
-        check_threads(self.threads)
 
 
 @dataclass
@@ -316,24 +311,6 @@ def _model_bytes(path: Path | None) -> int:
         return p.stat().st_size
     except (OSError, KestrelError):
         return 0                  # from_pretrained reports it properly
-
-
-def thread_cap() -> int:
-    """The most threads one command may start: THREADS_PER_CORE per core, at least
-    THREADS_FLOOR, at most THREADS_MAX."""
-    cores = os.cpu_count() or 1
-    return min(THREADS_MAX, max(THREADS_FLOOR, THREADS_PER_CORE * cores))
-
-
-def _thread_rule() -> str:
-    return (f"{THREADS_PER_CORE} per core, at least {THREADS_FLOOR}, at most {THREADS_MAX}")
-
-
-def check_threads(threads: int | None) -> None:
-    """-t within thread_cap() (below 1 is LoadOptions.validate's)."""
-    if threads is not None and threads > thread_cap():
-        raise KestrelError(f"-t/--threads must be at most {thread_cap()} ({_thread_rule()}), "
-                           f"got {threads}")
 
 
 def _physical_memory() -> int | None:
@@ -562,7 +539,12 @@ def run(
     tp = TimingPrinter(output.timing)
     out = sys.stdout
     stats = None
-    ids = eng.encode_prompt(request, **thinking.template_kwargs())
+    try:   # counted up to the context, not further
+        ids = eng.encode_prompt(request, limit=eng.ctx_size, **thinking.template_kwargs())
+    except TooManyTokens as e:
+        raise KestrelError(f"prompt has {'' if e.exact else 'at least '}{e.n_tokens} tokens, "
+                           f"more than the context size {eng.ctx_size} (raise -c/--ctx-size)"
+                           ) from None
     view = None if raw else thinking.view(eng, ids, out)
     try:
         for chunk in eng.stream(ids, **sampling.stream_kwargs(eng), json_schema=schema):
@@ -681,6 +663,15 @@ def serve(
         "--request-timeout", help="Seconds one request may take from admission to its last "
         "token (queue wait included); then 504, or an error event in a stream. 0: no limit.",
         rich_help_panel="Server limits")] = 600.0,
+    memory_budget: Annotated[Optional[str], typer.Option(
+        "--memory-budget", help="Memory that requests being read and prepared (body, "
+        "template, tokens, images, grammars) may hold at once, e.g. 4G; one more gets 503 "
+        "with Retry-After. Weights and KV caches are not part of it.",
+        show_default="a quarter of the RAM", rich_help_panel="Server limits")] = None,
+    max_request_memory: Annotated[Optional[str], typer.Option(
+        "--max-request-memory", help="Memory one request may hold while it is read and "
+        "prepared, e.g. 512M; a larger one gets 413 before any work.",
+        show_default="1G, or the budget if smaller", rich_help_panel="Server limits")] = None,
     engine: EngineOptions = None,
 ):
     """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models."""
@@ -694,7 +685,7 @@ def serve(
     if engine.threads is not None and parallel * engine.threads > thread_cap():
         raise KestrelError(f"--parallel {parallel} x -t {engine.threads} = "
                            f"{parallel * engine.threads} threads, more than the {thread_cap()} "
-                           f"this machine allows ({_thread_rule()})")
+                           f"this machine allows ({thread_rule()})")
     if queue_size < 0:
         raise KestrelError(f"--queue-size must be >= 0, got {queue_size}")
     if max_connections < 1:
@@ -708,9 +699,14 @@ def serve(
             raise KestrelError(f"{flag} must be a number of seconds {'>=' if zero_ok else '>'} 0,"
                                f" got {v}")
     from . import server                    # fails with a clear message without fastapi
+    server.check_api_key(api_key)           # before the model is loaded
     limits = server.Limits(header_timeout=timeout_header, body_timeout=timeout_body,
                            keep_alive=timeout_keep_alive, request_timeout=request_timeout,
-                           max_connections=max_connections, shutdown_timeout=shutdown_timeout)
+                           max_connections=max_connections, shutdown_timeout=shutdown_timeout,
+                           memory_budget=memory_budget and server.parse_size(
+                               memory_budget, "--memory-budget"),
+                           max_request_memory=max_request_memory and server.parse_size(
+                               max_request_memory, "--max-request-memory"))
     # each of the `parallel` engines runs -t threads; by default they split the cores
     eng = engine_from_options(dataclasses.replace(
         engine, threads=engine.threads or default_threads(share=parallel)), slots=parallel)
@@ -881,7 +877,7 @@ def quantize(
     """Write a checkpoint as a GGUF file (llama.cpp's layout), tensor by tensor in
     bounded memory; OUT appears only once complete (OUT.part while writing)."""
     from .gguf_export import quantize_checkpoint
-    check_threads(threads)
+    LoadOptions(threads=threads).validate()       # -t within what this machine can start
     try:
         quantize_checkpoint(src, out, GGUFType(type_).value, pure=pure,
                             progress=sys.stderr.isatty(),

@@ -22,6 +22,24 @@ from .weights import QUANT_FORMATS
 DEFAULT_CTX_CAP = 4096            # the CLI's -c default: the model's context, at most this
 
 
+THREADS_PER_CORE = 4
+THREADS_FLOOR = 64                # allowed on any machine
+THREADS_MAX = 512                 # never more (ggml's GGML_MAX_N_THREADS)
+MAX_CTX = 1 << 24                 # -c: far past any model's context (numpy's arrays fail first)
+
+
+def thread_cap() -> int:
+    """The most threads one engine may start (past a few thousand libgomp fails to create
+    them, or crashes): THREADS_PER_CORE per core, at least THREADS_FLOOR, at most
+    THREADS_MAX."""
+    cores = os.cpu_count() or 1
+    return min(THREADS_MAX, max(THREADS_FLOOR, THREADS_PER_CORE * cores))
+
+
+def thread_rule() -> str:
+    return f"{THREADS_PER_CORE} per core, at least {THREADS_FLOOR}, at most {THREADS_MAX}"
+
+
 def default_threads(share: int = 1) -> int:
     """The cores this process may use, split `share` ways (at least 1)."""
     try:
@@ -130,10 +148,15 @@ class LoadOptions:
             raise KestrelError(f"--act must be one of {', '.join(ACT_MODES)}; got {self.act!r}")
         if self.ctx_size is not None and self.ctx_size < 1:
             raise KestrelError(f"-c/--ctx-size must be >= 1, got {self.ctx_size}")
+        if self.ctx_size is not None and self.ctx_size > MAX_CTX:
+            raise KestrelError(f"-c/--ctx-size must be at most {MAX_CTX}, got {self.ctx_size}")
         if self.ctx_cap is not None and self.ctx_cap < 1:
             raise KestrelError(f"context cap must be >= 1, got {self.ctx_cap}")
         if self.threads is not None and self.threads < 1:
             raise KestrelError(f"-t/--threads must be >= 1, got {self.threads}")
+        if self.threads is not None and self.threads > thread_cap():
+            raise KestrelError(f"-t/--threads must be at most {thread_cap()} ({thread_rule()}), "
+                               f"got {self.threads}")
         if self.kv_q8 and self.kv_f16:
             raise KestrelError("--kv-q8 and --kv-f16 exclude each other: give one")
         if self.sparse_k < 1:

@@ -137,6 +137,12 @@ def test_thread_cap_rule(monkeypatch):
     cli.EngineOptions(threads=64).check()
     with pytest.raises(cli.KestrelError, match="at most 64"):
         cli.EngineOptions(threads=65).check()
+    # the library refuses them too, before any file is read (it used to segfault in libgomp)
+    from kestrel_cli.engine import Engine
+    for kw, needle in ((dict(threads=65), "-t/--threads must be at most 64"),
+                       (dict(ctx_size=cli.MAX_CTX + 1), "-c/--ctx-size must be at most")):
+        with pytest.raises(cli.KestrelError, match=needle):
+            Engine.from_pretrained("/no/such/model_dir", **kw)
 
 
 def test_parallel_is_bounded():

@@ -34,9 +34,10 @@ except ImportError as e:                                  # the [serve] extra is
     raise KestrelError(f"kestrel serve needs fastapi and uvicorn ({e.name} is missing): "
                        "pip install 'kestrel-cli[serve]'") from None
 
-from .app import Limits, create_app, exposure_warning, model_id, serve  # noqa: E402
+from .admission import parse_size  # noqa: E402
+from .app import Limits, check_api_key, create_app, exposure_warning, model_id, serve  # noqa: E402
 from .models import APIError  # noqa: E402
 from .scheduler import Job, Scheduler, Slot  # noqa: E402
 
-__all__ = ["APIError", "Job", "Limits", "Scheduler", "Slot", "create_app", "exposure_warning",
-           "model_id", "serve"]
+__all__ = ["APIError", "Job", "Limits", "Scheduler", "Slot", "check_api_key", "create_app",
+           "exposure_warning", "model_id", "parse_size", "serve"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+from ..errors import KestrelError
 from .models import APIError
 
 MiB = 1 << 20
@@ -28,6 +29,23 @@ TEXT_BYTES_PER_CHAR = 16         # message copies, the rendered prompt, the piec
 TOKEN_BYTES = 64                 # the ids of the prompt (Python ints, the tokenizer's Encoding)
 PREP_BASE = 8 * MiB              # a request's fixed cost (template state, objects)
 GRAMMAR_BYTES = 64 * MiB         # one compiled JSON schema (response_format, a forced tool)
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes from '512M', '2G', '1.5GiB', '300mb' or a plain number of bytes (powers of 1024);
+    KestrelError naming `flag` otherwise, or when not positive."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
+    try:
+        n = float(t[:-1] if unit else t) * _UNITS[unit]
+    except ValueError:
+        n = float("nan")
+    if not n >= 1 or n == float("inf"):
+        raise KestrelError(f"{flag} must be a size such as 512M or 2G, got {text!r}")
+    return int(n)
 
 
 def physical_memory() -> int | None:

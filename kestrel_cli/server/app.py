@@ -119,6 +119,14 @@ async def _wait_disconnect(receive) -> None:
 
 # ---------------------------------------------------------------------------- the app
 
+def check_api_key(api_key: str | None) -> None:
+    """An empty key is a mistake (`--api-key "$KEY"` with KEY unset), not a request to serve
+    without one."""
+    if api_key is not None and not api_key.strip():
+        raise KestrelError("--api-key (or KESTREL_API_KEY) is empty: give a key, or leave it "
+                           "out to serve without one")
+
+
 def model_id(engine: Engine) -> str:
     return Path(str(engine.path)).name or str(engine.path)
 
@@ -127,10 +135,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                limits: Limits | None = None) -> FastAPI:
     """The FastAPI app serving `engines` (one per slot, sharing weights and tokenizer)."""
     from contextlib import asynccontextmanager
-    if api_key is not None and not api_key.strip():
-        # `--api-key "$KEY"` with KEY unset: serving without a key was not what was asked
-        raise KestrelError("--api-key (or KESTREL_API_KEY) is empty: give a key, or leave it "
-                           "out to serve without one")
+    check_api_key(api_key)
     limits = limits or Limits()
     sched = Scheduler(engines, queue_size)
     budget = limits.budget()
