@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from test_images_hostile import no_decoding  # noqa: F401 (a fixture)
 from test_server_limits import CHAT, chat, post_all, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,3 +249,75 @@ def test_nan_weights_are_a_500_model_error_and_the_server_goes_on(tmp_path):
         assert resp.status_code == 500, resp.text
         err = resp.json()["error"]
         assert err["code"] == "model_error" and "non-finite" in err["message"], err
+
+
+# ---------------------------------------------------------------------------- images
+
+@pytest.fixture(scope="module")
+def vl_engine(tmp_path_factory):
+    from test_vision import make_vl_checkpoint
+
+    from kestrel_cli import Engine
+    d = tmp_path_factory.mktemp("vl")
+    make_vl_checkpoint(d)
+    return Engine.from_pretrained(d, threads=1, ctx_size=128)
+
+
+def image_chat(urls, text="Compare."):
+    return chat([{"type": "image_url", "image_url": {"url": u}} for u in urls]
+                + [{"type": "text", "text": text}])
+
+
+def test_bomb_images_are_refused_before_any_is_decoded(vl_engine, no_decoding):
+    """Eight 9000 x 9000 PNGs of ~10 KB (the issue's 103 KB body, 4.4 GB peak): refused from
+    their headers; nothing decoded, nothing rendered; so are too many images, images whose
+    tokens fill the context, an EPS sent as image/png, and images for a model without a
+    vision tower. A small image in the same server is answered."""
+    from test_images_hostile import data_url, eps_bytes, png_bomb
+
+    from kestrel_cli.images import MAX_IMAGES_PER_PROMPT
+    from kestrel_cli.server import create_app
+    bomb, small, wide = (data_url(png_bomb(9000, 9000)), data_url(png_bomb(64, 64)),
+                         data_url(png_bomb(4000, 4000)))
+    per = vl_engine.image_config().tokens_for(4000, 4000)   # at the checkpoint's max_pixels
+    fill = -(-vl_engine.ctx_size // per)                     # that many fill the context
+    assert fill <= MAX_IMAGES_PER_PROMPT
+    reqs = [(CHAT, image_chat([bomb] * 8)),
+            (CHAT, image_chat([small] * (MAX_IMAGES_PER_PROMPT + 1))),
+            (CHAT, image_chat([wide] * fill)),
+            (CHAT, image_chat([data_url(eps_bytes())]))]
+    out = post_all(create_app([vl_engine]), reqs)
+    for r, needle in zip(out, ("too large", "images in one request", "no room", "PNG, JPEG")):
+        assert r.status_code == 400, r.text
+        assert needle in r.json()["error"]["message"], r.text
+    assert out[2].json()["error"]["code"] == "context_length_exceeded"
+    assert not no_decoding, no_decoding
+
+
+def test_image_cost_is_leased(vl_engine, monkeypatch):
+    """An image request takes what decoding its images will cost from the budget (header
+    sizes): with too little budget left it is 503 before any decoding; a small image is
+    answered and the lease given back."""
+    from test_images_hostile import data_url, png_bomb
+
+    from kestrel_cli.server import Limits, create_app
+    from kestrel_cli.server.admission import MiB
+    big = data_url(png_bomb(2000, 1000))            # 2 M pixels, resized to fit the tokens
+    cfg = vl_engine.image_config()
+    cost = cfg.decode_cost(2000, 1000, "PNG")
+    app = create_app([vl_engine], limits=Limits(memory_budget=cost + 64 * MiB,
+                                                max_request_memory=cost + 64 * MiB))
+    app.state.budget.used = 64 * MiB
+    decoded = []
+    monkeypatch.setattr("kestrel_cli.images.prepare",
+                        lambda *a, **k: decoded.append(1) or (_ for _ in ()).throw(
+                            AssertionError("decoded")))
+    r, = post_all(app, [(CHAT, image_chat([big]))])
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text
+    assert not decoded
+    app = create_app([vl_engine], limits=Limits(memory_budget=cost + 64 * MiB,
+                                                max_request_memory=cost + 64 * MiB))
+    monkeypatch.undo()
+    ok, = post_all(app, [(CHAT, image_chat([data_url(png_bomb(64, 64))]))])
+    assert ok.status_code == 200, ok.text
+    assert app.state.budget.used == 0

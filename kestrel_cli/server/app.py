@@ -26,6 +26,7 @@ from .. import __version__
 from ..engine import Engine
 from ..errors import KestrelError
 from ..generate import Stats
+from ..images import MAX_IMAGES_PER_PROMPT, probe_image
 from ..reasoning import AnswerSplitter, prompt_opens_thinking
 from ..tokenizer import TooManyTokens
 from .admission import (BODY_COPIES, Budget, Lease, default_budget, default_request_memory,
@@ -486,6 +487,26 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         return await generate(request, job, opts.stream, opts.include_usage, kind, split,
                               prefix, suffix)
 
+    async def size_images(parts: list[dict]) -> list[tuple[int, int]]:
+        """(decode_cost, patch_bytes) of each image, from its header alone (base64 decoded,
+        no pixel): a bad or oversized image, or images whose tokens leave no room in the
+        context, are refused here, before the template runs or any image is decoded."""
+        def probe():
+            cfg = eng0.image_config()            # KestrelError: no vision tower
+            return cfg, [probe_image(q["image"]) for q in parts]
+        try:
+            cfg, heads = await asyncio.to_thread(probe)
+        except KestrelError as e:
+            raise APIError(str(e), 400, param="messages") from None
+        n = sum(cfg.tokens_for(h.width, h.height) for h in heads)
+        if n >= eng0.ctx_size:
+            raise APIError(f"the prompt's {len(heads)} image(s) take {n} tokens, and the "
+                           f"context size is {eng0.ctx_size}: no room for an answer (start the "
+                           f"server with a larger -c/--ctx-size, or send smaller images)",
+                           400, param="messages", code="context_length_exceeded")
+        return [(cfg.decode_cost(h.width, h.height, h.format), cfg.patch_bytes(h.width, h.height))
+                for h in heads]
+
     async def check_schema(schema: dict, param: str = "response_format") -> None:
         """A schema llguidance cannot compile (or not within limits.schema_timeout) is the
         request's error (400), found early."""
@@ -514,10 +535,16 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         n_chars = (sum(content_chars(m["content"]) for m in messages)
                    + (len(json.dumps(tools)) if tools is not None else 0))
         bound_prompt(n_chars, "messages")
+        parts = [q for m in messages if isinstance(m["content"], list) for q in m["content"]
+                 if q["type"] == "image"]
+        if len(parts) > MAX_IMAGES_PER_PROMPT:
+            raise APIError(f"{len(parts)} images in one request, more than "
+                           f"{MAX_IMAGES_PER_PROMPT}", 400, param="messages")
         # admitted (a place, then memory) before any template, tokeniser, image or grammar work
         ticket = sched.reserve()
         try:
-            lease_of(request).add(prep_cost(n_chars, eng0.ctx_size, (),
+            images = await size_images(parts) if parts else []
+            lease_of(request).add(prep_cost(n_chars, eng0.ctx_size, images,
                                             (schema is not None) + (forced is not None)),
                                   "the request")
             if schema is not None:
