@@ -57,6 +57,7 @@ class TensorStore:
         self.quant: str | None = None            # block format for float matrices, or None
         self.threads: int | None = None
         self.repack_x16 = False                  # q4_0 / q4_1 / q4_k / q6_k -> the x16 layout
+        self.source = "the checkpoint"           # its file or directory, as errors name it
         self._quantised: dict[str, Weight] = {}
 
     def quantize_to(self, fmt: str | None, threads: int | None = None) -> None:
@@ -71,7 +72,7 @@ class TensorStore:
 
     def _get(self, name, shape):
         if name not in self.entries:
-            raise KestrelError(f"missing tensor {name!r} in the checkpoint")
+            raise KestrelError(f"missing tensor {name!r} in {self.source}")
         fmt, raw, actual, source = self.entries[name]
         if fmt.startswith("unsupported:"):
             raise KestrelError(f"tensor {_short(name)} in {source} has dtype "
@@ -313,6 +314,7 @@ def _load_hf_dir(path: Path):
         raise KestrelError(f"{path}: no config.json (not a Hugging Face checkpoint directory)")
     raw = read_json_object(cfg_path)
     store = TensorStore()
+    store.source = str(path)
     for f in shard_files(path):
         _open_safetensors(f, store)
     from .tokenizer import Tokenizer
@@ -613,6 +615,7 @@ def _load_gguf(path: Path):
     if moe:
         _gguf_moe(path, arch, number, field, reader, raw)
     store = TensorStore()
+    store.source = path.name
     qtypes = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
               "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_k", "Q3_K": "q3_k",
               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl",
