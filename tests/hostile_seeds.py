@@ -23,11 +23,17 @@ def byte_level_tokens() -> list[str]:
     return [chr(c) for _, c in sorted(zip(bs, cs))]
 
 
-def write_gguf(path: Path, hidden: int = 32, ff: int = 32, heads: int = 2) -> Path:
+def write_gguf(path: Path, hidden: int = 32, ff: int = 32, heads: int = 2,
+               kv_heads: int | None = None, q8: bool = True,
+               poison: dict[str, float] | None = None) -> Path:
     """A tiny llama GGUF (one layer, a 261-token byte-level vocabulary, f32/f16/q8_0 tensors)
-    that loads and runs."""
+    that loads and runs. `q8=False`: attn_q in f32 too (hidden need not be whole blocks of
+    32: hidden=4 gives a file of a few KB, small enough for the fuzz corpus). `poison`:
+    tensor name -> a value (NaN, inf) written into its first element, as a corrupt file
+    would hold."""
     import gguf
     rng = np.random.default_rng(0)
+    poison = dict(poison or {})
     tokens = byte_level_tokens() + ["Ġt", "he", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
@@ -35,7 +41,7 @@ def write_gguf(path: Path, hidden: int = 32, ff: int = 32, heads: int = 2) -> Pa
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
-    w.add_head_count_kv(heads)
+    w.add_head_count_kv(heads if kv_heads is None else kv_heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
     w.add_tokenizer_model("gpt2")
@@ -50,20 +56,30 @@ def write_gguf(path: Path, hidden: int = 32, ff: int = 32, heads: int = 2) -> Pa
 
     def mat(d, n, dtype=np.float16):
         return (rng.standard_normal((d, n)) / n ** 0.5).astype(dtype)
+
+    def add(name, a):
+        if name in poison:
+            a = a.copy()
+            a.flat[0] = poison.pop(name)
+        w.add_tensor(name, a)
     V = len(tokens)
-    w.add_tensor("token_embd.weight", mat(V, hidden))
-    w.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, np.float32))
-    q = gguf.quants.quantize(mat(hidden, hidden, np.float32), gguf.GGMLQuantizationType.Q8_0)
-    w.add_tensor("blk.0.attn_q.weight", q, raw_shape=q.shape,
-                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-    w.add_tensor("blk.0.attn_k.weight", mat(hidden, hidden, np.float32))
-    for name in ("attn_v", "attn_output"):
-        w.add_tensor(f"blk.0.{name}.weight", mat(hidden, hidden))
-    w.add_tensor("blk.0.ffn_norm.weight", np.ones(hidden, np.float32))
-    w.add_tensor("blk.0.ffn_gate.weight", mat(ff, hidden))
-    w.add_tensor("blk.0.ffn_up.weight", mat(ff, hidden))
-    w.add_tensor("blk.0.ffn_down.weight", mat(hidden, ff))
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    add("token_embd.weight", mat(V, hidden))
+    add("blk.0.attn_norm.weight", np.ones(hidden, np.float32))
+    if q8:
+        q = gguf.quants.quantize(mat(hidden, hidden, np.float32), gguf.GGMLQuantizationType.Q8_0)
+        w.add_tensor("blk.0.attn_q.weight", q, raw_shape=q.shape,
+                     raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    else:
+        add("blk.0.attn_q.weight", mat(hidden, hidden, np.float32))
+    add("blk.0.attn_k.weight", mat((kv_heads or heads) * (hidden // heads), hidden, np.float32))
+    add("blk.0.attn_v.weight", mat((kv_heads or heads) * (hidden // heads), hidden))
+    add("blk.0.attn_output.weight", mat(hidden, hidden))
+    add("blk.0.ffn_norm.weight", np.ones(hidden, np.float32))
+    add("blk.0.ffn_gate.weight", mat(ff, hidden))
+    add("blk.0.ffn_up.weight", mat(ff, hidden))
+    add("blk.0.ffn_down.weight", mat(hidden, ff))
+    add("output_norm.weight", np.ones(hidden, np.float32))
+    assert not poison, f"no such tensor: {poison}"
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

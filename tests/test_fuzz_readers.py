@@ -148,11 +148,16 @@ def gguf_seed(tmp_path_factory):
 
 
 def gguf_target(path: Path):
-    """The whole road a GGUF takes: header check, metadata, tokenizer, model, two tokens."""
+    """The whole road a GGUF takes: header check, metadata, tokenizer, model, two tokens'
+    logits, then three tokens generated greedily (NaN/Inf weights and absurd head counts
+    must end in one KestrelError: ModelError when sampling, never a token picked from NaN)."""
     eng = Engine.from_pretrained(path, threads=1)
     out = eng.logits([0, 1])
     assert out.shape == (2, eng.config.vocab_size)
     eng.tokenizer.decode(eng.tokenizer.encode("hi there"))
+    list(eng.generate([0, 1], max_tokens=3, temperature=0.0))
+    # it sampled from the same prompt's last row: that row must have been finite
+    assert np.isfinite(out[-1]).all(), "a token was picked from non-finite logits"
 
 
 @given(rng=SEEDS)

@@ -443,3 +443,263 @@ def test_template_errors_at_the_cli(good, tmp_path, source, needle):
     shutil.copytree(good, d)
     (d / "chat_template.jinja").write_text(source)
     assert needle in cli("run", "-m", d, "-p", "hi", "-n", "1", "-t", "1")
+
+
+# ------------------------------------------------------------------ issue 33: round two
+
+def kestrel(*args, timeout=180, input=None) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess (the kestrel_cli under test), as a user runs it."""
+    import os
+
+    import kestrel_cli
+    code = str(Path(kestrel_cli.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": code + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", "from kestrel_cli.cli import main; main()",
+                           *[str(a) for a in args]], input=input, capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def one_error_line(r: subprocess.CompletedProcess) -> str:
+    """A failed CLI run: non-zero exit, no traceback, one line on stderr."""
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+# config.json, tokenizer files, templates and the index linked out of the model directory
+# are refused as shards already were (a planted link must not make the loader read, or echo
+# parts of, a file elsewhere)
+OUTSIDE_FILES = {"config.json": None, "tokenizer.json": None, "tokenizer_config.json": None,
+                 "generation_config.json": '{"eos_token_id": 1}',
+                 "chat_template.jinja": "{{ messages[0]['content'] }}",
+                 "additional_chat_templates/tool_use.jinja": "{{ messages }}",
+                 "model.safetensors.index.json": None}
+
+
+@pytest.mark.parametrize("name", list(OUTSIDE_FILES))
+def test_model_files_linked_outside_the_directory(good, tmp_path, name):
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(good, d)
+    outside = tmp_path / "elsewhere" / Path(name).name
+    outside.parent.mkdir()
+    if name == "model.safetensors.index.json":
+        from safetensors import safe_open
+        with safe_open(d / "model.safetensors", "np") as f:
+            outside.write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in f.keys()}}))
+    elif OUTSIDE_FILES[name] is None:
+        shutil.move(d / name, outside)
+    else:
+        outside.write_text(OUTSIDE_FILES[name])
+        (d / name).unlink(missing_ok=True)
+    (d / name).parent.mkdir(exist_ok=True)
+    (d / name).symlink_to(outside)
+    msg = one_line_error(lambda: Engine.from_pretrained(d, threads=1))
+    assert Path(name).name in msg and "outside" in msg, msg
+    # the same file as a link inside the directory (or into a HF cache's blobs) is fine
+    (d / name).unlink()
+    shutil.move(outside, d / "real")
+    (d / name).symlink_to(d / "real")
+    Engine.from_pretrained(d, threads=1)
+
+
+def test_preprocessor_config_linked_outside(tmp_path):
+    from kestrel_cli.images import ImageConfig
+    (tmp_path / "m").mkdir()
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"patch_size": 16}))
+    (tmp_path / "m" / "preprocessor_config.json").symlink_to(tmp_path / "elsewhere.json")
+    msg = one_line_error(lambda: ImageConfig.from_dir(tmp_path / "m"))
+    assert "preprocessor_config.json" in msg and "outside" in msg
+
+
+def test_quantize_does_not_write_through_a_planted_part_link(good, tmp_path):
+    """OUT.part planted as a link to a victim file: the victim keeps its bytes, OUT is a new
+    regular file (the link was neither written through nor renamed into place)."""
+    from kestrel_cli.gguf_export import quantize_checkpoint
+    victim, out = tmp_path / "victim.txt", tmp_path / "m.gguf"
+    victim.write_bytes(b"precious")
+    (tmp_path / "m.gguf.part").symlink_to(victim)
+    quantize_checkpoint(good, out, "q8_0", threads=1)
+    assert victim.read_bytes() == b"precious"
+    assert not out.is_symlink() and out.read_bytes()[:4] == b"GGUF"
+    assert not (tmp_path / "m.gguf.part").exists() and not (tmp_path / "m.gguf.part").is_symlink()
+    # a dangling link (it would create the file it names) fares the same
+    (tmp_path / "m.gguf.part").symlink_to(tmp_path / "created-by-the-link")
+    quantize_checkpoint(good, out, "q8_0", threads=1)
+    assert not (tmp_path / "created-by-the-link").exists() and not out.is_symlink()
+
+
+def test_quantize_sigterm_removes_the_partial_file(good, tmp_path):
+    """SIGTERM mid-write (a service manager stopping it): exit non-zero with one line, no
+    OUT.part left, an older OUT untouched."""
+    import os
+    import signal
+    import time
+
+    import kestrel_cli
+    out, part = tmp_path / "m.gguf", tmp_path / "m.gguf.part"
+    out.write_bytes(b"old")
+    slow = ("import sys, time; import kestrel_cli.gguf_export as g; real = g.quantize_rows; "
+            "g.quantize_rows = lambda x, q: (time.sleep(0.2), real(x, q))[1]; "
+            "from kestrel_cli.cli import main; sys.argv = ['kestrel'] + sys.argv[1:]; main()")
+    code = str(Path(kestrel_cli.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": code + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", slow, "quantize", str(good), str(out),
+                             "--type", "q8_0", "-t", "1"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (part.exists() and part.stat().st_size > 0):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "OUT.part never appeared"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    line = one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    assert "SIGTERM" in line and str(out) in line, line
+    assert not part.exists() and out.read_bytes() == b"old"
+
+
+@pytest.mark.parametrize("tensor,value", [("token_embd.weight", math.nan),
+                                          ("blk.0.attn_k.weight", math.inf),
+                                          ("output_norm.weight", math.inf)])
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_non_finite_weights_refused_when_sampling(tmp_path, tensor, value, temp):
+    """NaN/Inf weights give NaN/Inf logits: one ModelError naming the file and the position,
+    never a silent argmax over NaN (greedy) or numpy's ValueError (sampling)."""
+    from kestrel_cli.errors import ModelError
+    p = write_gguf(tmp_path / "nan.gguf", hidden=4, ff=4, heads=2, q8=False,
+                   poison={tensor: value})
+    eng = Engine.from_pretrained(p, threads=1)
+    with pytest.raises(ModelError) as e:
+        list(eng.generate([0, 1], max_tokens=3, temperature=temp, seed=0))
+    msg = str(e.value)
+    assert "\n" not in msg and "nan.gguf" in msg, msg
+    assert "non-finite logits" in msg and "position 1" in msg, msg
+
+
+def test_non_finite_weights_at_the_cli(tmp_path):
+    p = write_gguf(tmp_path / "nan.gguf", hidden=4, ff=4, heads=2, q8=False,
+                   poison={"token_embd.weight": math.nan})
+    r = kestrel("run", "-m", p, "-p", "hi", "-n", "2", "--temp", "0", "--no-timing", "-t", "1")
+    line = one_error_line(r)
+    assert line.startswith("error: ") and "non-finite logits" in line, line
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("llama.attention.head_count_kv#3", 0, "llama.attention.head_count_kv"),
+    ("llama.attention.head_count_kv#3", 3, "llama.attention.head_count_kv"),
+    ("llama.attention.head_count_kv#3", 1 << 31, "llama.attention.head_count_kv"),
+    ("llama.attention.head_count#3", 1 << 20, "llama.attention.head_count"),
+    ("llama.attention.head_count#3", 3, "llama.attention.head_count"),
+])
+def test_gguf_head_counts(seed_gguf, tmp_path, field, value, needle):
+    _, data, fields = seed_gguf
+    msg = _gguf_error(tmp_path, patch(data, *fields[field], value))
+    assert needle in msg, msg
+
+
+def test_gguf_missing_tensor_names_the_file(seed_gguf, tmp_path):
+    """block_count 2 in a one-layer file (the fuzzer's find): the error names the file."""
+    _, data, fields = seed_gguf
+    p = tmp_path / "two.gguf"
+    p.write_bytes(patch(data, *fields["llama.block_count#3"], 2))
+    msg = one_line_error(lambda: Engine.from_pretrained(p, threads=1))
+    assert "missing tensor 'model.layers.1." in msg and "two.gguf" in msg, msg
+
+
+@pytest.mark.parametrize("command", ["run", "info"])
+def test_gguf_head_count_kv_0_at_the_cli(seed_gguf, tmp_path, command):
+    """Was a ZeroDivisionError traceback in both."""
+    _, data, fields = seed_gguf
+    p = tmp_path / "kv0.gguf"
+    p.write_bytes(patch(data, *fields["llama.attention.head_count_kv#3"], 0))
+    extra = ["-p", "hi", "-n", "1", "-t", "1", "--no-timing"] if command == "run" else []
+    line = one_error_line(kestrel(command, "-m", p, *extra))
+    assert "kv0.gguf" in line and "head_count_kv" in line, line
+
+
+@pytest.mark.parametrize("over,field", [
+    ({"num_attention_heads": 1 << 20}, "num_attention_heads"),
+    ({"num_attention_heads": 1 << 20, "num_key_value_heads": 1 << 20, "head_dim": 2},
+     "num_attention_heads"),
+    ({"head_dim": 1 << 20}, "head_dim"),
+])
+def test_config_absurd_head_counts(good, tmp_path, over, field):
+    d = with_config(good, tmp_path, **over)
+    msg = one_line_error(lambda: Engine.from_pretrained(d, threads=1))
+    assert "config.json" in msg and field in msg, msg
+
+
+# error lines echo a hostile file's shapes, names and dtypes cut short, never whole
+@pytest.mark.parametrize("entry", [
+    {"shape": [3] * 100_000},                       # was a 300 KB line, or a ValueError
+    {"shape": [1] * 100_000},
+    {"shape": [1] * 100},                           # past numpy's 64 dimensions
+    {"shape": [7, 1 << 40, 3]},
+    {"dtype": "F" * 100_000},
+])
+def test_safetensors_echoes_are_bounded(tmp_path, entry):
+    from kestrel_cli.loader import TensorStore, _open_safetensors
+    from hostile_seeds import write_safetensors
+    p = write_safetensors(tmp_path / "x.safetensors")
+    header, body = split_safetensors(p.read_bytes())
+    header["a.weight"].update(entry)
+    p.write_bytes(join_safetensors(header, body))
+
+    def load():
+        store = TensorStore()
+        _open_safetensors(p, store)
+        store.matrix("a.weight", (4, 32))
+    msg = one_line_error(load)
+    assert "x.safetensors" in msg and len(msg) < 400, msg[:500]
+
+
+@pytest.mark.parametrize("digits", [4000, 5000])
+def test_huge_integers_in_json(good, tmp_path, digits):
+    """A 4000-digit dimension was echoed whole (8 KB); past Python's 4300-digit limit on
+    int parsing json raised a bare ValueError (a traceback), in config.json too."""
+    import shutil
+    from kestrel_cli.loader import TensorStore, _open_safetensors
+    from hostile_seeds import write_safetensors
+    p = write_safetensors(tmp_path / "x.safetensors")
+    header, body = split_safetensors(p.read_bytes())
+    raw = json.dumps(header).encode().replace(b'"shape": [4, 32]',
+                                              b'"shape": [4, ' + b"9" * digits + b']')
+    p.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+    msg = one_line_error(lambda: _open_safetensors(p, TensorStore()))
+    assert "x.safetensors" in msg and len(msg) < 400, msg[:500]
+    d = tmp_path / "m"
+    shutil.copytree(good, d)
+    (d / "config.json").write_text('{"model_type": "qwen3", "hidden_size": ' + "9" * digits + "}")
+    msg = one_line_error(lambda: Engine.from_pretrained(d, threads=1))
+    assert "config.json" in msg and len(msg) < 400, msg[:500]
+
+
+def test_long_gguf_names_are_cut(tmp_path):
+    """An architecture or tensor name of 60 KB is cut in the error line."""
+    data = _gguf_with(tmp_path, {"general.architecture": ("string", "x" * 60_000)})
+    assert len(_gguf_error(tmp_path, data)) < 400
+    data = _gguf_with(tmp_path, {}, tensors=(("t" * 60_000, (4, 8)),))
+    assert len(_gguf_error(tmp_path, data)) < 400
+
+
+def test_long_tensor_name_is_cut(tmp_path):
+    from kestrel_cli.loader import TensorStore, _open_safetensors
+    from hostile_seeds import write_safetensors
+    name = "w" * 100_000
+    p = write_safetensors(tmp_path / "x.safetensors", {name: np.zeros((4, 32), np.float32)})
+    header, body = split_safetensors(p.read_bytes())
+    header[name]["data_offsets"] = [0, 1 << 40]
+    p.write_bytes(join_safetensors(header, body))
+    msg = one_line_error(lambda: _open_safetensors(p, TensorStore()))
+    assert "x.safetensors" in msg and len(msg) < 400, msg[:500]
+    p = write_safetensors(tmp_path / "x.safetensors", {name: np.zeros((4, 32), np.float32)})
+    store = TensorStore()
+    _open_safetensors(p, store)
+    msg = one_line_error(lambda: store.matrix(name, (8, 32)))
+    assert len(msg) < 400, msg[:500]
