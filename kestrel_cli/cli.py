@@ -32,6 +32,7 @@ from typer.core import TyperGroup
 from .engine import (DEFAULT_CTX_CAP, MAX_CTX, THREADS_FLOOR, THREADS_MAX, THREADS_PER_CORE,
                      Engine, LoadOptions, default_threads, thread_cap, thread_rule)
 from .errors import KestrelError
+from .osmem import physical_memory
 from .timing import TimingPrinter
 from .tokenizer import TooManyTokens
 
@@ -313,14 +314,6 @@ def _model_bytes(path: Path | None) -> int:
         return 0                  # from_pretrained reports it properly
 
 
-def _physical_memory() -> int | None:
-    """This machine's RAM in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def kv_cache_bytes(eng: Engine, tokens: int) -> int:
     """Bytes one KV cache of `eng`'s spec holds once `tokens` tokens fill it: K and V blocks
     of every layer, the per-token importance, and the sparse probes' per-block bounds or
@@ -339,7 +332,7 @@ def kv_cache_bytes(eng: Engine, tokens: int) -> int:
 def check_kv_memory(eng: Engine, tokens: int, slots: int = 1, hint: str = "") -> None:
     """Refuse up front when `slots` KV caches of `tokens` tokens and the weights cannot fit
     this machine's RAM once full (they would fail mid-answer, or wake the OOM killer)."""
-    ram = _physical_memory()
+    ram = physical_memory()
     if not ram:
         return
     kv = slots * kv_cache_bytes(eng, tokens)
@@ -876,7 +869,7 @@ def quantize(
 ):
     """Write a checkpoint as a GGUF file (llama.cpp's layout), tensor by tensor in
     bounded memory; OUT appears only once complete (OUT.part while writing)."""
-    from .gguf_export import quantize_checkpoint
+    from .gguf_export import Terminated, quantize_checkpoint
     LoadOptions(threads=threads).validate()       # -t within what this machine can start
     try:
         quantize_checkpoint(src, out, GGUFType(type_).value, pure=pure,
@@ -886,6 +879,9 @@ def quantize(
     except KeyboardInterrupt:
         print(f"interrupted: {out} not written", file=sys.stderr)
         raise typer.Exit(130)
+    except Terminated as e:            # the status a process ended by SIGTERM would have
+        print(f"error: {e}", file=sys.stderr)
+        raise typer.Exit(143)
 
 
 def main() -> None:

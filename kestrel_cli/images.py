@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import KestrelError
+from .osmem import return_freed_memory
 
 # Refuse larger files before decoding them. 8192 x 8192 = 67.1 M pixels: phone photos (12 to
 # 50 MP, 8160 x 6120) pass; Qwen3-VL resizes anything over max_pixels = 16.8 M down anyway,
@@ -446,30 +447,10 @@ def prepare(src, cfg: ImageConfig) -> ImageInput:
     """load_image + preprocess for one image, each step's input dropped as soon as the next
     has its output (the decoded source before the patches are made): peak decode_cost."""
     img = load_image(src)
-    _return_freed_memory()                 # a source converted to RGB, decoder buffers
+    return_freed_memory()                 # a source converted to RGB, decoder buffers
     img = _resize(img, cfg)                # the decoded source is freed here
-    _return_freed_memory()                 # it and the resize's intermediate
+    return_freed_memory()                 # it and the resize's intermediate
     return _patchify(img, cfg)
-
-
-_malloc_trim = None
-
-
-def _return_freed_memory() -> None:
-    """glibc keeps freed blocks smaller than its mmap threshold (which rises to as much as
-    32 MiB as larger blocks are freed) in the heap: the decoded source and the resize's
-    intermediate stayed resident under the patches (+40 MB for a second 6 MP image in a
-    process, +40 MB for a 50 MP RGBA PNG). Pillow allocates images in 16 MiB blocks, under
-    that ceiling. malloc_trim(0) gives their pages back; without glibc, nothing is done."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            import ctypes
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
 
 
 def _resize(img, cfg: ImageConfig):

@@ -1127,7 +1127,7 @@ def _read_json(path: Path) -> dict:
         return {}
     try:
         data = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
+    except ValueError as e:           # JSONDecodeError, or an integer over 4300 digits
         raise KestrelError(f"{path}: corrupt {path.name} ({e})") from None
     except RecursionError:
         raise KestrelError(f"{path}: corrupt {path.name} (nested too deeply)") from None

@@ -561,6 +561,7 @@ def test_quantize_sigterm_removes_the_partial_file(good, tmp_path):
             proc.kill()
     line = one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     assert "SIGTERM" in line and str(out) in line, line
+    assert proc.returncode == 143                   # 128 + SIGTERM, as a shell reports it
     assert not part.exists() and out.read_bytes() == b"old"
 
 
@@ -678,6 +679,12 @@ def test_huge_integers_in_json(good, tmp_path, digits):
     (d / "config.json").write_text('{"model_type": "qwen3", "hidden_size": ' + "9" * digits + "}")
     msg = one_line_error(lambda: Engine.from_pretrained(d, threads=1))
     assert "config.json" in msg and len(msg) < 400, msg[:500]
+    # the tokenizer's own JSON files (generation_config.json, tokenizer_config.json) too
+    shutil.copy(good / "config.json", d / "config.json")
+    (d / "generation_config.json").write_text('{"eos_token_id": ' + "9" * digits + "}")
+    if digits > 4300:
+        msg = one_line_error(lambda: Engine.from_pretrained(d, threads=1))
+        assert "generation_config.json" in msg and len(msg) < 400, msg[:500]
 
 
 def test_long_gguf_names_are_cut(tmp_path):

@@ -17,9 +17,8 @@ decoded at a time, plus the patches of all of them.
 """
 from __future__ import annotations
 
-import os
-
 from ..errors import KestrelError
+from ..osmem import physical_memory, return_freed_memory
 from .models import APIError
 
 MiB = 1 << 20
@@ -29,6 +28,7 @@ TEXT_BYTES_PER_CHAR = 16         # message copies, the rendered prompt, the piec
 TOKEN_BYTES = 64                 # the ids of the prompt (Python ints, the tokenizer's Encoding)
 PREP_BASE = 8 * MiB              # a request's fixed cost (template state, objects)
 GRAMMAR_BYTES = 64 * MiB         # one compiled JSON schema (response_format, a forced tool)
+TRIM_AFTER = 32 * MiB            # a lease this large returns freed heap pages when released
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -46,14 +46,6 @@ def parse_size(text: str, flag: str) -> int:
     if not n >= 1 or n == float("inf"):
         raise KestrelError(f"{flag} must be a size such as 512M or 2G, got {text!r}")
     return int(n)
-
-
-def physical_memory() -> int | None:
-    """This machine's RAM in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def default_budget() -> int:
@@ -122,5 +114,9 @@ class Lease:
         self.need(self.held + n, what)
 
     def release(self) -> None:
+        """Give the share back; after a large one, the heap pages it used go back to the
+        OS too, so the server's RSS returns to its idle level between bursts."""
         self.budget.used -= self.held
+        if self.held >= TRIM_AFTER:
+            return_freed_memory()
         self.held = 0
