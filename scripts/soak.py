@@ -17,6 +17,12 @@ ends in a finish_reason and `data: [DONE]`; a bad one gets a 4xx with an OpenAI-
 error; no 5xx; no transport error. Meanwhile the server's RSS is sampled; after the warm-up
 (the first --warmup requests) it may grow by at most --max-rss-growth percent.
 
+--mix hostile sends memory at the limits instead (prompts of ~1.3 M characters, eight
+9000 x 9000 PNGs in one request, 200 images, JSON nested 600 deep, among ordinary chats and
+images): each must be refused with a 4xx; --max-peak-mib and --max-end-mib bound the server's
+RSS over its RSS before the first request (peak, and after the last request); --serve-args
+passes flags such as --memory-budget to the server.
+
 --kill-restart K: K times during the run, while a long stream is being read, the server is
 killed with SIGKILL and started again on the same port; the stream must not have ended as if
 complete, requests in flight may only fail as transport errors (nothing half-answered), and
@@ -48,10 +54,16 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-KINDS = {                    # kind: weight
-    "chat": 6, "chat_stream": 6, "completion": 3, "completion_stream": 2,
-    "drop_stream": 3, "bad": 4, "long_prompt": 1, "image": 2, "json": 1,
+MIXES = {                    # --mix: kind -> weight
+    # what clients send in a day, a few bad requests among them
+    "mixed": {"chat": 6, "chat_stream": 6, "completion": 3, "completion_stream": 2,
+              "drop_stream": 3, "bad": 4, "long_prompt": 1, "image": 2, "json": 1},
+    # memory at the limits (README "Running it safely"): prompts just under the character
+    # cap, decompression-bomb and too many images, deep JSON, among ordinary chats
+    "hostile": {"chat": 3, "image": 1, "near_cap": 4, "bomb_images": 2, "many_images": 1,
+                "deep_json": 1},
 }
+KINDS = {k: 0 for mix in MIXES.values() for k in mix}
 WORDS = ("kestrel hover field mouse wind small model board token second plenty river stone "
          "light morning falcon wing grass").split()
 
@@ -76,7 +88,8 @@ class Server:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "kestrel_cli.cli", "serve", "-t", str(self.args.threads),
                "-c", str(self.args.ctx), "--port", str(self.port),
-               "--queue-size", str(self.args.clients + 2), "--parallel", str(self.args.parallel)]
+               "--queue-size", str(self.args.clients + 2), "--parallel", str(self.args.parallel),
+               *self.args.serve_args.split()]
         if self.args.model:
             cmd += ["-m", self.args.model]
         env = {**os.environ, "OMP_WAIT_POLICY": "passive",
@@ -156,6 +169,31 @@ def png_data_url(rng: random.Random) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+_BOMB: list[str] = []
+_NEAR_CAP: list[str] = []
+
+
+def bomb_png_data_url() -> str:
+    """A 9000 x 9000 grey PNG in ~200 KB (its rows compress to almost nothing): decoded and
+    preprocessed it would cost gigabytes; a server must refuse it from its header."""
+    if not _BOMB:
+        import struct
+        import zlib
+
+        def chunk(tag: bytes, data: bytes) -> bytes:
+            return (struct.pack(">I", len(data)) + tag + data
+                    + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+        w = h = 9000
+        z, row, idat = zlib.compressobj(9), b"\0" * (w + 1), []
+        for _ in range(h):
+            idat.append(z.compress(row))
+        idat.append(z.flush())
+        png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+               + chunk(b"IDAT", b"".join(idat)) + chunk(b"IEND", b""))
+        _BOMB.append("data:image/png;base64," + base64.b64encode(png).decode())
+    return _BOMB[0]
+
+
 def sentence(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -199,6 +237,33 @@ def make_request(kind: str, rng: random.Random, args) -> dict:
         return dict(path=CHAT, body=chat("Describe a bird as JSON.",
                                          response_format={"type": "json_object"},
                                          max_tokens=max(mt, 16)), stream=False, expect="ok")
+    if kind == "near_cap":             # ~1.3 M characters, ~8 MB of JSON: far over any context
+        if not _NEAR_CAP:
+            r0 = random.Random(0)
+            _NEAR_CAP.append("".join(chr(r0.randint(0x4E00, 0x9FFF)) for _ in range(1_300_000)))
+        cut = rng.randrange(len(_NEAR_CAP[0]))
+        text = _NEAR_CAP[0][cut:] + _NEAR_CAP[0][:cut]
+        if rng.random() < .5:
+            return dict(path=COMPLETIONS, body={"prompt": text, "max_tokens": mt},
+                        stream=False, expect="4xx")
+        return dict(path=CHAT, body=chat(text), stream=False, expect="4xx")
+    if kind == "bomb_images":          # eight 9000 x 9000 images in a 1.6 MB body
+        content = [{"type": "image_url", "image_url": {"url": bomb_png_data_url()}}] * 8
+        return dict(path=CHAT, body=chat(content + [{"type": "text", "text": "Compare."}]),
+                    stream=False, expect="4xx")
+    if kind == "many_images":          # more images than a prompt may hold
+        content = [{"type": "image_url", "image_url": {"url": png_data_url(rng)}}
+                   for _ in range(200)]
+        return dict(path=CHAT, body=chat(content), stream=False, expect="4xx")
+    if kind == "deep_json":            # nesting past the server's depth limit
+        deep = json.loads('{"type": "array", "items": ' * 600 + "{}" + "}" * 600)
+        if rng.random() < .5:
+            body = chat("hi", tools=[{"type": "function",
+                                      "function": {"name": "f", "parameters": deep}}])
+        else:
+            body = chat("hi", response_format={"type": "json_schema",
+                                               "json_schema": {"name": "x", "schema": deep}})
+        return dict(path=CHAT, body=body, stream=False, expect="4xx")
     bad = rng.choice([
         b"{not json", b"[1, 2]", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
         b'{"messages": []}', b'{"prompt": 3}', b'{"prompt": "x", "max_tokens": "10"}',
@@ -213,11 +278,12 @@ def make_request(kind: str, rng: random.Random, args) -> dict:
 
 
 class Result:
-    __slots__ = ("kind", "status", "ms", "problem", "transport", "t")
+    __slots__ = ("kind", "status", "ms", "problem", "transport", "t", "retry_after")
 
     def __init__(self, kind, status=None, ms=0.0, problem=None, transport=False):
         self.kind, self.status, self.ms, self.problem = kind, status, ms, problem
         self.transport, self.t = transport, time.monotonic()
+        self.retry_after: float | None = None
 
 
 def check_error_body(r: httpx.Response) -> str | None:
@@ -232,7 +298,35 @@ def check_error_body(r: httpx.Response) -> str | None:
     return None
 
 
+BUSY_RETRIES = 8                 # 503 server_busy: tries again after Retry-After, as SDKs do
+
+
 def run_one(client: httpx.Client, req: dict, kind: str) -> Result:
+    """`req`, sent again after Retry-After while the server answers 503 server_busy (its
+    memory budget or queue full: the OpenAI SDKs do the same), at most BUSY_RETRIES times."""
+    for _ in range(BUSY_RETRIES):
+        res = _send(client, req, kind)
+        if res.status != 503 or res.retry_after is None:
+            return res
+        with _busy_lock:
+            BUSY[0] += 1
+        time.sleep(min(res.retry_after, 5.0))
+    return res
+
+
+BUSY = [0]                       # 503 server_busy answers retried, over the run
+_busy_lock = threading.Lock()
+
+
+def _answered(kind: str, r: httpx.Response, t0: float, req: dict) -> Result:
+    """A whole (non-stream) reply judged; a 503 with Retry-After is marked for a retry."""
+    res = Result(kind, r.status_code, (time.perf_counter() - t0) * 1e3, judge_plain(r, req))
+    if r.status_code == 503 and r.headers.get("retry-after", "").isdigit():
+        res.retry_after = float(r.headers["retry-after"])
+    return res
+
+
+def _send(client: httpx.Client, req: dict, kind: str) -> Result:
     t0 = time.perf_counter()
     body = req["body"]
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -241,13 +335,11 @@ def run_one(client: httpx.Client, req: dict, kind: str) -> Result:
     try:
         if not stream:
             r = client.post(req["path"], content=raw, headers=headers)
-            ms = (time.perf_counter() - t0) * 1e3
-            return Result(kind, r.status_code, ms, judge_plain(r, req))
+            return _answered(kind, r, t0, req)
         with client.stream("POST", req["path"], content=raw, headers=headers) as r:
             if r.status_code != 200:
                 r.read()
-                return Result(kind, r.status_code, (time.perf_counter() - t0) * 1e3,
-                              judge_plain(r, req))
+                return _answered(kind, r, t0, req)
             events = []
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -321,7 +413,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=None,
                     help="requests before the RSS baseline (default: a fifth of -n)")
-    ap.add_argument("--max-rss-growth", type=float, default=5.0, help="percent, after warm-up")
+    ap.add_argument("--max-rss-growth", type=float, default=5.0,
+                    help="percent, after warm-up: the last sample over the first may grow this "
+                         "much, or more while the mean of the second half of the samples is "
+                         "within half of it of the first half's (no trend)")
     ap.add_argument("--url", help="drive a running server instead of starting one")
     ap.add_argument("--pid", type=int, help="with --url: the server's pid, for its RSS")
     ap.add_argument("--kill-restart", type=int, default=0, metavar="K",
@@ -329,6 +424,19 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
     ap.add_argument("--client-timeout", type=float, default=600.0,
                     help="seconds a client waits for a reply (a slower one is a problem)")
+    ap.add_argument("--mix", choices=sorted(MIXES), default="mixed",
+                    help="the kinds of request sent (mixed: a day's traffic; hostile: "
+                         "memory at the limits)")
+    ap.add_argument("--max-peak-mib", type=float, default=None,
+                    help="fail when the server's RSS ever rises more than this over its RSS "
+                         "before the first request (with --memory-budget: the budget)")
+    ap.add_argument("--max-end-mib", type=float, default=None,
+                    help="fail when the server's RSS --rest seconds after the last request is "
+                         "more than this over its RSS before the first")
+    ap.add_argument("--rest", type=float, default=2.0,
+                    help="seconds of quiet after the last request before the RSS at rest")
+    ap.add_argument("--serve-args", default="",
+                    help="more `kestrel serve` flags, e.g. \"--memory-budget 1G\"")
     args = ap.parse_args(argv)
     if args.kill_restart and args.url:
         ap.error("--kill-restart needs a server this script starts (no --url)")
@@ -347,8 +455,10 @@ def main(argv=None) -> int:
     watched = [tmp] + ([Path(args.model).expanduser().resolve()] if args.model else [])
     before = snapshot(*watched)
 
+    idle_kib = rss_kib(pid) if pid is not None else None
     rng = random.Random(args.seed)
-    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=args.requests)
+    mix = MIXES[args.mix]
+    kinds = rng.choices(list(mix), weights=list(mix.values()), k=args.requests)
     plan = [(k, make_request(k, random.Random(args.seed * 1_000_003 + i), args))
             for i, k in enumerate(kinds)]
     lock = threading.Lock()
@@ -445,6 +555,12 @@ def main(argv=None) -> int:
     if kib is not None:
         rss.append((time.monotonic() - t_start, len(results), kib))
     wall = time.monotonic() - t_start
+    # and one at rest: every client gone (their connections closed) and args.rest seconds
+    # of quiet, what the server keeps once a burst is over
+    rest_kib = None
+    if p is not None and up.is_set():
+        time.sleep(args.rest)
+        rest_kib = rss_kib(p)
     after = snapshot(*watched)
     rc_stop = server.stop() if server else 0
 
@@ -468,6 +584,11 @@ def main(argv=None) -> int:
     rss_warm = base[0] if base else None
     rss_end = rss[-1][2] if rss else None
     growth = (100.0 * (rss_end - rss_warm) / rss_warm) if rss_warm else None
+    # the trend: the mean RSS of the second half of the samples after the warm-up against
+    # the first half's (one sample wanders by tens of MiB with the requests in flight)
+    half = len(base) // 2
+    trend = (100.0 * (sum(base[half:]) / (len(base) - half) / (sum(base[:half]) / half) - 1)
+             if half >= 4 else None)
     peak_growth = (100.0 * (max(base) - rss_warm) / rss_warm) if rss_warm else None
     log_text = (tmp / "server.log").read_text(errors="replace") if server else ""
     tracebacks = log_text.count("Traceback")
@@ -485,7 +606,7 @@ def main(argv=None) -> int:
     print(f"latency (successful replies): p50 {percentile(all_ok, 50):.0f} ms, "
           f"p99 {percentile(all_ok, 99):.0f} ms")
     print(f"5xx: {n5xx}   transport errors: {transport}   problems: {len(problems)}   "
-          f"tracebacks in the server log: {tracebacks}")
+          f"tracebacks in the server log: {tracebacks}   503 server_busy retried: {BUSY[0]}")
     if rss:
         step = max(1, len(rss) // 10)
         print("RSS over time (s, requests done, MiB): " + ", ".join(
@@ -494,6 +615,15 @@ def main(argv=None) -> int:
         print(f"RSS after warm-up ({warmup} requests): {rss_warm / 1024:.1f} MiB -> "
               f"{rss_end / 1024:.1f} MiB at the end: growth {growth:+.2f}% "
               f"(peak {peak_growth:+.2f}%)")
+    if trend is not None:
+        print(f"RSS trend after warm-up: second half's mean {trend:+.2f}% over the first half's "
+              f"({len(base)} samples)")
+    peak_over = end_over = None
+    if idle_kib is not None and rss:
+        peak_over = (max(k for _, _, k in rss) - idle_kib) / 1024
+        end_over = ((rest_kib or rss_end) - idle_kib) / 1024
+        print(f"RSS before the first request {idle_kib / 1024:.0f} MiB; peak {peak_over:+.0f} MiB"
+              f" over it; {args.rest:g} s after the last request {end_over:+.0f} MiB")
     if paused[0]:
         print(f"note: this script was not scheduled for {paused[0]:.0f} s in all (gaps over 5 s "
               f"between its 0.25 s RSS samples: the machine paused it, e.g. SIGSTOP)")
@@ -505,10 +635,15 @@ def main(argv=None) -> int:
         print(f"  PROBLEM {p}")
 
     failed = bool(problems or n5xx or tracebacks or changed
-                  or (growth is not None and growth > args.max_rss_growth and not kills)
+                  or (growth is not None and growth > args.max_rss_growth and not kills
+                      and (trend is None or trend > args.max_rss_growth / 2))
                   or any(k["ended_as_complete"] for k in kills)
                   or (server and rc_stop != 0)
-                  or (transport and not args.kill_restart))
+                  or (transport and not args.kill_restart)
+                  or (args.max_peak_mib is not None and peak_over is not None
+                      and peak_over > args.max_peak_mib)
+                  or (args.max_end_mib is not None and end_over is not None
+                      and end_over > args.max_end_mib))
     if args.json:
         args.json.write_text(json.dumps({
             "requests": len(results), "by_kind": {k: dict(v) for k, v in by_kind.items()},
@@ -517,6 +652,9 @@ def main(argv=None) -> int:
             "tracebacks": tracebacks, "rss_kib": rss, "rss_warm_kib": rss_warm,
             "rss_end_kib": rss_end, "rss_growth_pct": growth, "kills": kills,
             "files_changed": changed, "server_exit": rc_stop, "paused_s": paused[0],
+            "rss_idle_kib": idle_kib, "rss_peak_over_idle_mib": peak_over,
+            "rss_end_over_idle_mib": end_over, "rss_rest_kib": rest_kib,
+            "busy_retries": BUSY[0], "rss_trend_pct": trend,
             "failed": failed}, default=str))
     if failed and server:
         print(f"the server's log: {tmp / 'server.log'}")

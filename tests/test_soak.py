@@ -46,6 +46,24 @@ def test_soak_mixed_requests(vl_model, tmp_path):
         assert needle in r.stdout, r.stdout
 
 
+def test_soak_hostile_memory(vl_model, tmp_path):
+    """--mix hostile, short: 1.3 M-character prompts, eight PNG bombs a request, 200 images
+    and deep JSON from 10 clients at once, each refused with a 4xx, ordinary chats and images
+    answered, the server's peak RSS within its 512 MiB budget over its idle RSS (the issue's
+    bombs alone peaked at 4.4 GB a request) and back near it afterwards."""
+    r, fig = soak(tmp_path, "-n", "40", "-c", "10", "--mix", "hostile", "-m", str(vl_model),
+                  "--ctx", "512", "--max-tokens", "4", "--warmup", "10",
+                  "--max-rss-growth", "1000", "--serve-args", "--memory-budget 512M",
+                  "--max-peak-mib", "512", "--max-end-mib", "256")
+    assert r.returncode == 0, r.stdout + r.stderr
+    kinds = fig["by_kind"]
+    for kind in ("near_cap", "bomb_images", "many_images", "deep_json"):
+        assert kinds.get(kind) and set(kinds[kind]) <= {"400", "413", "503"}, kinds
+    assert fig["n5xx"] == 0 and not fig["problems"] and fig["tracebacks"] == 0, fig
+    assert 0 < fig["rss_peak_over_idle_mib"] < 512, fig["rss_peak_over_idle_mib"]
+    assert "RSS before the first request" in r.stdout
+
+
 def test_soak_sigkill_mid_stream_and_restart(vl_model, tmp_path):
     r, fig = soak(tmp_path, "-n", "24", "-c", "2", "-m", str(vl_model), "--ctx", "2048",
                   "--max-tokens", "6", "--kill-restart", "1")

@@ -9,7 +9,7 @@ Retry-After; the request may be sent again a moment later). A request's lease gr
 is sized and is given back when its reply has been sent.
 
 The sizes are upper estimates of the peak each step reaches, measured on this code (see
-docs/DESIGN.md, "Admission"): a body is held as bytes, joined, and parsed (x3); a prompt's
+docs/DESIGN.md §8): a body is held as bytes, joined, and parsed (x3); a prompt's
 text is copied into the rendered template and tokenised in bounded pieces
 (Tokenizer.encode's `limit`), so it costs a few bytes a character plus the ids of at most
 one context; an image costs what images.decode_cost says from its header, one image
