@@ -162,9 +162,9 @@ class ChatSession:
                 self.say(f"[usage: /image PATH; {len(self.pending_images)} image(s) attached "
                          f"to your next message]\n")
             else:
-                from .images import load_image
+                from .images import probe_image
                 path = str(Path(arg).expanduser())
-                load_image(path)                 # unreadable: one clear error, nothing kept
+                probe_image(path)   # not an image, too large: one clear error, nothing kept
                 self.pending_images.append(path)
                 self.say(f"[image {arg} attached to your next message]\n")
         elif name == "/stats":
