@@ -59,8 +59,13 @@ def apply_repetition_penalty(logits: np.ndarray, recent: Sequence[int], penalty:
     if penalty == 1.0 or not len(recent):
         return
     ids = np.unique(np.asarray(recent, dtype=np.int64))
-    v = logits[ids]
-    logits[ids] = np.where(v > 0, v / penalty, v * penalty)
+    v = logits[ids].astype(np.float64)
+    with np.errstate(over="ignore", divide="ignore"):
+        v = np.where(v > 0, v / penalty, v * penalty)
+    # an extreme penalty (1e-40: any positive float is valid) must not overflow the row to
+    # +-inf, which reads as a corrupt model: the largest finite value is the same choice
+    big = float(np.finfo(logits.dtype).max)
+    logits[ids] = np.clip(v, -big, big)
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,

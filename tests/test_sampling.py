@@ -143,3 +143,17 @@ def test_masked_logits_still_sample():
 def test_tiny_temperature_is_greedy_not_nan():
     """1e-310 is a finite positive temperature: logits / T overflowed to inf, inf - inf = NaN."""
     assert make_sampler(1e-310, seed=0)(LOGITS.copy()) == 1
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e300])
+def test_extreme_repeat_penalty_stays_finite(penalty):
+    """Any positive repeat_penalty is valid; an extreme one must not overflow a penalised
+    logit to +-inf (which the samplers refuse as a corrupt model: a 500 in the server): the
+    largest finite value makes the same choice."""
+    from kestrel_cli.sampling import apply_repetition_penalty
+    row = np.array([3.0, -2.0, 1.0, 0.5], np.float32)
+    apply_repetition_penalty(row, [0, 1], penalty)
+    assert np.isfinite(row).all(), row
+    assert make_sampler(0.0)(row.copy()) == (0 if penalty < 1 else 2)
+    if penalty < 1:                       # the boosted token dominates a sampled pick too
+        assert make_sampler(0.7, seed=1)(row.copy()) == 0

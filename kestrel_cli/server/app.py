@@ -24,7 +24,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .. import __version__
 from ..engine import Engine
-from ..errors import KestrelError
+from ..errors import KestrelError, clip
 from ..generate import Stats
 from ..images import MAX_IMAGES_PER_PROMPT, probe_image
 from ..reasoning import AnswerSplitter, prompt_opens_thinking
@@ -198,6 +198,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object", 400)
         if _SURROGATE_ESCAPE.search(raw) and (where := first_bad_string(body)) is not None:
+            where = clip(where, 200)     # a path through long or deep keys is the client's
             raise APIError(f"'{where}' holds a lone UTF-16 surrogate (an unpaired \\ud800-"
                            f"\\udfff escape), which is not valid Unicode", 400, param=where)
         return body
