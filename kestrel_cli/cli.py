@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 import sys
 import typing
 from dataclasses import dataclass

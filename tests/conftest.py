@@ -132,3 +132,37 @@ def isa(request):
     _kernels.set_isa(request.param)
     yield request.param
     _kernels.set_isa(before)
+
+
+def record_tokenised(monkeypatch, tokenizer) -> list[int]:
+    """The length of every text `tokenizer`'s backend is given from now on (the test's
+    monkeypatch undoes it)."""
+    backend, seen = tokenizer._backend, []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(backend, name)
+
+        def encode_batch(self, texts, **kw):
+            seen.extend(len(t) for t in texts)
+            return backend.encode_batch(texts, **kw)
+    monkeypatch.setattr(tokenizer, "_backend", Recorder())
+    return seen
+
+
+class Decoded(BaseException):
+    """Raised by the patched decoders: a BaseException, so no `except Exception` hides it."""
+
+
+@pytest.fixture
+def no_decoding(monkeypatch):
+    """Any pixel decoding raises Decoded (and is recorded)."""
+    from PIL import ImageFile, WebPImagePlugin
+    calls = []
+
+    def refuse(self, *a, **k):
+        calls.append(type(self).__name__)
+        raise Decoded(type(self).__name__)
+    monkeypatch.setattr(ImageFile.ImageFile, "load", refuse)
+    monkeypatch.setattr(WebPImagePlugin.WebPImageFile, "load", refuse)
+    return calls

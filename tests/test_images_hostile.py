@@ -14,8 +14,9 @@ import zlib
 
 import numpy as np
 import pytest
-from PIL import Image, ImageFile
+from PIL import Image
 
+from conftest import Decoded
 from hostile_seeds import image_bytes, png_header_only
 from kestrel_cli import images
 from kestrel_cli.errors import KestrelError
@@ -48,24 +49,6 @@ def eps_bytes() -> bytes:
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-class Decoded(BaseException):
-    """Raised by the patched decoders: a BaseException, so no `except Exception` hides it."""
-
-
-@pytest.fixture
-def no_decoding(monkeypatch):
-    """Any pixel decoding raises Decoded (and is recorded)."""
-    from PIL import WebPImagePlugin
-    calls = []
-
-    def refuse(self, *a, **k):
-        calls.append(type(self).__name__)
-        raise Decoded(type(self).__name__)
-    monkeypatch.setattr(ImageFile.ImageFile, "load", refuse)
-    monkeypatch.setattr(WebPImagePlugin.WebPImageFile, "load", refuse)
-    return calls
 
 
 def one_line(fn) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import subprocess
 import sys
@@ -17,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_images_hostile import no_decoding  # noqa: F401 (a fixture)
 from test_server_limits import CHAT, chat, post_all, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,18 +43,9 @@ def test_a_prompt_far_over_the_context_is_tokenised_only_in_part(smollm2_engine,
     for an 8192-token context: it is refused after a piece or two, as 'at least N tokens'."""
     from kestrel_cli.server import create_app
     from kestrel_cli.tokenizer import COUNT_CHUNK_CHARS
+    from conftest import record_tokenised
     tiny = smollm2_engine
-    backend = tiny.tokenizer._backend
-    seen = []
-
-    class Recorder:
-        def __getattr__(self, name):
-            return getattr(backend, name)
-
-        def encode_batch(self, texts, **kw):
-            seen.extend(len(t) for t in texts)
-            return backend.encode_batch(texts, **kw)
-    monkeypatch.setattr(tiny.tokenizer, "_backend", Recorder())
+    seen = record_tokenised(monkeypatch, tiny.tokenizer)
     text = cjk(200_000)
     r, c = post_all(create_app([tiny]), [(CHAT, chat(text)),
                                          ("/v1/completions", {"prompt": text, "max_tokens": 1})])

@@ -76,15 +76,20 @@ def harness(tmp_path_factory):
     pytest.importorskip("transformers")
     from conftest import make_checkpoint
     from kestrel_cli import Engine
-    from kestrel_cli.server import create_app
     d = tmp_path_factory.mktemp("fuzz") / "tiny-qwen3"
     make_checkpoint(d, "qwen3")
-    eng = Engine.from_pretrained(d, threads=1, ctx_size=64)
+    yield from _harness(Engine.from_pretrained(d, threads=1, ctx_size=64), d, "requests")
+
+
+def _harness(eng, d, what: str):
+    """A Harness over an app of `eng` (from directory `d`), closed after the module, with
+    the statuses it saw printed."""
+    from kestrel_cli.server import create_app
     h = Harness(create_app([eng], queue_size=4))
     h.model_dir, h.max_chars = d, eng.tokenizer.max_text_chars(eng.ctx_size)
     yield h
     h.close()
-    print(f"\nfuzzed requests by status: {dict(sorted(h.statuses.items()))}")
+    print(f"\nfuzzed {what} by status: {dict(sorted(h.statuses.items()))}")
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +99,9 @@ def vl_harness(tmp_path_factory):
     from test_vision import make_vl_checkpoint
 
     from kestrel_cli import Engine
-    from kestrel_cli.server import create_app
     d = tmp_path_factory.mktemp("fuzzvl") / "tiny-qwen3-vl"
     make_vl_checkpoint(d)
-    eng = Engine.from_pretrained(d, threads=1, ctx_size=512)
-    h = Harness(create_app([eng], queue_size=4))
-    h.model_dir, h.max_chars = d, eng.tokenizer.max_text_chars(eng.ctx_size)
-    yield h
-    h.close()
-    print(f"\nfuzzed image requests by status: {dict(sorted(h.statuses.items()))}")
+    yield from _harness(Engine.from_pretrained(d, threads=1, ctx_size=512), d, "image requests")
 
 
 def proc_status(key: str) -> int:

@@ -625,17 +625,9 @@ def test_encode_limit_tokenises_only_pieces(smol, monkeypatch):
     characters, about a limit's worth in all (it used to tokenise all 3.5M tokens, ~0.8 GB)."""
     import random
     from kestrel_cli.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
+    from conftest import record_tokenised
     tok = smol[0]
-    backend, seen = tok._backend, []
-
-    class Recorder:
-        def __getattr__(self, name):
-            return getattr(backend, name)
-
-        def encode_batch(self, texts, **kw):
-            seen.extend(len(t) for t in texts)
-            return backend.encode_batch(texts, **kw)
-    monkeypatch.setattr(tok, "_backend", Recorder())
+    seen = record_tokenised(monkeypatch, tok)
     rnd = random.Random(3)
     text = "".join(chr(rnd.randint(0x4E00, 0x9FFF)) for _ in range(1_300_000))
     with pytest.raises(TooManyTokens) as e:

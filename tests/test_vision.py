@@ -333,37 +333,21 @@ def test_too_many_image_tokens_for_context(vl):
         small.prompt_logits(two_images(imgs["a"], imgs["b"]))
 
 
-def _refuse_decoding(monkeypatch) -> list:
-    """Pixel decoding raises (a BaseException: no `except Exception` can hide it)."""
-    from PIL import ImageFile, WebPImagePlugin
-    calls = []
-
-    class Decoded(BaseException):
-        pass
-
-    def refuse(self, *a, **k):
-        calls.append(type(self).__name__)
-        raise Decoded(type(self).__name__)
-    monkeypatch.setattr(ImageFile.ImageFile, "load", refuse)
-    monkeypatch.setattr(WebPImagePlugin.WebPImageFile, "load", refuse)
-    return calls
-
-
-def test_image_tokens_over_context_refused_before_decoding(vl, monkeypatch):
+def test_image_tokens_over_context_refused_before_decoding(vl, no_decoding):
     """Text + image tokens past the context: refused from the headers (was: every image
     decoded and preprocessed first, then the length checked in prefill)."""
     d, model, eng, proc, imgs = vl
     small = Engine.from_pretrained(d, threads=1, ctx_size=24)
-    calls = _refuse_decoding(monkeypatch)
+    calls = no_decoding
     with pytest.raises(KestrelError, match="context size 24") as e:
         small.encode_prompt(two_images(imgs["a"], imgs["b"]))
     assert "2 image(s)" in str(e.value) and calls == []
 
 
-def test_too_many_images_refused_before_decoding(vl, monkeypatch):
+def test_too_many_images_refused_before_decoding(vl, no_decoding):
     from kestrel_cli.images import MAX_IMAGES_PER_PROMPT
     d, model, eng, proc, imgs = vl
-    calls = _refuse_decoding(monkeypatch)
+    calls = no_decoding
     n = MAX_IMAGES_PER_PROMPT + 1
     msgs = [{"role": "user", "content": [{"type": "image", "image": str(imgs["a"])}] * n}]
     with pytest.raises(KestrelError, match=f"{n} images.*{MAX_IMAGES_PER_PROMPT}"):
@@ -371,14 +355,14 @@ def test_too_many_images_refused_before_decoding(vl, monkeypatch):
     assert calls == []
 
 
-def test_every_image_checked_before_any_is_decoded(vl, tmp_path, monkeypatch):
+def test_every_image_checked_before_any_is_decoded(vl, tmp_path, no_decoding):
     """A good image then a bad one: the bad one's header refuses the prompt before the good
     one is decoded; eight copies of the issue's 10 KB 9000x9000 PNG decode nothing."""
     from test_images_hostile import data_url, png_bomb
     d, model, eng, proc, imgs = vl
     thin = tmp_path / "thin.png"
     Image.new("L", (1, 300)).save(thin)                   # aspect ratio 300
-    calls = _refuse_decoding(monkeypatch)
+    calls = no_decoding
     with pytest.raises(KestrelError, match="aspect ratio"):
         eng.encode_prompt(two_images(imgs["a"], thin))
     bomb = data_url(png_bomb(9000, 9000))
