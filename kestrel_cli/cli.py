@@ -164,8 +164,9 @@ class EngineOptions:
     repack: Annotated[bool, typer.Option(
         "--repack/--no-repack", help="Interleave q4_0/q4_1/q4_k/q6_k weights by 16 rows at load, the "
         "decode GEMV's layout, and copy the other weights decode reads (not an untied "
-        "embedding) into memory on huge pages (same results; MoE experts on first use; "
-        "off: the file's row-major layout, kept as mapped pages).",
+        "embedding) into memory on huge pages (same results; MoE experts too when the "
+        "weights fit the free memory, else they stay mapped, with a note; off: the file's "
+        "row-major layout, kept as mapped pages).",
         rich_help_panel=_MODEL)] = True
 
     def load_options(self) -> LoadOptions:
@@ -356,6 +357,8 @@ def engine_from_options(opts: EngineOptions, spinner: bool = True, slots: int = 
             eng = Engine.load(opts.model, load)
     else:
         eng = Engine.load(opts.model, load)
+    for line in eng.notices:
+        print(f"note: {line}", file=sys.stderr)
     check_kv_memory(eng, eng.ctx_size, slots,
                     "--parallel or -c/--ctx-size" if slots > 1 else "-c/--ctx-size")
     return eng

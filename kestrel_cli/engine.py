@@ -40,6 +40,24 @@ def thread_rule() -> str:
     return f"{THREADS_PER_CORE} per core, at least {THREADS_FLOOR}, at most {THREADS_MAX}"
 
 
+EXPERTS_MARGIN = 1 << 30            # memory left over once the experts are copied
+
+
+def experts_fit(store) -> tuple[bool, str]:
+    """Whether a MoE model's weights, copied off the file at load (experts in the decode
+    layout, the rest on huge pages; their file pages let go), fit the memory available now
+    with EXPERTS_MARGIN to spare; else the experts are read from the file's mapping as
+    stored (a file larger than the RAM still runs), and why, in one line."""
+    from .osmem import available_memory
+    avail = available_memory()
+    need = store.nbytes + EXPERTS_MARGIN
+    if avail is None or need <= avail:
+        return True, ""
+    return False, (f"the weights ({store.nbytes / 2**30:.1f} GiB) do not fit the "
+                   f"{avail / 2**30:.1f} GiB of memory available: the MoE experts are read "
+                   f"from the file as stored (slower decode; --no-repack silences this)")
+
+
 def default_threads(share: int = 1) -> int:
     """The cores this process may use, split `share` ways (at least 1)."""
     try:
@@ -255,6 +273,7 @@ class Engine:
                  spec: CacheSpec = CacheSpec()):
         self.model, self.tokenizer, self.config, self.path = model, tokenizer, config, path
         self.store, self.ctx_size, self.spec = store, ctx_size, spec
+        self.notices: list[str] = []        # one line each, for the user (load's choices)
         self.cache = self.make_cache()
         self.cached_ids: list[int] = []     # tokens whose K/V the cache holds
         self.cached_keys: list = []         # their keys (VisionPrompt.keys; ids for text)
@@ -292,9 +311,16 @@ class Engine:
         cfg, store, tok, p = open_checkpoint(path)
         store.quantize_to(QUANT_FORMATS.get(options.quant), threads)   # --quant: at load
         store.repack_x16 = options.repack
+        notices = []
+        if options.repack and store.expert_nbytes:
+            store.experts_at_load, why = experts_fit(store)
+            if not store.experts_at_load:
+                notices.append(why)
         model = resolve(cfg.model_type).Model(cfg, store, threads, act=options.act)
-        return cls(model, tok, cfg, p, store, options.context(cfg.max_position_embeddings),
-                   options.cache_spec)
+        eng = cls(model, tok, cfg, p, store, options.context(cfg.max_position_embeddings),
+                  options.cache_spec)
+        eng.notices = notices
+        return eng
 
     def fork(self) -> "Engine":
         """Another Engine on the same weights (shared, not copied) with its own, empty KV

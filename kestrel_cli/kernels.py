@@ -187,19 +187,18 @@ class ExpertTable:
     decode kernel reads: formats, raw addresses and row bytes, (3, E); `decode` runs one
     token through the selected experts (`moe_decode`).
 
-    With repack, an expert's q4 matrices take the x16 decode layout (`repack_x16`) once
-    decode has routed PACK_AFTER tokens to it, not at load: repacking every expert would
-    read the whole file (Qwen3-30B-A3B: ~17 GiB) where decode reads the experts tokens
-    use, and copying each expert on its first use made the first tokens of a reply ~3x
-    slower than no repack (most experts are used once or twice in 16 tokens); the kernel
-    reads row-major q4 too. The mapped row-major pages are then let go, and
+    With repack, every expert's q4 / q6_k matrices take the x16 decode layout
+    (`repack_x16`) here, at load, one expert after the other, each one's mapped row-major
+    pages let go once it is done (RSS stays near the file's size), and
     `on_pack(e, (gate, up, down))` hands the new weights to the block (its prefill reads
-    them from then on).
+    them too). Chosen by measurement (docs/DESIGN.md §5, "MoE experts"): the x16 dots
+    decode faster than the row-major ones, and packing on first use instead made the
+    first tokens of a reply ~3x slower. Without repack (`--no-repack`, or weights that do
+    not fit the memory: Engine.load decides) the kernels read the experts as stored.
     """
 
-    PACK_AFTER = 4           # decode tokens routed to an expert before it is repacked
-
-    def __init__(self, experts, repack: bool = False, on_pack=None):
+    def __init__(self, experts, repack: bool = False, on_pack=None,
+                 threads: int | None = None):
         """experts: (gate, up, down) Weights per expert; gate / up (I, H), down (H, I)."""
         import threading
         self.experts = [tuple(e) for e in experts]          # keeps the raw memory alive
@@ -218,18 +217,17 @@ class ExpertTable:
                     raise ValueError(f"ExpertTable: expert {e} weight {j} has shape {w.shape}, "
                                      f"expected {want}")
             self._set(e, ws)
-        # experts still to repack on first use (none without repack or q4 matrices)
-        self.unpacked = np.array([repack and any(can_repack_x16(w) for w in ws)
-                                  for ws in self.experts], bool)
-        self.uses = np.zeros(E, np.int64)       # decode tokens routed to each expert
         self.on_pack = on_pack
-        self._lock = threading.Lock()           # forks decode in threads (serve --parallel)
         self._bufs = threading.local()          # decode's per-thread gather tables
         # the repacked experts live side by side in one mapping with huge pages (a decode
         # token reads ~24 small matrices a layer: with 4 KiB pages, TLB misses cost)
         self._arena = None
         self._slot = max(sum(-(-_weight_bytes(w).nbytes // 64) * 64 for w in ws
                              if can_repack_x16(w)) for ws in self.experts)
+        if repack:
+            for e, ws in enumerate(self.experts):
+                if any(can_repack_x16(w) for w in ws):
+                    self.pack(e, threads)
 
     def _set(self, e: int, ws) -> None:
         for j, w in enumerate(ws):
@@ -239,7 +237,7 @@ class ExpertTable:
             self.fmts[j, e] = FMT_CODE[w.fmt]
 
     def pack(self, e: int, threads: int | None = None) -> None:
-        """Expert e's q4 matrices in the x16 layout from now on (call with the lock)."""
+        """Expert e's q4 / q6_k matrices in the x16 layout from now on."""
         from .quantize import drop_pages
         old = self.experts[e]
         if self._arena is None:          # every expert's slot, pages taken on first touch
@@ -254,7 +252,6 @@ class ExpertTable:
         new = tuple(new)
         self.experts[e] = new
         self._set(e, new)
-        self.unpacked[e] = False
         if self.on_pack is not None:
             self.on_pack(e, new)
         for w0, w1 in zip(old, new):
@@ -281,13 +278,9 @@ class ExpertTable:
             bufs = self._bufs.k = tuple(np.empty((3, len(sel)), a.dtype)
                                         for a in (self.fmts, self.ptrs, self.ldws))
         fmts, ptrs, ldws = bufs
-        with self._lock:
-            self.uses[sel] += 1
-            for e in sel[self.unpacked[sel] & (self.uses[sel] >= self.PACK_AFTER)]:
-                self.pack(int(e), threads)
-            np.take(self.fmts, sel, axis=1, out=fmts)
-            np.take(self.ptrs, sel, axis=1, out=ptrs)
-            np.take(self.ldws, sel, axis=1, out=ldws)
+        np.take(self.fmts, sel, axis=1, out=fmts)
+        np.take(self.ptrs, sel, axis=1, out=ptrs)
+        np.take(self.ldws, sel, axis=1, out=ldws)
         _lib.moe_decode(x, fmts, ptrs, ldws, np.ascontiguousarray(we, dtype=np.float32),
                         self.I, out, _threads(threads), bool(act_q8))
         return out
@@ -320,12 +313,8 @@ class ExpertTable:
         M = rows.shape[0]
         h = np.empty((M, self.I), np.float32)
         y = np.empty((M, self.H), np.float32)
-        with self._lock:                 # a snapshot: pack() may swap an expert's weights
-            fmts, ptrs, ldws = self.fmts.copy(), self.ptrs.copy(), self.ldws.copy()
-            keep = list(self.experts)    # ... and let the old ones go
-        _lib.moe_prefill(x, fmts, ptrs, ldws, experts, starts, rows, h, y,
+        _lib.moe_prefill(x, self.fmts, self.ptrs, self.ldws, experts, starts, rows, h, y,
                          _threads(threads), bool(act_q8))
-        del keep
         return y
 
 

@@ -57,6 +57,7 @@ class TensorStore:
         self.quant: str | None = None            # block format for float matrices, or None
         self.threads: int | None = None
         self.repack_x16 = False                  # q4_0 / q4_1 / q4_k / q6_k -> the x16 layout
+        self.experts_at_load = False             # with it, MoE experts too, at load
         self.source = "the checkpoint"           # its file or directory, as errors name it
         self._quantised: dict[str, Weight] = {}
 
@@ -87,7 +88,8 @@ class TensorStore:
         """A 2-D weight (d, n) as stored (or quantised, see quantize_to). With repack_x16
         set, a weight decode streams (`streamed`: not an untied embedding, which is only
         gathered from) leaves the file's pages: repacked to x16, else copied as it is into
-        memory on huge pages (kernels.to_huge_pages). MoE experts stay mapped."""
+        memory on huge pages (kernels.to_huge_pages). MoE experts are left to their
+        kernels.ExpertTable."""
         fmt, raw, actual = self._get(name, shape)
         if name in self._quantised:
             return self._quantised[name]
@@ -95,8 +97,8 @@ class TensorStore:
         if (self.quant is not None and fmt in ("f32", "f16", "bf16") and actual[1] % QK == 0
                 and not name.endswith("mlp.gate.weight")):
             w = self._quantised[name] = quantize(w, self.quant, self.threads)
-        # Not MoE experts: moving them reads every expert at load, where the mapping reads
-        # only those tokens route to (Qwen3-30B-A3B: RSS ~7.5 GiB, not ~18)
+        # Not MoE experts: their ExpertTable repacks them, when the weights fit the memory
+        # (Engine.load decides), else they stay mapped
         if not self.repack_x16 or ".experts." in name:
             return w
         if kernels.can_repack_x16(w):      # the decode layout (pyx/gemv_x16.h)
@@ -118,6 +120,11 @@ class TensorStore:
     @property
     def nbytes(self) -> int:
         return sum(int(e[1].nbytes) for e in self.entries.values())
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of the MoE experts' matrices (0 for a dense model)."""
+        return sum(int(e[1].nbytes) for name, e in self.entries.items() if ".experts." in name)
 
     def dtypes(self) -> dict[str, int]:
         out: dict[str, int] = {}

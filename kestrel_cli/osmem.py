@@ -16,6 +16,19 @@ def physical_memory() -> int | None:
         return None
 
 
+def available_memory() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable: free memory
+    plus reclaimable page cache), None where it does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def return_freed_memory() -> None:
     """glibc keeps freed blocks smaller than its mmap threshold (which rises to as much as
     32 MiB as larger blocks are freed) in the heap, so a process's RSS stays at its

@@ -128,7 +128,7 @@ class MLP:
 
     def use_weights(self, gate, up, down) -> None:
         """Multiply by these weights from now on (the same values in another layout: a MoE
-        expert repacked on first use)."""
+        expert repacked by its ExpertTable)."""
         g = self.gate_up
         self.gate_proj, self.up_proj, self.down_proj = gate, up, down
         self.gate_up = K.Projection([gate, up], norm=g.norm, eps=g.eps, swiglu=True)

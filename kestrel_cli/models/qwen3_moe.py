@@ -12,12 +12,11 @@ from . import llama, qwen3
 class MoeBlock:
     """Router softmax over experts, top-k, optional renormalisation, weighted SwiGLU experts.
 
-    Called as the dense MLP is. Experts stay as the checkpoint stores them
+    Called as the dense MLP is. Experts are read as the checkpoint stores them
     (`experts.E.{gate,up,down}_proj`, memory-mapped views; a GGUF's stacked ffn_*_exps are
-    served as per-expert views by the loader) until decode first routes a token to them
-    (then, with --repack, their q4 matrices take the x16 layout: kernels.ExpertTable);
-    only the tokens routed to an expert are gathered for its matmuls, and only the
-    selected experts' weights are read.
+    served as per-expert views by the loader), or with --repack in the x16 decode layout
+    made at load (kernels.ExpertTable); only the tokens routed to an expert are gathered
+    for its matmuls, and only the selected experts' weights are read.
     """
 
     def __init__(self, cfg, store, p, norm):
@@ -28,10 +27,13 @@ class MoeBlock:
         self.router = K.Projection([self.gate])
         self.experts = [llama.MLP(cfg, store, f"{p}.experts.{e}", cfg.moe_intermediate_size)
                         for e in range(E)]
-        # decode's kernel; with --repack an expert takes the x16 layout on first use
+        # decode's kernel; with --repack, every expert in the decode layout now (when the
+        # weights fit the memory: Engine.load decides), its file pages let go
         self.table = K.ExpertTable([(m.gate_proj, m.up_proj, m.down_proj)
-                                    for m in self.experts], repack=store.repack_x16,
-                                   on_pack=lambda e, ws: self.experts[e].use_weights(*ws))
+                                    for m in self.experts],
+                                   repack=store.repack_x16 and store.experts_at_load,
+                                   on_pack=lambda e, ws: self.experts[e].use_weights(*ws),
+                                   threads=store.threads)
 
     def __call__(self, x, fwd, residual=None) -> np.ndarray:
         """MoE of RMSNorm(x), x (T, H); with `residual` (T, H), the output is added into it
