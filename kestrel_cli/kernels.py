@@ -18,7 +18,8 @@ import sys
 import numpy as np
 
 from kestrel_cli._kernels import lib as _lib
-from kestrel_cli.weights import BLOCK_BYTES, BLOCK_ELEMS, FORMATS, QK, X16_OF, Weight
+from kestrel_cli.weights import (BLOCK_BYTES, BLOCK_ELEMS, FORMATS, QK, X16_OF, Weight,
+                                 row_bytes)
 
 # the compiled kernels are one module (pyx/lib.pyx): one ISA choice for all of them
 if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
@@ -222,7 +223,7 @@ class ExpertTable:
         # the repacked experts live side by side in one mapping with huge pages (a decode
         # token reads ~24 small matrices a layer: with 4 KiB pages, TLB misses cost)
         self._arena = None
-        self._slot = max(sum(-(-_weight_bytes(w).nbytes // 64) * 64 for w in ws
+        self._slot = max(sum(-(-x16_nbytes(w) // 64) * 64 for w in ws
                              if can_repack_x16(w)) for ws in self.experts)
         if repack:
             for e, ws in enumerate(self.experts):
@@ -245,7 +246,7 @@ class ExpertTable:
         new, off = [], e * self._slot
         for w in old:
             if can_repack_x16(w):
-                n = _weight_bytes(w).nbytes
+                n = x16_nbytes(w)
                 w = repack_x16(w, threads, self._arena[off:off + n])
                 off += -(-n // 64) * 64
             new.append(w)
@@ -359,14 +360,19 @@ def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = N
     """
     if not can_repack_x16(w):
         raise ValueError(f"repack_x16: needs a q4_0/q4_1/q4_k/q6_k weight with rows a "
-                         f"multiple of 16 and an even number of blocks (q4_0, q4_1) or of "
-                         f"super-blocks (q6_k), got {w.fmt} {w.shape}")
+                         f"multiple of 16 and, for q4_0 / q4_1, an even number of blocks, "
+                         f"got {w.fmt} {w.shape}")
     raw = _weight_bytes(w)
+    rb = row_bytes(X16_OF[w.fmt], w.shape[1])
     if out is None:
-        out = huge_buffer(raw.nbytes)
-    elif out.dtype != np.uint8 or out.size != raw.nbytes or out.ctypes.data % 64:
-        raise ValueError("repack_x16: out must be uint8, 64-byte aligned, of the weight's size")
-    out = out.reshape(raw.shape)
+        out = huge_buffer(w.shape[0] * rb)
+    elif out.dtype != np.uint8 or out.size != w.shape[0] * rb or out.ctypes.data % 64:
+        raise ValueError("repack_x16: out must be uint8, 64-byte aligned, of x16_nbytes(w)")
+    out = out.reshape(w.shape[0], rb)
+    if rb != raw.shape[1]:          # q6_k, odd super-blocks: a zero partner for the last
+        padded = np.zeros((w.shape[0], rb), np.uint8)
+        padded[:, :raw.shape[1]] = raw
+        raw = padded
     _lib.repack_x16(raw, FMT_CODE[w.fmt], out, _threads(threads))
     return Weight(X16_OF[w.fmt], out, w.shape)
 
@@ -414,10 +420,17 @@ def huge_buffer(nbytes: int) -> np.ndarray:
 
 def can_repack_x16(w: Weight) -> bool:
     """Whether `repack_x16` takes w: q4_0 / q4_1 / q4_k / q6_k, rows a multiple of 16, for
-    q4_0 / q4_1 an even number of blocks a row, for q6_k of super-blocks (so every 64-byte
-    load of the layout is aligned)."""
+    q4_0 / q4_1 an even number of blocks a row (so every 64-byte load of the layout is
+    aligned; q6_k rows of an odd number of super-blocks get a zero partner for the last,
+    weights.row_bytes)."""
     return (w.fmt in X16_OF and w.shape[0] % 16 == 0 and w.shape[0] > 0 and w.shape[1] > 0
-            and (w.fmt == "q4_k" or (w.shape[1] // BLOCK_ELEMS[w.fmt]) % 2 == 0))
+            and (w.fmt in ("q4_k", "q6_k") or (w.shape[1] // BLOCK_ELEMS[w.fmt]) % 2 == 0))
+
+
+def x16_nbytes(w: Weight) -> int:
+    """Bytes of `w` in the x16 layout (repack_x16): its own, but for a q6_k weight of an
+    odd number of super-blocks a row, one zero super-block a row more."""
+    return w.shape[0] * row_bytes(X16_OF[w.fmt], w.shape[1])
 
 
 def isa() -> str:

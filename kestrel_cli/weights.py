@@ -46,6 +46,15 @@ FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
 X16_OF = {"q4_0": "q4_0x16", "q4_1": "q4_1x16", "q4_k": "q4_kx16",   # repacked for decode
           "q6_k": "q6_kx16"}
 X16_BASE = {v: k for k, v in X16_OF.items()}
+
+
+def row_bytes(fmt: str, n: int) -> int:
+    """Bytes a row of n elements takes in `fmt`'s storage. q6_kx16 keeps super-blocks in
+    pairs (pyx/gemv_x16.h): a row of an odd number of them carries a zero partner for the
+    last (the kernels read only n's)."""
+    qk = BLOCK_ELEMS[fmt]
+    nb = n // qk
+    return (nb + nb % 2 if fmt == "q6_kx16" else nb) * BLOCK_BYTES[fmt]
 # the gguf package's type of each format whose reference is gguf.quants.dequantize
 _GGUF_REFERENCE = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k": "Q3_K",
                    "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "iq4_nl": "IQ4_NL",
@@ -65,7 +74,7 @@ class Weight:
         if self.fmt in BLOCK_BYTES:
             qk = BLOCK_ELEMS[self.fmt]
             assert n % qk == 0, f"{self.fmt} rows must be whole blocks of {qk}"
-            assert self.data.shape == (d, n // qk * BLOCK_BYTES[self.fmt]), self.data.shape
+            assert self.data.shape == (d, row_bytes(self.fmt, n)), self.data.shape
         else:
             assert self.data.shape == (d, n), (self.data.shape, self.shape)
 
@@ -83,8 +92,9 @@ class Weight:
         """Dequantised rows `idx` as float32 (len(idx), n)."""
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         if self.fmt in X16_BASE:
-            return dequantize(X16_BASE[self.fmt], rows_x16(self.fmt, self.data)[idx],
-                              self.shape[1])
+            base, n = X16_BASE[self.fmt], self.shape[1]
+            return dequantize(base, rows_x16(self.fmt, self.data)[idx][:, :row_bytes(base, n)],
+                              n)
         return dequantize(self.fmt, self.data[idx], self.shape[1])
 
     def dequantize(self) -> np.ndarray:
@@ -167,8 +177,9 @@ def _rows_q6_kx16(data: np.ndarray) -> np.ndarray:
 
 def dequantize(fmt: str, data: np.ndarray, n: int) -> np.ndarray:
     """Reference NumPy dequantisation of raw rows (r, ...) -> float32 (r, n)."""
-    if fmt in X16_BASE:
-        return dequantize(X16_BASE[fmt], rows_x16(fmt, data), n)
+    if fmt in X16_BASE:      # (a q6_kx16 row's zero partner super-block cut off)
+        base = X16_BASE[fmt]
+        return dequantize(base, rows_x16(fmt, data)[:, :row_bytes(base, n)], n)
     r = data.shape[0]
     if fmt == "f32":
         return np.array(data, dtype=np.float32)

@@ -7,14 +7,16 @@ import pytest
 from kestrel_cli import kernels
 from conftest import VARIANTS
 from test_matmul import make_weight
+from test_kquants import make_kweight
 
 
 def experts(E, H, I, fmts, rng):
     out = []
     for e in range(E):
         f = fmts[e % len(fmts)]
-        ws = [make_weight(f, I, H, rng), make_weight(f, I, H, rng), make_weight(f, H, I, rng)]
-        if f in ("q4_0", "q4_1"):
+        make = make_kweight if f in ("q4_k", "q6_k") else make_weight
+        ws = [make(f, I, H, rng), make(f, I, H, rng), make(f, H, I, rng)]
+        if f in ("q4_0", "q4_1", "q4_k", "q6_k"):
             ws = [kernels.repack_x16(w) if kernels.can_repack_x16(w) else w for w in ws]
         out.append(ws)
     return out
@@ -33,7 +35,8 @@ def per_expert(ex, x, sel, we, out, threads, act_q8):
 
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("H,I,fmts", [(64, 96, ["q4_0", "q8_0"]), (96, 64, ["q4_1", "f16"]),
-                                      (64, 40, ["f32", "bf16"])])
+                                      (64, 40, ["f32", "bf16"]),
+                                      (256, 768, ["q4_k", "q6_k"])])   # q6_k x16: 1 and 3 sb
 @pytest.mark.parametrize("act_q8", [False, True])
 def test_moe_decode_equals_per_expert_calls(isa, H, I, fmts, act_q8):
     kernels.set_isa(isa)

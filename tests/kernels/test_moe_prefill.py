@@ -59,6 +59,7 @@ def per_expert(ex, x, experts, starts, rows, threads, act_q8):
 CASES = [  # (H, I, formats)
     (256, 768, ["q4_k", "q6_k"]),                 # row-major: copied group by group (q4_k),
     (512, 512, ["q4_kx16", "q6_kx16"]),           # the GEMV (q6_k); x16 in place
+    (256, 768, ["q4_kx16", "q6_kx16"]),           # x16 q6_k of 1 and 3 super-blocks a row
     (64, 96, ["q4_0", "q4_1x16", "q8_0"]),        # 3 blocks a row; q8_0: the GEMV
     (128, 64, ["q4_1", "q4_0x16"]),
     (64, 40, [("q4_0", "q4_1", "f32"), "bf16"]),  # 40 gate rows: a last partial group

@@ -10,14 +10,19 @@ from conftest import VARIANTS
 from test_matmul import check_matmul, make_weight
 from test_kquants import make_kweight
 
-FMTS = ["q4_0", "q4_1", "q4_k", "q6_k"]
+# q6_k_odd: q6_k rows of an odd number of super-blocks (Qwen3-30B-A3B's expert downs, 768
+# wide: 3), whose x16 rows carry a zero partner for the last (weights.row_bytes)
+FMTS = ["q4_0", "q4_1", "q4_k", "q6_k", "q6_k_odd"]
 
 
 def _pair(fmt, d, n, seed):
     """A random weight (q4_k: rows of n rounded up to super-blocks of 256, q6_k: to pairs
-    of them) and its x16."""
+    of them, q6_k_odd: to an odd number) and its x16."""
     rng = np.random.default_rng(seed)
-    if fmt in ("q4_k", "q6_k"):
+    if fmt == "q6_k_odd":
+        nsb = -(-n // 256)
+        w = make_kweight("q6_k", d, 256 * (nsb + 1 - nsb % 2), rng)
+    elif fmt in ("q4_k", "q6_k"):
         unit = 256 if fmt == "q4_k" else 512
         w = make_kweight(fmt, d, -(-n // unit) * unit, rng)
     else:
@@ -29,14 +34,17 @@ def _pair(fmt, d, n, seed):
 def test_repack_layout_and_inverse(fmt):
     """C repack == the NumPy model of the layout (rows_x16 inverts it), unpack_x16 inverts
     the repack, dequantisation is unchanged, and the result is 64-byte aligned."""
-    w, x, _ = _pair(fmt, 48, 1024 if fmt in ("q4_k", "q6_k") else 128, 1)
-    assert x.fmt == fmt + "x16" and x.shape == w.shape and x.data.shape == w.data.shape
-    assert x.data.ctypes.data % 64 == 0
-    assert not np.array_equal(x.data, w.data)              # really moved
-    np.testing.assert_array_equal(rows_x16(x.fmt, x.data), w.data)
-    back = np.empty_like(w.data)
+    w, x, _ = _pair(fmt, 48, 1024 if fmt in ("q4_k", "q6_k", "q6_k_odd") else 128, 1)
+    rb = w.data.shape[1]                                   # its own row bytes
+    assert x.fmt == w.fmt + "x16" and x.shape == w.shape
+    assert x.data.shape == (48, rb + (210 if fmt == "q6_k_odd" else 0))
+    assert x.data.nbytes == kernels.x16_nbytes(w) and x.data.ctypes.data % 64 == 0
+    assert not np.array_equal(x.data[:, :rb], w.data)      # really moved
+    np.testing.assert_array_equal(rows_x16(x.fmt, x.data)[:, :rb], w.data)
+    back = np.empty_like(x.data)
     kernels._lib.unpack_x16(x.data, kernels.FMT_CODE[x.fmt], back)
-    np.testing.assert_array_equal(back, w.data)
+    np.testing.assert_array_equal(back[:, :rb], w.data)
+    assert not back[:, rb:].any()                          # the zero partner
     np.testing.assert_array_equal(x.dequantize(), w.dequantize())
     np.testing.assert_array_equal(x.rows([47, 0, 17]), w.rows([47, 0, 17]))
 
@@ -45,8 +53,8 @@ def test_repack_refuses():
     rng = np.random.default_rng(0)
     for w in (make_weight("q8_0", 32, 64, rng), make_weight("q4_0", 24, 64, rng),
               make_weight("q4_1", 32, 96, rng),                   # fmt, d % 16, odd blocks
-              make_kweight("q4_k", 40, 256, rng), make_kweight("q6_k", 32, 768, rng),
-              make_kweight("q6_k", 40, 512, rng), make_kweight("q5_k", 32, 512, rng)):
+              make_kweight("q4_k", 40, 256, rng), make_kweight("q6_k", 40, 512, rng),
+              make_kweight("q6_k", 40, 768, rng), make_kweight("q5_k", 32, 512, rng)):
         assert not kernels.can_repack_x16(w)
         with pytest.raises(ValueError, match="repack_x16"):
             kernels.repack_x16(w)
