@@ -369,10 +369,6 @@ def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = N
     elif out.dtype != np.uint8 or out.size != w.shape[0] * rb or out.ctypes.data % 64:
         raise ValueError("repack_x16: out must be uint8, 64-byte aligned, of x16_nbytes(w)")
     out = out.reshape(w.shape[0], rb)
-    if rb != raw.shape[1]:          # q6_k, odd super-blocks: a zero partner for the last
-        padded = np.zeros((w.shape[0], rb), np.uint8)
-        padded[:, :raw.shape[1]] = raw
-        raw = padded
     _lib.repack_x16(raw, FMT_CODE[w.fmt], out, _threads(threads))
     return Weight(X16_OF[w.fmt], out, w.shape)
 
@@ -421,7 +417,7 @@ def huge_buffer(nbytes: int) -> np.ndarray:
 def can_repack_x16(w: Weight) -> bool:
     """Whether `repack_x16` takes w: q4_0 / q4_1 / q4_k / q6_k, rows a multiple of 16, for
     q4_0 / q4_1 an even number of blocks a row (so every 64-byte load of the layout is
-    aligned; q6_k rows of an odd number of super-blocks get a zero partner for the last,
+    aligned; q6_k rows of an odd number of super-blocks take 18 bytes more,
     weights.row_bytes)."""
     return (w.fmt in X16_OF and w.shape[0] % 16 == 0 and w.shape[0] > 0 and w.shape[1] > 0
             and (w.fmt in ("q4_k", "q6_k") or (w.shape[1] // BLOCK_ELEMS[w.fmt]) % 2 == 0))
@@ -429,7 +425,7 @@ def can_repack_x16(w: Weight) -> bool:
 
 def x16_nbytes(w: Weight) -> int:
     """Bytes of `w` in the x16 layout (repack_x16): its own, but for a q6_k weight of an
-    odd number of super-blocks a row, one zero super-block a row more."""
+    odd number of super-blocks a row, 18 bytes a row more (weights.row_bytes)."""
     return w.shape[0] * row_bytes(X16_OF[w.fmt], w.shape[1])
 
 

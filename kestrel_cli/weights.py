@@ -50,11 +50,11 @@ X16_BASE = {v: k for k, v in X16_OF.items()}
 
 def row_bytes(fmt: str, n: int) -> int:
     """Bytes a row of n elements takes in `fmt`'s storage. q6_kx16 keeps super-blocks in
-    pairs (pyx/gemv_x16.h): a row of an odd number of them carries a zero partner for the
-    last (the kernels read only n's)."""
+    pairs (pyx/gemv_x16.h): a row of an odd number of them is 18 bytes longer (its group's
+    last super-block has the D and S room of a pair, KX_6TAIL)."""
     qk = BLOCK_ELEMS[fmt]
     nb = n // qk
-    return (nb + nb % 2 if fmt == "q6_kx16" else nb) * BLOCK_BYTES[fmt]
+    return nb * BLOCK_BYTES[fmt] + (18 if fmt == "q6_kx16" and nb % 2 else 0)
 # the gguf package's type of each format whose reference is gguf.quants.dequantize
 _GGUF_REFERENCE = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k": "Q3_K",
                    "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "iq4_nl": "IQ4_NL",
@@ -149,8 +149,15 @@ def _rows_q6_kx16(data: np.ndarray) -> np.ndarray:
     of row r at 16 j + r), then per super-block 48 vectors v = 24 h + 3 s + m of 64 bytes,
     lane r = row r's 4 bytes c: element 128 h + 32 m + 4 s + c's 6-bit q in the low 6
     bits, bits 2m, 2m + 1 of element 128 h + 96 + 4 s + c's q in the top 2
-    -> row-major q6_k (ql[128], qh[64], scales[16], d)."""
+    -> row-major q6_k (ql[128], qh[64], scales[16], d). A row of an odd number of
+    super-blocks (ldw = 420 p + 228) ends each group with the last one's KX_6TAIL: read as
+    a pair whose partner's bytes are zero."""
     d, ldw = data.shape
+    if ldw % 420:
+        g, nsb = d // 16, ldw // 210
+        tail = np.zeros((g, 6720 * (nsb // 2 + 1)), np.uint8)
+        tail[:, :16 * ldw] = np.ascontiguousarray(data).reshape(g, 16 * ldw)
+        return _rows_q6_kx16(tail.reshape(d, -1))[:, :210 * nsb]
     g, p = d // 16, ldw // 420
     pair = np.ascontiguousarray(data).reshape(g, p, 6720)
     out = np.empty((g, 16, p, 2, 210), dtype=np.uint8)        # (g, r, p, sb % 2, bytes)

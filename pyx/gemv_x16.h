@@ -693,6 +693,10 @@ KF_TARGET_AVX512 static void kx_avx512_group_k(int unused, const kf_act *a, ptrd
  * sum q xq - 32 xh (xh: the half's sum of xq, kf_act), acc = fma(d_w0 xd, I0, acc) then
  * fma(d_w1 xd, I1, acc), blocks in order: a token alone gets the GEMM's bits. */
 #define KX_6PAIR 6720                        /* a pair of super-blocks of a group */
+/* A row of an odd number of super-blocks ends its group with the last one alone, laid out
+ * as the first of a pair whose partner is absent: D 64 bytes (32 used), S 512 (256 used),
+ * Q 3072: 3648 bytes, so a group is 16 x (210 nsb + 18) bytes and stays 64-byte aligned. */
+#define KX_6TAIL 3648
 #define KX_6D(G, sb) ((G) + (sb) / 2 * KX_6PAIR + (sb) % 2 * 32)
 #define KX_6S(G, sb) ((G) + (sb) / 2 * KX_6PAIR + 64 + (sb) % 2 * 256)
 #define KX_6Q(G, sb) ((G) + (sb) / 2 * KX_6PAIR + 576 + (sb) % 2 * 3072)
@@ -745,12 +749,11 @@ static void kx_pack_group_6(const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *
 }
 
 /* As kx_pack_group_6, for the first nsb super-blocks of rows ldw bytes apart; nsb may be
- * odd (the MoE prefill's copy in cache: dst then holds 16 x 210 (nsb + 1) bytes, the
- * unpaired last super-block's partner zero; the kernels read only nsb). */
+ * odd: dst then holds nsb / 2 pairs and a KX_6TAIL (the kernels read only nsb). */
 static void kx_pack_group_6n(const uint8_t *src, ptrdiff_t ldw, ptrdiff_t nsb, int nr,
                              uint8_t *dst)
 {
-    memset(dst, 0, (size_t)(16 * 210 * (nsb + nsb % 2)));
+    memset(dst, 0, (size_t)(nsb / 2 * KX_6PAIR + nsb % 2 * KX_6TAIL));
     for (ptrdiff_t sb = 0; sb < nsb; sb++)
         for (int r = 0; r < nr && r < KX_G; r++) {
             const uint8_t *blk = src + r * ldw + sb * 210;

@@ -409,16 +409,19 @@ def repack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) q4_0 / q4_1 / q4
                uint8_t[:, ::1] out,        # OUT (d, row_bytes): the x16 layout (gemv_x16.h)
                int n_threads):
     """out := w's rows interleaved by 16 (d a multiple of 16), KF_Q4_0X16 / _1X16 / _KX16 /
-    KF_Q6_KX16 (q6_k: an even number of super-blocks a row)"""
-    cdef Py_ssize_t g, d = w.shape[0], ldw = w.shape[1]
+    KF_Q6_KX16 (q6_k of an odd number of super-blocks a row: out's rows 18 bytes longer,
+    the last super-block's group part KX_6TAIL)"""
+    cdef Py_ssize_t g, d = w.shape[0], ldw = w.shape[1], ldo = ldw
     cdef int q41 = fmt == KF_Q4_1, qk = fmt == KF_Q4_K, q6 = fmt == KF_Q6_K
     cdef int nt = team_size(n_threads, d // 16, 8)
     if fmt != KF_Q4_0 and fmt != KF_Q4_1 and fmt != KF_Q4_K and fmt != KF_Q6_K:
         raise ValueError("repack_x16: fmt must be q4_0, q4_1, q4_k or q6_k")
-    if d % 16 or out.shape[0] != d or out.shape[1] != ldw:
-        raise ValueError(f"repack_x16: rows must be a multiple of 16 and out {d}x{ldw}")
-    if ldw % (420 if q6 else (144 if qk else (20 if q41 else 18))):
-        raise ValueError("repack_x16: rows are not whole blocks (q6_k: pairs of super-blocks)")
+    if ldw % (210 if q6 else (144 if qk else (20 if q41 else 18))):
+        raise ValueError("repack_x16: rows are not whole blocks")
+    if q6 and (ldw // 210) % 2:
+        ldo = ldw + 18
+    if d % 16 or out.shape[0] != d or out.shape[1] != ldo:
+        raise ValueError(f"repack_x16: rows must be a multiple of 16 and out {d}x{ldo}")
     if d == 0 or ldw == 0:
         return
     for g in prange(d // 16, nogil=True, schedule="static", num_threads=nt):
