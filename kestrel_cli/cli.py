@@ -189,8 +189,8 @@ class EngineOptions:
                            sparse_dense_layers=self.sparse_dense_layers)
 
     def check(self) -> None:
-        """Fail fast, before any file is read (the Engine's own validation, then the
-        bounds of what this machine can start)."""
+        """Fail fast, before any file is read (the Engine's own validation, the bounds of
+        what this machine can start included)."""
         self.load_options().validate()
 
 

@@ -34,7 +34,7 @@ def check_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=
 def check_logits(row: np.ndarray, position: int, source=None) -> None:
     """ModelError unless the model's logits row is finite: NaN/Inf come from corrupt weights
     (or an overflow they cause), and would make argmax pick an arbitrary token and the
-    sampler's probabilities NaN. One reduction over the row: cheap beside a decode step."""
+    sampler's probabilities NaN. One pass over the row: cheap beside a decode step."""
     if not np.isfinite(row).all():
         where = f"{Path(source).name}: " if source is not None else ""
         raise ModelError(f"{where}the model produced non-finite logits (NaN/Inf) at position "
@@ -77,8 +77,9 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
         raise KestrelError(f"seed must be an integer in 0..2^64-1, got {seed!r}")
     if temperature == 0:
         def greedy(logits: np.ndarray) -> int:
-            _refuse_unusable(logits)
-            return int(np.argmax(logits))
+            i = int(np.argmax(logits))        # argmax stops at the first NaN: one pass
+            _refuse_unusable(logits[i:i + 1])
+            return i
         return greedy
     rng = np.random.default_rng(seed)
 

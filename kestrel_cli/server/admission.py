@@ -93,25 +93,19 @@ class Lease:
     def __init__(self, budget: Budget):
         self.budget, self.held = budget, 0
 
-    def need(self, total: int, what: str) -> None:
-        """Hold `total` bytes in all (a lease never shrinks before release)."""
-        b = self.budget
+    def add(self, n: int, what: str) -> None:
+        """Hold `n` bytes more (a lease never shrinks before release)."""
+        b, total = self.budget, self.held + n
         if total > b.per_request:
             raise APIError(f"{what} needs about {_mib(total)} of memory to prepare, more than "
                            f"the {_mib(b.per_request)} one request may use "
                            f"(--max-request-memory)", 413, code="request_too_large")
-        extra = total - self.held
-        if extra <= 0:
-            return
-        if b.used + extra > b.total:
+        if b.used + n > b.total:
             raise APIError(f"server busy: requests in preparation hold {_mib(b.used)} of the "
                            f"{_mib(b.total)} memory budget (--memory-budget); retry later",
                            503, code="server_busy")
-        b.used += extra
+        b.used += n
         self.held = total
-
-    def add(self, n: int, what: str) -> None:
-        self.need(self.held + n, what)
 
     def release(self) -> None:
         """Give the share back; after a large one, the heap pages it used go back to the

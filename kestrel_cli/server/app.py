@@ -206,10 +206,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
     def lease_of(request: Request) -> Lease:
         """The request's share of the memory budget (made by _FrontDoor, given back when the
         reply has been sent)."""
-        lease = request.scope.get("kestrel.lease")
-        if lease is None:              # an app called without _FrontDoor (tests): its own
-            lease = request.scope["kestrel.lease"] = budget.lease()
-        return lease
+        return request.scope["kestrel.lease"]
 
     async def admit(request: Request, ids: list[int], params: dict, param: str,
                     cache_prompt: bool, ticket: Ticket | None = None) -> Job:
@@ -587,8 +584,8 @@ class _FrontDoor:
     (408), then logs one line per request with status, tokens and time (the handlers
     leave `kestrel.log` = (job, stats, finish) in the scope)."""
 
-    def __init__(self, app, api_key: str | None = None, body_timeout: float | None = None,
-                 budget: Budget | None = None):
+    def __init__(self, app, budget: Budget, api_key: str | None = None,
+                 body_timeout: float | None = None):
         self.app, self.api_key, self.body_timeout = app, api_key, body_timeout
         self.budget = budget
 
@@ -630,8 +627,7 @@ class _FrontDoor:
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
         status = [None]
-        if self.budget is not None:
-            scope["kestrel.lease"] = self.budget.lease()
+        lease = scope["kestrel.lease"] = self.budget.lease()
 
         async def send_(message):
             if message["type"] == "http.response.start":
@@ -645,8 +641,7 @@ class _FrontDoor:
                                "KEY' header)", 401,
                                code="invalid_api_key").response()(scope, receive, send_)
         finally:
-            if scope.get("kestrel.lease") is not None:
-                scope["kestrel.lease"].release()
+            lease.release()
             self._line(scope, status[0], t0)
 
     @staticmethod
