@@ -5,7 +5,7 @@
  *
  * The model: every token row is quantised once per matmul by kf_prep_act (matmul.h), the
  * same code the GEMV uses, so a token's int8 form is the same in both: per block b of 32,
- * xd = amax / 127, xq = rint(x / xd), xs = sum_k xq, sx = sum_k x. Then per weight row r,
+ * xd = amax / 127, xq = rint(x / xd), xs = sum_k xq, sx = xd xs. Then per weight row r,
  * token t and block b the integer dot is exact in int32:
  *     I = sum_k u_rk xq_tk - c xs_tb        (u: the weight as stored in the panel)
  *     acc[r][t] += (d_w[r] * xd[t]) * I     (q4_1 also: acc[r][t] += m_w[r] * sx[t])

@@ -330,7 +330,8 @@ static inline size_t kf_act_bytes(ptrdiff_t n)
 }
 
 /* Fill a for x[n] in `scratch` (kf_act_bytes(n)): block sums always, the int8 form when
- * `int8` (n a multiple of 32): d = amax / 127, xq = rint(x / d), as llama.cpp's Q8_1.
+ * `int8` (n a multiple of 32): d = amax / 127, xq = rint(x / d), as llama.cpp's Q8_1, and
+ * then sx[b] = d * sum_k xq (the float sums only serve the float path).
  * Once per call, so it must cost next to nothing beside the GEMV. Measured (one Zen 3
  * core, this baseline SSE2 code): n = 8192 ~10 us (2.6 of it the float sums), n = 2048
  * ~3 us, against ~900 us for a 2048 x 8192 q4_0 int8 GEMV from DRAM: ~1%. */
@@ -389,6 +390,11 @@ KF_NO_CONTRACT static void kf_prep_act(const float *x, ptrdiff_t n, int int8, vo
         xd[b] = d;
         xs[b] = s;
         xh[b] = h;
+        /* the offset terms (q4_1 / q5_1 m, K-quant mins) take the block sum of the int8
+         * form, as llama.cpp's Q8_1 / Q8_K do: the error of quantising x then multiplies
+         * the weights themselves (centred on 0), not the weights less their offset (of
+         * one sign: d q), which costs ~1% ppl on q4_1 */
+        sx[b] = d * (float)s;
     }
     a->xq = xq;
 }

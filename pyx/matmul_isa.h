@@ -29,7 +29,8 @@
  *          (sum_k x_k (d q_k + m) = d sum_k q_k x_k + m sx[b]; q4_0: m = -8 d);
  *   int8:  x ~ xd[b] * xq[32b+k], symmetric per block of 32 (llama.cpp's Q8_0/Q8_1
  *          activations), with xs[b] = sum_k xq[32b+k]: each block dot is one integer
- *          sum (int32, exact) scaled once: d_w * xd[b] * (sum_k u_k xq_k - c * xs[b]).
+ *          sum (int32, exact) scaled once: d_w * xd[b] * (sum_k u_k xq_k - c * xs[b]);
+ *          the offset terms (q4_1's m, the K-quant mins) take sx[b] = xd[b] * xs[b].
  */
 
 /* ---------------------------------------------------------------- float activations */
@@ -372,7 +373,7 @@ KF_TARGET static float KF_V(idot_q4_0)(const int8_t *restrict xq, const float *r
     return acc[0];
 }
 
-/* q4_1 weights . int8 x: sum_b (d_b xd_b sum_k q_bk xq_bk + m_b sx_b), sx = float sums */
+/* q4_1 weights . int8 x: sum_b (d_b xd_b sum_k q_bk xq_bk + m_b sx_b), sx = xd xs */
 KF_TARGET static float KF_V(idot_q4_1)(const int8_t *restrict xq, const float *restrict xd,
                                        const float *restrict sx,
                                        const uint8_t *restrict w, ptrdiff_t nb)

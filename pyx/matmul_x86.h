@@ -207,7 +207,7 @@ KF_AVX2_Q4_ROWS(2)
  *         -127..127 by construction; q + 128 as u8 would reach 2 * 255 * 127: no);
  *   q4_0  the nibble u (0..15) x x, minus 8 x (one vpmaddubsw of x with 8s per block,
  *         shared by the R rows), both in int16: pairs of (u - 8) x within +-2032;
- *   q4_1  the nibble u x x (within +-3810), plus m_b * sx[b] (float block sums) per row.
+ *   q4_1  the nibble u x x (within +-3810), plus m_b * sx[b] (xd xs: the int8 block sums) per row.
  * All integer sums are exact, so a row's result is its fixed sequence of float fmadds
  * (then one pairwise lane sum): the same for any R, thread count or row split. */
 
@@ -331,7 +331,7 @@ KF_AVX2_I8_ROWS(4)
  *            offset formats (q6_k: 32, q5_0: 16) the offset times x subtracted in int16,
  *            the same as q4_0's), vpmaddwd by the sub-block scales (int32); AVX-512 VNNI
  *            vpdpbusd, vpmulld by the scales; then one conversion and one FMA by d xd_b.
- * The q4_k / q5_k mins (q5_1's m) enter as dmin sum_j m_j sx[b] (float block sums of x),
+ * The q4_k / q5_k mins (q5_1's m) enter as dmin sum_j m_j sx[b] (xd xs, the block sums of x's int8 form),
  * as q4_1's.
  * Every integer sum is exact; each row is a fixed sequence of float operations. */
 

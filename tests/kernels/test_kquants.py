@@ -106,30 +106,17 @@ def test_float_variants_agree(fmt):
 
 def int8_block_reference(x: np.ndarray, w: Weight) -> np.ndarray:
     """(T, d) in float64: per activation block b of 32, the int8 form of x (xd_b, xq_b) dotted
-    with the dequantised weights' block, where the offset (mins; q5_0's -16 d) takes the
-    float block sum of x instead: sum_b xd_b sum_k W_bk xq_bk, the W_bk without their
-    min term, + sum_b min_b sum_k x_bk. (The kernels' integer sums are exact, so they
-    differ from this by float32 rounding only.)"""
+    with the dequantised weights' block: sum_b xd_b sum_k W_bk xq_bk, the offset (mins,
+    q5_1's m) included, as llama.cpp's Q8_1 / Q8_K block sums do. (The kernels' integer
+    sums are exact, so they differ from this by float32 rounding only.)"""
     T, n = x.shape
     nb = n // QK
     q, dx = q8_activations(x)
     q = q.reshape(T, nb, QK).astype(np.float64)
     dx = dx.reshape(T, nb).astype(np.float64)
     W = w.dequantize().astype(np.float64).reshape(w.shape[0], nb, QK)
-    off = np.zeros((w.shape[0], nb))
-    blocks = w.data.reshape(w.shape[0], -1, BLOCK_BYTES[w.fmt])
-    if w.fmt in ("q4_k", "q5_k", "q5_1"):
-        from kestrel_cli.weights import dequantize
-        # the offset of a block (q4_k, q5_k: -dmin m_j; q5_1: m): the value of a zero quant
-        zero = blocks.copy()
-        zero[:, :, 4 if w.fmt == "q5_1" else 16:] = 0      # every quant (and 5th bit) 0
-        off = dequantize(w.fmt, zero.reshape(w.shape[0], -1), n).astype(np.float64).reshape(
-            w.shape[0], nb, QK)[:, :, 0]
-        W = W - off[:, :, None]
     isum = np.einsum("rbk,tbk->trb", W, q)
-    out = (dx[:, None, :] * isum).sum(axis=2)
-    out += x.reshape(T, nb, QK).astype(np.float64).sum(axis=2) @ off.T
-    return out
+    return (dx[:, None, :] * isum).sum(axis=2)
 
 
 @pytest.mark.parametrize("fmt", NEW)

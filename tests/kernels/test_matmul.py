@@ -249,8 +249,8 @@ def q8_activations(x: np.ndarray):
 
 
 def int8_reference(x: np.ndarray, w: Weight) -> np.ndarray:
-    """(T, d): per token row of x, sum_b d_w d_x sum_k q_w q_x (+ m_b sum_k x for q4_1),
-    in float64."""
+    """(T, d): per token row of x, sum_b d_w d_x sum_k q_w q_x (+ m_b d_x sum_k q_x for
+    q4_1: the offset takes the int8 form's block sum, as llama.cpp's Q8_1), in float64."""
     T, n = x.shape
     nb = n // QK
     q, dx = q8_activations(x)
@@ -269,7 +269,7 @@ def int8_reference(x: np.ndarray, w: Weight) -> np.ndarray:
     out = (dw[None] * dx[:, None, :].astype(np.float64) * isum).sum(axis=2)
     if w.fmt == "q4_1":
         m = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float64)[:, :, 0]
-        out += x.reshape(T, nb, QK).astype(np.float64).sum(axis=2) @ m.T
+        out += (dx.astype(np.float64) * q.astype(np.float64).sum(axis=2)) @ m.T
     return out
 
 
