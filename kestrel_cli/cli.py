@@ -158,8 +158,9 @@ class EngineOptions:
         "--sparse-prefill/--exact-prefill", help="Sparse or exact prompt attention "
         "(decode is sparse either way).", show_default="sparse", rich_help_panel=_MODEL)] = None
     act: Annotated[Act, typer.Option(
-        "--act", help="Activations of quantised matmuls: f32 = float32 (exact); q8 = int8 "
-        "blocks of 32 as llama.cpp (faster, not exact).", rich_help_panel=_MODEL)] = Act.f32
+        "--act", help="Activations of quantised matmuls: q8 = int8 blocks of 32 as "
+        "llama.cpp (the fast path, not exact); f32 = float32 (exact).",
+        rich_help_panel=_MODEL)] = Act.q8
 
     repack: Annotated[bool, typer.Option(
         "--repack/--no-repack", help="Interleave q4_0/q4_1/q4_k/q6_k weights by 16 rows at load, the "

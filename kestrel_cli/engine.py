@@ -82,9 +82,9 @@ class LoadOptions:
         ctx_size: context size in tokens (-c); None: the model's context length, at most
             ctx_cap (None: no cap).
         act: the activations quantised weights multiply (--act; docs/DESIGN.md §5 Kernels
-            and ISAs): "f32" float32 (exact, the default) or "q8" int8 blocks of 32
-            (llama.cpp's choice: faster, ppl +1.4% on the bundled model). Float weights
-            always take float32.
+            and ISAs): "q8" int8 blocks of 32 (the default, llama.cpp's arithmetic: the
+            fast path, KL divergence from exact in README "Activations") or "f32" float32
+            (exact). Float weights always take float32.
         repack: interleave q4_0 / q4_1 / q4_k / q6_k weights by 16 rows at load, MoE experts
             when decode first routes a token to them (--no-repack turns it off): the decode
             GEMV's layout (pyx/gemv_x16.h), same bytes, same results up to summation order.
@@ -104,7 +104,7 @@ class LoadOptions:
     threads: int | None = None
     ctx_size: int | None = None
     ctx_cap: int | None = None
-    act: str = "f32"
+    act: str = "q8"
     kv_f16: bool = False
     repack: bool = True
     sparse_preset: str | None = None
@@ -292,7 +292,7 @@ class Engine:
     def from_pretrained(cls, path=None, kv_q8: bool = False, sparse_attn: bool = False,
                         sparse_k: int = 32, sparse_probes: int = 8, quant: str | None = None,
                         threads: int | None = None, ctx_size: int | None = None,
-                        ctx_cap: int | None = None, act: str = "f32",
+                        ctx_cap: int | None = None, act: str = "q8",
                         kv_f16: bool = False, repack: bool = True, **sparse) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 

@@ -101,8 +101,19 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_engine():
+    """The bundled model with the default options (--act q8: int8 activations, the fast
+    path)."""
     from kestrel_cli import Engine
     return Engine.from_pretrained(None, threads=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_exact():
+    """The bundled model on the exact path (act="f32": float32 activations), for the parity
+    tests: logits against a dequantised / float reference, KL divergences that must isolate
+    one other option, exact greedy answers."""
+    from kestrel_cli import Engine
+    return Engine.from_pretrained(None, threads=2, act="f32")
 
 
 def rand_ids(n: int, seed: int = 0, vocab: int = VOCAB) -> list[int]:

@@ -119,7 +119,9 @@ def test_answer_comes_from_the_conversation(engine):
 
 
 def test_context_full_offers_reset_instead_of_crashing(engine):
-    small = engine_from_options(EngineOptions(threads=1, ctx_size=64), spinner=False)
+    # --act f32: the closing "capital of France" answer is a near tie ("The" 0.15 vs "L" 0.14)
+    # that int8 activations flip, as in llama.cpp; this test is about the reset mechanics.
+    small = engine_from_options(EngineOptions(threads=1, ctx_size=64, act="f32"), spinner=False)
     s, out, err = session(small, sampling=dict(max_tokens=200, temperature=0.0,
                                                ignore_eos=True))
     s.ask("Count from one to one hundred.")

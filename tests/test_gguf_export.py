@@ -130,7 +130,7 @@ def test_kestrel_runs_the_gguf(ckpts, files, arch, t, tmp_path):
     to even)."""
     ids = rand_ids(24, seed=7)
     ref = Engine.from_pretrained(ckpts[arch], threads=1).logits(ids)
-    eng = Engine.from_pretrained(files[arch, t], threads=1)
+    eng = Engine.from_pretrained(files[arch, t], threads=1, act="f32")   # parity: exact path
     fmt = t.split("-")[0]
     up = eng.model.layers[0].mlp.up_proj.fmt        # q4 weights: the decode layout
     assert up == (fmt + "x16" if fmt in ("q4_0", "q4_1") else fmt)
@@ -139,7 +139,8 @@ def test_kestrel_runs_the_gguf(ckpts, files, arch, t, tmp_path):
     deq = dequantised_checkpoint(files[arch, t], ckpts[arch], tmp_path / "deq")
     assert rel(got, Engine.from_pretrained(deq, threads=1).logits(ids)) < 1e-5
     if arch == "qwen3" and fmt != "q4_1":
-        load_q = Engine.load(ckpts[arch], LoadOptions(quant=fmt[:2], threads=1)).logits(ids)
+        load_q = Engine.load(ckpts[arch], LoadOptions(quant=fmt[:2], threads=1, act="f32")
+                             ).logits(ids)
         assert rel(got, load_q) < 1e-4
 
 
@@ -154,8 +155,9 @@ def test_repacked_decode(files, t):
     apart, from attention's other summation order, can round to another int8 value;
     tests/kernels/test_x16.py shows the x16 GEMV gives the GEMM's bits.)"""
     ids = rand_ids(12, seed=3)
-    on = Engine.from_pretrained(files["qwen3", t], threads=2)
-    off = Engine.from_pretrained(files["qwen3", t], threads=2, repack=False)
+    f32 = dict(threads=2, act="f32")                # float activations: the exact path
+    on = Engine.from_pretrained(files["qwen3", t], **f32)
+    off = Engine.from_pretrained(files["qwen3", t], repack=False, **f32)
     if t in ("q4_k_m", "q6_k"):
         mlps = [(a.mlp, b.mlp) for a, b in zip(on.model.layers, off.model.layers)]
         assert {(a.down_proj.fmt, b.down_proj.fmt) for a, b in mlps} >= {("q6_kx16", "q6_k")}
@@ -596,5 +598,5 @@ def test_qwen3_vl_text_decoder(tmp_path):
     assert not any("visual" in n or n.startswith("v.") for n in types)
     ids = rand_ids(24, seed=9)
     ref = Engine.from_pretrained(tmp_path / "ck", threads=1).logits(ids)
-    got = Engine.from_pretrained(tmp_path / "m.gguf", threads=1).logits(ids)
+    got = Engine.from_pretrained(tmp_path / "m.gguf", threads=1, act="f32").logits(ids)
     assert rel(got, ref) < LOGIT_RTOL["q8_0"]

@@ -103,7 +103,7 @@ def twins(tmp_path_factory):
 
 
 def test_kquant_gguf_loads_and_matches_f32(twins):
-    eng = Engine.from_pretrained(twins / "k.gguf", threads=2)
+    eng = Engine.from_pretrained(twins / "k.gguf", threads=2, act="f32")   # the exact path
     m = eng.model
     assert eng.config.tie_word_embeddings
     assert m.embed_tokens.fmt == "q6_k" and m.lm_head is m.embed_tokens
@@ -115,7 +115,7 @@ def test_kquant_gguf_loads_and_matches_f32(twins):
                 layer.mlp.down_proj.block_fmt) == \
             tuple(types[g] for g in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                      "ffn_up", "ffn_down"))
-    ref = Engine.from_pretrained(twins / "f32.gguf", threads=2)
+    ref = Engine.from_pretrained(twins / "f32.gguf", threads=2, act="f32")
     assert ref.model.embed_tokens.fmt == "f32"
     a, b = eng.logits(IDS), ref.logits(IDS)
     assert np.ptp(b) > 1.0                                # not a degenerate model
@@ -128,10 +128,11 @@ def test_kquant_gguf_loads_and_matches_f32(twins):
 
 
 def test_kquant_gguf_int8_activations(twins):
-    """--act q8 on K-quant weights, one token (the int8 GEMV dots): close to the float
-    result, not equal to it."""
-    q8 = Engine.from_pretrained(twins / "k.gguf", threads=2, act="q8")
-    ref = Engine.from_pretrained(twins / "k.gguf", threads=2)
+    """--act q8 (the default) on K-quant weights, one token (the int8 GEMV dots): close to
+    the float result (--act f32), not equal to it."""
+    q8 = Engine.from_pretrained(twins / "k.gguf", threads=2)
+    assert q8.model.act == "q8"
+    ref = Engine.from_pretrained(twins / "k.gguf", threads=2, act="f32")
     for t in IDS[:3]:
         a, b = q8.logits([t]), ref.logits([t])
         assert not np.array_equal(a, b)

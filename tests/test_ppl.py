@@ -66,7 +66,8 @@ def test_llama_cpp_scoring(eng, ids):
     assert res.ppl != pytest.approx(perplexity(eng, ids, CTX).ppl, rel=1e-3)
 
 
-def test_kld_ref(eng, ids):
+def test_kld_ref(smollm2_exact, ids):
+    eng = smollm2_exact                       # act="f32": the reference's own computation
     exact = perplexity(eng, ids, CTX, kld_ref=True)
     assert exact.kld == 0.0                           # same computation as the reference
     base = eng.spec
@@ -101,15 +102,12 @@ def test_cli_ppl_bad_input(tmp_path):
         assert r.stderr.startswith("error: ") and needle in r.stderr, r.stderr
 
 
-def test_int8_activations_cost_measured_by_kld_ref(eng, ids):
-    """--act q8 (int8 activation blocks) against the exact path: a small, nonzero KL
-    divergence; the same model with --act f32 is the reference itself (kld 0)."""
-    exact = perplexity(eng, ids, CTX, kld_ref=True)
-    assert exact.kld == 0.0
-    eng.model.act = "q8"
-    try:
-        q8 = perplexity(eng, ids, CTX, kld_ref=True)
-    finally:
-        eng.model.act = "f32"
+def test_int8_activations_cost_measured_by_kld_ref(eng, smollm2_exact, ids):
+    """--act q8 (int8 activation blocks, the default) against the exact path: a small,
+    nonzero KL divergence; the same model with --act f32 is the reference itself (kld 0)."""
+    exact = perplexity(smollm2_exact, ids, CTX, kld_ref=True)
+    assert smollm2_exact.model.act == "f32" and exact.kld == 0.0
+    assert eng.model.act == "q8"                      # the default
+    q8 = perplexity(eng, ids, CTX, kld_ref=True)
     assert 1e-4 < q8.kld < 0.05 and q8.ppl != exact.ppl
     assert abs(math.log(q8.ppl / exact.ppl)) < 0.1

@@ -1,9 +1,9 @@
 """--quant q8 / q4: float checkpoints quantised at load, against transformers running the
 same dequantised weights.
 
-The engine keeps float32 activations, so once transformers' weights are replaced by
-dequantise(quantise(w)) (the NumPy references in kestrel_cli.weights) the two compute
-the same function: the tolerance is the fp32 parity one of test_models (1e-4 on logits).
+With float32 activations (act="f32", the exact path), once transformers' weights are
+replaced by dequantise(quantise(w)) (the NumPy references in kestrel_cli.weights) the two
+compute the same function: the tolerance is the fp32 parity one of test_models (1e-4 on logits).
 Block-format GGUF tensors are used as stored, never requantised.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def hf_logits(model, ids) -> np.ndarray:
                                        ("qwen2", {})])
 def test_quantised_logits_match_dequantised_reference(tmp_path, arch, over, quant):
     model = make_checkpoint(tmp_path, arch, **over)
-    eng = Engine.from_pretrained(tmp_path, threads=2, quant=quant)
+    eng = Engine.from_pretrained(tmp_path, threads=2, quant=quant, act="f32")   # exact path
     layer = eng.model.layers[0]
     fmt = REF[quant][0]
     assert layer.mlp.down_proj.block_fmt == fmt and layer.self_attn.q_proj.block_fmt == fmt
@@ -66,7 +66,7 @@ def test_bf16_checkpoint_quantised(tmp_path):
     from transformers import AutoModelForCausalLM
     make_checkpoint(tmp_path, "qwen3", dtype=torch.bfloat16)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    eng = Engine.from_pretrained(tmp_path, threads=2, quant="q8")
+    eng = Engine.from_pretrained(tmp_path, threads=2, quant="q8", act="f32")   # exact path
     assert eng.model.layers[1].mlp.gate_proj.block_fmt == "q8_0"
     ids = rand_ids(33, seed=8)
     diff = float(np.abs(eng.logits(ids) - hf_logits(quantised_reference(ref, "q8"), ids)).max())
@@ -116,11 +116,12 @@ def test_drop_pages_keeps_the_data(tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_int8_activations_end_to_end(tmp_path, arch):
-    """--act q8: prompt (int8 GEMM) and decode (int8 GEMV) rows agree to float rounding,
-    and stay within int8 activation error of the exact (--act f32) logits, not equal."""
+    """--act q8 (the default): prompt (int8 GEMM) and decode (int8 GEMV) rows agree to
+    float rounding, and stay within int8 activation error of the exact (--act f32) logits,
+    not equal."""
     make_checkpoint(tmp_path, arch)
-    exact = Engine.from_pretrained(tmp_path, threads=2, quant="q4")
-    q8 = Engine.from_pretrained(tmp_path, threads=2, quant="q4", act="q8")
+    exact = Engine.from_pretrained(tmp_path, threads=2, quant="q4", act="f32")
+    q8 = Engine.from_pretrained(tmp_path, threads=2, quant="q4")
     assert (exact.model.act, q8.model.act) == ("f32", "q8")
     ids = rand_ids(40, seed=9)
     ref, ours = exact.logits(ids), q8.logits(ids)

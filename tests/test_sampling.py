@@ -70,14 +70,17 @@ def test_stop_cut():
     assert _stop_cut("a</s", ["</s>", "s>"]) == ("a", False)
 
 
-def test_stop_strings_on_bundled_model(smollm2_engine):
+def test_stop_strings_on_bundled_model(smollm2_exact):
+    # act="f32": the answer is a near tie ("The" 0.15 vs "L" 0.14) that int8 activations
+    # flip, as in llama.cpp; this test is about stop strings.
+    eng = smollm2_exact
     prompt = [{"role": "user", "content": "What is the capital of France?"}]
-    full = "".join(smollm2_engine.generate(prompt, max_tokens=16))
+    full = "".join(eng.generate(prompt, max_tokens=16))
     assert "Paris" in full
-    chunks = list(smollm2_engine.stream(prompt, max_tokens=16, stop=["Paris"]))
+    chunks = list(eng.stream(prompt, max_tokens=16, stop=["Paris"]))
     text = "".join(c.text for c in chunks)
     assert text == full[:full.index("Paris")] and chunks[-1].finish_reason == "stop"
-    last = list(smollm2_engine.stream(prompt, max_tokens=3))[-1]
+    last = list(eng.stream(prompt, max_tokens=3))[-1]
     assert last.finish_reason == "length" and last.stats.generated_tokens == 3
 
 

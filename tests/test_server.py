@@ -1,5 +1,6 @@
 """`kestrel serve`: one real server subprocess on a free loopback port (bundled SmolLM2,
-one thread, one slot), driven by the official openai client and by httpx."""
+one thread, one slot, --act f32), driven by the official openai client and by httpx; and one
+with the default flags (--act q8)."""
 from __future__ import annotations
 
 import asyncio
@@ -54,13 +55,11 @@ class Server:
         return found
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def start_server(log: Path, *flags: str) -> Server:
+    """`kestrel serve -t 1 -c CTX FLAGS` on a free port, once /health answers."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "server.log"
     cmd = [sys.executable, "-m", "kestrel_cli.cli", "serve", "-t", "1", "-c", str(CTX),
-           "--port", str(port), "--api-key", KEY, "--queue-size", str(QUEUE),
-           "--shutdown-timeout", "2"]
+           "--port", str(port), *flags]
     env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -75,10 +74,24 @@ def server(tmp_path_factory):
             pass
         assert time.monotonic() < deadline, f"server did not start:\n{srv.log_text()}"
         time.sleep(0.2)
+    return srv
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # --act f32 (the exact path), as a user comparing computations token for token would run
+    # it: several tests here compare the server with `kestrel run` or Engine.logits, or a
+    # reply over a cached prompt with one recomputed. With int8 activations (the default) a
+    # prefix from the prompt cache (KV written by an earlier request, partly by decode steps)
+    # can give other greedy tokens than recomputing it: int8 rounding amplifies the few-ulp
+    # differences between the prefill GEMM and the decode GEMV (llama.cpp says the same of
+    # cache_prompt). test_default_flags_serve_int8_activations runs the default end to end.
+    srv = start_server(tmp_path_factory.mktemp("serve") / "server.log", "--act", "f32",
+                       "--api-key", KEY, "--queue-size", str(QUEUE), "--shutdown-timeout", "2")
     yield srv
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
+    if srv.proc.poll() is None:
+        srv.proc.kill()
+        srv.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -207,13 +220,34 @@ def test_chat_template_kwargs_and_sampling(http):
 
 
 def test_greedy_matches_kestrel_run(http):
+    # --act f32 as the server (fixture): an exact comparison, token for token
     out = subprocess.run([sys.executable, "-m", "kestrel_cli.cli", "run", "-p", QUESTION,
-                          "-n", "24", "--temp", "0", "-t", "1", "-c", str(CTX), "--no-timing"],
+                          "-n", "24", "--temp", "0", "-t", "1", "-c", str(CTX), "--no-timing",
+                          "--act", "f32"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_WAIT_POLICY": "passive"})
     assert out.returncode == 0, out.stderr
     r = http.post("/v1/chat/completions", json=chat_body(max_tokens=24)).json()
     assert r["choices"][0]["message"]["content"] == out.stdout[:-1]     # run adds one "\n"
+
+
+def test_default_flags_serve_int8_activations(tmp_path, smollm2_engine):
+    """`kestrel serve` with the default flags (--act q8: int8 activations, the fast path) end
+    to end: a plain chat completion is a 200 with an answer, and, as its first request
+    (nothing cached), the greedy answer of the library's default engine."""
+    srv = start_server(tmp_path / "server.log")
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat_body(), timeout=60)
+        assert r.status_code == 200, r.text
+        content = r.json()["choices"][0]["message"]["content"]
+        assert content.strip()
+        assert smollm2_engine.model.act == "q8"
+        smollm2_engine.reset()
+        assert content == "".join(smollm2_engine.generate(
+            [{"role": "user", "content": QUESTION}], max_tokens=chat_body()["max_tokens"]))
+    finally:
+        srv.proc.kill()
+        srv.proc.wait(10)
 
 
 # ---------------------------------------------------------------------------- bad requests
@@ -519,11 +553,11 @@ def test_serve_bad_flags_are_one_line(args, needle):
 
 # ---------------------------------------------------------------------------- logprobs, bias
 
-def test_logprobs_are_log_softmax_of_the_logits(client, http, smollm2_engine):
+def test_logprobs_are_log_softmax_of_the_logits(client, http, smollm2_exact):
     """Greedy: each token's logprob and top_logprobs equal log-softmax of Engine.logits over
     the prompt and the tokens before it; streamed, and /v1/completions' legacy shape, the same."""
     from kestrel_cli.generate import log_softmax
-    eng = smollm2_engine
+    eng = smollm2_exact                              # act="f32", as the server (fixture)
     msgs = [{"role": "user", "content": QUESTION}]
     r = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
                                        max_tokens=5, logprobs=True, top_logprobs=3)
@@ -554,8 +588,8 @@ def test_logprobs_are_log_softmax_of_the_logits(client, http, smollm2_engine):
     assert lps["text_offset"][0] == 0
 
 
-def test_logit_bias_and_penalties(client, smollm2_engine):
-    eng = smollm2_engine
+def test_logit_bias_and_penalties(client, smollm2_exact):
+    eng = smollm2_exact                              # act="f32", as the server (fixture)
     msgs = [{"role": "user", "content": QUESTION}]
     base = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
                                           max_tokens=4, logprobs=True)
