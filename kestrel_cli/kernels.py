@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+from typing import NamedTuple
 
 import numpy as np
 
@@ -913,17 +914,44 @@ def scatter_add(out: np.ndarray, src: np.ndarray, rows: np.ndarray, weights: np.
                       # (docs/DESIGN.md §2 KV cache layout)
 
 
+class MoeSpec(NamedTuple):
+    """A MoE layer's feed-forward for DecodeStack: the router Projection (E, H, no norm),
+    the experts' ExpertTable, the RMSNorm weight (H,) of its input, top-k and whether the
+    k weights are renormalised."""
+    router: "Projection"
+    table: ExpertTable
+    norm: np.ndarray
+    top_k: int
+    norm_topk: bool
+
+
+def moe_route(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The router's choice per token: softmax of logits (T, E), the k most probable experts
+    (ties: the lower index first) in rank order, int32 (T, k), and their weights, float32
+    (T, k), renormalised to sum 1 when `norm`. The native decode routes with the same C
+    function, so a token gets the same experts and weights in a prompt and in decode."""
+    _array(logits, "logits", np.float32, 2)
+    T, E = logits.shape
+    if not 0 < k <= E:
+        raise ValueError(f"moe_route: k must be in 1..{E}, got {k}")
+    sel = np.empty((T, k), np.int32)
+    w = np.empty((T, k), np.float32)
+    _lib.moe_route(logits, sel, w, bool(norm))
+    return sel, w
+
+
 class DecodeStack:
-    """Every layer of a dense decoder for one token in one kernel call (decode.pxi): per
-    layer the q/k/v `Projection` of RMSNorm(h) (+ biases), qwen3's per-head RMSNorm of q
-    and k, RoPE, the KV cache write, decode attention, o_proj into h, then the SwiGLU MLP
-    of RMSNorm(h) into h; the same kernels in the same order as the Python layer loop, so
-    the same bits, without the interpreter between them.
+    """Every layer of a decoder for one token in one kernel call (decode.pxi): per layer
+    the q/k/v `Projection` of RMSNorm(h) (+ biases), qwen3's per-head RMSNorm of q and k,
+    RoPE, the KV cache write, decode attention, o_proj into h, then the SwiGLU MLP of
+    RMSNorm(h) into h, or a MoE layer's router, top-k and experts (ExpertTable.decode);
+    the same kernels in the same order as the Python layer loop, so the same bits,
+    without the interpreter between them.
 
     Args:
         layers: per layer (qkv, o, gate_up, down) Projections (qkv with its RMSNorm
-            weight, gate_up with SwiGLU and its RMSNorm weight), plus (q_norm, k_norm)
-            float32 (head_dim,) or (None, None).
+            weight, gate_up with SwiGLU and its RMSNorm weight), or (qkv, o, MoeSpec,
+            None), plus (q_norm, k_norm) float32 (head_dim,) or (None, None).
         n_heads, n_kv_heads, head_dim, eps: the model's geometry and RMSNorm epsilon.
         rope: (inv_freq float32 (head_dim / 2,), attention scaling).
     """
@@ -932,10 +960,21 @@ class DecodeStack:
                  rope):
         specs = []
         for qkv, o, gu, down, (qn, kn) in layers:
-            if qkv.norm is None or gu.norm is None or not gu.swiglu or down.has_bias:
+            if qkv.norm is None:
+                raise ValueError("DecodeStack: projections of another kind")
+            if isinstance(gu, MoeSpec):
+                if gu.router.norm is not None or gu.router.has_bias:
+                    raise ValueError("DecodeStack: a router of another kind")
+                t = gu.table
+                moe = (gu.router.gemv._plan, t.fmts, t.ptrs, t.ldws, t.I, gu.top_k,
+                       gu.norm_topk)
+                specs.append((qkv.gemv._plan, o.gemv._plan, None, None, qkv.norm, gu.norm,
+                              *qkv.biases, o.biases[0], qn, kn, moe))
+                continue
+            if gu.norm is None or not gu.swiglu or down.has_bias:
                 raise ValueError("DecodeStack: projections of another kind")
             specs.append((qkv.gemv._plan, o.gemv._plan, gu.gemv._plan, down.gemv._plan,
-                          qkv.norm, gu.norm, *qkv.biases, o.biases[0], qn, kn))
+                          qkv.norm, gu.norm, *qkv.biases, o.biases[0], qn, kn, None))
         H = layers[0][0].gemv.n if layers else 0
         inv_freq, attn_scale = rope
         self.layers = layers                          # keeps the weights alive

@@ -168,10 +168,18 @@ static void ka_decode_team(const ka_kv *kv, const float *q, ptrdiff_t n_heads,
 /* ---------------------------------------------------------------- the token */
 
 typedef struct {
-    kf_gemv_spec qkv, o, gu, down;
+    kf_gemv_spec qkv, o, gu, down;    /* gu, down: a dense layer's MLP */
     const float *ln1, *ln2;           /* (H,) input / post-attention RMSNorm weights */
     const float *bias[4];             /* q, k, v, o biases or NULL */
     const float *q_norm, *k_norm;     /* (hd,) qwen3's per-head RMSNorm, or NULL */
+    /* a MoE layer (moe != 0) instead of gu / down: the router (E, H) and the experts'
+     * gate, up, down formats, raw rows and row bytes (3, E), as kernels.ExpertTable */
+    int moe, top_k, norm_topk;
+    kf_gemv_spec router;
+    ptrdiff_t E, I;
+    const int32_t *efmt;
+    const uint64_t *eptr;
+    const int64_t *eldw;
 } kd_layer;
 
 typedef struct {
@@ -198,6 +206,14 @@ typedef struct {
     ptrdiff_t bcap;
     int read_bounds;
     float *tab;                       /* decode attention scratch */
+    /* MoE layers: logits and probabilities (widest E), the selected experts' tables (3,
+     * widest k), routing weights, and the experts' plan (its g / gmem / ga scratch
+     * sized for the widest k and I) */
+    float *logits, *probs, *we;
+    int32_t *sel, *sf;
+    uint64_t *sp;
+    int64_t *sl;
+    kf_moe_plan moe;
     ptrdiff_t pos;                    /* the token's cache row */
     int act_q8;
     double t_attn, t_matmul;          /* seconds, added to */
@@ -284,6 +300,46 @@ static void kd_qkv_post(kd_step *S, int l, ka_kv *kv)
     }
 }
 
+/* A MoE layer's feed-forward for the token, x += sum_e w_e down_e(SwiGLU_e(act)), called
+ * by every thread of the team after act holds RMSNorm(x): the router's rows shared out,
+ * then (one thread) kf_moe_route and the selected experts in ascending order, then
+ * kf_moe_thread, as kernels.ExpertTable.decode runs it (the same bits as the Python
+ * layer loop); returns after a barrier. */
+static void kd_moe(kd_step *S, const kd_layer *d, const kf_act *act, float *x, int tid,
+                   int nth)
+{
+    kf_gemv_team(&d->router, act, S->logits, 0, tid, nth);
+#pragma omp barrier
+#pragma omp single
+    {
+        const int k = d->top_k;
+        const ptrdiff_t E = d->E;
+        kf_moe_route(S->logits, E, k, d->norm_topk, S->probs, S->sel, S->we);
+        kf_moe_sort(k, S->sel, S->we);
+        for (int j = 0; j < 3; j++)
+            for (int e = 0; e < k; e++) {
+                S->sf[j * k + e] = d->efmt[j * E + S->sel[e]];
+                S->sp[j * k + e] = d->eptr[j * E + S->sel[e]];
+                S->sl[j * k + e] = d->eldw[j * E + S->sel[e]];
+            }
+        kf_moe_plan *p = &S->moe;
+        p->k = k;
+        p->q8 = S->act_q8 && d->I % KF_QK == 0;
+        p->H = S->H;
+        p->I = d->I;
+        p->fg = S->sf; p->fu = S->sf + k; p->fd = S->sf + 2 * k;
+        p->pg = S->sp; p->pu = S->sp + k; p->pd = S->sp + 2 * k;
+        p->lg = S->sl; p->lu = S->sl + k; p->ld = S->sl + 2 * k;
+        p->we = S->we;
+        p->ax = act;
+        p->out = x;
+    }
+    (void)tid;
+    (void)nth;
+    kf_moe_thread(&S->moe);
+#pragma omp barrier
+}
+
 /* x (H,) += every layer's attention and MLP blocks for the token at row S->pos, with a
  * team of nt threads. 0, or 1 when a thread's attention workspace could not be
  * allocated. */
@@ -356,6 +412,10 @@ static int kd_token(kd_step *S, float *x, int nt)
             {
                 kf_rms_norm_row(x, d->ln2, S->eps, H, S->xn);
                 kf_prep_act(S->xn, H, S->act_q8 && H % KF_QK == 0, S->act, &act);
+            }
+            if (d->moe) {
+                kd_moe(S, d, &act, x, tid, nth);
+                continue;
             }
             kf_gemv_team(&d->gu, &act, S->g, 0, tid, nth);
 #pragma omp barrier

@@ -15,6 +15,12 @@ cdef extern from "decode.h" nogil:
         const float *bias[4]
         const float *q_norm
         const float *k_norm
+        int moe, top_k, norm_topk
+        kf_gemv_spec router
+        Py_ssize_t E, I
+        const int32_t *efmt
+        const uint64_t *eptr
+        const int64_t *eldw
     ctypedef struct kd_step:
         const kd_layer *L
         int n_layers
@@ -40,6 +46,14 @@ cdef extern from "decode.h" nogil:
         Py_ssize_t bcap
         int read_bounds
         float *tab
+        float *logits
+        float *probs
+        float *we
+        int32_t *sel
+        int32_t *sf
+        uint64_t *sp
+        int64_t *sl
+        kf_moe_plan moe
         Py_ssize_t pos
         int act_q8
         double t_attn, t_matmul
@@ -47,10 +61,13 @@ cdef extern from "decode.h" nogil:
 
 
 cdef class DecodeStack:
-    """Every layer of a dense Llama / Qwen2 / Qwen3 decoder for one token, one call.
+    """Every layer of a Llama / Qwen2 / Qwen3 / Qwen3-MoE decoder for one token, one call.
 
     layers: per layer a tuple (qkv, o, gate_up, down GemvPlans; input_layernorm,
-    post_attention_layernorm (H,); q, k, v, o biases or None; q_norm, k_norm (hd,) or None).
+    post_attention_layernorm (H,); q, k, v, o biases or None; q_norm, k_norm (hd,) or None;
+    moe): moe None for a dense layer, or for a MoE one (gate_up, down None) (router
+    GemvPlan (E, H), formats int32 (3, E), raw rows uint64 (3, E), row bytes int64 (3, E)
+    of the experts' gate, up, down (kernels.ExpertTable), I, top_k, norm_topk_prob).
     The caller keeps every array alive (the model's layers own them).
     """
     cdef kd_layer *L
@@ -62,6 +79,12 @@ cdef class DecodeStack:
     cdef float[::1] qkv, att, xn, g, cs
     cdef uint8_t[::1] act_mem
     cdef Py_ssize_t act_off
+    cdef float[::1] logits, probs, we, moe_g
+    cdef int32_t[::1] sel, sf
+    cdef uint64_t[::1] sp
+    cdef int64_t[::1] sl
+    cdef uint8_t[::1] moe_mem
+    cdef Py_ssize_t moe_gbytes, moe_k
     cdef public double t_attn, t_matmul       # seconds, cumulative (Model.prof)
 
     def __cinit__(self):
@@ -72,9 +95,12 @@ cdef class DecodeStack:
 
     def __init__(self, list layers, Py_ssize_t H, Py_ssize_t n_heads, Py_ssize_t n_kv_heads,
                  Py_ssize_t head_dim, float eps, const float[::1] inv_freq, float attn_scale):
-        cdef Py_ssize_t i, j, inter = 0
+        cdef Py_ssize_t i, j, inter = 0, emax = 1, kmax = 0, imax = 0
         cdef kd_layer *d
         cdef const float[::1] v
+        cdef const int32_t[:, ::1] ef
+        cdef const uint64_t[:, ::1] ep
+        cdef const int64_t[:, ::1] el
         if head_dim % 2 or inv_freq.shape[0] != head_dim // 2:
             raise ValueError("DecodeStack: rotary frequencies must cover the head")
         self.n_layers = len(layers)
@@ -88,13 +114,29 @@ cdef class DecodeStack:
             d = &self.L[i]
             d.qkv = (<GemvPlan> spec[0]).s
             d.o = (<GemvPlan> spec[1]).s
-            d.gu = (<GemvPlan> spec[2]).s
-            d.down = (<GemvPlan> spec[3]).s
             if (d.qkv.n != H or d.qkv.d != (n_heads + 2 * n_kv_heads) * head_dim
-                    or d.o.n != n_heads * head_dim or d.o.d != H or d.gu.n != H
-                    or d.gu.mode != 1 or d.down.n != d.gu.d or d.down.d != H):
+                    or d.o.n != n_heads * head_dim or d.o.d != H):
                 raise ValueError(f"DecodeStack: layer {i}: projection shapes do not match")
-            inter = max(inter, d.gu.d)
+            d.moe = 0
+            if spec[12] is None:
+                d.gu = (<GemvPlan> spec[2]).s
+                d.down = (<GemvPlan> spec[3]).s
+                if (d.gu.n != H or d.gu.mode != 1 or d.down.n != d.gu.d or d.down.d != H):
+                    raise ValueError(f"DecodeStack: layer {i}: MLP shapes do not match")
+                inter = max(inter, d.gu.d)
+            else:
+                router, ef, ep, el, d.I, d.top_k, norm_topk = spec[12]
+                d.router = (<GemvPlan> router).s
+                d.E = ef.shape[1]
+                d.norm_topk = 1 if norm_topk else 0
+                if (d.router.n != H or d.router.d != d.E or d.router.mode != 0
+                        or ef.shape[0] != 3 or ep.shape[0] != 3 or el.shape[0] != 3
+                        or ep.shape[1] != d.E or el.shape[1] != d.E
+                        or not 0 < d.top_k <= d.E or d.I <= 0):
+                    raise ValueError(f"DecodeStack: layer {i}: MoE shapes do not match")
+                d.efmt, d.eptr, d.eldw = &ef[0, 0], &ep[0, 0], &el[0, 0]
+                d.moe = 1
+                emax, kmax, imax = max(emax, d.E), max(kmax, d.top_k), max(imax, d.I)
             v = spec[4]
             d.ln1 = &v[0]
             v = spec[5]
@@ -119,6 +161,20 @@ cdef class DecodeStack:
         # the prepared input of a projection (kf_prep_act), 64-byte aligned
         self.act_mem = np.empty(kf_act_bytes(max(H, n_heads * head_dim, inter)) + 64, np.uint8)
         self.act_off = (64 - (<uintptr_t> &self.act_mem[0]) % 64) % 64
+        # MoE layers: the router's output, the choice, and kf_moe_plan's scratch (each
+        # expert's SwiGLU output and its prepared activation, 64-byte aligned slots)
+        self.logits = np.empty(emax, np.float32)
+        self.probs = np.empty(emax, np.float32)
+        self.we = np.empty(max(1, kmax), np.float32)
+        self.sel = np.empty(max(1, kmax), np.int32)
+        self.sf = np.empty(3 * max(1, kmax), np.int32)
+        self.sp = np.empty(3 * max(1, kmax), np.uint64)
+        self.sl = np.empty(3 * max(1, kmax), np.int64)
+        self.moe_k = kmax
+        self.moe_g = np.empty(max(1, kmax * imax), np.float32)
+        self.moe_gbytes = (kf_act_bytes(max(1, imax)) + 63) // 64 * 64
+        self.moe_mem = np.empty(max(1, kmax) * (self.moe_gbytes + sizeof(kf_act)) + 128,
+                                np.uint8)
         self.t_attn = self.t_matmul = 0.0
 
     def run(self,
@@ -190,6 +246,14 @@ cdef class DecodeStack:
         S.n_probe, S.sopt = n_probe, sopt
         S.bnds, S.bscs, S.bcap, S.read_bounds = &bnds[0], &bscs[0], bcap, read_bounds
         S.tab, S.pos, S.act_q8 = &dec_tab[0], pos, act_q8
+        cdef uint8_t *mm = &self.moe_mem[0]
+        mm += (64 - (<uintptr_t> mm) % 64) % 64
+        S.logits, S.probs, S.we, S.sel = &self.logits[0], &self.probs[0], &self.we[0], &self.sel[0]
+        S.sf, S.sp, S.sl = &self.sf[0], &self.sp[0], &self.sl[0]
+        S.moe.g = &self.moe_g[0]
+        S.moe.gmem = mm
+        S.moe.gbytes = self.moe_gbytes
+        S.moe.ga = <kf_act *> (mm + max(1, self.moe_k) * self.moe_gbytes)
         S.t_attn = S.t_matmul = 0.0
         nt = n_threads if n_threads > 0 else kf_max_threads()
         with nogil:

@@ -439,6 +439,54 @@ typedef struct {
     float *out;                         /* (H,) added into */
 } kf_moe_plan;
 
+/* The router's choice for one token, as transformers' Qwen3-MoE computes it: softmax of
+ * the E logits (float, in index order), the k largest probabilities (ties: the lower
+ * expert first), renormalised to sum 1 when `norm`; sel / w in rank order. Python's MoE
+ * block and the native decode both route with it, so prompt and decode pick the same
+ * experts with the same weights, bit for bit. k <= E. */
+static void kf_moe_route(const float *logits, ptrdiff_t E, int k, int norm, float *p,
+                         int32_t *sel, float *w)
+{
+    float m = logits[0], s = 0.0f;
+    for (ptrdiff_t e = 1; e < E; e++)
+        m = logits[e] > m ? logits[e] : m;
+    for (ptrdiff_t e = 0; e < E; e++) {
+        p[e] = expf(logits[e] - m);
+        s += p[e];
+    }
+    for (ptrdiff_t e = 0; e < E; e++)
+        p[e] /= s;
+    for (int j = 0; j < k; j++) {         /* k passes over E (k, E small: 8, 128) */
+        ptrdiff_t best = -1;
+        for (ptrdiff_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j; i++)
+                taken |= sel[i] == (int32_t)e;
+            if (!taken && (best < 0 || p[e] > p[best] || (p[best] != p[best] && p[e] == p[e])))
+                best = e;
+        }
+        sel[j] = (int32_t)best;
+        w[j] = p[best];
+    }
+    if (norm) {
+        float t = 0.0f;
+        for (int j = 0; j < k; j++)
+            t += w[j];
+        for (int j = 0; j < k; j++)
+            w[j] /= t;
+    }
+}
+
+/* sel / w (k) reordered by ascending expert: the order decode adds the experts in. */
+static void kf_moe_sort(int k, int32_t *sel, float *w)
+{
+    for (int i = 1; i < k; i++)
+        for (int j = i; j > 0 && sel[j - 1] > sel[j]; j--) {
+            int32_t t = sel[j]; sel[j] = sel[j - 1]; sel[j - 1] = t;
+            float u = w[j]; w[j] = w[j - 1]; w[j - 1] = u;
+        }
+}
+
 static inline ptrdiff_t kf_split16(ptrdiff_t d, ptrdiff_t c, ptrdiff_t nc)
 {
     return c >= nc ? d : (d * c / nc + 8) / 16 * 16;

@@ -88,6 +88,8 @@ cdef extern from "matmul.h" nogil:
         kf_act *ga
         float *out
     void kf_moe_thread(kf_moe_plan *p) noexcept
+    void kf_moe_route(const float *logits, Py_ssize_t E, int k, int norm, float *p,
+                      int32_t *sel, float *w) noexcept
     ctypedef struct kf_moep_plan:
         int qx, qh
         Py_ssize_t H, I, T, M, E, ne
@@ -497,6 +499,22 @@ def moe_decode(const float[:, ::1] x,        # IN  (1, H) the experts' input
         return
     with nogil, parallel(num_threads=nt):
         kf_moe_thread(pp)
+
+
+def moe_route(const float[:, ::1] logits,  # IN  (T, E) router logits
+              int32_t[:, ::1] sel,            # OUT (T, k) selected experts, in rank order
+              float[:, ::1] w,                # OUT (T, k) their routing weights
+              bint norm):
+    """Per token: softmax of the logits, the top k (ties: the lower expert first), w
+    renormalised to sum 1 when `norm` (matmul.h kf_moe_route, which the native decode
+    runs too, so prompt and decode route alike)."""
+    cdef Py_ssize_t T = logits.shape[0], E = logits.shape[1], k = sel.shape[1], t
+    if sel.shape[0] != T or w.shape[0] != T or w.shape[1] != k or not 0 < k <= E:
+        raise ValueError(f"moe_route: sel and w must be (T, k) with 0 < k <= E = {E}")
+    cdef float[::1] p = np.empty(E, np.float32)
+    with nogil:
+        for t in range(T):
+            kf_moe_route(&logits[t, 0], E, <int> k, norm, &p[0], &sel[t, 0], &w[t, 0])
 
 
 def moe_prefill(const float[:, ::1] x,       # IN  (T, H) the experts' input

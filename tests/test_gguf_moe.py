@@ -158,7 +158,8 @@ def test_routing_reads_only_the_selected_experts(moe, monkeypatch):
         picked.append((tables[id(self)], [int(e) for e in sel]))
         return orig_decode(self, x, sel, *args, **kw)
     monkeypatch.setattr(kernels.ExpertTable, "decode", spy_decode)
-    eng.decode_step(ids[-1])
+    eng.model.native_decode = False          # the Python layer loop (the native decode
+    eng.decode_step(ids[-1])                 # runs the same kernel: test_native_decode)
     assert calls == []                         # decode: no per-expert projection calls
     # one fused call a sparse layer, with its top_k = 2 distinct experts, ascending
     assert sorted(i for i, _ in picked) == sparse

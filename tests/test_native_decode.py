@@ -1,7 +1,7 @@
 """The native decode (kernels.DecodeStack: every layer of one token in one kernel call) gives
-the Python layer loop's logits bit for bit, on every architecture it runs, every cache
-kind, the sparse options, int8 activations, quantised and repacked weights, every kernel
-variant; the models it does not run (MoE) fall back to the loop."""
+the Python layer loop's logits bit for bit, on every architecture (MoE included), every
+cache kind, the sparse options, int8 activations, quantised and repacked weights, every
+kernel variant."""
 from __future__ import annotations
 
 import numpy as np
@@ -39,7 +39,7 @@ def decode_both(path, steps: int = 40, prompt: int = 70, threads: int = 2, **opt
     return got
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_vl", "qwen3_moe"])
 def test_native_equals_loop(ckpts, arch):
     nat, loop = decode_both(ckpts[arch])
     np.testing.assert_array_equal(nat, loop)
@@ -85,11 +85,41 @@ def test_native_matches_full_forward(ckpts):
     np.testing.assert_allclose(np.stack(rows), full[40:-1], atol=1e-4, rtol=0)
 
 
-def test_moe_falls_back_to_the_loop(ckpts):
-    eng = Engine.load(str(ckpts["qwen3_moe"]), LoadOptions(threads=2, ctx_size=128))
-    eng.prefill(rand_ids(10))
-    eng.decode_step(3)
-    assert eng.model.decode_stack() is None
+@pytest.mark.parametrize("opts", [dict(act="f32"), dict(quant="q4", act="q8"),
+                                  dict(quant="q8", act="q8", kv_q8=True),
+                                  dict(quant="q4", repack=False, act="q8")],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_native_moe_equals_loop(ckpts, opts):
+    """MoE layers: router, top-k, the experts (x16-repacked or as stored) in the one call."""
+    nat, loop = decode_both(ckpts["qwen3_moe"], steps=16, **opts)
+    np.testing.assert_array_equal(nat, loop)
+
+
+def test_native_moe_every_variant_and_thread_count(ckpts, isa):
+    for threads in (1, 3):
+        nat, loop = decode_both(ckpts["qwen3_moe"], steps=8, threads=threads, quant="q4",
+                                act="q8")
+        np.testing.assert_array_equal(nat, loop)
+
+
+def test_moe_route_matches_the_reference():
+    """kernels.moe_route: softmax, the top k (ties to the lower expert), renormalised."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((50, 16)).astype(np.float32)
+    logits[0, [3, 9]] = logits[0].max() + 1.0                  # a tie: 3 ranks before 9
+    for norm in (False, True):
+        sel, w = K.moe_route(logits, 4, norm)
+        p = np.exp(logits.astype(np.float64) - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        want = np.argsort(-p, axis=1, kind="stable")[:, :4]
+        np.testing.assert_array_equal(sel, want)
+        ref = np.take_along_axis(p, want, axis=1)
+        if norm:
+            ref /= ref.sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(w, ref, rtol=1e-6)
+    assert list(sel[0, :2]) == [3, 9]
+    with pytest.raises(ValueError):
+        K.moe_route(logits, 17, True)
 
 
 def test_forks_get_their_own_stack(ckpts):

@@ -161,7 +161,7 @@ class DecoderLayer:
 
     def native_parts(self):
         """This layer for kernels.DecodeStack: (qkv, o, gate_up, down, head norms), or
-        None when it is not a dense attention + SwiGLU block the stack runs (MoE)."""
+        None when it is not a dense attention + SwiGLU block the stack runs."""
         norms = self.self_attn.head_norms()
         if norms is None or type(self.mlp) is not MLP:
             return None
@@ -221,7 +221,7 @@ class Model:
 
     def decode_stack(self) -> K.DecodeStack | None:
         """The native decode of this model (built once), or None: native_decode is off, or
-        some layer is not one kernels.DecodeStack runs (MoE), or RoPE does not cover the
+        some layer is not one kernels.DecodeStack runs, or RoPE does not cover the
         head."""
         if not self.native_decode:
             return None

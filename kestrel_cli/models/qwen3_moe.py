@@ -41,12 +41,9 @@ class MoeBlock:
         T = x.shape[0]
         x = llama.rms_norm(x, self.norm, self.eps, fwd.threads)     # the experts' input
         (logits,) = fwd.project(self.router, x)                     # (T, E)
-        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs /= probs.sum(axis=1, keepdims=True)
-        top = np.argsort(-probs, axis=1, kind="stable")[:, :self.top_k]   # (T, k)
-        w = np.take_along_axis(probs, top, axis=1)                   # (T, k)
-        if self.norm_topk_prob:
-            w /= w.sum(axis=1, keepdims=True)
+        # softmax, top k, renormalised: the kernel the native decode routes with too
+        top, w = K.moe_route(np.ascontiguousarray(logits), self.top_k,
+                             self.norm_topk_prob)                    # (T, k) each
         if T == 1:
             return self._decode(x, top[0], w[0], fwd, residual)
         out = np.zeros_like(x)
@@ -67,6 +64,11 @@ class MoeBlock:
         residual += out
         return residual
 
+    def native_spec(self) -> K.MoeSpec:
+        """This block for kernels.DecodeStack."""
+        return K.MoeSpec(self.router, self.table, self.norm, self.top_k,
+                         bool(self.norm_topk_prob))
+
     def _decode(self, x, top, w, fwd, residual) -> np.ndarray:
         """One token: the selected experts in ascending order, one kernel call
         (kernels.ExpertTable.decode: each expert's SwiGLU scaled by its routing weight,
@@ -82,6 +84,16 @@ class MoeBlock:
 
 
 class DecoderLayer(llama.DecoderLayer):
+    def native_parts(self):
+        """As llama's, a MoE block as its kernels.MoeSpec (gate_up) and None (down)."""
+        if type(self.mlp) is not MoeBlock:
+            return super().native_parts()
+        norms = self.self_attn.head_norms()
+        if norms is None:
+            return None
+        a = self.self_attn
+        return a.qkv, a.out, self.mlp.native_spec(), None, norms
+
     def make_mlp(self, cfg, store, p, i):
         # differs from llama: MoE unless listed in mlp_only_layers or off the sparse step
         if cfg.num_experts > 0 and i not in cfg.mlp_only_layers \
