@@ -528,6 +528,59 @@ KF_TARGET_AVX2 static void kx_avx2_group_k(int unused, const kf_act *a, ptrdiff_
             (i << 24) | 0x808080, ((4 + i) << 24) | 0x808080, ((8 + i) << 24) | 0x808080,
             ((12 + i) << 24) | 0x808080));
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (a->xq != NULL) {
+        /* int8: both halves of the rows per step, so each activation broadcast serves 16
+         * rows (acc[h] takes the same operations in the same order as below) */
+        for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
+            for (int k = 0; k < KX_KQ + KX_KM; k += 64)   /* KX_KPF bytes ahead */
+                _mm_prefetch((const char *)(M + KX_KPF + k), _MM_HINT_T0);
+            __m256 sc[2][8], mn[2][8], d[2], dm[2];
+            for (int h = 0; h < 2; h++) {
+#define KX_LP2(i_) _mm_loadl_epi64((const __m128i *)(M + 64 + 16 * (i_) + 8 * h))
+                KX_K_SCALES(__m256i, _mm256_cvtepu8_epi32, KX_LP2, _mm256_and_si256,
+                            _mm256_or_si256, _mm256_srli_epi32, _mm256_slli_epi32,
+                            _mm256_set1_epi32, _mm256_cvtepi32_ps, sc[h], mn[h]);
+#undef KX_LP2
+                d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 16 * h)));
+                dm[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(M + 32 + 16 * h)));
+            }
+            for (int c = 0; c < 4; c++) {
+                const ptrdiff_t b0 = sb * 8 + 2 * c;
+                const int8_t *x0 = a->xq + b0 * KF_QK, *x1 = x0 + KF_QK;
+                __m256i s0[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                __m256i s1[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+                for (int t = 0; t < 8; t++) {
+                    const __m256i bx0 = _mm256_set1_epi32(kx_ld32(x0 + 4 * t));
+                    const __m256i bx1 = _mm256_set1_epi32(kx_ld32(x1 + 4 * t));
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i v = _mm256_loadu_si256(
+                            (const __m256i *)(Q + 64 * (8 * c + t) + 32 * h));
+                        s0[h] = _mm256_add_epi16(s0[h], _mm256_maddubs_epi16(
+                            _mm256_and_si256(v, m4), bx0));
+                        s1[h] = _mm256_add_epi16(s1[h], _mm256_maddubs_epi16(
+                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), bx1));
+                    }
+                }
+                for (int h = 0; h < 2; h++) {
+                    const __m256 part[2] = {_mm256_cvtepi32_ps(_mm256_madd_epi16(s0[h], ones)),
+                                            _mm256_cvtepi32_ps(_mm256_madd_epi16(s1[h], ones))};
+                    for (int e = 0; e < 2; e++) {
+                        const ptrdiff_t b = b0 + e;
+                        const __m256 dw = _mm256_mul_ps(d[h], sc[h][2 * c + e]);
+                        const __m256 mw = _mm256_sub_ps(_mm256_setzero_ps(),
+                                                        _mm256_mul_ps(dm[h], mn[h][2 * c + e]));
+                        acc[h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a->xd[b])),
+                                                 part[e], acc[h]);
+                        acc[h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->sx[b]), acc[h]);
+                    }
+                }
+            }
+        }
+        _mm256_storeu_ps(out, acc[0]);
+        _mm256_storeu_ps(out + 8, acc[1]);
+        return;
+    }
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {
         const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
         for (int k = 0; k < KX_KQ + KX_KM; k += 64)   /* KX_KPF bytes ahead */
@@ -866,6 +919,75 @@ KF_TARGET_AVX2 static void kx_avx2_group_6(int unused, const kf_act *a, ptrdiff_
             (c << 24) | 0x808080, ((4 + c) << 24) | 0x808080, ((8 + c) << 24) | 0x808080,
             ((12 + c) << 24) | 0x808080));
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    if (a->xq != NULL) {
+        /* int8: both halves of the rows (hh) per step, each activation broadcast serving
+         * 16 rows; acc[hh] takes the same operations in the same order as below */
+        for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
+            for (int k = 0; k < 3360; k += 64)      /* KX_KPF bytes ahead, in stream order */
+                _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + k), _MM_HINT_T0);
+            __m256 part[2][2][4][2];            /* [h][hh][m][e] */
+            for (int h = 0; h < 2; h++) {
+                const ptrdiff_t b0 = sb * 8 + 4 * h;
+                for (int m = 0; m < 4; m++) {
+                    __m256i is[2][2];
+                    for (int e = 0; e < 2; e++) {
+                        const int32_t xh = e ? a->xs[b0 + m] - a->xh[b0 + m] : a->xh[b0 + m];
+                        is[0][e] = is[1][e] = _mm256_set1_epi32(-32 * xh);
+                    }
+                    for (int s = 0; s < 8; s += 2) {
+                        const int8_t *x = a->xq + (b0 + m) * KF_QK + 4 * s;
+                        const __m256i bx0 = _mm256_set1_epi32(kx_ld32(x));
+                        const __m256i bx1 = _mm256_set1_epi32(kx_ld32(x + 4));
+                        for (int hh = 0; hh < 2; hh++) {
+                            __m256i u[2];
+                            for (int z = 0; z < 2; z++) {
+                                /* quant vector m of step s + z: its load (m < 3) or the
+                                 * fourth from the top 2 bits of all three */
+                                const uint8_t *v = Q + 64 * (24 * h + 3 * (s + z)) + 32 * hh;
+                                if (m < 3) {
+                                    u[z] = _mm256_and_si256(
+                                        _mm256_loadu_si256((const __m256i *)(v + 64 * m)),
+                                        _mm256_set1_epi8(63));
+                                } else {
+                                    const __m256i p0 = _mm256_loadu_si256((const __m256i *)v);
+                                    const __m256i p1 = _mm256_loadu_si256((const __m256i *)(v + 64));
+                                    const __m256i p2 = _mm256_loadu_si256((const __m256i *)(v + 128));
+                                    u[z] = _mm256_or_si256(
+                                        _mm256_or_si256(
+                                            _mm256_and_si256(_mm256_srli_epi16(p0, 6), _mm256_set1_epi8(3)),
+                                            _mm256_and_si256(_mm256_srli_epi16(p1, 4), _mm256_set1_epi8(12))),
+                                        _mm256_and_si256(_mm256_srli_epi16(p2, 2), _mm256_set1_epi8(48)));
+                                }
+                            }
+                            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u[0], bx0),
+                                                               _mm256_maddubs_epi16(u[1], bx1));
+                            is[hh][s / 4] = _mm256_add_epi32(is[hh][s / 4], _mm256_madd_epi16(p, ones));
+                        }
+                    }
+                    for (int hh = 0; hh < 2; hh++)
+                        for (int e = 0; e < 2; e++)
+                            part[h][hh][m][e] = _mm256_cvtepi32_ps(is[hh][e]);
+                }
+            }
+            for (int hh = 0; hh < 2; hh++) {
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(D + 16 * hh)));
+                for (int h = 0; h < 2; h++)
+                    for (int m = 0; m < 4; m++)
+                        for (int e = 0; e < 2; e++) {
+                            const int j = 2 * (4 * h + m) + e;
+                            const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                _mm_loadl_epi64((const __m128i *)(S + 16 * j + 8 * hh))));
+                            const __m256 dw = _mm256_mul_ps(_mm256_mul_ps(d, sc),
+                                                            _mm256_set1_ps(a->xd[sb * 8 + 4 * h + m]));
+                            acc[hh] = _mm256_fmadd_ps(dw, part[h][hh][m][e], acc[hh]);
+                        }
+            }
+        }
+        _mm256_storeu_ps(out, acc[0]);
+        _mm256_storeu_ps(out + 8, acc[1]);
+        return;
+    }
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {
         const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
         for (int k = 0; k < 3360; k += 64)          /* KX_KPF bytes ahead, in stream order */
