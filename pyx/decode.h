@@ -323,19 +323,14 @@ static void kd_moe(kd_step *S, const kd_layer *d, const kf_act *act, float *x, i
                 S->sl[j * k + e] = d->eldw[j * E + S->sel[e]];
             }
         kf_moe_plan *p = &S->moe;
-        p->k = k;
-        p->q8 = S->act_q8 && d->I % KF_QK == 0;
+        kf_moe_plan_tables(p, k, S->sf, S->sp, S->sl);
+        p->q8 = S->act_q8 && d->I % KF_QK == 0;   /* as moe_decode */
         p->H = S->H;
         p->I = d->I;
-        p->fg = S->sf; p->fu = S->sf + k; p->fd = S->sf + 2 * k;
-        p->pg = S->sp; p->pu = S->sp + k; p->pd = S->sp + 2 * k;
-        p->lg = S->sl; p->lu = S->sl + k; p->ld = S->sl + 2 * k;
         p->we = S->we;
         p->ax = act;
         p->out = x;
     }
-    (void)tid;
-    (void)nth;
     kf_moe_thread(&S->moe);
 #pragma omp barrier
 }

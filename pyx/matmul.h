@@ -487,6 +487,17 @@ static void kf_moe_sort(int k, int32_t *sel, float *w)
         }
 }
 
+/* Point p at k selected experts' tables, each (3, k): gate, up, down rows of formats f,
+ * raw rows w and row bytes l (moe_decode's arguments, or decode.h's gathered ones). */
+static inline void kf_moe_plan_tables(kf_moe_plan *p, int k, const int32_t *f,
+                                      const uint64_t *w, const int64_t *l)
+{
+    p->k = k;
+    p->fg = f; p->fu = f + k; p->fd = f + 2 * k;
+    p->pg = w; p->pu = w + k; p->pd = w + 2 * k;
+    p->lg = l; p->lu = l + k; p->ld = l + 2 * k;
+}
+
 static inline ptrdiff_t kf_split16(ptrdiff_t d, ptrdiff_t c, ptrdiff_t nc)
 {
     return c >= nc ? d : (d * c / nc + 8) / 16 * 16;

@@ -88,6 +88,8 @@ cdef extern from "matmul.h" nogil:
         kf_act *ga
         float *out
     void kf_moe_thread(kf_moe_plan *p) noexcept
+    void kf_moe_plan_tables(kf_moe_plan *p, int k, const int32_t *f, const uint64_t *w,
+                            const int64_t *l) noexcept
     void kf_moe_route(const float *logits, Py_ssize_t E, int k, int norm, float *p,
                       int32_t *sel, float *w) noexcept
     ctypedef struct kf_moep_plan:
@@ -479,10 +481,8 @@ def moe_decode(const float[:, ::1] x,        # IN  (1, H) the experts' input
     if scratch == NULL:
         raise MemoryError("moe_decode: could not allocate scratch")
     # int8 activations where the row length allows (as GemvPlan.run): x, then each g_e
-    plan.k, plan.q8, plan.H, plan.I = <int> k, 1 if act_q8 and I % KF_QK == 0 else 0, H, I
-    plan.fg, plan.fu, plan.fd = &fmts[0, 0], &fmts[1, 0], &fmts[2, 0]
-    plan.pg, plan.pu, plan.pd = &ptrs[0, 0], &ptrs[1, 0], &ptrs[2, 0]
-    plan.lg, plan.lu, plan.ld = &ldws[0, 0], &ldws[1, 0], &ldws[2, 0]
+    kf_moe_plan_tables(pp, <int> k, &fmts[0, 0], &ptrs[0, 0], &ldws[0, 0])
+    plan.q8, plan.H, plan.I = 1 if act_q8 and I % KF_QK == 0 else 0, H, I
     plan.we = &we[0]
     plan.g = <float *> (scratch + ax_bytes)
     plan.gmem = <uint8_t *> (scratch + ax_bytes + k * I * sizeof(float))

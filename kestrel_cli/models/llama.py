@@ -161,12 +161,18 @@ class DecoderLayer:
 
     def native_parts(self):
         """This layer for kernels.DecodeStack: (qkv, o, gate_up, down, head norms), or
-        None when it is not a dense attention + SwiGLU block the stack runs."""
+        None when it is not a block the stack runs."""
         norms = self.self_attn.head_norms()
-        if norms is None or type(self.mlp) is not MLP:
+        mlp = self.native_mlp()
+        if norms is None or mlp is None:
             return None
         a = self.self_attn
-        return a.qkv, a.out, self.mlp.gate_up, self.mlp.down, norms
+        return a.qkv, a.out, *mlp, norms
+
+    def native_mlp(self):
+        """The feed-forward's part of native_parts: (gate_up, down) of a SwiGLU MLP, or
+        None."""
+        return (self.mlp.gate_up, self.mlp.down) if type(self.mlp) is MLP else None
 
     def __call__(self, h, cache: KVCache, layer: int, fwd: ForwardPass) -> None:
         """Updates the residual stream h (T, H) in place."""

@@ -84,15 +84,11 @@ class MoeBlock:
 
 
 class DecoderLayer(llama.DecoderLayer):
-    def native_parts(self):
-        """As llama's, a MoE block as its kernels.MoeSpec (gate_up) and None (down)."""
-        if type(self.mlp) is not MoeBlock:
-            return super().native_parts()
-        norms = self.self_attn.head_norms()
-        if norms is None:
-            return None
-        a = self.self_attn
-        return a.qkv, a.out, self.mlp.native_spec(), None, norms
+    def native_mlp(self):
+        """A MoE block as its kernels.MoeSpec (in gate_up's place) and None (down)."""
+        if type(self.mlp) is MoeBlock:
+            return self.mlp.native_spec(), None
+        return super().native_mlp()
 
     def make_mlp(self, cfg, store, p, i):
         # differs from llama: MoE unless listed in mlp_only_layers or off the sparse step
