@@ -86,7 +86,7 @@ class LoadOptions:
             fast path, KL divergence from exact in README "Activations") or "f32" float32
             (exact). Float weights always take float32.
         repack: interleave q4_0 / q4_1 / q4_k / q6_k weights by 16 rows at load, MoE experts
-            when decode first routes a token to them (--no-repack turns it off): the decode
+            too when the weights fit the free memory (--no-repack turns it off): the decode
             GEMV's layout (pyx/gemv_x16.h), same bytes, same results up to summation order.
         sparse_preset: a named set of the options below (`sparse.PRESETS`; implies
             sparse_attn); options given explicitly override it.
