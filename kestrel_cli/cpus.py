@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 SYSFS_ENV = "KESTREL_SYSFS_CPU"
 SYSFS_CPU = "/sys/devices/system/cpu"
-TIER_TOLERANCE = 0.10           # cores within 10% of each other count as one tier
+TIER_TOLERANCE = 0.15           # cores within 15% of each other count as one tier
 MAX_SYSFS_BYTES = 64            # a sysfs number file is a few bytes; more is not one
 OMP_BINDING_ENV = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY")
 

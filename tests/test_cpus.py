@@ -68,6 +68,9 @@ def test_a_lone_fast_core_wins_only_when_the_rest_are_much_slower(tmp_path):
     caps[1] = 520                           # 2 x 520 > 1024: both
     t = topology(str(fake_sysfs(tmp_path, caps)), allowed=range(8))
     assert t.fast() == (0, 1)
+    caps = {0: 1024, 1: 1024, 2: 512, 3: 512}   # 2 x 1024 == 4 x 512: the fewer cores
+    t = topology(str(fake_sysfs(tmp_path / "tie", caps)), allowed=range(4))
+    assert t.fast() == (0, 1)
 
 
 def test_homogeneous_keeps_every_core_unpinned(tmp_path):
@@ -84,6 +87,16 @@ def test_clusters_a_few_percent_apart_are_one_tier(tmp_path):
     caps = {0: 1024, 1: 1000, 2: 980, 3: 1024}
     t = topology(str(fake_sysfs(tmp_path, caps)), allowed=range(4))
     assert not t.mixed and t.fast() == (0, 1, 2, 3)
+    # a desktop whose preferred cores boost ~12% higher is not big.LITTLE
+    freq = {0: 5700000, 1: 5700000, 2: 5100000, 3: 5100000}
+    t = topology(str(fake_sysfs(tmp_path / "f", max_freq=freq)), allowed=range(4))
+    assert not t.mixed and plan(topo=t, env={}).pin is None
+    # a tier is measured from its fastest core: no chaining of small steps
+    caps = {0: 1024, 1: 900, 2: 800, 3: 700}
+    t = topology(str(fake_sysfs(tmp_path / "c", caps)), allowed=range(4))
+    assert [cs for _, cs in t.tiers()] == [(0, 1), (2, 3)]
+    assert [s for s, _ in t.tiers()] == [900, 700]
+    assert t.fast() == (0, 1, 2, 3)                 # 4 x 700 > 2 x 900
 
 
 def test_max_freq_when_capacity_is_missing(tmp_path):
