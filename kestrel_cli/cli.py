@@ -91,7 +91,9 @@ class EngineOptions:
         show_default=f"the model's, at most {DEFAULT_CTX_CAP}", rich_help_panel=_MODEL)] = None
     threads: Annotated[Optional[int], typer.Option(
         "-t", "--threads", help=f"CPU threads: at most {THREADS_PER_CORE} per core, "
-        f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}.",
+        f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}. On a "
+        "big.LITTLE CPU up to the big cores' number run pinned to the big cores; more run "
+        "unpinned on all cores (`kestrel cpus` shows them).",
         show_default="all available cores", rich_help_panel=_MODEL)] = None
     quant: Annotated[Quant, typer.Option(
         "--quant", help="Quantise the weights at load.", rich_help_panel=_MODEL)] = Quant.none
@@ -360,6 +362,9 @@ def engine_from_options(opts: EngineOptions, spinner: bool = True, slots: int = 
         eng = Engine.load(opts.model, load)
     for line in eng.notices:
         print(f"note: {line}", file=sys.stderr)
+    # big.LITTLE: which cores the threads run on (machines whose cores are alike: nothing)
+    if eng.thread_plan is not None and eng.thread_plan.mixed:
+        print(eng.thread_plan.line, file=sys.stderr)
     check_kv_memory(eng, eng.ctx_size, slots,
                     "--parallel or -c/--ctx-size" if slots > 1 else "-c/--ctx-size")
     return eng
@@ -723,6 +728,15 @@ def _human_count(n: int) -> str:
         if n >= div:
             return f"{n / div:.1f}{unit} ({n:,})"
     return str(n)
+
+
+@app.command()
+def cpus():
+    """The CPUs this process may use, the big and little cores (from sysfs) and the
+    default thread choice, one `key: value` line each."""
+    from .cpus import summary
+    for line in summary():
+        print(line)
 
 
 @app.command()

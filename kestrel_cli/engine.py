@@ -8,6 +8,7 @@ from typing import Iterator
 
 import numpy as np
 
+from . import cpus
 from .errors import KestrelError
 from .generate import Chunk, stream_generate
 from .kv_cache import CacheSpec
@@ -59,12 +60,9 @@ def experts_fit(store) -> tuple[bool, str]:
 
 
 def default_threads(share: int = 1) -> int:
-    """The cores this process may use, split `share` ways (at least 1)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:
-        n = os.cpu_count() or 1
-    return max(1, n // max(1, share))
+    """The fast cores this process may use, split `share` ways (at least 1): every allowed
+    core when they are alike, only the big ones of a big.LITTLE CPU (kestrel_cli.cpus)."""
+    return cpus.plan(share=share).threads
 
 
 @dataclass(frozen=True)
@@ -78,7 +76,9 @@ class LoadOptions:
         sparse_attn: block-sparse attention (--sparse-attn) with sparse_k blocks of 32
             tokens per query head and sparse_probes keys probed per block.
         quant: None/"none", or a --quant format: quantise float weights at load.
-        threads: OpenMP threads (-t); None: every core this process may use.
+        threads: OpenMP threads (-t); None: one per fast core this process may use
+            (kestrel_cli.cpus: every core when they are alike, pinned to the big ones of
+            a big.LITTLE CPU).
         ctx_size: context size in tokens (-c); None: the model's context length, at most
             ctx_cap (None: no cap).
         act: the activations quantised weights multiply (--act; docs/DESIGN.md §5 Kernels
@@ -274,6 +274,7 @@ class Engine:
         self.model, self.tokenizer, self.config, self.path = model, tokenizer, config, path
         self.store, self.ctx_size, self.spec = store, ctx_size, spec
         self.notices: list[str] = []        # one line each, for the user (load's choices)
+        self.thread_plan = None             # cpus.ThreadPlan: the threads and their cores
         self.cache = self.make_cache()
         self.cached_ids: list[int] = []     # tokens whose K/V the cache holds
         self.cached_keys: list = []         # their keys (VisionPrompt.keys; ids for text)
@@ -307,7 +308,10 @@ class Engine:
     def load(cls, path, options: LoadOptions) -> "Engine":
         """Load a checkpoint directory or GGUF file (None: the bundled SmolLM2)."""
         options.validate()
-        threads = options.threads or default_threads()
+        # the threads and the cores they run on; pinned before the first parallel region
+        plan = cpus.plan(options.threads)
+        cpus.apply(plan)
+        threads = plan.threads
         cfg, store, tok, p = open_checkpoint(path)
         store.quantize_to(QUANT_FORMATS.get(options.quant), threads)   # --quant: at load
         store.repack_x16 = options.repack
@@ -320,6 +324,7 @@ class Engine:
         eng = cls(model, tok, cfg, p, store, options.context(cfg.max_position_embeddings),
                   options.cache_spec)
         eng.notices = notices
+        eng.thread_plan = plan
         return eng
 
     def fork(self) -> "Engine":

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["bench_decode.sh", "needle.sh"]
+SCRIPTS = ["bench_decode.sh", "needle.sh", "board_bench.sh"]
 # bash builtins/keywords aside, only coreutils and awk may run on the board
 NOT_ALLOWED = re.compile(r"\b(python3?|perl|sed|grep|jq|bc|ruby|node|curl|wget)\b")
 
