@@ -92,9 +92,10 @@ def main(argv=None) -> int:
     t = float(np.median(times[1:]))
     gbs = L * 2 * a.depth * KV * hd * es / t / 1e9
     mode = f"sparse k={a.k}" if a.k else "exact"
+    rate = f"{gbs:.1f}" if gbs >= 1 else f"{gbs:.4f}"    # a loaded machine: not "0.0"
     print(f"[ATTN] shape={a.shape} layers={L} heads={H}/{KV}x{hd} depth={a.depth} "
           f"dtype={a.dtype} {mode} threads={a.threads}: {t * 1e3:.2f} ms/step "
-          f"{gbs:.1f} GB/s of K+V")
+          f"{rate} GB/s of K+V")
     if a.stream:
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
         r = subprocess.run([a.stream, str(a.stream_mib), "5"], capture_output=True, text=True,
