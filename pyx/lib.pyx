@@ -37,6 +37,12 @@ def isa():
     return kf_isa_names[kf_isa].decode()
 
 
+def isa_names():
+    """Every variant name of this build's architecture, slowest first (what KESTREL_ISA
+    and set_isa accept), whether or not this CPU runs them."""
+    return [kf_isa_names[i].decode() for i in range(KF_N_ISA)]
+
+
 def isa_variants():
     """Every variant this CPU runs, slowest first."""
     return [kf_isa_names[i].decode() for i in range(kf_isa_max + 1)]

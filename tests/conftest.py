@@ -147,6 +147,7 @@ def check_variants_listed():
     import os
     import platform
     assert VARIANTS[0] == ("neon" if platform.machine() == "aarch64" else "base")
+    assert VARIANTS == _kernels.isa_names()[:len(VARIANTS)]
     assert IMPORT_ISA == (os.environ.get("KESTREL_ISA") or VARIANTS[-1])
     if os.environ.get("KESTREL_EXPECT_VARIANTS"):
         assert VARIANTS == os.environ["KESTREL_EXPECT_VARIANTS"].split()
