@@ -3,12 +3,11 @@ pyx/*.pxi) compiled to kestrel_cli._kernels.lib.
 
 -O3 and OpenMP on both compile and link; without a working OpenMP the kernels still
 build (prange runs single-threaded). KESTREL_NATIVE=1 adds -march=native (opt-in);
-KESTREL_CFLAGS adds flags of your own (e.g. -march=armv8.2-a+dotprod for the int8 dots
-on aarch64); KESTREL_CYTHON_DEBUG=1 turns bounds checks on.
+KESTREL_CFLAGS adds flags of your own; KESTREL_CYTHON_DEBUG=1 turns bounds checks on.
 
-The build stays portable without them: the kernels carry their own AVX2 and AVX-512
-variants on x86-64 and choose at run time (pyx/isa.h); -DKF_NO_DISPATCH in
-KESTREL_CFLAGS builds the portable variant alone.
+The build stays portable without them: the kernels carry their own variants, AVX2 and
+AVX-512 on x86-64, dotprod (sdot) and i8mm (smmla) on aarch64 Linux, and choose at run
+time (pyx/isa.h); -DKF_NO_DISPATCH in KESTREL_CFLAGS builds the portable variant alone.
 """
 import os
 import subprocess

@@ -48,7 +48,7 @@ class BenchReport:
     params: int                  # their elements
     quant: str                   # --quant given ("none", "q8", "q4")
     threads: int
-    isa: str                     # kernel variant (base / avx2 / avx512)
+    isa: str                     # kernel variant (base / avx2 / avx512; neon / dotprod / i8mm)
     rows: list[BenchRow] = field(default_factory=list)
     peak_rss_bytes: int = 0
     checkpoint_bytes: int = 0    # the checkpoint's weight files on disk

@@ -745,7 +745,8 @@ def info(
         "-m", "--model", help="Checkpoint directory or .gguf file.",
         show_default="bundled SmolLM2-135M-Instruct")] = None,
 ):
-    """Model summary: architecture, size, dtypes, context, chat template, special tokens."""
+    """Model summary: architecture, size, dtypes, context, chat template, special tokens,
+    and the kernels' instruction-set variant."""
     from .loader import open_checkpoint
     from .models import resolve
     cfg, store, tok, path = open_checkpoint(model)
@@ -788,6 +789,9 @@ def info(
     toks = [s for s in map(special, ("bos", "eos", "pad", "unk")) if s]
     toks.append(f"stop ids={sorted(tok.eos_token_ids)}")
     rows.append(("special tokens", ", ".join(toks)))
+    from .kernels import isa, isa_variants
+    rows.append(("kernels", f"{isa()} (this CPU runs {', '.join(isa_variants())}; "
+                            f"KESTREL_ISA picks one)"))
     width = max(len(k) for k, _ in rows) + 1
     for k, v in rows:
         print(f"{k + ':':<{width}} {v}")

@@ -25,7 +25,7 @@ from kestrel_cli.weights import (BLOCK_BYTES, BLOCK_ELEMS, FORMATS, QK, X16_OF, 
 # the compiled kernels are one module (pyx/lib.pyx): one ISA choice for all of them
 if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
     print(f"warning: KESTREL_ISA={os.environ.get('KESTREL_ISA')!r} names no kernel variant "
-          f"(base, avx2, avx512); using {_lib.isa()}", file=sys.stderr)
+          f"({', '.join(_lib.isa_names())}); using {_lib.isa()}", file=sys.stderr)
 
 # Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
 FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6,
@@ -431,9 +431,17 @@ def x16_nbytes(w: Weight) -> int:
 
 
 def isa() -> str:
-    """The instruction-set variant every kernel runs: "base" (portable C), "avx2" or
-    "avx512" (attention has no AVX-512 code of its own: it runs its avx2 code there)."""
+    """The instruction-set variant every kernel runs (pyx/isa.h). x86-64: "base" (portable
+    C, SSE2), "avx2" or "avx512" (attention has no AVX-512 code of its own: it runs its avx2
+    code there); aarch64: "neon" (portable C), "dotprod" (sdot) or "i8mm" (smmla in the
+    int8 GEMM; its other kernels are dotprod's)."""
     return _lib.isa()
+
+
+def isa_names() -> list[str]:
+    """Every variant name of this build's architecture, portable first (what KESTREL_ISA
+    accepts), whether or not this CPU runs them."""
+    return _lib.isa_names()
 
 
 def isa_variants() -> list[str]:

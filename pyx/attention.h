@@ -45,7 +45,8 @@
  * chains are latency-bound). Results differ between variants in the last bits (FMA),
  * never between runs or thread counts on one of them. A float16 cache's rows are
  * converted exactly on every variant (F16C under avx2), so the conversion adds no
- * difference of its own. */
+ * difference of its own. On aarch64 the `dotprod` slot compiles the decode units under
+ * +dotprod (the sketch's int8 dots), and the i8mm slot runs those. */
 #define KA_DECODE_A_ARGS const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads, \
     ptrdiff_t n_ctx, float scale, int mode, int k, int sopt, int n_probe, \
     const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel
@@ -68,6 +69,8 @@
 KA_DECODE_ENTRY(base, , 0)
 #if KF_X86_DISPATCH
 KA_DECODE_ENTRY(avx2, KF_TARGET_AVX2, 1)
+#elif KF_ARM_DISPATCH
+KA_DECODE_ENTRY(dotprod, KF_TARGET_DOTPROD, 0)
 #endif
 
 #define KA_DECODE_H_ARGS const ka_kv *kv, const float *q, ptrdiff_t p, ptrdiff_t kh0, \
@@ -85,12 +88,17 @@ KA_DECODE_ENTRY(avx2, KF_TARGET_AVX2, 1)
 KA_DECODE_H_ENTRY(base, , 0)
 #if KF_X86_DISPATCH
 KA_DECODE_H_ENTRY(avx2, KF_TARGET_AVX2, 1)
+#elif KF_ARM_DISPATCH
+KA_DECODE_H_ENTRY(dotprod, KF_TARGET_DOTPROD, 0)
 #endif
 
 typedef void (*ka_decode_h_fn)(KA_DECODE_H_ARGS);
 #if KF_X86_DISPATCH
 static const ka_decode_h_fn ka_decode_h_tab[KF_N_ISA] = {
     ka_decode_heads_base, ka_decode_heads_avx2, ka_decode_heads_avx2};
+#elif KF_ARM_DISPATCH
+static const ka_decode_h_fn ka_decode_h_tab[KF_N_ISA] = {
+    ka_decode_heads_base, ka_decode_heads_dotprod, ka_decode_heads_dotprod};
 #else
 static const ka_decode_h_fn ka_decode_h_tab[KF_N_ISA] = {
     ka_decode_heads_base, ka_decode_heads_base, ka_decode_heads_base};
@@ -106,6 +114,9 @@ typedef void (*ka_decode_a_fn)(KA_DECODE_A_ARGS);
 #if KF_X86_DISPATCH
 static const ka_decode_a_fn ka_decode_a_tab[KF_N_ISA] = {
     ka_decode_a_base, ka_decode_a_avx2, ka_decode_a_avx2};
+#elif KF_ARM_DISPATCH
+static const ka_decode_a_fn ka_decode_a_tab[KF_N_ISA] = {
+    ka_decode_a_base, ka_decode_a_dotprod, ka_decode_a_dotprod};
 #else
 static const ka_decode_a_fn ka_decode_a_tab[KF_N_ISA] = {
     ka_decode_a_base, ka_decode_a_base, ka_decode_a_base};

@@ -355,7 +355,7 @@ def sketch_scores(const float[:, ::1] q, const uint8_t[::1] sketch, const float[
         raise ValueError("sketch_scores: bad geometry")
     ka_kv_init(&kv, NULL, NULL, kv_bs, n_kv_heads, head_dim, KA_KV_F32)
     ka_kv_bounds(&kv, &sketch[0], &scales[0], cap)
-    kv.x86v3 = kf_isa >= 1                 # as the avx2 / avx512 decode entries set it
+    kv.x86v3 = KF_X86_DISPATCH and kf_isa >= 1   # as the avx2 / avx512 decode entries set it
     for g in range(ng):
         qsum[g] = ka_sketch_query(&q[g, 0], head_dim, scale, &qi[g * head_dim], &qs[g], &cv[g])
     for b in range(n_blocks):

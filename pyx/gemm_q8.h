@@ -50,6 +50,8 @@
 
 #if KF_X86_DISPATCH
 #include <immintrin.h>
+#elif KF_ARM_DISPATCH
+#include <arm_neon.h>
 #endif
 
 #define KQ_PANEL_BYTES (256 * 1024)       /* a thread's packed row block: half an L2 */
@@ -98,10 +100,20 @@ KF_INLINE int32_t kq_ld32(const int8_t *p)
     return v;
 }
 
+/* Byte offset, in a block of a group of gr rows, of row r's word g (its bytes 4g..4g+3).
+ * w8 = 0: the layout above, 8 vectors of one word a row (the pmaddubsw / vpdpbusd / sdot
+ * operand); w8 = 1: 4 vectors of two words a row (8 bytes: a row of an smmla operand, so
+ * two rows' 8 bytes are one 16-byte load). */
+KF_INLINE ptrdiff_t kq_word(int g, int r, int gr, int w8)
+{
+    return w8 ? ((ptrdiff_t)(g >> 1) * gr + r) * 8 + (g & 1) * 4 : ((ptrdiff_t)g * gr + r) * 4;
+}
+
 /* Pack nr <= gr raw rows (w, ldw bytes apart, nb blocks each) into one group of the panel
- * (layout above); rows nr..gr-1 get zero scales. xor8: 0x80 stores q8_0 as q + 128. */
-static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t nb, int gr,
-                    uint8_t xor8, uint8_t *restrict p)
+ * (layout above, words placed by kq_word(.., w8)); rows nr..gr-1 get zero scales. xor8:
+ * 0x80 stores q8_0 as q + 128. */
+KF_INLINE void kq_pack_w(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t nb, int gr,
+                         uint8_t xor8, const int w8, uint8_t *restrict p)
 {
     const int kind = kq_kind(fmt);
     const ptrdiff_t bs = kq_block_bytes(kind, gr);
@@ -217,16 +229,26 @@ static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t 
                     dw[gr + r] = kf_f16_at(blk + 2);
             }
             for (int g = 0; g < KF_QK / 4; g++)
-                memcpy(dst + (g * gr + r) * 4, e + 4 * g, 4);
+                memcpy(dst + kq_word(g, r, gr, w8), e + 4 * g, 4);
         }
     }
+}
+
+static void kq_pack(int fmt, const uint8_t *w, ptrdiff_t ldw, int nr, ptrdiff_t nb, int gr,
+                    uint8_t xor8, int w8, uint8_t *restrict p)
+{
+    if (w8)                                   /* w8 a constant in each copy */
+        kq_pack_w(fmt, w, ldw, nr, nb, gr, xor8, 1, p);
+    else
+        kq_pack_w(fmt, w, ldw, nr, nb, gr, xor8, 0, p);
 }
 
 /* As kq_pack, from an x16 weight (gemv_x16.h; w: its group 0, rows ldw bytes): rows
  * row0 <= r < row0 + nr into one group of gr rows of the panel (gr divides 16 and row0 % gr
  * == 0, so the rows are lanes row0 % 16 .. of one x16 group). */
-static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0, int nr,
-                        ptrdiff_t nb, int gr, uint8_t xor8, uint8_t *restrict p)
+KF_INLINE void kq_pack_x16_w(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0, int nr,
+                             ptrdiff_t nb, int gr, uint8_t xor8, const int w8,
+                             uint8_t *restrict p)
 {
     const int q41 = fmt == KF_Q4_1X16;
     const ptrdiff_t bs = kq_block_bytes(kq_kind(kx_base_fmt(fmt)), gr);
@@ -253,7 +275,7 @@ static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0
                         dw[gr + r] = d * (float)(int8_t)S[16 * (2 * t + 1) + l];
                     }
                     for (int g = 0; g < KF_QK / 4; g++)
-                        memcpy(dst + (g * gr + r) * 4, e + 4 * g, 4);
+                        memcpy(dst + kq_word(g, r, gr, w8), e + 4 * g, 4);
                 }
             }
         }
@@ -272,7 +294,7 @@ static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0
                             memcpy(&u, Q + 64 * (8 * c + t) + 4 * (l0 + r), 4);
                             u = (u >> sh) & 0x0f0f0f0fu;
                         }
-                        memcpy(dst + (t * gr + r) * 4, &u, 4);
+                        memcpy(dst + kq_word(t, r, gr, w8), &u, 4);
                     }
             }
             for (int r = 0; r < gr; r++) {    /* the row's scales once a super-block */
@@ -301,8 +323,8 @@ static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0
                     memcpy(&u, q + 64 * k + 4 * (l0 + r), 4);
                 lo = u & 0x0f0f0f0fu;
                 hi = (u >> 4) & 0x0f0f0f0fu;
-                memcpy(dst + (k * gr + r) * 4, &lo, 4);
-                memcpy(dst + ((k + 4) * gr + r) * 4, &hi, 4);
+                memcpy(dst + kq_word(k, r, gr, w8), &lo, 4);
+                memcpy(dst + kq_word(k + 4, r, gr, w8), &hi, 4);
             }
         for (int r = 0; r < gr; r++) {
             dw[r] = r < nr ? kf_f16_at(D + 2 * (l0 + r)) : 0.0f;
@@ -310,6 +332,15 @@ static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0
                 dw[gr + r] = r < nr ? kf_f16_at(M + 2 * (l0 + r)) : 0.0f;
         }
     }
+}
+
+static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0, int nr,
+                        ptrdiff_t nb, int gr, uint8_t xor8, int w8, uint8_t *restrict p)
+{
+    if (w8)
+        kq_pack_x16_w(fmt, w, ldw, row0, nr, nb, gr, xor8, 1, p);
+    else
+        kq_pack_x16_w(fmt, w, ldw, row0, nr, nb, gr, xor8, 0, p);
 }
 
 /* A tile: nt tokens (a[0..nt-1], nt = the variant's KQ_RN or 1) x one group of gr rows
@@ -321,6 +352,29 @@ typedef void (*kq_tile_fn)(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_a
 
 #define KQ_BASE_GR 8
 #define KQ_BASE_RN 4
+
+/* A tile's float steps for block b, once its integer sums are in is[RN_][GR] (and, for
+ * q6_k, the first half's in ia): per output one fixed chain, the same in every tile that
+ * uses it (base, and aarch64's sdot / smmla tiles), so equal integer sums give equal bits.
+ * Names acc, is, ia, dw, a, b, GR from the tile around it. */
+#define KQ_TILE_FLOATS(KIND_, RN_)                                                        \
+        KF_UNROLL_ALL                                                                     \
+        for (int t = 0; t < (RN_); t++) {                                                 \
+            const float dx = a[t].xd[b];                                                  \
+            const int32_t cx = (KIND_) == KQ_Q4_0 ? 8 * a[t].xs[b] : 0;                   \
+            if ((KIND_) == KQ_Q6_K)                                                       \
+                for (int r = 0; r < GR; r++)                                              \
+                    acc[t][r] += KF_FMAF(dw[r] * dx, (float)ia[t][r],                     \
+                                         (dw[GR + r] * dx) * (float)is[t][r]);            \
+            else                                                                          \
+                for (int r = 0; r < GR; r++)                                              \
+                    acc[t][r] = KF_FMAF(dw[r] * dx, (float)(is[t][r] - cx), acc[t][r]);   \
+            if (KQ_HAS_M(KIND_)) {                                                        \
+                const float sx = a[t].sx[b];                                              \
+                for (int r = 0; r < GR; r++)                                              \
+                    acc[t][r] = KF_FMAF(dw[GR + r], sx, acc[t][r]);                       \
+            }                                                                             \
+        }
 
 /* One tile of RN_ tokens for kind KIND_ (constants: the loops unroll, the arrays stay in
  * registers). The r loops are the SIMD lanes; q8_0 reads u as s8. */
@@ -358,23 +412,7 @@ static void kq_base_tile_##KIND_##_##RN_(const uint8_t *restrict pg, ptrdiff_t n
                         is[t][r] = 0;                                                     \
                     }                                                                     \
         }                                                                                 \
-        KF_UNROLL_ALL                                                                     \
-        for (int t = 0; t < (RN_); t++) {                                                 \
-            const float dx = a[t].xd[b];                                                  \
-            const int32_t cx = (KIND_) == KQ_Q4_0 ? 8 * a[t].xs[b] : 0;                   \
-            if ((KIND_) == KQ_Q6_K)                                                       \
-                for (int r = 0; r < GR; r++)                                              \
-                    acc[t][r] += KF_FMAF(dw[r] * dx, (float)ia[t][r],                     \
-                                         (dw[GR + r] * dx) * (float)is[t][r]);            \
-            else                                                                          \
-                for (int r = 0; r < GR; r++)                                              \
-                    acc[t][r] = KF_FMAF(dw[r] * dx, (float)(is[t][r] - cx), acc[t][r]);   \
-            if (KQ_HAS_M(KIND_)) {                                                        \
-                const float sx = a[t].sx[b];                                              \
-                for (int r = 0; r < GR; r++)                                              \
-                    acc[t][r] = KF_FMAF(dw[GR + r], sx, acc[t][r]);                       \
-            }                                                                             \
-        }                                                                                 \
+        KQ_TILE_FLOATS(KIND_, RN_)                                                        \
     }                                                                                     \
     for (int t = 0; t < (RN_); t++)                                                       \
         for (int r = 0; r < nr; r++)                                                      \
@@ -405,6 +443,183 @@ static void kq_base_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act
         {kq_base_tile_4_1, kq_base_tile_4_4}};
     tab[kind][nt == KQ_BASE_RN](pg, nb, a, out, ldo, nr);
 }
+
+#if KF_ARM_DISPATCH
+/* ---------------------------------------------------------------- aarch64: sdot, smmla */
+
+/* The base tile's panels (8 rows a group; every kind's u fits s8, q8_0 as s8) and its
+ * float steps (KQ_TILE_FLOATS): only the integer sums are formed otherwise, so they are
+ * the base tile's bits.
+ *   dotprod: per word g (4 bytes) of the block one sdot for 4 rows and a token, its 4
+ *            bytes a lane of the token's 16 (vdotq_laneq_s32);
+ *   i8mm:    panels with their words in pairs (kq_word w8 = 1), so one 16-byte load is 2
+ *            rows x 8 bytes; one smmla per (pair of rows, pair of tokens, 8 bytes): 2 x 2
+ *            int32 sums of 8 products each, twice sdot's products an instruction; the 2 x 2
+ *            sums unzipped (vuzp1q / vuzp2q) into each token's row sums at the block end.
+ * The i8mm tile of 1 token (the tails) pairs it with a token of zeros. */
+#define KQ_ARM_GR 8
+#define KQ_SDOT_RN 4
+#define KQ_MMLA_RN 4
+
+/* s[t][0..1] += rows 0-3 / 4-7 of word G (w: the half's first word) . token t's word G of
+ * the half (x[t]) */
+#define KQ_SDOT_WORD(G, RN_)                                                              \
+    {                                                                                     \
+        const int8x16_t w0 = vld1q_s8(w + 32 * (G)), w1 = vld1q_s8(w + 32 * (G) + 16);    \
+        for (int t = 0; t < (RN_); t++) {                                                 \
+            s[t][0] = vdotq_laneq_s32(s[t][0], w0, x[t], G);                              \
+            s[t][1] = vdotq_laneq_s32(s[t][1], w1, x[t], G);                              \
+        }                                                                                 \
+    }
+
+#define KQ_SDOT_TILE(KIND_, RN_)                                                          \
+KF_TARGET_DOTPROD static void kq_sdot_tile_##KIND_##_##RN_(const uint8_t *restrict pg,    \
+                                                           ptrdiff_t nb, const kf_act *a, \
+                                                           float *out, ptrdiff_t ldo,     \
+                                                           int nr)                        \
+{                                                                                         \
+    enum { GR = KQ_ARM_GR };                                                              \
+    const ptrdiff_t bs = kq_block_bytes(KIND_, GR);                                       \
+    float acc[RN_][GR] = {{0}};                                                           \
+    for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
+        const int8_t *restrict q = (const int8_t *)(pg + b * bs);                         \
+        const float *restrict dw = (const float *)(pg + b * bs + GR * KF_QK);             \
+        int32_t is[RN_][GR], ia[RN_][GR];                                                 \
+        int32x4_t s[RN_][2];                                                              \
+        KF_UNROLL_ALL                                                                     \
+        for (int t = 0; t < (RN_); t++)                                                   \
+            s[t][0] = s[t][1] = vdupq_n_s32(0);                                           \
+        KF_UNROLL_ALL                                                                     \
+        for (int h = 0; h < 2; h++) {            /* words 4h..4h+3: x bytes 16h.. */     \
+            int8x16_t x[RN_];                                                             \
+            const int8_t *w = q + h * 4 * GR * 4;                                         \
+            for (int t = 0; t < (RN_); t++)                                               \
+                x[t] = vld1q_s8(a[t].xq + b * KF_QK + 16 * h);                            \
+            KQ_SDOT_WORD(0, RN_) KQ_SDOT_WORD(1, RN_)                                     \
+            KQ_SDOT_WORD(2, RN_) KQ_SDOT_WORD(3, RN_)                                     \
+            if ((KIND_) == KQ_Q6_K && h == 0)    /* first half: its own scale */         \
+                for (int t = 0; t < (RN_); t++) {                                         \
+                    vst1q_s32(ia[t], s[t][0]);                                            \
+                    vst1q_s32(ia[t] + 4, s[t][1]);                                        \
+                    s[t][0] = s[t][1] = vdupq_n_s32(0);                                   \
+                }                                                                         \
+        }                                                                                 \
+        for (int t = 0; t < (RN_); t++) {                                                 \
+            vst1q_s32(is[t], s[t][0]);                                                    \
+            vst1q_s32(is[t] + 4, s[t][1]);                                                \
+        }                                                                                 \
+        KQ_TILE_FLOATS(KIND_, RN_)                                                        \
+    }                                                                                     \
+    for (int t = 0; t < (RN_); t++)                                                       \
+        for (int r = 0; r < nr; r++)                                                      \
+            out[t * ldo + r] = acc[t][r];                                                 \
+}
+
+/* The 2 x 2 sums m[p][rp] (rows 2rp, 2rp+1 x tokens 2p, 2p+1; lanes r0t0 r0t1 r1t0 r1t1)
+ * into dst[t][r] (int32_t [RN_][GR]; a padding token's sums dropped). */
+#define KQ_MMLA_STORE(dst, RN_)                                                           \
+    for (int p = 0; p < NP; p++)                                                          \
+        for (int r4 = 0; r4 < 2; r4++) {                                                  \
+            vst1q_s32(dst[2 * p] + 4 * r4,                                                \
+                      vuzp1q_s32(m[p][2 * r4], m[p][2 * r4 + 1]));                        \
+            if (2 * p + 1 < (RN_))                                                        \
+                vst1q_s32(dst[(2 * p + 1) % (RN_)] + 4 * r4,                              \
+                          vuzp2q_s32(m[p][2 * r4], m[p][2 * r4 + 1]));                    \
+        }
+
+#define KQ_MMLA_TILE(KIND_, RN_)                                                          \
+KF_TARGET_I8MM static void kq_mmla_tile_##KIND_##_##RN_(const uint8_t *restrict pg,       \
+                                                        ptrdiff_t nb, const kf_act *a,    \
+                                                        float *out, ptrdiff_t ldo, int nr)\
+{                                                                                         \
+    enum { GR = KQ_ARM_GR, NP = ((RN_) + 1) / 2 };                                              \
+    const ptrdiff_t bs = kq_block_bytes(KIND_, GR);                                       \
+    float acc[RN_][GR] = {{0}};                                                           \
+    for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
+        const int8_t *restrict q = (const int8_t *)(pg + b * bs);                         \
+        const float *restrict dw = (const float *)(pg + b * bs + GR * KF_QK);             \
+        int32_t is[RN_][GR], ia[RN_][GR];                                                 \
+        int32x4_t m[NP][GR / 2];                                                          \
+        KF_UNROLL_ALL                                                                     \
+        for (int p = 0; p < NP; p++)                                                      \
+            for (int rp = 0; rp < GR / 2; rp++)                                           \
+                m[p][rp] = vdupq_n_s32(0);                                                \
+        KF_UNROLL_ALL                                                                     \
+        for (int k = 0; k < KF_QK / 8; k++) {     /* bytes 8k..8k+7: words 2k, 2k+1 */  \
+            int8x16_t x[NP];                      /* tokens 2p, 2p+1: 8 bytes each */     \
+            for (int p = 0; p < NP; p++)                                                  \
+                x[p] = vcombine_s8(vld1_s8(a[2 * p].xq + b * KF_QK + 8 * k),              \
+                                   2 * p + 1 < (RN_)                                      \
+                                   ? vld1_s8(a[2 * p + 1].xq + b * KF_QK + 8 * k)         \
+                                   : vdup_n_s8(0));                                       \
+            for (int rp = 0; rp < GR / 2; rp++) {                                         \
+                const int8x16_t w = vld1q_s8(q + (k * GR + 2 * rp) * 8);                  \
+                for (int p = 0; p < NP; p++)                                              \
+                    m[p][rp] = vmmlaq_s32(m[p][rp], w, x[p]);                             \
+            }                                                                             \
+            if ((KIND_) == KQ_Q6_K && k == 1) {   /* first half: its own scale */        \
+                KQ_MMLA_STORE(ia, RN_)                                                    \
+                for (int p = 0; p < NP; p++)                                              \
+                    for (int rp = 0; rp < GR / 2; rp++)                                   \
+                        m[p][rp] = vdupq_n_s32(0);                                        \
+            }                                                                             \
+        }                                                                                 \
+        KQ_MMLA_STORE(is, RN_)                                                            \
+        KQ_TILE_FLOATS(KIND_, RN_)                                                        \
+    }                                                                                     \
+    for (int t = 0; t < (RN_); t++)                                                       \
+        for (int r = 0; r < nr; r++)                                                      \
+            out[t * ldo + r] = acc[t][r];                                                 \
+}
+
+KQ_SDOT_TILE(0, 4)
+KQ_SDOT_TILE(0, 1)
+KQ_SDOT_TILE(1, 4)
+KQ_SDOT_TILE(1, 1)
+KQ_SDOT_TILE(2, 4)
+KQ_SDOT_TILE(2, 1)
+KQ_SDOT_TILE(3, 4)
+KQ_SDOT_TILE(3, 1)
+KQ_SDOT_TILE(4, 4)
+KQ_SDOT_TILE(4, 1)
+KQ_MMLA_TILE(0, 4)
+KQ_MMLA_TILE(1, 4)
+KQ_MMLA_TILE(2, 4)
+KQ_MMLA_TILE(3, 4)
+KQ_MMLA_TILE(4, 4)
+KQ_MMLA_TILE(0, 1)
+KQ_MMLA_TILE(1, 1)
+KQ_MMLA_TILE(2, 1)
+KQ_MMLA_TILE(3, 1)
+KQ_MMLA_TILE(4, 1)
+#undef KQ_SDOT_TILE
+#undef KQ_SDOT_WORD
+#undef KQ_MMLA_TILE
+#undef KQ_MMLA_STORE
+
+typedef void (*kq_arm_tile_fn)(const uint8_t *, ptrdiff_t, const kf_act *, float *, ptrdiff_t,
+                               int);
+
+static void kq_sdot_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
+                         float *out, ptrdiff_t ldo, int nr)
+{
+    static const kq_arm_tile_fn tab[KQ_N_KIND][2] = {
+        {kq_sdot_tile_0_1, kq_sdot_tile_0_4}, {kq_sdot_tile_1_1, kq_sdot_tile_1_4},
+        {kq_sdot_tile_2_1, kq_sdot_tile_2_4}, {kq_sdot_tile_3_1, kq_sdot_tile_3_4},
+        {kq_sdot_tile_4_1, kq_sdot_tile_4_4}};
+    tab[kind][nt == KQ_SDOT_RN](pg, nb, a, out, ldo, nr);
+}
+
+static void kq_mmla_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
+                         float *out, ptrdiff_t ldo, int nr)
+{
+    static const kq_arm_tile_fn tab[KQ_N_KIND][2] = {
+        {kq_mmla_tile_0_1, kq_mmla_tile_0_4}, {kq_mmla_tile_1_1, kq_mmla_tile_1_4},
+        {kq_mmla_tile_2_1, kq_mmla_tile_2_4}, {kq_mmla_tile_3_1, kq_mmla_tile_3_4},
+        {kq_mmla_tile_4_1, kq_mmla_tile_4_4}};
+    tab[kind][nt == KQ_MMLA_RN](pg, nb, a, out, ldo, nr);
+}
+#endif /* KF_ARM_DISPATCH */
 
 #if KF_X86_DISPATCH
 /* ---------------------------------------------------------------- AVX2 */
@@ -624,18 +839,24 @@ typedef struct {
     kq_tile_fn tile;
     int gr, rn;                   /* rows per group (lanes), tokens per full tile */
     uint8_t xor8;                 /* q8_0 stored as q ^ xor8 */
+    int w8;                       /* panel words in pairs (kq_word) */
 } kq_variant;
 
 #if KF_X86_DISPATCH
 static const kq_variant kq_tab[KF_N_ISA] = {
-    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0},
-    {kq_avx2_tile, KQ_AVX2_GR, KQ_AVX2_RN, 0},
-    {kq_avx512_tile, KQ_AVX512_GR, KQ_AVX512_RN, 0x80}};
+    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0, 0},
+    {kq_avx2_tile, KQ_AVX2_GR, KQ_AVX2_RN, 0, 0},
+    {kq_avx512_tile, KQ_AVX512_GR, KQ_AVX512_RN, 0x80, 0}};
+#elif KF_ARM_DISPATCH
+static const kq_variant kq_tab[KF_N_ISA] = {
+    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0, 0},
+    {kq_sdot_tile, KQ_ARM_GR, KQ_SDOT_RN, 0, 0},
+    {kq_mmla_tile, KQ_ARM_GR, KQ_MMLA_RN, 0, 1}};
 #else
 static const kq_variant kq_tab[KF_N_ISA] = {
-    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0},
-    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0},
-    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0}};
+    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0, 0},
+    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0, 0},
+    {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0, 0}};
 #endif
 
 /* ---------------------------------------------------------------- driver */
@@ -725,10 +946,10 @@ static void kf_gemm_q8_items(const kf_q8_plan *p, const uint8_t *w, ptrdiff_t ld
             for (ptrdiff_t r = 0; r < nr; r += v->gr) {
                 const int m = nr - r < v->gr ? (int)(nr - r) : v->gr;
                 if (kx_is_x16(p->fmt)) {
-                    kq_pack_x16(p->fmt, w, ldw, r0 + r, m, p->nb, v->gr, v->xor8,
+                    kq_pack_x16(p->fmt, w, ldw, r0 + r, m, p->nb, v->gr, v->xor8, v->w8,
                                 panel + r / v->gr * gs);
                 } else {
-                    kq_pack(p->fmt, w + (r0 + r) * ldw, ldw, m, p->nb, v->gr, v->xor8,
+                    kq_pack(p->fmt, w + (r0 + r) * ldw, ldw, m, p->nb, v->gr, v->xor8, v->w8,
                             panel + r / v->gr * gs);
                 }
             }

@@ -19,6 +19,7 @@ cdef extern from "simd.h" nogil:
 
 cdef extern from "isa.h" nogil:
     int KF_N_ISA
+    int KF_X86_DISPATCH
     int kf_isa
     int kf_isa_max
     const char *kf_isa_names[3]
@@ -31,8 +32,15 @@ ISA_ENV_ERROR = kf_isa_init()
 
 
 def isa():
-    """The instruction-set variant every kernel uses: 'base', 'avx2' or 'avx512'."""
+    """The instruction-set variant every kernel uses: x86-64 'base', 'avx2' or 'avx512';
+    aarch64 'neon', 'dotprod' or 'i8mm' (isa.h)."""
     return kf_isa_names[kf_isa].decode()
+
+
+def isa_names():
+    """Every variant name of this build's architecture, slowest first (what KESTREL_ISA
+    and set_isa accept), whether or not this CPU runs them."""
+    return [kf_isa_names[i].decode() for i in range(KF_N_ISA)]
 
 
 def isa_variants():

@@ -3,7 +3,10 @@
  *
  * One portable C source (matmul_isa.h) is compiled here once per variant of isa.h; for
  * x86 each variant adds the GEMV dots of matmul_x86.h (intrinsics under the same target
- * attributes, where GCC's vectoriser fell short: measured there).
+ * attributes, where GCC's vectoriser fell short: measured there). On aarch64 the portable
+ * source is compiled a second time under +dotprod (its s8 x s8 block dots become sdot);
+ * the i8mm slot lists those entries (one token has no 2 x 2 tile for smmla: the int8
+ * GEMM's tiles use it, gemm_q8.h).
  */
 #ifndef KESTREL_MATMUL_H
 #define KESTREL_MATMUL_H
@@ -105,6 +108,26 @@ typedef struct {
 #include "matmul_isa.h"
 #endif /* KF_X86_DISPATCH */
 
+#if KF_ARM_DISPATCH
+/* ---------------------------------------------------------------- aarch64 dotprod variant */
+#define KF_V(name) kf_dotprod_##name
+#define KF_TARGET KF_TARGET_DOTPROD
+#define KF_VL 16                       /* the neon variant's shapes: the same vector unit */
+#define KF_VG 2
+#define KF_VMR 8
+#define KF_VNT 4
+#if KF_HAVE_F16
+#define KF_VF16(p) kf_half_at(p)
+#define KF_VF16E(h) kf_half_f32(h)
+#else
+#define KF_VF16(p) kf_f16_at(p)
+#define KF_VF16E(h) kf_f16_f32(h)
+#endif
+#define KF_VSIGNED 1
+#define KF_VQ4_LOOP
+#include "matmul_isa.h"
+#endif /* KF_ARM_DISPATCH */
+
 /* ---------------------------------------------------------------- dispatch */
 
 typedef void (*kf_gemv_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, ptrdiff_t,
@@ -126,6 +149,18 @@ static const kf_quant_fn kf_q4_tab[KF_N_ISA] = {
 static const int kf_mr_tab[KF_N_ISA] = {8, KF_AVX2_MR, KF_AVX512_MR};
 static const int kf_sgnt_tab[KF_N_ISA] = {0, KF_AVX2_SGNT, KF_AVX512_SGNT};
 static const int kf_sgrows_tab[KF_N_ISA] = {8, 16, 32};
+#elif KF_ARM_DISPATCH
+static const kf_gemv_fn kf_gemv_tab[KF_N_ISA] = {
+    kf_base_gemv_rows, kf_dotprod_gemv_rows, kf_dotprod_gemv_rows};
+static const kf_gemm_fn kf_gemm_tab[KF_N_ISA] = {
+    kf_base_gemm_rows, kf_dotprod_gemm_rows, kf_dotprod_gemm_rows};
+static const kf_quant_fn kf_q8_tab[KF_N_ISA] = {
+    kf_base_quantize_q8_0, kf_dotprod_quantize_q8_0, kf_dotprod_quantize_q8_0};
+static const kf_quant_fn kf_q4_tab[KF_N_ISA] = {
+    kf_base_quantize_q4_0, kf_dotprod_quantize_q4_0, kf_dotprod_quantize_q4_0};
+static const int kf_mr_tab[KF_N_ISA] = {8, 8, 8};
+static const int kf_sgnt_tab[KF_N_ISA] = {0, 0, 0};
+static const int kf_sgrows_tab[KF_N_ISA] = {8, 8, 8};
 #else
 static const kf_gemv_fn kf_gemv_tab[KF_N_ISA] = {
     kf_base_gemv_rows, kf_base_gemv_rows, kf_base_gemv_rows};

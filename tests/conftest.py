@@ -130,11 +130,27 @@ def assert_prefill_then_decode_equals_full(eng, ids, last: int = 5, atol: float 
     np.testing.assert_allclose(np.stack(rows), full[-last:-1], atol=atol, rtol=0)
 
 
-# The kernel variants this CPU runs (base first, the detected best last); the `isa`
-# fixture runs a test once under each, so the portable one (aarch64's) is always tested.
+# The kernel variants this CPU runs (the portable one first: x86-64 "base", aarch64 "neon";
+# the detected best last); the `isa` fixture runs a test once under each, so the portable
+# one is always tested.
 from kestrel_cli import kernels as _kernels   # noqa: E402
 
 VARIANTS = _kernels.isa_variants()
+# The variant chosen at import, before any test switches: KESTREL_ISA's, else the best.
+IMPORT_ISA = _kernels.isa()
+
+
+def check_variants_listed():
+    """What detection found and chose at import. KESTREL_ISA (the variant asked for) and
+    KESTREL_EXPECT_VARIANTS (what the CPU has: scripts/qemu_aarch64.sh sets both per qemu
+    CPU model) make it a check that each variant is really detected and selected."""
+    import os
+    import platform
+    assert VARIANTS[0] == ("neon" if platform.machine() == "aarch64" else "base")
+    assert VARIANTS == _kernels.isa_names()[:len(VARIANTS)]
+    assert IMPORT_ISA == (os.environ.get("KESTREL_ISA") or VARIANTS[-1])
+    if os.environ.get("KESTREL_EXPECT_VARIANTS"):
+        assert VARIANTS == os.environ["KESTREL_EXPECT_VARIANTS"].split()
 
 
 @pytest.fixture(params=VARIANTS)

@@ -292,6 +292,9 @@ def test_info():
     assert fields["weights memory"].endswith("MiB")
     assert fields["chat template"] == "yes"
     assert "eos='<|im_end|>'" in fields["special tokens"]
+    from kestrel_cli import kernels
+    assert fields["kernels"].startswith(f"{kernels.isa()} (this CPU runs "
+                                        f"{', '.join(kernels.isa_variants())};")
 
 
 # ------------------------------------------------------------------------- shared options
