@@ -9,11 +9,11 @@ import platform
 
 import numpy as np
 import pytest
-
-from kestrel_cli import kernels
 from conftest import VARIANTS
 from test_kquants import INT8_GEMM, make_kweight
 from test_matmul import make_weight
+
+from kestrel_cli import kernels
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "aarch64",
