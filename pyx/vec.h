@@ -20,7 +20,23 @@
  *   V_q4x32(q, f)             a q4 block's 16 bytes at q as its 32 quants (low nibbles
  *                             elements 0..15, high nibbles 16..31) in 32 / V_N float vectors
  *   V_b32(u, sgn, f)          the 32 bytes of a kvb_i (s8 if sgn, else u8) the same way
- *   V_store_n(p, a, n)        lanes 0..n-1 of a to p (n <= V_N)
+ *   V_store(p, a) V_store_n(p, a, n)  all lanes / lanes 0..n-1 of a to p (n <= V_N)
+ *   V_sub(a, b) V_fms(a, b, c) = a * b - c (one rounding)
+ *   V_f16b(p)                 V_N f16 at byte address p as floats
+ * 32-bit lanes (V_i, the lanes of V_f: the rows of an x16 group, gemv_x16.h):
+ *   V_loadi(p) V_seti(s) V_set8(c) V_and V_or V_add32 V_sub32 V_sub8
+ *   V_srl16(a, n) V_srl32(a, n) V_sll32(a, n) V_tof(a) (int32 to float, exact below 2^24)
+ *   V_u8i(p) V_s8i(p)         V_N bytes at p zero- / sign-extended, one a lane
+ *   V_top(i)                  a V_shuf8 control: byte i of each lane to its top byte, the
+ *                             others zero (lane k of 4: byte 4k + i)
+ *   V_shuf8(a, c)             vpshufb (within 128 bits)
+ *   u8 x s8 dots in 4-byte lanes, the s8 broadcast (x = V_seti of 4 activation bytes):
+ *   V_dacc_add(s, u, x)       s plus u x: AVX2 int16 pair sums added in int16 (s an int16
+ *                             pair accumulator: its sums must stay within int16), VNNI int32
+ *   V_dacc_i32(s)             the int32 lane sums of such an accumulator
+ *   V_dacc_i32_2(s, t) V_dacc_i32_2c(s, t, c)  those of two (minus c, int32 lanes)
+ *   V_dot2_i32(s, u0, x0, u1, x1)     s (int32) plus u0 x0 + u1 x1 (AVX2: the two pair
+ *                             sums added in int16: u <= 63)
  * Block dots, both sets: one activation block of 32 int8 in a kvb_i (__m256i), the products
  * summed in 8 int32 lanes of 4 (lane i: elements 4i..4i+3). AVX2 pairs them first in int16
  * with vpmaddubsw, which saturates: each operation says what keeps its pairs within int16
@@ -50,6 +66,7 @@ typedef __m256i kvb_i;                 /* 32 bytes: one activation block */
 
 #define KV8_ATTR KF_TARGET_AVX2 KF_INLINE
 typedef __m256 kv8_f;
+typedef __m256i kv8_i;
 #define kv8_N 8
 
 KV8_ATTR kv8_f kv8_zero(void) { return _mm256_setzero_ps(); }
@@ -133,6 +150,58 @@ KV8_ATTR void kv8_store_n(float *p, kv8_f a, int n)
 KV8_ATTR kvb_i kvb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 KV8_ATTR kvb_f kvb_tof(kvb_i i) { return _mm256_cvtepi32_ps(i); }
 
+KV8_ATTR void kv8_store(float *p, kv8_f a) { _mm256_storeu_ps(p, a); }
+KV8_ATTR kv8_f kv8_sub(kv8_f a, kv8_f b) { return _mm256_sub_ps(a, b); }
+KV8_ATTR kv8_f kv8_fms(kv8_f a, kv8_f b, kv8_f c) { return _mm256_fmsub_ps(a, b, c); }
+KV8_ATTR kv8_f kv8_f16b(const uint8_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+KV8_ATTR kv8_i kv8_loadi(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+KV8_ATTR kv8_i kv8_seti(int s) { return _mm256_set1_epi32(s); }
+KV8_ATTR kv8_i kv8_set8(char c) { return _mm256_set1_epi8(c); }
+KV8_ATTR kv8_i kv8_and(kv8_i a, kv8_i b) { return _mm256_and_si256(a, b); }
+KV8_ATTR kv8_i kv8_or(kv8_i a, kv8_i b) { return _mm256_or_si256(a, b); }
+KV8_ATTR kv8_i kv8_add32(kv8_i a, kv8_i b) { return _mm256_add_epi32(a, b); }
+KV8_ATTR kv8_i kv8_sub32(kv8_i a, kv8_i b) { return _mm256_sub_epi32(a, b); }
+KV8_ATTR kv8_i kv8_sub8(kv8_i a, kv8_i b) { return _mm256_sub_epi8(a, b); }
+KV8_ATTR kv8_i kv8_srl16(kv8_i a, int n) { return _mm256_srli_epi16(a, n); }
+KV8_ATTR kv8_i kv8_srl32(kv8_i a, int n) { return _mm256_srli_epi32(a, n); }
+KV8_ATTR kv8_i kv8_sll32(kv8_i a, int n) { return _mm256_slli_epi32(a, n); }
+KV8_ATTR kv8_f kv8_tof(kv8_i a) { return _mm256_cvtepi32_ps(a); }
+KV8_ATTR kv8_i kv8_u8i(const uint8_t *p)
+{
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+KV8_ATTR kv8_i kv8_s8i(const uint8_t *p)
+{
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+KV8_ATTR kv8_i kv8_top(int i)
+{
+    return _mm256_broadcastsi128_si256(_mm_setr_epi32(
+        (i << 24) | 0x808080, ((4 + i) << 24) | 0x808080, ((8 + i) << 24) | 0x808080,
+        ((12 + i) << 24) | 0x808080));
+}
+KV8_ATTR kv8_i kv8_shuf8(kv8_i a, kv8_i c) { return _mm256_shuffle_epi8(a, c); }
+KV8_ATTR kv8_i kv8_dacc_zero(void) { return _mm256_setzero_si256(); }
+KV8_ATTR kv8_i kv8_dacc_add(kv8_i s, kv8_i u, kv8_i x)
+{
+    return _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x));
+}
+KV8_ATTR kv8_i kv8_dacc_i32(kv8_i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
+KV8_ATTR kv8_i kv8_dacc_i32_2(kv8_i s, kv8_i t) { return kv8_dacc_i32(_mm256_add_epi16(s, t)); }
+KV8_ATTR kv8_i kv8_dacc_i32_2c(kv8_i s, kv8_i t, kv8_i c)
+{
+    return _mm256_sub_epi32(kv8_dacc_i32(_mm256_add_epi16(s, t)), c);
+}
+KV8_ATTR kv8_i kv8_dot2_i32(kv8_i s, kv8_i u0, kv8_i x0, kv8_i u1, kv8_i x1)
+{
+    return _mm256_add_epi32(s, kv8_dacc_i32(_mm256_add_epi16(_mm256_maddubs_epi16(u0, x0),
+                                                             _mm256_maddubs_epi16(u1, x1))));
+}
+
 /* int16 pairs (vpmaddubsw), then pairs of pairs times s16 (vpmaddwd) */
 KV8_ATTR kvb_i kv8_bdot_sc(kvb_i u, kvb_i x, short s)
 {
@@ -163,6 +232,7 @@ KV8_ATTR kvb_i kv8_bdot_off(kvb_i u, char o, kvb_i x)
 
 #define KV16_ATTR KF_TARGET_AVX512 KF_INLINE
 typedef __m512 kv16_f;
+typedef __m512i kv16_i;
 #define kv16_N 16
 
 KV16_ATTR kv16_f kv16_zero(void) { return _mm512_setzero_ps(); }
@@ -214,6 +284,53 @@ KV16_ATTR void kv16_b32(kvb_i u, const int sgn, kv16_f f[2])
 KV16_ATTR void kv16_store_n(float *p, kv16_f a, int n)
 {
     _mm512_mask_storeu_ps(p, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1), a);
+}
+
+KV16_ATTR void kv16_store(float *p, kv16_f a) { _mm512_storeu_ps(p, a); }
+KV16_ATTR kv16_f kv16_sub(kv16_f a, kv16_f b) { return _mm512_sub_ps(a, b); }
+KV16_ATTR kv16_f kv16_fms(kv16_f a, kv16_f b, kv16_f c) { return _mm512_fmsub_ps(a, b, c); }
+KV16_ATTR kv16_f kv16_f16b(const uint8_t *p)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+KV16_ATTR kv16_i kv16_loadi(const void *p) { return _mm512_loadu_si512(p); }
+KV16_ATTR kv16_i kv16_seti(int s) { return _mm512_set1_epi32(s); }
+KV16_ATTR kv16_i kv16_set8(char c) { return _mm512_set1_epi8(c); }
+KV16_ATTR kv16_i kv16_and(kv16_i a, kv16_i b) { return _mm512_and_si512(a, b); }
+KV16_ATTR kv16_i kv16_or(kv16_i a, kv16_i b) { return _mm512_or_si512(a, b); }
+KV16_ATTR kv16_i kv16_add32(kv16_i a, kv16_i b) { return _mm512_add_epi32(a, b); }
+KV16_ATTR kv16_i kv16_sub32(kv16_i a, kv16_i b) { return _mm512_sub_epi32(a, b); }
+KV16_ATTR kv16_i kv16_sub8(kv16_i a, kv16_i b) { return _mm512_sub_epi8(a, b); }
+KV16_ATTR kv16_i kv16_srl16(kv16_i a, int n) { return _mm512_srli_epi16(a, n); }
+KV16_ATTR kv16_i kv16_srl32(kv16_i a, int n) { return _mm512_srli_epi32(a, n); }
+KV16_ATTR kv16_i kv16_sll32(kv16_i a, int n) { return _mm512_slli_epi32(a, n); }
+KV16_ATTR kv16_f kv16_tof(kv16_i a) { return _mm512_cvtepi32_ps(a); }
+KV16_ATTR kv16_i kv16_u8i(const uint8_t *p)
+{
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+KV16_ATTR kv16_i kv16_s8i(const uint8_t *p)
+{
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+KV16_ATTR kv16_i kv16_top(int i)
+{
+    return _mm512_set4_epi32(((12 + i) << 24) | 0x808080, ((8 + i) << 24) | 0x808080,
+                             ((4 + i) << 24) | 0x808080, (i << 24) | 0x808080);
+}
+KV16_ATTR kv16_i kv16_shuf8(kv16_i a, kv16_i c) { return _mm512_shuffle_epi8(a, c); }
+KV16_ATTR kv16_i kv16_dacc_zero(void) { return _mm512_setzero_si512(); }
+KV16_ATTR kv16_i kv16_dacc_add(kv16_i s, kv16_i u, kv16_i x) { return _mm512_dpbusd_epi32(s, u, x); }
+KV16_ATTR kv16_i kv16_dacc_i32(kv16_i s) { return s; }
+KV16_ATTR kv16_i kv16_dacc_i32_2(kv16_i s, kv16_i t) { return _mm512_add_epi32(s, t); }
+KV16_ATTR kv16_i kv16_dacc_i32_2c(kv16_i s, kv16_i t, kv16_i c)
+{
+    return _mm512_add_epi32(s, _mm512_sub_epi32(t, c));
+}
+KV16_ATTR kv16_i kv16_dot2_i32(kv16_i s, kv16_i u0, kv16_i x0, kv16_i u1, kv16_i x1)
+{
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s, u0, x0), u1, x1);
 }
 
 /* vpdpbusd from zero (no int16 step), then a vpmulld where scaled */

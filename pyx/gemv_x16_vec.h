@@ -1,0 +1,317 @@
+/* The x16 group dots (q4_0 / q4_1, q4_k, q6_k; one activation . the 16 rows of a group)
+ * written once against vec.h and included once per variant by gemv_x16.h (no include
+ * guard), which defines first:
+ *   KV(op), KV_F, KV_I, KV_N   the variant's vec.h operations, float and 32-bit vectors,
+ *                              lanes (8: AVX2, 16: AVX-512)
+ *   KV_V(name), KV_T           the variant's name for `name` (kx_avx2_name, ...), target
+ * A vector's lanes are rows: a group is KV_NH vectors of KV_N rows (hh), whose bytes are
+ * 4 KV_N hh on in each 64-byte quant vector, its f16 scales 2 KV_N hh bytes on and its
+ * planar scale bytes KV_N hh on. Every lane takes the same operations in the same order
+ * whatever KV_N is, so the two variants give the same bits. int8 activations: u8 x s8
+ * dots of 4 bytes a lane (vec.h's dacc / dot2: AVX2 pmaddubsw in int16 within the bounds
+ * each kernel says, VNNI vpdpbusd), exact; float: a quant moved to its lane's top byte by
+ * one pshufb is exactly q 2^24 as a float, the 2^24 taken out of d (exact). */
+
+#define KV_NH (KX_G / KV_N)
+
+/* the 4 vectors of block b of a q4 group, asked for KX_PF bytes ahead */
+KV_T KF_INLINE void KV_V(prefetch_q4)(const uint8_t *q)
+{
+    for (int k = 0; k < 256; k += 64)
+        _mm_prefetch((const char *)(q + KX_PF + k), _MM_HINT_T0);
+}
+
+/* q4_0 / q4_1, int8 x: nibbles x x in two chains (low, high nibbles; AVX2 in int16 over
+ * the block: 8 x 2 x 15 x 127 < 2^15), then the GEMM's convert, scale and FMA (q41 a
+ * constant where inlined) */
+KV_T KF_INLINE void KV_V(group_i8)(const int q41, const kf_act *a, ptrdiff_t nb,
+                                   const uint8_t *G, KV_F acc[KV_NH])
+{
+    const KV_I m4 = KV(set8)(0x0f);
+    const int8_t *xq = a->xq;
+    const float *xd = a->xd, *sx = a->sx;
+    const int32_t *xs = a->xs;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *q = KX_Q(G, q41, b);
+        KV_V(prefetch_q4)(q);
+        const int8_t *x = xq + b * KF_QK;
+        const KV_F dx = KV(set1)(xd[b]);
+        for (int hh = 0; hh < KV_NH; hh++) {
+            KV_I s0 = KV(dacc_zero)(), s1 = s0;
+            for (int k = 0; k < 4; k++) {
+                const KV_I v = KV(loadi)(q + 64 * k + 4 * KV_N * hh);
+                s0 = KV(dacc_add)(s0, KV(and)(v, m4), KV(seti)(kx_ld32(x + 4 * k)));
+                s1 = KV(dacc_add)(s1, KV(and)(KV(srl16)(v, 4), m4),
+                                  KV(seti)(kx_ld32(x + 16 + 4 * k)));
+            }
+            const KV_I is = q41 ? KV(dacc_i32_2)(s0, s1)
+                                : KV(dacc_i32_2c)(s0, s1, KV(seti)(8 * xs[b]));
+            const KV_F dw = KV(f16b)(KX_D(G, q41, b) + 2 * KV_N * hh);
+            acc[hh] = KV(fma)(KV(mul)(dw, dx), KV(tof)(is), acc[hh]);
+            if (q41)
+                acc[hh] = KV(fma)(KV(f16b)(KX_M(G, q41, b) + 2 * KV_N * hh), KV(set1)(sx[b]),
+                                  acc[hh]);
+        }
+    }
+}
+
+/* q4_0 / q4_1: out[0..15] = the group's 16 rows . a. float x: byte j of each lane (a
+ * nibble) to the lane's top byte, nibble 2^24, times x, in 4 chains (j) a block. */
+KV_T static void KV_V(group)(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t *G,
+                             float *out)
+{
+    KV_F acc[KV_NH];
+    for (int hh = 0; hh < KV_NH; hh++)
+        acc[hh] = KV(zero)();
+    if (a->xq != NULL) {
+        if (q41)
+            KV_V(group_i8)(1, a, nb, G, acc);
+        else
+            KV_V(group_i8)(0, a, nb, G, acc);
+    } else {
+        const KV_I m4 = KV(set8)(0x0f);
+        for (ptrdiff_t b = 0; b < nb; b++) {
+            const uint8_t *q = KX_Q(G, q41, b);
+            KV_V(prefetch_q4)(q);
+            const float *x = a->x + b * KF_QK;
+            for (int hh = 0; hh < KV_NH; hh++) {
+                KV_F s[4] = {KV(zero)(), KV(zero)(), KV(zero)(), KV(zero)()};
+                for (int k = 0; k < 4; k++) {
+                    const KV_I v = KV(loadi)(q + 64 * k + 4 * KV_N * hh);
+                    const KV_I lo = KV(and)(v, m4), hi = KV(and)(KV(srl16)(v, 4), m4);
+                    for (int j = 0; j < 4; j++) {
+                        const KV_I c = KV(top)(j);
+                        s[j] = KV(fma)(KV(tof)(KV(shuf8)(lo, c)), KV(set1)(x[4 * k + j]), s[j]);
+                        s[j] = KV(fma)(KV(tof)(KV(shuf8)(hi, c)), KV(set1)(x[16 + 4 * k + j]),
+                                       s[j]);
+                    }
+                }
+                KV_F t = KV(add)(KV(add)(s[0], s[1]), KV(add)(s[2], s[3]));
+                if (!q41)
+                    t = KV(sub)(t, KV(set1)(134217728.0f * a->sx[b]));        /* 8 2^24 */
+                const KV_F dw = KV(f16b)(KX_D(G, q41, b) + 2 * KV_N * hh);
+                acc[hh] = KV(fma)(KV(mul)(dw, KV(set1)(0x1p-24f)), t, acc[hh]);
+                if (q41)
+                    acc[hh] = KV(fma)(KV(f16b)(KX_M(G, q41, b) + 2 * KV_N * hh),
+                                      KV(set1)(a->sx[b]), acc[hh]);
+            }
+        }
+    }
+    for (int hh = 0; hh < KV_NH; hh++)
+        KV(store)(out + KV_N * hh, acc[hh]);
+}
+
+/* q4_k: the 16 rows' sub-block scales and mins of vector hh as floats, from the planes */
+#define KV_LPK(i_) KV(u8i)(M + 64 + 16 * (i_) + KV_N * hh)
+
+/* int8: per pair of sub-blocks (c) two chains (low nibbles with block 2c, high with
+ * 2c + 1; AVX2 int16: 8 x 2 x 15 x 127 < 2^15), every vector of rows per step so that
+ * each activation broadcast serves all 16; float: per vector of rows, two chains a block */
+KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
+                               float *out)
+{
+    (void)unused;
+    const KV_I m4 = KV(set8)(0x0f);
+    KV_F acc[KV_NH];
+    for (int hh = 0; hh < KV_NH; hh++)
+        acc[hh] = KV(zero)();
+    if (a->xq != NULL) {
+        for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
+            for (int k = 0; k < KX_KQ + KX_KM; k += 64)   /* KX_KPF bytes ahead */
+                _mm_prefetch((const char *)(M + KX_KPF + k), _MM_HINT_T0);
+            KV_F sc[KV_NH][8], mn[KV_NH][8], d[KV_NH], dm[KV_NH];
+            for (int hh = 0; hh < KV_NH; hh++) {
+                KX_K_SCALES(KV_I, , KV_LPK, KV(and), KV(or), KV(srl32), KV(sll32), KV(seti),
+                            KV(tof), sc[hh], mn[hh]);
+                d[hh] = KV(f16b)(M + 2 * KV_N * hh);
+                dm[hh] = KV(f16b)(M + 32 + 2 * KV_N * hh);
+            }
+            for (int c = 0; c < 4; c++) {
+                const ptrdiff_t b0 = sb * 8 + 2 * c;
+                const int8_t *x0 = a->xq + b0 * KF_QK, *x1 = x0 + KF_QK;
+                KV_I s0[KV_NH], s1[KV_NH];
+                for (int hh = 0; hh < KV_NH; hh++)
+                    s0[hh] = s1[hh] = KV(dacc_zero)();
+                for (int t = 0; t < 8; t++) {
+                    const KV_I bx0 = KV(seti)(kx_ld32(x0 + 4 * t));
+                    const KV_I bx1 = KV(seti)(kx_ld32(x1 + 4 * t));
+                    for (int hh = 0; hh < KV_NH; hh++) {
+                        const KV_I v = KV(loadi)(Q + 64 * (8 * c + t) + 4 * KV_N * hh);
+                        s0[hh] = KV(dacc_add)(s0[hh], KV(and)(v, m4), bx0);
+                        s1[hh] = KV(dacc_add)(s1[hh], KV(and)(KV(srl16)(v, 4), m4), bx1);
+                    }
+                }
+                for (int hh = 0; hh < KV_NH; hh++) {
+                    const KV_F part[2] = {KV(tof)(KV(dacc_i32)(s0[hh])),
+                                          KV(tof)(KV(dacc_i32)(s1[hh]))};
+                    for (int e = 0; e < 2; e++) {
+                        const ptrdiff_t b = b0 + e;
+                        const KV_F dw = KV(mul)(d[hh], sc[hh][2 * c + e]);
+                        const KV_F mw = KV(sub)(KV(zero)(), KV(mul)(dm[hh], mn[hh][2 * c + e]));
+                        acc[hh] = KV(fma)(KV(mul)(dw, KV(set1)(a->xd[b])), part[e], acc[hh]);
+                        acc[hh] = KV(fma)(mw, KV(set1)(a->sx[b]), acc[hh]);
+                    }
+                }
+            }
+        }
+    } else {
+        KV_I top[4];
+        for (int i = 0; i < 4; i++)
+            top[i] = KV(top)(i);
+        for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
+            for (int k = 0; k < KX_KQ + KX_KM; k += 64)   /* KX_KPF bytes ahead */
+                _mm_prefetch((const char *)(M + KX_KPF + k), _MM_HINT_T0);
+            for (int hh = 0; hh < KV_NH; hh++) {
+                KV_F sc[8], mn[8];
+                KX_K_SCALES(KV_I, , KV_LPK, KV(and), KV(or), KV(srl32), KV(sll32), KV(seti),
+                            KV(tof), sc, mn);
+                /* the sums are of q 2^24, d 2^-24 (exact) scales them */
+                const KV_F d = KV(mul)(KV(f16b)(M + 2 * KV_N * hh), KV(set1)(0x1p-24f));
+                const KV_F dm = KV(f16b)(M + 32 + 2 * KV_N * hh);
+                for (int c = 0; c < 4; c++) {
+                    const ptrdiff_t b0 = sb * 8 + 2 * c;
+                    const float *x0 = a->x + b0 * KF_QK, *x1 = x0 + KF_QK;
+                    KV_F f0[2] = {KV(zero)(), KV(zero)()}, f1[2] = {KV(zero)(), KV(zero)()};
+                    for (int t = 0; t < 8; t++) {
+                        const KV_I v = KV(loadi)(Q + 64 * (8 * c + t) + 4 * KV_N * hh);
+                        const KV_I lo = KV(and)(v, m4), hi = KV(and)(KV(srl16)(v, 4), m4);
+                        for (int i = 0; i < 4; i++) {
+                            f0[i & 1] = KV(fma)(KV(tof)(KV(shuf8)(lo, top[i])),
+                                                KV(set1)(x0[4 * t + i]), f0[i & 1]);
+                            f1[i & 1] = KV(fma)(KV(tof)(KV(shuf8)(hi, top[i])),
+                                                KV(set1)(x1[4 * t + i]), f1[i & 1]);
+                        }
+                    }
+                    const KV_F part[2] = {KV(add)(f0[0], f0[1]), KV(add)(f1[0], f1[1])};
+                    for (int e = 0; e < 2; e++) {
+                        const ptrdiff_t b = b0 + e;
+                        const KV_F dw = KV(mul)(d, sc[2 * c + e]);
+                        const KV_F mw = KV(sub)(KV(zero)(), KV(mul)(dm, mn[2 * c + e]));
+                        acc[hh] = KV(fma)(dw, part[e], acc[hh]);
+                        acc[hh] = KV(fma)(mw, KV(set1)(a->sx[b]), acc[hh]);
+                    }
+                }
+            }
+        }
+    }
+    for (int hh = 0; hh < KV_NH; hh++)
+        KV(store)(out + KV_N * hh, acc[hh]);
+}
+#undef KV_LPK
+
+/* q6_k: the 4 quant vectors (u8, 0..63) of step (h, s) of rows hh, from its 3 loads */
+KV_T KF_INLINE void KV_V(q6_unpack)(const uint8_t *v, KV_I u[4])
+{
+    const KV_I p0 = KV(loadi)(v), p1 = KV(loadi)(v + 64), p2 = KV(loadi)(v + 128);
+    KX6_UNPACK(KV_I, KV(and), KV(or), KV(srl16), KV(set8), p0, p1, p2, u);
+}
+
+/* q6_k. int8: per block (m) two int32 chains (its halves of 16, e) from -32 xh, two steps
+ * of u <= 63 x s8 a vec.h dot2 (AVX2: their pairs added in int16, <= 2 x 16002), every
+ * vector of rows per step; float: each lane's byte c, q - 32 as s8, to the lane's top
+ * byte, (q - 32) 2^24. */
+KV_T static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
+                               float *out)
+{
+    (void)unused;
+    KV_F acc[KV_NH];
+    for (int hh = 0; hh < KV_NH; hh++)
+        acc[hh] = KV(zero)();
+    if (a->xq != NULL) {
+        for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
+            for (int k = 0; k < 3360; k += 64)      /* KX_KPF bytes ahead, in stream order */
+                _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + k), _MM_HINT_T0);
+            KV_F part[2][KV_NH][4][2];              /* [h][hh][m][e] */
+            for (int h = 0; h < 2; h++) {
+                const ptrdiff_t b0 = sb * 8 + 4 * h;
+                for (int m = 0; m < 4; m++) {
+                    KV_I is[KV_NH][2];
+                    for (int e = 0; e < 2; e++) {
+                        const int32_t xh = e ? a->xs[b0 + m] - a->xh[b0 + m] : a->xh[b0 + m];
+                        for (int hh = 0; hh < KV_NH; hh++)
+                            is[hh][e] = KV(seti)(-32 * xh);
+                    }
+                    for (int s = 0; s < 8; s += 2) {
+                        const int8_t *x = a->xq + (b0 + m) * KF_QK + 4 * s;
+                        const KV_I bx0 = KV(seti)(kx_ld32(x)), bx1 = KV(seti)(kx_ld32(x + 4));
+                        for (int hh = 0; hh < KV_NH; hh++) {
+                            KV_I u[2];
+                            for (int z = 0; z < 2; z++) {
+                                /* quant vector m of step s + z: its load (m < 3) or the
+                                 * fourth from the top 2 bits of all three */
+                                const uint8_t *v = Q + 64 * (24 * h + 3 * (s + z)) + 4 * KV_N * hh;
+                                if (m < 3) {
+                                    u[z] = KV(and)(KV(loadi)(v + 64 * m), KV(set8)(63));
+                                } else {
+                                    KV_I w[4];
+                                    KV_V(q6_unpack)(v, w);
+                                    u[z] = w[3];
+                                }
+                            }
+                            is[hh][s / 4] = KV(dot2_i32)(is[hh][s / 4], u[0], bx0, u[1], bx1);
+                        }
+                    }
+                    for (int hh = 0; hh < KV_NH; hh++)
+                        for (int e = 0; e < 2; e++)
+                            part[h][hh][m][e] = KV(tof)(is[hh][e]);
+                }
+            }
+            for (int hh = 0; hh < KV_NH; hh++) {
+                const KV_F d = KV(f16b)(D + 2 * KV_N * hh);
+                for (int h = 0; h < 2; h++)
+                    for (int m = 0; m < 4; m++)
+                        for (int e = 0; e < 2; e++) {
+                            const int j = 2 * (4 * h + m) + e;
+                            const KV_F sc = KV(tof)(KV(s8i)(S + 16 * j + KV_N * hh));
+                            const KV_F dw = KV(mul)(KV(mul)(d, sc),
+                                                    KV(set1)(a->xd[sb * 8 + 4 * h + m]));
+                            acc[hh] = KV(fma)(dw, part[h][hh][m][e], acc[hh]);
+                        }
+            }
+        }
+    } else {
+        const KV_I o32 = KV(set8)(32);
+        KV_I top[4];
+        for (int c = 0; c < 4; c++)
+            top[c] = KV(top)(c);
+        for (ptrdiff_t sb = 0; sb < nsb; sb++) {
+            const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
+            for (int k = 0; k < 3360; k += 64)      /* KX_KPF bytes ahead, in stream order */
+                _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + k), _MM_HINT_T0);
+            for (int hh = 0; hh < KV_NH; hh++) {
+                /* the sums are of (q - 32) 2^24, d 2^-24 (exact) scales them */
+                const KV_F d = KV(mul)(KV(f16b)(D + 2 * KV_N * hh), KV(set1)(0x1p-24f));
+                for (int h = 0; h < 2; h++) {
+                    const ptrdiff_t b0 = sb * 8 + 4 * h;
+                    KV_F fs[4][2];
+                    for (int m = 0; m < 4; m++)
+                        fs[m][0] = fs[m][1] = KV(zero)();
+                    for (int s = 0; s < 8; s++) {
+                        KV_I u[4];
+                        KV_V(q6_unpack)(Q + 64 * (24 * h + 3 * s) + 4 * KV_N * hh, u);
+                        for (int m = 0; m < 4; m++) {
+                            const KV_I us = KV(sub8)(u[m], o32);
+                            const float *x = a->x + (b0 + m) * KF_QK + 4 * s;
+                            for (int c = 0; c < 4; c++)     /* (q - 32) 2^24 */
+                                fs[m][s / 4] = KV(fma)(KV(tof)(KV(shuf8)(us, top[c])),
+                                                       KV(set1)(x[c]), fs[m][s / 4]);
+                        }
+                    }
+                    for (int m = 0; m < 4; m++)
+                        for (int e = 0; e < 2; e++) {
+                            const int j = 2 * (4 * h + m) + e;
+                            const KV_F sc = KV(tof)(KV(s8i)(S + 16 * j + KV_N * hh));
+                            acc[hh] = KV(fma)(KV(mul)(d, sc), fs[m][e], acc[hh]);
+                        }
+                }
+            }
+        }
+    }
+    for (int hh = 0; hh < KV_NH; hh++)
+        KV(store)(out + KV_N * hh, acc[hh]);
+}
+
+#undef KV_NH
