@@ -548,12 +548,6 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 #define KV_V(name) kx_avx2_##name
 #define KV_T KF_TARGET_AVX2
 #include "gemv_x16_vec.h"
-#undef KV
-#undef KV_F
-#undef KV_I
-#undef KV_N
-#undef KV_V
-#undef KV_T
 #define KV(op) kv16_##op
 #define KV_F kv16_f
 #define KV_I kv16_i
@@ -561,12 +555,6 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 #define KV_V(name) kx_avx512_##name
 #define KV_T KF_TARGET_AVX512
 #include "gemv_x16_vec.h"
-#undef KV
-#undef KV_F
-#undef KV_I
-#undef KV_N
-#undef KV_V
-#undef KV_T
 #endif /* KF_X86_DISPATCH */
 
 typedef void (*kx_group_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, float *);

@@ -4,6 +4,7 @@
  *   KV(op), KV_F, KV_I, KV_N   the variant's vec.h operations, float and 32-bit vectors,
  *                              lanes (8: AVX2, 16: AVX-512)
  *   KV_V(name), KV_T           the variant's name for `name` (kx_avx2_name, ...), target
+ * and undefined at its end.
  * A vector's lanes are rows: a group is KV_NH vectors of KV_N rows (hh), whose bytes are
  * 4 KV_N hh on in each 64-byte quant vector, its f16 scales 2 KV_N hh bytes on and its
  * planar scale bytes KV_N hh on. Every lane takes the same operations in the same order
@@ -315,3 +316,11 @@ KV_T static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const
 }
 
 #undef KV_NH
+
+/* the includer's parameters */
+#undef KV
+#undef KV_F
+#undef KV_I
+#undef KV_N
+#undef KV_V
+#undef KV_T

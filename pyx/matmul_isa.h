@@ -324,78 +324,46 @@ KF_TARGET KF_INLINE void KF_V(nibbles)(const uint8_t *restrict q, KF_IW *restric
     }
 }
 
-/* q8_0 weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk) */
-KF_TARGET static float KF_V(idot_q8_0)(const int8_t *restrict xq, const float *restrict xd,
-                                       const int32_t *restrict xs,
-                                       const uint8_t *restrict w, ptrdiff_t nb)
+/* q8_0 / q4_0 / q4_1 weights (fmt, a constant where inlined) . int8 x:
+ * sum_b d_b xd_b (sum_k q_bk xq_bk - c xs_b), c = KF_IQ8_C (q8_0) or 8 (q4_0), and for
+ * q4_1 (c = 0) plus sum_b m_b sx_b (sx = xd xs) in a sum of its own */
+KF_TARGET KF_INLINE float KF_V(idot_q)(const int fmt, const int8_t *restrict xq,
+                                       const float *restrict xd, const int32_t *restrict xs,
+                                       const float *restrict sx, const uint8_t *restrict w,
+                                       ptrdiff_t nb)
 {
-    float acc[KF_VG] = {0};
-    ptrdiff_t b = 0;
-    for (; b < nb; b += KF_VG) {
-        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
-        for (int g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (b + g) * 34;
-#if KF_VSIGNED
-            const int8_t *u = (const int8_t *)(blk + 2);
-#else
-            uint8_t u[KF_QK];
-            for (int k = 0; k < KF_QK; k++)
-                u[k] = (uint8_t)(blk[2 + k] ^ 0x80u);
-#endif
-            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - KF_IQ8_C * xs[b + g];
-            acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
-        }
-    }
-    for (int g = 1; g < KF_VG; g++)
-        acc[0] += acc[g];
-    return acc[0];
-}
-
-/* q4_0 weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk - 8 xs_b) */
-KF_TARGET static float KF_V(idot_q4_0)(const int8_t *restrict xq, const float *restrict xd,
-                                       const int32_t *restrict xs,
-                                       const uint8_t *restrict w, ptrdiff_t nb)
-{
-    float acc[KF_VG] = {0};
-    ptrdiff_t b = 0;
-    for (; b < nb; b += KF_VG) {
-        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
-        for (int g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (b + g) * 18;
-            KF_IW u[KF_QK];
-            KF_V(nibbles)(blk + 2, u);
-            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - 8 * xs[b + g];
-            acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
-        }
-    }
-    for (int g = 1; g < KF_VG; g++)
-        acc[0] += acc[g];
-    return acc[0];
-}
-
-/* q4_1 weights . int8 x: sum_b (d_b xd_b sum_k q_bk xq_bk + m_b sx_b), sx = xd xs */
-KF_TARGET static float KF_V(idot_q4_1)(const int8_t *restrict xq, const float *restrict xd,
-                                       const float *restrict sx,
-                                       const uint8_t *restrict w, ptrdiff_t nb)
-{
+    const int q41 = fmt == KF_Q4_1;
+    const ptrdiff_t bb = fmt == KF_Q8_0 ? 34 : (q41 ? 20 : 18);
+    const int c = fmt == KF_Q8_0 ? KF_IQ8_C : (q41 ? 0 : 8);
     float acc[KF_VG] = {0}, macc[KF_VG] = {0};
     ptrdiff_t b = 0;
     for (; b < nb; b += KF_VG) {
         int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
         for (int g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (b + g) * 20;
-            KF_IW u[KF_QK];
-            KF_V(nibbles)(blk + 4, u);
-            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK);
+            const uint8_t *blk = w + (b + g) * bb;
+            KF_IW ub[KF_QK];
+            const KF_IW *u = ub;
+            if (fmt == KF_Q8_0) {
+#if KF_VSIGNED
+                u = (const int8_t *)(blk + 2);
+#else
+                for (int k = 0; k < KF_QK; k++)
+                    ub[k] = (uint8_t)(blk[2 + k] ^ 0x80u);
+#endif
+            } else {
+                KF_V(nibbles)(blk + 2 + 2 * q41, ub);
+            }
+            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - c * xs[b + g];
             acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
-            macc[g] += KF_VF16(blk + 2) * sx[b + g];
+            if (q41)
+                macc[g] += KF_VF16(blk + 2) * sx[b + g];
         }
     }
     for (int g = 1; g < KF_VG; g++) {
         acc[0] += acc[g];
         macc[0] += macc[g];
     }
-    return acc[0] + macc[0];
+    return q41 ? acc[0] + macc[0] : acc[0];
 }
 
 /* sum_k v_k xq_k over 16 elements (half a block), weights as s8 */
@@ -575,15 +543,15 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
         switch (fmt) {
         case KF_Q8_0:
             for (i = r0; i < r1; i++)
-                out[i] = KF_V(idot_q8_0)(a->xq, a->xd, a->xs, w + i * ldw, nb);
+                out[i] = KF_V(idot_q)(KF_Q8_0, a->xq, a->xd, a->xs, a->sx, w + i * ldw, nb);
             return;
         case KF_Q4_0:
             for (i = r0; i < r1; i++)
-                out[i] = KF_V(idot_q4_0)(a->xq, a->xd, a->xs, w + i * ldw, nb);
+                out[i] = KF_V(idot_q)(KF_Q4_0, a->xq, a->xd, a->xs, a->sx, w + i * ldw, nb);
             return;
         default:
             for (i = r0; i < r1; i++)
-                out[i] = KF_V(idot_q4_1)(a->xq, a->xd, a->sx, w + i * ldw, nb);
+                out[i] = KF_V(idot_q)(KF_Q4_1, a->xq, a->xd, a->xs, a->sx, w + i * ldw, nb);
             return;
         }
     }

@@ -4,7 +4,9 @@
  *   KV_F, KV_N    its float vector and lane count
  *   KV_V(name)    the variant's name for `name` (kf_avx2_name, kf_avx512_name)
  *   KV_T          its target attribute
+ *   KV_ROWS       rows per call of the float block dots (KF_AVX2_ROWS, KF_AVX512_ROWS)
  *   KV_SGNT       tokens of a GEMM tile (KF_AVX2_SGNT, KF_AVX512_SGNT)
+ * and undefined at its end.
  * A block of 32 elements is KV_C vectors ("chunks"), a half block (16) KV_H. Each sum
  * below is spelled in one order of chunks and accumulators, the same for both widths; the
  * lane width decides which elements share a lane, hence each variant's bits (the tests'
@@ -150,10 +152,7 @@ KV_BLOCK_ROWS_N(KV_ROWS)
  * integer dot |w| x sign(x, w) in 8 int32 lanes, converted and scaled by d_w d_x; q4_0 /
  * q4_1 in the variant's own kernels (matmul_x86.h). */
 #define KV_I8_ROWS(R)                                                                       \
-KV_T static void KV_V(idot##R)(int fmt, const int8_t *restrict xq, const float *restrict xd, \
-                               const int32_t *restrict xs, const float *restrict sx,        \
-                               const uint8_t *restrict w, ptrdiff_t ldw, ptrdiff_t nb,      \
-                               float *restrict out)                                         \
+KV_T static void KV_V(idot##R)(KF_IDOT_PARAMS)                                             \
 {                                                                                           \
     if (fmt != KF_Q8_0) {                                                                   \
         KV_V(idot##R##_q4)(fmt, xq, xd, xs, sx, w, ldw, nb, out);                           \
@@ -473,3 +472,12 @@ static inline void KV_V(sg_tile)(int nt, const float *p, ptrdiff_t n, const floa
 
 #undef KV_C
 #undef KV_H
+
+/* the includer's parameters */
+#undef KV
+#undef KV_F
+#undef KV_N
+#undef KV_V
+#undef KV_T
+#undef KV_ROWS
+#undef KV_SGNT

@@ -52,6 +52,11 @@
  * (rows of 576, one Zen 4 core): q8_0 5 GB/s without, 8 one group ahead into L1, 13
  * four groups ahead into L2; q4_1 is compute-bound there (~8 GB/s) and best with one
  * group ahead (further ahead it loses up to 25%). */
+/* the parameters of the int8-activation row dots (matmul_isa.h's KF_VIDOT_ROWS_DOT) */
+#define KF_IDOT_PARAMS int fmt, const int8_t *restrict xq, const float *restrict xd,        \
+    const int32_t *restrict xs, const float *restrict sx, const uint8_t *restrict w,        \
+    ptrdiff_t ldw, ptrdiff_t nb, float *restrict out
+
 #define KF_PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 #define KF_PREFETCH_FAR(p) _mm_prefetch((const char *)(p), _MM_HINT_T2)
 
@@ -157,76 +162,52 @@ KF_TARGET_AVX2 KF_INLINE __m256 kf_kmins(const uint8_t *mn, const float *sx, flo
  *   q4_1  the nibble u x x (within +-3810), plus m_b * sx[b] (xd xs: the int8 block sums) per row.
  * (q8_0, |w| x sign(x, w), is matmul_vec.h's.) */
 #define KF_AVX2_I8Q4_ROWS(R)                                                                \
-KF_TARGET_AVX2 KF_INLINE void kf_avx2_idot##R##_q4_0(const int8_t *restrict xq,            \
-                                                   const float *restrict xd,               \
-                                                   const uint8_t *restrict w, ptrdiff_t ldw,\
-                                                   ptrdiff_t nb, float *restrict out)      \
+KF_TARGET_AVX2 KF_INLINE void kf_avx2_idot##R##_q4_body(const int q41,                     \
+                                                      const int8_t *restrict xq,           \
+                                                      const float *restrict xd,            \
+                                                      const float *restrict sx,            \
+                                                      const uint8_t *restrict w,           \
+                                                      ptrdiff_t ldw, ptrdiff_t nb,         \
+                                                      float *restrict out)                 \
 {                                                                                           \
+    const ptrdiff_t bb = q41 ? 20 : 18;                                                     \
     const __m256i ones = _mm256_set1_epi16(1), eights = _mm256_set1_epi8(8);                \
     __m256 acc[R];                                                                          \
-    for (int r = 0; r < R; r++)                                                             \
-        acc[r] = _mm256_setzero_ps();                                                       \
-    for (ptrdiff_t b = 0; b < nb; b++) {                                                    \
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * KF_QK));           \
-        const __m256i x8 = _mm256_maddubs_epi16(eights, xv);                 /* 8 x */      \
-        const __m128 dx = _mm_set_ss(xd[b]);                                                \
-        KF_UNROLL_ALL                                                                       \
-        for (int r = 0; r < R; r++) {                                                       \
-            const uint8_t *blk = w + r * ldw + b * 18;                                      \
-            KF_PREFETCH(blk + R * ldw);                                                     \
-            const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(kf_nib32(blk + 2), xv), x8); \
-            const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));                \
-            const __m128 d = _mm_mul_ss(kf_f16x2(blk), dx);                                 \
-            acc[r] = _mm256_fmadd_ps(s, _mm256_broadcastss_ps(d), acc[r]);                  \
-        }                                                                                   \
-    }                                                                                       \
-    for (int r = 0; r < R; r++)                                                             \
-        out[r] = kv8_hsum(acc[r]);                                                          \
-}                                                                                           \
-                                                                                            \
-KF_TARGET_AVX2 KF_INLINE void kf_avx2_idot##R##_q4_1(const int8_t *restrict xq,            \
-                                                   const float *restrict xd,               \
-                                                   const float *restrict sx,               \
-                                                   const uint8_t *restrict w, ptrdiff_t ldw,\
-                                                   ptrdiff_t nb, float *restrict out)      \
-{                                                                                           \
-    const __m256i ones = _mm256_set1_epi16(1);                                              \
-    __m256 acc[R];                                                                          \
-    __m128 macc[R];                                 /* lane 1: sum_b m_b sx[b] */           \
+    __m128 macc[R];                                 /* q4_1, lane 1: sum_b m_b sx[b] */     \
     for (int r = 0; r < R; r++) {                                                           \
         acc[r] = _mm256_setzero_ps();                                                       \
         macc[r] = _mm_setzero_ps();                                                         \
     }                                                                                       \
     for (ptrdiff_t b = 0; b < nb; b++) {                                                    \
         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * KF_QK));           \
-        const __m128 xdm = _mm_setr_ps(xd[b], sx[b], 0.0f, 0.0f);                           \
+        const __m256i x8 = q41 ? xv : _mm256_maddubs_epi16(eights, xv);   /* q4_0: 8 x */   \
+        const __m128 xdm = _mm_setr_ps(xd[b], q41 ? sx[b] : 0.0f, 0.0f, 0.0f);              \
         KF_UNROLL_ALL                                                                       \
         for (int r = 0; r < R; r++) {                                                       \
-            const uint8_t *blk = w + r * ldw + b * 20;                                      \
+            const uint8_t *blk = w + r * ldw + b * bb;                                      \
             KF_PREFETCH(blk + R * ldw);                                                     \
-            const __m256i p = _mm256_maddubs_epi16(kf_nib32(blk + 4), xv);                  \
+            __m256i p = _mm256_maddubs_epi16(kf_nib32(blk + 2 + 2 * q41), xv);              \
+            if (!q41)                                                                       \
+                p = _mm256_sub_epi16(p, x8);                                                \
             const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));                \
-            const __m128 dm = _mm_mul_ps(kf_f16x2(blk), xdm);    /* d dx, m sx[b] */        \
+            const __m128 dm = _mm_mul_ps(kf_f16x2(blk), xdm);    /* d dx, q4_1: m sx[b] */  \
             acc[r] = _mm256_fmadd_ps(s, _mm256_broadcastss_ps(dm), acc[r]);                 \
-            macc[r] = _mm_add_ps(macc[r], dm);                                              \
+            if (q41)                                                                        \
+                macc[r] = _mm_add_ps(macc[r], dm);                                          \
         }                                                                                   \
     }                                                                                       \
     for (int r = 0; r < R; r++)                                                             \
-        out[r] = kv8_hsum(acc[r]) + _mm_cvtss_f32(_mm_shuffle_ps(macc[r], macc[r], 1));     \
+        out[r] = q41 ? kv8_hsum(acc[r]) + _mm_cvtss_f32(_mm_shuffle_ps(macc[r], macc[r], 1)) \
+                     : kv8_hsum(acc[r]);                                                    \
 }                                                                                           \
                                                                                             \
-KF_TARGET_AVX2 static void kf_avx2_idot##R##_q4(int fmt, const int8_t *restrict xq,        \
-                                               const float *restrict xd,                   \
-                                               const int32_t *restrict xs,                 \
-                                               const float *restrict sx,                   \
-                                               const uint8_t *restrict w, ptrdiff_t ldw,   \
-                                               ptrdiff_t nb, float *restrict out)          \
+KF_TARGET_AVX2 static void kf_avx2_idot##R##_q4(KF_IDOT_PARAMS)                            \
 {                                                                                           \
     (void)xs;                                                                               \
     if (fmt == KF_Q4_0)                                                                     \
-        kf_avx2_idot##R##_q4_0(xq, xd, w, ldw, nb, out);                                    \
+        kf_avx2_idot##R##_q4_body(0, xq, xd, sx, w, ldw, nb, out);                          \
     else                                                                                    \
-        kf_avx2_idot##R##_q4_1(xq, xd, sx, w, ldw, nb, out);                                \
+        kf_avx2_idot##R##_q4_body(1, xq, xd, sx, w, ldw, nb, out);                          \
 }
 KF_AVX2_I8Q4_ROWS(1)
 KF_AVX2_I8Q4_ROWS(4)
@@ -244,12 +225,7 @@ KF_AVX2_I8Q4_ROWS(4)
  * Measured (2048 x 8192 q4_0 from DRAM, Zen 4): one block per step 835 / 460 us at 1 / 2
  * threads, two per step 586 / 310 us (q8_0: 408 us at 2 threads, the memory bound). */
 #define KF_AVX512_I8Q4_ROWS(R)                                                              \
-KF_TARGET_AVX512 static void kf_avx512_idot##R##_q4(int fmt, const int8_t *restrict xq,          \
-                                               const float *restrict xd,                   \
-                                               const int32_t *restrict xs,                 \
-                                               const float *restrict sx,                   \
-                                               const uint8_t *restrict w, ptrdiff_t ldw,   \
-                                               ptrdiff_t nb, float *restrict out)          \
+KF_TARGET_AVX512 static void kf_avx512_idot##R##_q4(KF_IDOT_PARAMS)                        \
 {                                                                                           \
     const int q41 = fmt == KF_Q4_1;                                                         \
     const ptrdiff_t bb = q41 ? 20 : 18, qo = q41 ? 4 : 2;                                   \
@@ -334,13 +310,6 @@ typedef void (*kf_sg_fn)(const float *, ptrdiff_t, const float *, ptrdiff_t, flo
 #define KV_ROWS KF_AVX2_ROWS
 #define KV_SGNT KF_AVX2_SGNT
 #include "matmul_vec.h"
-#undef KV
-#undef KV_F
-#undef KV_N
-#undef KV_V
-#undef KV_T
-#undef KV_ROWS
-#undef KV_SGNT
 
 #define KV(op) kv16_##op
 #define KV_F kv16_f
@@ -350,12 +319,5 @@ typedef void (*kf_sg_fn)(const float *, ptrdiff_t, const float *, ptrdiff_t, flo
 #define KV_ROWS KF_AVX512_ROWS
 #define KV_SGNT KF_AVX512_SGNT
 #include "matmul_vec.h"
-#undef KV
-#undef KV_F
-#undef KV_N
-#undef KV_V
-#undef KV_T
-#undef KV_ROWS
-#undef KV_SGNT
 
 #endif /* KESTREL_MATMUL_X86_H */
