@@ -4,6 +4,7 @@
  *   KV(op), KV_F, KV_I, KV_N   the variant's vec.h operations, float and 32-bit vectors,
  *                              lanes (8: AVX2, 16: AVX-512)
  *   KV_V(name), KV_T           the variant's name for `name` (kx_avx2_name, ...), target
+ *   KV_GNT                     tokens a multi-token kernel takes at most (1, or 4: t2, t4)
  * and undefined at its end.
  * A vector's lanes are rows: a group is KV_NH vectors of KV_N rows (hh), whose bytes are
  * 4 KV_N hh on in each 64-byte quant vector, its f16 scales 2 KV_N hh bytes on and its
@@ -105,9 +106,74 @@ KV_T static void KV_V(group)(int q41, const kf_act *a, ptrdiff_t nb, const uint8
 /* q4_k: the 16 rows' sub-block scales and mins of vector hh as floats, from the planes */
 #define KV_LPK(i_) KV(u8i)(M + 64 + 16 * (i_) + KV_N * hh)
 
-/* int8: per pair of sub-blocks (c) two chains (low nibbles with block 2c, high with
- * 2c + 1; AVX2 int16: 8 x 2 x 15 x 127 < 2^15), every vector of rows per step so that
- * each activation broadcast serves all 16; float: per vector of rows, two chains a block */
+/* q4_k, int8 x, NT tokens a[k] (out[k * ldo + r]; moe_prefill.h runs several): per pair
+ * of sub-blocks (c) two chains a token and vector of rows (low nibbles with block 2c,
+ * high with 2c + 1; AVX2 int16: 8 x 2 x 15 x 127 < 2^15), each quant vector's nibbles
+ * split once for all the tokens; per token the same operations in the same order
+ * whatever NT. */
+#define KV_GROUP_K_T(NT)                                                                   \
+KV_T static void KV_V(group_k_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8_t *G,     \
+                                     float *out, ptrdiff_t ldo)                            \
+{                                                                                          \
+    const KV_I m4 = KV(set8)(0x0f);                                                        \
+    KV_F acc[NT][KV_NH];                                                                   \
+    for (int k = 0; k < (NT); k++)                                                         \
+        for (int hh = 0; hh < KV_NH; hh++)                                                 \
+            acc[k][hh] = KV(zero)();                                                       \
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
+        const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);                              \
+        for (int j = 0; j < KX_KQ + KX_KM; j += 64)   /* KX_KPF bytes ahead */             \
+            _mm_prefetch((const char *)(M + KX_KPF + j), _MM_HINT_T0);                     \
+        KV_F sc[KV_NH][8], mn[KV_NH][8], d[KV_NH], dm[KV_NH];                              \
+        for (int hh = 0; hh < KV_NH; hh++) {                                               \
+            KX_K_SCALES(KV_I, , KV_LPK, KV(and), KV(or), KV(srl32), KV(sll32), KV(seti),   \
+                        KV(tof), sc[hh], mn[hh]);                                          \
+            d[hh] = KV(f16b)(M + 2 * KV_N * hh);                                           \
+            dm[hh] = KV(f16b)(M + 32 + 2 * KV_N * hh);                                     \
+        }                                                                                  \
+        for (int c = 0; c < 4; c++) {                                                      \
+            const ptrdiff_t b0 = sb * 8 + 2 * c;                                           \
+            KV_I s0[NT][KV_NH], s1[NT][KV_NH];                                             \
+            for (int k = 0; k < (NT); k++)                                                 \
+                for (int hh = 0; hh < KV_NH; hh++)                                         \
+                    s0[k][hh] = s1[k][hh] = KV(dacc_zero)();                               \
+            for (int t = 0; t < 8; t++)                                                    \
+                for (int hh = 0; hh < KV_NH; hh++) {                                       \
+                    const KV_I v = KV(loadi)(Q + 64 * (8 * c + t) + 4 * KV_N * hh);        \
+                    const KV_I lo = KV(and)(v, m4), hi = KV(and)(KV(srl16)(v, 4), m4);     \
+                    for (int k = 0; k < (NT); k++) {                                       \
+                        const int8_t *x0 = a[k].xq + b0 * KF_QK;                           \
+                        s0[k][hh] = KV(dacc_add)(s0[k][hh], lo, KV(seti)(kx_ld32(x0 + 4 * t))); \
+                        s1[k][hh] = KV(dacc_add)(s1[k][hh], hi,                            \
+                                                 KV(seti)(kx_ld32(x0 + KF_QK + 4 * t)));   \
+                    }                                                                      \
+                }                                                                          \
+            for (int hh = 0; hh < KV_NH; hh++)                                             \
+                for (int e = 0; e < 2; e++) {                                              \
+                    const ptrdiff_t b = b0 + e;                                            \
+                    const KV_F dw = KV(mul)(d[hh], sc[hh][2 * c + e]);                     \
+                    const KV_F mw = KV(sub)(KV(zero)(), KV(mul)(dm[hh], mn[hh][2 * c + e])); \
+                    for (int k = 0; k < (NT); k++) {                                       \
+                        const KV_I is = KV(dacc_i32)(e ? s1[k][hh] : s0[k][hh]);           \
+                        acc[k][hh] = KV(fma)(KV(mul)(dw, KV(set1)(a[k].xd[b])), KV(tof)(is), \
+                                             acc[k][hh]);                                  \
+                        acc[k][hh] = KV(fma)(mw, KV(set1)(a[k].sx[b]), acc[k][hh]);        \
+                    }                                                                      \
+                }                                                                          \
+        }                                                                                  \
+    }                                                                                      \
+    for (int k = 0; k < (NT); k++)                                                         \
+        for (int hh = 0; hh < KV_NH; hh++)                                                 \
+            KV(store)(out + k * ldo + KV_N * hh, acc[k][hh]);                              \
+}
+KV_GROUP_K_T(1)
+#if KV_GNT >= 2
+KV_GROUP_K_T(2)
+KV_GROUP_K_T(4)
+#endif
+#undef KV_GROUP_K_T
+
+/* q4_k: int8 as group_k_t1; float per vector of rows, two chains a block */
 KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
                                float *out)
 {
@@ -117,45 +183,8 @@ KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const
     for (int hh = 0; hh < KV_NH; hh++)
         acc[hh] = KV(zero)();
     if (a->xq != NULL) {
-        for (ptrdiff_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
-            for (int k = 0; k < KX_KQ + KX_KM; k += 64)   /* KX_KPF bytes ahead */
-                _mm_prefetch((const char *)(M + KX_KPF + k), _MM_HINT_T0);
-            KV_F sc[KV_NH][8], mn[KV_NH][8], d[KV_NH], dm[KV_NH];
-            for (int hh = 0; hh < KV_NH; hh++) {
-                KX_K_SCALES(KV_I, , KV_LPK, KV(and), KV(or), KV(srl32), KV(sll32), KV(seti),
-                            KV(tof), sc[hh], mn[hh]);
-                d[hh] = KV(f16b)(M + 2 * KV_N * hh);
-                dm[hh] = KV(f16b)(M + 32 + 2 * KV_N * hh);
-            }
-            for (int c = 0; c < 4; c++) {
-                const ptrdiff_t b0 = sb * 8 + 2 * c;
-                const int8_t *x0 = a->xq + b0 * KF_QK, *x1 = x0 + KF_QK;
-                KV_I s0[KV_NH], s1[KV_NH];
-                for (int hh = 0; hh < KV_NH; hh++)
-                    s0[hh] = s1[hh] = KV(dacc_zero)();
-                for (int t = 0; t < 8; t++) {
-                    const KV_I bx0 = KV(seti)(kx_ld32(x0 + 4 * t));
-                    const KV_I bx1 = KV(seti)(kx_ld32(x1 + 4 * t));
-                    for (int hh = 0; hh < KV_NH; hh++) {
-                        const KV_I v = KV(loadi)(Q + 64 * (8 * c + t) + 4 * KV_N * hh);
-                        s0[hh] = KV(dacc_add)(s0[hh], KV(and)(v, m4), bx0);
-                        s1[hh] = KV(dacc_add)(s1[hh], KV(and)(KV(srl16)(v, 4), m4), bx1);
-                    }
-                }
-                for (int hh = 0; hh < KV_NH; hh++) {
-                    const KV_F part[2] = {KV(tof)(KV(dacc_i32)(s0[hh])),
-                                          KV(tof)(KV(dacc_i32)(s1[hh]))};
-                    for (int e = 0; e < 2; e++) {
-                        const ptrdiff_t b = b0 + e;
-                        const KV_F dw = KV(mul)(d[hh], sc[hh][2 * c + e]);
-                        const KV_F mw = KV(sub)(KV(zero)(), KV(mul)(dm[hh], mn[hh][2 * c + e]));
-                        acc[hh] = KV(fma)(KV(mul)(dw, KV(set1)(a->xd[b])), part[e], acc[hh]);
-                        acc[hh] = KV(fma)(mw, KV(set1)(a->sx[b]), acc[hh]);
-                    }
-                }
-            }
-        }
+        KV_V(group_k_t1)(a, nsb, G, out, 0);
+        return;
     } else {
         KV_I top[4];
         for (int i = 0; i < 4; i++)
@@ -209,9 +238,77 @@ KV_T KF_INLINE void KV_V(q6_unpack)(const uint8_t *v, KV_I u[4])
     KX6_UNPACK(KV_I, KV(and), KV(or), KV(srl16), KV(set8), p0, p1, p2, u);
 }
 
-/* q6_k. int8: per block (m) two int32 chains (its halves of 16, e) from -32 xh, two steps
- * of u <= 63 x s8 a vec.h dot2 (AVX2: their pairs added in int16, <= 2 x 16002), every
- * vector of rows per step; float: each lane's byte c, q - 32 as s8, to the lane's top
+/* q6_k, int8 x, NT tokens a[k] (out[k * ldo + r]): per block (m) two int32 chains a
+ * token and vector of rows (its halves of 16, e) from -32 xh, two steps of u <= 63 x s8 a
+ * vec.h dot2 (AVX2: their pairs added in int16, <= 2 x 16002), each quant vector loaded
+ * (m < 3) or unpacked from the top 2 bits of all three (m = 3) once for all the tokens;
+ * per token the same operations in the same order whatever NT. */
+#define KV_GROUP_6_T(NT)                                                                   \
+KV_T static void KV_V(group_6_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8_t *G,     \
+                                     float *out, ptrdiff_t ldo)                            \
+{                                                                                          \
+    KV_F acc[NT][KV_NH];                                                                   \
+    for (int k = 0; k < (NT); k++)                                                         \
+        for (int hh = 0; hh < KV_NH; hh++)                                                 \
+            acc[k][hh] = KV(zero)();                                                       \
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
+        const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);             \
+        for (int j = 0; j < 3360; j += 64)          /* KX_KPF bytes ahead, in stream order */ \
+            _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + j), _MM_HINT_T0);         \
+        KV_F d[KV_NH];                                                                     \
+        for (int hh = 0; hh < KV_NH; hh++)                                                 \
+            d[hh] = KV(f16b)(D + 2 * KV_N * hh);                                           \
+        for (int h = 0; h < 2; h++)                                                        \
+            for (int m = 0; m < 4; m++) {                                                  \
+                const ptrdiff_t b = sb * 8 + 4 * h + m;                                    \
+                KV_I is[NT][KV_NH][2];                                                     \
+                for (int k = 0; k < (NT); k++)                                             \
+                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
+                        is[k][hh][0] = KV(seti)(-32 * a[k].xh[b]);                         \
+                        is[k][hh][1] = KV(seti)(-32 * (a[k].xs[b] - a[k].xh[b]));          \
+                    }                                                                      \
+                for (int s = 0; s < 8; s += 2)                                             \
+                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
+                        KV_I u[2];                                                         \
+                        for (int z = 0; z < 2; z++) {                                      \
+                            const uint8_t *v = Q + 64 * (24 * h + 3 * (s + z)) + 4 * KV_N * hh; \
+                            if (m < 3) {                                                   \
+                                u[z] = KV(and)(KV(loadi)(v + 64 * m), KV(set8)(63));       \
+                            } else {                                                       \
+                                KV_I w4[4];                                                \
+                                KV_V(q6_unpack)(v, w4);                                    \
+                                u[z] = w4[3];                                              \
+                            }                                                              \
+                        }                                                                  \
+                        for (int k = 0; k < (NT); k++) {                                   \
+                            const int8_t *x = a[k].xq + b * KF_QK + 4 * s;                 \
+                            is[k][hh][s / 4] = KV(dot2_i32)(is[k][hh][s / 4], u[0],        \
+                                                            KV(seti)(kx_ld32(x)), u[1],    \
+                                                            KV(seti)(kx_ld32(x + 4)));     \
+                        }                                                                  \
+                    }                                                                      \
+                for (int e = 0; e < 2; e++)                                                \
+                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
+                        const int j = 2 * (4 * h + m) + e;                                 \
+                        const KV_F dw = KV(mul)(d[hh], KV(tof)(KV(s8i)(S + 16 * j + KV_N * hh))); \
+                        for (int k = 0; k < (NT); k++)                                     \
+                            acc[k][hh] = KV(fma)(KV(mul)(dw, KV(set1)(a[k].xd[b])),        \
+                                                 KV(tof)(is[k][hh][e]), acc[k][hh]);       \
+                    }                                                                      \
+            }                                                                              \
+    }                                                                                      \
+    for (int k = 0; k < (NT); k++)                                                         \
+        for (int hh = 0; hh < KV_NH; hh++)                                                 \
+            KV(store)(out + k * ldo + KV_N * hh, acc[k][hh]);                              \
+}
+KV_GROUP_6_T(1)
+#if KV_GNT >= 2
+KV_GROUP_6_T(2)
+KV_GROUP_6_T(4)
+#endif
+#undef KV_GROUP_6_T
+
+/* q6_k: int8 as group_6_t1; float: each lane's byte c, q - 32 as s8, to the lane's top
  * byte, (q - 32) 2^24. */
 KV_T static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
                                float *out)
@@ -221,58 +318,8 @@ KV_T static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const
     for (int hh = 0; hh < KV_NH; hh++)
         acc[hh] = KV(zero)();
     if (a->xq != NULL) {
-        for (ptrdiff_t sb = 0; sb < nsb; sb++) {
-            const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
-            for (int k = 0; k < 3360; k += 64)      /* KX_KPF bytes ahead, in stream order */
-                _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + k), _MM_HINT_T0);
-            KV_F part[2][KV_NH][4][2];              /* [h][hh][m][e] */
-            for (int h = 0; h < 2; h++) {
-                const ptrdiff_t b0 = sb * 8 + 4 * h;
-                for (int m = 0; m < 4; m++) {
-                    KV_I is[KV_NH][2];
-                    for (int e = 0; e < 2; e++) {
-                        const int32_t xh = e ? a->xs[b0 + m] - a->xh[b0 + m] : a->xh[b0 + m];
-                        for (int hh = 0; hh < KV_NH; hh++)
-                            is[hh][e] = KV(seti)(-32 * xh);
-                    }
-                    for (int s = 0; s < 8; s += 2) {
-                        const int8_t *x = a->xq + (b0 + m) * KF_QK + 4 * s;
-                        const KV_I bx0 = KV(seti)(kx_ld32(x)), bx1 = KV(seti)(kx_ld32(x + 4));
-                        for (int hh = 0; hh < KV_NH; hh++) {
-                            KV_I u[2];
-                            for (int z = 0; z < 2; z++) {
-                                /* quant vector m of step s + z: its load (m < 3) or the
-                                 * fourth from the top 2 bits of all three */
-                                const uint8_t *v = Q + 64 * (24 * h + 3 * (s + z)) + 4 * KV_N * hh;
-                                if (m < 3) {
-                                    u[z] = KV(and)(KV(loadi)(v + 64 * m), KV(set8)(63));
-                                } else {
-                                    KV_I w[4];
-                                    KV_V(q6_unpack)(v, w);
-                                    u[z] = w[3];
-                                }
-                            }
-                            is[hh][s / 4] = KV(dot2_i32)(is[hh][s / 4], u[0], bx0, u[1], bx1);
-                        }
-                    }
-                    for (int hh = 0; hh < KV_NH; hh++)
-                        for (int e = 0; e < 2; e++)
-                            part[h][hh][m][e] = KV(tof)(is[hh][e]);
-                }
-            }
-            for (int hh = 0; hh < KV_NH; hh++) {
-                const KV_F d = KV(f16b)(D + 2 * KV_N * hh);
-                for (int h = 0; h < 2; h++)
-                    for (int m = 0; m < 4; m++)
-                        for (int e = 0; e < 2; e++) {
-                            const int j = 2 * (4 * h + m) + e;
-                            const KV_F sc = KV(tof)(KV(s8i)(S + 16 * j + KV_N * hh));
-                            const KV_F dw = KV(mul)(KV(mul)(d, sc),
-                                                    KV(set1)(a->xd[sb * 8 + 4 * h + m]));
-                            acc[hh] = KV(fma)(dw, part[h][hh][m][e], acc[hh]);
-                        }
-            }
-        }
+        KV_V(group_6_t1)(a, nsb, G, out, 0);
+        return;
     } else {
         const KV_I o32 = KV(set8)(32);
         KV_I top[4];
@@ -324,3 +371,4 @@ KV_T static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const
 #undef KV_N
 #undef KV_V
 #undef KV_T
+#undef KV_GNT
