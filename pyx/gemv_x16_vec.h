@@ -106,6 +106,27 @@ KV_T static void KV_V(group)(int q41, const kf_act *a, ptrdiff_t nb, const uint8
 /* q4_k: the 16 rows' sub-block scales and mins of vector hh as floats, from the planes */
 #define KV_LPK(i_) KV(u8i)(M + 64 + 16 * (i_) + KV_N * hh)
 
+/* q6_k: the 4 quant vectors (u8, 0..63) of step (h, s) of rows hh, from its 3 loads */
+KV_T KF_INLINE void KV_V(q6_unpack)(const uint8_t *v, KV_I u[4])
+{
+    const KV_I p0 = KV(loadi)(v), p1 = KV(loadi)(v + 64), p2 = KV(loadi)(v + 128);
+    KX6_UNPACK(KV_I, KV(and), KV(or), KV(srl16), KV(set8), p0, p1, p2, u);
+}
+
+/* the accumulators of nt tokens' group dots: zero; stored to out[k * ldo + r] */
+KV_T KF_INLINE void KV_V(zero_t)(int nt, KV_F acc[][KV_NH])
+{
+    for (int k = 0; k < nt; k++)
+        for (int hh = 0; hh < KV_NH; hh++)
+            acc[k][hh] = KV(zero)();
+}
+KV_T KF_INLINE void KV_V(store_t)(int nt, KV_F acc[][KV_NH], float *out, ptrdiff_t ldo)
+{
+    for (int k = 0; k < nt; k++)
+        for (int hh = 0; hh < KV_NH; hh++)
+            KV(store)(out + k * ldo + KV_N * hh, acc[k][hh]);
+}
+
 /* q4_k, int8 x, NT tokens a[k] (out[k * ldo + r]; moe_prefill.h runs several): per pair
  * of sub-blocks (c) two chains a token and vector of rows (low nibbles with block 2c,
  * high with 2c + 1; AVX2 int16: 8 x 2 x 15 x 127 < 2^15), each quant vector's nibbles
@@ -117,9 +138,7 @@ KV_T static void KV_V(group_k_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8
 {                                                                                          \
     const KV_I m4 = KV(set8)(0x0f);                                                        \
     KV_F acc[NT][KV_NH];                                                                   \
-    for (int k = 0; k < (NT); k++)                                                         \
-        for (int hh = 0; hh < KV_NH; hh++)                                                 \
-            acc[k][hh] = KV(zero)();                                                       \
+    KV_V(zero_t)(NT, acc);                                                                 \
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
         const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);                              \
         for (int j = 0; j < KX_KQ + KX_KM; j += 64)   /* KX_KPF bytes ahead */             \
@@ -162,16 +181,79 @@ KV_T static void KV_V(group_k_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8
                 }                                                                          \
         }                                                                                  \
     }                                                                                      \
-    for (int k = 0; k < (NT); k++)                                                         \
-        for (int hh = 0; hh < KV_NH; hh++)                                                 \
-            KV(store)(out + k * ldo + KV_N * hh, acc[k][hh]);                              \
+    KV_V(store_t)(NT, acc, out, ldo);                                                      \
 }
+
+/* q6_k, int8 x, NT tokens a[k] (out[k * ldo + r]): per block (m) two int32 chains a
+ * token and vector of rows (its halves of 16, e) from -32 xh, two steps of u <= 63 x s8 a
+ * vec.h dot2 (AVX2: their pairs added in int16, <= 2 x 16002), each quant vector loaded
+ * (m < 3) or unpacked from the top 2 bits of all three (m = 3) once for all the tokens;
+ * per token the same operations in the same order whatever NT. */
+#define KV_GROUP_6_T(NT)                                                                   \
+KV_T static void KV_V(group_6_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8_t *G,     \
+                                     float *out, ptrdiff_t ldo)                            \
+{                                                                                          \
+    KV_F acc[NT][KV_NH];                                                                   \
+    KV_V(zero_t)(NT, acc);                                                                 \
+    for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
+        const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);             \
+        for (int j = 0; j < 3360; j += 64)          /* KX_KPF bytes ahead, in stream order */ \
+            _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + j), _MM_HINT_T0);         \
+        KV_F d[KV_NH];                                                                     \
+        for (int hh = 0; hh < KV_NH; hh++)                                                 \
+            d[hh] = KV(f16b)(D + 2 * KV_N * hh);                                           \
+        for (int h = 0; h < 2; h++)                                                        \
+            for (int m = 0; m < 4; m++) {                                                  \
+                const ptrdiff_t b = sb * 8 + 4 * h + m;                                    \
+                KV_I is[NT][KV_NH][2];                                                     \
+                for (int k = 0; k < (NT); k++)                                             \
+                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
+                        is[k][hh][0] = KV(seti)(-32 * a[k].xh[b]);                         \
+                        is[k][hh][1] = KV(seti)(-32 * (a[k].xs[b] - a[k].xh[b]));          \
+                    }                                                                      \
+                for (int s = 0; s < 8; s += 2)                                             \
+                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
+                        KV_I u[2];                                                         \
+                        for (int z = 0; z < 2; z++) {                                      \
+                            const uint8_t *v = Q + 64 * (24 * h + 3 * (s + z)) + 4 * KV_N * hh; \
+                            if (m < 3) {                                                   \
+                                u[z] = KV(and)(KV(loadi)(v + 64 * m), KV(set8)(63));       \
+                            } else {                                                       \
+                                KV_I w4[4];                                                \
+                                KV_V(q6_unpack)(v, w4);                                    \
+                                u[z] = w4[3];                                              \
+                            }                                                              \
+                        }                                                                  \
+                        for (int k = 0; k < (NT); k++) {                                   \
+                            const int8_t *x = a[k].xq + b * KF_QK + 4 * s;                 \
+                            is[k][hh][s / 4] = KV(dot2_i32)(is[k][hh][s / 4], u[0],        \
+                                                            KV(seti)(kx_ld32(x)), u[1],    \
+                                                            KV(seti)(kx_ld32(x + 4)));     \
+                        }                                                                  \
+                    }                                                                      \
+                for (int e = 0; e < 2; e++)                                                \
+                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
+                        const int j = 2 * (4 * h + m) + e;                                 \
+                        const KV_F dw = KV(mul)(d[hh], KV(tof)(KV(s8i)(S + 16 * j + KV_N * hh))); \
+                        for (int k = 0; k < (NT); k++)                                     \
+                            acc[k][hh] = KV(fma)(KV(mul)(dw, KV(set1)(a[k].xd[b])),        \
+                                                 KV(tof)(is[k][hh][e]), acc[k][hh]);       \
+                    }                                                                      \
+            }                                                                              \
+    }                                                                                      \
+    KV_V(store_t)(NT, acc, out, ldo);                                                      \
+}
+
 KV_GROUP_K_T(1)
+KV_GROUP_6_T(1)
 #if KV_GNT >= 2
 KV_GROUP_K_T(2)
 KV_GROUP_K_T(4)
+KV_GROUP_6_T(2)
+KV_GROUP_6_T(4)
 #endif
 #undef KV_GROUP_K_T
+#undef KV_GROUP_6_T
 
 /* q4_k: int8 as group_k_t1; float per vector of rows, two chains a block */
 KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
@@ -230,83 +312,6 @@ KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const
         KV(store)(out + KV_N * hh, acc[hh]);
 }
 #undef KV_LPK
-
-/* q6_k: the 4 quant vectors (u8, 0..63) of step (h, s) of rows hh, from its 3 loads */
-KV_T KF_INLINE void KV_V(q6_unpack)(const uint8_t *v, KV_I u[4])
-{
-    const KV_I p0 = KV(loadi)(v), p1 = KV(loadi)(v + 64), p2 = KV(loadi)(v + 128);
-    KX6_UNPACK(KV_I, KV(and), KV(or), KV(srl16), KV(set8), p0, p1, p2, u);
-}
-
-/* q6_k, int8 x, NT tokens a[k] (out[k * ldo + r]): per block (m) two int32 chains a
- * token and vector of rows (its halves of 16, e) from -32 xh, two steps of u <= 63 x s8 a
- * vec.h dot2 (AVX2: their pairs added in int16, <= 2 x 16002), each quant vector loaded
- * (m < 3) or unpacked from the top 2 bits of all three (m = 3) once for all the tokens;
- * per token the same operations in the same order whatever NT. */
-#define KV_GROUP_6_T(NT)                                                                   \
-KV_T static void KV_V(group_6_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8_t *G,     \
-                                     float *out, ptrdiff_t ldo)                            \
-{                                                                                          \
-    KV_F acc[NT][KV_NH];                                                                   \
-    for (int k = 0; k < (NT); k++)                                                         \
-        for (int hh = 0; hh < KV_NH; hh++)                                                 \
-            acc[k][hh] = KV(zero)();                                                       \
-    for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
-        const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);             \
-        for (int j = 0; j < 3360; j += 64)          /* KX_KPF bytes ahead, in stream order */ \
-            _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + j), _MM_HINT_T0);         \
-        KV_F d[KV_NH];                                                                     \
-        for (int hh = 0; hh < KV_NH; hh++)                                                 \
-            d[hh] = KV(f16b)(D + 2 * KV_N * hh);                                           \
-        for (int h = 0; h < 2; h++)                                                        \
-            for (int m = 0; m < 4; m++) {                                                  \
-                const ptrdiff_t b = sb * 8 + 4 * h + m;                                    \
-                KV_I is[NT][KV_NH][2];                                                     \
-                for (int k = 0; k < (NT); k++)                                             \
-                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
-                        is[k][hh][0] = KV(seti)(-32 * a[k].xh[b]);                         \
-                        is[k][hh][1] = KV(seti)(-32 * (a[k].xs[b] - a[k].xh[b]));          \
-                    }                                                                      \
-                for (int s = 0; s < 8; s += 2)                                             \
-                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
-                        KV_I u[2];                                                         \
-                        for (int z = 0; z < 2; z++) {                                      \
-                            const uint8_t *v = Q + 64 * (24 * h + 3 * (s + z)) + 4 * KV_N * hh; \
-                            if (m < 3) {                                                   \
-                                u[z] = KV(and)(KV(loadi)(v + 64 * m), KV(set8)(63));       \
-                            } else {                                                       \
-                                KV_I w4[4];                                                \
-                                KV_V(q6_unpack)(v, w4);                                    \
-                                u[z] = w4[3];                                              \
-                            }                                                              \
-                        }                                                                  \
-                        for (int k = 0; k < (NT); k++) {                                   \
-                            const int8_t *x = a[k].xq + b * KF_QK + 4 * s;                 \
-                            is[k][hh][s / 4] = KV(dot2_i32)(is[k][hh][s / 4], u[0],        \
-                                                            KV(seti)(kx_ld32(x)), u[1],    \
-                                                            KV(seti)(kx_ld32(x + 4)));     \
-                        }                                                                  \
-                    }                                                                      \
-                for (int e = 0; e < 2; e++)                                                \
-                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
-                        const int j = 2 * (4 * h + m) + e;                                 \
-                        const KV_F dw = KV(mul)(d[hh], KV(tof)(KV(s8i)(S + 16 * j + KV_N * hh))); \
-                        for (int k = 0; k < (NT); k++)                                     \
-                            acc[k][hh] = KV(fma)(KV(mul)(dw, KV(set1)(a[k].xd[b])),        \
-                                                 KV(tof)(is[k][hh][e]), acc[k][hh]);       \
-                    }                                                                      \
-            }                                                                              \
-    }                                                                                      \
-    for (int k = 0; k < (NT); k++)                                                         \
-        for (int hh = 0; hh < KV_NH; hh++)                                                 \
-            KV(store)(out + k * ldo + KV_N * hh, acc[k][hh]);                              \
-}
-KV_GROUP_6_T(1)
-#if KV_GNT >= 2
-KV_GROUP_6_T(2)
-KV_GROUP_6_T(4)
-#endif
-#undef KV_GROUP_6_T
 
 /* q6_k: int8 as group_6_t1; float: each lane's byte c, q - 32 as s8, to the lane's top
  * byte, (q - 32) 2^24. */

@@ -254,15 +254,22 @@ KF_TARGET KF_INLINE float KF_V(dot_k_body)(const int fmt, const float *restrict 
     return kf_hsum(acc, KF_QK) - macc;
 }
 
+/* return BODY(f, ...) with f the K-quant format fmt as a constant: one inlined body per
+ * format (the bodies branch on f) */
+#ifndef KF_K_SWITCH
+#define KF_K_SWITCH(BODY, ...)                                                              \
+    switch (fmt) {                                                                          \
+    case KF_Q4_K: return BODY(KF_Q4_K, __VA_ARGS__);                                        \
+    case KF_Q5_K: return BODY(KF_Q5_K, __VA_ARGS__);                                        \
+    case KF_Q3_K: return BODY(KF_Q3_K, __VA_ARGS__);                                        \
+    default: return BODY(KF_Q6_K, __VA_ARGS__);                                             \
+    }
+#endif
+
 KF_TARGET static float KF_V(dot_k)(int fmt, const float *restrict x, const float *restrict sx,
                                    const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    switch (fmt) {
-    case KF_Q4_K: return KF_V(dot_k_body)(KF_Q4_K, x, sx, w, nsb);
-    case KF_Q5_K: return KF_V(dot_k_body)(KF_Q5_K, x, sx, w, nsb);
-    case KF_Q3_K: return KF_V(dot_k_body)(KF_Q3_K, x, sx, w, nsb);
-    default: return KF_V(dot_k_body)(KF_Q6_K, x, sx, w, nsb);
-    }
+    KF_K_SWITCH(KF_V(dot_k_body), x, sx, w, nsb);
 }
 
 /* iq4_nl (xs = 0, nb blocks of 32) or iq4_xs (xs = 1, nb super-blocks of 256): per
@@ -458,12 +465,7 @@ KF_TARGET static float KF_V(idot_k)(int fmt, const int8_t *restrict xq,
                                     const float *restrict xd, const float *restrict sx,
                                     const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    switch (fmt) {
-    case KF_Q4_K: return KF_V(idot_k_body)(KF_Q4_K, xq, xd, sx, w, nsb);
-    case KF_Q5_K: return KF_V(idot_k_body)(KF_Q5_K, xq, xd, sx, w, nsb);
-    case KF_Q3_K: return KF_V(idot_k_body)(KF_Q3_K, xq, xd, sx, w, nsb);
-    default: return KF_V(idot_k_body)(KF_Q6_K, xq, xd, sx, w, nsb);
-    }
+    KF_K_SWITCH(KF_V(idot_k_body), xq, xd, sx, w, nsb);
 }
 
 /* iq4_nl / iq4_xs weights . int8 x: per sub-block = activation block b,

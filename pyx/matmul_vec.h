@@ -238,12 +238,7 @@ KV_T KF_INLINE float KV_V(kx_xdot_body)(const int fmt, const float *restrict x,
 KV_T static float KV_V(kx_xdot_k)(int fmt, const float *restrict x, const float *restrict sx,
                                   const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    switch (fmt) {
-    case KF_Q4_K: return KV_V(kx_xdot_body)(KF_Q4_K, x, sx, w, nsb);
-    case KF_Q5_K: return KV_V(kx_xdot_body)(KF_Q5_K, x, sx, w, nsb);
-    case KF_Q3_K: return KV_V(kx_xdot_body)(KF_Q3_K, x, sx, w, nsb);
-    default: return KV_V(kx_xdot_body)(KF_Q6_K, x, sx, w, nsb);
-    }
+    KF_K_SWITCH(KV_V(kx_xdot_body), x, sx, w, nsb);
 }
 
 /* q5_0 / q5_1 (q51), float x: sum_b (d_b sum_k q_bk x_bk + m_b sx[b]), q5_0's m = -16 d */
@@ -338,12 +333,7 @@ KV_T static float KV_V(kx_idot_k)(int fmt, const int8_t *restrict xq, const floa
                                   const float *restrict sx, const uint8_t *restrict w,
                                   ptrdiff_t nsb)
 {
-    switch (fmt) {
-    case KF_Q4_K: return KV_V(kx_idot_body)(KF_Q4_K, xq, xd, sx, w, nsb);
-    case KF_Q5_K: return KV_V(kx_idot_body)(KF_Q5_K, xq, xd, sx, w, nsb);
-    case KF_Q3_K: return KV_V(kx_idot_body)(KF_Q3_K, xq, xd, sx, w, nsb);
-    default: return KV_V(kx_idot_body)(KF_Q6_K, xq, xd, sx, w, nsb);
-    }
+    KF_K_SWITCH(KV_V(kx_idot_body), xq, xd, sx, w, nsb);
 }
 
 /* q5_0 / q5_1 (q51), int8 x: sum_b d_b xd_b sum_k (q_bk - 16) xq_bk (q5_0, the 16 x
