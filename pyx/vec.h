@@ -62,38 +62,56 @@
 typedef __m256 kvb_f;                  /* 8 float lanes: one block's int32 lanes converted */
 typedef __m256i kvb_i;                 /* 32 bytes: one activation block */
 
+/* The operations whose two mappings differ only in the intrinsics' prefix P (_mm256,
+ * _mm512), integer-vector suffix IB (si256, si512) and the loads of half (HLOAD, of HT)
+ * and a quarter (QLOAD) of a vector: set V (float vector F, 32-bit lanes I, attributes
+ * ATTR). bf16: zero-extended to 32 bits, shifted into the upper half. */
+#define KV_COMMON_OPS(V, ATTR, P, IB, F, I, HT, HLOAD, QLOAD)                               \
+ATTR F V##_zero(void) { return P##_setzero_ps(); }                                           \
+ATTR F V##_load(const float *p) { return P##_loadu_ps(p); }                                  \
+ATTR void V##_store(float *p, F a) { P##_storeu_ps(p, a); }                                  \
+ATTR F V##_set1(float s) { return P##_set1_ps(s); }                                          \
+ATTR F V##_add(F a, F b) { return P##_add_ps(a, b); }                                        \
+ATTR F V##_sub(F a, F b) { return P##_sub_ps(a, b); }                                        \
+ATTR F V##_mul(F a, F b) { return P##_mul_ps(a, b); }                                        \
+ATTR F V##_fma(F a, F b, F c) { return P##_fmadd_ps(a, b, c); }                              \
+ATTR F V##_fms(F a, F b, F c) { return P##_fmsub_ps(a, b, c); }                              \
+ATTR float V##_hsum(F a)                                                                     \
+{                                                                                            \
+    float s[V##_N];                                                                          \
+    P##_storeu_ps(s, a);                                                                     \
+    return kf_hsum(s, V##_N);                                                                \
+}                                                                                            \
+ATTR I V##_seti(int s) { return P##_set1_epi32(s); }                                         \
+ATTR I V##_set8(char c) { return P##_set1_epi8(c); }                                         \
+ATTR I V##_and(I a, I b) { return P##_and_##IB(a, b); }                                      \
+ATTR I V##_or(I a, I b) { return P##_or_##IB(a, b); }                                        \
+ATTR I V##_add32(I a, I b) { return P##_add_epi32(a, b); }                                  \
+ATTR I V##_sub32(I a, I b) { return P##_sub_epi32(a, b); }                                   \
+ATTR I V##_sub8(I a, I b) { return P##_sub_epi8(a, b); }                                     \
+ATTR I V##_srl16(I a, int n) { return P##_srli_epi16(a, n); }                                \
+ATTR I V##_srl32(I a, int n) { return P##_srli_epi32(a, n); }                                \
+ATTR I V##_sll32(I a, int n) { return P##_slli_epi32(a, n); }                                \
+ATTR F V##_tof(I a) { return P##_cvtepi32_ps(a); }                                           \
+ATTR I V##_shuf8(I a, I c) { return P##_shuffle_epi8(a, c); }                                \
+ATTR I V##_dacc_zero(void) { return P##_setzero_##IB(); }                                   \
+ATTR F V##_f16(const uint16_t *p) { return P##_cvtph_ps(HLOAD((const HT *)p)); }             \
+ATTR F V##_f16b(const uint8_t *p) { return P##_cvtph_ps(HLOAD((const HT *)p)); }             \
+ATTR F V##_bf16(const uint16_t *p)                                                           \
+{                                                                                            \
+    return P##_cast##IB##_ps(P##_slli_epi32(P##_cvtepu16_epi32(HLOAD((const HT *)p)), 16)); \
+}                                                                                            \
+ATTR I V##_u8i(const uint8_t *p) { return P##_cvtepu8_epi32(QLOAD((const __m128i *)p)); }    \
+ATTR I V##_s8i(const uint8_t *p) { return P##_cvtepi8_epi32(QLOAD((const __m128i *)p)); }
+
 /* ---------------------------------------------------------------- AVX2 (kv8_) */
 
 #define KV8_ATTR KF_TARGET_AVX2 KF_INLINE
 typedef __m256 kv8_f;
 typedef __m256i kv8_i;
 #define kv8_N 8
-
-KV8_ATTR kv8_f kv8_zero(void) { return _mm256_setzero_ps(); }
-KV8_ATTR kv8_f kv8_load(const float *p) { return _mm256_loadu_ps(p); }
-KV8_ATTR kv8_f kv8_set1(float s) { return _mm256_set1_ps(s); }
-KV8_ATTR kv8_f kv8_add(kv8_f a, kv8_f b) { return _mm256_add_ps(a, b); }
-KV8_ATTR kv8_f kv8_mul(kv8_f a, kv8_f b) { return _mm256_mul_ps(a, b); }
-KV8_ATTR kv8_f kv8_fma(kv8_f a, kv8_f b, kv8_f c) { return _mm256_fmadd_ps(a, b, c); }
-
-KV8_ATTR float kv8_hsum(kv8_f a)
-{
-    float s[8];
-    _mm256_storeu_ps(s, a);
-    return kf_hsum(s, 8);
-}
-
-KV8_ATTR kv8_f kv8_f16(const uint16_t *p)
-{
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-
-/* zero-extend to 32 bits, shift into the upper half */
-KV8_ATTR kv8_f kv8_bf16(const uint16_t *p)
-{
-    return _mm256_castsi256_ps(_mm256_slli_epi32(
-        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
+KV_COMMON_OPS(kv8, KV8_ATTR, _mm256, si256, kv8_f, kv8_i, __m128i, _mm_loadu_si128,
+              _mm_loadl_epi64)
 
 KV8_ATTR kv8_f kv8_s8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 KV8_ATTR kv8_f kv8_u8f(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
@@ -150,42 +168,13 @@ KV8_ATTR void kv8_store_n(float *p, kv8_f a, int n)
 KV8_ATTR kvb_i kvb_load(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 KV8_ATTR kvb_f kvb_tof(kvb_i i) { return _mm256_cvtepi32_ps(i); }
 
-KV8_ATTR void kv8_store(float *p, kv8_f a) { _mm256_storeu_ps(p, a); }
-KV8_ATTR kv8_f kv8_sub(kv8_f a, kv8_f b) { return _mm256_sub_ps(a, b); }
-KV8_ATTR kv8_f kv8_fms(kv8_f a, kv8_f b, kv8_f c) { return _mm256_fmsub_ps(a, b, c); }
-KV8_ATTR kv8_f kv8_f16b(const uint8_t *p)
-{
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-
 KV8_ATTR kv8_i kv8_loadi(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
-KV8_ATTR kv8_i kv8_seti(int s) { return _mm256_set1_epi32(s); }
-KV8_ATTR kv8_i kv8_set8(char c) { return _mm256_set1_epi8(c); }
-KV8_ATTR kv8_i kv8_and(kv8_i a, kv8_i b) { return _mm256_and_si256(a, b); }
-KV8_ATTR kv8_i kv8_or(kv8_i a, kv8_i b) { return _mm256_or_si256(a, b); }
-KV8_ATTR kv8_i kv8_add32(kv8_i a, kv8_i b) { return _mm256_add_epi32(a, b); }
-KV8_ATTR kv8_i kv8_sub32(kv8_i a, kv8_i b) { return _mm256_sub_epi32(a, b); }
-KV8_ATTR kv8_i kv8_sub8(kv8_i a, kv8_i b) { return _mm256_sub_epi8(a, b); }
-KV8_ATTR kv8_i kv8_srl16(kv8_i a, int n) { return _mm256_srli_epi16(a, n); }
-KV8_ATTR kv8_i kv8_srl32(kv8_i a, int n) { return _mm256_srli_epi32(a, n); }
-KV8_ATTR kv8_i kv8_sll32(kv8_i a, int n) { return _mm256_slli_epi32(a, n); }
-KV8_ATTR kv8_f kv8_tof(kv8_i a) { return _mm256_cvtepi32_ps(a); }
-KV8_ATTR kv8_i kv8_u8i(const uint8_t *p)
-{
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-}
-KV8_ATTR kv8_i kv8_s8i(const uint8_t *p)
-{
-    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
-}
 KV8_ATTR kv8_i kv8_top(int i)
 {
     return _mm256_broadcastsi128_si256(_mm_setr_epi32(
         (i << 24) | 0x808080, ((4 + i) << 24) | 0x808080, ((8 + i) << 24) | 0x808080,
         ((12 + i) << 24) | 0x808080));
 }
-KV8_ATTR kv8_i kv8_shuf8(kv8_i a, kv8_i c) { return _mm256_shuffle_epi8(a, c); }
-KV8_ATTR kv8_i kv8_dacc_zero(void) { return _mm256_setzero_si256(); }
 KV8_ATTR kv8_i kv8_dacc_add(kv8_i s, kv8_i u, kv8_i x)
 {
     return _mm256_add_epi16(s, _mm256_maddubs_epi16(u, x));
@@ -234,31 +223,8 @@ KV8_ATTR kvb_i kv8_bdot_off(kvb_i u, char o, kvb_i x)
 typedef __m512 kv16_f;
 typedef __m512i kv16_i;
 #define kv16_N 16
-
-KV16_ATTR kv16_f kv16_zero(void) { return _mm512_setzero_ps(); }
-KV16_ATTR kv16_f kv16_load(const float *p) { return _mm512_loadu_ps(p); }
-KV16_ATTR kv16_f kv16_set1(float s) { return _mm512_set1_ps(s); }
-KV16_ATTR kv16_f kv16_add(kv16_f a, kv16_f b) { return _mm512_add_ps(a, b); }
-KV16_ATTR kv16_f kv16_mul(kv16_f a, kv16_f b) { return _mm512_mul_ps(a, b); }
-KV16_ATTR kv16_f kv16_fma(kv16_f a, kv16_f b, kv16_f c) { return _mm512_fmadd_ps(a, b, c); }
-
-KV16_ATTR float kv16_hsum(kv16_f a)
-{
-    float s[16];
-    _mm512_storeu_ps(s, a);
-    return kf_hsum(s, 16);
-}
-
-KV16_ATTR kv16_f kv16_f16(const uint16_t *p)
-{
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-}
-
-KV16_ATTR kv16_f kv16_bf16(const uint16_t *p)
-{
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
+KV_COMMON_OPS(kv16, KV16_ATTR, _mm512, si512, kv16_f, kv16_i, __m256i, _mm256_loadu_si256,
+              _mm_loadu_si128)
 
 KV16_ATTR void kv16_s8x32(const uint8_t *p, kv16_f f[2])
 {
@@ -286,41 +252,12 @@ KV16_ATTR void kv16_store_n(float *p, kv16_f a, int n)
     _mm512_mask_storeu_ps(p, n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1), a);
 }
 
-KV16_ATTR void kv16_store(float *p, kv16_f a) { _mm512_storeu_ps(p, a); }
-KV16_ATTR kv16_f kv16_sub(kv16_f a, kv16_f b) { return _mm512_sub_ps(a, b); }
-KV16_ATTR kv16_f kv16_fms(kv16_f a, kv16_f b, kv16_f c) { return _mm512_fmsub_ps(a, b, c); }
-KV16_ATTR kv16_f kv16_f16b(const uint8_t *p)
-{
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-}
-
 KV16_ATTR kv16_i kv16_loadi(const void *p) { return _mm512_loadu_si512(p); }
-KV16_ATTR kv16_i kv16_seti(int s) { return _mm512_set1_epi32(s); }
-KV16_ATTR kv16_i kv16_set8(char c) { return _mm512_set1_epi8(c); }
-KV16_ATTR kv16_i kv16_and(kv16_i a, kv16_i b) { return _mm512_and_si512(a, b); }
-KV16_ATTR kv16_i kv16_or(kv16_i a, kv16_i b) { return _mm512_or_si512(a, b); }
-KV16_ATTR kv16_i kv16_add32(kv16_i a, kv16_i b) { return _mm512_add_epi32(a, b); }
-KV16_ATTR kv16_i kv16_sub32(kv16_i a, kv16_i b) { return _mm512_sub_epi32(a, b); }
-KV16_ATTR kv16_i kv16_sub8(kv16_i a, kv16_i b) { return _mm512_sub_epi8(a, b); }
-KV16_ATTR kv16_i kv16_srl16(kv16_i a, int n) { return _mm512_srli_epi16(a, n); }
-KV16_ATTR kv16_i kv16_srl32(kv16_i a, int n) { return _mm512_srli_epi32(a, n); }
-KV16_ATTR kv16_i kv16_sll32(kv16_i a, int n) { return _mm512_slli_epi32(a, n); }
-KV16_ATTR kv16_f kv16_tof(kv16_i a) { return _mm512_cvtepi32_ps(a); }
-KV16_ATTR kv16_i kv16_u8i(const uint8_t *p)
-{
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
-KV16_ATTR kv16_i kv16_s8i(const uint8_t *p)
-{
-    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
 KV16_ATTR kv16_i kv16_top(int i)
 {
     return _mm512_set4_epi32(((12 + i) << 24) | 0x808080, ((8 + i) << 24) | 0x808080,
                              ((4 + i) << 24) | 0x808080, (i << 24) | 0x808080);
 }
-KV16_ATTR kv16_i kv16_shuf8(kv16_i a, kv16_i c) { return _mm512_shuffle_epi8(a, c); }
-KV16_ATTR kv16_i kv16_dacc_zero(void) { return _mm512_setzero_si512(); }
 KV16_ATTR kv16_i kv16_dacc_add(kv16_i s, kv16_i u, kv16_i x) { return _mm512_dpbusd_epi32(s, u, x); }
 KV16_ATTR kv16_i kv16_dacc_i32(kv16_i s) { return s; }
 KV16_ATTR kv16_i kv16_dacc_i32_2(kv16_i s, kv16_i t) { return _mm512_add_epi32(s, t); }
