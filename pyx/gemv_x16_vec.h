@@ -311,6 +311,98 @@ KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const
     for (int hh = 0; hh < KV_NH; hh++)
         KV(store)(out + KV_N * hh, acc[hh]);
 }
+/* x16 -> float panels (matmul.h's gemm_panels): the float GEMM (T > 1, float
+ * activations) of an x16 weight dequantises each group of 16 rows straight into the GEMM's
+ * panel p[j * 16 + r] (the lanes are already the rows) instead of going back to row-major
+ * bytes, being dequantised (kf_deq_span) and transposed (matmul_isa.h's pack_panel): ~17%
+ * of a qwen3-1.7b Q4_K_M prefill went there. The values are kf_deq_span's bits: every
+ * product below is exact in float (d and dmin f16, sub-block scales of <= 8 bits, quants
+ * of <= 6), so at most the one sum rounds, as there. Group G's n columns; rows
+ * KV_N hh.. (each vector's bytes 4 KV_N hh on) to p + KV_N hh. */
+KV_T static void KV_V(panel)(int fmt, const uint8_t *G, ptrdiff_t n, float *restrict panel)
+{
+    const KV_I m15 = KV(seti)(15), m63 = KV(seti)(63), m3 = KV(seti)(3);
+    for (int hh = 0; hh < KV_NH; hh++) {
+        float *p = panel + KV_N * hh;
+        if (fmt == KF_Q4_0X16 || fmt == KF_Q4_1X16) {
+            const int q41 = fmt == KF_Q4_1X16;
+            for (ptrdiff_t b = 0; b < n / KF_QK; b++, p += 16 * KF_QK) {
+                const uint8_t *Q = KX_Q(G, q41, b) + 4 * KV_N * hh;
+                const KV_F d = KV(f16b)(KX_D(G, q41, b) + 2 * KV_N * hh);
+                const KV_F m = q41 ? KV(f16b)(KX_M(G, q41, b) + 2 * KV_N * hh) : d;
+                for (int k = 0; k < 4; k++) {
+                    const KV_I v = KV(loadi)(Q + 64 * k);
+                    for (int i = 0; i < 4; i++) {
+                        const KV_I lo = KV(and)(KV(srl32)(v, 8 * i), m15);
+                        const KV_I hi = KV(and)(KV(srl32)(v, 8 * i + 4), m15);
+                        if (q41) {
+                            KV(store)(p + 16 * (4 * k + i), KV(fma)(d, KV(tof)(lo), m));
+                            KV(store)(p + 16 * (16 + 4 * k + i), KV(fma)(d, KV(tof)(hi), m));
+                        } else {
+                            KV(store)(p + 16 * (4 * k + i),
+                                      KV(mul)(d, KV(tof)(KV(sub32)(lo, KV(seti)(8)))));
+                            KV(store)(p + 16 * (16 + 4 * k + i),
+                                      KV(mul)(d, KV(tof)(KV(sub32)(hi, KV(seti)(8)))));
+                        }
+                    }
+                }
+            }
+        } else if (fmt == KF_Q4_KX16) {
+            for (ptrdiff_t sb = 0; sb < n / KF_QK_K; sb++, p += 16 * KF_QK_K) {
+                const uint8_t *Q = KX_KQA(G, sb) + 4 * KV_N * hh, *M = KX_KMA(G, sb);
+                KV_F sc[8], mn[8], dl[8], ml[8];
+                KX_K_SCALES(KV_I, , KV_LPK, KV(and), KV(or), KV(srl32), KV(sll32), KV(seti),
+                            KV(tof), sc, mn);
+                const KV_F d = KV(f16b)(M + 2 * KV_N * hh), dm = KV(f16b)(M + 32 + 2 * KV_N * hh);
+                for (int j = 0; j < 8; j++) {
+                    dl[j] = KV(mul)(d, sc[j]);
+                    ml[j] = KV(mul)(dm, mn[j]);
+                }
+                for (int c = 0; c < 4; c++)
+                    for (int t = 0; t < 8; t++) {
+                        const KV_I v = KV(loadi)(Q + 64 * (8 * c + t));
+                        for (int i = 0; i < 4; i++) {
+                            const KV_I lo = KV(and)(KV(srl32)(v, 8 * i), m15);
+                            const KV_I hi = KV(and)(KV(srl32)(v, 8 * i + 4), m15);
+                            KV(store)(p + 16 * (64 * c + 4 * t + i),
+                                      KV(fms)(dl[2 * c], KV(tof)(lo), ml[2 * c]));
+                            KV(store)(p + 16 * (64 * c + 32 + 4 * t + i),
+                                      KV(fms)(dl[2 * c + 1], KV(tof)(hi), ml[2 * c + 1]));
+                        }
+                    }
+            }
+        } else {                                                /* q6_k */
+            for (ptrdiff_t sb = 0; sb < n / KF_QK_K; sb++, p += 16 * KF_QK_K) {
+                const uint8_t *Q = KX_6Q(G, sb) + 4 * KV_N * hh, *S = KX_6S(G, sb) + KV_N * hh;
+                const KV_F d = KV(f16b)(KX_6D(G, sb) + 2 * KV_N * hh);
+                KV_F dl[16];
+                for (int j = 0; j < 16; j++)
+                    dl[j] = KV(mul)(d, KV(tof)(KV(s8i)(S + 16 * j)));
+                for (int h = 0; h < 2; h++)
+                    for (int s = 0; s < 8; s++) {
+                        const uint8_t *V = Q + 64 * (24 * h + 3 * s);
+                        const KV_I v0 = KV(loadi)(V), v1 = KV(loadi)(V + 64), v2 = KV(loadi)(V + 128);
+                        const int j0 = 8 * h + s / 4;
+                        for (int c = 0; c < 4; c++) {
+                            const int e = 128 * h + 4 * s + c;
+                            const KV_I o = KV(seti)(32);
+                            KV(store)(p + 16 * e,
+                                      KV(mul)(dl[j0], KV(tof)(KV(sub32)(KV(and)(KV(srl32)(v0, 8 * c), m63), o))));
+                            KV(store)(p + 16 * (e + 32),
+                                      KV(mul)(dl[j0 + 2], KV(tof)(KV(sub32)(KV(and)(KV(srl32)(v1, 8 * c), m63), o))));
+                            KV(store)(p + 16 * (e + 64),
+                                      KV(mul)(dl[j0 + 4], KV(tof)(KV(sub32)(KV(and)(KV(srl32)(v2, 8 * c), m63), o))));
+                            const KV_I q3 = KV(or)(KV(or)(KV(and)(KV(srl32)(v0, 8 * c + 6), m3),
+                                                          KV(sll32)(KV(and)(KV(srl32)(v1, 8 * c + 6), m3), 2)),
+                                                   KV(sll32)(KV(and)(KV(srl32)(v2, 8 * c + 6), m3), 4));
+                            KV(store)(p + 16 * (e + 96), KV(mul)(dl[j0 + 6], KV(tof)(KV(sub32)(q3, o))));
+                        }
+                    }
+            }
+        }
+    }
+}
+
 #undef KV_LPK
 
 /* q6_k: int8 as group_6_t1; float: each lane's byte c, q - 32 as s8, to the lane's top
