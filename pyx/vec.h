@@ -1,28 +1,30 @@
-/* The vector layer of the x86 kernels (docs/STYLE §11, ggml's GGML_F32_VEC): one set of
- * types and operations per target, each a thin mapping onto that target's intrinsics, so
- * that a kernel is written once against them (matmul_vec.h) and instantiated per variant.
+/* The vector layer of the x86 kernels (as ggml's GGML_F32_VEC / _FMA / _REDUCE): one set
+ * of types and operations per target, each a thin mapping onto that target's intrinsics,
+ * so that a kernel is written once against them and included once per variant
+ * (matmul_vec.h: the GEMV dots and float GEMM tiles; gemv_x16_vec.h: the x16 group dots
+ * and panels; docs/DESIGN.md §5).
  *
  * Both sets live in one translation unit, each under its variant's target attribute
  * (isa.h), and every operation is always inlined into its caller. A kernel body names
  * them through its variant's prefix:
  *   kv8_   AVX2 + FMA + F16C (the avx2 variant): 8 float lanes, __m256;
  *   kv16_  AVX-512 F/BW/VL + VNNI (the avx512 variant): 16 float lanes, __m512.
- * The operations are exact except where they say they round (add, mul, fma, hsum), so a
- * body that spells its float operations in one order gives one result per lane width.
+ * The operations are exact except where they say they round (add, sub, mul, fma, fms,
+ * hsum), so a body that spells its float operations in one order gives one result per
+ * lane width, and where each lane is a row (the x16 kernels) the same for both.
  *
  * Per set V:
  *   V_f, V_N                  float vector, its lane count
- *   V_zero() V_load(p) V_set1(s) V_add(a, b) V_mul(a, b) V_fma(a, b, c) = a * b + c
- *                             (one rounding)
+ *   V_zero() V_load(p) V_set1(s) V_add(a, b) V_sub(a, b) V_mul(a, b)
+ *   V_fma(a, b, c) = a * b + c, V_fms(a, b, c) = a * b - c (one rounding each)
  *   V_hsum(a)                 lanes stored, then kf_hsum's pairwise sum
  *   V_f16(p) V_bf16(p)        V_N f16 / bf16 at p widened to floats
+ *   V_f16b(p)                 V_N f16 at byte address p as floats
  *   V_s8x32(p, f)             the 32 s8 at p as 32 / V_N float vectors f[], in order
  *   V_q4x32(q, f)             a q4 block's 16 bytes at q as its 32 quants (low nibbles
  *                             elements 0..15, high nibbles 16..31) in 32 / V_N float vectors
  *   V_b32(u, sgn, f)          the 32 bytes of a kvb_i (s8 if sgn, else u8) the same way
  *   V_store(p, a) V_store_n(p, a, n)  all lanes / lanes 0..n-1 of a to p (n <= V_N)
- *   V_sub(a, b) V_fms(a, b, c) = a * b - c (one rounding)
- *   V_f16b(p)                 V_N f16 at byte address p as floats
  * 32-bit lanes (V_i, the lanes of V_f: the rows of an x16 group, gemv_x16.h):
  *   V_loadi(p) V_seti(s) V_set8(c) V_and V_or V_add32 V_sub32 V_sub8
  *   V_srl16(a, n) V_srl32(a, n) V_sll32(a, n) V_tof(a) (int32 to float, exact below 2^24)
