@@ -422,41 +422,39 @@ KF_TARGET KF_INLINE float KF_V(idot_k_body)(const int fmt, const int8_t *restric
                                             const uint8_t *restrict w, ptrdiff_t nsb)
 {
     const ptrdiff_t bb = kf_block_bytes[fmt];
+    const int k16 = fmt == KF_Q6_K || fmt == KF_Q3_K;
     float acc[2] = {0.0f, 0.0f}, macc = 0.0f;
     for (ptrdiff_t B = 0; B < nsb; B++) {
         const uint8_t *blk = w + B * bb;
-        uint8_t u8[KF_QK];
-        KF_IW u[KF_QK];
-        if (fmt == KF_Q6_K || fmt == KF_Q3_K) {
-            const float d = KF_VF16(blk + KF_K16_D(fmt));
-            int8_t sc[16];
-            kf_k16_scales(fmt, blk, sc);
-            for (int t = 0; t < 8; t++) {
-                const ptrdiff_t b = 8 * B + t;
-                const int8_t *xb = xq + b * KF_QK;
+        const float d = KF_VF16(blk + (k16 ? KF_K16_D(fmt) : 0));
+        int8_t sc16[16];
+        uint8_t sc[8], mn[8], u8[KF_QK];
+        if (k16)
+            kf_k16_scales(fmt, blk, sc16);
+        else
+            kf_k4_scales(blk + 4, sc, mn);
+        float ms = 0.0f;
+        for (int t = 0; t < 8; t++) {
+            const ptrdiff_t b = 8 * B + t;
+            const int8_t *xb = xq + b * KF_QK;
+            KF_V(unpack_k)(fmt, blk, t, u8);
+            int is;
+            if (k16) {
                 int8_t v[KF_QK];              /* the values as s8, whatever KF_IW */
-                KF_V(unpack_k)(fmt, blk, t, u8);
                 for (int k = 0; k < KF_QK; k++)
                     v[k] = (int8_t)((int)u8[k] - KF_K16_OFF(fmt));
-                const int sa = KF_V(idot16)(v, xb), sb = KF_V(idot16)(v + 16, xb + 16);
-                acc[t & 1] += (d * xd[b]) * (float)(sc[2 * t] * sa + sc[2 * t + 1] * sb);
-            }
-        } else {
-            const float d = KF_VF16(blk), dmin = KF_VF16(blk + 2);
-            uint8_t sc[8], mn[8];
-            kf_k4_scales(blk + 4, sc, mn);
-            float ms = 0.0f;
-            for (int t = 0; t < 8; t++) {
-                const ptrdiff_t b = 8 * B + t;
-                KF_V(unpack_k)(fmt, blk, t, u8);
+                is = sc16[2 * t] * KF_V(idot16)(v, xb) + sc16[2 * t + 1] * KF_V(idot16)(v + 16, xb + 16);
+            } else {
+                KF_IW u[KF_QK];
                 for (int k = 0; k < KF_QK; k++)
                     u[k] = (KF_IW)u8[k];
-                const int s = KF_V(idot_block)(u, xq + b * KF_QK);
-                acc[t & 1] += (d * xd[b]) * (float)(sc[t] * s);
+                is = sc[t] * KF_V(idot_block)(u, xb);
                 ms += (float)mn[t] * sx[b];
             }
-            macc += dmin * ms;
+            acc[t & 1] += (d * xd[b]) * (float)is;
         }
+        if (!k16)
+            macc += KF_VF16(blk + 2) * ms;
     }
     return (acc[0] + acc[1]) - macc;
 }
