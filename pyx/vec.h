@@ -26,7 +26,7 @@
  *   V_b32(u, sgn, f)          the 32 bytes of a kvb_i (s8 if sgn, else u8) the same way
  *   V_store(p, a) V_store_n(p, a, n)  all lanes / lanes 0..n-1 of a to p (n <= V_N)
  * 32-bit lanes (V_i, the lanes of V_f: the rows of an x16 group, gemv_x16.h):
- *   V_loadi(p) V_seti(s) V_set8(c) V_and V_or V_add32 V_sub32 V_sub8
+ *   V_loadi(p) V_seti(s) V_set8(c) V_and V_or V_sub32 V_sub8
  *   V_srl16(a, n) V_srl32(a, n) V_sll32(a, n) V_tof(a) (int32 to float, exact below 2^24)
  *   V_u8i(p) V_s8i(p)         V_N bytes at p zero- / sign-extended, one a lane
  *   V_top(i)                  a V_shuf8 control: byte i of each lane to its top byte, the
@@ -88,7 +88,6 @@ ATTR I V##_seti(int s) { return P##_set1_epi32(s); }                            
 ATTR I V##_set8(char c) { return P##_set1_epi8(c); }                                         \
 ATTR I V##_and(I a, I b) { return P##_and_##IB(a, b); }                                      \
 ATTR I V##_or(I a, I b) { return P##_or_##IB(a, b); }                                        \
-ATTR I V##_add32(I a, I b) { return P##_add_epi32(a, b); }                                  \
 ATTR I V##_sub32(I a, I b) { return P##_sub_epi32(a, b); }                                   \
 ATTR I V##_sub8(I a, I b) { return P##_sub_epi8(a, b); }                                     \
 ATTR I V##_srl16(I a, int n) { return P##_srli_epi16(a, n); }                                \
