@@ -547,7 +547,7 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 #define KV_N kv8_N
 #define KV_V(name) kx_avx2_##name
 #define KV_T KF_TARGET_AVX2
-#define KV_GNT 1
+#define KV_GNT 4
 #include "gemv_x16_vec.h"
 #define KV(op) kv16_##op
 #define KV_F kv16_f
