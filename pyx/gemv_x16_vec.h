@@ -23,54 +23,86 @@ KV_T KF_INLINE void KV_V(prefetch_q4)(const uint8_t *q)
         _mm_prefetch((const char *)(q + KX_PF + k), _MM_HINT_T0);
 }
 
-/* q4_0 / q4_1, int8 x: nibbles x x in two chains (low, high nibbles; AVX2 in int16 over
- * the block: 8 x 2 x 15 x 127 < 2^15), then the GEMM's convert, scale and FMA (q41 a
- * constant where inlined) */
-KV_T KF_INLINE void KV_V(group_i8)(const int q41, const kf_act *a, ptrdiff_t nb,
-                                   const uint8_t *G, KV_F acc[KV_NH])
+/* the accumulators of nt tokens' group dots: zero; stored to out[k * ldo + r] */
+KV_T KF_INLINE void KV_V(zero_t)(int nt, KV_F acc[][KV_NH])
+{
+    for (int k = 0; k < nt; k++)
+        for (int hh = 0; hh < KV_NH; hh++)
+            acc[k][hh] = KV(zero)();
+}
+KV_T KF_INLINE void KV_V(store_t)(int nt, KV_F acc[][KV_NH], float *out, ptrdiff_t ldo)
+{
+    for (int k = 0; k < nt; k++)
+        for (int hh = 0; hh < KV_NH; hh++)
+            KV(store)(out + k * ldo + KV_N * hh, acc[k][hh]);
+}
+
+/* q4_0 / q4_1, int8 x, nt tokens a[t] (q41, nt constants where inlined; nt <= 4): per
+ * token and vector of rows, nibbles x x in two chains (low, high nibbles; AVX2 in int16
+ * over the block: 8 x 2 x 15 x 127 < 2^15), each quant vector's nibbles split once for
+ * all the tokens, then the GEMM's convert, scale and FMA; per token the same operations
+ * in the same order whatever nt. */
+KV_T KF_INLINE void KV_V(group_i8)(const int q41, const int nt, const kf_act *a,
+                                   ptrdiff_t nb, const uint8_t *G, KV_F acc[][KV_NH])
 {
     const KV_I m4 = KV(set8)(0x0f);
-    const int8_t *xq = a->xq;
-    const float *xd = a->xd, *sx = a->sx;
-    const int32_t *xs = a->xs;
     for (ptrdiff_t b = 0; b < nb; b++) {
         const uint8_t *q = KX_Q(G, q41, b);
         KV_V(prefetch_q4)(q);
-        const int8_t *x = xq + b * KF_QK;
-        const KV_F dx = KV(set1)(xd[b]);
         for (int hh = 0; hh < KV_NH; hh++) {
-            KV_I s0 = KV(dacc_zero)(), s1 = s0;
+            KV_I s0[4], s1[4];
+            for (int t = 0; t < nt; t++)
+                s0[t] = s1[t] = KV(dacc_zero)();
             for (int k = 0; k < 4; k++) {
                 const KV_I v = KV(loadi)(q + 64 * k + 4 * KV_N * hh);
-                s0 = KV(dacc_add)(s0, KV(and)(v, m4), KV(seti)(kx_ld32(x + 4 * k)));
-                s1 = KV(dacc_add)(s1, KV(and)(KV(srl16)(v, 4), m4),
-                                  KV(seti)(kx_ld32(x + 16 + 4 * k)));
+                const KV_I lo = KV(and)(v, m4), hi = KV(and)(KV(srl16)(v, 4), m4);
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *x = a[t].xq + b * KF_QK;
+                    s0[t] = KV(dacc_add)(s0[t], lo, KV(seti)(kx_ld32(x + 4 * k)));
+                    s1[t] = KV(dacc_add)(s1[t], hi, KV(seti)(kx_ld32(x + 16 + 4 * k)));
+                }
             }
-            const KV_I is = q41 ? KV(dacc_i32_2)(s0, s1)
-                                : KV(dacc_i32_2c)(s0, s1, KV(seti)(8 * xs[b]));
             const KV_F dw = KV(f16b)(KX_D(G, q41, b) + 2 * KV_N * hh);
-            acc[hh] = KV(fma)(KV(mul)(dw, dx), KV(tof)(is), acc[hh]);
-            if (q41)
-                acc[hh] = KV(fma)(KV(f16b)(KX_M(G, q41, b) + 2 * KV_N * hh), KV(set1)(sx[b]),
-                                  acc[hh]);
+            for (int t = 0; t < nt; t++) {
+                const KV_I is = q41 ? KV(dacc_i32_2)(s0[t], s1[t])
+                                    : KV(dacc_i32_2c)(s0[t], s1[t], KV(seti)(8 * a[t].xs[b]));
+                acc[t][hh] = KV(fma)(KV(mul)(dw, KV(set1)(a[t].xd[b])), KV(tof)(is), acc[t][hh]);
+                if (q41)
+                    acc[t][hh] = KV(fma)(KV(f16b)(KX_M(G, q41, b) + 2 * KV_N * hh),
+                                         KV(set1)(a[t].sx[b]), acc[t][hh]);
+            }
         }
     }
 }
+
+/* q4_0 / q4_1 (q41), int8 x, NT tokens a[t]: out[t * ldo + r] */
+#define KV_GROUP_T(NT)                                                                     \
+KV_T static void KV_V(group_t##NT)(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t *G, \
+                                   float *out, ptrdiff_t ldo)                              \
+{                                                                                          \
+    KV_F acc[NT][KV_NH];                                                                   \
+    KV_V(zero_t)(NT, acc);                                                                 \
+    if (q41)                                                                               \
+        KV_V(group_i8)(1, NT, a, nb, G, acc);                                              \
+    else                                                                                   \
+        KV_V(group_i8)(0, NT, a, nb, G, acc);                                              \
+    KV_V(store_t)(NT, acc, out, ldo);                                                      \
+}
+KV_GROUP_T(1)
 
 /* q4_0 / q4_1: out[0..15] = the group's 16 rows . a. float x: byte j of each lane (a
  * nibble) to the lane's top byte, nibble 2^24, times x, in 4 chains (j) a block. */
 KV_T static void KV_V(group)(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t *G,
                              float *out)
 {
+    if (a->xq != NULL) {
+        KV_V(group_t1)(q41, a, nb, G, out, 0);
+        return;
+    }
     KV_F acc[KV_NH];
     for (int hh = 0; hh < KV_NH; hh++)
         acc[hh] = KV(zero)();
-    if (a->xq != NULL) {
-        if (q41)
-            KV_V(group_i8)(1, a, nb, G, acc);
-        else
-            KV_V(group_i8)(0, a, nb, G, acc);
-    } else {
+    {
         const KV_I m4 = KV(set8)(0x0f);
         for (ptrdiff_t b = 0; b < nb; b++) {
             const uint8_t *q = KX_Q(G, q41, b);
@@ -113,29 +145,16 @@ KV_T KF_INLINE void KV_V(q6_unpack)(const uint8_t *v, KV_I u[4])
     KX6_UNPACK(KV_I, KV(and), KV(or), KV(srl16), KV(set8), p0, p1, p2, u);
 }
 
-/* the accumulators of nt tokens' group dots: zero; stored to out[k * ldo + r] */
-KV_T KF_INLINE void KV_V(zero_t)(int nt, KV_F acc[][KV_NH])
-{
-    for (int k = 0; k < nt; k++)
-        for (int hh = 0; hh < KV_NH; hh++)
-            acc[k][hh] = KV(zero)();
-}
-KV_T KF_INLINE void KV_V(store_t)(int nt, KV_F acc[][KV_NH], float *out, ptrdiff_t ldo)
-{
-    for (int k = 0; k < nt; k++)
-        for (int hh = 0; hh < KV_NH; hh++)
-            KV(store)(out + k * ldo + KV_N * hh, acc[k][hh]);
-}
-
 /* q4_k, int8 x, NT tokens a[k] (out[k * ldo + r]; moe_prefill.h runs several): per pair
  * of sub-blocks (c) two chains a token and vector of rows (low nibbles with block 2c,
  * high with 2c + 1; AVX2 int16: 8 x 2 x 15 x 127 < 2^15), each quant vector's nibbles
  * split once for all the tokens; per token the same operations in the same order
  * whatever NT. */
 #define KV_GROUP_K_T(NT)                                                                   \
-KV_T static void KV_V(group_k_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8_t *G,     \
-                                     float *out, ptrdiff_t ldo)                            \
+KV_T static void KV_V(group_k_t##NT)(int unused, const kf_act *a, ptrdiff_t nsb,         \
+                                     const uint8_t *G, float *out, ptrdiff_t ldo)          \
 {                                                                                          \
+    (void)unused;                                                                          \
     const KV_I m4 = KV(set8)(0x0f);                                                        \
     KV_F acc[NT][KV_NH];                                                                   \
     KV_V(zero_t)(NT, acc);                                                                 \
@@ -190,9 +209,10 @@ KV_T static void KV_V(group_k_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8
  * (m < 3) or unpacked from the top 2 bits of all three (m = 3) once for all the tokens;
  * per token the same operations in the same order whatever NT. */
 #define KV_GROUP_6_T(NT)                                                                   \
-KV_T static void KV_V(group_6_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8_t *G,     \
-                                     float *out, ptrdiff_t ldo)                            \
+KV_T static void KV_V(group_6_t##NT)(int unused, const kf_act *a, ptrdiff_t nsb,         \
+                                     const uint8_t *G, float *out, ptrdiff_t ldo)          \
 {                                                                                          \
+    (void)unused;                                                                          \
     KV_F acc[NT][KV_NH];                                                                   \
     KV_V(zero_t)(NT, acc);                                                                 \
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
@@ -247,11 +267,14 @@ KV_T static void KV_V(group_6_t##NT)(const kf_act *a, ptrdiff_t nsb, const uint8
 KV_GROUP_K_T(1)
 KV_GROUP_6_T(1)
 #if KV_GNT >= 2
+KV_GROUP_T(2)
+KV_GROUP_T(4)
 KV_GROUP_K_T(2)
 KV_GROUP_K_T(4)
 KV_GROUP_6_T(2)
 KV_GROUP_6_T(4)
 #endif
+#undef KV_GROUP_T
 #undef KV_GROUP_K_T
 #undef KV_GROUP_6_T
 
@@ -265,7 +288,7 @@ KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const
     for (int hh = 0; hh < KV_NH; hh++)
         acc[hh] = KV(zero)();
     if (a->xq != NULL) {
-        KV_V(group_k_t1)(a, nsb, G, out, 0);
+        KV_V(group_k_t1)(0, a, nsb, G, out, 0);
         return;
     } else {
         KV_I top[4];
@@ -415,7 +438,7 @@ KV_T static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const
     for (int hh = 0; hh < KV_NH; hh++)
         acc[hh] = KV(zero)();
     if (a->xq != NULL) {
-        KV_V(group_6_t1)(a, nsb, G, out, 0);
+        KV_V(group_6_t1)(0, a, nsb, G, out, 0);
         return;
     } else {
         const KV_I o32 = KV(set8)(32);

@@ -41,6 +41,10 @@ static void kx_group_tokens_loop(kx_group_fn fn, int q41, const kf_act *a, int n
         fn(q41, a + t, nb, G, out + t * ldo);
 }
 
+/* gemv_x16_vec.h's int8 kernels of NT tokens: (q41, a, nb, G, out, ldo) */
+typedef void (*kx_group_t_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, float *,
+                              ptrdiff_t);
+
 /* The group kernel of x16 format fmt with the variant in use, for nt tokens. */
 static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const uint8_t *G,
                             float *out, ptrdiff_t ldo)
@@ -50,16 +54,25 @@ static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const
                            : (fmt == KF_Q6_KX16 ? kx_group_6_tab[kf_isa] : kx_group_tab[kf_isa]);
     const ptrdiff_t nb = kf_is_k(fmt) ? n / KF_QK_K : n / KF_QK;
 #if KF_X86_DISPATCH
-    /* int8 q4_k / q6_k: gemv_x16_vec.h's kernels of 4 and 2 tokens */
-    if ((fmt == KF_Q4_KX16 || fmt == KF_Q6_KX16) && kf_isa >= KF_ISA_AVX2 && a[0].xq != NULL) {
-        const int k6 = fmt == KF_Q6_KX16, v5 = kf_isa == KF_ISA_AVX512;
+    /* int8: gemv_x16_vec.h's kernels of 4 and 2 tokens */
+    if (kf_isa >= KF_ISA_AVX2 && a[0].xq != NULL) {
+        const int v5 = kf_isa == KF_ISA_AVX512;
+        kx_group_t_fn t4, t2;
+        if (fmt == KF_Q4_KX16) {
+            t4 = v5 ? kx_avx512_group_k_t4 : kx_avx2_group_k_t4;
+            t2 = v5 ? kx_avx512_group_k_t2 : kx_avx2_group_k_t2;
+        } else if (fmt == KF_Q6_KX16) {
+            t4 = v5 ? kx_avx512_group_6_t4 : kx_avx2_group_6_t4;
+            t2 = v5 ? kx_avx512_group_6_t2 : kx_avx2_group_6_t2;
+        } else {
+            t4 = v5 ? kx_avx512_group_t4 : kx_avx2_group_t4;
+            t2 = v5 ? kx_avx512_group_t2 : kx_avx2_group_t2;
+        }
         int t = 0;
         for (; t + 4 <= nt; t += 4)
-            (k6 ? (v5 ? kx_avx512_group_6_t4 : kx_avx2_group_6_t4)
-                : (v5 ? kx_avx512_group_k_t4 : kx_avx2_group_k_t4))(a + t, nb, G, out + t * ldo, ldo);
+            t4(q41, a + t, nb, G, out + t * ldo, ldo);
         for (; t + 2 <= nt; t += 2)
-            (k6 ? (v5 ? kx_avx512_group_6_t2 : kx_avx2_group_6_t2)
-                : (v5 ? kx_avx512_group_k_t2 : kx_avx2_group_k_t2))(a + t, nb, G, out + t * ldo, ldo);
+            t2(q41, a + t, nb, G, out + t * ldo, ldo);
         if (t < nt)
             fn(q41, a + t, nb, G, out + t * ldo);
         return;
