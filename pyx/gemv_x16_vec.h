@@ -430,7 +430,7 @@ KV_T static void KV_V(panel)(int fmt, const uint8_t *G, ptrdiff_t n, float *rest
 
 /* q6_k: int8 as group_6_t1; float: each lane's byte c, q - 32 as s8, to the lane's top
  * byte, (q - 32) 2^24. */
-KV_T static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
+KV_T KX_ALIGNED static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
                                float *out)
 {
     (void)unused;
