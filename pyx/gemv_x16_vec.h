@@ -50,9 +50,11 @@ KV_T KF_INLINE void KV_V(group_i8)(const int q41, const int nt, const kf_act *a,
         const uint8_t *q = KX_Q(G, q41, b);
         KV_V(prefetch_q4)(q);
         for (int hh = 0; hh < KV_NH; hh++) {
-            KV_I s0[4], s1[4];
-            for (int t = 0; t < nt; t++)
-                s0[t] = s1[t] = KV(dacc_zero)();
+            KV_I s0[4], s1[4];            /* q4_0: the sums minus 8 xs */
+            for (int t = 0; t < nt; t++) {
+                s0[t] = q41 ? KV(dacc_zero)() : KV(dacc_start)(8 * a[t].xs[b]);
+                s1[t] = KV(dacc_zero)();
+            }
             for (int k = 0; k < 4; k++) {
                 const KV_I v = KV(loadi)(q + 64 * k + 4 * KV_N * hh);
                 const KV_I lo = KV(and)(v, m4), hi = KV(and)(KV(srl16)(v, 4), m4);
@@ -65,7 +67,7 @@ KV_T KF_INLINE void KV_V(group_i8)(const int q41, const int nt, const kf_act *a,
             const KV_F dw = KV(f16b)(KX_D(G, q41, b) + 2 * KV_N * hh);
             for (int t = 0; t < nt; t++) {
                 const KV_I is = q41 ? KV(dacc_i32_2)(s0[t], s1[t])
-                                    : KV(dacc_i32_2c)(s0[t], s1[t], KV(seti)(8 * a[t].xs[b]));
+                                    : KV(dacc_i32_2c)(s0[t], s1[t], 8 * a[t].xs[b]);
                 acc[t][hh] = KV(fma)(KV(mul)(dw, KV(set1)(a[t].xd[b])), KV(tof)(is), acc[t][hh]);
                 if (q41)
                     acc[t][hh] = KV(fma)(KV(f16b)(KX_M(G, q41, b) + 2 * KV_N * hh),

@@ -36,7 +36,10 @@
  *   V_dacc_add(s, u, x)       s plus u x: AVX2 int16 pair sums added in int16 (s an int16
  *                             pair accumulator: its sums must stay within int16), VNNI int32
  *   V_dacc_i32(s)             the int32 lane sums of such an accumulator
- *   V_dacc_i32_2(s, t) V_dacc_i32_2c(s, t, c)  those of two (minus c, int32 lanes)
+ *   V_dacc_i32_2(s, t)        those of two
+ *   V_dacc_start(c), V_dacc_i32_2c(s, t, c)  the first chain's start and the two chains'
+ *                             sums, minus c (an int): VNNI starts s at -c, AVX2 subtracts
+ *                             c once widened
  *   V_dot2_i32(s, u0, x0, u1, x1)     s (int32) plus u0 x0 + u1 x1 (AVX2: the two pair
  *                             sums added in int16: u <= 63)
  * Block dots, both sets: one activation block of 32 int8 in a kvb_i (__m256i), the products
@@ -182,9 +185,10 @@ KV8_ATTR kv8_i kv8_dacc_add(kv8_i s, kv8_i u, kv8_i x)
 }
 KV8_ATTR kv8_i kv8_dacc_i32(kv8_i s) { return _mm256_madd_epi16(s, _mm256_set1_epi16(1)); }
 KV8_ATTR kv8_i kv8_dacc_i32_2(kv8_i s, kv8_i t) { return kv8_dacc_i32(_mm256_add_epi16(s, t)); }
-KV8_ATTR kv8_i kv8_dacc_i32_2c(kv8_i s, kv8_i t, kv8_i c)
+KV8_ATTR kv8_i kv8_dacc_start(int c) { (void)c; return _mm256_setzero_si256(); }
+KV8_ATTR kv8_i kv8_dacc_i32_2c(kv8_i s, kv8_i t, int c)
 {
-    return _mm256_sub_epi32(kv8_dacc_i32(_mm256_add_epi16(s, t)), c);
+    return _mm256_sub_epi32(kv8_dacc_i32(_mm256_add_epi16(s, t)), _mm256_set1_epi32(c));
 }
 KV8_ATTR kv8_i kv8_dot2_i32(kv8_i s, kv8_i u0, kv8_i x0, kv8_i u1, kv8_i x1)
 {
@@ -262,10 +266,8 @@ KV16_ATTR kv16_i kv16_top(int i)
 KV16_ATTR kv16_i kv16_dacc_add(kv16_i s, kv16_i u, kv16_i x) { return _mm512_dpbusd_epi32(s, u, x); }
 KV16_ATTR kv16_i kv16_dacc_i32(kv16_i s) { return s; }
 KV16_ATTR kv16_i kv16_dacc_i32_2(kv16_i s, kv16_i t) { return _mm512_add_epi32(s, t); }
-KV16_ATTR kv16_i kv16_dacc_i32_2c(kv16_i s, kv16_i t, kv16_i c)
-{
-    return _mm512_add_epi32(s, _mm512_sub_epi32(t, c));
-}
+KV16_ATTR kv16_i kv16_dacc_start(int c) { return _mm512_set1_epi32(-c); }
+KV16_ATTR kv16_i kv16_dacc_i32_2c(kv16_i s, kv16_i t, int c) { (void)c; return _mm512_add_epi32(s, t); }
 KV16_ATTR kv16_i kv16_dot2_i32(kv16_i s, kv16_i u0, kv16_i x0, kv16_i u1, kv16_i x1)
 {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s, u0, x0), u1, x1);
