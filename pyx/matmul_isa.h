@@ -254,15 +254,22 @@ KF_TARGET KF_INLINE float KF_V(dot_k_body)(const int fmt, const float *restrict 
     return kf_hsum(acc, KF_QK) - macc;
 }
 
+/* return BODY(f, ...) with f the K-quant format fmt as a constant: one inlined body per
+ * format (the bodies branch on f) */
+#ifndef KF_K_SWITCH
+#define KF_K_SWITCH(BODY, ...)                                                              \
+    switch (fmt) {                                                                          \
+    case KF_Q4_K: return BODY(KF_Q4_K, __VA_ARGS__);                                        \
+    case KF_Q5_K: return BODY(KF_Q5_K, __VA_ARGS__);                                        \
+    case KF_Q3_K: return BODY(KF_Q3_K, __VA_ARGS__);                                        \
+    default: return BODY(KF_Q6_K, __VA_ARGS__);                                             \
+    }
+#endif
+
 KF_TARGET static float KF_V(dot_k)(int fmt, const float *restrict x, const float *restrict sx,
                                    const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    switch (fmt) {
-    case KF_Q4_K: return KF_V(dot_k_body)(KF_Q4_K, x, sx, w, nsb);
-    case KF_Q5_K: return KF_V(dot_k_body)(KF_Q5_K, x, sx, w, nsb);
-    case KF_Q3_K: return KF_V(dot_k_body)(KF_Q3_K, x, sx, w, nsb);
-    default: return KF_V(dot_k_body)(KF_Q6_K, x, sx, w, nsb);
-    }
+    KF_K_SWITCH(KF_V(dot_k_body), x, sx, w, nsb);
 }
 
 /* iq4_nl (xs = 0, nb blocks of 32) or iq4_xs (xs = 1, nb super-blocks of 256): per
@@ -324,78 +331,46 @@ KF_TARGET KF_INLINE void KF_V(nibbles)(const uint8_t *restrict q, KF_IW *restric
     }
 }
 
-/* q8_0 weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk) */
-KF_TARGET static float KF_V(idot_q8_0)(const int8_t *restrict xq, const float *restrict xd,
-                                       const int32_t *restrict xs,
-                                       const uint8_t *restrict w, ptrdiff_t nb)
+/* q8_0 / q4_0 / q4_1 weights (fmt, a constant where inlined) . int8 x:
+ * sum_b d_b xd_b (sum_k q_bk xq_bk - c xs_b), c = KF_IQ8_C (q8_0) or 8 (q4_0), and for
+ * q4_1 (c = 0) plus sum_b m_b sx_b (sx = xd xs) in a sum of its own */
+KF_TARGET KF_INLINE float KF_V(idot_q)(const int fmt, const int8_t *restrict xq,
+                                       const float *restrict xd, const int32_t *restrict xs,
+                                       const float *restrict sx, const uint8_t *restrict w,
+                                       ptrdiff_t nb)
 {
-    float acc[KF_VG] = {0};
-    ptrdiff_t b = 0;
-    for (; b < nb; b += KF_VG) {
-        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
-        for (int g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (b + g) * 34;
-#if KF_VSIGNED
-            const int8_t *u = (const int8_t *)(blk + 2);
-#else
-            uint8_t u[KF_QK];
-            for (int k = 0; k < KF_QK; k++)
-                u[k] = (uint8_t)(blk[2 + k] ^ 0x80u);
-#endif
-            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - KF_IQ8_C * xs[b + g];
-            acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
-        }
-    }
-    for (int g = 1; g < KF_VG; g++)
-        acc[0] += acc[g];
-    return acc[0];
-}
-
-/* q4_0 weights . int8 x: sum_b d_b xd_b (sum_k q_bk xq_bk - 8 xs_b) */
-KF_TARGET static float KF_V(idot_q4_0)(const int8_t *restrict xq, const float *restrict xd,
-                                       const int32_t *restrict xs,
-                                       const uint8_t *restrict w, ptrdiff_t nb)
-{
-    float acc[KF_VG] = {0};
-    ptrdiff_t b = 0;
-    for (; b < nb; b += KF_VG) {
-        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
-        for (int g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (b + g) * 18;
-            KF_IW u[KF_QK];
-            KF_V(nibbles)(blk + 2, u);
-            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - 8 * xs[b + g];
-            acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
-        }
-    }
-    for (int g = 1; g < KF_VG; g++)
-        acc[0] += acc[g];
-    return acc[0];
-}
-
-/* q4_1 weights . int8 x: sum_b (d_b xd_b sum_k q_bk xq_bk + m_b sx_b), sx = xd xs */
-KF_TARGET static float KF_V(idot_q4_1)(const int8_t *restrict xq, const float *restrict xd,
-                                       const float *restrict sx,
-                                       const uint8_t *restrict w, ptrdiff_t nb)
-{
+    const int q41 = fmt == KF_Q4_1;
+    const ptrdiff_t bb = fmt == KF_Q8_0 ? 34 : (q41 ? 20 : 18);
+    const int c = fmt == KF_Q8_0 ? KF_IQ8_C : (q41 ? 0 : 8);
     float acc[KF_VG] = {0}, macc[KF_VG] = {0};
     ptrdiff_t b = 0;
     for (; b < nb; b += KF_VG) {
         int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
         for (int g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (b + g) * 20;
-            KF_IW u[KF_QK];
-            KF_V(nibbles)(blk + 4, u);
-            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK);
+            const uint8_t *blk = w + (b + g) * bb;
+            KF_IW ub[KF_QK];
+            const KF_IW *u = ub;
+            if (fmt == KF_Q8_0) {
+#if KF_VSIGNED
+                u = (const int8_t *)(blk + 2);
+#else
+                for (int k = 0; k < KF_QK; k++)
+                    ub[k] = (uint8_t)(blk[2 + k] ^ 0x80u);
+#endif
+            } else {
+                KF_V(nibbles)(blk + 2 + 2 * q41, ub);
+            }
+            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - c * xs[b + g];
             acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
-            macc[g] += KF_VF16(blk + 2) * sx[b + g];
+            if (q41)
+                macc[g] += KF_VF16(blk + 2) * sx[b + g];
         }
     }
     for (int g = 1; g < KF_VG; g++) {
         acc[0] += acc[g];
         macc[0] += macc[g];
     }
-    return acc[0] + macc[0];
+    return q41 ? acc[0] + macc[0] : acc[0];
 }
 
 /* sum_k v_k xq_k over 16 elements (half a block), weights as s8 */
@@ -447,41 +422,39 @@ KF_TARGET KF_INLINE float KF_V(idot_k_body)(const int fmt, const int8_t *restric
                                             const uint8_t *restrict w, ptrdiff_t nsb)
 {
     const ptrdiff_t bb = kf_block_bytes[fmt];
+    const int k16 = fmt == KF_Q6_K || fmt == KF_Q3_K;
     float acc[2] = {0.0f, 0.0f}, macc = 0.0f;
     for (ptrdiff_t B = 0; B < nsb; B++) {
         const uint8_t *blk = w + B * bb;
-        uint8_t u8[KF_QK];
-        KF_IW u[KF_QK];
-        if (fmt == KF_Q6_K || fmt == KF_Q3_K) {
-            const float d = KF_VF16(blk + KF_K16_D(fmt));
-            int8_t sc[16];
-            kf_k16_scales(fmt, blk, sc);
-            for (int t = 0; t < 8; t++) {
-                const ptrdiff_t b = 8 * B + t;
-                const int8_t *xb = xq + b * KF_QK;
+        const float d = KF_VF16(blk + (k16 ? KF_K16_D(fmt) : 0));
+        int8_t sc16[16];
+        uint8_t sc[8], mn[8], u8[KF_QK];
+        if (k16)
+            kf_k16_scales(fmt, blk, sc16);
+        else
+            kf_k4_scales(blk + 4, sc, mn);
+        float ms = 0.0f;
+        for (int t = 0; t < 8; t++) {
+            const ptrdiff_t b = 8 * B + t;
+            const int8_t *xb = xq + b * KF_QK;
+            KF_V(unpack_k)(fmt, blk, t, u8);
+            int is;
+            if (k16) {
                 int8_t v[KF_QK];              /* the values as s8, whatever KF_IW */
-                KF_V(unpack_k)(fmt, blk, t, u8);
                 for (int k = 0; k < KF_QK; k++)
                     v[k] = (int8_t)((int)u8[k] - KF_K16_OFF(fmt));
-                const int sa = KF_V(idot16)(v, xb), sb = KF_V(idot16)(v + 16, xb + 16);
-                acc[t & 1] += (d * xd[b]) * (float)(sc[2 * t] * sa + sc[2 * t + 1] * sb);
-            }
-        } else {
-            const float d = KF_VF16(blk), dmin = KF_VF16(blk + 2);
-            uint8_t sc[8], mn[8];
-            kf_k4_scales(blk + 4, sc, mn);
-            float ms = 0.0f;
-            for (int t = 0; t < 8; t++) {
-                const ptrdiff_t b = 8 * B + t;
-                KF_V(unpack_k)(fmt, blk, t, u8);
+                is = sc16[2 * t] * KF_V(idot16)(v, xb) + sc16[2 * t + 1] * KF_V(idot16)(v + 16, xb + 16);
+            } else {
+                KF_IW u[KF_QK];
                 for (int k = 0; k < KF_QK; k++)
                     u[k] = (KF_IW)u8[k];
-                const int s = KF_V(idot_block)(u, xq + b * KF_QK);
-                acc[t & 1] += (d * xd[b]) * (float)(sc[t] * s);
+                is = sc[t] * KF_V(idot_block)(u, xb);
                 ms += (float)mn[t] * sx[b];
             }
-            macc += dmin * ms;
+            acc[t & 1] += (d * xd[b]) * (float)is;
         }
+        if (!k16)
+            macc += KF_VF16(blk + 2) * ms;
     }
     return (acc[0] + acc[1]) - macc;
 }
@@ -490,12 +463,7 @@ KF_TARGET static float KF_V(idot_k)(int fmt, const int8_t *restrict xq,
                                     const float *restrict xd, const float *restrict sx,
                                     const uint8_t *restrict w, ptrdiff_t nsb)
 {
-    switch (fmt) {
-    case KF_Q4_K: return KF_V(idot_k_body)(KF_Q4_K, xq, xd, sx, w, nsb);
-    case KF_Q5_K: return KF_V(idot_k_body)(KF_Q5_K, xq, xd, sx, w, nsb);
-    case KF_Q3_K: return KF_V(idot_k_body)(KF_Q3_K, xq, xd, sx, w, nsb);
-    default: return KF_V(idot_k_body)(KF_Q6_K, xq, xd, sx, w, nsb);
-    }
+    KF_K_SWITCH(KF_V(idot_k_body), xq, xd, sx, w, nsb);
 }
 
 /* iq4_nl / iq4_xs weights . int8 x: per sub-block = activation block b,
@@ -575,15 +543,15 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
         switch (fmt) {
         case KF_Q8_0:
             for (i = r0; i < r1; i++)
-                out[i] = KF_V(idot_q8_0)(a->xq, a->xd, a->xs, w + i * ldw, nb);
+                out[i] = KF_V(idot_q)(KF_Q8_0, a->xq, a->xd, a->xs, a->sx, w + i * ldw, nb);
             return;
         case KF_Q4_0:
             for (i = r0; i < r1; i++)
-                out[i] = KF_V(idot_q4_0)(a->xq, a->xd, a->xs, w + i * ldw, nb);
+                out[i] = KF_V(idot_q)(KF_Q4_0, a->xq, a->xd, a->xs, a->sx, w + i * ldw, nb);
             return;
         default:
             for (i = r0; i < r1; i++)
-                out[i] = KF_V(idot_q4_1)(a->xq, a->xd, a->sx, w + i * ldw, nb);
+                out[i] = KF_V(idot_q)(KF_Q4_1, a->xq, a->xd, a->xs, a->sx, w + i * ldw, nb);
             return;
         }
     }

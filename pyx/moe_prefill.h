@@ -41,133 +41,9 @@ static void kx_group_tokens_loop(kx_group_fn fn, int q41, const kf_act *a, int n
         fn(q41, a + t, nb, G, out + t * ldo);
 }
 
-#if KF_X86_DISPATCH
-/* kx_avx512_group_k for NT_ int8 tokens at once: each quant vector's nibbles split once,
- * then one vpdpbusd chain per token; per token the same operations in the same order as
- * the one-token kernel (the same bits). */
-#define KX_AVX512_GROUP_K_T(NT_)                                                           \
-KF_TARGET_AVX512 static void kx_avx512_group_k_t##NT_(const kf_act *a, ptrdiff_t nsb,      \
-                                                     const uint8_t *G, float *out,         \
-                                                     ptrdiff_t ldo)                        \
-{                                                                                          \
-    const __m512i m4 = _mm512_set1_epi8(0x0f);                                             \
-    __m512 acc[NT_];                                                                       \
-    for (int k = 0; k < (NT_); k++)                                                        \
-        acc[k] = _mm512_setzero_ps();                                                      \
-    for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
-        const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);                              \
-        __m512 sc[8], mn[8];                                                               \
-        KX_K_SCALES(__m512i, _mm512_cvtepu8_epi32, KX_LP5T, _mm512_and_si512,              \
-                    _mm512_or_si512, _mm512_srli_epi32, _mm512_slli_epi32,                 \
-                    _mm512_set1_epi32, _mm512_cvtepi32_ps, sc, mn);                        \
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)M));          \
-        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(M + 32)));  \
-        for (int c = 0; c < 4; c++) {                                                      \
-            const ptrdiff_t b0 = sb * 8 + 2 * c;                                           \
-            __m512i s0[NT_], s1[NT_];                                                      \
-            for (int k = 0; k < (NT_); k++)                                                \
-                s0[k] = s1[k] = _mm512_setzero_si512();                                    \
-            for (int t = 0; t < 8; t++) {                                                  \
-                const __m512i v = _mm512_loadu_si512((const void *)(Q + 64 * (8 * c + t)));\
-                const __m512i lo = _mm512_and_si512(v, m4);                                \
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);          \
-                for (int k = 0; k < (NT_); k++) {                                          \
-                    const int8_t *x0 = a[k].xq + b0 * KF_QK;                               \
-                    s0[k] = _mm512_dpbusd_epi32(s0[k], lo,                                 \
-                                                _mm512_set1_epi32(kx_ld32(x0 + 4 * t)));   \
-                    s1[k] = _mm512_dpbusd_epi32(s1[k], hi,                                 \
-                                                _mm512_set1_epi32(kx_ld32(x0 + KF_QK + 4 * t))); \
-                }                                                                          \
-            }                                                                              \
-            for (int e = 0; e < 2; e++) {                                                  \
-                const ptrdiff_t b = b0 + e;                                                \
-                const __m512 dw = _mm512_mul_ps(d, sc[2 * c + e]);                         \
-                const __m512 mw = _mm512_sub_ps(_mm512_setzero_ps(),                       \
-                                                _mm512_mul_ps(dm, mn[2 * c + e]));         \
-                for (int k = 0; k < (NT_); k++) {                                          \
-                    acc[k] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a[k].xd[b])),\
-                                             _mm512_cvtepi32_ps(e ? s1[k] : s0[k]), acc[k]); \
-                    acc[k] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[k].sx[b]), acc[k]);      \
-                }                                                                          \
-            }                                                                              \
-        }                                                                                  \
-    }                                                                                      \
-    for (int k = 0; k < (NT_); k++)                                                        \
-        _mm512_storeu_ps(out + k * ldo, acc[k]);                                           \
-}
-#define KX_LP5T(i_) _mm_loadu_si128((const __m128i *)(M + 64 + 16 * (i_)))
-KX_AVX512_GROUP_K_T(4)
-KX_AVX512_GROUP_K_T(2)
-#undef KX_LP5T
-#undef KX_AVX512_GROUP_K_T
-
-/* kx_avx512_group_6 for NT_ int8 tokens at once: block by block (m), each quant vector
- * unpacked once for all the tokens; per token the one-token kernel's operations in its
- * order (integer sums are exact in any order; the float FMAs go block, half as there). */
-#define KX_AVX512_GROUP_6_T(NT_)                                                           \
-KF_TARGET_AVX512 static void kx_avx512_group_6_t##NT_(const kf_act *a, ptrdiff_t nsb,      \
-                                                     const uint8_t *G, float *out,         \
-                                                     ptrdiff_t ldo)                        \
-{                                                                                          \
-    __m512 acc[NT_];                                                                       \
-    for (int k = 0; k < (NT_); k++)                                                        \
-        acc[k] = _mm512_setzero_ps();                                                      \
-    for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
-        const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);             \
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)D));          \
-        for (int h = 0; h < 2; h++) {                                                      \
-            const ptrdiff_t b0 = sb * 8 + 4 * h;                                           \
-            for (int m = 0; m < 4; m++) {                                                  \
-                const ptrdiff_t b = b0 + m;                                                \
-                __m512i is0[NT_], is1[NT_];                                                \
-                for (int k = 0; k < (NT_); k++) {                                          \
-                    is0[k] = _mm512_set1_epi32(-32 * a[k].xh[b]);                          \
-                    is1[k] = _mm512_set1_epi32(-32 * (a[k].xs[b] - a[k].xh[b]));           \
-                }                                                                          \
-                for (int s = 0; s < 8; s++) {                                              \
-                    const uint8_t *v = Q + 64 * (24 * h + 3 * s);                          \
-                    __m512i u;                                                             \
-                    if (m < 3) {                                                           \
-                        u = _mm512_and_si512(_mm512_loadu_si512((const void *)(v + 64 * m)),\
-                                             _mm512_set1_epi8(63));                        \
-                    } else {                                                               \
-                        const __m512i p0 = _mm512_loadu_si512((const void *)v);            \
-                        const __m512i p1 = _mm512_loadu_si512((const void *)(v + 64));     \
-                        const __m512i p2 = _mm512_loadu_si512((const void *)(v + 128));    \
-                        u = _mm512_or_si512(                                               \
-                            _mm512_or_si512(                                               \
-                                _mm512_and_si512(_mm512_srli_epi16(p0, 6), _mm512_set1_epi8(3)),  \
-                                _mm512_and_si512(_mm512_srli_epi16(p1, 4), _mm512_set1_epi8(12))),\
-                            _mm512_and_si512(_mm512_srli_epi16(p2, 2), _mm512_set1_epi8(48)));   \
-                    }                                                                      \
-                    for (int k = 0; k < (NT_); k++) {                                      \
-                        const __m512i xv = _mm512_set1_epi32(                              \
-                            kx_ld32(a[k].xq + b * KF_QK + 4 * s));                         \
-                        if (s < 4)                                                         \
-                            is0[k] = _mm512_dpbusd_epi32(is0[k], u, xv);                   \
-                        else                                                               \
-                            is1[k] = _mm512_dpbusd_epi32(is1[k], u, xv);                   \
-                    }                                                                      \
-                }                                                                          \
-                for (int e = 0; e < 2; e++) {                                              \
-                    const int j = 2 * (4 * h + m) + e;                                     \
-                    const __m512 dw = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(\
-                        _mm_loadu_si128((const __m128i *)(S + 16 * j)))));                 \
-                    for (int k = 0; k < (NT_); k++)                                        \
-                        acc[k] = _mm512_fmadd_ps(                                          \
-                            _mm512_mul_ps(dw, _mm512_set1_ps(a[k].xd[b])),                 \
-                            _mm512_cvtepi32_ps(e ? is1[k] : is0[k]), acc[k]);              \
-                }                                                                          \
-            }                                                                              \
-        }                                                                                  \
-    }                                                                                      \
-    for (int k = 0; k < (NT_); k++)                                                        \
-        _mm512_storeu_ps(out + k * ldo, acc[k]);                                           \
-}
-KX_AVX512_GROUP_6_T(4)
-KX_AVX512_GROUP_6_T(2)
-#undef KX_AVX512_GROUP_6_T
-#endif /* KF_X86_DISPATCH */
+/* gemv_x16_vec.h's int8 kernels of NT tokens: (q41, a, nb, G, out, ldo) */
+typedef void (*kx_group_t_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, float *,
+                              ptrdiff_t);
 
 /* The group kernel of x16 format fmt with the variant in use, for nt tokens. */
 static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const uint8_t *G,
@@ -178,22 +54,25 @@ static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const
                            : (fmt == KF_Q6_KX16 ? kx_group_6_tab[kf_isa] : kx_group_tab[kf_isa]);
     const ptrdiff_t nb = kf_is_k(fmt) ? n / KF_QK_K : n / KF_QK;
 #if KF_X86_DISPATCH
-    if (fmt == KF_Q4_KX16 && kf_isa == KF_ISA_AVX512 && a[0].xq != NULL) {
+    /* int8: gemv_x16_vec.h's kernels of 4 and 2 tokens */
+    if (kf_isa >= KF_ISA_AVX2 && a[0].xq != NULL) {
+        const int v5 = kf_isa == KF_ISA_AVX512;
+        kx_group_t_fn t4, t2;
+        if (fmt == KF_Q4_KX16) {
+            t4 = v5 ? kx_avx512_group_k_t4 : kx_avx2_group_k_t4;
+            t2 = v5 ? kx_avx512_group_k_t2 : kx_avx2_group_k_t2;
+        } else if (fmt == KF_Q6_KX16) {
+            t4 = v5 ? kx_avx512_group_6_t4 : kx_avx2_group_6_t4;
+            t2 = v5 ? kx_avx512_group_6_t2 : kx_avx2_group_6_t2;
+        } else {
+            t4 = v5 ? kx_avx512_group_t4 : kx_avx2_group_t4;
+            t2 = v5 ? kx_avx512_group_t2 : kx_avx2_group_t2;
+        }
         int t = 0;
         for (; t + 4 <= nt; t += 4)
-            kx_avx512_group_k_t4(a + t, nb, G, out + t * ldo, ldo);
+            t4(q41, a + t, nb, G, out + t * ldo, ldo);
         for (; t + 2 <= nt; t += 2)
-            kx_avx512_group_k_t2(a + t, nb, G, out + t * ldo, ldo);
-        if (t < nt)
-            fn(q41, a + t, nb, G, out + t * ldo);
-        return;
-    }
-    if (fmt == KF_Q6_KX16 && kf_isa == KF_ISA_AVX512 && a[0].xq != NULL) {
-        int t = 0;
-        for (; t + 4 <= nt; t += 4)
-            kx_avx512_group_6_t4(a + t, nb, G, out + t * ldo, ldo);
-        for (; t + 2 <= nt; t += 2)
-            kx_avx512_group_6_t2(a + t, nb, G, out + t * ldo, ldo);
+            t2(q41, a + t, nb, G, out + t * ldo, ldo);
         if (t < nt)
             fn(q41, a + t, nb, G, out + t * ldo);
         return;
