@@ -116,7 +116,8 @@ static void kx_unpack_row(int q41, const uint8_t *base, ptrdiff_t ldw, ptrdiff_t
 /* ---------------------------------------------------------------- portable group dots */
 
 /* out[0..15] = the 16 rows of group G . activation a (nb blocks); the base variant's
- * (and aarch64's) arithmetic, as gemm_q8.h's portable tile for int8 activations. */
+ * (and aarch64 neon's) arithmetic, as gemm_q8.h's portable tile for int8 activations (the
+ * dotprod kernels take its float steps on exact integer sums: its bits). */
 static void kx_base_group(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t *G,
                           float *out)
 {
@@ -347,7 +348,7 @@ static void kx_base_group_k(int unused, const kf_act *a, ptrdiff_t nsb, const ui
     memcpy(out, acc, sizeof acc);
 }
 
-#if KF_X86_DISPATCH
+#if KF_X86_DISPATCH || KF_ARM_DISPATCH
 /* 16 rows' scales (sc) and mins (mn) of sub-blocks 0..7 as floats, from the planes. */
 #define KX_K_SCALES(VEC, CVT8, LOADP, AND, OR, SRL, SLL, SET1, TOF, sc, mn)               \
     do {                                                                                   \
@@ -362,7 +363,7 @@ static void kx_base_group_k(int unused, const kf_act *a, ptrdiff_t nsb, const ui
         }                                                                                  \
     } while (0)
 
-#endif /* KF_X86_DISPATCH */
+#endif /* KF_X86_DISPATCH || KF_ARM_DISPATCH */
 
 /* ---------------------------------------------------------------- q6_k x16
  * Rows of nsb super-blocks of 256 (210 bytes: ql[128], qh[64], int8 sc[16], f16 d;
@@ -528,7 +529,7 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
     memcpy(out, acc, sizeof acc);
 }
 
-#if KF_X86_DISPATCH
+#if KF_X86_DISPATCH || KF_ARM_DISPATCH
 /* The 4 quant vectors (u8, 0..63) of step (h, s) from its 3 loads: u0..u2 the low 6 bits,
  * u3 from the top 2 bits of each (16-bit shifts: the masks clear what crosses bytes). */
 #define KX6_UNPACK(VEC, AND, OR, SRL16, SET1, p0, p1, p2, u)                              \
@@ -543,6 +544,9 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 /* a kernel whose hot loop runs slower when the function starts off a 64-byte boundary
  * (the same instructions, fetched across op-cache lines on Zen 4): placed on one */
 #define KX_ALIGNED __attribute__((aligned(64)))
+#endif /* KF_X86_DISPATCH || KF_ARM_DISPATCH */
+
+#if KF_X86_DISPATCH
 /* the group dots of the avx2 and avx512 variants (q4_0 / q4_1, q4_k, q6_k) */
 #define KV(op) kv8_##op
 #define KV_F kv8_f
@@ -551,6 +555,8 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 #define KV_V(name) kx_avx2_##name
 #define KV_T KF_TARGET_AVX2
 #define KV_GNT 4
+#define KV_PANEL 1
+#define KV_Q6_SUM 0
 #include "gemv_x16_vec.h"
 #define KV(op) kv16_##op
 #define KV_F kv16_f
@@ -559,8 +565,31 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 #define KV_V(name) kx_avx512_##name
 #define KV_T KF_TARGET_AVX512
 #define KV_GNT 4
+#define KV_PANEL 1
+#define KV_Q6_SUM 0
 #include "gemv_x16_vec.h"
-#endif /* KF_X86_DISPATCH */
+#elif KF_ARM_DISPATCH
+/* aarch64: the same bodies on NEON + DotProd (vec.h kv4_: 4 rows a vector, the int8 dots
+ * sdot), the dotprod variant's, which the i8mm slot runs too (one token has no pair of
+ * tokens for smmla). int8 activations: the integer sums are exact and the float steps
+ * those of the portable tile (KV_Q6_SUM), so each token gets the neon variant's bits (and
+ * those of gemm_q8.h's sdot / smmla tiles); float activations: the bodies' own order of
+ * sums, within rounding of neon's. No float panels: aarch64's float GEMM unpacks rows. */
+#include "vec.h"
+#ifndef KF_PREFETCH
+#define KF_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#endif
+#define KV(op) kv4_##op
+#define KV_F kv4_f
+#define KV_I kv4_i
+#define KV_N kv4_N
+#define KV_V(name) kx_dotprod_##name
+#define KV_T KF_TARGET_DOTPROD
+#define KV_GNT 4
+#define KV_PANEL 0
+#define KV_Q6_SUM 1
+#include "gemv_x16_vec.h"
+#endif /* KF_X86_DISPATCH / KF_ARM_DISPATCH */
 
 typedef void (*kx_group_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, float *);
 #if KF_X86_DISPATCH
@@ -570,6 +599,13 @@ static const kx_group_fn kx_group_k_tab[KF_N_ISA] = {kx_base_group_k, kx_avx2_gr
                                                      kx_avx512_group_k};
 static const kx_group_fn kx_group_6_tab[KF_N_ISA] = {kx_base_group_6, kx_avx2_group_6,
                                                      kx_avx512_group_6};
+#elif KF_ARM_DISPATCH
+static const kx_group_fn kx_group_tab[KF_N_ISA] = {kx_base_group, kx_dotprod_group,
+                                                   kx_dotprod_group};
+static const kx_group_fn kx_group_k_tab[KF_N_ISA] = {kx_base_group_k, kx_dotprod_group_k,
+                                                     kx_dotprod_group_k};
+static const kx_group_fn kx_group_6_tab[KF_N_ISA] = {kx_base_group_6, kx_dotprod_group_6,
+                                                     kx_dotprod_group_6};
 #else
 static const kx_group_fn kx_group_tab[KF_N_ISA] = {kx_base_group, kx_base_group,
                                                    kx_base_group};

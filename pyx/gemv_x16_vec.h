@@ -2,10 +2,15 @@
  * written once against vec.h and included once per variant by gemv_x16.h (no include
  * guard), which defines first:
  *   KV(op), KV_F, KV_I, KV_N   the variant's vec.h operations, float and 32-bit vectors,
- *                              lanes (8: AVX2, 16: AVX-512)
+ *                              lanes (8: AVX2, 16: AVX-512, 4: aarch64 NEON + DotProd)
  *   KV_V(name), KV_T           the variant's name for `name` (kx_avx2_name, ...), target
  *   KV_GNT                     tokens a multi-token kernel takes at most (1, or 4: t2, t4)
- * and undefined at its end.
+ *   KV_PANEL                   1: also the float panels (kx_*_panel; x86's GEMM takes them)
+ *   KV_Q6_SUM                  q6_k's int8 float step: 0 two FMAs into acc (x86's GEMM
+ *                              tiles), 1 acc += fma(d_w0 xd, I0, (d_w1 xd) I1) (the
+ *                              portable tile's, gemm_q8.h KQ_TILE_FLOATS: aarch64, whose
+ *                              int8 GEMM takes the portable float steps under every variant)
+ * (KF_PREFETCH(p): a prefetch of p into L1) and undefined at its end.
  * A vector's lanes are rows: a group is KV_NH vectors of KV_N rows (hh), whose bytes are
  * 4 KV_N hh on in each 64-byte quant vector, its f16 scales 2 KV_N hh bytes on and its
  * planar scale bytes KV_N hh on. Every lane takes the same operations in the same order
@@ -20,7 +25,7 @@
 KV_T KF_INLINE void KV_V(prefetch_q4)(const uint8_t *q)
 {
     for (int k = 0; k < 256; k += 64)
-        _mm_prefetch((const char *)(q + KX_PF + k), _MM_HINT_T0);
+        KF_PREFETCH(q + KX_PF + k);
 }
 
 /* the accumulators of nt tokens' group dots: zero; stored to out[k * ldo + r] */
@@ -163,7 +168,7 @@ KV_T static void KV_V(group_k_t##NT)(int unused, const kf_act *a, ptrdiff_t nsb,
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
         const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);                              \
         for (int j = 0; j < KX_KQ + KX_KM; j += 64)   /* KX_KPF bytes ahead */             \
-            _mm_prefetch((const char *)(M + KX_KPF + j), _MM_HINT_T0);                     \
+            KF_PREFETCH(M + KX_KPF + j);                                                   \
         KV_F sc[KV_NH][8], mn[KV_NH][8], d[KV_NH], dm[KV_NH];                              \
         for (int hh = 0; hh < KV_NH; hh++) {                                               \
             KX_K_SCALES(KV_I, , KV_LPK, KV(and), KV(or), KV(srl32), KV(sll32), KV(seti),   \
@@ -205,6 +210,34 @@ KV_T static void KV_V(group_k_t##NT)(int unused, const kf_act *a, ptrdiff_t nsb,
     KV_V(store_t)(NT, acc, out, ldo);                                                      \
 }
 
+/* q6_k, int8: block b's (m's) two half sums is[k][hh][e] scaled into acc (KV_Q6_SUM) */
+#if KV_Q6_SUM
+#define KV_Q6_ACC(NT)                                                                      \
+                for (int hh = 0; hh < KV_NH; hh++) {                                       \
+                    const int j = 2 * (4 * h + m);                                         \
+                    const KV_F dw0 = KV(mul)(d[hh], KV(tof)(KV(s8i)(S + 16 * j + KV_N * hh))); \
+                    const KV_F dw1 = KV(mul)(d[hh],                                        \
+                                             KV(tof)(KV(s8i)(S + 16 * (j + 1) + KV_N * hh))); \
+                    for (int k = 0; k < (NT); k++) {                                       \
+                        const KV_F xd = KV(set1)(a[k].xd[b]);                              \
+                        acc[k][hh] = KV(add)(acc[k][hh],                                   \
+                                             KV(fma)(KV(mul)(dw0, xd), KV(tof)(is[k][hh][0]), \
+                                                     KV(mul)(KV(mul)(dw1, xd),             \
+                                                             KV(tof)(is[k][hh][1]))));     \
+                    }                                                                      \
+                }
+#else
+#define KV_Q6_ACC(NT)                                                                      \
+                for (int e = 0; e < 2; e++)                                                \
+                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
+                        const int j = 2 * (4 * h + m) + e;                                 \
+                        const KV_F dw = KV(mul)(d[hh], KV(tof)(KV(s8i)(S + 16 * j + KV_N * hh))); \
+                        for (int k = 0; k < (NT); k++)                                     \
+                            acc[k][hh] = KV(fma)(KV(mul)(dw, KV(set1)(a[k].xd[b])),        \
+                                                 KV(tof)(is[k][hh][e]), acc[k][hh]);       \
+                    }
+#endif
+
 /* q6_k, int8 x, NT tokens a[k] (out[k * ldo + r]): per block (m) two int32 chains a
  * token and vector of rows (its halves of 16, e) from -32 xh, two steps of u <= 63 x s8 a
  * vec.h dot2 (AVX2: their pairs added in int16, <= 2 x 16002), each quant vector loaded
@@ -220,7 +253,7 @@ KV_T static void KV_V(group_6_t##NT)(int unused, const kf_act *a, ptrdiff_t nsb,
     for (ptrdiff_t sb = 0; sb < nsb; sb++) {                                               \
         const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);             \
         for (int j = 0; j < 3360; j += 64)          /* KX_KPF bytes ahead, in stream order */ \
-            _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + j), _MM_HINT_T0);         \
+            KF_PREFETCH(G + sb * 3360 + KX_KPF + j);                                       \
         KV_F d[KV_NH];                                                                     \
         for (int hh = 0; hh < KV_NH; hh++)                                                 \
             d[hh] = KV(f16b)(D + 2 * KV_N * hh);                                           \
@@ -253,14 +286,7 @@ KV_T static void KV_V(group_6_t##NT)(int unused, const kf_act *a, ptrdiff_t nsb,
                                                             KV(seti)(kx_ld32(x + 4)));     \
                         }                                                                  \
                     }                                                                      \
-                for (int e = 0; e < 2; e++)                                                \
-                    for (int hh = 0; hh < KV_NH; hh++) {                                   \
-                        const int j = 2 * (4 * h + m) + e;                                 \
-                        const KV_F dw = KV(mul)(d[hh], KV(tof)(KV(s8i)(S + 16 * j + KV_N * hh))); \
-                        for (int k = 0; k < (NT); k++)                                     \
-                            acc[k][hh] = KV(fma)(KV(mul)(dw, KV(set1)(a[k].xd[b])),        \
-                                                 KV(tof)(is[k][hh][e]), acc[k][hh]);       \
-                    }                                                                      \
+                KV_Q6_ACC(NT)                                                              \
             }                                                                              \
     }                                                                                      \
     KV_V(store_t)(NT, acc, out, ldo);                                                      \
@@ -279,6 +305,7 @@ KV_GROUP_6_T(4)
 #undef KV_GROUP_T
 #undef KV_GROUP_K_T
 #undef KV_GROUP_6_T
+#undef KV_Q6_ACC
 
 /* q4_k: int8 as group_k_t1; float per vector of rows, two chains a block */
 KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
@@ -299,7 +326,7 @@ KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const
         for (ptrdiff_t sb = 0; sb < nsb; sb++) {
             const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);
             for (int k = 0; k < KX_KQ + KX_KM; k += 64)   /* KX_KPF bytes ahead */
-                _mm_prefetch((const char *)(M + KX_KPF + k), _MM_HINT_T0);
+                KF_PREFETCH(M + KX_KPF + k);
             for (int hh = 0; hh < KV_NH; hh++) {
                 KV_F sc[8], mn[8];
                 KX_K_SCALES(KV_I, , KV_LPK, KV(and), KV(or), KV(srl32), KV(sll32), KV(seti),
@@ -336,6 +363,7 @@ KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const
     for (int hh = 0; hh < KV_NH; hh++)
         KV(store)(out + KV_N * hh, acc[hh]);
 }
+#if KV_PANEL
 /* x16 -> float panels (matmul.h's gemm_panels): the float GEMM (T > 1, float
  * activations) of an x16 weight dequantises each group of 16 rows straight into the GEMM's
  * panel p[j * 16 + r] (the lanes are already the rows) instead of going back to row-major
@@ -428,6 +456,8 @@ KV_T static void KV_V(panel)(int fmt, const uint8_t *G, ptrdiff_t n, float *rest
     }
 }
 
+#endif /* KV_PANEL */
+
 #undef KV_LPK
 
 /* q6_k: int8 as group_6_t1; float: each lane's byte c, q - 32 as s8, to the lane's top
@@ -450,7 +480,7 @@ KV_T KX_ALIGNED static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t
         for (ptrdiff_t sb = 0; sb < nsb; sb++) {
             const uint8_t *Q = KX_6Q(G, sb), *S = KX_6S(G, sb), *D = KX_6D(G, sb);
             for (int k = 0; k < 3360; k += 64)      /* KX_KPF bytes ahead, in stream order */
-                _mm_prefetch((const char *)(G + sb * 3360 + KX_KPF + k), _MM_HINT_T0);
+                KF_PREFETCH(G + sb * 3360 + KX_KPF + k);
             for (int hh = 0; hh < KV_NH; hh++) {
                 /* the sums are of (q - 32) 2^24, d 2^-24 (exact) scales them */
                 const KV_F d = KV(mul)(KV(f16b)(D + 2 * KV_N * hh), KV(set1)(0x1p-24f));
@@ -494,3 +524,5 @@ KV_T KX_ALIGNED static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t
 #undef KV_V
 #undef KV_T
 #undef KV_GNT
+#undef KV_PANEL
+#undef KV_Q6_SUM

@@ -77,6 +77,23 @@ static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const
             fn(q41, a + t, nb, G, out + t * ldo);
         return;
     }
+#elif KF_ARM_DISPATCH
+    /* int8: the dotprod variant's kernels of 4 and 2 tokens (the i8mm slot's too), each
+     * token the one-token kernel's bits (the neon variant's) */
+    if (kf_isa >= KF_ISA_DOTPROD && a[0].xq != NULL) {
+        const kx_group_t_fn t4 = fmt == KF_Q4_KX16 ? kx_dotprod_group_k_t4
+                                 : (fmt == KF_Q6_KX16 ? kx_dotprod_group_6_t4 : kx_dotprod_group_t4);
+        const kx_group_t_fn t2 = fmt == KF_Q4_KX16 ? kx_dotprod_group_k_t2
+                                 : (fmt == KF_Q6_KX16 ? kx_dotprod_group_6_t2 : kx_dotprod_group_t2);
+        int t = 0;
+        for (; t + 4 <= nt; t += 4)
+            t4(q41, a + t, nb, G, out + t * ldo, ldo);
+        for (; t + 2 <= nt; t += 2)
+            t2(q41, a + t, nb, G, out + t * ldo, ldo);
+        if (t < nt)
+            fn(q41, a + t, nb, G, out + t * ldo);
+        return;
+    }
 #endif
     kx_group_tokens_loop(fn, q41, a, nt, nb, G, out, ldo);
 }

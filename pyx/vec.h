@@ -1,4 +1,4 @@
-/* The vector layer of the x86 kernels (as ggml's GGML_F32_VEC / _FMA / _REDUCE): one set
+/* The vector layer of the kernels (as ggml's GGML_F32_VEC / _FMA / _REDUCE): one set
  * of types and operations per target, each a thin mapping onto that target's intrinsics,
  * so that a kernel is written once against them and included once per variant
  * (matmul_vec.h: the GEMV dots and float GEMM tiles; gemv_x16_vec.h: the x16 group dots
@@ -8,7 +8,11 @@
  * (isa.h), and every operation is always inlined into its caller. A kernel body names
  * them through its variant's prefix:
  *   kv8_   AVX2 + FMA + F16C (the avx2 variant): 8 float lanes, __m256;
- *   kv16_  AVX-512 F/BW/VL + VNNI (the avx512 variant): 16 float lanes, __m512.
+ *   kv16_  AVX-512 F/BW/VL + VNNI (the avx512 variant): 16 float lanes, __m512;
+ *   kv4_   aarch64 NEON + DotProd (the dotprod variant, which the i8mm slot also runs):
+ *          4 float lanes, float32x4_t; the x16 group dots' operations only (the 32-bit
+ *          lane set below, fma / fms, f16b, store), its u8 x s8 dots are sdot (the u
+ *          operands, nibbles and 6-bit quants, are < 128, so s8 reads them unchanged).
  * The operations are exact except where they say they round (add, sub, mul, fma, fms,
  * hsum), so a body that spells its float operations in one order gives one result per
  * lane width, and where each lane is a row (the x16 kernels) the same for both.
@@ -58,10 +62,12 @@
 #ifndef KESTREL_VEC_H
 #define KESTREL_VEC_H
 
+#include "isa.h"
+
+#if KF_X86_DISPATCH
 #include <immintrin.h>
 #include <string.h>
 
-#include "isa.h"
 #include "simd.h"
 
 typedef __m256 kvb_f;                  /* 8 float lanes: one block's int32 lanes converted */
@@ -299,5 +305,103 @@ KV16_ATTR kvb_i kv16_bdot_off_sc2(kvb_i u, char o, kvb_i x, short s0, short s1)
     return _mm256_mullo_epi32(kv16_bdot_off(u, o, x),
                               _mm256_set_m128i(_mm_set1_epi32(s1), _mm_set1_epi32(s0)));
 }
+
+#endif /* KF_X86_DISPATCH */
+
+#if KF_ARM_DISPATCH
+/* ---------------------------------------------------------------- NEON + DotProd (kv4_) */
+#include <arm_neon.h>
+#include <string.h>
+
+#include "simd.h"
+
+/* One type for the 32-bit lane set (bytes, halves, words reinterpreted as each operation
+ * needs them). Shift counts are vector operands (ushl / sshl with a negated count), so
+ * an operation takes a count that is a constant only once inlined. */
+#define KV4_ATTR KF_TARGET_DOTPROD KF_INLINE
+typedef float32x4_t kv4_f;
+typedef int32x4_t kv4_i;
+#define kv4_N 4
+
+KV4_ATTR kv4_f kv4_zero(void) { return vdupq_n_f32(0.0f); }
+KV4_ATTR kv4_f kv4_load(const float *p) { return vld1q_f32(p); }
+KV4_ATTR void kv4_store(float *p, kv4_f a) { vst1q_f32(p, a); }
+KV4_ATTR kv4_f kv4_set1(float s) { return vdupq_n_f32(s); }
+KV4_ATTR kv4_f kv4_add(kv4_f a, kv4_f b) { return vaddq_f32(a, b); }
+KV4_ATTR kv4_f kv4_sub(kv4_f a, kv4_f b) { return vsubq_f32(a, b); }
+KV4_ATTR kv4_f kv4_mul(kv4_f a, kv4_f b) { return vmulq_f32(a, b); }
+KV4_ATTR kv4_f kv4_fma(kv4_f a, kv4_f b, kv4_f c) { return vfmaq_f32(c, a, b); }
+/* a b - c in one rounding: -c is exact */
+KV4_ATTR kv4_f kv4_fms(kv4_f a, kv4_f b, kv4_f c) { return vfmaq_f32(vnegq_f32(c), a, b); }
+KV4_ATTR float kv4_hsum(kv4_f a)
+{
+    float s[kv4_N];
+    vst1q_f32(s, a);
+    return kf_hsum(s, kv4_N);
+}
+KV4_ATTR kv4_f kv4_f16b(const uint8_t *p)
+{
+    return vcvt_f32_f16(vreinterpret_f16_u8(vld1_u8(p)));
+}
+
+KV4_ATTR kv4_i kv4_loadi(const void *p) { return vreinterpretq_s32_u8(vld1q_u8((const uint8_t *)p)); }
+KV4_ATTR kv4_i kv4_seti(int s) { return vdupq_n_s32(s); }
+KV4_ATTR kv4_i kv4_set8(char c) { return vreinterpretq_s32_s8(vdupq_n_s8((int8_t)c)); }
+KV4_ATTR kv4_i kv4_and(kv4_i a, kv4_i b) { return vandq_s32(a, b); }
+KV4_ATTR kv4_i kv4_or(kv4_i a, kv4_i b) { return vorrq_s32(a, b); }
+KV4_ATTR kv4_i kv4_sub32(kv4_i a, kv4_i b) { return vsubq_s32(a, b); }
+KV4_ATTR kv4_i kv4_sub8(kv4_i a, kv4_i b)
+{
+    return vreinterpretq_s32_s8(vsubq_s8(vreinterpretq_s8_s32(a), vreinterpretq_s8_s32(b)));
+}
+KV4_ATTR kv4_i kv4_srl16(kv4_i a, int n)
+{
+    return vreinterpretq_s32_u16(vshlq_u16(vreinterpretq_u16_s32(a), vdupq_n_s16((int16_t)-n)));
+}
+KV4_ATTR kv4_i kv4_srl32(kv4_i a, int n)
+{
+    return vreinterpretq_s32_u32(vshlq_u32(vreinterpretq_u32_s32(a), vdupq_n_s32(-n)));
+}
+KV4_ATTR kv4_i kv4_sll32(kv4_i a, int n) { return vshlq_s32(a, vdupq_n_s32(n)); }
+KV4_ATTR kv4_f kv4_tof(kv4_i a) { return vcvtq_f32_s32(a); }
+KV4_ATTR kv4_i kv4_u8i(const uint8_t *p)
+{
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(w))))));
+}
+KV4_ATTR kv4_i kv4_s8i(const uint8_t *p)
+{
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u32(vdup_n_u32(w)))));
+}
+/* pshufb's semantics for the controls kv4_top makes: tbl gives 0 for an index >= 16 (its
+ * 0x80 bytes), else byte (index) of a */
+KV4_ATTR kv4_i kv4_shuf8(kv4_i a, kv4_i c)
+{
+    return vreinterpretq_s32_u8(vqtbl1q_u8(vreinterpretq_u8_s32(a), vreinterpretq_u8_s32(c)));
+}
+KV4_ATTR kv4_i kv4_top(int i)
+{
+    const int32_t c[4] = {(i << 24) | 0x808080, ((4 + i) << 24) | 0x808080,
+                          ((8 + i) << 24) | 0x808080, ((12 + i) << 24) | 0x808080};
+    return vld1q_s32(c);
+}
+/* u x s8 dots of 4 bytes a lane: sdot into int32 (u < 128), no int16 step, as VNNI */
+KV4_ATTR kv4_i kv4_dacc_zero(void) { return vdupq_n_s32(0); }
+KV4_ATTR kv4_i kv4_dacc_add(kv4_i s, kv4_i u, kv4_i x)
+{
+    return vdotq_s32(s, vreinterpretq_s8_s32(u), vreinterpretq_s8_s32(x));
+}
+KV4_ATTR kv4_i kv4_dacc_i32(kv4_i s) { return s; }
+KV4_ATTR kv4_i kv4_dacc_i32_2(kv4_i s, kv4_i t) { return vaddq_s32(s, t); }
+KV4_ATTR kv4_i kv4_dacc_start(int c) { return vdupq_n_s32(-c); }
+KV4_ATTR kv4_i kv4_dacc_i32_2c(kv4_i s, kv4_i t, int c) { (void)c; return vaddq_s32(s, t); }
+KV4_ATTR kv4_i kv4_dot2_i32(kv4_i s, kv4_i u0, kv4_i x0, kv4_i u1, kv4_i x1)
+{
+    return kv4_dacc_add(kv4_dacc_add(s, u0, x0), u1, x1);
+}
+#endif /* KF_ARM_DISPATCH */
 
 #endif /* KESTREL_VEC_H */

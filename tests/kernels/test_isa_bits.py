@@ -2,7 +2,11 @@
 activations with different instructions (NEON multiplies, sdot, smmla: gemm_q8.h's tiles,
 the dotprod build of matmul_isa.h) and then take the same float steps, so every variant
 gives the neon variant's bits: the GEMV (T = 1) and the int8 GEMM (full tiles of 4 tokens
-and 1-token tails), from row-major and from x16 weights. x86's avx2 / avx512 tiles have
+and 1-token tails), from row-major and from x16 weights; the x16 GEMV's group dots
+(gemv_x16_vec.h on vec.h's kv4_ ops: sdot under dotprod and i8mm) and the MoE prefill's
+multi-token group dots likewise. Float activations in the x16 group dots sum in the vector
+bodies' order under dotprod / i8mm: those two agree bit for bit, and with neon to rounding.
+x86's avx2 / avx512 tiles have
 float steps of their own (FMA where base has none): they agree to rounding, which
 test_matmul and test_kquants check on every platform."""
 import platform
@@ -12,6 +16,7 @@ import pytest
 from conftest import VARIANTS
 from test_kquants import INT8_GEMM, make_kweight
 from test_matmul import make_weight
+from test_moe_prefill import experts, routing
 
 from kestrel_cli import kernels
 
@@ -65,3 +70,76 @@ def test_int8_every_variant_is_neon_bits_x16(fmt):
         outs = outputs(x, wx, d)
         for v, o in outs.items():
             np.testing.assert_array_equal(o, outs[VARIANTS[0]], err_msg=f"{fmt} T={T} {v}")
+
+
+def x16_weight(fmt, d, n, rng):
+    """An x16 weight; q6_k_odd: rows of an odd number of super-blocks (the group's last
+    one alone, gemv_x16.h KX_6TAIL)."""
+    w = weight("q6_k" if fmt == "q6_k_odd" else fmt, d, n, rng)
+    assert kernels.can_repack_x16(w)
+    return kernels.repack_x16(w)
+
+
+def each_variant(f):
+    """f() under every variant."""
+    outs = {}
+    try:
+        for v in VARIANTS:
+            assert kernels.set_isa(v) == v
+            outs[v] = f()
+    finally:
+        kernels.set_isa(VARIANTS[-1])
+    return outs
+
+
+@pytest.mark.parametrize("fmt,n", [("q4_0", 320), ("q4_1", 320), ("q4_k", 512),
+                                   ("q6_k", 512), ("q6_k_odd", 768)])
+@pytest.mark.parametrize("act_q8", [True, False])
+def test_x16_gemv_every_variant(fmt, n, act_q8):
+    """The x16 GEMV of one token (decode's kernel: kx_*_group*), 80 rows (5 full groups)
+    after a q8_0 weight of 24 rows in one GemvGroup, so that at 2 and 3 threads a thread's
+    rows start and end inside groups (a group computed whole, part of it stored): int8,
+    neon's bits under every variant; float, dotprod's and i8mm's bits equal (the same
+    kernels), neon's to rounding."""
+    rng = np.random.default_rng([len(fmt), n, 37])
+    wx = x16_weight(fmt, 80, n, rng)
+    a = make_weight("q8_0", 24, n, rng)
+    group = kernels.GemvGroup([a, wx])
+    for seed in range(3):
+        x = rng.standard_normal((1, n)).astype(np.float32) * (10.0 ** (seed - 1))
+
+        def run():
+            res = []
+            for threads in (1, 2, 3):
+                out = np.full((1, 104), np.nan, np.float32)
+                group(x, out, threads, act_q8)
+                res.append(out)
+            return res
+        outs = each_variant(run)
+        for v, res in outs.items():
+            for threads, o in zip((1, 2, 3), res):
+                np.testing.assert_array_equal(o, res[0], err_msg=f"{fmt} {v} threads={threads}")
+            if act_q8 or v == VARIANTS[0]:
+                np.testing.assert_array_equal(res[0], outs[VARIANTS[0]][0], err_msg=f"{fmt} {v}")
+            else:
+                np.testing.assert_array_equal(res[0], outs[VARIANTS[1]][0], err_msg=f"{fmt} {v}")
+                ref = outs[VARIANTS[0]][0]
+                np.testing.assert_allclose(res[0], ref, rtol=1e-4,
+                                           atol=1e-5 * float(np.abs(ref).max()),
+                                           err_msg=f"{fmt} {v}")
+
+
+@pytest.mark.parametrize("fmts", [["q4_0x16", "q4_1x16"], ["q4_kx16", "q6_kx16"],
+                                  ["q4_0", "q4_k"]])
+def test_moe_prefill_int8_every_variant_is_neon_bits(fmts):
+    """The MoE prefill's x16 group dots of 4, 2 and 1 tokens (row-major q4_0 / q4_k copied
+    to the layout group by group): int8 activations, neon's bits under every variant."""
+    rng = np.random.default_rng([len(fmts[0]), 38])
+    H, I, E, T, k = 256, 256, 4, 11, 3       # ~8 tokens an expert: t4, t2, t1
+    table = kernels.ExpertTable(experts(E, H, I, fmts, rng))
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ex, starts, rows = routing(T, E, k, rng)
+    outs = each_variant(lambda: table.prefill(x, ex, starts, rows, 2, True))
+    for v, o in outs.items():
+        np.testing.assert_array_equal(o, outs[VARIANTS[0]], err_msg=f"{fmts} {v}")
+
