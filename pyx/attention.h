@@ -11,7 +11,8 @@
  *
  * Same rules as simd.h: portable C99, no intrinsics (the exceptions, all in attn_kv.h
  * beside the portable code they stand in for, under the avx2 entries only: F16C
- * half->float, int8 row loads, the sketch's integer dots), no -ffast-math, every float sum in
+ * half->float, int8 row loads, the sketch's and the rest's integer dots; aarch64's dotprod
+ * entries: those integer dots by sdot), no -ffast-math, every float sum in
  * a fixed order written in the source, so no result depends on the thread count.
  */
 #ifndef KESTREL_ATTENTION_H
@@ -46,7 +47,9 @@
  * never between runs or thread counts on one of them. A float16 cache's rows are
  * converted exactly on every variant (F16C under avx2), so the conversion adds no
  * difference of its own. On aarch64 the `dotprod` slot compiles the decode units under
- * +dotprod (the sketch's int8 dots), and the i8mm slot runs those. */
+ * +dotprod, where the sketch's and the rest's integer dots are sdot (attn_kv.h
+ * ka_sketch_dots_sdot, ka_rest_dots_sdot: the portable code's integers), and the i8mm
+ * slot runs those. */
 #define KA_DECODE_A_ARGS const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads, \
     ptrdiff_t n_ctx, float scale, int mode, int k, int sopt, int n_probe, \
     const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel

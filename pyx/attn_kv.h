@@ -543,6 +543,56 @@ KF_TARGET_AVX512 static void ka_sketch_dots_avx512(const uint8_t *restrict x, pt
 }
 #endif
 
+#if KF_ARM_DISPATCH
+#include <arm_neon.h>
+/* ka_sketch_dots under the dotprod entries (kf_isa >= dotprod; hd/2 even): rows j and
+ * j + 1 become, per token, one word of its four nibbles (dims j, j + hd/2, j + 1,
+ * j + 1 + hd/2: the order ka_sketch_query lays the query out in; zips of bytes, then of
+ * halves, keep the tokens in order, 4 a vector), once for all the queries (u: 8 KiB at
+ * most); then per query one sdot per 4 tokens and row pair (the nibbles, < 16, read as
+ * s8), exact in int32: the portable code's integers. */
+KF_TARGET_DOTPROD static void ka_sketch_dots_sdot(const uint8_t *restrict x, ptrdiff_t h2,
+                                                  const int8_t *restrict qi, ptrdiff_t ng,
+                                                  int32_t (*restrict acc)[KA_SKBS])
+{
+    enum { B = KA_SKBS, NV = KA_SKBS / 4 };
+    int8x16_t u[KA_SKHDMAX / 4][NV];
+    const uint8x16_t m15 = vdupq_n_u8(15);
+    for (ptrdiff_t j = 0; j < h2; j += 2)
+        for (int h = 0; h < B / 16; h++) {           /* tokens 16 h .. 16 h + 15 */
+            const uint8x16_t a = vld1q_u8(x + j * B + 16 * h);
+            const uint8x16_t b = vld1q_u8(x + (j + 1) * B + 16 * h);
+            const uint8x16_t al = vandq_u8(a, m15), ah = vshrq_n_u8(a, 4);
+            const uint8x16_t bl = vandq_u8(b, m15), bh = vshrq_n_u8(b, 4);
+            /* (low, high) byte pairs of row j and of row j + 1: tokens 0-7, 8-15 */
+            const uint16x8_t a0 = vreinterpretq_u16_u8(vzip1q_u8(al, ah));
+            const uint16x8_t a1 = vreinterpretq_u16_u8(vzip2q_u8(al, ah));
+            const uint16x8_t b0 = vreinterpretq_u16_u8(vzip1q_u8(bl, bh));
+            const uint16x8_t b1 = vreinterpretq_u16_u8(vzip2q_u8(bl, bh));
+            int8x16_t *o = u[j / 2] + 4 * h;
+            o[0] = vreinterpretq_s8_u16(vzip1q_u16(a0, b0));
+            o[1] = vreinterpretq_s8_u16(vzip2q_u16(a0, b0));
+            o[2] = vreinterpretq_s8_u16(vzip1q_u16(a1, b1));
+            o[3] = vreinterpretq_s8_u16(vzip2q_u16(a1, b1));
+        }
+    for (ptrdiff_t g = 0; g < ng; g++) {
+        const int8_t *q = qi + g * 2 * h2;
+        int32x4_t s[NV];
+        for (int i = 0; i < NV; i++)
+            s[i] = vdupq_n_s32(0);
+        for (ptrdiff_t j = 0; j < h2; j += 2) {
+            int32_t quad;
+            memcpy(&quad, q + 2 * j, 4);
+            const int8x16_t w = vreinterpretq_s8_s32(vdupq_n_s32(quad));
+            for (int i = 0; i < NV; i++)
+                s[i] = vdotq_s32(s[i], u[j / 2][i], w);
+        }
+        for (int i = 0; i < NV; i++)
+            vst1q_s32(acc[g] + 4 * i, s[i]);
+    }
+}
+#endif
+
 /* The largest of a block's KA_SKBS floats, 8 lanes at a time (a chain of 32 dependent
  * maxes is slow). */
 KF_INLINE float ka_max_block(const float *x)
@@ -663,7 +713,44 @@ KF_TARGET_AVX512 static void ka_rest_dots_avx512(const uint8_t *restrict x, ptrd
 }
 #endif
 
-/* ka_rest_dots on the best form the entry and CPU allow (x86v3: the avx2 entries). */
+#if KF_ARM_DISPATCH
+/* ka_rest_dots under the dotprod entries (kf_isa >= dotprod; hd % 4 == 0): per 4 dims and
+ * token quad one sdot per nibble plane (the nibbles, < 16, read as s8), the quad's 4
+ * weights a lane of the query's 16 (vdotq_laneq_s32); low and high planes in two chains,
+ * added at the end: the same integers. */
+KF_TARGET_DOTPROD static void ka_rest_dots_sdot(const uint8_t *restrict x, ptrdiff_t hd,
+                                                ptrdiff_t ng, const int8_t *const *w8,
+                                                int32_t *restrict out)
+{
+    enum { NP = KA_SKBS / 8 };         /* 4 planes (KA_SKBS is 32): the lanes below */
+    const uint8x16_t m15 = vdupq_n_u8(15);
+    for (ptrdiff_t d0 = 0; d0 < hd; d0 += 4) {
+        int8x16_t lo[NP], hi[NP];
+        for (int p = 0; p < NP; p++) {
+            const uint8x16_t b = vld1q_u8(x + (p * hd + d0) * 4);
+            lo[p] = vreinterpretq_s8_u8(vandq_u8(b, m15));
+            hi[p] = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+        }
+        for (ptrdiff_t g = 0; g < ng; g++) {
+            /* weights 8p..8p+3 (low plane): lane 2p % 4 of vector p / 2, 8p+4.. the next */
+            const int8x16_t w0 = vld1q_s8(w8[g]), w1 = vld1q_s8(w8[g] + 16);
+            int32x4_t sl = vdupq_n_s32(0), sh = vdupq_n_s32(0);
+            sl = vdotq_laneq_s32(sl, lo[0], w0, 0);
+            sh = vdotq_laneq_s32(sh, hi[0], w0, 1);
+            sl = vdotq_laneq_s32(sl, lo[1], w0, 2);
+            sh = vdotq_laneq_s32(sh, hi[1], w0, 3);
+            sl = vdotq_laneq_s32(sl, lo[2], w1, 0);
+            sh = vdotq_laneq_s32(sh, hi[2], w1, 1);
+            sl = vdotq_laneq_s32(sl, lo[3], w1, 2);
+            sh = vdotq_laneq_s32(sh, hi[3], w1, 3);
+            vst1q_s32(out + g * hd + d0, vaddq_s32(sl, sh));
+        }
+    }
+}
+#endif
+
+/* ka_rest_dots on the best form the entry and CPU allow (x86v3: the avx2 entries; aarch64:
+ * the variant in use, whose entries these are). */
 KF_INLINE void ka_rest_dots_any(int x86v3, const uint8_t *restrict x, ptrdiff_t hd,
                                 ptrdiff_t ng, const int8_t *const *w8, int32_t *restrict out)
 {
@@ -674,6 +761,11 @@ KF_INLINE void ka_rest_dots_any(int x86v3, const uint8_t *restrict x, ptrdiff_t 
     }
     if (x86v3 && hd % 8 == 0) {
         ka_rest_dots_avx2(x, hd, ng, w8, out);
+        return;
+    }
+#elif KF_ARM_DISPATCH
+    if (kf_isa >= KF_ISA_DOTPROD && hd % 4 == 0) {
+        ka_rest_dots_sdot(x, hd, ng, w8, out);
         return;
     }
 #endif
@@ -835,6 +927,10 @@ KF_INLINE void ka_sketch_heads(const ka_kv *kv, const int8_t *restrict qi, ptrdi
         return;
     } else if (kv->x86v3)
         ka_sketch_dots_avx2(x, h2, qi, ng, acc);
+    else
+#elif KF_ARM_DISPATCH
+    if (kf_isa >= KF_ISA_DOTPROD && h2 % 2 == 0)    /* the dotprod entries' (and i8mm's) */
+        ka_sketch_dots_sdot(x, h2, qi, ng, acc);
     else
 #endif
         ka_sketch_dots(x, h2, qi, ng, acc);

@@ -143,3 +143,56 @@ def test_moe_prefill_int8_every_variant_is_neon_bits(fmts):
     for v, o in outs.items():
         np.testing.assert_array_equal(o, outs[VARIANTS[0]], err_msg=f"{fmts} {v}")
 
+
+@pytest.mark.parametrize("hd", [64, 128, 132])
+def test_sketch_scores_every_variant_is_neon_bits(hd):
+    """Attention's sketch probe (attn_kv.h ka_sketch_dots: sdot under dotprod and i8mm,
+    hd / 2 even; 132: a row pair past the last multiple of 8 rows) for 1..6 queries, the
+    last block partial: neon's bits under every variant (the integer dots are exact, the
+    float steps the same code)."""
+    rng = np.random.default_rng([hd, 39])
+    n_kv, cap, bs = 2, 5, 32
+    sketch = rng.integers(0, 256, (n_kv, 2, cap, hd // 2, bs), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.3, (n_kv, cap, 2 * bs)).astype(np.float32)
+    n_ctx = 4 * bs + 13
+    for ng in (1, 4, 6):
+        q = (rng.standard_normal((ng, hd)) * 2).astype(np.float32)
+        for kh in range(n_kv):
+            outs = each_variant(lambda: kernels.sketch_scores(q, sketch, scales, kh, 0.2, n_ctx))
+            for v, o in outs.items():
+                np.testing.assert_array_equal(o, outs[VARIANTS[0]], err_msg=f"{hd} {ng} {v}")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8"])
+@pytest.mark.parametrize("rest", [False, True])
+def test_sketch_decode_every_variant_is_neon_bits(dtype, rest):
+    """A decode step with the sketch probe, with and without the rest (the blocks not
+    picked counted at 4 bits: attn_kv.h ka_rest_dots, sdot under dotprod and i8mm, as the
+    sketch's dots): the same output bits under every variant, 1 and 2 threads."""
+    from kestrel_cli.kv_cache import CacheSpec, KVCache
+    n_kv, hd, n_heads, seq = 2, 64, 4, 9 * 32 + 5
+
+    def run():
+        outs = []
+        for threads in (1, 2):
+            rng = np.random.default_rng(41)
+            spec = CacheSpec(dtype, sparse_k=2, sparse_probe="sketch", sparse_rest=rest,
+                             sparse_prefill=False)
+            c = KVCache(1, n_kv, hd, seq + 32, spec, threads=threads)
+            for a, b in ((0, seq - 3), (seq - 3, seq)):
+                c.reserve(b - a)
+                k = (rng.standard_normal((b - a, n_kv * hd)) * 2).astype(np.float32)
+                c.write(0, k, rng.standard_normal((b - a, n_kv * hd)).astype(np.float32))
+                c.commit(b - a)
+            c.reserve(1)
+            c.write(0, rng.standard_normal((1, n_kv * hd)).astype(np.float32),
+                    rng.standard_normal((1, n_kv * hd)).astype(np.float32))
+            q = (rng.standard_normal((1, n_heads * hd)) * 3).astype(np.float32)
+            out = np.full_like(q, np.nan)
+            c.attend(0, q, out)
+            outs.append(out)
+        return outs
+    outs = each_variant(run)
+    for v, o in outs.items():
+        for threads, x in zip((1, 2), o):
+            np.testing.assert_array_equal(x, outs[VARIANTS[0]][0], err_msg=f"{v} {threads}")
