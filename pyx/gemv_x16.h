@@ -543,7 +543,9 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 /* a kernel whose hot loop runs slower when the function starts off a 64-byte boundary
  * (the same instructions, fetched across op-cache lines on Zen 4): placed on one */
 #define KX_ALIGNED __attribute__((aligned(64)))
-/* the group dots of the avx2 and avx512 variants (q4_0 / q4_1, q4_k, q6_k) */
+/* the group dots of the avx2 and avx512 variants (q4_0 / q4_1, q4_k, q6_k; the one-token
+ * q4_k / q6_k ones from gemv_x16_k1.h) */
+#define KX_OWN_K_DECODE 1
 #define KV(op) kv8_##op
 #define KV_F kv8_f
 #define KV_I kv8_i
@@ -560,6 +562,8 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 #define KV_T KF_TARGET_AVX512
 #define KV_GNT 4
 #include "gemv_x16_vec.h"
+#undef KX_OWN_K_DECODE
+#include "gemv_x16_k1.h"
 #endif /* KF_X86_DISPATCH */
 
 typedef void (*kx_group_fn)(int, const kf_act *, ptrdiff_t, const uint8_t *, float *);
