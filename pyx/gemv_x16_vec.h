@@ -292,8 +292,10 @@ KV_T static void KV_V(group_6_t##NT)(int unused, const kf_act *a, ptrdiff_t nsb,
     KV_V(store_t)(NT, acc, out, ldo);                                                      \
 }
 
+#if !KX_OWN_K_DECODE
 KV_GROUP_K_T(1)
 KV_GROUP_6_T(1)
+#endif
 #if KV_GNT >= 2
 KV_GROUP_T(2)
 KV_GROUP_T(4)
@@ -307,6 +309,7 @@ KV_GROUP_6_T(4)
 #undef KV_GROUP_6_T
 #undef KV_Q6_ACC
 
+#if !KX_OWN_K_DECODE
 /* q4_k: int8 as group_k_t1; float per vector of rows, two chains a block */
 KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
                                float *out)
@@ -363,6 +366,8 @@ KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const
     for (int hh = 0; hh < KV_NH; hh++)
         KV(store)(out + KV_N * hh, acc[hh]);
 }
+#endif /* !KX_OWN_K_DECODE */
+
 #if KV_PANEL
 /* x16 -> float panels (matmul.h's gemm_panels): the float GEMM (T > 1, float
  * activations) of an x16 weight dequantises each group of 16 rows straight into the GEMM's
@@ -460,6 +465,7 @@ KV_T static void KV_V(panel)(int fmt, const uint8_t *G, ptrdiff_t n, float *rest
 
 #undef KV_LPK
 
+#if !KX_OWN_K_DECODE
 /* q6_k: int8 as group_6_t1; float: each lane's byte c, q - 32 as s8, to the lane's top
  * byte, (q - 32) 2^24. */
 KV_T KX_ALIGNED static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
@@ -513,6 +519,7 @@ KV_T KX_ALIGNED static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t
     for (int hh = 0; hh < KV_NH; hh++)
         KV(store)(out + KV_N * hh, acc[hh]);
 }
+#endif
 
 #undef KV_NH
 
