@@ -237,12 +237,21 @@ def masks():
 """
 
 
-def test_default_load_pins_every_thread_to_the_big_core(tmp_path):
+@pytest.fixture
+def big_little(tmp_path):
+    """This process's allowed CPUs as a fake big.LITTLE tree: the last one big (capacity
+    1024), the others little (415); (allowed, big, root). A machine with one CPU in the
+    affinity has no little core to leave out, so the pinning cannot be shown there."""
     allowed = _allowed()
     if len(allowed) < 2:
         pytest.skip("needs two CPUs in the affinity to tell big from little")
     big = allowed[-1]
-    root = fake_sysfs(tmp_path, {c: 1024 if c == big else 415 for c in allowed})
+    root = fake_sysfs(tmp_path / "bl", {c: 1024 if c == big else 415 for c in allowed})
+    return allowed, big, root
+
+
+def test_default_load_pins_every_thread_to_the_big_core(tmp_path, big_little):
+    allowed, big, root = big_little
     code = MASKS + """
 from kestrel_cli.engine import Engine, LoadOptions, default_threads
 eng = Engine.load(None, LoadOptions())
@@ -259,12 +268,8 @@ print(eng.threads, default_threads(), masks(), eng.thread_plan.line, sep='|')
     assert line == f"threads: 1 (big cores {big} of {len(allowed)}: capacity 1024 vs 415)"
 
 
-def test_more_threads_than_big_cores_run_unpinned(tmp_path):
-    allowed = _allowed()
-    if len(allowed) < 2:
-        pytest.skip("needs two CPUs in the affinity to tell big from little")
-    big = allowed[-1]
-    root = fake_sysfs(tmp_path, {c: 1024 if c == big else 415 for c in allowed})
+def test_more_threads_than_big_cores_run_unpinned(tmp_path, big_little):
+    allowed, big, root = big_little
     # a first engine pins to the big core, a second with -t 2 goes back to every CPU
     code = MASKS + """
 from kestrel_cli.engine import Engine, LoadOptions
@@ -284,12 +289,8 @@ print(first, masks(), b.thread_plan.line, sep='|')
                     f"{cpu_list(allowed)})")
 
 
-def test_cli_prints_the_choice_once(tmp_path, smollm2_path):
-    allowed = _allowed()
-    if len(allowed) < 2:
-        pytest.skip("needs two CPUs in the affinity to tell big from little")
-    big = allowed[-1]
-    root = fake_sysfs(tmp_path, {c: 1024 if c == big else 415 for c in allowed})
+def test_cli_prints_the_choice_once(tmp_path, smollm2_path, big_little):
+    allowed, big, root = big_little
     code = ("import sys; sys.argv = ['kestrel', 'run', '-p', 'Hi', '-n', '2', '--temp', '0', "
             "'--no-timing']; from kestrel_cli.cli import main; main()")
     r = _run(code, KESTREL_SYSFS_CPU=str(root))
