@@ -548,8 +548,8 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 
 #if KF_X86_DISPATCH
 /* the group dots of the avx2 and avx512 variants (q4_0 / q4_1, q4_k, q6_k; the one-token
- * q4_k / q6_k ones from gemv_x16_k1.h) */
-#define KX_OWN_K_DECODE 1
+ * q6_k ones from gemv_x16_k1.h) */
+#define KX_OWN_Q6_DECODE 1
 #define KV(op) kv8_##op
 #define KV_F kv8_f
 #define KV_I kv8_i
@@ -570,7 +570,7 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 #define KV_PANEL 1
 #define KV_Q6_SUM 0
 #include "gemv_x16_vec.h"
-#undef KX_OWN_K_DECODE
+#undef KX_OWN_Q6_DECODE
 #include "gemv_x16_k1.h"
 #elif KF_ARM_DISPATCH
 /* aarch64: the same bodies on NEON + DotProd (vec.h kv4_: 4 rows a vector, the int8 dots

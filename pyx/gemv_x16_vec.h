@@ -292,8 +292,8 @@ KV_T static void KV_V(group_6_t##NT)(int unused, const kf_act *a, ptrdiff_t nsb,
     KV_V(store_t)(NT, acc, out, ldo);                                                      \
 }
 
-#if !KX_OWN_K_DECODE
 KV_GROUP_K_T(1)
+#if !KX_OWN_Q6_DECODE
 KV_GROUP_6_T(1)
 #endif
 #if KV_GNT >= 2
@@ -309,7 +309,6 @@ KV_GROUP_6_T(4)
 #undef KV_GROUP_6_T
 #undef KV_Q6_ACC
 
-#if !KX_OWN_K_DECODE
 /* q4_k: int8 as group_k_t1; float per vector of rows, two chains a block */
 KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
                                float *out)
@@ -366,7 +365,6 @@ KV_T static void KV_V(group_k)(int unused, const kf_act *a, ptrdiff_t nsb, const
     for (int hh = 0; hh < KV_NH; hh++)
         KV(store)(out + KV_N * hh, acc[hh]);
 }
-#endif /* !KX_OWN_K_DECODE */
 
 #if KV_PANEL
 /* x16 -> float panels (matmul.h's gemm_panels): the float GEMM (T > 1, float
@@ -465,7 +463,7 @@ KV_T static void KV_V(panel)(int fmt, const uint8_t *G, ptrdiff_t n, float *rest
 
 #undef KV_LPK
 
-#if !KX_OWN_K_DECODE
+#if !KX_OWN_Q6_DECODE
 /* q6_k: int8 as group_6_t1; float: each lane's byte c, q - 32 as s8, to the lane's top
  * byte, (q - 32) 2^24. */
 KV_T KX_ALIGNED static void KV_V(group_6)(int unused, const kf_act *a, ptrdiff_t nsb, const uint8_t *G,
