@@ -622,215 +622,27 @@ static void kq_mmla_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act
 #endif /* KF_ARM_DISPATCH */
 
 #if KF_X86_DISPATCH
-/* ---------------------------------------------------------------- AVX2 */
+/* ---------------------------------------------------------------- AVX2, AVX-512 VNNI */
 
-#define KQ_AVX2_GR 8
+/* The tiles of gemm_q8_vec.h: a panel group is one vector of rows (8 AVX2, 16 AVX-512),
+ * AVX2 6 tokens a tile, AVX-512 8. Signed weights (q8_0, q6_k) are stored as q + V_SB
+ * (kq_variant.xor8: 0, or 0x80 for VNNI's u8 operand). */
+#define KQ_AVX2_GR kv8_N
 #define KQ_AVX2_RN 6
-#define KQ_AVX2_S8(KIND_) ((KIND_) == KQ_Q8_0 || (KIND_) == KQ_Q6_K)   /* signed weights */
-
-/* Lanes: 8 rows. Per group g: u (32 bytes) once, then for each token its 4 bytes broadcast;
- * q8_0: pmaddubsw(|u|, sign(x, u)) widened by pmaddwd into the int32 sums; q4: pmaddubsw(u, x)
- * summed in int16 over the 8 groups, widened once per block. */
-#define KQ_AVX2_TILE(KIND_, RN_)                                                          \
-KF_TARGET_AVX2 static void kq_avx2_tile_##KIND_##_##RN_(const uint8_t *restrict pg,       \
-                                                        ptrdiff_t nb, const kf_act *a,    \
-                                                        float *out, ptrdiff_t ldo, int nr)\
-{                                                                                         \
-    enum { GR = KQ_AVX2_GR };                                                             \
-    const ptrdiff_t bs = kq_block_bytes(KIND_, GR);                                       \
-    const __m256i ones = _mm256_set1_epi16(1);                                            \
-    const int8_t *xq[RN_];                                                                \
-    __m256 acc[RN_];                                                                      \
-    KF_UNROLL_ALL                                                                         \
-    for (int t = 0; t < (RN_); t++) {                                                     \
-        xq[t] = a[t].xq;                                                                  \
-        acc[t] = _mm256_setzero_ps();                                                     \
-    }                                                                                     \
-    for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
-        const uint8_t *q = pg + b * bs;                                                   \
-        __m256i is[RN_], ia[RN_];                                                         \
-        KF_UNROLL_ALL                                                                     \
-        for (int t = 0; t < (RN_); t++)                                                   \
-            is[t] = ia[t] = _mm256_setzero_si256();                                       \
-        KQ_UNROLL2                                                                        \
-        for (int g = 0; g < KF_QK / 4; g++) {                                             \
-            const __m256i u = _mm256_loadu_si256((const __m256i *)(q + 32 * g));          \
-            const __m256i au = KQ_AVX2_S8(KIND_) ? _mm256_abs_epi8(u) : u;                \
-            KF_UNROLL_ALL                                                                 \
-            for (int t = 0; t < (RN_); t++) {                                             \
-                __m256i xb = _mm256_set1_epi32(kq_ld32(xq[t] + b * KF_QK + 4 * g));       \
-                if (KQ_AVX2_S8(KIND_))                                                    \
-                    is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(                    \
-                        _mm256_maddubs_epi16(au, _mm256_sign_epi8(xb, u)), ones));        \
-                else if ((KIND_) == KQ_Q5_1)    /* 5-bit: widened each group */           \
-                    is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(                    \
-                        _mm256_maddubs_epi16(au, xb), ones));                             \
-                else                                                                      \
-                    is[t] = _mm256_add_epi16(is[t], _mm256_maddubs_epi16(au, xb));        \
-            }                                                                             \
-            if ((KIND_) == KQ_Q6_K && g == 3) {          /* first half: its own scale */  \
-                KF_UNROLL_ALL                                                             \
-                for (int t = 0; t < (RN_); t++) {                                         \
-                    ia[t] = is[t];                                                        \
-                    is[t] = _mm256_setzero_si256();                                       \
-                }                                                                         \
-            }                                                                             \
-        }                                                                                 \
-        const __m256 dw = _mm256_loadu_ps((const float *)(q + GR * KF_QK));               \
-        KF_UNROLL_ALL                                                                     \
-        for (int t = 0; t < (RN_); t++) {                                                 \
-            __m256i v = KQ_AVX2_S8(KIND_) || (KIND_) == KQ_Q5_1                           \
-                ? is[t] : _mm256_madd_epi16(is[t], ones);                                 \
-            if ((KIND_) == KQ_Q4_0)                                                       \
-                v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * a[t].xs[b]));              \
-            const __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(a[t].xd[b]));               \
-            if ((KIND_) == KQ_Q6_K) {                                                     \
-                acc[t] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(ia[t]), acc[t]);           \
-                acc[t] = _mm256_fmadd_ps(                                                 \
-                    _mm256_mul_ps(_mm256_loadu_ps((const float *)(q + GR * KF_QK) + GR),  \
-                                  _mm256_set1_ps(a[t].xd[b])),                            \
-                    _mm256_cvtepi32_ps(v), acc[t]);                                       \
-            } else {                                                                      \
-                acc[t] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(v), acc[t]);               \
-            }                                                                             \
-            if (KQ_HAS_M(KIND_))                                                          \
-                acc[t] = _mm256_fmadd_ps(                                                 \
-                    _mm256_loadu_ps((const float *)(q + GR * KF_QK) + GR),                \
-                    _mm256_set1_ps(a[t].sx[b]), acc[t]);                                  \
-        }                                                                                 \
-    }                                                                                     \
-    for (int t = 0; t < (RN_); t++) {                                                     \
-        float s[GR];                                                                      \
-        _mm256_storeu_ps(s, acc[t]);                                                      \
-        for (int r = 0; r < nr; r++)                                                      \
-            out[t * ldo + r] = s[r];                                                      \
-    }                                                                                     \
-}
-KQ_AVX2_TILE(0, 6)
-KQ_AVX2_TILE(0, 1)
-KQ_AVX2_TILE(1, 6)
-KQ_AVX2_TILE(1, 1)
-KQ_AVX2_TILE(2, 6)
-KQ_AVX2_TILE(2, 1)
-KQ_AVX2_TILE(3, 6)
-KQ_AVX2_TILE(3, 1)
-KQ_AVX2_TILE(4, 6)
-KQ_AVX2_TILE(4, 1)
-#undef KQ_AVX2_TILE
-
-static void kq_avx2_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
-                         float *out, ptrdiff_t ldo, int nr)
-{
-    static void (*const tab[KQ_N_KIND][2])(const uint8_t *, ptrdiff_t, const kf_act *,
-                                           float *, ptrdiff_t, int) = {
-        {kq_avx2_tile_0_1, kq_avx2_tile_0_6}, {kq_avx2_tile_1_1, kq_avx2_tile_1_6},
-        {kq_avx2_tile_2_1, kq_avx2_tile_2_6}, {kq_avx2_tile_3_1, kq_avx2_tile_3_6},
-        {kq_avx2_tile_4_1, kq_avx2_tile_4_6}};
-    tab[kind][nt == KQ_AVX2_RN](pg, nb, a, out, ldo, nr);
-}
-
-/* ---------------------------------------------------------------- AVX-512 VNNI */
-
-#define KQ_AVX512_GR 16
+#define KQ_AVX512_GR kv16_N
 #define KQ_AVX512_RN 8
 
-/* The AVX2 tile with 16 rows a vector and vpdpbusd (u8 x s8, int32 sums, no int16 step):
- * q8_0 is stored as q + 128 and corrected by 128 xs, q4_0 by 8 xs. */
-#define KQ_AVX512_TILE(KIND_, RN_)                                                        \
-KF_TARGET_AVX512 static void kq_avx512_tile_##KIND_##_##RN_(const uint8_t *restrict pg,   \
-                                                            ptrdiff_t nb, const kf_act *a,\
-                                                            float *out, ptrdiff_t ldo,    \
-                                                            int nr)                       \
-{                                                                                         \
-    enum { GR = KQ_AVX512_GR };                                                           \
-    const ptrdiff_t bs = kq_block_bytes(KIND_, GR);                                       \
-    const int c = (KIND_) == KQ_Q8_0 || (KIND_) == KQ_Q6_K ? 128                          \
-                  : ((KIND_) == KQ_Q4_0 ? 8 : 0);                                         \
-    const int8_t *xq[RN_];                                                                \
-    __m512 acc[RN_];                                                                      \
-    KF_UNROLL_ALL                                                                         \
-    for (int t = 0; t < (RN_); t++) {                                                     \
-        xq[t] = a[t].xq;                                                                  \
-        acc[t] = _mm512_setzero_ps();                                                     \
-    }                                                                                     \
-    for (ptrdiff_t b = 0; b < nb; b++) {                                                  \
-        const uint8_t *q = pg + b * bs;                                                   \
-        __m512i is[RN_], ia[RN_];                                                         \
-        KF_UNROLL_ALL                                                                     \
-        for (int t = 0; t < (RN_); t++)                                                   \
-            is[t] = ia[t] = _mm512_setzero_si512();                                       \
-        KQ_UNROLL2                                                                        \
-        for (int g = 0; g < KF_QK / 4; g++) {                                             \
-            const __m512i u = _mm512_loadu_si512((const void *)(q + 64 * g));             \
-            KF_UNROLL_ALL                                                                 \
-            for (int t = 0; t < (RN_); t++)                                               \
-                is[t] = _mm512_dpbusd_epi32(                                              \
-                    is[t], u, _mm512_set1_epi32(kq_ld32(xq[t] + b * KF_QK + 4 * g)));     \
-            if ((KIND_) == KQ_Q6_K && g == 3) {          /* first half: its own scale */  \
-                KF_UNROLL_ALL                                                             \
-                for (int t = 0; t < (RN_); t++) {                                         \
-                    ia[t] = is[t];                                                        \
-                    is[t] = _mm512_setzero_si512();                                       \
-                }                                                                         \
-            }                                                                             \
-        }                                                                                 \
-        const __m512 dw = _mm512_loadu_ps((const float *)(q + GR * KF_QK));               \
-        KF_UNROLL_ALL                                                                     \
-        for (int t = 0; t < (RN_); t++) {                                                 \
-            __m512i v = is[t];                                                            \
-            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(a[t].xd[b]));               \
-            if ((KIND_) == KQ_Q6_K) {       /* 128 times each half's sum of x */          \
-                const int8_t *xt = xq[t] + b * KF_QK;                                     \
-                int32_t xa = 0;                                                           \
-                for (int k = 0; k < 16; k++)                                              \
-                    xa += xt[k];                                                          \
-                const __m512i va = _mm512_sub_epi32(ia[t], _mm512_set1_epi32(128 * xa));  \
-                v = _mm512_sub_epi32(v, _mm512_set1_epi32(128 * (a[t].xs[b] - xa)));      \
-                acc[t] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(va), acc[t]);              \
-                acc[t] = _mm512_fmadd_ps(                                                 \
-                    _mm512_mul_ps(_mm512_loadu_ps((const float *)(q + GR * KF_QK) + GR),  \
-                                  _mm512_set1_ps(a[t].xd[b])),                            \
-                    _mm512_cvtepi32_ps(v), acc[t]);                                       \
-            } else {                                                                      \
-                if (c)                                                                    \
-                    v = _mm512_sub_epi32(v, _mm512_set1_epi32(c * a[t].xs[b]));          \
-                acc[t] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(v), acc[t]);               \
-            }                                                                             \
-            if (KQ_HAS_M(KIND_))                                                          \
-                acc[t] = _mm512_fmadd_ps(                                                 \
-                    _mm512_loadu_ps((const float *)(q + GR * KF_QK) + GR),                \
-                    _mm512_set1_ps(a[t].sx[b]), acc[t]);                                  \
-        }                                                                                 \
-    }                                                                                     \
-    for (int t = 0; t < (RN_); t++) {                                                     \
-        float s[GR];                                                                      \
-        _mm512_storeu_ps(s, acc[t]);                                                      \
-        for (int r = 0; r < nr; r++)                                                      \
-            out[t * ldo + r] = s[r];                                                      \
-    }                                                                                     \
-}
-KQ_AVX512_TILE(0, 8)
-KQ_AVX512_TILE(0, 1)
-KQ_AVX512_TILE(1, 8)
-KQ_AVX512_TILE(1, 1)
-KQ_AVX512_TILE(2, 8)
-KQ_AVX512_TILE(2, 1)
-KQ_AVX512_TILE(3, 8)
-KQ_AVX512_TILE(3, 1)
-KQ_AVX512_TILE(4, 8)
-KQ_AVX512_TILE(4, 1)
-#undef KQ_AVX512_TILE
+#define KV(op) kv8_##op
+#define KV_V(name) kq_avx2_##name
+#define KV_T KF_TARGET_AVX2
+#define KV_RN KQ_AVX2_RN
+#include "gemm_q8_vec.h"
 
-static void kq_avx512_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
-                           float *out, ptrdiff_t ldo, int nr)
-{
-    static void (*const tab[KQ_N_KIND][2])(const uint8_t *, ptrdiff_t, const kf_act *,
-                                           float *, ptrdiff_t, int) = {
-        {kq_avx512_tile_0_1, kq_avx512_tile_0_8}, {kq_avx512_tile_1_1, kq_avx512_tile_1_8},
-        {kq_avx512_tile_2_1, kq_avx512_tile_2_8}, {kq_avx512_tile_3_1, kq_avx512_tile_3_8},
-        {kq_avx512_tile_4_1, kq_avx512_tile_4_8}};
-    tab[kind][nt == KQ_AVX512_RN](pg, nb, a, out, ldo, nr);
-}
+#define KV(op) kv16_##op
+#define KV_V(name) kq_avx512_##name
+#define KV_T KF_TARGET_AVX512
+#define KV_RN KQ_AVX512_RN
+#include "gemm_q8_vec.h"
 #endif /* KF_X86_DISPATCH */
 
 /* ---------------------------------------------------------------- variants */
@@ -845,8 +657,8 @@ typedef struct {
 #if KF_X86_DISPATCH
 static const kq_variant kq_tab[KF_N_ISA] = {
     {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0, 0},
-    {kq_avx2_tile, KQ_AVX2_GR, KQ_AVX2_RN, 0, 0},
-    {kq_avx512_tile, KQ_AVX512_GR, KQ_AVX512_RN, 0x80, 0}};
+    {kq_avx2_tile, KQ_AVX2_GR, KQ_AVX2_RN, kv8_SB, 0},
+    {kq_avx512_tile, KQ_AVX512_GR, KQ_AVX512_RN, kv16_SB, 0}};
 #elif KF_ARM_DISPATCH
 static const kq_variant kq_tab[KF_N_ISA] = {
     {kq_base_tile, KQ_BASE_GR, KQ_BASE_RN, 0, 0},

@@ -2,7 +2,7 @@
  * of types and operations per target, each a thin mapping onto that target's intrinsics,
  * so that a kernel is written once against them and included once per variant
  * (matmul_vec.h: the GEMV dots and float GEMM tiles; gemv_x16_vec.h: the x16 group dots
- * and panels; docs/DESIGN.md §5).
+ * and panels; gemm_q8_vec.h: the int8 prefill GEMM tiles; docs/DESIGN.md §5).
  *
  * Both sets live in one translation unit, each under its variant's target attribute
  * (isa.h), and every operation is always inlined into its caller. A kernel body names
@@ -46,6 +46,11 @@
  *                             c once widened
  *   V_dot2_i32(s, u0, x0, u1, x1)     s (int32) plus u0 x0 + u1 x1 (AVX2: the two pair
  *                             sums added in int16: u <= 63)
+ *   V_dot_i32(s, u, x)        s (int32) plus u x (AVX2: the pair sums widened each call)
+ *   signed weights (s8 q, |q| <= 128) in a panel (gemm_q8.h), stored as u = q + V_SB:
+ *   V_SB                      0 (AVX2: s8), 128 (VNNI: q ^ 0x80, u8 for vpdpbusd)
+ *   V_sw(u), V_sx(x, u)       the two operands that make V_dot_i32 sum (q + V_SB) x:
+ *                             AVX2 |q| and sign(x, q) (pairs <= 2 * 128 * 127), VNNI u, x
  * Block dots, both sets: one activation block of 32 int8 in a kvb_i (__m256i), the products
  * summed in 8 int32 lanes of 4 (lane i: elements 4i..4i+3). AVX2 pairs them first in int16
  * with vpmaddubsw, which saturates: each operation says what keeps its pairs within int16
@@ -201,6 +206,13 @@ KV8_ATTR kv8_i kv8_dot2_i32(kv8_i s, kv8_i u0, kv8_i x0, kv8_i u1, kv8_i x1)
     return _mm256_add_epi32(s, kv8_dacc_i32(_mm256_add_epi16(_mm256_maddubs_epi16(u0, x0),
                                                              _mm256_maddubs_epi16(u1, x1))));
 }
+KV8_ATTR kv8_i kv8_dot_i32(kv8_i s, kv8_i u, kv8_i x)
+{
+    return _mm256_add_epi32(s, kv8_dacc_i32(_mm256_maddubs_epi16(u, x)));
+}
+#define kv8_SB 0
+KV8_ATTR kv8_i kv8_sw(kv8_i u) { return _mm256_abs_epi8(u); }
+KV8_ATTR kv8_i kv8_sx(kv8_i x, kv8_i u) { return _mm256_sign_epi8(x, u); }
 
 /* int16 pairs (vpmaddubsw), then pairs of pairs times s16 (vpmaddwd) */
 KV8_ATTR kvb_i kv8_bdot_sc(kvb_i u, kvb_i x, short s)
@@ -278,6 +290,10 @@ KV16_ATTR kv16_i kv16_dot2_i32(kv16_i s, kv16_i u0, kv16_i x0, kv16_i u1, kv16_i
 {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s, u0, x0), u1, x1);
 }
+KV16_ATTR kv16_i kv16_dot_i32(kv16_i s, kv16_i u, kv16_i x) { return _mm512_dpbusd_epi32(s, u, x); }
+#define kv16_SB 128
+KV16_ATTR kv16_i kv16_sw(kv16_i u) { return u; }
+KV16_ATTR kv16_i kv16_sx(kv16_i x, kv16_i u) { (void)u; return x; }
 
 /* vpdpbusd from zero (no int16 step), then a vpmulld where scaled */
 KV16_ATTR kvb_i kv16_bdot(kvb_i u, kvb_i x)
