@@ -348,6 +348,22 @@ static void kq_pack_x16(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t row0
 typedef void (*kq_tile_fn)(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
                            float *out, ptrdiff_t ldo, int nr);
 
+/* The kq_tile_fn PFX of one variant over its tiles PFX_<kind>_1 (one token) and
+ * PFX_<kind>_<FULL> (RN tokens); PFX may be a macro call (expanded before the pasting). */
+typedef void (*kq_one_tile_fn)(const uint8_t *, ptrdiff_t, const kf_act *, float *, ptrdiff_t,
+                               int);
+#define KQ_DISPATCH(PFX, FULL, RN) KQ_DISPATCH_(PFX, FULL, RN)
+#define KQ_DISPATCH_(PFX, FULL, RN)                                                        \
+static void PFX(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,        \
+                float *out, ptrdiff_t ldo, int nr)                                         \
+{                                                                                          \
+    static const kq_one_tile_fn tab[KQ_N_KIND][2] = {                                      \
+        {PFX##_0_1, PFX##_0_##FULL}, {PFX##_1_1, PFX##_1_##FULL},                          \
+        {PFX##_2_1, PFX##_2_##FULL}, {PFX##_3_1, PFX##_3_##FULL},                          \
+        {PFX##_4_1, PFX##_4_##FULL}};                                                      \
+    tab[kind][nt == (RN)](pg, nb, a, out, ldo, nr);                                        \
+}
+
 /* ---------------------------------------------------------------- base (portable C) */
 
 #define KQ_BASE_GR 8
@@ -433,16 +449,7 @@ KQ_BASE_TILE(4, 1)
 #undef KQ_BASE_U
 #undef KQ_BASE_TILE
 
-static void kq_base_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
-                         float *out, ptrdiff_t ldo, int nr)
-{
-    static void (*const tab[KQ_N_KIND][2])(const uint8_t *, ptrdiff_t, const kf_act *,
-                                           float *, ptrdiff_t, int) = {
-        {kq_base_tile_0_1, kq_base_tile_0_4}, {kq_base_tile_1_1, kq_base_tile_1_4},
-        {kq_base_tile_2_1, kq_base_tile_2_4}, {kq_base_tile_3_1, kq_base_tile_3_4},
-        {kq_base_tile_4_1, kq_base_tile_4_4}};
-    tab[kind][nt == KQ_BASE_RN](pg, nb, a, out, ldo, nr);
-}
+KQ_DISPATCH(kq_base_tile, 4, KQ_BASE_RN)
 
 #if KF_ARM_DISPATCH
 /* ---------------------------------------------------------------- aarch64: sdot, smmla */
@@ -597,28 +604,8 @@ KQ_MMLA_TILE(4, 1)
 #undef KQ_MMLA_TILE
 #undef KQ_MMLA_STORE
 
-typedef void (*kq_arm_tile_fn)(const uint8_t *, ptrdiff_t, const kf_act *, float *, ptrdiff_t,
-                               int);
-
-static void kq_sdot_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
-                         float *out, ptrdiff_t ldo, int nr)
-{
-    static const kq_arm_tile_fn tab[KQ_N_KIND][2] = {
-        {kq_sdot_tile_0_1, kq_sdot_tile_0_4}, {kq_sdot_tile_1_1, kq_sdot_tile_1_4},
-        {kq_sdot_tile_2_1, kq_sdot_tile_2_4}, {kq_sdot_tile_3_1, kq_sdot_tile_3_4},
-        {kq_sdot_tile_4_1, kq_sdot_tile_4_4}};
-    tab[kind][nt == KQ_SDOT_RN](pg, nb, a, out, ldo, nr);
-}
-
-static void kq_mmla_tile(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
-                         float *out, ptrdiff_t ldo, int nr)
-{
-    static const kq_arm_tile_fn tab[KQ_N_KIND][2] = {
-        {kq_mmla_tile_0_1, kq_mmla_tile_0_4}, {kq_mmla_tile_1_1, kq_mmla_tile_1_4},
-        {kq_mmla_tile_2_1, kq_mmla_tile_2_4}, {kq_mmla_tile_3_1, kq_mmla_tile_3_4},
-        {kq_mmla_tile_4_1, kq_mmla_tile_4_4}};
-    tab[kind][nt == KQ_MMLA_RN](pg, nb, a, out, ldo, nr);
-}
+KQ_DISPATCH(kq_sdot_tile, 4, KQ_SDOT_RN)
+KQ_DISPATCH(kq_mmla_tile, 4, KQ_MMLA_RN)
 #endif /* KF_ARM_DISPATCH */
 
 #if KF_X86_DISPATCH

@@ -117,16 +117,7 @@ KQ_VEC_TILE(4, 1, 1)
 #undef KQ_VEC_I16
 
 /* the variant's kq_tile_fn: nt = KV_RN tokens or 1 */
-static void KV_V(tile)(int kind, const uint8_t *pg, ptrdiff_t nb, const kf_act *a, int nt,
-                       float *out, ptrdiff_t ldo, int nr)
-{
-    static void (*const tab[KQ_N_KIND][2])(const uint8_t *, ptrdiff_t, const kf_act *,
-                                           float *, ptrdiff_t, int) = {
-        {KV_V(tile_0_1), KV_V(tile_0_n)}, {KV_V(tile_1_1), KV_V(tile_1_n)},
-        {KV_V(tile_2_1), KV_V(tile_2_n)}, {KV_V(tile_3_1), KV_V(tile_3_n)},
-        {KV_V(tile_4_1), KV_V(tile_4_n)}};
-    tab[kind][nt == KV_RN](pg, nb, a, out, ldo, nr);
-}
+KQ_DISPATCH(KV_V(tile), n, KV_RN)
 
 /* the includer's parameters */
 #undef KV
