@@ -28,12 +28,12 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from .engine import (DEFAULT_CTX_CAP, MAX_CTX, THREADS_FLOOR, THREADS_MAX, THREADS_PER_CORE,
+from kestrel_cli.inference.engine import (DEFAULT_CTX_CAP, MAX_CTX, THREADS_FLOOR, THREADS_MAX, THREADS_PER_CORE,
                      Engine, LoadOptions, default_threads, thread_cap, thread_rule)
-from .errors import KestrelError
-from .osmem import physical_memory
-from .timing import TimingPrinter
-from .tokenizer import TooManyTokens
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.core.osmem import physical_memory
+from kestrel_cli.inference.timing import TimingPrinter
+from kestrel_cli.text.tokenizer import TooManyTokens
 
 # typer >= 0.20 vendors click as typer._click; take the exceptions from wherever typer does
 _cx = sys.modules[typer.BadParameter.__module__]
@@ -223,7 +223,7 @@ class SamplingOptions:
         rich_help_panel=_SAMPLING)] = False
 
     def check(self) -> None:
-        from .sampling import check_params
+        from kestrel_cli.inference.sampling import check_params
         if self.n_predict < -1:
             raise KestrelError(f"-n/--n-predict must be >= -1 (-1 = until EOS), "
                                f"got {self.n_predict}")
@@ -264,8 +264,8 @@ class ThinkingOptions:
 
     def view(self, eng: Engine, ids, out=None):
         """The ThinkingView of an answer to the prompt `ids`."""
-        from .reasoning import ThinkingView, prompt_opens_thinking
-        from .timing import _isatty
+        from kestrel_cli.text.reasoning import ThinkingView, prompt_opens_thinking
+        from kestrel_cli.inference.timing import _isatty
         try:
             tail = eng.tokenizer.decode([int(t) for t in list(ids)[-4:]])
         except (TypeError, ValueError):
@@ -307,7 +307,7 @@ def with_options(fn):
 
 
 def _model_bytes(path: Path | None) -> int:
-    from .loader import default_model_path
+    from kestrel_cli.models.loader import default_model_path
     try:
         p = default_model_path() if path is None else Path(path).expanduser()
         if p.is_dir():
@@ -322,7 +322,7 @@ def kv_cache_bytes(eng: Engine, tokens: int) -> int:
     of every layer, the per-token importance, and the sparse probes' per-block bounds or
     sketches. The cache takes its memory as it fills (kv_cache.BlockPool), so this is its
     size at full context, not at start."""
-    from .kv_cache import KV_BLOCK
+    from kestrel_cli.runtime.kv_cache import KV_BLOCK
     c = eng.cache
     blocks = -(-tokens // KV_BLOCK)
     n = 2 * c.n_layers * blocks * c.block_bytes + 4 * c.n_layers * tokens
@@ -577,7 +577,7 @@ def chat(
     thinking: ThinkingOptions = None,
 ):
     """Interactive multi-turn chat; /help lists the commands, Ctrl-D leaves."""
-    from .chat import ChatSession, repl
+    from kestrel_cli.apps.chat import ChatSession, repl
     engine.check()
     sampling.check()
     eng = engine_from_options(engine)
@@ -699,7 +699,7 @@ def serve(
         if not (v >= 0 if zero_ok else v > 0) or v == float("inf"):
             raise KestrelError(f"{flag} must be a number of seconds {'>=' if zero_ok else '>'} 0,"
                                f" got {v}")
-    from . import server                    # fails with a clear message without fastapi
+    from kestrel_cli import server                    # fails with a clear message without fastapi
     server.check_api_key(api_key)           # before the model is loaded
     limits = server.Limits(header_timeout=timeout_header, body_timeout=timeout_body,
                            keep_alive=timeout_keep_alive, request_timeout=request_timeout,
@@ -734,7 +734,7 @@ def _human_count(n: int) -> str:
 def cpus():
     """The CPUs this process may use, the big and little cores (from sysfs) and the
     default thread choice, one `key: value` line each."""
-    from .cpus import summary
+    from kestrel_cli.core.cpus import summary
     for line in summary():
         print(line)
 
@@ -747,8 +747,8 @@ def info(
 ):
     """Model summary: architecture, size, dtypes, context, chat template, special tokens,
     and the kernels' instruction-set variant."""
-    from .loader import open_checkpoint
-    from .models import resolve
+    from kestrel_cli.models.loader import open_checkpoint
+    from kestrel_cli.models import resolve
     cfg, store, tok, path = open_checkpoint(model)
     # what `run` checks at load: every tensor the model reads, present, of its shape and type
     # (the weights are memory-mapped views: nothing is computed or copied but the norms)
@@ -789,7 +789,7 @@ def info(
     toks = [s for s in map(special, ("bos", "eos", "pad", "unk")) if s]
     toks.append(f"stop ids={sorted(tok.eos_token_ids)}")
     rows.append(("special tokens", ", ".join(toks)))
-    from .kernels import isa, isa_variants
+    from kestrel_cli.runtime.kernels import isa, isa_variants
     rows.append(("kernels", f"{isa()} (this CPU runs {', '.join(isa_variants())}; "
                             f"KESTREL_ISA picks one)"))
     width = max(len(k) for k, _ in rows) + 1
@@ -817,7 +817,7 @@ def ppl(
     """Perplexity of a text in windows of the context size (-c), with this run's attention
     and activation settings: prints tokens, windows, ppl (and kld) and the time, as
     key=value."""
-    from .ppl import perplexity
+    from kestrel_cli.apps.ppl import perplexity
     engine.check()
     text = read_prompt(None, file, cap=PPL_BYTES, what="text")
     eng = engine_from_options(engine)
@@ -847,7 +847,7 @@ def bench(
 ):
     """Prompt processing (pp) and generation (tg) tokens/s at each depth, llama-bench
     style: a table on stdout, then the peak RSS."""
-    from .bench import render, run_bench
+    from kestrel_cli.apps.bench import render, run_bench
     engine.check()
     try:
         depths = [int(d) for d in depth.split(",") if d.strip()]
@@ -890,7 +890,7 @@ def quantize(
 ):
     """Write a checkpoint as a GGUF file (llama.cpp's layout), tensor by tensor in
     bounded memory; OUT appears only once complete (OUT.part while writing)."""
-    from .gguf_export import Terminated, quantize_checkpoint
+    from kestrel_cli.apps.gguf_export import Terminated, quantize_checkpoint
     LoadOptions(threads=threads).validate()       # -t within what this machine can start
     try:
         quantize_checkpoint(src, out, GGUFType(type_).value, pure=pure,

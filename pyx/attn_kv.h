@@ -55,7 +55,7 @@ typedef struct {
 /* The cache's value types (ka_kv_init's `kind`; kernels.attention's kv_kind). */
 enum { KA_KV_F32 = 0, KA_KV_Q8 = 1, KA_KV_F16 = 2 };
 
-/* The int8 block layout, defined here only (kestrel_cli.kernels.kv_q8_layout gives it to
+/* The int8 block layout, defined here only (kestrel_cli.runtime.kernels.kv_q8_layout gives it to
  * the cache that allocates the blocks): bs * ld int8 values, then, at the next multiple
  * of 64 bytes, the (n_kv, bs) float32 scales. */
 static inline ptrdiff_t ka_q8_scale_offset(ptrdiff_t bs, ptrdiff_t ld)

@@ -1,4 +1,4 @@
-/* The weight storage formats of kestrel_cli/weights.py and their dequantisation: GGUF's
+/* The weight storage formats of kestrel_cli/formats/weights.py and their dequantisation: GGUF's
  * (llama.cpp's) blocks of 32 elements for q8_0 / q4_0 / q4_1 / q5_0 / q5_1, its K-quant
  * super-blocks of 256 (q2_k, q3_k, q4_k, q5_k, q6_k), its non-linear 4-bit iq4_nl (32) and
  * iq4_xs (256), f16 and bf16 bits, f32.

@@ -1,7 +1,7 @@
 /* Prefill GEMM (T > 1 tokens) of q8_0 / q4_0 / q4_1 weights, and of the GGUF formats that
  * map onto them (q3_k, q4_k, q5_0, q5_1, q5_k, q6_k, iq4_nl,
  * iq4_xs), with int8 activations
- * (kestrel_cli.kernels.matmul act_q8; docs/DESIGN.md §5 Kernels and ISAs).
+ * (kestrel_cli.runtime.kernels.matmul act_q8; docs/DESIGN.md §5 Kernels and ISAs).
  *
  * The model: every token row is quantised once per matmul by kf_prep_act (matmul.h), the
  * same code the GEMV uses, so a token's int8 form is the same in both: per block b of 32,

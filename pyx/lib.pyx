@@ -1,6 +1,6 @@
 # kestrel_cli._kernels.lib: every kernel of the engine in one extension module, so that
 # they share one C translation unit and with it one instruction-set choice (isa.h: one
-# kf_isa read by the matmul and the attention variant tables). kestrel_cli/kernels.py is
+# kf_isa read by the matmul and the attention variant tables). kestrel_cli/runtime/kernels.py is
 # its only importer. By concept:
 #   matmul.pxi     weight matmuls (GEMV, GEMM, grouped GEMV), embedding rows, quantisation
 #   attention.pxi  exact and block-sparse attention over the block KV cache, its int8 form
@@ -27,7 +27,7 @@ cdef extern from "isa.h" nogil:
     int kf_set_isa(int isa) noexcept
 
 
-# 0, or -1 when KESTREL_ISA named no variant (kestrel_cli.kernels reports it)
+# 0, or -1 when KESTREL_ISA named no variant (kestrel_cli.runtime.kernels reports it)
 ISA_ENV_ERROR = kf_isa_init()
 
 

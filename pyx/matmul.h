@@ -451,7 +451,7 @@ static inline void kf_quantize_row(int fmt, const uint8_t *w, ptrdiff_t n, int t
 
 /* ---------------------------------------------------------------- MoE decode */
 
-/* One token's routed experts in one parallel region (kestrel_cli.kernels.moe_decode):
+/* One token's routed experts in one parallel region (kestrel_cli.runtime.kernels.moe_decode):
  *   1. g_e = silu(x G_e^T) * (x U_e^T) * w_e for each selected expert e (rows of every
  *      expert split across the threads), as kf_gemv_swiglu then one float multiply;
  *   2. each g_e prepared as an activation (kf_prep_act), the experts shared out;

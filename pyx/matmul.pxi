@@ -1,4 +1,4 @@
-# Weight matmuls for every storage format of kestrel_cli/weights.py, embedding rows and
+# Weight matmuls for every storage format of kestrel_cli/formats/weights.py, embedding rows and
 # load-time quantisation (included by lib.pyx). Weights arrive as raw bytes
 # (d, row_bytes) plus a KF_* format code; the per-format loops live in matmul_isa.h,
 # compiled once per instruction set (matmul.h lists them for isa.h's dispatcher).
@@ -301,7 +301,7 @@ cdef class GemvPlan:
     mode 1 (SwiGLU, two weights of the same shape): out[0, r] = silu(g_r) * u_r with
     g = x @ W_0.T, u = x @ W_1.T, as ops.swiglu. Options of `run`: RMSNorm x first (as
     ops.rms_norm), add into out instead of writing it, int8 activations.
-    The caller keeps the weights alive (kestrel_cli.kernels.GemvGroup does).
+    The caller keeps the weights alive (kestrel_cli.runtime.kernels.GemvGroup does).
     """
     cdef kf_gemv_spec s
 

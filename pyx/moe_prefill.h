@@ -1,5 +1,5 @@
 /* MoE prefill: every routed (token, expert) pair of one MoE block in one parallel region
- * (kestrel_cli.kernels.ExpertTable.prefill; llama.cpp's mul_mat_id has the same shape:
+ * (kestrel_cli.runtime.kernels.ExpertTable.prefill; llama.cpp's mul_mat_id has the same shape:
  * group the rows by expert, one matmul per expert, threads split over weight rows).
  *
  * Why: a 64-token prompt through Qwen3-30B-A3B's 128 experts, top 8, gives each expert

@@ -13,8 +13,8 @@ import sys
 
 import numpy as np
 
-from kestrel_cli.engine import Engine, LoadOptions
-from kestrel_cli.errors import KestrelError
+from kestrel_cli.inference.engine import Engine, LoadOptions
+from kestrel_cli.core.errors import KestrelError
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

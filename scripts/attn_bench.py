@@ -31,8 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_random_checkpoint import SHAPES  # noqa: E402
 
-from kestrel_cli import kernels as K  # noqa: E402
-from kestrel_cli.kv_cache import CacheSpec, KVCache  # noqa: E402
+from kestrel_cli.runtime import kernels as K  # noqa: E402
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache  # noqa: E402
 
 
 def geometry(shape: str) -> tuple[int, int, int, int]:

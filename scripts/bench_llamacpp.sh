@@ -21,7 +21,7 @@
 set -euo pipefail
 
 : "${LLAMA_BENCH:?set LLAMA_BENCH to the llama-bench binary of llama.cpp}"
-gguf=${1:-$(python -c 'from kestrel_cli.loader import default_model_path; print(default_model_path())')}
+gguf=${1:-$(python -c 'from kestrel_cli.models.loader import default_model_path; print(default_model_path())')}
 [[ $# -gt 0 ]] && shift
 threads=("$@")
 [[ ${#threads[@]} -eq 0 ]] && threads=(1 2)

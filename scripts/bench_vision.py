@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     from PIL import Image
 
     from kestrel_cli import Engine
-    from kestrel_cli.images import ImageConfig, preprocess
+    from kestrel_cli.models.images import ImageConfig, preprocess
     eng = Engine.from_pretrained(a.model, threads=a.threads)
     tower = eng.model.vision
     icfg = ImageConfig.from_dir(eng.path, eng.config.vision_config)

@@ -579,7 +579,7 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
 
 def _gguf_tokenizer(w, vocab_size: int) -> None:
     """The small tokenizer as llama.cpp's converter writes a byte-level BPE vocabulary."""
-    from kestrel_cli.gguf_export import token_list
+    from kestrel_cli.apps.gguf_export import token_list
     tok = build_tokenizer()
     tokens, types = token_list(tok, vocab_size)      # ids past the tokenizer: [PADn], unused
     merges = json.loads(tok.to_str())["model"]["merges"]

@@ -29,7 +29,7 @@ a drifting machine moves together (separate `kestrel bench` runs swing 5-20% her
 
 Configs (speed also takes exact; not sim:): seed (the plain selection), sink-in, sink-out, bound, dense2 (first 2 layers
 exact), kv-max, kv-sum, kv-share, kv-rank, kv-union, kv-head (the plain per-head picks), sketch, rest, no-rest, restmax8/16/32/64 (--sparse-rest-max), exact-prefill, win32/64/128, recent1/2, noimp, and every
---sparse-preset name (kestrel_cli.sparse.PRESETS); "a+b" combines configs. "sim:..."
+--sparse-preset name (kestrel_cli.runtime.sparse.PRESETS); "a+b" combines configs. "sim:..."
 configs decode in NumPy with an oracle or a trial selection (see parse_sim below; e.g.
 sim:oracle=mass, the k blocks of largest true attention mass per head): slow, for
 learning what any selection could reach. Everything on the engine's CPU threads (-t);
@@ -44,10 +44,10 @@ import time
 
 import numpy as np
 
-from kestrel_cli.engine import Engine, LoadOptions
-from kestrel_cli.errors import KestrelError
-from kestrel_cli.kv_cache import CacheSpec
-from kestrel_cli.sparse import PRESETS, importance_order
+from kestrel_cli.inference.engine import Engine, LoadOptions
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.runtime.kv_cache import CacheSpec
+from kestrel_cli.runtime.sparse import PRESETS, importance_order
 
 CONFIGS = {
     "seed": {},

@@ -133,7 +133,7 @@ def assert_prefill_then_decode_equals_full(eng, ids, last: int = 5, atol: float 
 # The kernel variants this CPU runs (the portable one first: x86-64 "base", aarch64 "neon";
 # the detected best last); the `isa` fixture runs a test once under each, so the portable
 # one is always tested.
-from kestrel_cli import kernels as _kernels   # noqa: E402
+from kestrel_cli.runtime import kernels as _kernels   # noqa: E402
 
 VARIANTS = _kernels.isa_variants()
 # The variant chosen at import, before any test switches: KESTREL_ISA's, else the best.

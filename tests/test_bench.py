@@ -1,4 +1,4 @@
-"""kestrel_cli/bench.py and `kestrel bench`: the table parses, rows are what was asked;
+"""kestrel_cli/apps/bench.py and `kestrel bench`: the table parses, rows are what was asked;
 the measurement scripts build and run. No timing assertions (only that rates are > 0)."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kestrel_cli import Engine
-from kestrel_cli.bench import model_weights, parse_table, render, run_bench
+from kestrel_cli.apps.bench import model_weights, parse_table, render, run_bench
 from kestrel_cli.cli import app
 from conftest import make_checkpoint
 

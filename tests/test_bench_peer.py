@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kestrel_cli.bench import BenchReport, BenchRow
+from kestrel_cli.apps.bench import BenchReport, BenchRow
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("bench_peer", ROOT / "scripts" / "bench_peer.py")

@@ -199,7 +199,7 @@ def test_real_kestrel_and_taskset(tmp_path, smollm2_path):
     assert r.returncode == 0, r.stderr
     head, rows = table(r.stdout)
     assert head == HEAD
-    from kestrel_cli.cpus import cpu_list
+    from kestrel_cli.core.cpus import cpu_list
     if len(allowed) >= 2:
         want = [["1", f"big:{allowed[-1]}"], ["1", f"little:{cpu_list(allowed[:-1])}"],
                 ["2", f"all:{cpu_list(allowed)}"]]

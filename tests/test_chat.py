@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kestrel_cli.chat import ChatSession, repl
+from kestrel_cli.apps.chat import ChatSession, repl
 from kestrel_cli.cli import EngineOptions, engine_from_options
-from kestrel_cli.timing import TURN_KEYS, TimingPrinter, parse_lines
+from kestrel_cli.inference.timing import TURN_KEYS, TimingPrinter, parse_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -22,7 +22,7 @@ GREEDY = dict(max_tokens=24, temperature=0.0)
 @pytest.fixture(scope="module", autouse=True)
 def parse_model_once():
     """The gguf reader takes seconds: parse the bundled model once for this module."""
-    import kestrel_cli.engine as engine_mod
+    import kestrel_cli.inference.engine as engine_mod
     memo = {}
 
     def once(path):

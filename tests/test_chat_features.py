@@ -110,9 +110,9 @@ from typer.testing import CliRunner  # noqa: E402
 
 from conftest import CORPUS, VOCAB, make_checkpoint  # noqa: E402
 from kestrel_cli import Engine  # noqa: E402
-from kestrel_cli import engine as engine_mod  # noqa: E402
+from kestrel_cli.inference import engine as engine_mod  # noqa: E402
 from kestrel_cli.cli import app  # noqa: E402
-from kestrel_cli.reasoning import DIM, RESET, AnswerSplitter, ThinkingView, split_answer  # noqa: E402
+from kestrel_cli.text.reasoning import DIM, RESET, AnswerSplitter, ThinkingView, split_answer  # noqa: E402
 from kestrel_cli.server.app import create_app  # noqa: E402
 
 TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
@@ -243,7 +243,7 @@ def test_qwen3_template_renders_as_transformers(eng, hf_tok, think, messages, to
 # ----------------------------------------------------------------------------- the CLI
 
 def _perf(out):
-    from kestrel_cli.timing import parse_lines
+    from kestrel_cli.inference.timing import parse_lines
     return parse_lines(out, "PERF")[0]
 
 
@@ -430,7 +430,7 @@ def test_chat_keeps_answers_without_their_thinking(eng, monkeypatch):
     the answer only, and the next turn's prompt is what transformers renders for it."""
     import io
 
-    from kestrel_cli.chat import ChatSession
+    from kestrel_cli.apps.chat import ChatSession
     from kestrel_cli.cli import ThinkingOptions
     scripted(monkeypatch, eng, "<think>\nPlan A.\n</think>\n\nHello!", "Fine.")
     out = io.StringIO()

@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from kestrel_cli import cli
 from kestrel_cli.cli import (EngineOptions, OutputOptions, SamplingOptions, app,
                              engine_from_options, with_options)
-from kestrel_cli.generate import Stats, TokenTiming
-from kestrel_cli.kv_cache import CacheSpec
-from kestrel_cli.timing import (DEC_KEYS, PERF_KEYS, TimingPrinter, format_dec, format_perf,
+from kestrel_cli.inference.generate import Stats, TokenTiming
+from kestrel_cli.runtime.kv_cache import CacheSpec
+from kestrel_cli.inference.timing import (DEC_KEYS, PERF_KEYS, TimingPrinter, format_dec, format_perf,
                                 parse_line, parse_lines)
 
 QUESTION = "What is the capital of France?"
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_model_once():
     """Parse the bundled GGUF once per module (the gguf reader takes seconds); each command
     still builds its Engine through Engine.from_pretrained with all its checks."""
-    import kestrel_cli.engine as engine_mod
-    import kestrel_cli.loader as loader_mod
+    import kestrel_cli.inference.engine as engine_mod
+    import kestrel_cli.models.loader as loader_mod
     real, memo = loader_mod.open_checkpoint, {}
 
     def once(path):
@@ -126,7 +126,7 @@ def test_default_context_is_the_model_s_capped():
     assert eng.config.max_position_embeddings == 8192 and eng.ctx_size == cli.DEFAULT_CTX_CAP
     assert engine_from_options(EngineOptions(ctx_size=100, threads=1)).ctx_size == 100
     # a model whose own context is shorter than the cap keeps its own
-    import kestrel_cli.engine as engine_mod
+    import kestrel_cli.inference.engine as engine_mod
     real = engine_mod.open_checkpoint
 
     def short(path):
@@ -147,8 +147,8 @@ LONG = "word " * 200
 def test_engine_and_cli_share_one_validation():
     """The library and the flags fail on the same values with the same message, before
     any file is read; the context cap is an Engine option."""
-    from kestrel_cli.engine import Engine, LoadOptions, default_threads
-    from kestrel_cli.errors import KestrelError
+    from kestrel_cli.inference.engine import Engine, LoadOptions, default_threads
+    from kestrel_cli.core.errors import KestrelError
     for kw, needle in ((dict(threads=0), "-t/--threads must be >= 1, got 0"),
                        (dict(ctx_size=0), "-c/--ctx-size must be >= 1, got 0"),
                        (dict(sparse_k=0), "--sparse-k must be >= 1, got 0"),
@@ -292,7 +292,7 @@ def test_info():
     assert fields["weights memory"].endswith("MiB")
     assert fields["chat template"] == "yes"
     assert "eos='<|im_end|>'" in fields["special tokens"]
-    from kestrel_cli import kernels
+    from kestrel_cli.runtime import kernels
     assert fields["kernels"].startswith(f"{kernels.isa()} (this CPU runs "
                                         f"{', '.join(kernels.isa_variants())};")
 

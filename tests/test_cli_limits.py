@@ -138,7 +138,7 @@ def test_thread_cap_rule(monkeypatch):
     with pytest.raises(cli.KestrelError, match="at most 64"):
         cli.EngineOptions(threads=65).check()
     # the library refuses them too, before any file is read (it used to segfault in libgomp)
-    from kestrel_cli.engine import Engine
+    from kestrel_cli.inference.engine import Engine
     for kw, needle in ((dict(threads=65), "-t/--threads must be at most 64"),
                        (dict(ctx_size=cli.MAX_CTX + 1), "-c/--ctx-size must be at most")):
         with pytest.raises(cli.KestrelError, match=needle):

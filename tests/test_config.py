@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kestrel_cli import Engine, KestrelError
-from kestrel_cli.config import Config
+from kestrel_cli.formats.config import Config
 from conftest import make_checkpoint
 
 # config.json as published on the Hugging Face hub (vision_config of Qwen3-VL left out)
@@ -188,7 +188,7 @@ def _gguf(path, rope_dim=4, scaling=None, extra_tensor=None):
     (dict(extra_tensor="blk.0.attn_q_lora.weight"), "blk.0.attn_q_lora.weight"),
 ])
 def test_gguf_keys_the_model_would_ignore_are_refused(tmp_path, kw, needle):
-    from kestrel_cli.loader import open_checkpoint
+    from kestrel_cli.models.loader import open_checkpoint
     path = _gguf(tmp_path / "m.gguf", **kw)
     with pytest.raises(KestrelError) as e:
         open_checkpoint(path)

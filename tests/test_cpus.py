@@ -1,4 +1,4 @@
-"""kestrel_cli.cpus: the fast cores of a big.LITTLE CPU from fake sysfs trees, the thread
+"""kestrel_cli.core.cpus: the fast cores of a big.LITTLE CPU from fake sysfs trees, the thread
 plan for the default and for -t, and pinning (checked on this machine's threads)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kestrel_cli import cpus
-from kestrel_cli.cpus import cpu_list, plan, topology
+from kestrel_cli.core import cpus
+from kestrel_cli.core.cpus import cpu_list, plan, topology
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -253,7 +253,7 @@ def big_little(tmp_path):
 def test_default_load_pins_every_thread_to_the_big_core(tmp_path, big_little):
     allowed, big, root = big_little
     code = MASKS + """
-from kestrel_cli.engine import Engine, LoadOptions, default_threads
+from kestrel_cli.inference.engine import Engine, LoadOptions, default_threads
 eng = Engine.load(None, LoadOptions())
 cache = eng.make_cache(64)
 eng.model([1, 2, 3, 4, 5, 6, 7, 8], cache)
@@ -272,7 +272,7 @@ def test_more_threads_than_big_cores_run_unpinned(tmp_path, big_little):
     allowed, big, root = big_little
     # a first engine pins to the big core, a second with -t 2 goes back to every CPU
     code = MASKS + """
-from kestrel_cli.engine import Engine, LoadOptions
+from kestrel_cli.inference.engine import Engine, LoadOptions
 a = Engine.load(None, LoadOptions())
 a.model([1, 2, 3], a.make_cache(16))
 first = masks()

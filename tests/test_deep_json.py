@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kestrel_cli.constrained import MAX_JSON_DEPTH, JsonConstraint, too_deep
-from kestrel_cli.errors import KestrelError
+from kestrel_cli.text.constrained import MAX_JSON_DEPTH, JsonConstraint, too_deep
+from kestrel_cli.core.errors import KestrelError
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = "/v1/chat/completions"
@@ -230,7 +230,7 @@ def test_deep_arguments_in_the_models_answer_are_no_tool_call(depth):
     """A model answer whose <tool_call> arguments nest past the limit (a JSON string parsed
     deeper than Python's recursion limit used to raise RecursionError in the reply) is text,
     not a call; the same call nested within the limit is one."""
-    from kestrel_cli.reasoning import parse_tool_call
+    from kestrel_cli.text.reasoning import parse_tool_call
     inner = '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
     for args in (json.dumps(inner), inner if depth < 1000 else json.dumps(inner)):
         assert parse_tool_call('{"name": "f", "arguments": ' + args + "}") is None

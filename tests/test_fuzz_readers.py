@@ -179,7 +179,7 @@ def st_seed(tmp_path_factory):
 
 
 def safetensors_target(path: Path):
-    from kestrel_cli.loader import TensorStore, _open_safetensors
+    from kestrel_cli.models.loader import TensorStore, _open_safetensors
     store = TensorStore()
     _open_safetensors(path, store)
     for name, (fmt, raw, shape, _) in list(store.entries.items()):
@@ -248,7 +248,7 @@ def index_dir(tmp_path_factory):
 @given(data=st.data())
 @fuzz(800)
 def test_index(index_dir, data):
-    from kestrel_cli.loader import shard_files
+    from kestrel_cli.models.loader import shard_files
     if data.draw(st.integers(0, 4)):
         wm = data.draw(st.dictionaries(st.text(max_size=8), SHARD_NAMES, max_size=4))
         index = {"metadata": data.draw(JSON_VALUE), "weight_map": wm}
@@ -287,7 +287,7 @@ NUMBERS = (st.sampled_from(INTERESTING) | st.integers(-5, 5) | st.floats(allow_n
 
 
 def config_target(raw):
-    from kestrel_cli.loader import config_of
+    from kestrel_cli.models.loader import config_of
     cfg = config_of(raw, Path("config.json"))
     inv, scale = cfg.rope_inv_freq()
     assert inv.shape == (cfg.head_dim // 2,) and np.isfinite(inv).all() and math.isfinite(scale)
@@ -318,7 +318,7 @@ def test_config(data):
 @given(rng=SEEDS)
 @fuzz(800)
 def test_config_file_bytes(tmp_path_factory, rng):
-    from kestrel_cli.loader import read_json_object
+    from kestrel_cli.models.loader import read_json_object
     path = tmp_path_factory.getbasetemp() / "config.json"
     path.write_bytes(mutate(rng, json.dumps(BASE_CONFIG).encode()))
     clean(lambda: config_target(read_json_object(path)), "config.json")
@@ -336,7 +336,7 @@ def image_seeds():
 
 
 def image_target(data: bytes):
-    from kestrel_cli.images import ImageConfig, load_image, preprocess
+    from kestrel_cli.models.images import ImageConfig, load_image, preprocess
     img = load_image(data)
     cfg = ImageConfig(min_pixels=256, max_pixels=4096)
     out = preprocess(img, cfg)
@@ -369,10 +369,10 @@ def test_corpus(case, tmp_path, index_dir):
         clean(lambda: safetensors_target(case), case.name)
     elif kind == "index":
         shutil.copy(case, index_dir / "model.safetensors.index.json")
-        from kestrel_cli.loader import shard_files
+        from kestrel_cli.models.loader import shard_files
         clean(lambda: shard_files(index_dir), "model.safetensors.index.json")
     elif kind == "config":
-        from kestrel_cli.loader import read_json_object
+        from kestrel_cli.models.loader import read_json_object
         p = tmp_path / "config.json"
         shutil.copy(case, p)
         clean(lambda: config_target(read_json_object(p)), "config.json")

@@ -16,11 +16,14 @@ import torch
 from typer.testing import CliRunner
 
 from conftest import CORPUS, VOCAB, make_checkpoint, rand_ids
-from kestrel_cli import Engine, gguf_export, kernels, kquants
+from kestrel_cli import Engine
+from kestrel_cli.apps import gguf_export
+from kestrel_cli.runtime import kernels
+from kestrel_cli.formats import kquants
 from kestrel_cli.cli import app
-from kestrel_cli.engine import LoadOptions
-from kestrel_cli.loader import _hf_name, _unpermute_rows, open_checkpoint
-from kestrel_cli.quantize import is_file_mapped
+from kestrel_cli.inference.engine import LoadOptions
+from kestrel_cli.models.loader import _hf_name, _unpermute_rows, open_checkpoint
+from kestrel_cli.core.osmem import is_file_mapped
 
 # the tiny shapes, at hidden 256 so rows are whole K-quant super-blocks
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -255,7 +258,7 @@ def test_tensor_mix_as_llama_quantize(files, ckpts, t, tmp_path):
 @pytest.mark.parametrize("t", ["q4_k_m", "q5_k_m", "q6_k", "q4_0"])
 def test_tensor_mix_at_28_layers(t):
     """Qwen3-1.7B's shape (28 layers, tied): the layers llama-quantize bumps to Q6_K."""
-    from kestrel_cli.config import Config
+    from kestrel_cli.formats.config import Config
     cfg = Config(model_type="qwen3", hidden_size=2048, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                  intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True)
@@ -331,7 +334,7 @@ def test_pre_tokenizers(tmp_path, split, name):
     """Qwen2's and Llama 3's split regexes and SmolLM's digit split are named as llama.cpp
     names them, and Kestrel's GGUF tokenizer then splits as tokenizer.json does."""
     from tokenizers import Regex, Tokenizer, pre_tokenizers
-    from kestrel_cli import tokenizer as T
+    from kestrel_cli.text import tokenizer as T
     make_checkpoint(tmp_path / "ck", "qwen3", head_dim=16, num_hidden_layers=1)
     tok = Tokenizer.from_file(str(tmp_path / "ck" / "tokenizer.json"))
     if split == "digits":

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from kestrel_cli import Engine, KestrelError
-from kestrel_cli.engine import LoadOptions
-from kestrel_cli.loader import open_checkpoint
+from kestrel_cli.inference.engine import LoadOptions
+from kestrel_cli.models.loader import open_checkpoint
 from conftest import assert_prefill_then_decode_equals_full, make_checkpoint, rand_ids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_routing_reads_only_the_selected_experts(moe, monkeypatch):
     """Decode multiplies by the weights of top_k experts per sparse layer, no others; prefill
     runs each sparse layer's experts in one call, each expert at most once with all of its
     tokens grouped, and never the per-expert projections."""
-    from kestrel_cli import kernels
+    from kestrel_cli.runtime import kernels
     d, _, dense = moe
     eng = Engine.from_pretrained(d / "m.q8_0.gguf", threads=1)
     sparse = [i for i in range(len(eng.model.layers)) if i not in dense]
@@ -313,7 +313,7 @@ def test_experts_repacked_at_load_when_they_fit(moe, monkeypatch):
     the row-major experts up to summation order (the x16 int8 dot is the prefill GEMM's).
     When the weights would not fit the memory available, the experts are read from the file
     as stored, never copied, and the engine says so in one notice."""
-    from kestrel_cli import osmem
+    from kestrel_cli.core import osmem
     d, _, dense = moe
     ids = rand_ids(30, seed=4)
     for act in ("q8", "f32"):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kestrel_cli import Engine, KestrelError
-from kestrel_cli.loader import _gguf_reader
+from kestrel_cli.models.loader import _gguf_reader
 
 
 def _same(path):

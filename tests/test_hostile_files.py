@@ -147,7 +147,7 @@ def test_config_values(good, tmp_path, over, field):
 
 
 def test_moe_config_values():
-    from kestrel_cli.config import Config
+    from kestrel_cli.formats.config import Config
     base = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_experts=4, num_experts_per_tok=2,
                 moe_intermediate_size=32)
@@ -238,7 +238,7 @@ def test_malformed_index(good, tmp_path, index, needle):
 # ------------------------------------------------------------------ GGUF
 
 def _gguf_error(tmp_path, data: bytes) -> str:
-    from kestrel_cli.loader import open_checkpoint
+    from kestrel_cli.models.loader import open_checkpoint
     p = tmp_path / "bad.gguf"
     p.write_bytes(data)
     msg = one_line_error(lambda: open_checkpoint(p))
@@ -339,7 +339,7 @@ def test_gguf_stock_error_reads_like_numpy_no_more(tmp_path):
 # ------------------------------------------------------------------ images
 
 def _image_error(src) -> str:
-    from kestrel_cli.images import load_image
+    from kestrel_cli.models.images import load_image
     return one_line_error(lambda: load_image(src))
 
 
@@ -352,7 +352,7 @@ def test_image_decompression_bomb_header(w, h):
 def test_pillow_limits_are_set_explicitly():
     from PIL import Image, ImageFile
 
-    from kestrel_cli import images
+    from kestrel_cli.models import images
     Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = None, True   # as another library might
     try:
         assert "too large" in _image_error(png_header_only(12_000, 12_000))
@@ -379,7 +379,7 @@ def test_truncated_and_garbled_images(fmt):
     ({"rescale_factor": "x"}, "rescale_factor"),
 ])
 def test_preprocessor_config_values(tmp_path, over, field):
-    from kestrel_cli.images import ImageConfig
+    from kestrel_cli.models.images import ImageConfig
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(over))
     msg = one_line_error(lambda: ImageConfig.from_dir(tmp_path))
     assert "preprocessor_config.json" in msg and field in msg
@@ -416,7 +416,7 @@ ESCAPES = [
 
 @pytest.fixture(scope="module")
 def tok(good):
-    from kestrel_cli.tokenizer import Tokenizer
+    from kestrel_cli.text.tokenizer import Tokenizer
     return Tokenizer.from_dir(good)
 
 
@@ -505,7 +505,7 @@ def test_model_files_linked_outside_the_directory(good, tmp_path, name):
 
 
 def test_preprocessor_config_linked_outside(tmp_path):
-    from kestrel_cli.images import ImageConfig
+    from kestrel_cli.models.images import ImageConfig
     (tmp_path / "m").mkdir()
     (tmp_path / "elsewhere.json").write_text(json.dumps({"patch_size": 16}))
     (tmp_path / "m" / "preprocessor_config.json").symlink_to(tmp_path / "elsewhere.json")
@@ -516,7 +516,7 @@ def test_preprocessor_config_linked_outside(tmp_path):
 def test_quantize_does_not_write_through_a_planted_part_link(good, tmp_path):
     """OUT.part planted as a link to a victim file: the victim keeps its bytes, OUT is a new
     regular file (the link was neither written through nor renamed into place)."""
-    from kestrel_cli.gguf_export import quantize_checkpoint
+    from kestrel_cli.apps.gguf_export import quantize_checkpoint
     victim, out = tmp_path / "victim.txt", tmp_path / "m.gguf"
     victim.write_bytes(b"precious")
     (tmp_path / "m.gguf.part").symlink_to(victim)
@@ -540,7 +540,7 @@ def test_quantize_sigterm_removes_the_partial_file(good, tmp_path):
     import kestrel_cli
     out, part = tmp_path / "m.gguf", tmp_path / "m.gguf.part"
     out.write_bytes(b"old")
-    slow = ("import sys, time; import kestrel_cli.gguf_export as g; real = g.quantize_rows; "
+    slow = ("import sys, time; import kestrel_cli.apps.gguf_export as g; real = g.quantize_rows; "
             "g.quantize_rows = lambda x, q: (time.sleep(0.2), real(x, q))[1]; "
             "from kestrel_cli.cli import main; sys.argv = ['kestrel'] + sys.argv[1:]; main()")
     code = str(Path(kestrel_cli.__file__).parents[1])
@@ -572,7 +572,7 @@ def test_quantize_sigterm_removes_the_partial_file(good, tmp_path):
 def test_non_finite_weights_refused_when_sampling(tmp_path, tensor, value, temp):
     """NaN/Inf weights give NaN/Inf logits: one ModelError naming the file and the position,
     never a silent argmax over NaN (greedy) or numpy's ValueError (sampling)."""
-    from kestrel_cli.errors import ModelError
+    from kestrel_cli.core.errors import ModelError
     p = write_gguf(tmp_path / "nan.gguf", hidden=4, ff=4, heads=2, q8=False,
                    poison={tensor: value})
     eng = Engine.from_pretrained(p, threads=1)
@@ -645,7 +645,7 @@ def test_config_absurd_head_counts(good, tmp_path, over, field):
     {"dtype": "F" * 100_000},
 ])
 def test_safetensors_echoes_are_bounded(tmp_path, entry):
-    from kestrel_cli.loader import TensorStore, _open_safetensors
+    from kestrel_cli.models.loader import TensorStore, _open_safetensors
     from hostile_seeds import write_safetensors
     p = write_safetensors(tmp_path / "x.safetensors")
     header, body = split_safetensors(p.read_bytes())
@@ -665,7 +665,7 @@ def test_huge_integers_in_json(good, tmp_path, digits):
     """A 4000-digit dimension was echoed whole (8 KB); past Python's 4300-digit limit on
     int parsing json raised a bare ValueError (a traceback), in config.json too."""
     import shutil
-    from kestrel_cli.loader import TensorStore, _open_safetensors
+    from kestrel_cli.models.loader import TensorStore, _open_safetensors
     from hostile_seeds import write_safetensors
     p = write_safetensors(tmp_path / "x.safetensors")
     header, body = split_safetensors(p.read_bytes())
@@ -696,7 +696,7 @@ def test_long_gguf_names_are_cut(tmp_path):
 
 
 def test_long_tensor_name_is_cut(tmp_path):
-    from kestrel_cli.loader import TensorStore, _open_safetensors
+    from kestrel_cli.models.loader import TensorStore, _open_safetensors
     from hostile_seeds import write_safetensors
     name = "w" * 100_000
     p = write_safetensors(tmp_path / "x.safetensors", {name: np.zeros((4, 32), np.float32)})

@@ -18,9 +18,9 @@ from PIL import Image
 
 from conftest import Decoded
 from hostile_seeds import image_bytes, png_header_only
-from kestrel_cli import images
-from kestrel_cli.errors import KestrelError
-from kestrel_cli.images import ImageConfig, load_image, preprocess
+from kestrel_cli.models import images
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.models.images import ImageConfig, load_image, preprocess
 
 ACCEPTED = ["PNG", "JPEG", "WEBP", "GIF", "BMP"]
 
@@ -64,7 +64,7 @@ def one_line(fn) -> str:
 
 @pytest.mark.parametrize("fmt", ACCEPTED)
 def test_probe_reads_the_header_only(fmt, tmp_path, no_decoding):
-    from kestrel_cli.images import ImageHeader, probe_image
+    from kestrel_cli.models.images import ImageHeader, probe_image
     data = image_bytes(fmt, (40, 30), "L" if fmt == "GIF" else "RGB")
     f = tmp_path / f"x.{fmt.lower()}"
     f.write_bytes(data)
@@ -82,7 +82,7 @@ def test_probe_reads_the_header_only(fmt, tmp_path, no_decoding):
     (png_header_only(0, 10), "image"),
 ], ids=["bomb-9000x9000", "1x99000000", "1x20000", "30000x100", "0x10"])
 def test_probe_and_load_refuse_from_the_header(data, needle, no_decoding):
-    from kestrel_cli.images import probe_image
+    from kestrel_cli.models.images import probe_image
     assert needle in one_line(lambda: probe_image(data))
     assert needle in one_line(lambda: load_image(data))
     assert needle in one_line(lambda: load_image(data_url(data)))
@@ -91,7 +91,7 @@ def test_probe_and_load_refuse_from_the_header(data, needle, no_decoding):
 
 def test_aspect_limit_is_the_processors(no_decoding):
     """transformers' smart_resize raises past a max/min side ratio of 200: 200 passes."""
-    from kestrel_cli.images import probe_image
+    from kestrel_cli.models.images import probe_image
     assert probe_image(png_bomb(2000, 10)).width == 2000
     assert "aspect ratio" in one_line(lambda: probe_image(png_bomb(2010, 10)))
 
@@ -217,7 +217,7 @@ def test_decode_cost_bounds_grow_with_size():
 
 RSS_PROBE = """
 import gc, sys
-from kestrel_cli.images import ImageConfig, prepare, probe_image
+from kestrel_cli.models.images import ImageConfig, prepare, probe_image
 def kib(key):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
 cfg = ImageConfig()

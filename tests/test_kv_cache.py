@@ -1,14 +1,14 @@
-"""kestrel_cli/kv_cache.py: the cache attends as its spec says (the kernel entry, the
+"""kestrel_cli/runtime/kv_cache.py: the cache attends as its spec says (the kernel entry, the
 format, the sparse settings, importance only from prefill); CacheSpec checks itself."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
-from kestrel_cli.errors import KestrelError
-from kestrel_cli.kv_cache import CacheSpec, KVCache
-from kestrel_cli.sparse import importance_order
+from kestrel_cli.runtime import kernels
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
+from kestrel_cli.runtime.sparse import importance_order
 
 N_KV, HD, N_HEADS = 2, 32, 4
 
@@ -99,7 +99,7 @@ def test_blocks_come_from_the_pool(dtype, monkeypatch):
     (CHUNK made small here); a trim gives its blocks back and the next growth takes them
     again, the kept tokens untouched; a reset starts a new pool. K and V read back as
     written through it all."""
-    from kestrel_cli.kv_cache import BlockPool
+    from kestrel_cli.runtime.kv_cache import BlockPool
     n_kv, hd, L = 4, 128, 2
     c = KVCache(L, n_kv, hd, 64 * 32, CacheSpec(dtype), threads=2)
     stride = -(-c.block_bytes // 64) * 64

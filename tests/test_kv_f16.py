@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from kestrel_cli import cli, kernels
-from kestrel_cli.engine import LoadOptions
-from kestrel_cli.errors import KestrelError
-from kestrel_cli.kv_cache import CacheSpec, KVCache
-from kestrel_cli.timing import parse_lines
+from kestrel_cli import cli
+from kestrel_cli.runtime import kernels
+from kestrel_cli.inference.engine import LoadOptions
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
+from kestrel_cli.inference.timing import parse_lines
 
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
-from kestrel_cli.kv_cache import CacheSpec, KVCache
+from kestrel_cli.runtime import kernels
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
 
 # Plain English prose (written for these tests), repeated to the length needed.
 TEXT = (

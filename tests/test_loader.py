@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from kestrel_cli import Engine, KestrelError
-from kestrel_cli.config import Config
+from kestrel_cli.formats.config import Config
 from conftest import make_checkpoint
 
 

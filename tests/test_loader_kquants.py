@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kestrel_cli import Engine
-from kestrel_cli.weights import BLOCK_BYTES, BLOCK_ELEMS
+from kestrel_cli.formats.weights import BLOCK_BYTES, BLOCK_ELEMS
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = [5, 17, 300, 2, 999, 40, 41]
@@ -35,7 +35,7 @@ def _script():
 def random_blocks(fmt: str, shape, rng, std: float = 0.05) -> np.ndarray:
     """Random valid `fmt` rows (d, n) whose values have about `std`: random bytes, then the
     f16 scale fields (the values are linear in them) set to give that spread."""
-    from kestrel_cli.weights import dequantize
+    from kestrel_cli.formats.weights import dequantize
     d, n = shape
     nb = n // BLOCK_ELEMS[fmt]
     raw = rng.integers(0, 256, size=(d, nb, BLOCK_BYTES[fmt]), dtype=np.uint8)
@@ -52,7 +52,7 @@ def random_blocks(fmt: str, shape, rng, std: float = 0.05) -> np.ndarray:
 def write(path: Path, tensors: dict, as_f32: bool) -> None:
     """A two-layer qwen3 GGUF of `tensors` (GGUF name -> (fmt, raw or float32 array))."""
     import gguf
-    from kestrel_cli.weights import dequantize
+    from kestrel_cli.formats.weights import dequantize
     mrc = _script()
     w = gguf.GGUFWriter(path, "qwen3")
     w.add_context_length(512)

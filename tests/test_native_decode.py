@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import make_checkpoint, rand_ids
-from kestrel_cli import kernels as K
-from kestrel_cli.engine import Engine, LoadOptions
+from kestrel_cli.runtime import kernels as K
+from kestrel_cli.inference.engine import Engine, LoadOptions
 
 
 @pytest.fixture(scope="module")

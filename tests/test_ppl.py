@@ -1,4 +1,4 @@
-"""kestrel_cli.ppl and `kestrel ppl`: perplexity in windows of the context size, and the
+"""kestrel_cli.apps.ppl and `kestrel ppl`: perplexity in windows of the context size, and the
 mean KL divergence from exact float32 attention (--kld-ref), on the bundled SmolLM2."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kestrel_cli.cli import app
-from kestrel_cli.kv_cache import CacheSpec
-from kestrel_cli.ppl import perplexity, windows
+from kestrel_cli.runtime.kv_cache import CacheSpec
+from kestrel_cli.apps.ppl import perplexity, windows
 from test_kv_q8 import TEXT
 
 CTX = 64

@@ -2,7 +2,7 @@
 same dequantised weights.
 
 With float32 activations (act="f32", the exact path), once transformers' weights are
-replaced by dequantise(quantise(w)) (the NumPy references in kestrel_cli.weights) the two
+replaced by dequantise(quantise(w)) (the NumPy references in kestrel_cli.formats.weights) the two
 compute the same function: the tolerance is the fp32 parity one of test_models (1e-4 on logits).
 Block-format GGUF tensors are used as stored, never requantised.
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kestrel_cli import Engine
-from kestrel_cli.errors import KestrelError
-from kestrel_cli.weights import dequantize, quantize_q4_0, quantize_q8_0
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.formats.weights import dequantize, quantize_q4_0, quantize_q8_0
 from conftest import VOCAB, make_checkpoint, rand_ids
 
 ATOL = 1e-4
@@ -75,7 +75,7 @@ def test_bf16_checkpoint_quantised(tmp_path):
 
 def test_quant_memory_is_the_quantised_size(tmp_path):
     """The engine holds q8_0 weights: 34 bytes per 32 values instead of 128 (f32)."""
-    from kestrel_cli.bench import model_weights
+    from kestrel_cli.apps.bench import model_weights
     make_checkpoint(tmp_path, "llama")
     f32 = model_weights(Engine.from_pretrained(tmp_path, threads=1).model)
     q8 = model_weights(Engine.from_pretrained(tmp_path, threads=1, quant="q8").model)
@@ -99,7 +99,7 @@ def test_bad_quant_value(tmp_path):
 def test_drop_pages_keeps_the_data(tmp_path):
     """Dropping a read-only mapping's pages only releases memory: the data reads back;
     other memory, a huge_buffer's anonymous mapping included, is left alone."""
-    from kestrel_cli.quantize import drop_pages
+    from kestrel_cli.core.osmem import drop_pages
     a = np.arange(1 << 20, dtype=np.float32)
     a.tofile(tmp_path / "a.bin")
     m = np.memmap(tmp_path / "a.bin", dtype=np.float32, mode="r")
@@ -107,7 +107,7 @@ def test_drop_pages_keeps_the_data(tmp_path):
     drop_pages(m[4096:])
     drop_pages(a)                                   # not a mapping: no-op
     np.testing.assert_array_equal(m, a)
-    from kestrel_cli import kernels
+    from kestrel_cli.runtime import kernels
     h = kernels.huge_buffer(4 << 20)                # an anonymous mapping is no file's:
     h[:] = 5                                        # dropping its pages would zero them
     drop_pages(h[4096:])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kestrel_cli import Engine
-from kestrel_cli.loader import open_checkpoint
+from kestrel_cli.models.loader import open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = [5, 17, 300, 2, 999, 40, 41]

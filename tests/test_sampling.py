@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from kestrel_cli import KestrelError, make_sampler
-from kestrel_cli.generate import _stop_cut
-from kestrel_cli.sampling import apply_repetition_penalty
+from kestrel_cli.inference.generate import _stop_cut
+from kestrel_cli.inference.sampling import apply_repetition_penalty
 
 LOGITS = np.log(np.array([0.05, 0.5, 0.2, 0.15, 0.1], dtype=np.float32))
 
@@ -115,7 +115,7 @@ def test_prompt_cache_reuse(smollm2_engine):
 def test_non_finite_logits_refused(bad, temp):
     """Greedy argmax over NaN picked a token silently; sampling raised numpy's ValueError
     (an HTTP 500 with no explanation): both are one ModelError now."""
-    from kestrel_cli.errors import ModelError
+    from kestrel_cli.core.errors import ModelError
     x = LOGITS.copy()
     x[3] = bad
     with pytest.raises(ModelError, match="non-finite logits"):
@@ -123,8 +123,8 @@ def test_non_finite_logits_refused(bad, temp):
 
 
 def test_check_logits_names_the_position_and_file():
-    from kestrel_cli.errors import ModelError
-    from kestrel_cli.sampling import check_logits
+    from kestrel_cli.core.errors import ModelError
+    from kestrel_cli.inference.sampling import check_logits
     check_logits(LOGITS, 5)
     x = LOGITS.copy()
     x[0] = -np.inf                                  # from the model: corrupt too
@@ -153,7 +153,7 @@ def test_extreme_repeat_penalty_stays_finite(penalty):
     """Any positive repeat_penalty is valid; an extreme one must not overflow a penalised
     logit to +-inf (which the samplers refuse as a corrupt model: a 500 in the server): the
     largest finite value makes the same choice."""
-    from kestrel_cli.sampling import apply_repetition_penalty
+    from kestrel_cli.inference.sampling import apply_repetition_penalty
     row = np.array([3.0, -2.0, 1.0, 0.5], np.float32)
     apply_repetition_penalty(row, [0, 1], penalty)
     assert np.isfinite(row).all(), row

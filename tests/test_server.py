@@ -438,7 +438,7 @@ def test_concurrent_clients_and_a_disconnect(server, http):
 def test_scheduler_parallel_slots_and_prefix_affinity():
     """--parallel N: N engines generate at once; a prompt goes to the idle engine whose
     KV cache shares its longest prefix (fake engines, no model)."""
-    from kestrel_cli.generate import Chunk, Stats
+    from kestrel_cli.inference.generate import Chunk, Stats
     from kestrel_cli.server import APIError, Job, Scheduler
 
     class FakeEngine:
@@ -556,7 +556,7 @@ def test_serve_bad_flags_are_one_line(args, needle):
 def test_logprobs_are_log_softmax_of_the_logits(client, http, smollm2_exact):
     """Greedy: each token's logprob and top_logprobs equal log-softmax of Engine.logits over
     the prompt and the tokens before it; streamed, and /v1/completions' legacy shape, the same."""
-    from kestrel_cli.generate import log_softmax
+    from kestrel_cli.inference.generate import log_softmax
     eng = smollm2_exact                              # act="f32", as the server (fixture)
     msgs = [{"role": "user", "content": QUESTION}]
     r = client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0,
@@ -605,7 +605,7 @@ def test_logit_bias_and_penalties(client, smollm2_exact):
     assert r.choices[0].logprobs.content[0].token != first
     # penalties: the server's greedy answer is the one Engine.logits gives with OpenAI's
     # formula applied to the tokens generated so far
-    from kestrel_cli.generate import adjust_logits
+    from kestrel_cli.inference.generate import adjust_logits
 
     def greedy(presence, frequency):
         ids, gen = eng.encode_prompt(msgs), []
@@ -627,7 +627,7 @@ def test_logit_bias_and_penalties(client, smollm2_exact):
 
 
 def test_adjust_logits_is_openai_s_formula():
-    from kestrel_cli.generate import adjust_logits
+    from kestrel_cli.inference.generate import adjust_logits
     row = np.zeros(6, dtype=np.float32)
     adjust_logits(row, {5: 3.0, 0: -1.0}, 0.5, 0.25, [1, 1, 2, 1])
     assert row.tolist() == [-1.0, -(0.5 + 0.75), -(0.5 + 0.25), 0.0, 0.0, 3.0]

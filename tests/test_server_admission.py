@@ -42,7 +42,7 @@ def test_a_prompt_far_over_the_context_is_tokenised_only_in_part(smollm2_engine,
     """The tokenizer never sees the whole of a 200K-character prompt (under the character cap)
     for an 8192-token context: it is refused after a piece or two, as 'at least N tokens'."""
     from kestrel_cli.server import create_app
-    from kestrel_cli.tokenizer import COUNT_CHUNK_CHARS
+    from kestrel_cli.text.tokenizer import COUNT_CHUNK_CHARS
     from conftest import record_tokenised
     tiny = smollm2_engine
     seen = record_tokenised(monkeypatch, tiny.tokenizer)
@@ -264,7 +264,7 @@ def test_bomb_images_are_refused_before_any_is_decoded(vl_engine, no_decoding):
     vision tower. A small image in the same server is answered."""
     from test_images_hostile import data_url, eps_bytes, png_bomb
 
-    from kestrel_cli.images import MAX_IMAGES_PER_PROMPT
+    from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT
     from kestrel_cli.server import create_app
     bomb, small, wide = (data_url(png_bomb(9000, 9000)), data_url(png_bomb(64, 64)),
                          data_url(png_bomb(4000, 4000)))
@@ -298,7 +298,7 @@ def test_image_cost_is_leased(vl_engine, monkeypatch):
                                                 max_request_memory=cost + 64 * MiB))
     app.state.budget.used = 64 * MiB
     decoded = []
-    monkeypatch.setattr("kestrel_cli.images.prepare",
+    monkeypatch.setattr("kestrel_cli.models.images.prepare",
                         lambda *a, **k: decoded.append(1) or (_ for _ in ()).throw(
                             AssertionError("decoded")))
     r, = post_all(app, [(CHAT, image_chat([big]))])

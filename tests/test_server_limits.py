@@ -280,7 +280,7 @@ def test_max_tokens_is_capped_by_the_context(tiny):
 
 
 def test_schema_compile_time_is_bounded(tiny, monkeypatch):
-    from kestrel_cli import constrained
+    from kestrel_cli.text import constrained
     from kestrel_cli.server import Limits, create_app
     real = constrained.JsonConstraint.__init__
 
@@ -296,7 +296,7 @@ def test_schema_compile_time_is_bounded(tiny, monkeypatch):
 def test_errors_carry_no_local_path_or_traceback(tiny, tmp_path, monkeypatch):
     """A KestrelError naming a file and an unexpected exception naming one: the reply names
     the file alone, never the folders it lives in, and never a traceback."""
-    from kestrel_cli.errors import KestrelError
+    from kestrel_cli.core.errors import KestrelError
     from kestrel_cli.server import create_app
     secret = tmp_path / "private" / "dir"
     secret.mkdir(parents=True)

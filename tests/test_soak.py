@@ -87,7 +87,7 @@ def test_sigkill_during_quantize_leaves_no_partial_out(tmp_path):
     make_checkpoint(src, "qwen3")
     out.write_bytes(b"old")
     part = tmp_path / "m.gguf.part"
-    slow = ("import sys, time; import kestrel_cli.gguf_export as g; real = g.quantize_rows; "
+    slow = ("import sys, time; import kestrel_cli.apps.gguf_export as g; real = g.quantize_rows; "
             "g.quantize_rows = lambda x, q: (time.sleep(0.2), real(x, q))[1]; "
             "from kestrel_cli.cli import main; sys.argv = ['kestrel'] + sys.argv[1:]; main()")
     args = ["quantize", str(src), str(out), "--type", "q8_0", "-t", "1"]
@@ -102,7 +102,7 @@ def test_sigkill_during_quantize_leaves_no_partial_out(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert out.read_bytes() == b"old"                  # never a half-written OUT
-    from kestrel_cli.gguf_export import quantize_checkpoint
+    from kestrel_cli.apps.gguf_export import quantize_checkpoint
     quantize_checkpoint(src, out, "q8_0", threads=1)
     assert not part.exists() and out.stat().st_size > 1000
     eng = Engine.from_pretrained(out, threads=1, ctx_size=32)

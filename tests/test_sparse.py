@@ -1,5 +1,5 @@
 """Block-sparse attention (docs/DESIGN.md §3 Sparse selection):
-kestrel_cli.sparse.select_blocks against a plain-Python transcription of the design doc's
+kestrel_cli.runtime.sparse.select_blocks against a plain-Python transcription of the design doc's
 steps, the C kernel's picks against select_blocks, and
 the engine-level contract on the bundled SmolLM2 (determinism, k >= n_blocks exact,
 ~2K-token chat prompt: k = 32 keeps the greedy answer, k = 1 loses it)."""
@@ -10,9 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
-from kestrel_cli.kv_cache import CacheSpec
-from kestrel_cli.sparse import importance_order, select_blocks
+from kestrel_cli.runtime import kernels
+from kestrel_cli.runtime.kv_cache import CacheSpec
+from kestrel_cli.runtime.sparse import importance_order, select_blocks
 
 BS = 32
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kestrel_cli.kv_cache import CacheSpec, KVCache
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("sparse_eval", ROOT / "scripts" / "sparse_eval.py")

@@ -1,18 +1,18 @@
 """The sparse selection's options (docs/DESIGN.md §3 Options): sink block, bound probe,
 dense layers, one selection per kv head, exact prefill, presets. Each against a NumPy
-reference (kestrel_cli.sparse) or exact attention; the plain selection stays §3's
+reference (kestrel_cli.runtime.sparse) or exact attention; the plain selection stays §3's
 (tests/test_sparse.py)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
-from kestrel_cli.engine import LoadOptions
-from kestrel_cli.errors import KestrelError
-from kestrel_cli.kv_cache import CacheSpec, KVCache
-from kestrel_cli.sparse import PRESETS
-from kestrel_cli.sparse import (bound_scores, importance_order, key_bounds, key_bounds_q8,
+from kestrel_cli.runtime import kernels
+from kestrel_cli.inference.engine import LoadOptions
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
+from kestrel_cli.runtime.sparse import PRESETS
+from kestrel_cli.runtime.sparse import (bound_scores, importance_order, key_bounds, key_bounds_q8,
                                 group_scores, key_sketch, probe_scores, select_blocks,
                                 select_with,
                                 sketch_scores, sketch_token_scores, value_nibbles)

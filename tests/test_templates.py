@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-import kestrel_cli.tokenizer as tokenizer_mod
-from kestrel_cli.errors import KestrelError
-from kestrel_cli.loader import default_model_path
-from kestrel_cli.tokenizer import Tokenizer
+import kestrel_cli.text.tokenizer as tokenizer_mod
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.models.loader import default_model_path
+from kestrel_cli.text.tokenizer import Tokenizer
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -1,4 +1,4 @@
-"""Tests for kestrel_cli.tokenizer: parity with transformers' AutoTokenizer (GGUF and HF directories),
+"""Tests for kestrel_cli.text.tokenizer: parity with transformers' AutoTokenizer (GGUF and HF directories),
 chat templates, streaming detokenization and bad input."""
 
 import importlib.util
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kestrel_cli.errors import KestrelError
-from kestrel_cli.tokenizer import Tokenizer
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.text.tokenizer import Tokenizer
 
 import gguf  # noqa: E402  (test extra; a missing one must fail, not skip)
 import transformers  # noqa: E402
@@ -140,7 +140,7 @@ def test_smollm_detokenizer_streams_exactly(smol):
 
 def test_smollm_detokenizer_invalid_bytes(smol):
     ours, _ = smol
-    from kestrel_cli.tokenizer import _bytes_to_unicode
+    from kestrel_cli.text.tokenizer import _bytes_to_unicode
 
     byte_token = {b: ours.token_to_id(c) for b, c in _bytes_to_unicode().items()}
     a, b = ours.token_to_id("a"), ours.token_to_id("b")
@@ -596,7 +596,7 @@ def test_encode_limit_never_refuses_a_text_that_fits(name, smol, tiny_ggufs):
     """Counting in pieces may only refuse a text that is certainly over: at its exact token count every text is
     accepted with the same ids as without a limit, one token less is refused exactly, and a third of it is refused
     from the pieces ('at least')."""
-    from kestrel_cli.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
+    from kestrel_cli.text.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
     tok = smol[0] if name == "smollm" else Tokenizer.from_gguf(gguf.GGUFReader(str(tiny_ggufs / name)))
     counted = fitted = 0
     for text in _limit_texts():
@@ -624,7 +624,7 @@ def test_encode_limit_tokenises_only_pieces(smol, monkeypatch):
     """A 1.3M-character text for a 4096-token limit: the backend sees pieces of at most COUNT_CHUNK_CHARS
     characters, about a limit's worth in all (it used to tokenise all 3.5M tokens, ~0.8 GB)."""
     import random
-    from kestrel_cli.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
+    from kestrel_cli.text.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
     from conftest import record_tokenised
     tok = smol[0]
     seen = record_tokenised(monkeypatch, tok)

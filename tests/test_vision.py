@@ -13,7 +13,7 @@ from PIL import Image
 
 from conftest import CORPUS
 from kestrel_cli import Engine
-from kestrel_cli.errors import KestrelError
+from kestrel_cli.core.errors import KestrelError
 
 VOCAB = 320
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
@@ -154,7 +154,7 @@ def two_images(a, b):
                                        ((333, 517), "RGB"), ((45, 40), "L"),
                                        ((90, 64), "RGBA")])
 def test_preprocess_matches_processor(vl, tmp_path, size, mode):
-    from kestrel_cli.images import ImageConfig, load_image, preprocess
+    from kestrel_cli.models.images import ImageConfig, load_image, preprocess
     d, _, _, proc, _ = vl
     f = tmp_path / "x.png"
     picture(*size, seed=sum(size), mode=mode).save(f)
@@ -166,7 +166,7 @@ def test_preprocess_matches_processor(vl, tmp_path, size, mode):
 
 
 def test_preprocess_pil_alpha_composited_like_processor(vl):
-    from kestrel_cli.images import ImageConfig, load_image, preprocess
+    from kestrel_cli.models.images import ImageConfig, load_image, preprocess
     d, _, _, proc, _ = vl
     img = picture(70, 50, 7, "RGBA")
     ours = preprocess(load_image(img), ImageConfig.from_dir(d))
@@ -175,7 +175,7 @@ def test_preprocess_pil_alpha_composited_like_processor(vl):
 
 
 def test_exif_orientation_applied(tmp_path):
-    from kestrel_cli.images import load_image
+    from kestrel_cli.models.images import load_image
     img = picture(40, 20, 3)
     exif = Image.Exif()
     exif[0x0112] = 6                                    # rotate 90 degrees on display
@@ -312,7 +312,7 @@ def test_bad_images_one_clear_error(vl, tmp_path):
 
 
 def test_huge_image_refused_before_decoding(vl, tmp_path, monkeypatch):
-    import kestrel_cli.images as images
+    import kestrel_cli.models.images as images
     d, model, eng, proc, imgs = vl
     eng.image_config()                   # read before the cap drops under its max_pixels
     monkeypatch.setattr(images, "MAX_DECODE_PIXELS", 100 * 69)
@@ -345,7 +345,7 @@ def test_image_tokens_over_context_refused_before_decoding(vl, no_decoding):
 
 
 def test_too_many_images_refused_before_decoding(vl, no_decoding):
-    from kestrel_cli.images import MAX_IMAGES_PER_PROMPT
+    from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT
     d, model, eng, proc, imgs = vl
     calls = no_decoding
     n = MAX_IMAGES_PER_PROMPT + 1
@@ -382,7 +382,7 @@ def greedy_text(eng, msgs, n):
 def test_cli_run_with_images(vl):
     from typer.testing import CliRunner
     from kestrel_cli.cli import app
-    from kestrel_cli.timing import parse_lines
+    from kestrel_cli.inference.timing import parse_lines
     d, model, eng, proc, imgs = vl
     r = CliRunner().invoke(app, ["run", "-m", str(d), "--image", str(imgs["a"]), "--image",
                                  str(imgs["b"]), "-p", "Compare them.", "-n", "6", "--temp",
@@ -429,7 +429,7 @@ def test_cli_run_image_on_text_model(tmp_path):
 
 def test_chat_image_command_and_cache_across_turns(vl, tmp_path):
     import io
-    from kestrel_cli.chat import ChatSession, repl
+    from kestrel_cli.apps.chat import ChatSession, repl
     d, model, eng, proc, imgs = vl
     out = io.StringIO()
     s = ChatSession(eng, sampling=dict(max_tokens=4, temperature=0.0, ignore_eos=True), out=out)

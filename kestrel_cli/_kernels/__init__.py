@@ -1,1 +1,1 @@
-"""Compiled Cython kernels (built from pyx/); import them through kestrel_cli.kernels."""
+"""Compiled Cython kernels (built from pyx/); import them through kestrel_cli.runtime.kernels."""

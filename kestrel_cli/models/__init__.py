@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import KestrelError
+from kestrel_cli.core.errors import KestrelError
 
 ARCHITECTURES = {
     "llama": "llama",

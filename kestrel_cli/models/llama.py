@@ -1,7 +1,7 @@
 """The reference decoder (Llama); Qwen models subclass it and override one hook each.
 
 Python owns shapes, the layer loop and dispatch; every loop over hidden size or the
-sequence is a kernel (kestrel_cli.kernels). Weights keep their safetensors names.
+sequence is a kernel (kestrel_cli.runtime.kernels). Weights keep their safetensors names.
 """
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 
-from .. import kernels as K
-from ..config import Config
-from ..kv_cache import CacheSpec, KVCache
-from ..loader import TensorStore
+from kestrel_cli.runtime import kernels as K
+from kestrel_cli.formats.config import Config
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
+from kestrel_cli.models.loader import TensorStore
 
 ACT_MODES = ("f32", "q8")        # activations of quantised matmuls (Model.act)
 

@@ -1,5 +1,5 @@
 """Qwen2 / Qwen2.5: llama plus biases on the q, k and v projections."""
-from . import llama
+from kestrel_cli.models import llama
 
 
 class Attention(llama.Attention):

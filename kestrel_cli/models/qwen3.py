@@ -1,5 +1,5 @@
 """Qwen3: per-head RMSNorm on q and k before RoPE; head_dim from the config."""
-from . import llama
+from kestrel_cli.models import llama
 
 
 class Attention(llama.Attention):

@@ -5,8 +5,8 @@ import time
 
 import numpy as np
 
-from .. import kernels as K
-from . import llama, qwen3
+from kestrel_cli.runtime import kernels as K
+from kestrel_cli.models import llama, qwen3
 
 
 class MoeBlock:

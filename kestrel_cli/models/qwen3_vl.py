@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import kernels as K
-from ..errors import KestrelError
-from . import qwen3
+from kestrel_cli.runtime import kernels as K
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.models import qwen3
 
 
 def mrope_axes(cfg) -> np.ndarray:
@@ -111,14 +111,14 @@ class Model(qwen3.Model):
 
     @property
     def has_vision(self) -> bool:
-        from .qwen3_vl_vision import VisionTower
+        from kestrel_cli.models.qwen3_vl_vision import VisionTower
         return self.cfg.vision_config is not None and VisionTower.check_tensors(self.store)
 
     @property
     def vision(self):
         """The vision tower, loaded on first use."""
         if self._vision[0] is None:
-            from .qwen3_vl_vision import VisionConfig, VisionTower
+            from kestrel_cli.models.qwen3_vl_vision import VisionConfig, VisionTower
             if not self.has_vision:
                 raise KestrelError("this checkpoint has no vision tower (model.visual.*): "
                                    "images need a full Qwen3-VL checkpoint")

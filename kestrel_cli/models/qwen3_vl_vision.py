@@ -30,9 +30,9 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .. import kernels as K
-from ..errors import KestrelError
-from ..weights import Weight
+from kestrel_cli.runtime import kernels as K
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.formats.weights import Weight
 
 PREFIX = "model.visual"
 

@@ -25,7 +25,7 @@ that would change the reply's meaning (n > 1, logprobs, tools, penalties, ...) g
 naming the field; unknown harmless fields are ignored. Replies carry llama-server's
 `timings`. Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 """
-from ..errors import KestrelError
+from kestrel_cli.core.errors import KestrelError
 
 try:
     import fastapi  # noqa: F401
@@ -34,10 +34,10 @@ except ImportError as e:                                  # the [serve] extra is
     raise KestrelError(f"kestrel serve needs fastapi and uvicorn ({e.name} is missing): "
                        "pip install 'kestrel-cli[serve]'") from None
 
-from .admission import parse_size  # noqa: E402
-from .app import Limits, check_api_key, create_app, exposure_warning, model_id, serve  # noqa: E402
-from .models import APIError  # noqa: E402
-from .scheduler import Job, Scheduler, Slot  # noqa: E402
+from kestrel_cli.server.admission import parse_size  # noqa: E402
+from kestrel_cli.server.app import Limits, check_api_key, create_app, exposure_warning, model_id, serve  # noqa: E402
+from kestrel_cli.server.models import APIError  # noqa: E402
+from kestrel_cli.server.scheduler import Job, Scheduler, Slot  # noqa: E402
 
 __all__ = ["APIError", "Job", "Limits", "Scheduler", "Slot", "check_api_key", "create_app",
            "exposure_warning", "model_id", "parse_size", "serve"]

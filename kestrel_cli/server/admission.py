@@ -17,9 +17,9 @@ decoded at a time, plus the patches of all of them.
 """
 from __future__ import annotations
 
-from ..errors import KestrelError
-from ..osmem import physical_memory, return_freed_memory
-from .models import APIError
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.core.osmem import physical_memory, return_freed_memory
+from kestrel_cli.server.models import APIError
 
 MiB = 1 << 20
 

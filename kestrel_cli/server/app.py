@@ -22,18 +22,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .. import __version__
-from ..engine import Engine
-from ..errors import KestrelError, clip
-from ..generate import Stats
-from ..images import MAX_IMAGES_PER_PROMPT, probe_image
-from ..reasoning import AnswerSplitter, prompt_opens_thinking
-from ..tokenizer import TooManyTokens
-from .admission import (BODY_COPIES, Budget, Lease, default_budget, default_request_memory,
+from kestrel_cli import __version__
+from kestrel_cli.inference.engine import Engine
+from kestrel_cli.core.errors import KestrelError, clip
+from kestrel_cli.inference.generate import Stats
+from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, probe_image
+from kestrel_cli.text.reasoning import AnswerSplitter, prompt_opens_thinking
+from kestrel_cli.text.tokenizer import TooManyTokens
+from kestrel_cli.server.admission import (BODY_COPIES, Budget, Lease, default_budget, default_request_memory,
                         prep_cost)
-from .models import (COMPLETIONS_MAX_TOKENS, APIError, Options, check_unsupported,
+from kestrel_cli.server.models import (COMPLETIONS_MAX_TOKENS, APIError, Options, check_unsupported,
                      content_chars, first_bad_string, parse_messages, parse_prompt, parse_tools)
-from .scheduler import Job, Scheduler, Ticket
+from kestrel_cli.server.scheduler import Job, Scheduler, Ticket
 
 log = logging.getLogger("kestrel.server")
 
@@ -508,7 +508,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
     async def check_schema(schema: dict, param: str = "response_format") -> None:
         """A schema llguidance cannot compile (or not within limits.schema_timeout) is the
         request's error (400), found early."""
-        from ..constrained import JsonConstraint, _ll_tokenizer
+        from kestrel_cli.text.constrained import JsonConstraint, _ll_tokenizer
         try:
             # the model's llguidance tokenizer, built once (seconds), is not the schema's time
             await asyncio.to_thread(_ll_tokenizer, eng0)

@@ -8,7 +8,7 @@ import re
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..constrained import MAX_JSON_DEPTH, too_deep
+from kestrel_cli.text.constrained import MAX_JSON_DEPTH, too_deep
 
 COMPLETIONS_MAX_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
 # bounds on what one request may ask for (README: "Running it safely")

@@ -9,10 +9,10 @@ import threading
 import time
 from typing import AsyncIterator
 
-from ..engine import Engine
-from ..errors import KestrelError, ModelError
-from ..generate import Chunk
-from .models import APIError
+from kestrel_cli.inference.engine import Engine
+from kestrel_cli.core.errors import KestrelError, ModelError
+from kestrel_cli.inference.generate import Chunk
+from kestrel_cli.server.models import APIError
 
 log = logging.getLogger("kestrel.server")
 

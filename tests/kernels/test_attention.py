@@ -1,4 +1,4 @@
-"""pyx/attention.pxi (through kestrel_cli.kernels) against a NumPy float64 causal softmax.
+"""pyx/attention.pxi (through kestrel_cli.runtime.kernels) against a NumPy float64 causal softmax.
 
 The cache is built the way docs/DESIGN.md §2 lays it out: float32 blocks of
 (kv_bs, n_kv_heads * head_dim), token t at block t // kv_bs, row t % kv_bs, passed by
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import VARIANTS, check_variants_listed
-from kestrel_cli import kernels
+from kestrel_cli.runtime import kernels
 
 
 def build_cache(K, V, kv_bs, spare_blocks=0):
@@ -120,8 +120,8 @@ def test_attention_rejects_bad_input():
 # ---------------------------------------------------------------------------------------
 # int8 cache, block-sparse selection, prefill importance (docs/DESIGN.md §2-§3)
 
-from kestrel_cli.kv_cache import CacheSpec, KVCache            # noqa: E402
-from kestrel_cli.sparse import (group_scores, importance_order, probe_scores,  # noqa: E402
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache            # noqa: E402
+from kestrel_cli.runtime.sparse import (group_scores, importance_order, probe_scores,  # noqa: E402
                                 select_blocks, select_with)
 
 
@@ -477,7 +477,7 @@ def test_sparse_decode_many_parts_and_kv_heads(isa, dtype, n_heads, n_kv, hd, n_
 # A prefill tile's sparse (row, head) pairs pick their own blocks (attn_select.h), then
 # attend inside the tile (attn_prefill.h ka_tile over the union of the tile's picks, each
 # query masked to its own): checked per (row, head) against the §3 reference selection
-# (kestrel_cli.sparse.select_with over probe_scores or the bound scores) and a float64
+# (kestrel_cli.runtime.sparse.select_with over probe_scores or the bound scores) and a float64
 # softmax over the picked tokens, on every kernel variant, cache type and option.
 
 # (sink, pool, recent, bound probe, prior importance, imp_from offset, (n_heads, n_kv), hd)

@@ -18,7 +18,7 @@ from test_kquants import INT8_GEMM, make_kweight
 from test_matmul import make_weight
 from test_moe_prefill import experts, routing
 
-from kestrel_cli import kernels
+from kestrel_cli.runtime import kernels
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "aarch64",
@@ -169,7 +169,7 @@ def test_sketch_decode_every_variant_is_neon_bits(dtype, rest):
     """A decode step with the sketch probe, with and without the rest (the blocks not
     picked counted at 4 bits: attn_kv.h ka_rest_dots, sdot under dotprod and i8mm, as the
     sketch's dots): the same output bits under every variant, 1 and 2 threads."""
-    from kestrel_cli.kv_cache import CacheSpec, KVCache
+    from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
     n_kv, hd, n_heads, seq = 2, 64, 4, 9 * 32 + 5
 
     def run():

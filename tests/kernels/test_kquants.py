@@ -6,8 +6,8 @@ runs."""
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
-from kestrel_cli.weights import BLOCK_BYTES, BLOCK_ELEMS, QK, Weight
+from kestrel_cli.runtime import kernels
+from kestrel_cli.formats.weights import BLOCK_BYTES, BLOCK_ELEMS, QK, Weight
 from conftest import VARIANTS
 from test_matmul import check_matmul, q8_activations
 

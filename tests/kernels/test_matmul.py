@@ -1,4 +1,4 @@
-"""pyx/matmul.pxi (through kestrel_cli.kernels) against NumPy float64 references.
+"""pyx/matmul.pxi (through kestrel_cli.runtime.kernels) against NumPy float64 references.
 
 Tolerance: |out - ref| <= 1e-5 * (|x| @ |W|.T) elementwise, i.e. relative to the sum of
 magnitudes of the products (float32 accumulation over n terms), which implies the
@@ -8,9 +8,9 @@ The dequantisation itself must be exact: get_rows equals weights.dequantize bit 
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
+from kestrel_cli.runtime import kernels
 from conftest import VARIANTS, check_variants_listed
-from kestrel_cli.weights import BLOCK_BYTES, QK, Weight, quantize_q8_0
+from kestrel_cli.formats.weights import BLOCK_BYTES, QK, Weight, quantize_q8_0
 
 RTOL = 1e-5
 
@@ -577,7 +577,7 @@ def _float_weight(fmt, w32):
 @pytest.mark.parametrize("src", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("to", ["q8_0", "q4_0"])
 def test_quantize_rows_bit_exact(isa, src, to):
-    from kestrel_cli.weights import quantize_q4_0
+    from kestrel_cli.formats.weights import quantize_q4_0
     rng = np.random.default_rng([len(src), len(to)])
     w32 = (rng.standard_normal((37, 288)) * np.exp2(rng.integers(-12, 4, (37, 1)))).astype(np.float32)
     w32[1] = 0                                    # all-zero blocks: d = 0
@@ -594,7 +594,7 @@ def test_quantize_rows_bit_exact(isa, src, to):
 def test_quantize_rows_error_bounds():
     """|x - dequantise(quantise(x))| <= d / 2 (q8_0) and <= d (q4_0: one step at the
     clamped end), plus |q| * d * 2^-11 for d's rounding to f16."""
-    from kestrel_cli.weights import dequantize, quantize_q4_0
+    from kestrel_cli.formats.weights import dequantize, quantize_q4_0
     rng = np.random.default_rng(9)
     w32 = rng.standard_normal((20, 256)).astype(np.float32)
     for fmt, f, k in (("q8_0", quantize_q8_0, 0.5), ("q4_0", quantize_q4_0, 1.0)):
@@ -625,7 +625,7 @@ def test_unknown_kestrel_isa_is_one_warning_line():
     import subprocess
     import sys
     env = {**os.environ, "KESTREL_ISA": "sse9"}
-    r = subprocess.run([sys.executable, "-c", "import kestrel_cli.kernels as K; print(K.isa())"],
+    r = subprocess.run([sys.executable, "-c", "import kestrel_cli.runtime.kernels as K; print(K.isa())"],
                        env=env, capture_output=True, text=True, check=True)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: KESTREL_ISA='sse9'"), r.stderr

@@ -4,7 +4,7 @@ float activations, for any mix of weight formats (the x16 decode layout included
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
+from kestrel_cli.runtime import kernels
 from conftest import VARIANTS
 from test_matmul import make_weight
 from test_kquants import make_kweight

@@ -7,11 +7,11 @@ read in place, and other formats (the one-token GEMV per token), on every ISA va
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
+from kestrel_cli.runtime import kernels
 from conftest import VARIANTS
 from test_matmul import make_weight
 from test_kquants import make_kweight
-from kestrel_cli.weights import BLOCK_BYTES, BLOCK_ELEMS, Weight
+from kestrel_cli.formats.weights import BLOCK_BYTES, BLOCK_ELEMS, Weight
 
 
 def weight(fmt, d, n, rng):

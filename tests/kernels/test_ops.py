@@ -1,4 +1,4 @@
-"""pyx/ops.pxi (through kestrel_cli.kernels) against NumPy references.
+"""pyx/ops.pxi (through kestrel_cli.runtime.kernels) against NumPy references.
 
 Tolerances: rms_norm and swiglu 2e-6 relative to float64 references (a few float32
 roundings); rope 2e-6 * |x| against a NumPy transcription of HF's rotate_half with the
@@ -7,7 +7,7 @@ same float32 angle; scatter_add 1e-6 relative to float64 np.add.at.
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
+from kestrel_cli.runtime import kernels
 
 
 # ---------------------------------------------------------------- rms_norm

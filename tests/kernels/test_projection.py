@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
+from kestrel_cli.runtime import kernels
 from test_matmul import make_weight
 
 

@@ -4,8 +4,8 @@ decode plan) on it against the row-major weight, on every kernel variant this CP
 import numpy as np
 import pytest
 
-from kestrel_cli import kernels
-from kestrel_cli.weights import Weight, rows_x16
+from kestrel_cli.runtime import kernels
+from kestrel_cli.formats.weights import Weight, rows_x16
 from conftest import VARIANTS
 from test_matmul import check_matmul, make_weight
 from test_kquants import make_kweight

@@ -19,8 +19,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from .errors import KestrelError
-from .weights import Weight
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.formats.weights import Weight
 
 
 @dataclass
@@ -141,7 +141,7 @@ def run_bench(engine, n_prompt: int = 512, n_gen: int = 128, depths: Iterable[in
     cache = engine.make_cache(need)
     nbytes, nelem, fmts = model_weights(model)
     fmt_names = "+".join(sorted(fmts, key=lambda f: -fmts[f]))
-    from .kernels import isa
+    from kestrel_cli.runtime.kernels import isa
     report = BenchReport(model=f"{cfg.model_type} {fmt_names}", path=str(engine.path),
                          size_bytes=nbytes, params=nelem, quant=quant or "none",
                          threads=int(engine.threads), isa=isa(),

@@ -28,10 +28,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import kernels as K
-from .errors import KestrelError
-from .kernels import KV_BLOCK
-from .sparse import importance_order
+from kestrel_cli.runtime import kernels as K
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.runtime.kernels import KV_BLOCK
+from kestrel_cli.runtime.sparse import importance_order
 
 DTYPES = ("f32", "q8", "f16")
 SINKS = ("off", "in", "out")            # sparse_sink values (kernel code: their index)

@@ -8,16 +8,16 @@ from typing import Iterator
 
 import numpy as np
 
-from . import cpus
-from .errors import KestrelError
-from .generate import Chunk, stream_generate
-from .kv_cache import CacheSpec
-from .loader import open_checkpoint
-from .models import resolve
-from .models.llama import ACT_MODES
-from .sampling import check_params, make_sampler
-from .tokenizer import TooManyTokens
-from .weights import QUANT_FORMATS
+from kestrel_cli.core import cpus
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.inference.generate import Chunk, stream_generate
+from kestrel_cli.runtime.kv_cache import CacheSpec
+from kestrel_cli.models.loader import open_checkpoint
+from kestrel_cli.models import resolve
+from kestrel_cli.models.llama import ACT_MODES
+from kestrel_cli.inference.sampling import check_params, make_sampler
+from kestrel_cli.text.tokenizer import TooManyTokens
+from kestrel_cli.formats.weights import QUANT_FORMATS
 
 
 DEFAULT_CTX_CAP = 4096            # the CLI's -c default: the model's context, at most this
@@ -49,7 +49,7 @@ def experts_fit(store) -> tuple[bool, str]:
     layout, the rest on huge pages; their file pages let go), fit the memory available now
     with EXPERTS_MARGIN to spare; else the experts are read from the file's mapping as
     stored (a file larger than the RAM still runs), and why, in one line."""
-    from .osmem import available_memory
+    from kestrel_cli.core.osmem import available_memory
     avail = available_memory()
     need = store.nbytes + EXPERTS_MARGIN
     if avail is None or need <= avail:
@@ -61,7 +61,7 @@ def experts_fit(store) -> tuple[bool, str]:
 
 def default_threads(share: int = 1) -> int:
     """The fast cores this process may use, split `share` ways (at least 1): every allowed
-    core when they are alike, only the big ones of a big.LITTLE CPU (kestrel_cli.cpus)."""
+    core when they are alike, only the big ones of a big.LITTLE CPU (kestrel_cli.core.cpus)."""
     return cpus.plan(share=share).threads
 
 
@@ -77,7 +77,7 @@ class LoadOptions:
             tokens per query head and sparse_probes keys probed per block.
         quant: None/"none", or a --quant format: quantise float weights at load.
         threads: OpenMP threads (-t); None: one per fast core this process may use
-            (kestrel_cli.cpus: every core when they are alike, pinned to the big ones of
+            (kestrel_cli.core.cpus: every core when they are alike, pinned to the big ones of
             a big.LITTLE CPU).
         ctx_size: context size in tokens (-c); None: the model's context length, at most
             ctx_cap (None: no cap).
@@ -122,7 +122,7 @@ class LoadOptions:
 
     def sparse_settings(self) -> dict:
         """The selection options after the preset: CacheSpec keyword arguments."""
-        from .sparse import PRESETS
+        from kestrel_cli.runtime.sparse import PRESETS
         if self.sparse_preset is not None and self.sparse_preset not in PRESETS:
             raise KestrelError(f"--sparse-preset must be one of {', '.join(PRESETS)}; "
                                f"got {self.sparse_preset!r}")
@@ -181,7 +181,7 @@ class LoadOptions:
             raise KestrelError(f"--sparse-k must be >= 1, got {self.sparse_k}")
         if self.sparse_probes < 1:
             raise KestrelError(f"--sparse-probes must be >= 1, got {self.sparse_probes}")
-        from .kv_cache import GROUPS, PROBES, SINKS
+        from kestrel_cli.runtime.kv_cache import GROUPS, PROBES, SINKS
         st = self.sparse_settings()
         for flag, name, ok in (("--sparse-sink", "sparse_sink", SINKS),
                                ("--sparse-probe", "sparse_probe", PROBES),
@@ -409,7 +409,7 @@ class Engine:
     def _vision_input(self, ids: "VisionPrompt", n: int):
         """The image rows of the tokens ids[n:], with their embeddings and deepstack
         features (the vision tower runs on the images not yet encoded)."""
-        from .models.qwen3_vl import VisionInput
+        from kestrel_cli.models.qwen3_vl import VisionInput
         rows, embeds, deep = [], [], []
         for im, (s, e) in zip(ids.images, ids.spans()):
             if e <= n:
@@ -506,7 +506,7 @@ class Engine:
         """The checkpoint's images.ImageConfig (preprocessor_config.json), read once: with
         images.probe_image, what a caller sizes an image with (tokens_for, decode_cost,
         patch_bytes) before sending it."""
-        from .images import ImageConfig
+        from kestrel_cli.models.images import ImageConfig
         self._check_vision()
         if self._image_config is None:
             self._image_config = ImageConfig.from_dir(
@@ -518,8 +518,8 @@ class Engine:
         needs no pixels is checked first, for every image: their number, each one's header
         (format, size, aspect ratio) and the prompt's length with their tokens against the
         context; only then are they decoded and preprocessed, one at a time."""
-        from .images import MAX_IMAGES_PER_PROMPT, prepare, probe_image
-        from .models.qwen3_vl import rope_index
+        from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, prepare, probe_image
+        from kestrel_cli.models.qwen3_vl import rope_index
         self._check_vision()
         if len(parts) > MAX_IMAGES_PER_PROMPT:
             raise KestrelError(f"{len(parts)} images in one prompt, more than "
@@ -571,7 +571,7 @@ class Engine:
             raise KestrelError(f"logit_bias: token id out of range [0, {self.config.vocab_size})")
         constraint = None
         if json_schema is not None:
-            from .constrained import JsonConstraint
+            from kestrel_cli.text.constrained import JsonConstraint
             constraint = JsonConstraint(self, json_schema, json_then)
         return stream_generate(self, ids, max_tokens, sampler, repeat_penalty=repeat_penalty,
                                stop=stop, stop_ids=[] if ignore_eos else None,

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import Callable, TextIO
 
-from .engine import Engine
-from .errors import KestrelError
-from .timing import TimingPrinter, format_turn
-from .tokenizer import TooManyTokens
+from kestrel_cli.inference.engine import Engine
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.inference.timing import TimingPrinter, format_turn
+from kestrel_cli.text.tokenizer import TooManyTokens
 
 HELP = """commands:
   /reset         forget the conversation (keeps the system message)
@@ -90,7 +90,7 @@ class ChatSession:
         stats, finish = None, None
         # the reply kept in the history is the answer without its thinking, as Qwen3's
         # template expects of earlier turns
-        from .reasoning import ThinkingView
+        from kestrel_cli.text.reasoning import ThinkingView
         view = self.thinking.view(eng, ids, self.out) if self.thinking else \
             ThinkingView(tty=False)
         gen = eng.stream(ids, **self.sampling)
@@ -162,7 +162,7 @@ class ChatSession:
                 self.say(f"[usage: /image PATH; {len(self.pending_images)} image(s) attached "
                          f"to your next message]\n")
             else:
-                from .images import probe_image
+                from kestrel_cli.models.images import probe_image
                 path = str(Path(arg).expanduser())
                 probe_image(path)   # not an image, too large: one clear error, nothing kept
                 self.pending_images.append(path)

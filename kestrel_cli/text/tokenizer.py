@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
-from .errors import KestrelError
+from kestrel_cli.core.errors import KestrelError
 
 __all__ = ["Tokenizer", "Detokenizer", "TooManyTokens"]
 
@@ -499,7 +499,7 @@ def _plain(value: Any) -> Any:
 
 def _check_depth(value: Any, what: str) -> None:
     """KestrelError when `value` nests lists/dicts more than TEMPLATE_MAX_DEPTH levels (a cycle does)."""
-    from .constrained import too_deep
+    from kestrel_cli.text.constrained import too_deep
 
     if too_deep(value, TEMPLATE_MAX_DEPTH):
         raise KestrelError(f"chat template error: {what} is nested more than {TEMPLATE_MAX_DEPTH} levels deep")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import KestrelError
-from .kv_cache import CacheSpec
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.runtime.kv_cache import CacheSpec
 
 ROWS = 256             # logits rows turned into log-probabilities at a time (float64)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from .errors import KestrelError
+from kestrel_cli.core.errors import KestrelError
 
 # value type -> size in bytes (8 string, 9 array: variable)
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}

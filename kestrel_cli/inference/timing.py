@@ -17,7 +17,7 @@ import re
 import sys
 from typing import TextIO
 
-from .generate import Stats, TokenTiming
+from kestrel_cli.inference.generate import Stats, TokenTiming
 
 DEC_KEYS = ("tok", "pos", "ms", "attn", "matmul", "other")
 PERF_KEYS = ("prefill_tokens", "prefill_ms", "prefill_tps", "decode_tokens", "decode_ms",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .errors import KestrelError
+from kestrel_cli.core.errors import KestrelError
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import KV_BLOCK
+from kestrel_cli.runtime.kernels import KV_BLOCK
 
 BS = KV_BLOCK            # tokens per block: one KV cache block
 

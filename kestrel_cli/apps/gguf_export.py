@@ -44,8 +44,8 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .config import Config
-from .errors import KestrelError, clip
+from kestrel_cli.formats.config import Config
+from kestrel_cli.core.errors import KestrelError, clip
 
 # llama.cpp's arch per config.json model_type
 GGUF_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3",
@@ -271,7 +271,7 @@ def quantize_rows(x: np.ndarray, qtype: str) -> np.ndarray:
     import gguf
     from gguf.quants import quantize
     if qtype in ("Q4_K", "Q5_K", "Q6_K"):
-        from .kquants import QUANTIZERS
+        from kestrel_cli.formats.kquants import QUANTIZERS
         return QUANTIZERS[qtype.lower()](x)
     return quantize(np.ascontiguousarray(x, dtype=np.float32), gguf.GGMLQuantizationType[qtype])
 
@@ -285,7 +285,7 @@ def _pre_name(pre: dict | None, where: str) -> str:
     """tokenizer.ggml.pre for a tokenizer.json pre_tokenizer (byte-level BPE only)."""
     global _PRE_BY_SPLIT
     if _PRE_BY_SPLIT is None:
-        from . import tokenizer as T
+        from kestrel_cli.text import tokenizer as T
         _PRE_BY_SPLIT = {T._LLAMA3_SPLIT: "llama-bpe", T._QWEN2_SPLIT: "qwen2",
                          T._TEKKEN_SPLIT: "tekken"}
     steps = (pre or {}).get("pretokenizers") if (pre or {}).get("type") == "Sequence" else [pre]
@@ -343,7 +343,7 @@ def add_tokenizer_from_dir(w, path: Path, vocab_size: int) -> None:
     import gguf
     from tokenizers import Tokenizer as _Tok
 
-    from .loader import confine_model_files
+    from kestrel_cli.models.loader import confine_model_files
     confine_model_files(path)                    # no file read through a link out of `path`
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
@@ -536,8 +536,8 @@ _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^model\.visual\.|^visual\.|^
 
 def _store_rows(store, chunk_values: int):
     """A RowSource over a loader TensorStore (memory-mapped safetensors)."""
-    from .quantize import drop_pages
-    from .weights import Weight
+    from kestrel_cli.core.osmem import drop_pages
+    from kestrel_cli.formats.weights import Weight
 
     def rows(name, shape, order):
         fmt, raw, _, _ = store.entries[name]
@@ -664,8 +664,8 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
     """Write Hugging Face checkpoint directory `src` as GGUF file `out` of type `ftype`
     (QUANT_TYPES, or f32/f16/bf16) with `threads` quantising (default: the cores).
     Returns a summary dict (types, bytes, tensors)."""
-    from .engine import default_threads
-    from .loader import _load_hf_dir, config_of
+    from kestrel_cli.inference.engine import default_threads
+    from kestrel_cli.models.loader import _load_hf_dir, config_of
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if ftype not in FILE_TYPES:
         raise KestrelError(f"unknown type {ftype!r} (choose from {', '.join(QUANT_TYPES)})")

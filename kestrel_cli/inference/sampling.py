@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import KestrelError, ModelError
+from kestrel_cli.core.errors import KestrelError, ModelError
 
 
 def check_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):

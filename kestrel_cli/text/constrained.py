@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .errors import KestrelError
+from kestrel_cli.core.errors import KestrelError
 
 _TOKENIZERS: dict[int, object] = {}      # LLTokenizer per Tokenizer (building one takes ~1 s)
 

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import numpy as np
 
 from kestrel_cli._kernels import lib as _lib
-from kestrel_cli.weights import (BLOCK_BYTES, BLOCK_ELEMS, FORMATS, QK, X16_OF, Weight,
+from kestrel_cli.core.osmem import drop_pages
+from kestrel_cli.formats.weights import (BLOCK_BYTES, BLOCK_ELEMS, FORMATS, QK, X16_OF, Weight,
                                  row_bytes)
 
 # the compiled kernels are one module (pyx/lib.pyx): one ISA choice for all of them
@@ -77,7 +78,7 @@ def _weight_bytes(w) -> np.ndarray:
     """The raw rows of a Weight as uint8 (d, row_bytes), checked (once per data array:
     the checked view is kept on the Weight, decode calls this ~200 times a token)."""
     if not isinstance(w, Weight):
-        raise ValueError(f"w: expected a kestrel_cli.weights.Weight, got {type(w).__name__}")
+        raise ValueError(f"w: expected a kestrel_cli.formats.weights.Weight, got {type(w).__name__}")
     cached = w.__dict__.get("_kernel_raw")
     if cached is not None and cached[0] is w.data:
         return cached[1]
@@ -240,7 +241,6 @@ class ExpertTable:
 
     def pack(self, e: int, threads: int | None = None) -> None:
         """Expert e's q4 / q6_k matrices in the x16 layout from now on."""
-        from .quantize import drop_pages
         old = self.experts[e]
         if self._arena is None:          # every expert's slot, pages taken on first touch
             self._arena = huge_buffer(self._slot * len(self.experts))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from .constrained import MAX_JSON_DEPTH, too_deep
+from kestrel_cli.text.constrained import MAX_JSON_DEPTH, too_deep
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

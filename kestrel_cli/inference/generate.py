@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .sampling import apply_repetition_penalty, check_logits
+from kestrel_cli.inference.sampling import apply_repetition_penalty, check_logits
 
 
 @dataclass
