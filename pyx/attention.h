@@ -40,7 +40,7 @@
 /* ---------------------------------------------------------------- entry points */
 
 /* The decode units per variant: `base` with the build's flags (x86-64: SSE2) and `avx2`
- * (1.5-2.5x faster decode here). There is no avx512 decode: AVX-512 was not faster for
+ * (the faster decode). There is no avx512 decode: AVX-512 was not faster for
  * these short rows, so the avx512 variant runs the avx2 units. The prefill unit runs
  * `base` under every variant: its AVX2 build measured no faster (the score loop's 4 FMA
  * chains are latency-bound). Results differ between variants in the last bits (FMA),

@@ -40,7 +40,7 @@
 #define KA_PV_HEADS_I8(p, ng, r, st, w, hd, acc) ((void)0)
 #endif
 
-#define KA_PB 4       /* blocks per decode part: 16 -> 4 measured ~10% faster decode */
+#define KA_PB 4       /* blocks per decode part: small parts balance the threads better than 16 */
 #define KA_GMAX 64    /* most query heads per kv head in a decode unit */
 
 enum { KA_DEC_STATES = 0, KA_DEC_PROBES = 1, KA_DEC_PICKED = 2 };
@@ -396,7 +396,7 @@ KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdi
  * page are first copied into a stage in address order (see the chunk loop), sparse
  * units ask for their picked rows up front, int8 / float16 chunks prefetch the next one.
  * (One kv head at a time over a whole block read 64..256 bytes every kv_dim bytes: 2 KiB
- * strides that neither the hardware prefetcher nor the TLB follow; measured 5 GB/s.)
+ * strides that neither the hardware prefetcher nor the TLB follow.)
  * Each query head's scores, softmax state and weighted sum are computed with the same
  * operations in the same order as a unit of one kv head would: the chunking (and the
  * stage: the same values) changes no bit.
@@ -416,9 +416,9 @@ KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdi
 /* Rows j0 .. j0 + n of block b, of the kv heads among kh0 <= kh < kh1 that read it (mask
  * NULL: all of them), to L2, a kv head at a time. Sparse A2: picked blocks lie apart, each
  * read once, too short a stream for the hardware prefetcher to ramp up on, so a unit asks
- * for all of its picked K rows at its start (many misses in flight: measured ~20% faster
- * sparse decode attention than a chunk ahead) and for each chunk's V rows while it scores
- * the chunk's keys (~5-10% faster than V up front too: the V misses overlap the scoring). */
+ * for all of its picked K rows at its start (many misses in flight, which beats asking a
+ * chunk ahead) and for each chunk's V rows while it scores the chunk's keys (the V misses
+ * overlap the scoring, which beats asking for V up front too). */
 KF_INLINE void ka_prefetch_block(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t b,
                                  ptrdiff_t j0, ptrdiff_t n, ptrdiff_t kh0, ptrdiff_t kh1,
                                  const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb)
@@ -438,10 +438,9 @@ KF_INLINE void ka_prefetch_block(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_
 }
 
 /* The int8 / float16 rows of a chunk (the next one: ka_prefetch_block) and, at a block's
- * first chunk, its int8 scales, to L2 (measured ~10-20% faster than to L1). Float32 rows
- * not at all: read forward (staged or a page a row), the hardware prefetcher runs ahead
- * of them, and these prefetches, at most a dozen or two in flight, only held it back
- * (measured: exact decode 8-10% slower with them, on the 135M and 1.7B shapes). */
+ * first chunk, its int8 scales, to L2 (asking for L1 was slower). Float32 rows not at all: read forward (staged or a page a row), the
+ * hardware prefetcher runs ahead of them, and these prefetches, at most a dozen or two in
+ * flight, only held it back (exact decode was slower with them). */
 KF_INLINE void ka_prefetch_span(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t b,
                                 ptrdiff_t j0, ptrdiff_t w, ptrdiff_t kh0, ptrdiff_t kh1,
                                 const uint8_t *mask, ptrdiff_t group, ptrdiff_t nb)
@@ -535,12 +534,12 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
                  * chunk's rows, copied into the stage in address order (ka_stage_rows).
                  * Read in place kv head by kv head, the reads would go back and forth
                  * within each page and the hardware prefetcher, which follows a page's
-                 * lines going one way, stops (measured: exact decode attention at a third
-                 * of the read bandwidth); rows of a page or more are read in place (each
+                 * lines going one way, stops (exact decode attention then reads well
+                 * below the memory's bandwidth); rows of a page or more are read in place (each
                  * page holds one row, read forward). Sparse units read few blocks, asked
                  * for up front (ka_prefetch_block); int8 and float16 rows are converted
-                 * as they are read, slowly enough that the copy only cost time (measured:
-                 * 10-25% slower). sw: the stage's or the cache's row. */
+                 * as they are read, slowly enough that the copy only cost time (it was
+                 * slower staged). sw: the stage's or the cache's row. */
                 if (pass == 0 && mask != NULL)  /* sparse: V's rows of the chunk scored */
                     ka_prefetch_block(kv, kv->v_ptrs, b, j0, w, kh0, kh1, mask, group, nb);
                 const int stage = mask == NULL && es == 4 && kv->ld * es < KA_STAGE_ROW;

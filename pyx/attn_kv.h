@@ -334,8 +334,8 @@ KF_INLINE float ka_sketch_vrow(const float *x, ptrdiff_t hd, ptrdiff_t t, uint8_
  * its key rows, its value rows. A kv head's key sketches are one run, block after block,
  * and its value sketches the next: the decode probe reads the keys of every block, the
  * rest only some blocks' values, and with the two interleaved block by block the probe's
- * stream had gaps the hardware prefetcher filled anyway (measured: 1.5x the time of the
- * probe over a cache in memory, one thread). */
+ * stream had gaps the hardware prefetcher filled anyway (the probe over a cache in memory
+ * took markedly longer). */
 KF_INLINE ptrdiff_t ka_sk_keys(ptrdiff_t kh, ptrdiff_t b, ptrdiff_t cap, ptrdiff_t hd)
 {
     return (kh * 2 * cap + b) * KA_SKBS * (hd / 2);
@@ -777,8 +777,7 @@ KF_INLINE void ka_rest_dots_any(int x86v3, const uint8_t *restrict x, ptrdiff_t 
 /* kf_expf on 16 lanes (simd.h's constants, clamps, rounding and polynomial; the FMA
  * contractions aside, the same values). Written out rather than kf_expf's loop compiled
  * under the avx512 target: that loop (a store, 32 lanes, a reload) made the whole decode
- * attention call ~8% slower (bundled shape, k = 8, one layer in cache, builds
- * alternated). */
+ * attention call slower. */
 KF_TARGET_AVX512 static inline __m512 ka_exp16(__m512 x)
 {
     const __m512 hi = _mm512_set1_ps(KF_EXP_HI), lo = _mm512_set1_ps(KF_EXP_LO);
@@ -835,9 +834,9 @@ KF_TARGET_AVX512 static inline __m512 ka_log16(__m512 x)
  * for the sums' order (a tree over lanes) and FMA contractions. sc: the block's 32 key
  * then 32 value scales. Up to 4 queries a pass, each step a loop over them: a query's
  * steps (max, exps, sum, log, weights) are one dependent chain, the queries' chains
- * independent, so written side by side the core runs them at once (measured: 0.75x the
- * time of a query after the other with libm's logf; four queries' reductions as one
- * transposed reduction were no faster). */
+ * independent, so written side by side the core runs them at once (faster than a query
+ * after the other with libm's logf; four queries' reductions as one transposed
+ * reduction were no faster). */
 KF_TARGET_AVX512 static void ka_sketch_scores_avx512(int32_t (*restrict acc)[KA_SKBS],
                                                      ptrdiff_t ng, const float *qs,
                                                      const int32_t *qsum, const float *cv,

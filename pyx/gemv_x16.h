@@ -2,7 +2,7 @@
  *
  * Why: the row-major GEMV of a q4 weight spends ~15 vector operations per row and pair of
  * blocks (scale loads, nibble splits, a horizontal sum per row) and reads R rows as R
- * strided streams; it stayed compute bound at ~30 GB/s on Zen 4 where q8_0 reads 44.
+ * strided streams; it stayed compute bound, below the bandwidth a q8_0 GEMV reaches.
  * With 16 rows side by side, one 64-byte load holds 4 quant bytes of each of 16 rows, the
  * SIMD lanes are the rows, an activation's 4 bytes are broadcast, and one vpdpbusd does
  * 64 products (llama.cpp repacks q4_0 8 rows wide for the same reason; this layout is

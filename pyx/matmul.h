@@ -50,8 +50,8 @@ typedef struct {
 #define KF_TARGET KF_TARGET_AVX2
 #define KF_VL 32                       /* 4 x 8 lanes */
 #define KF_VG 2
-#ifndef KF_AVX2_MR                     /* measured (Zen 4, GCC 12): 16 x 4 ~ 90 GFLOPS, */
-#define KF_AVX2_MR 16                  /* 8 x 8 ~ 85, 16 x 6+ spills                  */
+#ifndef KF_AVX2_MR                     /* 16 x 4 the fastest tile tried (GCC 12),     */
+#define KF_AVX2_MR 16                  /* ahead of 8 x 8; 16 x 6 and more spill       */
 #define KF_AVX2_NT 4
 #endif
 #define KF_VMR KF_AVX2_MR
@@ -81,8 +81,8 @@ typedef struct {
 #define KF_TARGET KF_TARGET_AVX512
 #define KF_VL 64                       /* 4 x 16 lanes */
 #define KF_VG 2
-#ifndef KF_AVX512_MR                   /* measured: 16 x 4..12 ~ 100 GFLOPS (1 zmm FMA */
-#define KF_AVX512_MR 16                /* a cycle on Zen 4); 32 rows breaks GCC's SLP  */
+#ifndef KF_AVX512_MR                   /* 16 x 4..12 all reach one zmm FMA a cycle    */
+#define KF_AVX512_MR 16                /* (Zen 4); 32 rows breaks GCC's SLP           */
 #define KF_AVX512_NT 8
 #endif
 #define KF_VMR KF_AVX512_MR

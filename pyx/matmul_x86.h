@@ -21,9 +21,8 @@
  *       R rows (ldw bytes apart) per call: 1 and 2 (AVX2), 1 and 4 (AVX-512). R rows
  *       share the x loads and the per-row overhead (n = 576: ~30% of the time at R = 1).
  * int8 activations (kf_act's xq / xd, opt-in): kf_NAME_idotR (fmt, xq, xd, xs, sx, w, ldw,
- *       nb, out), R = 1 and 4: AVX2 vpmaddubsw + vpmaddwd per block (measured, 2048 x 8192
- *       from DRAM, one Zen 3 core: ~2x the float dots for q8_0, q4_0 and q4_1),
- *       AVX-512 VNNI vpdpbusd.
+ *       nb, out), R = 1 and 4: AVX2 vpmaddubsw + vpmaddwd per block (integer dots: more
+ *       products an instruction than the float dots), AVX-512 VNNI vpdpbusd.
  * q5_0 / q5_1, K-quants (q3_k, q4_k, q5_k, q6_k) and iq4 (iq4_nl, iq4_xs: the table lookup
  *       by vpshufb, then as q8_0): kf_NAME_kx_..., one row per call (a K-quant row is long:
  *       256 elements a block). Per activation block of 32 (one 32-element sub-block of
@@ -43,15 +42,14 @@
 #include "vec.h"
 
 #define KF_AVX2_ROWS 2               /* rows per call of the block-format dots */
-#define KF_AVX2_IROWS 4              /* ... of the int8-activation ones (measured: R = 4
-                                        ~10-20% faster than 2 from DRAM and from L2) */
+#define KF_AVX2_IROWS 4              /* ... of the int8-activation ones (R = 4 beat 2,
+                                        from DRAM and from L2) */
 #define KF_AVX512_ROWS 4
 
 /* Rows are read R at a time: R short interleaved streams the hardware prefetcher keeps
- * losing. Each block also asks for the same place some rows ahead. Measured from DRAM
- * (rows of 576, one Zen 4 core): q8_0 5 GB/s without, 8 one group ahead into L1, 13
- * four groups ahead into L2; q4_1 is compute-bound there (~8 GB/s) and best with one
- * group ahead (further ahead it loses up to 25%). */
+ * losing. Each block also asks for the same place some rows ahead: from DRAM, q8_0 reads
+ * fastest four groups ahead into L2 (one group ahead into L1 helps less); q4_1, compute
+ * bound there, is best with one group ahead (further ahead it loses). */
 /* the parameters of the int8-activation row dots (matmul_isa.h's KF_VIDOT_ROWS_DOT) */
 #define KF_IDOT_PARAMS int fmt, const int8_t *restrict xq, const float *restrict xd,        \
     const int32_t *restrict xs, const float *restrict sx, const uint8_t *restrict w,        \

@@ -4,7 +4,7 @@
  *
  * Why: a 64-token prompt through Qwen3-30B-A3B's 128 experts, top 8, gives each expert
  * ~4 tokens. Run as one GEMM per expert (gemm_q8.h), each call repacked the expert's
- * rows into panels (kq_pack: ~60% of the MoE time, measured), fork / joined 3 times and
+ * rows into panels (kq_pack: most of the MoE time), fork / joined 3 times and
  * went through the interpreter; the 4 tokens then used each panel once.
  * Here the weights stay as they are: a 16-row group of an x16 weight (gemv_x16.h, the
  * decode layout) is read in place, a row-major q4_0 / q4_1 / q4_k group is copied into
@@ -103,7 +103,7 @@ static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const
  * kx_pack_group_n / _6n). */
 static inline int kx_group_fmt(int fmt)
 {
-    /* not q6_k: its copy (kx_pack_group_6n, scalar bit moves) measured at ~2x the GEMV it
+    /* not q6_k: its copy (kx_pack_group_6n, scalar bit moves) costs more than the GEMV it
      * saves (Qwen3-30B-A3B's q6_k downs, 3 super-blocks a row, 4 tokens an expert) */
     return fmt == KF_Q4_K ? KF_Q4_KX16
            : (fmt == KF_Q4_0 ? KF_Q4_0X16 : (fmt == KF_Q4_1 ? KF_Q4_1X16 : -1));

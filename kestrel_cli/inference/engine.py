@@ -83,7 +83,7 @@ class LoadOptions:
             ctx_cap (None: no cap).
         act: the activations quantised weights multiply (--act; docs/DESIGN.md §5 Kernels
             and ISAs): "q8" int8 blocks of 32 (the default, llama.cpp's arithmetic: the
-            fast path, KL divergence from exact in README "Activations") or "f32" float32
+            fast path, KL divergence from exact in docs/PERFORMANCE.md) or "f32" float32
             (exact). Float weights always take float32.
         repack: interleave q4_0 / q4_1 / q4_k / q6_k weights by 16 rows at load, MoE experts
             too when the weights fit the free memory (--no-repack turns it off): the decode

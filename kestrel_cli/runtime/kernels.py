@@ -196,7 +196,7 @@ class ExpertTable:
     `on_pack(e, (gate, up, down))` hands the new weights to the block (its prefill reads
     them too). Chosen by measurement (docs/DESIGN.md §5, "MoE experts"): the x16 dots
     decode faster than the row-major ones, and packing on first use instead made the
-    first tokens of a reply ~3x slower. Without repack (`--no-repack`, or weights that do
+    first tokens of a reply pay for the copies. Without repack (`--no-repack`, or weights that do
     not fit the memory: Engine.load decides) the kernels read the experts as stored.
     """
 
@@ -380,8 +380,8 @@ HUGE_MIN = 1 << 21      # a transparent huge page: smaller buffers stay on the h
 def to_huge_pages(w: Weight) -> Weight:
     """w with its bytes copied into `huge_buffer` memory (same format, layout and values).
     A file-mapped weight sits on 4 KiB page-cache pages: a decode GEMV streams every weight
-    once a token, and with 4 KiB pages its TLB misses cost (qwen3-1.7b Q8_0 decode, 2
-    threads: ~13.2 -> ~14.3 t/s copied)."""
+    once a token, and with 4 KiB pages its TLB misses cost measurably more than the copy
+    (docs/PERFORMANCE.md, the Q8_0 huge-page rows)."""
     raw = _weight_bytes(w)
     out = huge_buffer(raw.nbytes).reshape(raw.shape)
     np.copyto(out, raw)
@@ -392,8 +392,7 @@ def huge_buffer(nbytes: int) -> np.ndarray:
     """uint8 (nbytes,), 64-byte aligned: for 2 MiB and more, private anonymous memory that
     asks for transparent huge pages (THP's common "madvise" mode gives none otherwise; a
     shared mapping would be shmem, not THP). A decode GEMV streams each weight once per
-    token; with 4 KiB pages its TLB misses cost (SmolLM2-1.7B Q4_0 x16 decode, 2 threads:
-    ~19 -> ~23 t/s with them)."""
+    token; with 4 KiB pages its TLB misses slow the whole decode step."""
     if nbytes < HUGE_MIN or not hasattr(mmap, "MADV_HUGEPAGE"):
         buf = np.empty(nbytes + 64, dtype=np.uint8)
         off = (-buf.ctypes.data) % 64

@@ -146,9 +146,8 @@ class BlockPool:
     chunks of `kernels.huge_buffer` memory, private anonymous mappings on transparent huge
     pages, each touched only as its blocks are written; blocks given back (a trim) are
     handed out again first. A sparse decode step reads a few rows of blocks all over
-    the cache: on 4 KiB pages nearly every one is a TLB miss (qwen3-1.7b shape at depth
-    8192, int8 cache, `scripts/attn_bench.py -k 32`, 2 threads: 22.1 ms a step with each
-    block its own np.empty, 18.4 from huge pages). A chunk's memory is unmapped once none
+    the cache: on 4 KiB pages nearly every one is a TLB miss, which huge pages avoid
+    (`scripts/attn_bench.py -k 32` shows the step's time). A chunk's memory is unmapped once none
     of its blocks is referenced (the arrays hold the mapping)."""
 
     CHUNK = 64 << 20        # bytes a chunk maps (virtual; resident as its blocks are written)

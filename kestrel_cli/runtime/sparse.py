@@ -25,14 +25,14 @@ BS = KV_BLOCK            # tokens per block: one KV cache block
 # explicit flags override them. "seed" is the plain selection (docs/DESIGN.md §3).
 PRESETS: dict[str, dict] = {
     "seed": {},
-    # chosen on the bundled model (README, scripts/sparse_eval.py kld --shared-prefill and
-    # needle): an exact prefill gives exact prompt logits; each head attending its kv
+    # chosen on the bundled model (scripts/sparse_eval.py kld --shared-prefill and needle;
+    # figures in docs/PERFORMANCE.md): an exact prefill gives exact prompt logits; each head attending its kv
     # head's union, all k picks by the decode query's sketch probe (blocks ranked by their
     # mass estimated from every key at 4 bits; no importance half), block 0 and the last
     # block besides the k, and the blocks not picked counted at 4 bits (--sparse-rest):
-    # decode KLD at k = 32 0.000055 (without the rest 0.0015, sampled probes 0.011, the
-    # seed 0.044), every needle exact attention recalls kept at k = 8; bound probe, pooled
-    # picks, dense layers, window: no better
+    # the lowest decode KLD of the combinations tried (each part lowers it: the rest most,
+    # then the sketch probe over sampled keys), every needle exact attention recalls kept
+    # at k = 8; bound probe, pooled picks, dense layers, window: no better
     "quality": {"sparse_prefill": False, "sparse_group": "union", "sparse_importance": False,
                 "sparse_sink": "out", "sparse_recent": 1, "sparse_probe": "sketch",
                 "sparse_rest": True},
