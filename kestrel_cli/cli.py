@@ -92,7 +92,7 @@ class EngineOptions:
     threads: Annotated[Optional[int], typer.Option(
         "-t", "--threads", help=f"CPU threads: at most {THREADS_PER_CORE} per core, "
         f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}. On a "
-        "big.LITTLE CPU up to the big cores' number run pinned to the big cores; more run "
+        "big.LITTLE CPU as many threads as there are big cores run pinned to them; more run "
         "unpinned on all cores (`kestrel cpus` shows them).",
         show_default="all available cores", rich_help_panel=_MODEL)] = None
     quant: Annotated[Quant, typer.Option(
@@ -165,11 +165,11 @@ class EngineOptions:
         rich_help_panel=_MODEL)] = Act.q8
 
     repack: Annotated[bool, typer.Option(
-        "--repack/--no-repack", help="Interleave q4_0/q4_1/q4_k/q6_k weights by 16 rows at load, the "
-        "decode GEMV's layout, and copy the other weights decode reads (not an untied "
-        "embedding) into memory on huge pages (same results; MoE experts too when the "
-        "weights fit the free memory, else they stay mapped, with a note; off: the file's "
-        "row-major layout, kept as mapped pages).",
+        "--repack/--no-repack", help="At load, interleave q4_0/q4_1/q4_k/q6_k weights by 16 "
+        "rows (the decode GEMV's layout) and copy the other weights decode reads, but an "
+        "untied embedding, into memory on huge pages; the results are the same. MoE experts "
+        "are repacked too when the weights fit the free memory, else they stay mapped, with "
+        "a note. --no-repack keeps the file's row-major layout as mapped pages.",
         rich_help_panel=_MODEL)] = True
 
     def load_options(self) -> LoadOptions:
@@ -208,7 +208,8 @@ class SamplingOptions:
     top_k: Annotated[int, typer.Option(
         "--top-k", help="Keep the k most likely tokens; 0 = all.", rich_help_panel=_SAMPLING)] = 40
     top_p: Annotated[float, typer.Option(
-        "--top-p", help="Nucleus sampling mass.", rich_help_panel=_SAMPLING)] = 0.95
+        "--top-p", help="Keep the most likely tokens up to this probability mass (nucleus "
+        "sampling); 1.0 = all.", rich_help_panel=_SAMPLING)] = 0.95
     min_p: Annotated[float, typer.Option(
         "--min-p", help="Drop tokens below min_p x the top probability.",
         rich_help_panel=_SAMPLING)] = 0.05
@@ -244,7 +245,7 @@ class SamplingOptions:
 @dataclass
 class OutputOptions:
     timing: Annotated[bool, typer.Option(
-        "--timing/--no-timing", help="[DEC-SINGLE] and [PERF] lines on stderr.",
+        "--timing/--no-timing", help="Print the [DEC-SINGLE] and [PERF] timing lines on stderr.",
         rich_help_panel=_OUTPUT)] = True
 
 
@@ -407,7 +408,7 @@ def _fail(message: str, code: int) -> typing.NoReturn:
 app = typer.Typer(cls=_Group, name="kestrel", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Kestrel: CPU LLM inference (Llama, Qwen2/2.5, Qwen3 family).")
+                  help="Kestrel runs LLMs on the CPU (Llama, Qwen2/2.5 and the Qwen3 family).")
 
 
 def read_bounded(f, cap: int, what: str) -> bytearray:
@@ -490,7 +491,7 @@ def run(
     output: OutputOptions = None,
     thinking: ThinkingOptions = None,
 ):
-    """One-shot generation: stream the reply to a prompt to stdout."""
+    """Generate the reply to one prompt and stream it to stdout."""
     engine.check()
     sampling.check()
     if raw and system is not None:
@@ -570,13 +571,14 @@ def run(
 @with_options
 def chat(
     system: Annotated[Optional[str], typer.Option(
-        "-s", "--system", help="System message.", rich_help_panel=_PROMPT)] = None,
+        "-s", "--system", help="System message (chat template).",
+        rich_help_panel=_PROMPT)] = None,
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
     thinking: ThinkingOptions = None,
 ):
-    """Interactive multi-turn chat; /help lists the commands, Ctrl-D leaves."""
+    """Chat with the model, turn by turn; /help lists the commands, Ctrl-D leaves."""
     from kestrel_cli.apps.chat import ChatSession, repl
     engine.check()
     sampling.check()
@@ -630,15 +632,16 @@ def serve(
     host: Annotated[str, typer.Option(
         "--host", help="Address to listen on; 0.0.0.0 opens it to the network.",
         rich_help_panel="Server")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="TCP port.", rich_help_panel="Server")] = 8080,
+    port: Annotated[int, typer.Option(
+        "--port", help="TCP port to listen on.", rich_help_panel="Server")] = 8080,
     api_key: Annotated[Optional[str], typer.Option(
         "--api-key", envvar="KESTREL_API_KEY", show_default="none",
         help="Require 'Authorization: Bearer KEY' on /v1/* (or set KESTREL_API_KEY).",
         rich_help_panel="Server")] = None,
     parallel: Annotated[int, typer.Option(
-        "--parallel", help="Requests generated at once: N engines sharing the weights, each "
-        f"with its own KV cache and -t threads (default -t: the cores split N ways); at "
-        f"most {MAX_PARALLEL}, and N KV caches of the context must fit the memory.",
+        "--parallel", help="Requests generated at once, by N engines that share the weights, "
+        "each with its own KV cache and -t threads (by default the cores are split N ways). "
+        f"At most {MAX_PARALLEL}; N KV caches of the context must fit the memory.",
         rich_help_panel="Server")] = 1,
     queue_size: Annotated[int, typer.Option(
         "--queue-size", help="Requests that may wait for a free engine; more get 503.",
@@ -648,7 +651,8 @@ def serve(
         "finish before they end with an error (a stream: an error event and [DONE]).",
         rich_help_panel="Server")] = 5.0,
     max_connections: Annotated[int, typer.Option(
-        "--max-connections", help="Open connections at most; one more gets 503 and is closed.",
+        "--max-connections", help="Connections open at once at most; one more gets 503 and "
+        "is closed.",
         rich_help_panel="Server limits")] = 64,
     timeout_header: Annotated[float, typer.Option(
         "--timeout-header", help="Seconds a request's line and headers may take to arrive "
@@ -675,7 +679,9 @@ def serve(
         show_default="1G, or the budget if smaller", rich_help_panel="Server limits")] = None,
     engine: EngineOptions = None,
 ):
-    """OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models."""
+    """Serve the model over an OpenAI-compatible HTTP API.
+
+    The endpoints are /v1/chat/completions, /v1/completions and /v1/models."""
     engine.check()
     if not 0 <= port <= 65535:
         raise KestrelError(f"--port must be in 0..65535, got {port}")
@@ -732,8 +738,9 @@ def _human_count(n: int) -> str:
 
 @app.command()
 def cpus():
-    """The CPUs this process may use, the big and little cores (from sysfs) and the
-    default thread choice, one `key: value` line each."""
+    """Show the CPUs this process may use and the default thread choice.
+
+    The big and little cores come from sysfs; each fact is one `key: value` line."""
     from kestrel_cli.core.cpus import summary
     for line in summary():
         print(line)
@@ -745,8 +752,9 @@ def info(
         "-m", "--model", help="Checkpoint directory or .gguf file.",
         show_default="bundled SmolLM2-135M-Instruct")] = None,
 ):
-    """Model summary: architecture, size, dtypes, context, chat template, special tokens,
-    and the kernels' instruction-set variant."""
+    """Summarise a model: architecture, size, dtypes, context, template and special tokens.
+
+    The last line names the kernels' instruction-set variant on this CPU."""
     from kestrel_cli.models.loader import open_checkpoint
     from kestrel_cli.models import resolve
     cfg, store, tok, path = open_checkpoint(model)
@@ -804,9 +812,9 @@ def ppl(
         "-f", "--file", help=f"UTF-8 text to score ('-' reads stdin), at most "
         f"{PPL_BYTES // MiB} MiB.", rich_help_panel=_PROMPT)],
     kld_ref: Annotated[bool, typer.Option(
-        "--kld-ref", help="Also the mean KL divergence of the next-token distributions "
-        "from the exact path (float32 exact attention, float32 activations) over the same "
-        "windows (runs each window twice).",
+        "--kld-ref", help="Also print the mean KL divergence of the next-token "
+        "distributions from the exact path's (float32 exact attention and activations) "
+        "over the same windows; each window runs twice.",
         rich_help_panel=_OUTPUT)] = False,
     llama_cpp: Annotated[bool, typer.Option(
         "--llama-cpp", help="Score as llama.cpp's llama-perplexity does (whole windows, "
@@ -814,9 +822,10 @@ def ppl(
         "compare the two engines on one file and text.", rich_help_panel=_OUTPUT)] = False,
     engine: EngineOptions = None,
 ):
-    """Perplexity of a text in windows of the context size (-c), with this run's attention
-    and activation settings: prints tokens, windows, ppl (and kld) and the time, as
-    key=value."""
+    """Measure the perplexity of a text, in windows of the context size (-c).
+
+    The attention and activation settings are this run's flags.
+    It prints one line of key=value pairs: tokens, windows, ppl (and kld) and the time."""
     from kestrel_cli.apps.ppl import perplexity
     engine.check()
     text = read_prompt(None, file, cap=PPL_BYTES, what="text")
@@ -842,11 +851,12 @@ def bench(
         "-r", "--repetitions", help="Runs per test (mean ± sd).",
         rich_help_panel=_OUTPUT)] = 5,
     output: Annotated[str, typer.Option(
-        "-o", "--output", help="md (a table) or json.", rich_help_panel=_OUTPUT)] = "md",
+        "-o", "--output", help="Print md (a table) or json.", rich_help_panel=_OUTPUT)] = "md",
     engine: EngineOptions = None,
 ):
-    """Prompt processing (pp) and generation (tg) tokens/s at each depth, llama-bench
-    style: a table on stdout, then the peak RSS."""
+    """Measure prompt processing (pp) and generation (tg) speed, as llama-bench does.
+
+    Each test runs at each depth; the tokens/s go to stdout as a table, then the peak RSS."""
     from kestrel_cli.apps.bench import render, run_bench
     engine.check()
     try:
@@ -877,19 +887,21 @@ def quantize(
     out: Annotated[Path, typer.Argument(
         metavar="OUT", help="GGUF file to write.", show_default=False)],
     type_: Annotated[GGUFType, typer.Option(
-        "--type", help="GGUF file type; the tensor mix llama-quantize picks for it "
+        "--type", help="GGUF file type, with the tensor mix llama-quantize picks for it "
         "(q4_k_m/q5_k_m: Q6_K on attn_v and ffn_down of some layers; output Q6_K "
         "except in q8_0).", show_default=False)],
     pure: Annotated[bool, typer.Option(
-        "--pure", help="Every matrix in the type's own quantisation, output and token "
+        "--pure", help="Quantise every matrix to the type itself, output and token "
         "embeddings included (llama-quantize --pure).")] = False,
     threads: Annotated[Optional[int], typer.Option(
-        "-t", "--threads", help=f"Threads quantising: at most {THREADS_PER_CORE} per core, "
+        "-t", "--threads", help=f"Threads that quantise: at most {THREADS_PER_CORE} per core, "
         f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}.",
         show_default="all available cores")] = None,
 ):
-    """Write a checkpoint as a GGUF file (llama.cpp's layout), tensor by tensor in
-    bounded memory; OUT appears only once complete (OUT.part while writing)."""
+    """Write a checkpoint as a GGUF file, in llama.cpp's layout.
+
+    The tensors are written one by one, in bounded memory.
+    OUT appears only once it is complete (it is OUT.part while being written)."""
     from kestrel_cli.apps.gguf_export import Terminated, quantize_checkpoint
     LoadOptions(threads=threads).validate()       # -t within what this machine can start
     try:
