@@ -10,7 +10,7 @@
  * (`omp single`), and attention runs attn_decode.h's phases as worksharing loops
  * (ka_decode_team, which attention.pxi's decode also runs). Every output row and every
  * attention result is computed by the same function on the same data as in the Python
- * loop, so the logits are the same bits (tests/test_native_decode.py). */
+ * loop, so the logits are the same bits (tests/test_kernels_decode_stack.py). */
 #ifndef KESTREL_DECODE_H
 #define KESTREL_DECODE_H
 

@@ -205,7 +205,7 @@ TESTS = Path(__file__).resolve().parent
 # whole modules, or "module::test" (a parametrised test: all its cases)
 SLOW = frozenset({
     # fuzzing, soak and the SmolLM2-vs-transformers comparisons: whole modules
-    "test_server_fuzz.py", "test_fuzz_readers.py", "test_soak.py", "test_smollm2.py",
+    "test_server_fuzz.py", "test_loader_fuzz.py", "test_soak.py", "test_engine_smollm2.py",
     # and every test of 1.4 s or more in a full run (2 cores)
     "test_bench.py::test_make_random_checkpoint_loads",
     "test_board_bench.py::test_real_kestrel_and_taskset",
@@ -213,13 +213,13 @@ SLOW = frozenset({
     "test_cli.py::test_combined_stdout_and_stderr_keep_the_answer_s_lines_whole",
     "test_cli.py::test_exit_codes_of_the_real_command",
     "test_cpus.py::test_cli_prints_the_choice_once",
-    "test_deep_json.py::test_too_deep_counts_levels_without_recursion",
+    "test_constrained.py::test_too_deep_counts_levels_without_recursion",
     "test_examples.py::test_examples_run",
     "test_gguf_export.py::test_chunked_streaming_is_byte_identical",
     "test_gguf_export.py::test_memory_while_writing_is_a_few_chunks",
-    "test_images_hostile.py::test_decode_cost_bounds_measured_peak",
-    "test_kv_f16.py::test_cli_flag_runs_end_to_end",
-    "test_kv_q8.py::test_kl_q8_vs_f32_on_bundled_model",
+    "test_images.py::test_decode_cost_bounds_measured_peak",
+    "test_kv_cache_f16.py::test_cli_flag_runs_end_to_end",
+    "test_kv_cache_q8.py::test_kl_q8_vs_f32_on_bundled_model",
     "test_ppl.py::test_kld_ref",
     "test_scripts.py::test_bench_decode_table",
     "test_server.py::test_default_flags_serve_int8_activations",
@@ -230,9 +230,9 @@ SLOW = frozenset({
     "test_server_limits.py::test_sigterm_drains_then_ends_streams_with_an_error_and_done",
     "test_sparse.py::test_2k_chat_prompt_k32_keeps_the_answer_k1_loses_it",
     "test_sparse.py::test_needle_sweep_script",
-    "test_templates.py::test_chat_template_error_names_the_reason",
-    "test_templates.py::test_loops_without_output_hit_the_time_limit",
-    "test_templates.py::test_timeout_in_a_worker_thread_leaves_the_thread_usable",
+    "test_tokenizer_templates.py::test_chat_template_error_names_the_reason",
+    "test_tokenizer_templates.py::test_loops_without_output_hit_the_time_limit",
+    "test_tokenizer_templates.py::test_timeout_in_a_worker_thread_leaves_the_thread_usable",
     "test_tokenizer.py::test_encode_limit_never_refuses_a_text_that_fits",
     "test_tokenizer.py::test_smollm_encode_matches_transformers",
 })

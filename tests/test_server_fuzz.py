@@ -373,7 +373,7 @@ def dumps(body) -> bytes:
 
 
 # -- images: valid small ones of each accepted format, header-only bombs, wrong formats and
-# broken base64 (the server reads headers before any pixel: tests/test_images_hostile.py)
+# broken base64 (the server reads headers before any pixel: tests/test_images.py)
 
 def _png_chunk(kind: bytes, body: bytes) -> bytes:
     return (struct.pack(">I", len(body)) + kind + body

@@ -198,7 +198,7 @@ class ImageConfig:
         1 to 50 MP PNG (RGB, RGBA, LA, 16-bit, a 49 MP bomb), JPEG (baseline, progressive,
         EXIF-rotated, CMYK), WebP, GIF, BMP, max_pixels 1 M and 16.8 M: 0.37 to 0.97 of
         this, the low end a baseline JPEG (B is the progressive CMYK one's);
-        tests/test_images_hostile.py checks it stays under."""
+        tests/test_images.py checks it stays under."""
         h1, w1 = self.resized(width, height)
         n0, n1 = width * height, h1 * w1
         band = max(BAND_PIXELS, w1 * self.factor)
@@ -466,7 +466,7 @@ def _patchify(img, cfg: ImageConfig) -> ImageInput:
     """A resized RGB PIL image -> ImageInput. The processor's arithmetic (x * rescale_factor
     in float64, then float32; (x - mean) / std in float32) is element by element, so it is
     done a band of merge-block rows at a time, straight into the patches: bit for bit the
-    values of the whole image at once (tests/test_images_hostile.py), without the float64
+    values of the whole image at once (tests/test_images.py), without the float64
     and float32 copies of the whole image (36 bytes a pixel) next to the patches. The pixels
     are read a band at a time too (np.asarray of the whole image joins tobytes' pieces:
     another 6 bytes a pixel, left in the heap once freed)."""
