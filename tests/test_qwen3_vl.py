@@ -358,7 +358,7 @@ def test_too_many_images_refused_before_decoding(vl, no_decoding):
 def test_every_image_checked_before_any_is_decoded(vl, tmp_path, no_decoding):
     """A good image then a bad one: the bad one's header refuses the prompt before the good
     one is decoded; eight copies of the issue's 10 KB 9000x9000 PNG decode nothing."""
-    from test_images_hostile import data_url, png_bomb
+    from test_images import data_url, png_bomb
     d, model, eng, proc, imgs = vl
     thin = tmp_path / "thin.png"
     Image.new("L", (1, 300)).save(thin)                   # aspect ratio 300

@@ -244,7 +244,7 @@ def test_nan_weights_are_a_500_model_error_and_the_server_goes_on(tmp_path):
 
 @pytest.fixture(scope="module")
 def vl_engine(tmp_path_factory):
-    from test_vision import make_vl_checkpoint
+    from test_qwen3_vl import make_vl_checkpoint
 
     from kestrel_cli import Engine
     d = tmp_path_factory.mktemp("vl")
@@ -262,7 +262,7 @@ def test_bomb_images_are_refused_before_any_is_decoded(vl_engine, no_decoding):
     their headers; nothing decoded, nothing rendered; so are too many images, images whose
     tokens fill the context, an EPS sent as image/png, and images for a model without a
     vision tower. A small image in the same server is answered."""
-    from test_images_hostile import data_url, eps_bytes, png_bomb
+    from test_images import data_url, eps_bytes, png_bomb
 
     from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT
     from kestrel_cli.server import create_app
@@ -287,7 +287,7 @@ def test_image_cost_is_leased(vl_engine, monkeypatch):
     """An image request takes what decoding its images will cost from the budget (header
     sizes): with too little budget left it is 503 before any decoding; a small image is
     answered and the lease given back."""
-    from test_images_hostile import data_url, png_bomb
+    from test_images import data_url, png_bomb
 
     from kestrel_cli.server import Limits, create_app
     from kestrel_cli.server.admission import MiB

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_images_hostile import eps_bytes, png_bomb
+from test_images import eps_bytes, png_bomb
 from test_server import ERROR_KEYS, sse_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +96,7 @@ def _harness(eng, d, what: str):
 def vl_harness(tmp_path_factory):
     """A tiny Qwen3-VL (images reach probe_image, the lease and the vision tower) with room
     for MAX_IMAGES_PER_PROMPT small images in its context."""
-    from test_vision import make_vl_checkpoint
+    from test_qwen3_vl import make_vl_checkpoint
 
     from kestrel_cli import Engine
     d = tmp_path_factory.mktemp("fuzzvl") / "tiny-qwen3-vl"
