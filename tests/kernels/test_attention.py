@@ -121,6 +121,7 @@ def test_attention_rejects_bad_input():
 # int8 cache, block-sparse selection, prefill importance (docs/DESIGN.md §2-§3)
 
 from kestrel_cli.kv_cache import CacheSpec, KVCache            # noqa: E402
+from kestrel_cli.sparse import SparseSpec                      # noqa: E402
 from kestrel_cli.sparse import (group_scores, importance_order, probe_scores,  # noqa: E402
                                 select_blocks, select_with)
 
@@ -540,9 +541,9 @@ def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
     rng = np.random.default_rng([case, len(dtype)])
     k, n_probe, pos0, T = 2, (8, 5, 3)[case % 3], 45, 160
     n = pos0 + T
-    spec = CacheSpec(dtype, sparse_k=k, sparse_probes=n_probe, sparse_sink=sink,
-                     sparse_probe="bound" if bound else "sample", sparse_group=pool,
-                     sparse_recent=recent)
+    spec = CacheSpec(dtype, sparse=SparseSpec(k=k, probes=n_probe, sink=sink,
+                                              probe="bound" if bound else "sample",
+                                              group=pool, recent=recent))
     c = KVCache(1, n_kv, hd, n + 32, spec, threads=1)
     c.reserve(n)
     c.write(0, (rng.standard_normal((n, n_kv * hd)) * 2).astype(np.float32),
