@@ -66,19 +66,6 @@ class CacheSpec:
         return self.sparse.k if self.sparse else 0
 
     @property
-    def sparse_opts(self) -> int:
-        """The kernel's code of the selection options (attn_select.h: sink | pool << 2 |
-        recent << 4 | rest (bit 11) | share (bit 12) | rank (bit 13) | rest_max << 14,
-        the cap only with the rest)."""
-        sp = self.sparse
-        if sp is None:
-            return 0
-        flag = {"share": K.SHARE, "rank": K.RANK}.get(sp.group, 0)
-        return (SINKS.index(sp.sink) | (1 if flag else GROUPS.index(sp.group)) << 2
-                | sp.recent << 4 | (K.REST if sp.rest else 0) | flag
-                | (sp.rest_max << K.REST_MAX_SHIFT if sp.rest else 0))
-
-    @property
     def sparse_width(self) -> int:
         """Most blocks a sparse query attends to (`SparseSpec.width`); 0 when exact."""
         return self.sparse.width if self.sparse else 0
@@ -209,10 +196,12 @@ class KVCache:
                 self._bsc[layer] = self.bound_scales[layer].reshape(-1)
             self._use_bounds = True
 
-    def _opts(self, spec: CacheSpec) -> int:
-        """The kernel's selection options: the spec's, and the sketch bit when the bounds
-        arrays hold key sketches (the writes keep them whatever probe reads)."""
-        return spec.sparse_opts | (K.SKETCH if self.sketch else 0)
+    def _opts(self, spec: CacheSpec) -> K.SparseOpts:
+        """The kernel's sparse options (filled once per spec): the spec's, and whether the
+        bounds arrays hold key sketches (the writes keep them whatever probe reads)."""
+        if spec.sparse is None:
+            return K.SparseOpts(sketch=self.sketch)
+        return spec.sparse.kernel_opts(self.sketch)
 
     @property
     def n_blocks(self) -> int:
@@ -322,18 +311,16 @@ class KVCache:
                     dtype=np.float32)
             return K.attention_unchecked(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads,
                                          self.head_dim, pos0, self.scale, out, self.threads,
-                                         self.kv_kind, k, self.sparse_probes, order,
-                                         sel, self._dec_tab, self.sparse_opts,
+                                         self.kv_kind, k, self.sparse_opts, order,
+                                         sel, self._dec_tab,
                                          self._bnd[layer] if self._use_bounds else None,
                                          self._bsc[layer], self._bcap)
         if self._slots is None:
             self._slots = np.zeros((K.SLOTS, self.max_tokens), dtype=np.float32)
         K.attention(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads, self.head_dim, pos0,
                     self.scale, out, self.threads, kv_q8=self.q8, kv_f16=self.f16,
-                    sparse_k=k,
-                    sparse_probes=self.sparse_probes, imp_order=order,
+                    sparse_k=k, sparse=self.sparse_opts, imp_order=order,
                     importance=self.importance[layer], imp_slots=self._slots, sel=sel,
-                    sparse_opts=self.sparse_opts,
                     bounds=self.bounds[layer] if self._use_bounds else None,
                     bound_scales=self.bound_scales[layer] if self._use_bounds else None,
                     bound_cap=self._bcap,
@@ -374,7 +361,7 @@ class KVCache:
         ks, orders, n_orders, bnds, bscs = t
         stack.run(h, self.offset, rope_pos, self.k_ptrs, self.v_ptrs, KV_BLOCK, self.kv_kind,
                   self.scale_offset, self.scale, self.threads, act_q8, ks, orders, n_orders,
-                  self.sparse_probes, self.sparse_opts, bnds, bscs, self._bcap,
+                  self.sparse_opts, bnds, bscs, self._bcap,
                   self._use_bounds, self._dec_tab)
 
     def respec(self, spec: CacheSpec) -> None:

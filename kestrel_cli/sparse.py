@@ -26,8 +26,8 @@ BS = KV_BLOCK            # tokens per block: one KV cache block
 
 SINKS = ("off", "in", "out")            # SparseSpec.sink values (kernel code: their index)
 PROBES = ("sample", "bound", "sketch")  # SparseSpec.probe values
-# SparseSpec.group values; the kernel's pool code is the index ("share" / "rank": max and
-# the share / rank flag)
+# SparseSpec.group values; the kernel's pool is the index ("share" / "rank": max and the
+# share / rank flag)
 GROUPS = ("head", "max", "sum", "union", "share", "rank")
 RECENT_MAX = 63                         # the kernel keeps at most this many recent blocks
 REST_MAX_MAX = 255                      # the rest's cap (rest-max) fits 8 bits
@@ -103,6 +103,18 @@ class SparseSpec:
         """Most blocks a sparse query attends to: k, plus block 0 with the sink outside,
         plus the recent blocks."""
         return self.k + (self.sink == "out") + self.recent
+
+    def kernel_opts(self, sketch: bool = False):
+        """The options as the kernels read them (`kernels.SparseOpts`, attn_select.h
+        ka_sparse); sketch: the cache's bounds arrays hold key sketches (a cache made with
+        the sketch probe keeps them whatever probe reads)."""
+        from .kernels import SparseOpts
+        pooled = self.group in ("share", "rank")
+        return SparseOpts(n_probe=self.probes, sink=SINKS.index(self.sink),
+                          pool=GROUPS.index("max") if pooled else GROUPS.index(self.group),
+                          share=self.group == "share", rank=self.group == "rank",
+                          recent=self.recent, sketch=sketch, rest=self.rest,
+                          rest_max=self.rest_max if self.rest else 0)
 
     @classmethod
     def parse(cls, text: str, k: int = 32, probes: int = 8) -> "SparseSpec":

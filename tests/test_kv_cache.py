@@ -39,8 +39,7 @@ def test_attend_is_the_kernel_over_its_blocks(spec, T):
     kp, vp = c.views(0, 200 + T)
     ref = kernels.attention(q, kp, vp, kernels.KV_BLOCK, N_KV, HD, 200, HD ** -0.5,
                             np.empty_like(q), 2, kv_q8=spec.dtype == "q8",
-                            sparse_k=spec.sparse_k,
-                            sparse_probes=spec.sparse.probes if spec.sparse else 8)
+                            sparse_k=spec.sparse_k, sparse=spec.sparse)
     out = np.full_like(q, np.nan)
     assert c.attend(0, q, out) is out
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)

@@ -141,10 +141,10 @@ def test_stack_rejects_bad_tables(ckpts):
     tab = np.zeros(K.decode_tab_size(c.max_tokens, stack.n_heads, c.head_dim), np.float32)
     with pytest.raises(ValueError, match="not reserved"):     # row 40: no block yet
         stack.run(h, 40, 40, c.k_ptrs, c.v_ptrs, 32, c.kv_kind, 0, c.scale, 1, False, z32,
-                  zu, z64, 8, 0, zu, zu, 0, False, tab)
+                  zu, z64, K.SparseOpts(), zu, zu, 0, False, tab)
     with pytest.raises(ValueError, match="too short"):
         stack.run(h, 5, 5, c.k_ptrs, c.v_ptrs, 32, c.kv_kind, 0, c.scale, 1, False, z32[:1],
-                  zu, z64, 8, 0, zu, zu, 0, False, tab)
+                  zu, z64, K.SparseOpts(), zu, zu, 0, False, tab)
     with pytest.raises(ValueError, match="dec_tab"):
         stack.run(h, 5, 5, c.k_ptrs, c.v_ptrs, 32, c.kv_kind, 0, c.scale, 1, False, z32,
-                  zu, z64, 8, 0, zu, zu, 0, False, tab[:4])
+                  zu, z64, K.SparseOpts(), zu, zu, 0, False, tab[:4])

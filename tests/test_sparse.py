@@ -72,7 +72,7 @@ def c_select(q, keys, importance, k, n_probe=8):
     out = np.empty((1, hd), np.float32)
     sel = np.full((1, 1, k), -1, np.int32)
     kernels.attention(q.reshape(1, hd).astype(np.float32), ptrs, ptrs, BS, 1, hd, seq - 1, 1.0,
-                      out, 1, sparse_k=k, sparse_probes=n_probe,
+                      out, 1, sparse_k=k, sparse=SparseSpec(probes=n_probe),
                       imp_order=None if importance is None else importance_order(importance, seq),
                       sel=sel)
     return sel[0, 0].tolist() if nb > k else list(range(nb))

@@ -98,7 +98,7 @@ def test_sketch_kept_up_to_date_and_scores_match_numpy(dtype):
     rng = np.random.default_rng(3)
     seq = 7 * BS + 13
     c = filled_cache(CacheSpec(dtype, sparse=SparseSpec(k=2, probe="sketch")), seq, rng)
-    assert c.sparse_opts & kernels.SKETCH and c.bounds.dtype == np.uint8
+    assert c.sparse_opts.sketch and c.bounds.dtype == np.uint8
     c.trim(5 * BS + 3)
     c.reserve(9)
     kk = rng.standard_normal((9, N_KV * HD)).astype(np.float32)
@@ -155,14 +155,15 @@ def test_sketch_needs_a_cache_made_with_it():
     with pytest.raises(KestrelError, match="bound probe needs a cache made with it"):
         c.respec(CacheSpec(sparse=SparseSpec(k=2, probe="bound")))
     c.respec(CacheSpec(sparse=SparseSpec(k=4)))    # sampled probes: the sketch is still kept
-    assert c.sparse_opts == kernels.SKETCH
+    assert c.sparse_opts == kernels.SparseOpts(sketch=True)
     with pytest.raises(KestrelError, match="even head_dim"):
         KVCache(1, N_KV, 15, 128, CacheSpec(sparse=SparseSpec(k=2, probe="sketch")))
 
 
 def test_no_bounds_without_the_option():
     c = KVCache(1, N_KV, HD, 256, CacheSpec(sparse=SparseSpec(k=4)))
-    assert c.bounds is None and c.sparse_opts == 0 and CacheSpec().sparse_opts == 0
+    assert c.bounds is None and c.sparse_opts == kernels.SparseOpts()
+    assert KVCache(1, N_KV, HD, 256, CacheSpec()).sparse_opts == kernels.SparseOpts()
 
 
 # ---------------------------------------------------------------- the kernel's picks
@@ -516,7 +517,8 @@ def test_recent_blocks_exact_up_to_k_plus_r_blocks_and_in_prefill_rows():
 def test_recent_and_importance_flags():
     spec = LoadOptions(sparse="recent=2+no-importance").cache_spec
     assert spec.sparse.recent == 2 and not spec.sparse.importance
-    assert spec.sparse_opts == 2 << 4 and spec.sparse_width == 34
+    assert spec.sparse.kernel_opts() == kernels.SparseOpts(recent=2)
+    assert spec.sparse_width == 34
     with pytest.raises(KestrelError, match="--sparse: recent must be 0..63"):
         LoadOptions(sparse="recent=64").validate()
     with pytest.raises(KestrelError, match="recent must be 0..63"):
@@ -643,11 +645,11 @@ def rows_of(c, layer, n, values=False):
 
 
 def test_rest_max_options():
-    """--sparse-rest-max: 0..255, only with the rest (sparse_opts bits 14-21); over the
+    """rest-max: 0..255, only with the rest (ka_sparse.rest_max); over the
     quality preset (no cap of its own: it costs the needles, README) it stays with the
     rest and fails without it."""
     spec = CacheSpec(sparse=SparseSpec(k=4, probe="sketch", rest=True, rest_max=32))
-    assert spec.sparse_opts >> kernels.REST_MAX_SHIFT == 32
+    assert spec.sparse.kernel_opts().rest_max == 32
     for kw, msg in ((dict(rest_max=256), "0..255"), (dict(rest_max=-1), "0..255"),
                     (dict(rest=False, rest_max=8), "it needs rest")):
         with pytest.raises(KestrelError, match=msg):
@@ -657,7 +659,7 @@ def test_rest_max_options():
     q = LoadOptions(sparse="quality").cache_spec.sparse
     assert q.rest and q.rest_max == PRESETS["quality"].get("rest_max", 0)
     q = LoadOptions(sparse="quality+rest-max=64").cache_spec
-    assert q.sparse.rest and q.sparse_opts >> kernels.REST_MAX_SHIFT == 64
+    assert q.sparse.rest and q.sparse.kernel_opts().rest_max == 64
     assert LoadOptions(sparse="quality+no-rest").cache_spec.sparse.rest_max == 0
     with pytest.raises(KestrelError, match="it needs rest"):
         LoadOptions(sparse="quality+no-rest+rest-max=4").cache_spec
@@ -666,5 +668,4 @@ def test_rest_max_options():
 def test_rest_needs_the_sketch():
     with pytest.raises(KestrelError, match="sketch probe"):
         CacheSpec(sparse=SparseSpec(k=4, rest=True))
-    assert CacheSpec(sparse=SparseSpec(k=4, probe="sketch", rest=True)).sparse_opts \
-        & kernels.REST
+    assert SparseSpec(k=4, probe="sketch", rest=True).kernel_opts().rest
