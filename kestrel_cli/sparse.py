@@ -185,14 +185,14 @@ OPTIONS = (
      "its kv head's union"),
     ("dense-first", "dense_first", int, "the first N layers attend exactly"),
     ("dense", "dense_layers", "layers", "these layers (0,5,7) attend exactly"),
-    ("window", "window", int, "prefill importance from the prompt's last W rows only; "
+    ("window", "window", int, "prefill importance from the prompt's last N rows only; "
      "0 = all"),
-    ("recent", "recent", int, f"the last R blocks attended besides the k (0..{RECENT_MAX})"),
+    ("recent", "recent", int, f"the last N blocks attended besides the k (0..{RECENT_MAX})"),
     ("importance", "importance", bool, "half of the k picks by prefill importance "
      "(no-importance: all k by probes)"),
     ("rest", "rest", bool, "decode also counts the blocks not picked, at 4 bits (needs "
      "probe=sketch)"),
-    ("rest-max", "rest_max", int, f"with rest: at most R blocks not picked per head "
+    ("rest-max", "rest_max", int, f"with rest: at most N blocks not picked per head "
      f"(1..{REST_MAX_MAX}; 0 = all above the floor)"),
     ("exact-prefill", "prefill", "exact", "exact prompt attention, sparse decode "
      "(sparse-prefill: both sparse)"),

@@ -548,7 +548,7 @@ def greedy(eng, cache, logits, n: int = 24) -> str:
 
 
 def cmd_needle(a) -> None:
-    """Configs whose prefill is exact (exact, --exact-prefill presets) share one exact
+    """Configs whose prefill is exact (exact, exact-prefill ones) share one exact
     prefill per prompt (KVCache.respec, trimmed back after each answer); the others
     prefill on their own."""
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -558,7 +558,7 @@ def cmd_needle(a) -> None:
     ks = [int(x) for x in a.k.split(",")]
     depths = [int(x) for x in a.depths.split(",")]
     runs = [("exact", 0)] + [(c, k) for c in configs_of(a.configs) for k in ks]
-    shared: dict = {}          # sparse_window -> a cache with bounds, prefilled exactly
+    shared: dict = {}          # window -> a cache with bounds, prefilled exactly
     own: dict = {}
     hits: dict = {}
     print(f"{'size':>5} {'depth':>5} {'tokens':>6} " + " ".join(

@@ -531,11 +531,11 @@ def test_recent_and_importance_flags():
 @pytest.mark.parametrize("group", ["head", "union", "rank"])
 @pytest.mark.parametrize("dtype", ["f32", "q8"])
 def test_rest_decode_matches_numpy(group, dtype, rest_max, isa):
-    """--sparse-rest: a decode head's output is the softmax over its picks' exact scores
+    """rest: a decode head's output is the softmax over its picks' exact scores
     and, for each block it does not attend, one pseudo-token (the block's sketch mass; its
     sketched values weighted by its tokens' sketched shares), in one normalisation: the
     blocks not picked at 4 bits (those whose mass is below e^REST_FLOOR of the head's
-    largest skipped; with --sparse-rest-max R only those at or above the R-th largest
+    largest skipped; with rest-max=R only those at or above the R-th largest
     mass of the blocks above the floor that the head itself did not pick); without the
     option the picks alone."""
     rng = np.random.default_rng(23)
