@@ -84,7 +84,11 @@ class SparseSpec:
     prefill: str = "sparse"
 
     def __post_init__(self):
-        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+        layers = self.dense_layers
+        if not isinstance(layers, (tuple, list)) or any(
+                not isinstance(x, int) or isinstance(x, bool) for x in layers):
+            raise KestrelError(f"--sparse: dense takes layer indices, got {clip(layers)!r}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
         bad = _check(self)
         if bad:
             raise KestrelError(f"--sparse: {bad}")
@@ -292,7 +296,7 @@ def _check(s: SparseSpec) -> str | None:
             return f"{name} must be one of {', '.join(ok)}; got {clip(getattr(s, name))!r}"
     if s.dense_first < 0:
         return f"dense-first must be >= 0, got {s.dense_first}"
-    if any(not isinstance(x, int) or x < 0 for x in s.dense_layers):
+    if any(x < 0 for x in s.dense_layers):
         return f"dense: layer indices must be >= 0, got {clip(s.dense_layers)}"
     if s.window < 0:
         return f"window must be >= 0, got {s.window}"

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kestrel_cli.errors import KestrelError
 from kestrel_cli.kv_cache import CacheSpec, KVCache
 from kestrel_cli.sparse import SparseSpec
 
@@ -172,3 +173,15 @@ def test_bad_input_is_one_line(tmp_path):
             se.parse_sim(f"sim:probe=q4:rest={bad}")
         assert "unknown rest" in str(e.value)
     assert se.parse_sim("sim:rest=tier6.5")["rest"] == "tier6.5"
+
+
+def test_configs_are_sparse_specs():
+    """A config is `--sparse` text (SparseSpec.parse) at the run's k; --configs splits on
+    commas, except inside a layer list; a bad config is the parser's one line."""
+    assert se.spec_of("quality+recent=2", 8).sparse == SparseSpec.parse("quality+recent=2", k=8)
+    assert se.spec_of("seed", 4, "q8") == CacheSpec("q8", SparseSpec(k=4))
+    assert se.spec_of("sim:oracle=mass", 4).sparse == SparseSpec(k=4, prefill="exact")
+    assert se.configs_of("seed,quality+dense=0,5,sink=in") == [
+        "seed", "quality+dense=0,5", "sink=in"]
+    with pytest.raises(KestrelError, match="unknown option or preset 'kv-max'"):
+        se.spec_of("kv-max", 8)
