@@ -32,6 +32,7 @@ from kestrel_cli.inference.engine import (DEFAULT_CTX_CAP, MAX_CTX, THREADS_FLOO
                      Engine, LoadOptions, default_threads, thread_cap, thread_rule)
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.core.osmem import physical_memory
+from kestrel_cli.runtime.sparse import options_table
 from kestrel_cli.inference.timing import TimingPrinter
 from kestrel_cli.text.tokenizer import TooManyTokens
 
@@ -55,6 +56,9 @@ CHAT_LINE_BYTES = PROMPT_BYTES    # one chat line read from a pipe or file
 MAX_PARALLEL = 64                 # serve --parallel: each slot a thread, a KV cache, -t threads
 
 _MODEL, _SAMPLING, _OUTPUT, _PROMPT = "Model", "Sampling", "Output", "Prompt"
+# --sparse's help: the presets and options, one table (kestrel_cli.runtime.sparse.OPTIONS); rich
+# keeps the lines when they are separated by blank ones
+_SPARSE_TABLE = "\n\n" + "\n\n".join(options_table().splitlines())
 
 
 class Act(str, Enum):
@@ -110,55 +114,11 @@ class EngineOptions:
     sparse_probes: Annotated[int, typer.Option(
         "--sparse-probes", help="Keys probed per block (--sparse-attn).",
         rich_help_panel=_MODEL)] = 8
-    sparse_preset: Annotated[Optional[str], typer.Option(
-        "--sparse-preset", help="Named sparse options, implies --sparse-attn: 'quality' = "
-        "--exact-prefill --sparse-group union --no-sparse-importance --sparse-sink out "
-        "--sparse-recent 1 --sparse-probe sketch --sparse-rest; 'seed' = none. Flags given "
-        "override it.",
-        show_default="none", rich_help_panel=_MODEL)] = None
-    sparse_sink: Annotated[Optional[str], typer.Option(
-        "--sparse-sink", help="Always attend block 0: off, in (one of the k picks) or out "
-        "(besides the k picks).", show_default="off", rich_help_panel=_MODEL)] = None
-    sparse_probe: Annotated[Optional[str], typer.Option(
-        "--sparse-probe", help="Block ranking: sample (--sparse-probes keys), bound "
-        "(per-block min/max key bound, Quest) or sketch (every key kept at 4 bits, blocks "
-        "ranked by their estimated attention mass).", show_default="sample",
+    sparse: Annotated[Optional[str], typer.Option(
+        "--sparse", metavar="NAME|OPT+OPT+...", help="Sparse options, implies --sparse-attn: "
+        "a preset, or options joined by + applied in order (a preset among them: "
+        "quality+recent=2). " + _SPARSE_TABLE, show_default="none",
         rich_help_panel=_MODEL)] = None
-    sparse_group: Annotated[Optional[str], typer.Option(
-        "--sparse-group", help="head: each query head picks; max / sum: one pick per kv "
-        "head from its heads' pooled probes; share: one pick per kv head from each head's "
-        "probes less their log-sum-exp (its blocks' shares of attention with the sketch); "
-        "rank: one pick per kv head, its heads' own picks taken in turns; "
-        "union: each head attends its kv head's union.",
-        show_default="head", rich_help_panel=_MODEL)] = None
-    sparse_dense_first: Annotated[Optional[int], typer.Option(
-        "--sparse-dense-first", help="The first N layers attend exactly (--sparse-attn).",
-        show_default="0", rich_help_panel=_MODEL)] = None
-    sparse_dense_layers: Annotated[Optional[str], typer.Option(
-        "--sparse-dense-layers", help="Comma-separated layers that attend exactly.",
-        show_default="none", rich_help_panel=_MODEL)] = None
-    sparse_window: Annotated[Optional[int], typer.Option(
-        "--sparse-window", help="Prefill importance from the prompt's last W rows only "
-        "(where the question is); 0 = all rows.", show_default="0",
-        rich_help_panel=_MODEL)] = None
-    sparse_recent: Annotated[Optional[int], typer.Option(
-        "--sparse-recent", help="The last R blocks attended besides the k picks (0..63).",
-        show_default="0", rich_help_panel=_MODEL)] = None
-    sparse_importance: Annotated[Optional[bool], typer.Option(
-        "--sparse-importance/--no-sparse-importance", help="Half of the k picks by prefill "
-        "importance, or all k by probes.", show_default="importance",
-        rich_help_panel=_MODEL)] = None
-    sparse_rest: Annotated[Optional[bool], typer.Option(
-        "--sparse-rest/--no-sparse-rest", help="Decode: the blocks not picked also count, "
-        "at 4 bits: each by its mass estimated from the key sketch and its values' sketch "
-        "(needs --sparse-probe sketch).", show_default="no", rich_help_panel=_MODEL)] = None
-    sparse_rest_max: Annotated[Optional[int], typer.Option(
-        "--sparse-rest-max", help="With --sparse-rest: count at most R blocks not picked "
-        "per head, those of the largest estimated mass (1..255; 0 = all above the floor).",
-        show_default="0", rich_help_panel=_MODEL)] = None
-    sparse_prefill: Annotated[Optional[bool], typer.Option(
-        "--sparse-prefill/--exact-prefill", help="Sparse or exact prompt attention "
-        "(decode is sparse either way).", show_default="sparse", rich_help_panel=_MODEL)] = None
     act: Annotated[Act, typer.Option(
         "--act", help="Activations of quantised matmuls: q8 = int8 blocks of 32 as "
         "llama.cpp (the fast path, not exact); f32 = float32 (exact).",
@@ -180,16 +140,7 @@ class EngineOptions:
                            quant=Quant(self.quant).value, threads=self.threads,
                            ctx_size=self.ctx_size, ctx_cap=DEFAULT_CTX_CAP,
                            act=Act(self.act).value, kv_f16=self.kv_f16, repack=self.repack,
-                           sparse_preset=self.sparse_preset, sparse_sink=self.sparse_sink,
-                           sparse_probe=self.sparse_probe, sparse_group=self.sparse_group,
-                           sparse_prefill=self.sparse_prefill,
-                           sparse_window=self.sparse_window,
-                           sparse_recent=self.sparse_recent,
-                           sparse_importance=self.sparse_importance,
-                           sparse_rest=self.sparse_rest,
-                           sparse_rest_max=self.sparse_rest_max,
-                           sparse_dense_first=self.sparse_dense_first,
-                           sparse_dense_layers=self.sparse_dense_layers)
+                           sparse=self.sparse)
 
     def check(self) -> None:
         """Fail fast, before any file is read (the Engine's own validation, the bounds of

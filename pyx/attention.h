@@ -51,10 +51,10 @@
  * ka_sketch_dots_sdot, ka_rest_dots_sdot: the portable code's integers), and the i8mm
  * slot runs those. */
 #define KA_DECODE_A_ARGS const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads, \
-    ptrdiff_t n_ctx, float scale, int mode, int k, int sopt, int n_probe, \
+    ptrdiff_t n_ctx, float scale, int mode, int k, const ka_sparse *sp, \
     const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel
 #define KA_PREFILL_ARGS const ka_kv *kv, const float *q, ptrdiff_t ldq, ptrdiff_t T, \
-    ptrdiff_t n_heads, ptrdiff_t pos0, float scale, int k, int sopt, int n_probe, \
+    ptrdiff_t n_heads, ptrdiff_t pos0, float scale, int k, const ka_sparse *sp, \
     const int32_t *imp_order, ptrdiff_t n_order, ptrdiff_t u, ka_ws *ws, float *imp, \
     int32_t *sel, float *out, ptrdiff_t ldo
 
@@ -65,8 +65,8 @@
     {                                                                                    \
         ka_kv kv2 = *kv;                                                                 \
         kv2.f16c = kv2.x86v3 = (F16C);                                                   \
-        ka_decode_a(&kv2, q, u, n_heads, n_ctx, scale, mode, k, sopt, n_probe, imp_order,\
-                    n_order, ws, tab, sel);                                              \
+        ka_decode_a(&kv2, q, u, n_heads, n_ctx, scale, mode, k, sp, imp_order, n_order,  \
+                    ws, tab, sel);                                                       \
     }
 
 KA_DECODE_ENTRY(base, , 0)
@@ -77,14 +77,15 @@ KA_DECODE_ENTRY(dotprod, KF_TARGET_DOTPROD, 0)
 #endif
 
 #define KA_DECODE_H_ARGS const ka_kv *kv, const float *q, ptrdiff_t p, ptrdiff_t kh0, \
-    ptrdiff_t kh1, ptrdiff_t n_heads, ptrdiff_t n_ctx, float scale, int picked, int sopt, \
+    ptrdiff_t kh1, ptrdiff_t n_heads, ptrdiff_t n_ctx, float scale, int picked, \
+    const ka_sparse *sp, \
     ka_ws *ws, float *tab
 #define KA_DECODE_H_ENTRY(SUF, ATTR, F16C)                                               \
     ATTR static void ka_decode_heads_##SUF(KA_DECODE_H_ARGS)                             \
     {                                                                                    \
         ka_kv kv2 = *kv;                                                                 \
         kv2.f16c = kv2.x86v3 = (F16C);                                                   \
-        ka_decode_heads(&kv2, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, sopt, ws,   \
+        ka_decode_heads(&kv2, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, sp, ws,     \
                         tab);                                                            \
     }
 
@@ -109,7 +110,7 @@ static const ka_decode_h_fn ka_decode_h_tab[KF_N_ISA] = {
 
 static inline void ka_decode_heads_run(KA_DECODE_H_ARGS)
 {
-    ka_decode_h_tab[kf_isa](kv, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, sopt, ws, tab);
+    ka_decode_h_tab[kf_isa](kv, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, sp, ws, tab);
 }
 
 typedef void (*ka_decode_a_fn)(KA_DECODE_A_ARGS);
@@ -127,14 +128,14 @@ static const ka_decode_a_fn ka_decode_a_tab[KF_N_ISA] = {
 
 static inline void ka_decode_a_run(KA_DECODE_A_ARGS)
 {
-    ka_decode_a_tab[kf_isa](kv, q, u, n_heads, n_ctx, scale, mode, k, sopt, n_probe,
-                            imp_order, n_order, ws, tab, sel);
+    ka_decode_a_tab[kf_isa](kv, q, u, n_heads, n_ctx, scale, mode, k, sp, imp_order,
+                            n_order, ws, tab, sel);
 }
 
 static void ka_prefill_unit_run(KA_PREFILL_ARGS)
 {
-    ka_prefill_unit(kv, q, ldq, T, n_heads, pos0, scale, k, sopt, n_probe, imp_order, n_order,
-                    u, ws, imp, sel, out, ldo);
+    ka_prefill_unit(kv, q, ldq, T, n_heads, pos0, scale, k, sp, imp_order, n_order, u, ws,
+                    imp, sel, out, ldo);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)

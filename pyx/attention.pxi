@@ -52,13 +52,15 @@ cdef extern from "attention.h" nogil:
     void ka_bounds_update(const uint8_t *blk, int kind, Py_ssize_t bs, Py_ssize_t n_kv,
                           Py_ssize_t hd, Py_ssize_t r0, Py_ssize_t r1, uint8_t *bnd,
                           Py_ssize_t bstride, float *bsc, Py_ssize_t sstride) noexcept
-    int ka_ktot(int k, int sopt) noexcept
+    ctypedef struct ka_sparse:
+        int n_probe, sink, pool, share, rank, recent, sketch, rest, rest_max
+    int ka_ktot(int k, const ka_sparse *sp) noexcept
     enum:
-        KA_SKETCH
-        KA_REST
-        KA_SHARE
-        KA_RANK
-        KA_REST_MAX_SHIFT
+        KA_SINK_OUT
+        KA_POOL_MAX
+        KA_POOL_UNION
+        KA_RECENT_MAX
+        KA_REST_MAX_MAX
         KA_SKHDMAX
         KA_SKBS
         KA_SKGMAX
@@ -84,33 +86,73 @@ cdef extern from "attention.h" nogil:
         KA_DEC_PROBES
         KA_DEC_PICKED
     void ka_decode_a_run(const ka_kv *kv, const float *q, Py_ssize_t u, Py_ssize_t n_heads,
-                         Py_ssize_t n_ctx, float scale, int mode, int k, int sopt,
-                         int n_probe, const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws,
+                         Py_ssize_t n_ctx, float scale, int mode, int k, const ka_sparse *sp,
+                         const int32_t *imp_order, Py_ssize_t n_order, ka_ws *ws,
                          float *tab, int32_t *sel) noexcept
     void ka_decode_heads_run(const ka_kv *kv, const float *q, Py_ssize_t p, Py_ssize_t kh0,
                              Py_ssize_t kh1, Py_ssize_t n_heads, Py_ssize_t n_ctx, float scale,
-                             int picked, int sopt, ka_ws *ws, float *tab) noexcept
+                             int picked, const ka_sparse *sp, ka_ws *ws, float *tab) noexcept
     void ka_decode_pick(Py_ssize_t h, Py_ssize_t n_heads, Py_ssize_t group, Py_ssize_t nb,
-                        Py_ssize_t hd, int k, int sopt, const int32_t *imp_order,
+                        Py_ssize_t hd, int k, const ka_sparse *sp, const int32_t *imp_order,
                         Py_ssize_t n_order, ka_ws *ws, float *tab, int32_t *sel) noexcept
     void ka_decode_merge(Py_ssize_t h, Py_ssize_t n_heads, Py_ssize_t nb, Py_ssize_t hd,
                          ka_ws *ws, const float *tab, float *out) noexcept
     void ka_prefill_unit_run(const ka_kv *kv, const float *q, Py_ssize_t ldq, Py_ssize_t T,
                              Py_ssize_t n_heads, Py_ssize_t pos0, float scale, int k,
-                             int sopt, int n_probe, const int32_t *imp_order, Py_ssize_t n_order,
+                             const ka_sparse *sp, const int32_t *imp_order, Py_ssize_t n_order,
                              Py_ssize_t u, ka_ws *ws, float *imp, int32_t *sel, float *out,
                              Py_ssize_t ldo) noexcept
 
 SLOTS = KA_SLOTS            # rows of the importance scratch the caller provides
 KV_F32, KV_Q8, KV_F16 = KA_KV_F32, KA_KV_Q8, KA_KV_F16   # kv_kind values
 HD_MAX_F16 = KA_HDMAX       # most head_dim with a float16 cache
-SKETCH = KA_SKETCH          # sparse_opts bit: bounds hold key sketches (the sketch probe)
 SKETCH_HD_MAX = KA_SKHDMAX  # most head_dim with the sketch probe
-REST = KA_REST              # sparse_opts bit: decode also counts the blocks not picked
-SHARE = KA_SHARE            # sparse_opts bit: pooled picks from each head's probe shares
-RANK = KA_RANK              # sparse_opts bit: pooled picks, the heads' own picks in turns
-REST_MAX_SHIFT = KA_REST_MAX_SHIFT  # sparse_opts bits from here: the rest's cap (8 bits)
 REST_FLOOR = KA_REST_FLOOR  # the rest skips blocks below e^REST_FLOOR of a head's largest mass
+
+
+cdef class SparseOpts:
+    """The sparse options as the kernels read them (attn_select.h ka_sparse), filled once
+    (kestrel_cli.runtime.sparse.SparseSpec.kernel_opts) and passed by pointer to the attention
+    entry points. sink: 0 off, 1 in, 2 out; pool: 0 head, 1 max, 2 sum, 3 union; share /
+    rank: with pool max only; sketch: the cache's bounds arrays hold key sketches; rest_max:
+    with rest only. Bad values raise ValueError."""
+    cdef ka_sparse c
+
+    def __init__(self, int n_probe=8, int sink=0, int pool=0, bint share=False,
+                 bint rank=False, int recent=0, bint sketch=False, bint rest=False,
+                 int rest_max=0):
+        if (n_probe < 1 or not 0 <= sink <= KA_SINK_OUT or not 0 <= pool <= KA_POOL_UNION
+                or (share or rank) and (pool != KA_POOL_MAX or share and rank)
+                or not 0 <= recent <= KA_RECENT_MAX or not 0 <= rest_max <= KA_REST_MAX_MAX
+                or rest_max and not rest):
+            raise ValueError(f"bad sparse options: n_probe={n_probe} sink={sink} pool={pool} "
+                             f"share={share} rank={rank} recent={recent} rest={rest} "
+                             f"rest_max={rest_max}")
+        self.c.n_probe, self.c.sink, self.c.pool = n_probe, sink, pool
+        self.c.share, self.c.rank, self.c.recent = share, rank, recent
+        self.c.sketch, self.c.rest, self.c.rest_max = sketch, rest, rest_max
+
+    def fields(self) -> dict:
+        """The options by name (tests, repr)."""
+        return dict(n_probe=self.c.n_probe, sink=self.c.sink, pool=self.c.pool,
+                    share=bool(self.c.share), rank=bool(self.c.rank), recent=self.c.recent,
+                    sketch=bool(self.c.sketch), rest=bool(self.c.rest),
+                    rest_max=self.c.rest_max)
+
+    def __getattr__(self, name):
+        f = self.fields()
+        if name in f:
+            return f[name]
+        raise AttributeError(name)
+
+    def __eq__(self, other):
+        return isinstance(other, SparseOpts) and self.fields() == other.fields()
+
+    def __repr__(self):
+        return "SparseOpts(" + ", ".join(f"{k}={v}" for k, v in self.fields().items()) + ")"
+
+
+cdef SparseOpts _PLAIN = SparseOpts()        # the plain selection, 8 probes
 
 
 def kv_q8_layout(Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim):
@@ -121,16 +163,16 @@ def kv_q8_layout(Py_ssize_t kv_bs, Py_ssize_t n_kv_heads, Py_ssize_t head_dim):
 
 cdef extern from "decode.h" nogil:
     ka_ws *ka_decode_ws(const ka_kv *kv, Py_ssize_t n_heads, Py_ssize_t n_ctx, int k,
-                        int sopt) noexcept
+                        const ka_sparse *sp) noexcept
     void ka_decode_team(const ka_kv *kv, const float *q, Py_ssize_t n_heads, Py_ssize_t n_ctx,
-                        float scale, int k, int sopt, int n_probe, const int32_t *order,
+                        float scale, int k, const ka_sparse *sp, const int32_t *order,
                         Py_ssize_t n_order, int32_t *sel, float *tab, float *out,
                         ka_ws *ws) noexcept
 
 
 cdef int attn_decode_run(const ka_kv *kv, const float *q, Py_ssize_t n_heads,
-                         Py_ssize_t n_ctx, float scale, int n_threads, int k, int sopt,
-                         int n_probe, const int32_t *order_p, Py_ssize_t n_order,
+                         Py_ssize_t n_ctx, float scale, int n_threads, int k,
+                         const ka_sparse *sp, const int32_t *order_p, Py_ssize_t n_order,
                          int32_t *sel_p, float *tab, float *out) noexcept nogil:
     """One decode row (T == 1) of `attention` over kv (ka_kv_init'd): q and out
     (n_heads * head_dim,), tab the decode scratch (ka_decode_tab floats), n_heads / n_kv at
@@ -143,11 +185,11 @@ cdef int attn_decode_run(const ka_kv *kv, const float *q, Py_ssize_t n_heads,
     cdef int *p_failed = &failed
     cdef ka_ws *ws = NULL
     with parallel(num_threads=nt):
-        ws = ka_decode_ws(kv, n_heads, n_ctx, k, sopt)
+        ws = ka_decode_ws(kv, n_heads, n_ctx, k, sp)
         if ws == NULL:
             p_failed[0] = 1
-        ka_decode_team(kv, q, n_heads, n_ctx, scale, k, sopt, n_probe, order_p, n_order, sel_p,
-                       tab, out, ws)
+        ka_decode_team(kv, q, n_heads, n_ctx, scale, k, sp, order_p, n_order, sel_p, tab, out,
+                       ws)
         free(ws)
     return failed
 
@@ -166,13 +208,12 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
                                               # (n_kv, kv_bs) float scales at kv_q8_layout's
                                               # offset; KV_F16 (2): float16 blocks
               int sparse_k=0,                 # blocks per query head; 0: exact
-              int n_probe=8,
+              SparseOpts sparse=None,         # the selection options; None: the plain one
               const int32_t[::1] imp_order=None,   # IN  (n_order,) blocks by importance
               float[::1] importance=None,     # IN/OUT (>= pos0 + T,) += mass (T > 1 only)
               float[:, ::1] imp_slots=None,   # scratch (KA_SLOTS, >= pos0 + T)
               int32_t[:, :, ::1] sel=None,    # OUT (T, n_heads, sparse_k) sparse rows' picks
               float[::1] dec_tab=None,        # scratch (decode_tab_size(..),), T == 1
-              int sparse_opts=0,              # selection options: sink | pool << 2
               const uint8_t[::1] bounds=None, # IN  (n_kv, bound_cap, 2, hd) key bounds (bound
                                               #     probe): float32, int8 with kv_kind KV_Q8
               const float[::1] bound_scales=None,  # IN (n_kv, bound_cap) int8 bounds' scales
@@ -185,7 +226,6 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     cdef Py_ssize_t cap = (n_ctx + kv_bs - 1) // kv_bs * kv_bs
     cdef Py_ssize_t U, u, h, j, pp, kh, n_parts, slot, rt, nb, group, dec_cap, n_order = 0
     cdef Py_ssize_t uu, c, n_chunks
-    cdef int sparse
     cdef float *tab = NULL
     cdef ka_kv kv
     cdef ka_ws *ws = NULL
@@ -198,7 +238,9 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
     cdef int failed = 0
     cdef int *p_failed = &failed
     cdef int nt, k = sparse_k if sparse_k > 0 else 0
-    cdef int sopt = sparse_opts, kt = ka_ktot(k, sparse_opts)
+    cdef SparseOpts so = sparse if sparse is not None else _PLAIN
+    cdef const ka_sparse *sp = &so.c
+    cdef int kt = ka_ktot(k, sp)
     if T == 0 or n_heads == 0:
         return
     if kv_kind not in (KA_KV_F32, KA_KV_Q8, KA_KV_F16):
@@ -212,7 +254,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
             raise ValueError("attention: int8 bounds need bound_scales")
         ka_kv_bounds(&kv, &bounds[0], &bound_scales[0] if bound_scales is not None else NULL,
                      bound_cap)
-        if sparse_opts & KA_SKETCH:
+        if sp.sketch:
             if head_dim > KA_SKHDMAX or head_dim % 2 or bound_scales is None:
                 raise ValueError(f"attention: the sketch probe needs an even head_dim <= "
                                  f"{KA_SKHDMAX} and its scales")
@@ -230,8 +272,8 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
         if n_heads // n_kv_heads > KA_GMAX:
             raise ValueError(f"attention: at most {KA_GMAX} query heads per kv head")
         with nogil:
-            failed = attn_decode_run(&kv, &q[0, 0], n_heads, n_ctx, scale, n_threads, k, sopt,
-                                     n_probe, order_p, n_order, sel_p, &dec_tab[0], &out[0, 0])
+            failed = attn_decode_run(&kv, &q[0, 0], n_heads, n_ctx, scale, n_threads, k, sp,
+                                     order_p, n_order, sel_p, &dec_tab[0], &out[0, 0])
         if failed:
             raise MemoryError("attention: could not allocate thread scratch")
         return
@@ -258,7 +300,7 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
             u = slot
             while u < U:
                 ka_prefill_unit_run(&kv, &q[0, 0], q.shape[1], T, n_heads, pos0, scale, k,
-                                sopt, n_probe, order_p, n_order, u, ws,
+                                sp, order_p, n_order, u, ws,
                                 slot_p + slot * ld_slot if slot_p != NULL else NULL, sel_p,
                                 &out[0, 0], out.shape[1])
                 u = u + KA_SLOTS

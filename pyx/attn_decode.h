@@ -74,7 +74,7 @@ KF_INLINE float *ka_tab_floor(float *tab, ptrdiff_t nb, ptrdiff_t n_heads, ptrdi
 }
 
 /* Floats of tab a decode over nb blocks needs: the parts' states, the probes, the masks,
- * then (KA_REST) the rest's token weights and floors. */
+ * then (sp->rest) the rest's token weights and floors. */
 KF_INLINE ptrdiff_t ka_decode_tab(ptrdiff_t nb, ptrdiff_t n_heads, ptrdiff_t hd)
 {
     return ka_decode_states(nb, n_heads, hd) + n_heads * nb * (1 + KA_RESTW)
@@ -116,7 +116,7 @@ KF_INLINE float ka_kth_largest(float *x, ptrdiff_t n, ptrdiff_t r)
     return x[want];
 }
 
-/* A head's rest floor (KA_REST): e^KA_REST_FLOOR below its largest block mass (probe);
+/* A head's rest floor (sp->rest): e^KA_REST_FLOOR below its largest block mass (probe);
  * with a cap r > 0 raised, when more than r blocks it does not attend (mask 0) lie above
  * that, to the r-th largest of theirs. buf: nb floats of scratch. */
 KF_INLINE float ka_rest_floor(const float *probe, const uint8_t *mask, ptrdiff_t nb, int r,
@@ -137,30 +137,30 @@ KF_INLINE float ka_rest_floor(const float *probe, const uint8_t *mask, ptrdiff_t
     return floor;
 }
 
-/* Phase P for query head h: its picks (pick order into sel + h * ka_ktot(k, sopt) when sel
+/* Phase P for query head h: its picks (pick order into sel + h * ka_ktot(k, sp) when sel
  * is given) and its row of the mask table. Pooled (KA_POOL_MAX / _SUM): the first query
  * head of each kv head picks once for its `group` heads from their probes' max or sum (in
  * head order), the others do nothing. */
 KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t group, ptrdiff_t nb,
-                              ptrdiff_t hd, int k, int sopt, const int32_t *imp_order,
+                              ptrdiff_t hd, int k, const ka_sparse *sp, const int32_t *imp_order,
                               ptrdiff_t n_order, ka_ws *ws, float *tab, int32_t *sel)
 {
     const float *probes = ka_tab_probes(tab, nb, n_heads, hd), *probe = probes + h * nb;
     uint8_t *masks = ka_tab_masks(tab, nb, n_heads, hd);
-    const int pool = KA_POOL(sopt), kt = ka_ktot(k, sopt);
+    const int pool = sp->pool, kt = ka_ktot(k, sp);
     ptrdiff_t h1 = h + 1;
     if (pool == KA_POOL_MAX || pool == KA_POOL_SUM) {
         if (h % group)
             return;
-        if (sopt & KA_RANK)
-            ka_rank_pool(probe, nb, group, nb, k, sopt, imp_order, n_order, ws->used, ws->sel,
+        if (sp->rank)
+            ka_rank_pool(probe, nb, group, nb, k, sp, imp_order, n_order, ws->used, ws->sel,
                          ws->probe);
         else
-            ka_pool_probes(probe, nb, group, nb, sopt, ws->probe);
+            ka_pool_probes(probe, nb, group, nb, sp, ws->probe);
         probe = ws->probe;
         h1 = h + group;
     }
-    int nsel = ka_pick(probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);
+    int nsel = ka_pick(probe, nb, k, sp, imp_order, n_order, ws->used, ws->sel);
     for (ptrdiff_t x = h; x < h1; x++) {
         uint8_t *mask = masks + x * nb;
         memset(mask, 0, (size_t)nb);
@@ -168,9 +168,9 @@ KF_INLINE void ka_decode_pick(ptrdiff_t h, ptrdiff_t n_heads, ptrdiff_t group, p
             mask[ws->sel[i]] = 1;
         if (sel != NULL)
             memcpy(sel + x * kt, ws->sel, (size_t)nsel * sizeof(int32_t));
-        if (sopt & KA_REST)
+        if (sp->rest)
             ka_tab_floor(tab, nb, n_heads, hd)[x] = ka_rest_floor(probes + x * nb, mask, nb,
-                                                                  KA_REST_MAX(sopt), ws->s);
+                                                                  sp->rest_max, ws->s);
     }
 }
 
@@ -264,8 +264,8 @@ KF_INLINE void ka_decode_probes(const ka_kv *kv, const float *q, ptrdiff_t p,
 }
 
 KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff_t n_heads,
-                           ptrdiff_t n_ctx, float scale, int mode, int k, int sopt,
-                           int n_probe, const int32_t *imp_order, ptrdiff_t n_order,
+                           ptrdiff_t n_ctx, float scale, int mode, int k,
+                           const ka_sparse *sp, const int32_t *imp_order, ptrdiff_t n_order,
                            ka_ws *ws, float *tab, int32_t *sel)
 {
     const ptrdiff_t bs = kv->bs, hd = kv->hd, nb = (n_ctx + bs - 1) / bs;
@@ -287,7 +287,7 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
         const float *qs = ws->skqs + kh * group, *cv = ws->skcv + kh * group;
         const int32_t *qsum = ws->sksum + kh * group;
         float *rest = ka_tab_rest(tab, nb, n_heads, hd);
-        const int rw = (sopt & KA_REST) != 0;
+        const int rw = sp->rest;
         for (ptrdiff_t b = b0; b < b1 && b < b0 + KA_SKPF; b++)   /* the unit's first */
             ka_sketch_prefetch(kv, kh, b, rw);
         for (ptrdiff_t b = b0; b < b1; b++) {
@@ -295,10 +295,10 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
             if (b + KA_SKPF < nb)
                 ka_sketch_prefetch(kv, kh, b + KA_SKPF, rw);
             ka_sketch_heads(kv, qi, group, qs, qsum, cv, kh, b, n_ctx, sb,
-                            (sopt & KA_REST) ? wb : NULL);
+                            sp->rest ? wb : NULL);
             for (ptrdiff_t g = 0; g < group; g++) {
                 probe[(kh * group + g) * nb + b] = sb[g];
-                if (sopt & KA_REST)
+                if (sp->rest)
                     memcpy(rest + ((kh * group + g) * nb + b) * KA_RESTW, wb + g * KA_RESTW,
                            KA_RESTW * sizeof(float));
             }
@@ -314,7 +314,7 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
     }
     /* the sampled probe: unit (p, 0) reads the part's probe rows once for every kv head */
     if (mode == KA_DEC_PROBES && kh == 0)
-        ka_decode_probes(kv, q, p, n_heads, n_ctx, n_probe, ws, tab);
+        ka_decode_probes(kv, q, p, n_heads, n_ctx, sp->n_probe, ws, tab);
 }
 
 /* --sparse-rest (the sketch probe): block b counts for query head h, besides its picks,
@@ -335,12 +335,12 @@ KF_INLINE int ka_is_rest(const uint8_t *mask, const float *probe, const float *f
  * block above a state's max rescales it first), a block's value dots once for all the
  * heads of its kv head that count it. */
 KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdiff_t kh1,
-                              ptrdiff_t n_heads, ptrdiff_t nb, int sopt, float *tab)
+                              ptrdiff_t n_heads, ptrdiff_t nb, const ka_sparse *sp, float *tab)
 {
     enum { B = KA_SKBS };
     const ptrdiff_t hd = kv->hd, h2 = hd / 2, group = n_heads / kv->n_kv;
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
-    const int own = KA_POOL(sopt) != KA_POOL_UNION;
+    const int own = sp->pool != KA_POOL_UNION;
     const uint8_t *mask = ka_tab_masks(tab, nb, n_heads, hd);
     const float *probe = ka_tab_probes(tab, nb, n_heads, hd);
     const float *floor = ka_tab_floor(tab, nb, n_heads, hd);
@@ -472,10 +472,10 @@ KF_INLINE void ka_stage_rows(const ka_kv *kv, const uint8_t *src, ptrdiff_t w, p
 
 KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptrdiff_t kh0,
                                ptrdiff_t kh1, ptrdiff_t n_heads, ptrdiff_t n_ctx, float scale,
-                               int picked, int sopt, ka_ws *ws, float *tab)
+                               int picked, const ka_sparse *sp, ka_ws *ws, float *tab)
 {
     /* KA_POOL_UNION: each head attends every block its group picked */
-    const int own = KA_POOL(sopt) != KA_POOL_UNION;
+    const int own = sp->pool != KA_POOL_UNION;
     const ptrdiff_t bs = kv->bs, hd = kv->hd, nb = (n_ctx + bs - 1) / bs;
     const ptrdiff_t group = n_heads / kv->n_kv, h0 = kh0 * group, nh = (kh1 - kh0) * group;
     const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
@@ -483,7 +483,7 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
     const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4);  /* bytes a cache value */
     /* mask[h * nb + b]: query head h attends block b (phase P's table) */
     const uint8_t *mask = !picked ? NULL : ka_tab_masks(tab, nb, n_heads, hd);
-    const int rest = picked && (sopt & KA_REST) && kv->sketch;
+    const int rest = picked && sp->rest && kv->sketch;
     float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
     ptrdiff_t cnt[KA_HMAX], bl[KA_PB], nbl = 0;
     float mx[KA_HMAX];
@@ -635,7 +635,7 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
         }
     }
     if (rest)
-        ka_decode_rest(kv, p, kh0, kh1, n_heads, nb, sopt, tab);
+        ka_decode_rest(kv, p, kh0, kh1, n_heads, nb, sp, tab);
 }
 
 /* Phase M for query head h: out[h] = the merge of the parts' states. */

@@ -203,18 +203,18 @@ KF_INLINE ptrdiff_t ka_tile_rows(ptrdiff_t group)
  * the union of all queries' blocks ascending into ws->blk; returns their count. sel (NULL: off): the
  * picks of query i, in pick order, at sel + (i / group) * ld_row + (i % group) * kt. */
 KF_INLINE ptrdiff_t ka_tile_select(const ka_kv *kv, const ka_q *q, int nq, int s0,
-                                   ptrdiff_t group, int k, int sopt, int n_probe,
+                                   ptrdiff_t group, int k, const ka_sparse *sp,
                                    const int32_t *imp_order, ptrdiff_t n_order, ka_ws *ws,
                                    int32_t *sel, ptrdiff_t ld_row)
 {
     const ptrdiff_t bs = kv->bs, nbc = ws->nbc, nb_max = (q[nq - 1].n + bs - 1) / bs;
-    const int pool = KA_POOL(sopt), kt = ka_ktot(k, sopt);
+    const int pool = sp->pool, kt = ka_ktot(k, sp);
     float *pq = ws->pq;
     uint8_t *qm = ws->qmask;
     for (ptrdiff_t b = 0; b < nb_max; b++)                 /* 1. probes, block-major */
         for (int i = s0; i < nq; i++)
             if (b * bs < q[i].n)
-                pq[i * nbc + b] = ka_score_block(kv, &q[i], b, q[i].n, n_probe, ws->s);
+                pq[i * nbc + b] = ka_score_block(kv, &q[i], b, q[i].n, sp->n_probe, ws->s);
     for (int i = s0; i < nq; i += (int)group) {            /* 2-4. picks, one row at a time */
         const ptrdiff_t nb = (q[i].n + bs - 1) / bs;
         uint8_t *rm = qm + i * nbc;                       /* the row's first head */
@@ -222,12 +222,12 @@ KF_INLINE ptrdiff_t ka_tile_select(const ka_kv *kv, const ka_q *q, int nq, int s
             memset(rm + g * nbc, 0, (size_t)nb_max);
         int32_t *so = sel != NULL ? sel + (i / group) * ld_row : NULL;   /* head 0's */
         if (pool == KA_POOL_MAX || pool == KA_POOL_SUM) {
-            if (sopt & KA_RANK)
-                ka_rank_pool(pq + i * nbc, nbc, group, nb, k, sopt, imp_order, n_order,
+            if (sp->rank)
+                ka_rank_pool(pq + i * nbc, nbc, group, nb, k, sp, imp_order, n_order,
                              ws->used, ws->sel, ws->probe);
             else
-                ka_pool_probes(pq + i * nbc, nbc, group, nb, sopt, ws->probe);
-            int n = ka_pick(ws->probe, nb, k, sopt, imp_order, n_order, ws->used, ws->sel);
+                ka_pool_probes(pq + i * nbc, nbc, group, nb, sp, ws->probe);
+            int n = ka_pick(ws->probe, nb, k, sp, imp_order, n_order, ws->used, ws->sel);
             for (ptrdiff_t g = 0; g < group; g++) {
                 for (int j = 0; j < n; j++)
                     rm[g * nbc + ws->sel[j]] = 1;
@@ -237,7 +237,7 @@ KF_INLINE ptrdiff_t ka_tile_select(const ka_kv *kv, const ka_q *q, int nq, int s
             continue;
         }
         for (ptrdiff_t g = 0; g < group; g++) {
-            int n = ka_pick(pq + (i + g) * nbc, nb, k, sopt, imp_order, n_order, ws->used,
+            int n = ka_pick(pq + (i + g) * nbc, nb, k, sp, imp_order, n_order, ws->used,
                             ws->sel);
             uint8_t *m = pool == KA_POOL_UNION ? rm : rm + g * nbc;
             for (int j = 0; j < n; j++)
@@ -263,14 +263,14 @@ KF_INLINE ptrdiff_t ka_tile_select(const ka_kv *kv, const ka_q *q, int nq, int s
 
 /* Prefill unit u = (tile u / n_kv of rt query rows, kv head u % n_kv) of T rows, row i
  * at position pos0 + i: one ka_tile over all its (row, head) queries. When some are
- * sparse (causal prefix past ka_ktot(k, sopt) blocks; none when k <= 0), ka_tile_select
+ * sparse (causal prefix past ka_ktot(k, sp) blocks; none when k <= 0), ka_tile_select
  * picks their blocks first and the tile reads the union of everyone's blocks. q, out:
  * (T, ld) rows, head h at column h * hd. sel (NULL: off): (T, n_heads, ka_ktot) picks of
  * the sparse rows. imp: this unit's partial importance or NULL. A tile's rows past the
  * ones with at most k blocks are contiguous (prefixes grow). */
 KF_INLINE void ka_prefill_unit(const ka_kv *kv, const float *q, ptrdiff_t ldq,
                                ptrdiff_t T, ptrdiff_t n_heads, ptrdiff_t pos0, float scale,
-                               int k, int sopt, int n_probe, const int32_t *imp_order,
+                               int k, const ka_sparse *sp, const int32_t *imp_order,
                                ptrdiff_t n_order, ptrdiff_t u, ka_ws *ws, float *imp,
                                int32_t *sel, float *out, ptrdiff_t ldo)
 {
@@ -278,7 +278,7 @@ KF_INLINE void ka_prefill_unit(const ka_kv *kv, const float *q, ptrdiff_t ldq,
     const ptrdiff_t rt = ka_tile_rows(group), kh = u % kv->n_kv, i0 = (u / kv->n_kv) * rt;
     const ptrdiff_t nrow = T - i0 < rt ? T - i0 : rt;
     ka_q *qv = ws->qv;                                   /* (rt * group,) row-major */
-    const int kt = ka_ktot(k, sopt);
+    const int kt = ka_ktot(k, sp);
     int nq = 0, s0 = -1;
     for (ptrdiff_t r = 0; r < nrow; r++) {
         const ptrdiff_t n = pos0 + i0 + r + 1;
@@ -298,7 +298,7 @@ KF_INLINE void ka_prefill_unit(const ka_kv *kv, const float *q, ptrdiff_t ldq,
         return;
     }
     const ptrdiff_t nblk = ka_tile_select(
-        kv, qv, nq, s0, group, k, sopt, n_probe, imp_order, n_order, ws,
+        kv, qv, nq, s0, group, k, sp, imp_order, n_order, ws,
         sel != NULL ? sel + (i0 * n_heads + kh * group) * kt : NULL,
         n_heads * kt);
     ka_tile(kv, qv, nq, s0, kh, scale, ws->blk, nblk, ws->qmask, ws, imp);

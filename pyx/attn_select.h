@@ -11,38 +11,41 @@
 
 #include "attn_kv.h"
 
-/* Options of the selection beyond the default (docs/DESIGN.md §3 Options), one int:
- * bits 0-1 the sink block, bits 2-3 the pooling of a kv head's query heads, bits 4-9 the
- * recent blocks kept besides the k picks (0..63), bit 10 (KA_SKETCH) the cache keeps key
- * sketches, not bounds, in kv->bnd, bit 11 (KA_REST) the decode's rest estimate, bits
- * 12-13 KA_SHARE / KA_RANK, bits 14-21 the rest's cap (KA_REST_MAX, 0: none). The bound (sketch) probe is on when the cache view
- * carries bounds (kv->bnd). sopt 0 is the default. */
+/* The options of the selection (docs/DESIGN.md §3 Options): one struct, filled once per
+ * cache from kestrel_cli.runtime.sparse.SparseSpec (attention.pxi SparseOpts) and passed by
+ * pointer; all zero but n_probe is the plain selection. The number of picks k is not in
+ * it: it is per call (0 for a dense layer or an exact prefill). The bound (sketch) probe
+ * is on when the cache view carries bounds (kv->bnd). */
 enum { KA_SINK_OFF = 0, KA_SINK_IN = 1, KA_SINK_OUT = 2 };
 enum { KA_POOL_HEAD = 0, KA_POOL_MAX = 1, KA_POOL_SUM = 2, KA_POOL_UNION = 3 };
-#define KA_SINK(sopt) ((sopt) & 3)
-#define KA_POOL(sopt) (((sopt) >> 2) & 3)
-#define KA_RECENT(sopt) (((sopt) >> 4) & 63)
-#define KA_SKETCH 1024
-#define KA_REST 2048   /* decode: the blocks not picked count at 4 bits, by their sketch mass
-                        * and sketched values (attn_decode.h ka_decode_rest; with
-                        * KA_SKETCH) */
-#define KA_SHARE 4096  /* with KA_POOL_MAX: each head's probes less their log-sum-exp over
-                        * the blocks before the max (ka_pool_probes) */
-#define KA_RANK 8192   /* with KA_POOL_MAX: the heads' own picks taken in turns (ka_rank_pool) */
-/* with KA_REST: a head counts at most R (1..255) blocks it does not pick, those of the
- * largest sketched masses (ties at the R-th all count); 0: every block above the floor */
-#define KA_REST_MAX_SHIFT 14
-#define KA_REST_MAX(sopt) (((sopt) >> KA_REST_MAX_SHIFT) & 255)
+#define KA_RECENT_MAX 63
+#define KA_REST_MAX_MAX 255
+typedef struct {
+    int n_probe;   /* keys probed per block by the sample probe (>= 1) */
+    int sink;      /* KA_SINK_*: block 0 one of the k picks (in) or besides them (out) */
+    int pool;      /* KA_POOL_*: a kv head's query heads pick alone, pooled, or per head
+                    * with the kv head's union attended */
+    int share;     /* with KA_POOL_MAX: each head's probes less their log-sum-exp over the
+                    * blocks before the max (ka_pool_probes) */
+    int rank;      /* with KA_POOL_MAX: the heads' own picks taken in turns (ka_rank_pool) */
+    int recent;    /* the last R blocks kept besides the k picks (0..KA_RECENT_MAX) */
+    int sketch;    /* the cache keeps key sketches, not bounds, in kv->bnd */
+    int rest;      /* decode: the blocks not picked count at 4 bits, by their sketch mass
+                    * and sketched values (attn_decode.h ka_decode_rest; with sketch) */
+    int rest_max;  /* with rest: a head counts at most R (1..KA_REST_MAX_MAX) blocks it
+                    * does not pick, those of the largest sketched masses (ties at the
+                    * R-th all count); 0: every block above the floor */
+} ka_sparse;
 
 /* One selection per kv head (KA_POOL_MAX / _SUM): out[b] = the group's probes p[g * ld + b]
- * of block b < nb folded in head order, max or sum; KA_SHARE: the max of each head's
+ * of block b < nb folded in head order, max or sum; sp->share: the max of each head's
  * probe less that head's log-sum-exp over the nb blocks (with the sketch probe, a block's
  * share of the head's estimated attention: a block any head gives a large share ranks
  * high, whatever the heads' scales). */
 KF_INLINE void ka_pool_probes(const float *p, ptrdiff_t ld, ptrdiff_t group, ptrdiff_t nb,
-                              int sopt, float *restrict out)
+                              const ka_sparse *sp, float *restrict out)
 {
-    const int sum = KA_POOL(sopt) == KA_POOL_SUM, share = (sopt & KA_SHARE) != 0;
+    const int sum = sp->pool == KA_POOL_SUM, share = sp->share;
     for (ptrdiff_t g = 0; g < group; g++) {
         const float *pg = p + g * ld;
         float c = 0.0f;
@@ -64,9 +67,9 @@ KF_INLINE void ka_pool_probes(const float *p, ptrdiff_t ld, ptrdiff_t group, ptr
 /* Blocks a query attends to at most (k, plus block 0 when the sink is outside the
  * budget, plus the recent blocks): attention is exact while the context has no more
  * blocks. */
-KF_INLINE int ka_ktot(int k, int sopt)
+KF_INLINE int ka_ktot(int k, const ka_sparse *sp)
 {
-    return k + (KA_SINK(sopt) == KA_SINK_OUT ? 1 : 0) + KA_RECENT(sopt);
+    return k + (sp->sink == KA_SINK_OUT ? 1 : 0) + sp->recent;
 }
 
 /* Step 1 for block b of tokens t < n_ctx: max of q . K over the keys p0, p0 + step,
@@ -101,19 +104,19 @@ KF_INLINE float ka_score_block(const ka_kv *kv, const ka_q *q, ptrdiff_t b, ptrd
     return kv->bnd != NULL ? ka_bound(kv, q, b) : ka_probe(kv, q, b, n_ctx, n_probe, tmp);
 }
 
-/* Steps 2-4 over nb > ka_ktot(k, sopt) blocks with probes `probe`. The sink (KA_SINK(sopt)):
+/* Steps 2-4 over nb > ka_ktot(k, sp) blocks with probes `probe`. The sink (sp->sink):
  * block 0 is the first pick and steps 2-4 run over the other blocks with k - 1 picks
- * (inside the budget) or k (outside it). KA_RECENT(sopt) = R: the last R blocks are the
+ * (inside the budget) or k (outside it). sp->recent = R: the last R blocks are the
  * next picks, besides the k (and the recency swap finds the last block taken). imp_order (NULL: no
  * importance) lists blocks by prefill importance, descending, ties to the lower index
  * (kv_cache.py computes it once per prefill); blocks >= nb are skipped. Writes the picks
  * to sel in pick order (importance picks, then probe picks descending, the recency swap
  * in place) and returns their count (k). used: nb bytes of scratch. */
-KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k, int sopt,
+KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k, const ka_sparse *sp,
                       const int32_t *imp_order, ptrdiff_t n_order, uint8_t *restrict used,
                       int32_t *restrict sel)
 {
-    const int sink = KA_SINK(sopt);
+    const int sink = sp->sink;
     memset(used, 0, (size_t)nb);
     int n_sink = 0;
     if (sink != KA_SINK_OFF) {
@@ -121,7 +124,7 @@ KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k, int sopt
         used[0] = 1;
         k -= sink == KA_SINK_IN ? 1 : 0;
     }
-    for (ptrdiff_t b = nb - KA_RECENT(sopt); b < nb; b++)
+    for (ptrdiff_t b = nb - sp->recent; b < nb; b++)
         if (b > 0 && !used[b]) {
             sel[n_sink++] = (int32_t)b;
             used[b] = 1;
@@ -174,20 +177,20 @@ KF_INLINE int ka_pick(const float *restrict probe, ptrdiff_t nb, int k, int sopt
     return n_sink + n_imp + cnt;
 }
 
-/* KA_RANK pooling: each head of the group picks as ka_pick would alone (its k picks, the
+/* Rank pooling (sp->rank): each head of the group picks as ka_pick would alone (its k picks, the
  * sink, recent and importance ones included, in pick order), and block b scores
  * -(r * group + g) at its first place r in head g's picks (-inf in none): ka_pick over
  * these takes the heads' picks in turns (every head's first, then every head's second,
  * ..) until the budget is spent, so each head keeps its own best blocks whatever the
  * other heads' scales. p: the heads' probes, ld apart; used, sel: ka_pick's scratch. */
 KF_INLINE void ka_rank_pool(const float *p, ptrdiff_t ld, ptrdiff_t group, ptrdiff_t nb,
-                            int k, int sopt, const int32_t *imp_order, ptrdiff_t n_order,
+                            int k, const ka_sparse *sp, const int32_t *imp_order, ptrdiff_t n_order,
                             uint8_t *restrict used, int32_t *restrict sel, float *restrict out)
 {
     for (ptrdiff_t b = 0; b < nb; b++)
         out[b] = -INFINITY;
     for (ptrdiff_t g = 0; g < group; g++) {
-        const int n = ka_pick(p + g * ld, nb, k, sopt, imp_order, n_order, used, sel);
+        const int n = ka_pick(p + g * ld, nb, k, sp, imp_order, n_order, used, sel);
         for (int r = 0; r < n; r++) {
             const float v = -(float)(r * group + g);
             out[sel[r]] = v > out[sel[r]] ? v : out[sel[r]];

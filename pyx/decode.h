@@ -94,12 +94,12 @@ static inline ptrdiff_t ka_decode_chunks(ptrdiff_t n_kv, ptrdiff_t group, ptrdif
 /* This thread's workspace for ka_decode_team in the enclosing parallel region (free() it;
  * NULL: out of memory). */
 static inline ka_ws *ka_decode_ws(const ka_kv *kv, ptrdiff_t n_heads, ptrdiff_t n_ctx, int k,
-                                  int sopt)
+                                  const ka_sparse *sp)
 {
     const int nth = omp_get_num_threads();
     ptrdiff_t nb = (n_ctx + kv->bs - 1) / kv->bs, cap, group = n_heads / kv->n_kv;
     ka_decode_chunks(kv->n_kv, group, ka_decode_parts(nb), kv->bs, n_ctx, nth, &cap);
-    return ka_ws_new(cap, kv->bs, kv->hd, (int)group, ka_ktot(k, sopt), 0, n_heads,
+    return ka_ws_new(cap, kv->bs, kv->hd, (int)group, ka_ktot(k, sp), 0, n_heads,
                      KA_DW * kv->n_kv * kv->hd * (ptrdiff_t)sizeof(float));
 }
 
@@ -108,14 +108,14 @@ static inline ka_ws *ka_decode_ws(const ka_kv *kv, ptrdiff_t n_heads, ptrdiff_t 
  * (ka_decode_ws; a NULL ws skips its units, the caller reports the failure). q, out:
  * (n_heads * hd,); tab: ka_decode_tab floats. */
 static void ka_decode_team(const ka_kv *kv, const float *q, ptrdiff_t n_heads,
-                           ptrdiff_t n_ctx, float scale, int k, int sopt, int n_probe,
+                           ptrdiff_t n_ctx, float scale, int k, const ka_sparse *sp,
                            const int32_t *order, ptrdiff_t n_order, int32_t *sel, float *tab,
                            float *out, ka_ws *ws)
 {
     const int nth = omp_get_num_threads();
     const ptrdiff_t n_kv = kv->n_kv, hd = kv->hd, nb = (n_ctx + kv->bs - 1) / kv->bs;
     const ptrdiff_t group = n_heads / n_kv, n_parts = ka_decode_parts(nb);
-    const int sparse = 0 < k && ka_ktot(k, sopt) < nb;
+    const int sparse = 0 < k && ka_ktot(k, sp) < nb;
     ptrdiff_t cap;
     const ptrdiff_t nc = ka_decode_chunks(n_kv, group, n_parts, kv->bs, n_ctx, nth, &cap);
     ptrdiff_t i;
@@ -135,21 +135,21 @@ static void ka_decode_team(const ka_kv *kv, const float *q, ptrdiff_t n_heads,
             for (i = 0; i < n_parts * n_kv; i++)
                 if (ws != NULL)
                     ka_decode_a_run(kv, q, (i % n_parts) * n_kv + i / n_parts, n_heads,
-                                    n_ctx, scale, KA_DEC_PROBES, k, sopt, n_probe, order,
-                                    n_order, ws, tab, sel);
+                                    n_ctx, scale, KA_DEC_PROBES, k, sp, order, n_order,
+                                    ws, tab, sel);
         } else {
 #pragma omp for schedule(dynamic, 1)
             for (i = 0; i < n_parts; i++)                             /* A1 */
                 for (ptrdiff_t kh = 0; kh < n_kv; kh++)
                     if (ws != NULL)
                         ka_decode_a_run(kv, q, i * n_kv + kh, n_heads, n_ctx, scale,
-                                        KA_DEC_PROBES, k, sopt, n_probe, order, n_order, ws,
-                                        tab, sel);
+                                        KA_DEC_PROBES, k, sp, order, n_order, ws, tab,
+                                        sel);
         }
 #pragma omp for schedule(static)
         for (i = 0; i < n_heads; i++)                                 /* P */
             if (ws != NULL)
-                ka_decode_pick(i, n_heads, group, nb, hd, k, sopt, order, n_order, ws, tab,
+                ka_decode_pick(i, n_heads, group, nb, hd, k, sp, order, n_order, ws, tab,
                                sel);
     }
 #pragma omp for schedule(dynamic, 1)
@@ -157,7 +157,7 @@ static void ka_decode_team(const ka_kv *kv, const float *q, ptrdiff_t n_heads,
         if (ws != NULL) {
             ptrdiff_t p = i / nc, c = i % nc;
             ka_decode_heads_run(kv, q, p, n_kv * c / nc, n_kv * (c + 1) / nc, n_heads, n_ctx,
-                                scale, sparse, sopt, ws, tab);
+                                scale, sparse, sp, ws, tab);
         }
 #pragma omp for schedule(static)
     for (i = 0; i < n_heads; i++)                                     /* M */
@@ -201,7 +201,7 @@ typedef struct {
     const int32_t *layer_k;           /* (n_layers,) sparse k, 0: exact */
     const uint64_t *orders;           /* (n_layers,) importance orders or 0 */
     const int64_t *n_orders;
-    int n_probe, sopt;
+    ka_sparse sparse;                 /* the sparse options (k: layer_k) */
     const uint64_t *bnds, *bscs;      /* (n_layers,) key bounds to update, or 0 */
     ptrdiff_t bcap;
     int read_bounds;
@@ -278,7 +278,7 @@ static void kd_qkv_post(kd_step *S, int l, ka_kv *kv)
         }
     }
     const ptrdiff_t es = S->kv_kind == KA_KV_Q8 ? 1 : 4;
-    const int sketch = (S->sopt & KA_SKETCH) != 0;
+    const int sketch = S->sparse.sketch;
     if (S->bnds[l] != 0 && sketch)
         ka_sketch_update(kb, vb, S->kv_kind, S->kv_bs, nkv, hd, r, r + 1,
                          (uint8_t *)(uintptr_t)S->bnds[l], (float *)(uintptr_t)S->bscs[l],
@@ -353,7 +353,7 @@ static int kd_token(kd_step *S, float *x, int nt)
             kmax = S->layer_k[l] > kmax ? S->layer_k[l] : kmax;
         ka_kv probe;                  /* the geometry every layer shares */
         ka_kv_init(&probe, S->k_ptrs, S->v_ptrs, S->kv_bs, S->nkv, S->hd, S->kv_kind);
-        ka_ws *ws = ka_decode_ws(&probe, S->nh, n_ctx, kmax, S->sopt);
+        ka_ws *ws = ka_decode_ws(&probe, S->nh, n_ctx, kmax, &S->sparse);
         if (ws == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -379,7 +379,7 @@ static int kd_token(kd_step *S, float *x, int nt)
                 t0 = t1;
                 kd_qkv_post(S, l, &kv);
             }
-            ka_decode_team(&kv, S->qkv, S->nh, n_ctx, S->scale, k, S->sopt, S->n_probe,
+            ka_decode_team(&kv, S->qkv, S->nh, n_ctx, S->scale, k, &S->sparse,
                            S->n_orders[l] > 0 ? (const int32_t *)(uintptr_t)S->orders[l]
                                               : NULL,
                            S->n_orders[l] > 0 ? S->n_orders[l] : 0, NULL, S->tab, S->att, ws);

@@ -40,7 +40,7 @@ cdef extern from "decode.h" nogil:
         const int32_t *layer_k
         const uint64_t *orders
         const int64_t *n_orders
-        int n_probe, sopt
+        ka_sparse sparse
         const uint64_t *bnds
         const uint64_t *bscs
         Py_ssize_t bcap
@@ -192,8 +192,7 @@ cdef class DecodeStack:
             const int32_t[::1] layer_k,         # IN  (n_layers,) sparse k per layer, 0 exact
             const uint64_t[::1] orders,         # IN  (n_layers,) importance orders or 0
             const int64_t[::1] n_orders,        # IN  (n_layers,) their lengths
-            int n_probe,
-            int sopt,
+            SparseOpts sparse not None,         # IN  the sparse options (k: layer_k)
             const uint64_t[::1] bnds,           # IN  (n_layers,) key bounds to update, or 0
             const uint64_t[::1] bscs,           # IN  (n_layers,) their scales or 0
             Py_ssize_t bcap,
@@ -220,7 +219,7 @@ cdef class DecodeStack:
             raise ValueError(f"DecodeStack.run: a float16 cache needs head_dim <= {KA_HDMAX}")
         if nh // self.nkv > KA_GMAX:
             raise ValueError(f"DecodeStack.run: at most {KA_GMAX} query heads per kv head")
-        if sopt & KA_SKETCH and (hd % 2 or hd > KA_SKHDMAX):
+        if sparse.c.sketch and (hd % 2 or hd > KA_SKHDMAX):
             raise ValueError(f"DecodeStack.run: the sketch probe needs an even head_dim "
                              f"<= {KA_SKHDMAX}")
         if dec_tab.shape[0] < ka_decode_tab(nb, nh, hd):
@@ -243,7 +242,7 @@ cdef class DecodeStack:
         S.k_ptrs, S.v_ptrs, S.ldp = &k_ptrs[0, 0], &v_ptrs[0, 0], k_ptrs.shape[1]
         S.kv_bs, S.soff, S.kv_kind, S.scale = kv_bs, q8_soff, kv_kind, scale
         S.layer_k, S.orders, S.n_orders = &layer_k[0], &orders[0], &n_orders[0]
-        S.n_probe, S.sopt = n_probe, sopt
+        S.sparse = sparse.c
         S.bnds, S.bscs, S.bcap, S.read_bounds = &bnds[0], &bscs[0], bcap, read_bounds
         S.tab, S.pos, S.act_q8 = &dec_tab[0], pos, act_q8
         cdef uint8_t *mm = &self.moe_mem[0]

@@ -13,7 +13,7 @@ usage:
 kld: the text is cut into windows of -c tokens (as `kestrel ppl`). The exact path (float32
 cache, exact attention) runs each window once; then for every config and k, each window
 runs again: a prefill of all but the last D = --decode-tail tokens (the prefill rows:
-the sparse prefill, or exact with --exact-prefill configs), then D decode steps fed the
+the sparse prefill, or exact with exact-prefill configs), then D decode steps fed the
 text's tokens (the decode rows: sparse decode over that context). Prints per (config, k)
 the mean KL(exact || this) and the perplexity over the prefill rows and over the decode
 rows. `kestrel ppl -c 4096 --kld-ref` is the prefill-rows figure over all rows.
@@ -27,9 +27,10 @@ speed: decode tokens/s of each config at depth -d over one exact prefill of the 
 the configs in turns (--rounds of them), median and ratio to the first config: ratios that
 a drifting machine moves together (separate `kestrel bench` runs swing 5-20% here).
 
-Configs (speed also takes exact; not sim:): seed (the plain selection), sink-in, sink-out, bound, dense2 (first 2 layers
-exact), kv-max, kv-sum, kv-share, kv-rank, kv-union, kv-head (the plain per-head picks), sketch, rest, no-rest, restmax8/16/32/64 (--sparse-rest-max), exact-prefill, win32/64/128, recent1/2, noimp, and every
---sparse-preset name (kestrel_cli.runtime.sparse.PRESETS); "a+b" combines configs. "sim:..."
+Configs (speed also takes exact; not sim:): what `kestrel --sparse` takes (SparseSpec.parse):
+a preset (seed: the plain selection, quality) or options joined by + (sink=in, probe=bound,
+dense-first=2, group=max, rest-max=8, exact-prefill, window=32, recent=1, no-importance,
+quality+group=head, ...; `kestrel run --help` lists them). "sim:..."
 configs decode in NumPy with an oracle or a trial selection (see parse_sim below; e.g.
 sim:oracle=mass, the k blocks of largest true attention mass per head): slow, for
 learning what any selection could reach. Everything on the engine's CPU threads (-t);
@@ -47,59 +48,23 @@ import numpy as np
 from kestrel_cli.inference.engine import Engine, LoadOptions
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime.kv_cache import CacheSpec
-from kestrel_cli.runtime.sparse import PRESETS, importance_order
-
-CONFIGS = {
-    "seed": {},
-    "sink-in": {"sparse_sink": "in"},
-    "sink-out": {"sparse_sink": "out"},
-    "bound": {"sparse_probe": "bound"},
-    "sketch": {"sparse_probe": "sketch"},
-    "rest": {"sparse_rest": True},
-    "no-rest": {"sparse_rest": False},
-    "restmax8": {"sparse_rest_max": 8},
-    "restmax16": {"sparse_rest_max": 16},
-    "restmax32": {"sparse_rest_max": 32},
-    "restmax64": {"sparse_rest_max": 64},
-    "dense2": {"sparse_dense_first": 2},
-    "kv-max": {"sparse_group": "max"},
-    "kv-sum": {"sparse_group": "sum"},
-    "kv-share": {"sparse_group": "share"},
-    "kv-rank": {"sparse_group": "rank"},
-    "kv-union": {"sparse_group": "union"},
-    "kv-head": {"sparse_group": "head"},
-    "exact-prefill": {"sparse_prefill": False},
-    "win32": {"sparse_window": 32},
-    "win64": {"sparse_window": 64},
-    "win128": {"sparse_window": 128},
-    "recent1": {"sparse_recent": 1},
-    "recent2": {"sparse_recent": 2},
-    "noimp": {"sparse_importance": False},
-    "imp": {"sparse_importance": True},
-}
-
+from kestrel_cli.runtime.sparse import SparseSpec, importance_order
 
 def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
-    """The CacheSpec of a config name ("a+b": both) at k; "sim:..." configs: exact
-    prefill, their decode by `use_policy`."""
+    """The CacheSpec of a config at k: a `--sparse` text (SparseSpec.parse: a preset or
+    opt+opt+...); "sim:..." configs: exact prefill, their decode by `use_policy`."""
     if config.startswith("sim:"):
         parse_sim(config)
-        return CacheSpec(dtype, sparse_k=k, sparse_prefill=False)
-    opts: dict = {}
-    for part in config.split("+"):
-        if part in PRESETS and part != "seed":
-            opts.update(PRESETS[part])
-        elif part in CONFIGS:
-            opts.update(CONFIGS[part])
-        else:
-            sys.exit(f"unknown config {part!r}: one of {', '.join([*CONFIGS, *PRESETS])}")
-    first = opts.pop("sparse_dense_first", 0)
-    if first:
-        opts["sparse_dense"] = tuple(range(first))
-    return CacheSpec(dtype, sparse_k=k, **opts)
+        return CacheSpec(dtype, SparseSpec(k=k, prefill="exact"))
+    return CacheSpec(dtype, SparseSpec.parse(config, k=k))
 
 
-# ------------------------------------------------------------------ NumPy decode with policies
+def configs_of(text: str) -> list[str]:
+    """--configs: comma-separated configs; a comma before a digit continues a layer list
+    (dense=0,5)."""
+    return re.split(r",(?!\d)", text)
+
+
 # "sim:..." configs decode with attention computed here, in NumPy, over the blocks a
 # selection policy picks from the true scores or from estimates of them: the oracles
 # ("what can ANY selection of k blocks reach") and trials of selections before they go
@@ -469,7 +434,7 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
     del rc
     print(f"{'config (decode over an exact prefill)':<40} {'k':>3} {'kld_dec':>9} "
           f"{'ppl_dec':>8} {'s':>5}", flush=True)
-    runs = [("exact", 0)] + [(c, int(k)) for k in a.k.split(",") for c in a.configs.split(",")]
+    runs = [("exact", 0)] + [(c, int(k)) for k in a.k.split(",") for c in configs_of(a.configs)]
     if a.runs:                                  # explicit config@k pairs
         runs = [("exact", 0)] + [(r.rpartition("@")[0], int(r.rpartition("@")[2]))
                                  for r in a.runs.split(",")]
@@ -481,12 +446,11 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
         for win, cut, lq, pre in wins:
             # the prefill records importance and the key summary the probe reads, so one
             # exact prefill per window size and summary (bounds or sketch)
-            w = (spec.sparse_window, "sketch" if spec.sparse_probe == "sketch" else "bound")
+            sp = spec.sparse or SparseSpec()
+            w = (sp.window, "sketch" if sp.probe == "sketch" else "bound")
             if w not in pre:
-                sc = model.make_cache(a.ctx, CacheSpec(a.dtype, sparse_k=1,
-                                                       sparse_probe=w[1],
-                                                       sparse_prefill=False,
-                                                       sparse_window=w[0]))
+                sc = model.make_cache(a.ctx, CacheSpec(a.dtype, SparseSpec(
+                    k=1, probe=w[1], prefill="exact", window=w[0])))
                 pre[w] = (sc, model(win[:cut], sc))
             sc, first = pre[w]
             sc.trim(cut)
@@ -531,7 +495,7 @@ def cmd_kld(a) -> None:
     print(f"{'config':<40} {'k':>3} {'kld_pre':>9} {'ppl_pre':>8} {'kld_dec':>9} "
           f"{'ppl_dec':>8} {'s':>5}", flush=True)
     for k in [int(x) for x in a.k.split(",")]:
-        for config in a.configs.split(","):
+        for config in configs_of(a.configs):
             t0 = time.perf_counter()
             cache = model.make_cache(a.ctx, spec_of(config, k, a.dtype))
             acc = {"pre": [0.0, 0.0, 0], "dec": [0.0, 0.0, 0]}
@@ -584,7 +548,7 @@ def greedy(eng, cache, logits, n: int = 24) -> str:
 
 
 def cmd_needle(a) -> None:
-    """Configs whose prefill is exact (exact, --exact-prefill presets) share one exact
+    """Configs whose prefill is exact (exact, exact-prefill ones) share one exact
     prefill per prompt (KVCache.respec, trimmed back after each answer); the others
     prefill on their own."""
     sizes = [int(x) for x in a.sizes.split(",")]
@@ -593,8 +557,8 @@ def cmd_needle(a) -> None:
     model = eng.model
     ks = [int(x) for x in a.k.split(",")]
     depths = [int(x) for x in a.depths.split(",")]
-    runs = [("exact", 0)] + [(c, k) for c in a.configs.split(",") for k in ks]
-    shared: dict = {}          # sparse_window -> a cache with bounds, prefilled exactly
+    runs = [("exact", 0)] + [(c, k) for c in configs_of(a.configs) for k in ks]
+    shared: dict = {}          # window -> a cache with bounds, prefilled exactly
     own: dict = {}
     hits: dict = {}
     print(f"{'size':>5} {'depth':>5} {'tokens':>6} " + " ".join(
@@ -607,11 +571,11 @@ def cmd_needle(a) -> None:
             row = []
             for c, k in runs:
                 spec = CacheSpec(a.dtype) if k == 0 else spec_of(c, k, a.dtype)
-                if not spec.sparse_prefill or spec.sparse_k == 0:
-                    w = (spec.sparse_window,
-                         "sketch" if spec.sparse_probe == "sketch" else "bound")
-                    base = CacheSpec(a.dtype, sparse_k=1, sparse_probe=w[1],
-                                     sparse_prefill=False, sparse_window=w[0])
+                sp = spec.sparse or SparseSpec()
+                if spec.sparse is None or not sp.sparse_prefill:
+                    w = (sp.window, "sketch" if sp.probe == "sketch" else "bound")
+                    base = CacheSpec(a.dtype, SparseSpec(k=1, probe=w[1], prefill="exact",
+                                                         window=w[0]))
                     if w not in shared:
                         shared[w] = model.make_cache(ctx, base)
                     sc = shared[w]
@@ -653,11 +617,10 @@ def cmd_speed(a) -> None:
     model = eng.model
     ids = np.asarray(eng.tokenizer.encode(open(a.file, encoding="utf-8").read()), np.int64)
     ids = np.resize(ids, a.depth + a.n + 1)             # the text repeated to the depth
-    cache = model.make_cache(a.depth + a.n + 8, CacheSpec(a.dtype, sparse_k=1,
-                                                           sparse_probe="sketch",
-                                                           sparse_prefill=False))
+    cache = model.make_cache(a.depth + a.n + 8, CacheSpec(a.dtype, SparseSpec(
+        k=1, probe="sketch", prefill="exact")))
     model(ids[:a.depth], cache)
-    configs = a.configs.split(",")
+    configs = configs_of(a.configs)
     runs: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(a.rounds):
         for config in configs:
@@ -711,7 +674,7 @@ def main(argv=None) -> None:
         if "," in a.k or not a.k.isdigit():
             sys.exit("speed: -k takes one k")
         a.k = int(a.k)
-        if any(c.startswith("sim:") for c in a.configs.split(",")):
+        if any(c.startswith("sim:") for c in configs_of(a.configs)):
             sys.exit("speed: sim: configs decode in NumPy; time the kernel's configs")
     try:
         {"kld": cmd_kld, "needle": cmd_needle, "speed": cmd_speed}[a.cmd](a)

@@ -18,6 +18,7 @@ from kestrel_cli.cli import (EngineOptions, OutputOptions, SamplingOptions, app,
                              engine_from_options, with_options)
 from kestrel_cli.inference.generate import Stats, TokenTiming
 from kestrel_cli.runtime.kv_cache import CacheSpec
+from kestrel_cli.runtime.sparse import SparseSpec
 from kestrel_cli.inference.timing import (DEC_KEYS, PERF_KEYS, TimingPrinter, format_dec, format_perf,
                                 parse_line, parse_lines)
 
@@ -229,7 +230,7 @@ def test_path_flags_take_effect(tmp_path):
                              sparse_attn=True, sparse_k=4, sparse_probes=2)
     eng = cli.engine_from_options(opts, spinner=False)
     assert eng.model.layers[0].mlp.gate_proj.fmt == "q8_0"
-    assert eng.spec == CacheSpec("q8", sparse_k=4, sparse_probes=2) == eng.cache.spec
+    assert eng.spec == CacheSpec("q8", sparse=SparseSpec(k=4, probes=2)) == eng.cache.spec
     sparse_out, _ = perf("--sparse-attn", "--sparse-k", "1")
     assert base_out.strip() and sparse_out.strip()
 

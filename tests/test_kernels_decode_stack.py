@@ -48,17 +48,14 @@ def test_native_equals_loop(ckpts, arch):
 @pytest.mark.parametrize("opts", [
     dict(kv_q8=True), dict(kv_f16=True), dict(act="q8"),
     dict(sparse_attn=True, sparse_k=1),
-    dict(sparse_attn=True, sparse_k=1, kv_q8=True, sparse_probe="bound"),
-    dict(sparse_attn=True, sparse_k=1, kv_q8=True, sparse_probe="sketch"),
-    dict(sparse_attn=True, sparse_k=2, sparse_probe="sketch", sparse_group="union",
-         sparse_sink="out", sparse_recent=1, sparse_importance=False),
-    dict(sparse_attn=True, sparse_k=1, kv_q8=True, sparse_probe="sketch", sparse_rest=True,
-         sparse_prefill=False),
-    dict(sparse_attn=True, sparse_k=2, sparse_sink="out", sparse_group="union",
-         sparse_dense_layers="1"),
-    dict(sparse_preset="quality", sparse_k=1),
-    dict(sparse_preset="quality", sparse_k=1, sparse_rest_max=1),
-    dict(sparse_attn=True, sparse_k=1, sparse_recent=2, sparse_importance=False),
+    dict(sparse_k=1, kv_q8=True, sparse="probe=bound"),
+    dict(sparse_k=1, kv_q8=True, sparse="probe=sketch"),
+    dict(sparse_k=2, sparse="probe=sketch+group=union+sink=out+recent=1+no-importance"),
+    dict(sparse_k=1, kv_q8=True, sparse="probe=sketch+rest+exact-prefill"),
+    dict(sparse_k=2, sparse="sink=out+group=union+dense=1"),
+    dict(sparse="quality", sparse_k=1),
+    dict(sparse="quality+rest-max=1", sparse_k=1),
+    dict(sparse_k=1, sparse="recent=2+no-importance"),
     dict(quant="q8", act="q8"), dict(quant="q4", act="q8"), dict(quant="q4", repack=False),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_native_equals_loop_options(ckpts, opts):
@@ -144,10 +141,10 @@ def test_stack_rejects_bad_tables(ckpts):
     tab = np.zeros(K.decode_tab_size(c.max_tokens, stack.n_heads, c.head_dim), np.float32)
     with pytest.raises(ValueError, match="not reserved"):     # row 40: no block yet
         stack.run(h, 40, 40, c.k_ptrs, c.v_ptrs, 32, c.kv_kind, 0, c.scale, 1, False, z32,
-                  zu, z64, 8, 0, zu, zu, 0, False, tab)
+                  zu, z64, K.SparseOpts(), zu, zu, 0, False, tab)
     with pytest.raises(ValueError, match="too short"):
         stack.run(h, 5, 5, c.k_ptrs, c.v_ptrs, 32, c.kv_kind, 0, c.scale, 1, False, z32[:1],
-                  zu, z64, 8, 0, zu, zu, 0, False, tab)
+                  zu, z64, K.SparseOpts(), zu, zu, 0, False, tab)
     with pytest.raises(ValueError, match="dec_tab"):
         stack.run(h, 5, 5, c.k_ptrs, c.v_ptrs, 32, c.kv_kind, 0, c.scale, 1, False, z32,
-                  zu, z64, 8, 0, zu, zu, 0, False, tab[:4])
+                  zu, z64, K.SparseOpts(), zu, zu, 0, False, tab[:4])

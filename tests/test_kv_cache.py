@@ -8,7 +8,7 @@ import pytest
 from kestrel_cli.runtime import kernels
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
-from kestrel_cli.runtime.sparse import importance_order
+from kestrel_cli.runtime.sparse import SparseSpec, importance_order
 
 N_KV, HD, N_HEADS = 2, 32, 4
 
@@ -25,8 +25,8 @@ def filled(spec, n, seed=0):
     return c, rng
 
 
-@pytest.mark.parametrize("spec", [CacheSpec(), CacheSpec("q8"), CacheSpec(sparse_k=2),
-                                  CacheSpec("q8", sparse_k=3, sparse_probes=4)])
+@pytest.mark.parametrize("spec", [CacheSpec(), CacheSpec("q8"), CacheSpec(sparse=SparseSpec(k=2)),
+                                  CacheSpec("q8", sparse=SparseSpec(k=3, probes=4))])
 @pytest.mark.parametrize("T", [1, 7])
 def test_attend_is_the_kernel_over_its_blocks(spec, T):
     """attend(layer, q, out) == kernels.attention over the cache's block tables with the
@@ -39,7 +39,7 @@ def test_attend_is_the_kernel_over_its_blocks(spec, T):
     kp, vp = c.views(0, 200 + T)
     ref = kernels.attention(q, kp, vp, kernels.KV_BLOCK, N_KV, HD, 200, HD ** -0.5,
                             np.empty_like(q), 2, kv_q8=spec.dtype == "q8",
-                            sparse_k=spec.sparse_k, sparse_probes=spec.sparse_probes)
+                            sparse_k=spec.sparse_k, sparse=spec.sparse)
     out = np.full_like(q, np.nan)
     assert c.attend(0, q, out) is out
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
@@ -51,7 +51,7 @@ def test_attend_is_the_kernel_over_its_blocks(spec, T):
 def test_sparse_decode_uses_prefill_importance():
     """After a prefill, a sparse decode row picks importance blocks first (the cache
     passes the importance order to the kernel): the recorded picks show it."""
-    c, rng = filled(CacheSpec(sparse_k=4), 0)
+    c, rng = filled(CacheSpec(sparse=SparseSpec(k=4)), 0)
     c.record_selection = True
     n = 300
     kv = rng.standard_normal((n, N_KV * HD)).astype(np.float32)
@@ -83,11 +83,11 @@ def test_q8_layout_is_the_block_layout():
 def test_spec_rejects_bad_values():
     with pytest.raises(KestrelError, match="dtype must be one of f32, q8"):
         CacheSpec("q4")
-    with pytest.raises(KestrelError, match="sparse_k must be >= 0"):
-        CacheSpec(sparse_k=-1)
-    with pytest.raises(KestrelError, match="sparse_probes must be >= 1"):
-        CacheSpec(sparse_probes=0)
-    spec = CacheSpec("q8", 4)
+    with pytest.raises(KestrelError, match="k must be >= 0"):
+        CacheSpec(sparse=SparseSpec(k=-1))
+    with pytest.raises(KestrelError, match="probes must be >= 1"):
+        CacheSpec(sparse=SparseSpec(k=0, probes=0))
+    spec = CacheSpec("q8", sparse=SparseSpec(k=4))
     with pytest.raises(Exception):
         spec.sparse_k = 8                          # frozen: a spec is a value
 

@@ -16,6 +16,7 @@ from kestrel_cli.runtime import kernels
 from kestrel_cli.inference.engine import LoadOptions
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
+from kestrel_cli.runtime.sparse import SparseSpec
 from kestrel_cli.inference.timing import parse_lines
 
 
@@ -85,8 +86,8 @@ def test_attention_equals_float32_over_rounded_values(isa, n_heads, n_kv, sparse
     n, n_pre = 230, 200
     k, v, q_pre, q_dec = _data(n_heads * 10 + sparse_k, n, n_pre, n_heads, n_kv)
     kr, vr = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
-    half = _run(CacheSpec("f16", sparse_k=sparse_k), k, v, q_pre, q_dec, n_pre)
-    ref = _run(CacheSpec("f32", sparse_k=sparse_k), kr, vr, q_pre, q_dec, n_pre)
+    half = _run(CacheSpec("f16", sparse=SparseSpec(k=sparse_k)), k, v, q_pre, q_dec, n_pre)
+    ref = _run(CacheSpec("f32", sparse=SparseSpec(k=sparse_k)), kr, vr, q_pre, q_dec, n_pre)
     # the same float operations on the same values: equal within float rounding (the
     # kernels read halves exactly, so in practice bit for bit)
     np.testing.assert_allclose(half[0], ref[0], rtol=1e-6, atol=1e-6)
@@ -96,7 +97,7 @@ def test_attention_equals_float32_over_rounded_values(isa, n_heads, n_kv, sparse
         for a, b in zip(half[3], ref[3]):
             np.testing.assert_array_equal(a, b)
     # and not the float32 cache of the unrounded values (the flag changes what runs)
-    full = _run(CacheSpec("f32", sparse_k=sparse_k), k, v, q_pre, q_dec, n_pre)
+    full = _run(CacheSpec("f32", sparse=SparseSpec(k=sparse_k)), k, v, q_pre, q_dec, n_pre)
     assert not np.array_equal(half[2], full[2])
     np.testing.assert_allclose(half[2], full[2], atol=2e-2)
 
@@ -105,7 +106,7 @@ def test_sparse_with_k_past_the_blocks_is_exact(isa):
     n, n_pre = 140, 130
     k, v, q_pre, q_dec = _data(5, n, n_pre, 4, 2)
     exact = _run(CacheSpec("f16"), k, v, q_pre, q_dec, n_pre)
-    sparse = _run(CacheSpec("f16", sparse_k=5), k, v, q_pre, q_dec, n_pre)
+    sparse = _run(CacheSpec("f16", sparse=SparseSpec(k=5)), k, v, q_pre, q_dec, n_pre)
     np.testing.assert_array_equal(exact[0], sparse[0])
     np.testing.assert_array_equal(exact[2], sparse[2])
 
@@ -114,8 +115,8 @@ def test_thread_count_does_not_change_results():
     n, n_pre = 300, 290
     k, v, q_pre, q_dec = _data(6, n, n_pre, 4, 2)
     for sk in (0, 2):
-        one = _run(CacheSpec("f16", sparse_k=sk), k, v, q_pre, q_dec, n_pre, 1)
-        two = _run(CacheSpec("f16", sparse_k=sk), k, v, q_pre, q_dec, n_pre, 2)
+        one = _run(CacheSpec("f16", sparse=SparseSpec(k=sk)), k, v, q_pre, q_dec, n_pre, 1)
+        two = _run(CacheSpec("f16", sparse=SparseSpec(k=sk)), k, v, q_pre, q_dec, n_pre, 2)
         np.testing.assert_array_equal(one[0], two[0])
         np.testing.assert_array_equal(one[2], two[2])
 
@@ -132,7 +133,7 @@ def test_kernel_refuses_both_value_types():
 def test_options_exclude_q8_and_f16():
     assert LoadOptions(kv_f16=True).cache_spec == CacheSpec("f16")
     assert LoadOptions(kv_f16=True, sparse_attn=True, sparse_k=4).cache_spec == \
-        CacheSpec("f16", sparse_k=4)
+        CacheSpec("f16", sparse=SparseSpec(k=4))
     with pytest.raises(KestrelError, match="--kv-q8 and --kv-f16"):
         LoadOptions(kv_q8=True, kv_f16=True).validate()
     with pytest.raises(KestrelError, match="dtype must be one of f32, q8, f16"):

@@ -10,8 +10,9 @@ from typer.testing import CliRunner
 
 from kestrel_cli.cli import app
 from kestrel_cli.runtime.kv_cache import CacheSpec
+from kestrel_cli.runtime.sparse import SparseSpec
 from kestrel_cli.apps.ppl import perplexity, windows
-from test_kv_cache_q8 import TEXT
+from test_kv_q8 import TEXT
 
 CTX = 64
 
@@ -72,7 +73,7 @@ def test_kld_ref(smollm2_exact, ids):
     assert exact.kld == 0.0                           # same computation as the reference
     base = eng.spec
     try:
-        eng.spec = CacheSpec("q8", sparse_k=1)
+        eng.spec = CacheSpec("q8", sparse=SparseSpec(k=1))
         sparse = perplexity(eng, ids, CTX, kld_ref=True)
     finally:
         eng.spec = base

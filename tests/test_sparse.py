@@ -12,7 +12,7 @@ import pytest
 
 from kestrel_cli.runtime import kernels
 from kestrel_cli.runtime.kv_cache import CacheSpec
-from kestrel_cli.runtime.sparse import importance_order, select_blocks
+from kestrel_cli.runtime.sparse import SparseSpec, importance_order, select_blocks
 
 BS = 32
 
@@ -72,7 +72,7 @@ def c_select(q, keys, importance, k, n_probe=8):
     out = np.empty((1, hd), np.float32)
     sel = np.full((1, 1, k), -1, np.int32)
     kernels.attention(q.reshape(1, hd).astype(np.float32), ptrs, ptrs, BS, 1, hd, seq - 1, 1.0,
-                      out, 1, sparse_k=k, sparse_probes=n_probe,
+                      out, 1, sparse_k=k, sparse=SparseSpec(probes=n_probe),
                       imp_order=None if importance is None else importance_order(importance, seq),
                       sel=sel)
     return sel[0, 0].tolist() if nb > k else list(range(nb))
@@ -215,16 +215,16 @@ def test_k_at_least_n_blocks_is_bit_identical(eng):
         return np.stack(rows)
 
     exact = run()
-    assert np.array_equal(run(CacheSpec(sparse_k=nb)), exact)
-    assert np.array_equal(run(CacheSpec("q8", sparse_k=nb + 5)), run(CacheSpec("q8")))
-    assert not np.array_equal(run(CacheSpec(sparse_k=2)), exact)
+    assert np.array_equal(run(CacheSpec(sparse=SparseSpec(k=nb))), exact)
+    assert np.array_equal(run(CacheSpec("q8", sparse=SparseSpec(k=nb + 5))), run(CacheSpec("q8")))
+    assert not np.array_equal(run(CacheSpec(sparse=SparseSpec(k=2))), exact)
 
 
 def test_same_prompt_same_selections_and_tokens(eng):
     ids = eng.encode_prompt(needle_prompt(30))
     runs = []
     for _ in range(2):
-        cache = use_cache(eng, CacheSpec("q8", sparse_k=2))
+        cache = use_cache(eng, CacheSpec("q8", sparse=SparseSpec(k=2)))
         cache.record_selection = True
         toks = greedy(eng, ids, 6)
         runs.append((toks, [s.copy() for s in cache.selection]))
@@ -253,9 +253,9 @@ def test_2k_chat_prompt_k32_keeps_the_answer_k1_loses_it(eng):
     use_cache(eng)
     exact = greedy(eng, ids)
     assert "blue kestrel" in eng.tokenizer.decode(exact)
-    use_cache(eng, CacheSpec(sparse_k=32))
+    use_cache(eng, CacheSpec(sparse=SparseSpec(k=32)))
     assert greedy(eng, ids) == exact
-    use_cache(eng, CacheSpec(sparse_k=1))
+    use_cache(eng, CacheSpec(sparse=SparseSpec(k=1)))
     assert greedy(eng, ids) != exact
 
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
+from kestrel_cli.runtime.sparse import SparseSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("sparse_eval", ROOT / "scripts" / "sparse_eval.py")
@@ -52,7 +54,7 @@ def decode_both(c, pol, k, rng):
 def test_sim_seed_is_the_kernels_seed(dtype, group):
     rng = np.random.default_rng(5)
     for k, seq in ((2, 9 * BS + 5), (5, 14 * BS + 31)):
-        c = prefilled(CacheSpec(dtype, sparse_k=k, sparse_group=group), seq, rng)
+        c = prefilled(CacheSpec(dtype, sparse=SparseSpec(k=k, group=group)), seq, rng)
         got, sim = decode_both(c, f"sim:probe=p8:imp=1:swap=1:group={group}", k, rng)
         np.testing.assert_allclose(sim, got, rtol=2e-4, atol=2e-5)
         # and not by chance: without the importance half the picks differ
@@ -62,7 +64,7 @@ def test_sim_seed_is_the_kernels_seed(dtype, group):
 
 def test_sim_with_every_block_kept_is_exact():
     rng = np.random.default_rng(6)
-    c = prefilled(CacheSpec(sparse_k=0), 7 * BS + 3, rng)
+    c = prefilled(CacheSpec(sparse=SparseSpec(k=0)), 7 * BS + 3, rng)
     got, sim = decode_both(c, "sim:oracle=mass:sink=out:recent=1", 6, rng)
     np.testing.assert_allclose(sim, got, rtol=2e-4, atol=2e-5)
 
@@ -113,7 +115,7 @@ def test_use_policy_routes_decode_through_the_sim():
     called) and installs SimAttend; any other config restores both."""
     class M:
         native_decode = True
-    m, c = M(), KVCache(1, N_KV, HD, 64, CacheSpec(sparse_k=2))
+    m, c = M(), KVCache(1, N_KV, HD, 64, CacheSpec(sparse=SparseSpec(k=2)))
     se.use_policy(m, c, "sim:oracle=mass", 2)
     assert m.native_decode is False and isinstance(c.attend, se.SimAttend)
     se.use_policy(m, c, "seed", 2)
@@ -126,7 +128,7 @@ def test_sim_rest_variants_order_as_measured():
     attention, the picks alone and the block means further off; rest=top keeps each
     unpicked block's largest token exact (the means' error is mostly that token's)."""
     rng = np.random.default_rng(8)
-    c = prefilled(CacheSpec(sparse_k=0), 12 * BS + 5, rng)
+    c = prefilled(CacheSpec(sparse=SparseSpec(k=0)), 12 * BS + 5, rng)
     c.reserve(1)
     kv = rng.standard_normal((1, N_KV * HD)).astype(np.float32)
     c.write(0, kv, kv)
@@ -171,3 +173,15 @@ def test_bad_input_is_one_line(tmp_path):
             se.parse_sim(f"sim:probe=q4:rest={bad}")
         assert "unknown rest" in str(e.value)
     assert se.parse_sim("sim:rest=tier6.5")["rest"] == "tier6.5"
+
+
+def test_configs_are_sparse_specs():
+    """A config is `--sparse` text (SparseSpec.parse) at the run's k; --configs splits on
+    commas, except inside a layer list; a bad config is the parser's one line."""
+    assert se.spec_of("quality+recent=2", 8).sparse == SparseSpec.parse("quality+recent=2", k=8)
+    assert se.spec_of("seed", 4, "q8") == CacheSpec("q8", SparseSpec(k=4))
+    assert se.spec_of("sim:oracle=mass", 4).sparse == SparseSpec(k=4, prefill="exact")
+    assert se.configs_of("seed,quality+dense=0,5,sink=in") == [
+        "seed", "quality+dense=0,5", "sink=in"]
+    with pytest.raises(KestrelError, match="unknown option or preset 'kv-max'"):
+        se.spec_of("kv-max", 8)

@@ -4,6 +4,8 @@ reference (kestrel_cli.runtime.sparse) or exact attention; the plain selection s
 (tests/test_sparse.py)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,7 @@ from kestrel_cli.runtime import kernels
 from kestrel_cli.inference.engine import LoadOptions
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
-from kestrel_cli.runtime.sparse import PRESETS
+from kestrel_cli.runtime.sparse import PRESETS, SparseSpec
 from kestrel_cli.runtime.sparse import (bound_scores, importance_order, key_bounds, key_bounds_q8,
                                 group_scores, key_sketch, probe_scores, select_blocks,
                                 select_with,
@@ -50,7 +52,7 @@ def ref_bounds(cache, layer, kh):
 def test_bounds_kept_up_to_date_and_scores_match_numpy(dtype):
     rng = np.random.default_rng(1)
     seq = 7 * BS + 13
-    c = filled_cache(CacheSpec(dtype, sparse_k=2, sparse_probe="bound"), seq, rng)
+    c = filled_cache(CacheSpec(dtype, sparse=SparseSpec(k=2, probe="bound")), seq, rng)
     nb = -(-seq // BS)
     assert c.bounds.dtype == (np.int8 if dtype == "q8" else np.float32)
     for kh in range(N_KV):
@@ -77,7 +79,7 @@ def test_bounds_kept_up_to_date_and_scores_match_numpy(dtype):
 
 def test_bounds_follow_trim():
     rng = np.random.default_rng(2)
-    c = filled_cache(CacheSpec(sparse_k=2, sparse_probe="bound"), 3 * BS + 20, rng)
+    c = filled_cache(CacheSpec(sparse=SparseSpec(k=2, probe="bound")), 3 * BS + 20, rng)
     c.trim(2 * BS + 5)
     c.reserve(3)
     k = rng.standard_normal((3, N_KV * HD)).astype(np.float32) * 0.1
@@ -95,8 +97,8 @@ def test_sketch_kept_up_to_date_and_scores_match_numpy(dtype):
     of the sketched dots, and they track the true block mass."""
     rng = np.random.default_rng(3)
     seq = 7 * BS + 13
-    c = filled_cache(CacheSpec(dtype, sparse_k=2, sparse_probe="sketch"), seq, rng)
-    assert c.sparse_opts & kernels.SKETCH and c.bounds.dtype == np.uint8
+    c = filled_cache(CacheSpec(dtype, sparse=SparseSpec(k=2, probe="sketch")), seq, rng)
+    assert c.sparse_opts.sketch and c.bounds.dtype == np.uint8
     c.trim(5 * BS + 3)
     c.reserve(9)
     kk = rng.standard_normal((9, N_KV * HD)).astype(np.float32)
@@ -133,7 +135,7 @@ def test_sketch_scores_of_several_queries_on_every_variant(isa):
     block partial; a wrong query offset, pass remainder or lane order fails."""
     rng = np.random.default_rng(29)
     seq = 6 * BS + 11
-    c = filled_cache(CacheSpec("f32", sparse_k=2, sparse_probe="sketch"), seq, rng)
+    c = filled_cache(CacheSpec("f32", sparse=SparseSpec(k=2, probe="sketch")), seq, rng)
     for kh in range(N_KV):
         packed, sc = key_sketch(c.keys(0)[:, kh * HD:(kh + 1) * HD])
         for ng in (1, 3, 4, 6):
@@ -146,21 +148,22 @@ def test_sketch_scores_of_several_queries_on_every_variant(isa):
 
 
 def test_sketch_needs_a_cache_made_with_it():
-    c = KVCache(1, N_KV, HD, 128, CacheSpec(sparse_k=2, sparse_probe="bound"))
+    c = KVCache(1, N_KV, HD, 128, CacheSpec(sparse=SparseSpec(k=2, probe="bound")))
     with pytest.raises(KestrelError, match="sketch probe needs a cache made with it"):
-        c.respec(CacheSpec(sparse_k=2, sparse_probe="sketch"))
-    c = KVCache(1, N_KV, HD, 128, CacheSpec(sparse_k=2, sparse_probe="sketch"))
+        c.respec(CacheSpec(sparse=SparseSpec(k=2, probe="sketch")))
+    c = KVCache(1, N_KV, HD, 128, CacheSpec(sparse=SparseSpec(k=2, probe="sketch")))
     with pytest.raises(KestrelError, match="bound probe needs a cache made with it"):
-        c.respec(CacheSpec(sparse_k=2, sparse_probe="bound"))
-    c.respec(CacheSpec(sparse_k=4))            # sampled probes: the sketch is still kept
-    assert c.sparse_opts == kernels.SKETCH
+        c.respec(CacheSpec(sparse=SparseSpec(k=2, probe="bound")))
+    c.respec(CacheSpec(sparse=SparseSpec(k=4)))    # sampled probes: the sketch is still kept
+    assert c.sparse_opts == kernels.SparseOpts(sketch=True)
     with pytest.raises(KestrelError, match="even head_dim"):
-        KVCache(1, N_KV, 15, 128, CacheSpec(sparse_k=2, sparse_probe="sketch"))
+        KVCache(1, N_KV, 15, 128, CacheSpec(sparse=SparseSpec(k=2, probe="sketch")))
 
 
 def test_no_bounds_without_the_option():
-    c = KVCache(1, N_KV, HD, 256, CacheSpec(sparse_k=4))
-    assert c.bounds is None and c.sparse_opts == 0 and CacheSpec().sparse_opts == 0
+    c = KVCache(1, N_KV, HD, 256, CacheSpec(sparse=SparseSpec(k=4)))
+    assert c.bounds is None and c.sparse_opts == kernels.SparseOpts()
+    assert KVCache(1, N_KV, HD, 256, CacheSpec()).sparse_opts == kernels.SparseOpts()
 
 
 # ---------------------------------------------------------------- the kernel's picks
@@ -196,7 +199,7 @@ def ref_scores(cache, q, kh, probe, n_probe=8):
 def test_decode_picks_match_the_reference(sink, probe, group):
     rng = np.random.default_rng(hash((sink, probe, group)) % 2**32)
     for k, seq, with_imp in ((1, 9 * BS, False), (3, 11 * BS + 7, True), (6, 20 * BS - 1, True)):
-        spec = CacheSpec(sparse_k=k, sparse_sink=sink, sparse_probe=probe, sparse_group=group)
+        spec = CacheSpec(sparse=SparseSpec(k=k, sink=sink, probe=probe, group=group))
         c = filled_cache(spec, seq, rng)
         if with_imp:                     # as a prefill would have recorded it
             c.importance[0, :seq] = rng.random(seq).astype(np.float32)
@@ -221,7 +224,7 @@ def test_decode_picks_match_the_reference(sink, probe, group):
 def test_plain_options_are_the_default_selection():
     """sink off, sampled probes, per head: the same picks as select_blocks (§3)."""
     rng = np.random.default_rng(5)
-    c = filled_cache(CacheSpec(sparse_k=4), 12 * BS + 3, rng)
+    c = filled_cache(CacheSpec(sparse=SparseSpec(k=4)), 12 * BS + 3, rng)
     c.importance[0, :12 * BS + 3] = rng.random(12 * BS + 3).astype(np.float32)
     c._has_imp[0] = True
     imp = c.importance[0, :12 * BS + 4].copy()
@@ -238,8 +241,8 @@ def test_sketch_decode_picks_on_every_variant(isa):
     reference selection over the sketch scores, int8 and float caches."""
     rng = np.random.default_rng(17)
     for dtype in ("f32", "q8"):
-        spec = CacheSpec(dtype, sparse_k=4, sparse_probe="sketch", sparse_sink="out",
-                         sparse_importance=False)
+        spec = CacheSpec(dtype, sparse=SparseSpec(k=4, probe="sketch", sink="out",
+                                                  importance=False))
         c = filled_cache(spec, 17 * BS + 9, rng)
         q, picks = decode_picks(c, rng)
         n = c.offset
@@ -258,7 +261,7 @@ def test_prefill_rows_with_options(group, probe):
     causal prefix; checked on the last row, whose block bounds hold no later token."""
     rng = np.random.default_rng(7)
     seq, k = 10 * BS + 5, 3
-    spec = CacheSpec(sparse_k=k, sparse_sink="out", sparse_probe=probe, sparse_group=group)
+    spec = CacheSpec(sparse=SparseSpec(k=k, sink="out", probe=probe, group=group))
     c = KVCache(1, N_KV, HD, seq, spec, threads=1)
     c.record_selection = True
     c.reserve(seq)
@@ -302,18 +305,18 @@ def run_layers(spec, T_pre=9 * BS + 3, n_dec=3, seed=11):
 
 def test_dense_layers_attend_exactly():
     exact, _ = run_layers(CacheSpec())
-    dense, _ = run_layers(CacheSpec(sparse_k=2, sparse_dense=(1,)))
+    dense, _ = run_layers(CacheSpec(sparse=SparseSpec(k=2, dense_layers=(1,))))
     for step_e, step_d in zip(exact, dense):
         assert np.array_equal(step_e[1], step_d[1])              # the dense layer: exact
     assert not np.array_equal(exact[-1][0], dense[-1][0])        # the others: sparse
     with pytest.raises(KestrelError, match="out of range"):
-        KVCache(3, N_KV, HD, 64, CacheSpec(sparse_k=2, sparse_dense=(3,)))
+        KVCache(3, N_KV, HD, 64, CacheSpec(sparse=SparseSpec(k=2, dense_layers=(3,))))
 
 
 def test_exact_prefill_sparse_decode():
     exact, ce = run_layers(CacheSpec())
-    mixed, cm = run_layers(CacheSpec(sparse_k=2, sparse_prefill=False))
-    sparse, _ = run_layers(CacheSpec(sparse_k=2))
+    mixed, cm = run_layers(CacheSpec(sparse=SparseSpec(k=2, prefill="exact")))
+    sparse, _ = run_layers(CacheSpec(sparse=SparseSpec(k=2)))
     for layer in range(3):
         assert np.array_equal(exact[0][layer], mixed[0][layer])   # prefill: exact
         assert not np.array_equal(exact[0][layer], sparse[0][layer])
@@ -323,8 +326,8 @@ def test_exact_prefill_sparse_decode():
 
 def test_sink_outside_the_budget_is_exact_up_to_k_plus_1_blocks():
     a, _ = run_layers(CacheSpec(), T_pre=3 * BS, n_dec=0)
-    b, _ = run_layers(CacheSpec(sparse_k=2, sparse_sink="out"), T_pre=3 * BS, n_dec=0)
-    c, _ = run_layers(CacheSpec(sparse_k=2, sparse_sink="in"), T_pre=3 * BS, n_dec=0)
+    b, _ = run_layers(CacheSpec(sparse=SparseSpec(k=2, sink="out")), T_pre=3 * BS, n_dec=0)
+    c, _ = run_layers(CacheSpec(sparse=SparseSpec(k=2, sink="in")), T_pre=3 * BS, n_dec=0)
     assert all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
     assert not np.array_equal(a[0][0], c[0][0])
 
@@ -332,41 +335,74 @@ def test_sink_outside_the_budget_is_exact_up_to_k_plus_1_blocks():
 # ---------------------------------------------------------------- options, presets, CLI
 
 def test_presets_and_overrides():
-    spec = LoadOptions(sparse_preset="quality").cache_spec
-    assert spec.sparse_k == 32 and spec.sparse_group == "union" and not spec.sparse_prefill
-    assert not spec.sparse_importance and spec.sparse_sink == "out" and spec.sparse_recent == 1
-    assert spec.sparse_probe == "sketch" and spec.sparse_rest
-    assert not LoadOptions(sparse_preset="quality", sparse_rest=False).cache_spec.sparse_rest
-    assert LoadOptions(sparse_preset="quality", sparse_recent=0,
-                       sparse_importance=True).cache_spec.sparse_importance
-    spec = LoadOptions(sparse_preset="quality", sparse_group="max", sparse_k=8).cache_spec
-    assert spec.sparse_group == "max" and spec.sparse_k == 8 and not spec.sparse_prefill
-    assert LoadOptions(sparse_attn=True).cache_spec == CacheSpec(sparse_k=32)
-    assert LoadOptions(sparse_attn=True, sparse_dense_first=2,
-                       sparse_dense_layers="5,1").cache_spec.sparse_dense == (0, 1, 5)
-    assert LoadOptions(sparse_sink="in").cache_spec == CacheSpec()       # no --sparse-attn
-    for kw, msg in ((dict(sparse_sink="both"), "--sparse-sink"),
-                    (dict(sparse_group="avg"), "--sparse-group"),
-                    (dict(sparse_probe="x"), "--sparse-probe"),
-                    (dict(sparse_preset="fast"), "--sparse-preset"),
-                    (dict(sparse_dense_layers="1,a"), "--sparse-dense-layers"),
-                    (dict(sparse_dense_first=-1), "--sparse-dense-first")):
-        with pytest.raises(KestrelError, match=msg):
-            LoadOptions(sparse_attn=True, **kw).validate()
+    spec = LoadOptions(sparse="quality").cache_spec.sparse
+    assert spec.k == 32 and spec.group == "union" and not spec.sparse_prefill
+    assert not spec.importance and spec.sink == "out" and spec.recent == 1
+    assert spec.probe == "sketch" and spec.rest
+    assert not LoadOptions(sparse="quality+no-rest").cache_spec.sparse.rest
+    assert LoadOptions(sparse="quality+recent=0+importance").cache_spec.sparse.importance
+    spec = LoadOptions(sparse="quality+group=max", sparse_k=8).cache_spec.sparse
+    assert spec.group == "max" and spec.k == 8 and not spec.sparse_prefill
+    assert LoadOptions(sparse_attn=True).cache_spec == CacheSpec(sparse=SparseSpec(k=32))
+    assert LoadOptions(sparse="dense-first=2+dense=5,1").cache_spec.sparse.dense == (0, 1, 5)
+    assert LoadOptions().cache_spec == CacheSpec()       # no --sparse-attn, no --sparse
+    for text, msg in (("sink=both", "sink must be one of off, in, out"),
+                      ("group=avg", "group must be one of"),
+                      ("probe=x", "probe must be one of"),
+                      ("fast", "unknown option or preset 'fast'"),
+                      ("dense=1,a", "dense takes comma-separated layer indices"),
+                      ("dense-first=-1", "dense-first must be >= 0"),
+                      ("k=0", "k must be >= 1"), ("quality+", "empty option"),
+                      ("rest=1", "rest takes no value"), ("recent", "recent needs a value")):
+        with pytest.raises(KestrelError, match="--sparse: " + re.escape(msg)):
+            LoadOptions(sparse=text).validate()
+
+
+@pytest.mark.parametrize("text", ["seed", "quality", "quality+recent=2", "quality+no-rest",
+                                  "sink=out+probe=sketch+rest", "k=8+dense=3,1",
+                                  "exact-prefill+window=64", "dense-first=2+group=rank",
+                                  "probe=sketch+rest+rest-max=8+probes=4"])
+def test_spec_text_round_trips(text):
+    """str() is the canonical spelling: parsing it gives the same spec, and a preset's
+    spec spells as its name."""
+    spec = SparseSpec.parse(text)
+    assert SparseSpec.parse(str(spec)) == spec
+    assert str(SparseSpec.parse(str(spec))) == str(spec)
+    assert str(SparseSpec.parse("quality")) == "quality"
+    assert str(SparseSpec()) == "seed"
+    assert str(SparseSpec.parse("quality+recent=2")) == "quality+recent=2"
+    assert SparseSpec.parse("recent=2", k=8, probes=4) == SparseSpec(k=8, probes=4, recent=2)
+    assert SparseSpec.parse("k=4", k=8).k == 4           # the text's k over the flag's
 
 
 @pytest.mark.parametrize("cmd", ["run", "chat", "serve", "bench", "ppl"])
 def test_flags_in_help(cmd):
-    import re
+    """Every command that builds an engine takes the four sparse flags and no other; the
+    --sparse help lists the presets and the options."""
     from typer.testing import CliRunner
     from kestrel_cli.cli import app
     r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
     assert r.exit_code == 0
     out = re.sub(r"\x1b\[[0-9;]*m", "", r.output)
-    for flag in ("--sparse-preset", "--sparse-sink", "--sparse-probe", "--sparse-group",
-                 "--sparse-dense-first", "--sparse-dense-layers", "--exact-prefill",
-                 "--sparse-window", "--sparse-recent", "--no-sparse-importance"):
-        assert flag in out, (cmd, flag)
+    flags = set(re.findall(r"--(?:no-)?sparse[a-z-]*|--exact-prefill", out))
+    assert flags == {"--sparse-attn", "--sparse-k", "--sparse-probes", "--sparse"}, (cmd, flags)
+    for word in ("seed:", "quality:", "sink=off|in|out", "probe=sample|bound|sketch",
+                 "recent=N", "rest / no-rest", "exact-prefill / sparse-prefill"):
+        assert word in out, (cmd, word)
+
+
+@pytest.mark.parametrize("text, msg", [("bogus", "unknown option or preset 'bogus'"),
+                                       ("recent=99", "recent must be 0..63, got 99"),
+                                       ("rest", "rest needs the sketch probe")])
+def test_bad_spec_is_one_line(text, msg):
+    """A bad --sparse is one error line and exit status 1, before any model loads."""
+    from typer.testing import CliRunner
+    from kestrel_cli.cli import app
+    r = CliRunner().invoke(app, ["run", "-p", "hi", "--sparse", text])
+    assert r.exit_code == 1, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --sparse: ") and msg in lines[0]
+    assert "Traceback" not in r.output
 
 
 def test_respec_reads_the_same_contents_another_way():
@@ -384,7 +420,7 @@ def test_respec_reads_the_same_contents_another_way():
         c.trim(c.offset)
         return outs
 
-    bound = CacheSpec(sparse_k=2, sparse_probe="bound", sparse_prefill=False)
+    bound = CacheSpec(sparse=SparseSpec(k=2, probe="bound", prefill="exact"))
     _, c = run_layers(bound, n_dec=0)
     _, e = run_layers(CacheSpec(), n_dec=0)
     c.respec(CacheSpec())
@@ -395,25 +431,25 @@ def test_respec_reads_the_same_contents_another_way():
     assert not np.array_equal(step(c)[0], step(e)[0])
     with pytest.raises(KestrelError, match="holds f32"):
         c.respec(CacheSpec("q8"))
-    plain = KVCache(1, N_KV, HD, 64, CacheSpec(sparse_k=2))
+    plain = KVCache(1, N_KV, HD, 64, CacheSpec(sparse=SparseSpec(k=2)))
     with pytest.raises(KestrelError, match="bound probe"):
         plain.respec(bound)
 
 
 def test_window_importance_from_the_last_rows_only():
-    """sparse_window W: a prefill's importance is the mass of its last W rows only (the
+    """window W: a prefill's importance is the mass of its last W rows only (the
     exact path's mass of those rows, each summing to 1 per head)."""
     _, full = run_layers(CacheSpec(), n_dec=0)
-    _, win = run_layers(CacheSpec(sparse_k=2, sparse_prefill=False, sparse_window=40),
+    _, win = run_layers(CacheSpec(sparse=SparseSpec(k=2, prefill="exact", window=40)),
                         n_dec=0)
     mass = win.importance[0].sum()
     np.testing.assert_allclose(mass, 40 * N_HEADS, rtol=1e-4)
     np.testing.assert_allclose(full.importance[0].sum(), (9 * BS + 3) * N_HEADS, rtol=1e-4)
     # rows before the window: nothing; the window's rows see every token before them
     assert win.importance[0, :9 * BS + 3 - 40].sum() > 0
-    assert LoadOptions(sparse_attn=True, sparse_window=64).cache_spec.sparse_window == 64
-    with pytest.raises(KestrelError, match="sparse_window"):
-        CacheSpec(sparse_k=2, sparse_window=-1)
+    assert LoadOptions(sparse="window=64").cache_spec.sparse.window == 64
+    with pytest.raises(KestrelError, match="window must be >= 0"):
+        CacheSpec(sparse=SparseSpec(k=2, window=-1))
 
 
 # ---------------------------------------------------------------- recent blocks, no importance
@@ -425,8 +461,8 @@ def test_window_importance_from_the_last_rows_only():
 def test_recent_blocks_and_no_importance_decode_picks(recent, importance, sink, group):
     rng = np.random.default_rng(recent * 7 + importance + len(sink) + len(group))
     for k, seq in ((2, 9 * BS + 4), (5, 16 * BS - 1)):
-        spec = CacheSpec(sparse_k=k, sparse_sink=sink, sparse_group=group,
-                         sparse_recent=recent, sparse_importance=importance)
+        spec = CacheSpec(sparse=SparseSpec(k=k, sink=sink, group=group, recent=recent,
+                                           importance=importance))
         c = filled_cache(spec, seq, rng)
         c.importance[0, :seq] = rng.random(seq).astype(np.float32)
         c._has_imp[0] = True
@@ -448,14 +484,14 @@ def test_recent_blocks_and_no_importance_decode_picks(recent, importance, sink, 
 
 def test_recent_blocks_exact_up_to_k_plus_r_blocks_and_in_prefill_rows():
     a, _ = run_layers(CacheSpec(), T_pre=4 * BS, n_dec=0)
-    b, _ = run_layers(CacheSpec(sparse_k=2, sparse_recent=2), T_pre=4 * BS, n_dec=0)
-    c, _ = run_layers(CacheSpec(sparse_k=2, sparse_recent=1), T_pre=4 * BS, n_dec=0)
+    b, _ = run_layers(CacheSpec(sparse=SparseSpec(k=2, recent=2)), T_pre=4 * BS, n_dec=0)
+    c, _ = run_layers(CacheSpec(sparse=SparseSpec(k=2, recent=1)), T_pre=4 * BS, n_dec=0)
     assert all(np.array_equal(x, y) for x, y in zip(a[0], b[0]))
     assert not np.array_equal(a[0][0], c[0][0])
     # a prefill's sparse rows keep their last R blocks too (the rows' causal prefix)
     rng = np.random.default_rng(8)
     seq, k, r = 9 * BS + 5, 2, 2
-    cc = KVCache(1, N_KV, HD, seq, CacheSpec(sparse_k=k, sparse_recent=r), threads=1)
+    cc = KVCache(1, N_KV, HD, seq, CacheSpec(sparse=SparseSpec(k=k, recent=r)), threads=1)
     cc.record_selection = True
     cc.reserve(seq)
     kk = rng.standard_normal((seq, N_KV * HD)).astype(np.float32)
@@ -479,13 +515,14 @@ def test_recent_blocks_exact_up_to_k_plus_r_blocks_and_in_prefill_rows():
 
 
 def test_recent_and_importance_flags():
-    spec = LoadOptions(sparse_attn=True, sparse_recent=2, sparse_importance=False).cache_spec
-    assert spec.sparse_recent == 2 and not spec.sparse_importance
-    assert spec.sparse_opts == 2 << 4 and spec.sparse_width == 34
-    with pytest.raises(KestrelError, match="--sparse-recent"):
-        LoadOptions(sparse_attn=True, sparse_recent=64).validate()
-    with pytest.raises(KestrelError, match="sparse_recent"):
-        CacheSpec(sparse_k=2, sparse_recent=-1)
+    spec = LoadOptions(sparse="recent=2+no-importance").cache_spec
+    assert spec.sparse.recent == 2 and not spec.sparse.importance
+    assert spec.sparse.kernel_opts() == kernels.SparseOpts(recent=2)
+    assert spec.sparse_width == 34
+    with pytest.raises(KestrelError, match="--sparse: recent must be 0..63"):
+        LoadOptions(sparse="recent=64").validate()
+    with pytest.raises(KestrelError, match="recent must be 0..63"):
+        CacheSpec(sparse=SparseSpec(k=2, recent=-1))
 
 
 # ---------------------------------------------------------------- the rest estimate
@@ -494,17 +531,16 @@ def test_recent_and_importance_flags():
 @pytest.mark.parametrize("group", ["head", "union", "rank"])
 @pytest.mark.parametrize("dtype", ["f32", "q8"])
 def test_rest_decode_matches_numpy(group, dtype, rest_max, isa):
-    """--sparse-rest: a decode head's output is the softmax over its picks' exact scores
+    """rest: a decode head's output is the softmax over its picks' exact scores
     and, for each block it does not attend, one pseudo-token (the block's sketch mass; its
     sketched values weighted by its tokens' sketched shares), in one normalisation: the
     blocks not picked at 4 bits (those whose mass is below e^REST_FLOOR of the head's
-    largest skipped; with --sparse-rest-max R only those at or above the R-th largest
+    largest skipped; with rest-max=R only those at or above the R-th largest
     mass of the blocks above the floor that the head itself did not pick); without the
     option the picks alone."""
     rng = np.random.default_rng(23)
-    kw = dict(sparse_k=3, sparse_probe="sketch", sparse_group=group, sparse_sink="out",
-              sparse_importance=False)
-    c = filled_cache(CacheSpec(dtype, sparse_rest=True, sparse_rest_max=rest_max, **kw),
+    kw = dict(k=3, probe="sketch", group=group, sink="out", importance=False)
+    c = filled_cache(CacheSpec(dtype, SparseSpec(rest=True, rest_max=rest_max, **kw)),
                      14 * BS + 5, rng)
     c.record_selection = True
     q = rng.standard_normal((1, N_HEADS * HD)).astype(np.float32)
@@ -513,7 +549,7 @@ def test_rest_decode_matches_numpy(group, dtype, rest_max, isa):
     c.write(0, kv, kv)
     got = c.attend(0, q, np.empty_like(q))[0].copy()
     picks = c.selection[0][0]
-    c.respec(CacheSpec(dtype, **kw))
+    c.respec(CacheSpec(dtype, SparseSpec(**kw)))
     plain = c.attend(0, q, np.empty_like(q))[0].copy()
     n = c.offset + 1
     nb = -(-n // BS)
@@ -570,8 +606,8 @@ def test_rest_skips_blocks_below_the_floor(dtype, isa):
     blocks 0, 1, 5; -5 for block 2; REST_FLOOR - 2 for blocks 3, 4), k = 1 with the sink
     and the recent block: blocks 0, 1, 5 attended, 2 counted at 4 bits, 3 and 4 skipped:
     their values (x 1e4 or 0) change nothing; block 2's do."""
-    spec = CacheSpec(dtype, sparse_k=1, sparse_probe="sketch", sparse_rest=True,
-                     sparse_sink="out", sparse_recent=1, sparse_importance=False)
+    spec = CacheSpec(dtype, sparse=SparseSpec(k=1, probe="sketch", rest=True, sink="out",
+                                              recent=1, importance=False))
     score = np.array([0, 0, -5, kernels.REST_FLOOR - 2, kernels.REST_FLOOR - 2, 0], np.float32)
     n = 6 * BS
     rng = np.random.default_rng(4)
@@ -609,28 +645,27 @@ def rows_of(c, layer, n, values=False):
 
 
 def test_rest_max_options():
-    """--sparse-rest-max: 0..255, only with the rest (sparse_opts bits 14-21); over the
+    """rest-max: 0..255, only with the rest (ka_sparse.rest_max); over the
     quality preset (no cap of its own: it costs the needles, README) it stays with the
     rest and fails without it."""
-    spec = CacheSpec(sparse_k=4, sparse_probe="sketch", sparse_rest=True, sparse_rest_max=32)
-    assert spec.sparse_opts >> kernels.REST_MAX_SHIFT == 32
-    for kw, msg in ((dict(sparse_rest_max=256), "0..255"), (dict(sparse_rest_max=-1), "0..255"),
-                    (dict(sparse_rest=False, sparse_rest_max=8), "needs sparse_rest")):
+    spec = CacheSpec(sparse=SparseSpec(k=4, probe="sketch", rest=True, rest_max=32))
+    assert spec.sparse.kernel_opts().rest_max == 32
+    for kw, msg in ((dict(rest_max=256), "0..255"), (dict(rest_max=-1), "0..255"),
+                    (dict(rest=False, rest_max=8), "it needs rest")):
         with pytest.raises(KestrelError, match=msg):
-            CacheSpec(**{**dict(sparse_k=4, sparse_probe="sketch", sparse_rest=True), **kw})
-    with pytest.raises(KestrelError, match="--sparse-rest-max"):
-        LoadOptions(sparse_attn=True, sparse_rest_max=300).validate()
-    q = LoadOptions(sparse_preset="quality").cache_spec
-    assert q.sparse_rest and q.sparse_rest_max == PRESETS["quality"].get("sparse_rest_max", 0)
-    q = LoadOptions(sparse_preset="quality", sparse_rest_max=64).cache_spec
-    assert q.sparse_rest and q.sparse_opts >> kernels.REST_MAX_SHIFT == 64
-    assert LoadOptions(sparse_preset="quality", sparse_rest=False).cache_spec.sparse_rest_max == 0
-    with pytest.raises(KestrelError, match="needs sparse_rest"):
-        LoadOptions(sparse_preset="quality", sparse_rest=False, sparse_rest_max=4).cache_spec
+            CacheSpec(sparse=SparseSpec(**{**dict(k=4, probe="sketch", rest=True), **kw}))
+    with pytest.raises(KestrelError, match="--sparse: rest-max must be 0..255"):
+        LoadOptions(sparse="quality+rest-max=300").validate()
+    q = LoadOptions(sparse="quality").cache_spec.sparse
+    assert q.rest and q.rest_max == PRESETS["quality"].get("rest_max", 0)
+    q = LoadOptions(sparse="quality+rest-max=64").cache_spec
+    assert q.sparse.rest and q.sparse.kernel_opts().rest_max == 64
+    assert LoadOptions(sparse="quality+no-rest").cache_spec.sparse.rest_max == 0
+    with pytest.raises(KestrelError, match="it needs rest"):
+        LoadOptions(sparse="quality+no-rest+rest-max=4").cache_spec
 
 
 def test_rest_needs_the_sketch():
     with pytest.raises(KestrelError, match="sketch probe"):
-        CacheSpec(sparse_k=4, sparse_rest=True)
-    assert CacheSpec(sparse_k=4, sparse_probe="sketch", sparse_rest=True).sparse_opts \
-        & kernels.REST
+        CacheSpec(sparse=SparseSpec(k=4, rest=True))
+    assert SparseSpec(k=4, probe="sketch", rest=True).kernel_opts().rest

@@ -16,6 +16,7 @@ from kestrel_cli.models.loader import open_checkpoint
 from kestrel_cli.models import resolve
 from kestrel_cli.models.llama import ACT_MODES
 from kestrel_cli.inference.sampling import check_params, make_sampler
+from kestrel_cli.runtime.sparse import SparseSpec
 from kestrel_cli.text.tokenizer import TooManyTokens
 from kestrel_cli.formats.weights import QUANT_FORMATS
 
@@ -88,13 +89,9 @@ class LoadOptions:
         repack: interleave q4_0 / q4_1 / q4_k / q6_k weights by 16 rows at load, MoE experts
             too when the weights fit the free memory (--no-repack turns it off): the decode
             GEMV's layout (pyx/gemv_x16.h), same bytes, same results up to summation order.
-        sparse_preset: a named set of the options below (`sparse.PRESETS`; implies
-            sparse_attn); options given explicitly override it.
-        sparse_sink, sparse_probe, sparse_group, sparse_prefill, sparse_window,
-            sparse_recent, sparse_importance, sparse_rest, sparse_rest_max: the selection options of
-            `CacheSpec` (None: the preset's, else the plain selection's).
-        sparse_dense_first: the first N layers attend exactly; sparse_dense_layers: layer
-            indices (a list or "0,5,7") that do too (together: their union).
+        sparse: the sparse options (implies sparse_attn): a `sparse.SparseSpec`, or its
+            text (--sparse: a preset name or opt+opt+..., `SparseSpec.parse`, over
+            sparse_k and sparse_probes).
     """
     kv_q8: bool = False
     sparse_attn: bool = False
@@ -107,55 +104,17 @@ class LoadOptions:
     act: str = "q8"
     kv_f16: bool = False
     repack: bool = True
-    sparse_preset: str | None = None
-    sparse_sink: str | None = None
-    sparse_probe: str | None = None
-    sparse_group: str | None = None
-    sparse_prefill: bool | None = None
-    sparse_window: int | None = None
-    sparse_recent: int | None = None
-    sparse_importance: bool | None = None
-    sparse_rest: bool | None = None
-    sparse_rest_max: int | None = None
-    sparse_dense_first: int | None = None
-    sparse_dense_layers: str | tuple | None = None
+    sparse: str | SparseSpec | None = None
 
-    def sparse_settings(self) -> dict:
-        """The selection options after the preset: CacheSpec keyword arguments."""
-        from kestrel_cli.runtime.sparse import PRESETS
-        if self.sparse_preset is not None and self.sparse_preset not in PRESETS:
-            raise KestrelError(f"--sparse-preset must be one of {', '.join(PRESETS)}; "
-                               f"got {self.sparse_preset!r}")
-        out = dict(PRESETS.get(self.sparse_preset or "seed", {}))
-        for name in ("sparse_sink", "sparse_probe", "sparse_group", "sparse_prefill",
-                     "sparse_window", "sparse_recent", "sparse_importance", "sparse_rest",
-                     "sparse_rest_max"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
-        first = out.pop("sparse_dense_first", 0)
-        if self.sparse_dense_first is not None:
-            first = self.sparse_dense_first
-        if first < 0:
-            raise KestrelError(f"--sparse-dense-first must be >= 0, got {first}")
-        if out.get("sparse_window", 0) < 0:
-            raise KestrelError(f"--sparse-window must be >= 0, got {out['sparse_window']}")
-        if not 0 <= out.get("sparse_recent", 0) <= 63:
-            raise KestrelError(f"--sparse-recent must be 0..63, got {out['sparse_recent']}")
-        if not 0 <= out.get("sparse_rest_max", 0) <= 255:
-            raise KestrelError(f"--sparse-rest-max must be 0..255, got {out['sparse_rest_max']}")
-        layers = self.sparse_dense_layers
-        if isinstance(layers, str):
-            try:
-                layers = [int(x) for x in layers.split(",") if x.strip()]
-            except ValueError:
-                raise KestrelError(f"--sparse-dense-layers: expected comma-separated layer "
-                                   f"indices, got {self.sparse_dense_layers!r}")
-        dense = set(range(first)) | set(layers or ())
-        if any(x < 0 for x in dense):
-            raise KestrelError(f"--sparse-dense-layers: indices must be >= 0, got {layers}")
-        if dense:
-            out["sparse_dense"] = tuple(sorted(dense))
-        return out
+    def sparse_spec(self) -> SparseSpec | None:
+        """The sparse options these give; None: exact attention."""
+        if isinstance(self.sparse, SparseSpec):
+            return self.sparse
+        if self.sparse is not None:
+            return SparseSpec.parse(self.sparse, k=self.sparse_k, probes=self.sparse_probes)
+        if self.sparse_attn:
+            return SparseSpec(k=self.sparse_k, probes=self.sparse_probes)
+        return None
 
     def validate(self) -> "LoadOptions":
         """Raise KestrelError naming the flag of the first bad value; self when all are ok."""
@@ -181,22 +140,17 @@ class LoadOptions:
             raise KestrelError(f"--sparse-k must be >= 1, got {self.sparse_k}")
         if self.sparse_probes < 1:
             raise KestrelError(f"--sparse-probes must be >= 1, got {self.sparse_probes}")
-        from kestrel_cli.runtime.kv_cache import GROUPS, PROBES, SINKS
-        st = self.sparse_settings()
-        for flag, name, ok in (("--sparse-sink", "sparse_sink", SINKS),
-                               ("--sparse-probe", "sparse_probe", PROBES),
-                               ("--sparse-group", "sparse_group", GROUPS)):
-            if name in st and st[name] not in ok:
-                raise KestrelError(f"{flag} must be one of {', '.join(ok)}; got {st[name]!r}")
+        if self.sparse is not None and not isinstance(self.sparse, (str, SparseSpec)):
+            raise KestrelError(f"sparse options must be a SparseSpec or its text, got "
+                               f"{type(self.sparse).__name__}")
+        self.sparse_spec()
         return self
 
     @property
     def cache_spec(self) -> CacheSpec:
         """The KV cache these options describe."""
-        sparse = self.sparse_attn or self.sparse_preset is not None
         return CacheSpec("q8" if self.kv_q8 else ("f16" if self.kv_f16 else "f32"),
-                         self.sparse_k if sparse else 0, self.sparse_probes,
-                         **(self.sparse_settings() if sparse else {}))
+                         self.sparse_spec())
 
     def context(self, model_ctx: int | None) -> int:
         """The context size for a model whose own context length is model_ctx."""
@@ -294,15 +248,15 @@ class Engine:
                         sparse_k: int = 32, sparse_probes: int = 8, quant: str | None = None,
                         threads: int | None = None, ctx_size: int | None = None,
                         ctx_cap: int | None = None, act: str = "q8",
-                        kv_f16: bool = False, repack: bool = True, **sparse) -> "Engine":
+                        kv_f16: bool = False, repack: bool = True,
+                        sparse: str | SparseSpec | None = None) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 
-        Args: as `LoadOptions` (they mirror the CLI flags); **sparse: its sparse_preset,
-            sparse_sink, ... keywords.
+        Args: as `LoadOptions` (they mirror the CLI flags).
         """
         return cls.load(path, LoadOptions(kv_q8, sparse_attn, sparse_k, sparse_probes, quant,
                                           threads, ctx_size, ctx_cap, act, kv_f16, repack,
-                                          **sparse))
+                                          sparse))
 
     @classmethod
     def load(cls, path, options: LoadOptions) -> "Engine":

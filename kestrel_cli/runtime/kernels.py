@@ -572,11 +572,10 @@ SLOTS = _lib.SLOTS   # rows of the importance scratch (`imp_slots`)
 def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
               n_kv_heads: int, head_dim: int, pos0: int, scale: float, out: np.ndarray,
               threads: int | None, *, kv_q8: bool = False, kv_f16: bool = False,
-              sparse_k: int = 0,
-              sparse_probes: int = 8, imp_order: np.ndarray | None = None,
+              sparse_k: int = 0, sparse=None, imp_order: np.ndarray | None = None,
               importance: np.ndarray | None = None, imp_slots: np.ndarray | None = None,
               sel: np.ndarray | None = None, dec_tab: np.ndarray | None = None,
-              sparse_opts: int = 0, bounds: np.ndarray | None = None,
+              bounds: np.ndarray | None = None,
               bound_scales: np.ndarray | None = None, bound_cap: int = 0,
               imp_from: int = 0) -> np.ndarray:
     """Causal GQA attention of T query rows over the block KV cache, exact or block-sparse.
@@ -604,7 +603,10 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         kv_q8: the blocks are int8 with scales.
         kv_f16: the blocks are float16 (not with kv_q8).
         sparse_k: blocks per query head (0: exact attention).
-        sparse_probes: keys probed per block.
+        sparse: the selection options: a `sparse.SparseSpec` (its k is sparse_k's business:
+            a call's k varies by layer; the bounds hold sketches with its sketch probe) or
+            the kernel's `SparseOpts` (`SparseSpec.kernel_opts`); None: the plain
+            selection with 8 probes.
         imp_order: int32 (n,) blocks by prior prefill importance, descending, ties to the
             lower index (`sparse.importance_order`); None: no importance.
         importance: float32 (>= pos0 + T,), with T > 1 (prefill) += the attention mass each
@@ -615,11 +617,9 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             are left as they are.
         dec_tab: float32 scratch of >= decode_tab_size(pos0 + 1, ...) for a decode step
             (T == 1), so that the step allocates nothing; None: allocated here.
-        sparse_opts: the selection options (`CacheSpec.sparse_opts`: sink | pool << 2 |
-            recent << 4; 0: the plain selection).
         bounds: with the bound probe, the layer's key bounds (n_kv_heads, bound_cap, 2,
             head_dim), float32, or int8 with kv_q8 (`bounds_update` keeps them); with
-            SKETCH in sparse_opts, its sketch (n_kv_heads, 2, bound_cap, head_dim // 2,
+            the options' sketch, its sketch (n_kv_heads, 2, bound_cap, head_dim // 2,
             kv_bs) uint8 (`sketch_update`); None: the sampled probes.
         bound_scales: float32 (n_kv_heads, bound_cap), the int8 bounds' scales.
         bound_cap: blocks per kv head in bounds.
@@ -655,10 +655,11 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
     if kv_f16 and head_dim > _lib.HD_MAX_F16:
         raise ValueError(f"attention: a float16 cache needs head_dim <= {_lib.HD_MAX_F16}, "
                          f"got {head_dim}")
-    sparse_k, sparse_probes = int(sparse_k), int(sparse_probes)
-    if sparse_k < 0 or sparse_probes < 1:
-        raise ValueError(f"attention: sparse_k must be >= 0 and sparse_probes >= 1, got "
-                         f"{sparse_k}, {sparse_probes}")
+    sparse_k = int(sparse_k)
+    if sparse_k < 0:
+        raise ValueError(f"attention: sparse_k must be >= 0, got {sparse_k}")
+    if sparse is not None and not isinstance(sparse, _lib.SparseOpts):
+        sparse = sparse.kernel_opts(sketch=sparse.probe == "sketch")
     if sparse_k and kv_bs != KV_BLOCK:
         # a sparse block is one cache block: the kernel selects cache blocks
         raise ValueError(f"attention: sparse attention needs kv_bs == {KV_BLOCK}, got {kv_bs}")
@@ -674,14 +675,9 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         if imp_slots.shape[0] != _lib.SLOTS or imp_slots.shape[1] < n_ctx:
             raise ValueError(f"imp_slots: expected ({_lib.SLOTS}, >= {n_ctx}), "
                              f"got {imp_slots.shape}")
-    sparse_opts = int(sparse_opts)
-    if (not 0 <= sparse_opts < 256 << REST_MAX_SHIFT or (sparse_opts & 3) == 3
-            or sparse_opts >> REST_MAX_SHIFT and not sparse_opts & REST
-            or sparse_opts & (SHARE | RANK) and ((sparse_opts >> 2) & 3 != 1
-                                                 or sparse_opts & SHARE and sparse_opts & RANK)):
-        raise ValueError(f"attention: bad sparse_opts {sparse_opts}")
-    width = sparse_k + (sparse_k > 0) * (((sparse_opts & 3) == 2) + ((sparse_opts >> 4) & 63))
-    if bounds is not None and sparse_opts & SKETCH:
+    opts = sparse if sparse is not None else SparseOpts()
+    width = sparse_k + (sparse_k > 0) * ((opts.sink == 2) + opts.recent)
+    if bounds is not None and opts.sketch:
         if head_dim % 2 or head_dim > SKETCH_HD_MAX:
             raise ValueError(f"attention: the sketch probe needs an even head_dim <= "
                              f"{SKETCH_HD_MAX}, got {head_dim}")
@@ -717,19 +713,15 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             raise ValueError(f"dec_tab: needs >= {need} floats, got {dec_tab.shape[0]}")
     _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, float(scale),
                          out, _threads(threads), kv_kind(bool(kv_q8), bool(kv_f16)),
-                         sparse_k, sparse_probes,
-                         imp_order, importance, imp_slots, sel, dec_tab, sparse_opts, bounds,
+                         sparse_k, sparse,
+                         imp_order, importance, imp_slots, sel, dec_tab, bounds,
                          bound_scales, int(bound_cap), int(imp_from))
     return out
 
 
 HD_MAX = _lib.HD_MAX_F16     # most head_dim of a float16 cache and of the key bounds
-SKETCH = _lib.SKETCH         # sparse_opts bit: the cache's bounds arrays hold key sketches
 SKETCH_HD_MAX = _lib.SKETCH_HD_MAX   # most head_dim of the sketch probe
-REST = _lib.REST             # sparse_opts bit: decode also counts the blocks not picked
-SHARE = _lib.SHARE           # sparse_opts bit: pooled picks from each head's probe shares
-RANK = _lib.RANK             # sparse_opts bit: pooled picks, the heads' own picks in turns
-REST_MAX_SHIFT = _lib.REST_MAX_SHIFT  # sparse_opts bits 14-21: the rest's cap (KA_REST_MAX)
+SparseOpts = _lib.SparseOpts  # the kernel's sparse options (attn_select.h ka_sparse)
 REST_FLOOR = _lib.REST_FLOOR  # the rest skips blocks below e^REST_FLOOR of a head's largest mass
 
 
@@ -831,19 +823,20 @@ def kv_kind(kv_q8: bool, kv_f16: bool) -> int:
 def attention_unchecked(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
                         n_kv_heads: int, head_dim: int, pos0: int, scale: float,
                         out: np.ndarray, threads: int, kv_kind: int, sparse_k: int,
-                        sparse_probes: int, imp_order: np.ndarray | None,
-                        sel: np.ndarray | None, dec_tab: np.ndarray, sparse_opts: int = 0,
+                        sparse, imp_order: np.ndarray | None,
+                        sel: np.ndarray | None, dec_tab: np.ndarray,
                         bounds: np.ndarray | None = None,
                         bound_scales: np.ndarray | None = None,
                         bound_cap: int = 0) -> np.ndarray:
     """`attention` for one decode row (T == 1) without the Python-side argument checks:
     the per-layer, per-token path of `KVCache.attend`, which owns every argument (the
     kernel still checks dtypes, contiguity and the scratch size). Positional, as
-    `attention`; threads an int (0: OpenMP default); kv_kind as `kv_kind` returns; bounds
+    `attention`; threads an int (0: OpenMP default); kv_kind as `kv_kind` returns; sparse
+    the cache's `SparseOpts` (or None); bounds
     and bound_scales flat (uint8 and float32 views of `attention`'s arrays)."""
     _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, scale, out,
-                         threads, kv_kind, sparse_k, sparse_probes, imp_order, None, None, sel,
-                         dec_tab, sparse_opts, bounds, bound_scales, bound_cap)
+                         threads, kv_kind, sparse_k, sparse, imp_order, None, None, sel,
+                         dec_tab, bounds, bound_scales, bound_cap)
     return out
 
 

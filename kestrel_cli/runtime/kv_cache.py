@@ -13,7 +13,7 @@ byte `scale_offset` (64-byte aligned) the float32 scales (n_kv_heads, KV_BLOCK),
 (KV_BLOCK, kv_dim), values rounded to nearest even (numpy's astype(float16)).
 
 A `CacheSpec` says what the cache is: value type, and how attention reads it (exact, or
-block-sparse with `sparse_k` blocks per query head, docs/DESIGN.md §3 Sparse selection).
+block-sparse as its `SparseSpec` says, docs/DESIGN.md §3 Sparse selection).
 The model writes a layer's new K, V (`write`) and asks for its attention (`attend`); which
 kernel entry runs (one decode row or a prefill block), the sparse settings, the decode
 scratch and the importance bookkeeping are the cache's. Per layer, `importance` (float32
@@ -31,14 +31,9 @@ import numpy as np
 from kestrel_cli.runtime import kernels as K
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime.kernels import KV_BLOCK
-from kestrel_cli.runtime.sparse import importance_order
+from kestrel_cli.runtime.sparse import GROUPS, PROBES, SINKS, SparseSpec, importance_order
 
 DTYPES = ("f32", "q8", "f16")
-SINKS = ("off", "in", "out")            # sparse_sink values (kernel code: their index)
-PROBES = ("sample", "bound", "sketch")  # sparse_probe values
-# sparse_group values; the kernel's pool code is the index ("share" / "rank": max and
-# the KA_SHARE / KA_RANK bit)
-GROUPS = ("head", "max", "sum", "union", "share", "rank")
 
 
 @dataclass(frozen=True)
@@ -48,97 +43,32 @@ class CacheSpec:
     Args:
         dtype: "f32" (float32 values), "q8" (int8 values, a float32 scale per token and
             kv head) or "f16" (IEEE half values).
-        sparse_k: blocks of `block` tokens each query head attends to; 0: exact attention.
-        sparse_probes: keys probed per block to rank it (with sparse_k > 0).
-        The options of the sparse selection beyond the default (docs/DESIGN.md §3
-        Options; the defaults are the plain selection):
-        sparse_sink: "off"; "in": block 0 is always one of the k picks; "out": block 0 is
-            attended besides the k picks.
-        sparse_probe: "sample" (sparse_probes keys per block), "bound" (the per-block
-            min/max key bound, kept as tokens are written) or "sketch" (every key also kept
-            at 4 bits; a block ranked by its attention mass estimated from all its keys).
-        sparse_group: "head" (each query head picks its own blocks); "max" / "sum": one
-            selection per kv head from its query heads' pooled probes; "share": the same
-            from the max of each head's probes less their log-sum-exp (with the sketch
-            probe: each block's share of a head's attention); "rank": the same from the
-            heads' own picks taken in turns (each head's first, then each one's second, ..
-            until k); "union": each head picks, every head of the kv head attends the
-            union.
-        sparse_dense: layers that attend exactly.
-        sparse_prefill: False: prefill attends exactly, only decode is sparse.
-        sparse_window: > 0: a prefill records the importance of its last sparse_window
-            rows only (the prompt's end, where the question is: SnapKV's observation
-            window); 0: of all its rows.
-        sparse_recent: the last R blocks (0..63) are attended besides the k picks.
-        sparse_importance: False: no importance picks (step 2), all k by probes.
-        sparse_rest: decode rows also count the blocks not picked, at 4 bits: each as one
-            pseudo-token of score its sketch probe (estimated log-mass) and value its
-            sketched values weighted by its tokens' sketched shares (needs sparse_probe
-            "sketch"; prefill rows attend their picks only).
-        sparse_rest_max: with sparse_rest, a head counts at most this many blocks it does
-            not pick (1..255; those of the largest sketched masses, ties at the last all
-            counting): bounds the rest's reads when attention is spread over every block;
-            0: every block above the floor (e^REST_FLOOR of the head's largest).
+        sparse: block-sparse attention with these options (`sparse.SparseSpec`); None
+            (or k == 0): exact attention.
     """
     dtype: str = "f32"
-    sparse_k: int = 0
-    sparse_probes: int = 8
-    sparse_sink: str = "off"
-    sparse_probe: str = "sample"
-    sparse_group: str = "head"
-    sparse_dense: tuple = ()
-    sparse_prefill: bool = True
-    sparse_window: int = 0
-    sparse_recent: int = 0
-    sparse_importance: bool = True
-    sparse_rest: bool = False
-    sparse_rest_max: int = 0
+    sparse: SparseSpec | None = None
     block: ClassVar[int] = KV_BLOCK          # tokens per block (not a choice)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise KestrelError(f"KV cache dtype must be one of {', '.join(DTYPES)}, "
                                f"got {self.dtype!r}")
-        if self.sparse_k < 0:
-            raise KestrelError(f"sparse_k must be >= 0 (0 = exact), got {self.sparse_k}")
-        if self.sparse_probes < 1:
-            raise KestrelError(f"sparse_probes must be >= 1, got {self.sparse_probes}")
-        for name, val, ok in (("sparse_sink", self.sparse_sink, SINKS),
-                              ("sparse_probe", self.sparse_probe, PROBES),
-                              ("sparse_group", self.sparse_group, GROUPS)):
-            if val not in ok:
-                raise KestrelError(f"{name} must be one of {', '.join(ok)}, got {val!r}")
-        if self.sparse_rest and self.sparse_k and self.sparse_probe != "sketch":
-            raise KestrelError("sparse_rest needs the sketch probe (--sparse-probe sketch): "
-                               "the rest is weighed by the sketch's block masses")
-        if not 0 <= self.sparse_rest_max <= 255:
-            raise KestrelError(f"sparse_rest_max must be 0..255, got {self.sparse_rest_max}")
-        if self.sparse_rest_max and self.sparse_k and not self.sparse_rest:
-            raise KestrelError("sparse_rest_max caps the rest: it needs sparse_rest "
-                               "(--sparse-rest)")
-        if not 0 <= self.sparse_recent <= 63:
-            raise KestrelError(f"sparse_recent must be 0..63, got {self.sparse_recent}")
-        if self.sparse_window < 0:
-            raise KestrelError(f"sparse_window must be >= 0, got {self.sparse_window}")
-        if any(not isinstance(x, int) or x < 0 for x in self.sparse_dense):
-            raise KestrelError(f"sparse_dense: layer indices must be >= 0, got "
-                               f"{self.sparse_dense}")
+        if self.sparse is not None and not isinstance(self.sparse, SparseSpec):
+            raise KestrelError(f"CacheSpec.sparse must be a SparseSpec or None, got "
+                               f"{type(self.sparse).__name__}")
+        if self.sparse is not None and self.sparse.k == 0:
+            object.__setattr__(self, "sparse", None)
 
     @property
-    def sparse_opts(self) -> int:
-        """The kernel's code of the selection options (attn_select.h: sink | pool << 2 |
-        recent << 4 | rest (bit 11) | share (bit 12) | rank (bit 13) | rest_max << 14,
-        the cap only with the rest)."""
-        flag = {"share": K.SHARE, "rank": K.RANK}.get(self.sparse_group, 0)
-        return (SINKS.index(self.sparse_sink) | (1 if flag else GROUPS.index(self.sparse_group)) << 2
-                | self.sparse_recent << 4 | (K.REST if self.sparse_rest else 0) | flag
-                | (self.sparse_rest_max << K.REST_MAX_SHIFT if self.sparse_rest else 0))
+    def sparse_k(self) -> int:
+        """Blocks per query head; 0: exact attention."""
+        return self.sparse.k if self.sparse else 0
 
     @property
     def sparse_width(self) -> int:
-        """Most blocks a sparse query attends to: k, plus block 0 with the sink outside,
-        plus the recent blocks."""
-        return self.sparse_k + (self.sparse_sink == "out") + self.sparse_recent
+        """Most blocks a sparse query attends to (`SparseSpec.width`); 0 when exact."""
+        return self.sparse.width if self.sparse else 0
 
 
 class BlockPool:
@@ -199,7 +129,8 @@ class KVCache:
         self.q8 = spec.dtype == "q8"
         self.f16 = spec.dtype == "f16"
         self.kv_kind = K.kv_kind(self.q8, self.f16)
-        self.sparse_k, self.sparse_probes = spec.sparse_k, spec.sparse_probes
+        sp = spec.sparse
+        self.sparse_k, self.sparse_probes = spec.sparse_k, sp.probes if sp else 8
         self.threads = int(threads or 0)               # 0: OpenMP default
         if self.q8:
             self.scale_offset, self.block_bytes = K.kv_q8_layout(KV_BLOCK, n_kv_heads, head_dim)
@@ -223,24 +154,25 @@ class KVCache:
         self._dec_tab: np.ndarray | None = None            # decode scratch (kernels.attention)
         self.record_selection = False    # tests: keep each layer's last sparse picks
         self.selection: list[np.ndarray | None] = [None] * n_layers
-        bad = [x for x in spec.sparse_dense if x >= n_layers]
+        dense = sp.dense if sp else ()
+        bad = [x for x in dense if x >= n_layers]
         if bad:
             raise KestrelError(f"dense layers {bad} out of range: the model has {n_layers} "
                                f"layers (0..{n_layers - 1})")
-        self.dense = frozenset(spec.sparse_dense)
+        self.dense = frozenset(dense)
         # bound probe: per layer, kv head and block the max then min of K (int8 with an
         # int8 cache, float32 otherwise), kept up to date by write(); sketch probe, in the
         # same arrays: per layer, kv head and token the key and the value at 4 bits (uint8
         # (n_kv, 2, cap, head_dim // 2, KV_BLOCK): a kv head's blocks' key rows, then their
         # value rows, dimension-major) and their scales (float32 (n_kv, cap, 2 * KV_BLOCK))
-        self.sketch = spec.sparse_k > 0 and spec.sparse_probe == "sketch"
+        self.sketch = sp is not None and sp.probe == "sketch"
         self.sparse_opts, self.sparse_width = self._opts(spec), spec.sparse_width
         self.bounds = self.bound_scales = None
         self._bcap = cap
         self._use_bounds = False                       # attend reads the bounds
         self._bnd: list = [None] * n_layers            # per layer: flat uint8 view
         self._bsc: list = [None] * n_layers            # per layer: flat float32 scales
-        if spec.sparse_k and spec.sparse_probe == "bound":
+        if sp is not None and sp.probe == "bound":
             if head_dim > K.HD_MAX:
                 raise KestrelError(f"the bound probe needs head_dim <= {K.HD_MAX}")
             self.bounds = np.zeros((n_layers, n_kv_heads, cap, 2, head_dim),
@@ -263,10 +195,12 @@ class KVCache:
                 self._bsc[layer] = self.bound_scales[layer].reshape(-1)
             self._use_bounds = True
 
-    def _opts(self, spec: CacheSpec) -> int:
-        """The kernel's selection options: the spec's, and the sketch bit when the bounds
-        arrays hold key sketches (the writes keep them whatever probe reads)."""
-        return spec.sparse_opts | (K.SKETCH if self.sketch else 0)
+    def _opts(self, spec: CacheSpec) -> K.SparseOpts:
+        """The kernel's sparse options (filled once per spec): the spec's, and whether the
+        bounds arrays hold key sketches (the writes keep them whatever probe reads)."""
+        if spec.sparse is None:
+            return K.SparseOpts(sketch=self.sketch)
+        return spec.sparse.kernel_opts(self.sketch)
 
     @property
     def n_blocks(self) -> int:
@@ -355,10 +289,11 @@ class KVCache:
         k_ptrs, v_ptrs = self.views(layer, pos0 + T)
         order = sel = None
         k = self.sparse_k
-        if layer in self.dense or (T > 1 and not self.spec.sparse_prefill):
+        sp = self.spec.sparse
+        if k and (layer in self.dense or (T > 1 and not sp.sparse_prefill)):
             k = 0                        # dense layer, or exact prefill
         if k:
-            if self._has_imp[layer] and self.spec.sparse_importance:   # what the prefill
+            if self._has_imp[layer] and sp.importance:   # what the prefill
                 # calls before this one recorded
                 order = self._order[layer]
                 if order is None:        # recomputed after each prefill or trim
@@ -375,22 +310,20 @@ class KVCache:
                     dtype=np.float32)
             return K.attention_unchecked(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads,
                                          self.head_dim, pos0, self.scale, out, self.threads,
-                                         self.kv_kind, k, self.sparse_probes, order,
-                                         sel, self._dec_tab, self.sparse_opts,
+                                         self.kv_kind, k, self.sparse_opts, order,
+                                         sel, self._dec_tab,
                                          self._bnd[layer] if self._use_bounds else None,
                                          self._bsc[layer], self._bcap)
         if self._slots is None:
             self._slots = np.zeros((K.SLOTS, self.max_tokens), dtype=np.float32)
         K.attention(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads, self.head_dim, pos0,
                     self.scale, out, self.threads, kv_q8=self.q8, kv_f16=self.f16,
-                    sparse_k=k,
-                    sparse_probes=self.sparse_probes, imp_order=order,
+                    sparse_k=k, sparse=self.sparse_opts, imp_order=order,
                     importance=self.importance[layer], imp_slots=self._slots, sel=sel,
-                    sparse_opts=self.sparse_opts,
                     bounds=self.bounds[layer] if self._use_bounds else None,
                     bound_scales=self.bound_scales[layer] if self._use_bounds else None,
                     bound_cap=self._bcap,
-                    imp_from=pos0 + T - self.spec.sparse_window if self.spec.sparse_window else 0)
+                    imp_from=pos0 + T - sp.window if sp and sp.window else 0)
         self._imp_end = max(self._imp_end, pos0 + T)
         self._has_imp[layer] = True
         self._order[layer] = None
@@ -409,7 +342,7 @@ class KVCache:
                           np.int32)
             orders, n_orders = np.zeros(L, np.uint64), np.zeros(L, np.int64)
             for layer in range(L):
-                if ks[layer] and self._has_imp[layer] and self.spec.sparse_importance:
+                if ks[layer] and self._has_imp[layer] and self.spec.sparse.importance:
                     order = self._order[layer]
                     if order is None:
                         order = self._order[layer] = importance_order(
@@ -427,7 +360,7 @@ class KVCache:
         ks, orders, n_orders, bnds, bscs = t
         stack.run(h, self.offset, rope_pos, self.k_ptrs, self.v_ptrs, KV_BLOCK, self.kv_kind,
                   self.scale_offset, self.scale, self.threads, act_q8, ks, orders, n_orders,
-                  self.sparse_probes, self.sparse_opts, bnds, bscs, self._bcap,
+                  self.sparse_opts, bnds, bscs, self._bcap,
                   self._use_bounds, self._dec_tab)
 
     def respec(self, spec: CacheSpec) -> None:
@@ -437,19 +370,21 @@ class KVCache:
         scripts/sparse_eval.py compares settings over one prefill this way."""
         if spec.dtype != self.spec.dtype:
             raise KestrelError(f"respec: the cache holds {self.spec.dtype}, not {spec.dtype}")
-        if spec.sparse_k and spec.sparse_probe in ("bound", "sketch") and (
-                self.bounds is None or self.sketch != (spec.sparse_probe == "sketch")):
-            raise KestrelError(f"respec: the {spec.sparse_probe} probe needs a cache made "
+        sp = spec.sparse
+        if sp is not None and sp.probe in ("bound", "sketch") and (
+                self.bounds is None or self.sketch != (sp.probe == "sketch")):
+            raise KestrelError(f"respec: the {sp.probe} probe needs a cache made "
                                f"with it")
-        bad = [x for x in spec.sparse_dense if x >= self.n_layers]
+        dense = sp.dense if sp else ()
+        bad = [x for x in dense if x >= self.n_layers]
         if bad:
             raise KestrelError(f"dense layers {bad} out of range: the model has "
                                f"{self.n_layers} layers")
         self.spec = spec
-        self.sparse_k, self.sparse_probes = spec.sparse_k, spec.sparse_probes
-        self.dense = frozenset(spec.sparse_dense)
+        self.sparse_k, self.sparse_probes = spec.sparse_k, sp.probes if sp else 8
+        self.dense = frozenset(dense)
         self.sparse_opts, self.sparse_width = self._opts(spec), spec.sparse_width
-        self._use_bounds = spec.sparse_k > 0 and spec.sparse_probe in ("bound", "sketch")
+        self._use_bounds = sp is not None and sp.probe in ("bound", "sketch")
         self._native = None
 
     def commit(self, n: int) -> None:

@@ -15,28 +15,301 @@ alone; the next turn's prompt uses the first one's importance.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import numpy as np
 
+from kestrel_cli.core.errors import KestrelError, clip
 from kestrel_cli.runtime.kernels import KV_BLOCK
 
 BS = KV_BLOCK            # tokens per block: one KV cache block
 
-# --sparse-preset NAME: CacheSpec options (sparse_dense_first: the first N layers exact);
-# explicit flags override them. "seed" is the plain selection (docs/DESIGN.md §3).
+SINKS = ("off", "in", "out")            # SparseSpec.sink values (kernel code: their index)
+PROBES = ("sample", "bound", "sketch")  # SparseSpec.probe values
+# SparseSpec.group values; the kernel's pool is the index ("share" / "rank": max and the
+# share / rank flag)
+GROUPS = ("head", "max", "sum", "union", "share", "rank")
+RECENT_MAX = 63                         # the kernel keeps at most this many recent blocks
+REST_MAX_MAX = 255                      # the rest's cap (rest-max) fits 8 bits
+
+
+@dataclass(frozen=True)
+class SparseSpec:
+    """Every option of block-sparse attention (docs/DESIGN.md §3 Sparse selection and
+    Options); the defaults are the plain selection ("seed"). `parse` reads the CLI's
+    `--sparse NAME|opt+opt+...`, `str` writes the canonical spelling back.
+
+    Args:
+        k: blocks of 32 tokens each query head attends to (0: exact attention; the CLI
+            takes >= 1).
+        probes: keys probed per block (the sample probe).
+        sink: "off"; "in": block 0 is always one of the k picks; "out": block 0 is
+            attended besides the k picks.
+        probe: "sample" (`probes` keys per block), "bound" (the per-block min/max key
+            bound, kept as tokens are written) or "sketch" (every key also kept at 4 bits;
+            a block ranked by its attention mass estimated from all its keys).
+        group: "head" (each query head picks its own blocks); "max" / "sum": one
+            selection per kv head from its query heads' pooled probes; "share": the same
+            from the max of each head's probes less their log-sum-exp (with the sketch
+            probe: each block's share of a head's attention); "rank": the same from the
+            heads' own picks taken in turns; "union": each head picks, every head of the
+            kv head attends the union.
+        dense_first: the first N layers attend exactly.
+        dense_layers: layer indices that attend exactly too (with dense_first: the union).
+        window: > 0: a prefill records the importance of its last `window` rows only (the
+            prompt's end, where the question is: SnapKV's observation window); 0: all.
+        recent: the last R blocks (0..63) are attended besides the k picks.
+        importance: False: no importance picks (step 2), all k by probes.
+        rest: decode rows also count the blocks not picked, at 4 bits: each as one
+            pseudo-token of score its sketch probe (estimated log-mass) and value its
+            sketched values weighted by its tokens' sketched shares (needs probe
+            "sketch"; prefill rows attend their picks only).
+        rest_max: with rest, a head counts at most this many blocks it does not pick
+            (1..255; those of the largest sketched masses, ties at the last all counting);
+            0: every block above the floor (e^REST_FLOOR of the head's largest).
+        prefill: "sparse", or "exact": prefill attends exactly, only decode is sparse.
+    """
+    k: int = 32
+    probes: int = 8
+    sink: str = "off"
+    probe: str = "sample"
+    group: str = "head"
+    dense_first: int = 0
+    dense_layers: tuple = ()
+    window: int = 0
+    recent: int = 0
+    importance: bool = True
+    rest: bool = False
+    rest_max: int = 0
+    prefill: str = "sparse"
+
+    def __post_init__(self):
+        layers = self.dense_layers
+        if not isinstance(layers, (tuple, list)) or any(
+                not isinstance(x, int) or isinstance(x, bool) for x in layers):
+            raise KestrelError(f"--sparse: dense takes layer indices, got {clip(layers)!r}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
+        bad = _check(self)
+        if bad:
+            raise KestrelError(f"--sparse: {bad}")
+
+    @property
+    def dense(self) -> tuple:
+        """The layers that attend exactly, ascending."""
+        return tuple(sorted(set(range(self.dense_first)) | set(self.dense_layers)))
+
+    @property
+    def sparse_prefill(self) -> bool:
+        return self.prefill == "sparse"
+
+    @property
+    def width(self) -> int:
+        """Most blocks a sparse query attends to: k, plus block 0 with the sink outside,
+        plus the recent blocks."""
+        return self.k + (self.sink == "out") + self.recent
+
+    def kernel_opts(self, sketch: bool = False):
+        """The options as the kernels read them (`kernels.SparseOpts`, attn_select.h
+        ka_sparse); sketch: the cache's bounds arrays hold key sketches (a cache made with
+        the sketch probe keeps them whatever probe reads)."""
+        from kestrel_cli.runtime.kernels import SparseOpts
+        pooled = self.group in ("share", "rank")
+        return SparseOpts(n_probe=self.probes, sink=SINKS.index(self.sink),
+                          pool=GROUPS.index("max") if pooled else GROUPS.index(self.group),
+                          share=self.group == "share", rank=self.group == "rank",
+                          recent=self.recent, sketch=sketch, rest=self.rest,
+                          rest_max=self.rest_max if self.rest else 0)
+
+    @classmethod
+    def parse(cls, text: str, k: int = 32, probes: int = 8) -> "SparseSpec":
+        """The spec `text` names: a preset (`PRESETS`), or options joined by "+" applied
+        in order over the plain selection, any of them a preset (`quality+recent=2`).
+        k and probes: the values unless the text sets k= / probes=. One bad part raises
+        KestrelError naming it."""
+        fields: dict = {"k": k, "probes": probes}
+        parts = str(text).strip().split("+")
+        if not all(p.strip() for p in parts):
+            raise KestrelError(f"--sparse: empty option in {clip(text)!r} (NAME or "
+                               f"opt+opt+...; options: {', '.join(_spellings())})")
+        for part in parts:
+            fields.update(_option(part.strip()))
+        if fields["k"] < 1:
+            raise KestrelError(f"--sparse: k must be >= 1, got {fields['k']}")
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        """The canonical spelling: the preset closest to the options (fewest parts
+        after it, the first such in PRESETS; "seed" is left out unless alone), then the
+        options that differ from it in the table's order, then k= / probes= when not
+        32 / 8. parse(str(s)) == s."""
+        base = {f.name: f.default for f in fields(SparseSpec)}
+        tail = [f"{n}={getattr(self, n)}" for n in ("k", "probes") if getattr(self, n) != base[n]]
+        best = None
+        for name, preset in PRESETS.items():
+            ref = {**base, **preset}
+            parts = [_spell(o[1], getattr(self, o[1])) for o in OPTIONS
+                     if o[1] not in ("k", "probes") and getattr(self, o[1]) != ref[o[1]]]
+            parts = parts if name == "seed" else [name, *parts]
+            if best is None or len(parts) < len(best):
+                best = parts
+        return "+".join(best + tail) or "+".join(["seed", *tail])
+
+
+# Presets: named option sets, `--sparse NAME` (options after it override). "seed" is the
+# plain selection (docs/DESIGN.md §3).
 PRESETS: dict[str, dict] = {
     "seed": {},
     # chosen on the bundled model (scripts/sparse_eval.py kld --shared-prefill and needle;
     # figures in docs/PERFORMANCE.md): an exact prefill gives exact prompt logits; each head attending its kv
     # head's union, all k picks by the decode query's sketch probe (blocks ranked by their
     # mass estimated from every key at 4 bits; no importance half), block 0 and the last
-    # block besides the k, and the blocks not picked counted at 4 bits (--sparse-rest):
-    # the lowest decode KLD of the combinations tried (each part lowers it: the rest most,
-    # then the sketch probe over sampled keys), every needle exact attention recalls kept
-    # at k = 8; bound probe, pooled picks, dense layers, window: no better
-    "quality": {"sparse_prefill": False, "sparse_group": "union", "sparse_importance": False,
-                "sparse_sink": "out", "sparse_recent": 1, "sparse_probe": "sketch",
-                "sparse_rest": True},
+    # block besides the k, and the blocks not picked counted at 4 bits (rest): the lowest
+    # decode KLD of the combinations tried (each part lowers it: the rest most, then the
+    # sketch probe over sampled keys), every needle exact attention recalls kept at k = 8;
+    # bound probe, pooled picks, dense layers, window: no better (docs/PERFORMANCE.md)
+    "quality": {"prefill": "exact", "group": "union", "importance": False, "sink": "out",
+                "recent": 1, "probe": "sketch", "rest": True},
 }
+
+# The options of `--sparse opt+opt+...`: spelling, field, kind (a tuple: the values; int;
+# "layers": comma-separated indices; bool: a flag, "no-NAME" turns it off), help. The
+# table the CLI's help and the README show (`options_table`).
+OPTIONS = (
+    ("k", "k", int, "blocks of 32 tokens each query head attends to (>= 1; --sparse-k)"),
+    ("probes", "probes", int, "keys probed per block by the sample probe (>= 1; "
+     "--sparse-probes)"),
+    ("sink", "sink", SINKS, "block 0 always attended: off, in (one of the k picks), out "
+     "(besides them)"),
+    ("probe", "probe", PROBES, "block ranking: sample (probes keys), bound (per-block "
+     "min/max key bound, Quest), sketch (every key kept at 4 bits, blocks ranked by "
+     "their estimated attention mass)"),
+    ("group", "group", GROUPS, "head: each query head picks; max / sum: one pick per kv "
+     "head from its heads' pooled probes; share: the same from each head's probes less "
+     "their log-sum-exp; rank: the heads' own picks in turns; union: each head attends "
+     "its kv head's union"),
+    ("dense-first", "dense_first", int, "the first N layers attend exactly"),
+    ("dense", "dense_layers", "layers", "these layers (0,5,7) attend exactly"),
+    ("window", "window", int, "prefill importance from the prompt's last N rows only; "
+     "0 = all"),
+    ("recent", "recent", int, f"the last N blocks attended besides the k (0..{RECENT_MAX})"),
+    ("importance", "importance", bool, "half of the k picks by prefill importance "
+     "(no-importance: all k by probes)"),
+    ("rest", "rest", bool, "decode also counts the blocks not picked, at 4 bits (needs "
+     "probe=sketch)"),
+    ("rest-max", "rest_max", int, f"with rest: at most N blocks not picked per head "
+     f"(1..{REST_MAX_MAX}; 0 = all above the floor)"),
+    ("exact-prefill", "prefill", "exact", "exact prompt attention, sparse decode "
+     "(sparse-prefill: both sparse)"),
+)
+_BY_SPELLING = {o[0]: o for o in OPTIONS}
+_BY_FIELD = {o[1]: o for o in OPTIONS}
+
+
+def _spellings() -> list[str]:
+    out = []
+    for name, _, kind, _ in OPTIONS:
+        if kind is bool:
+            out.append(f"[no-]{name}")
+        elif kind == "exact":
+            out += ["exact-prefill", "sparse-prefill"]
+        elif isinstance(kind, tuple):
+            out.append(f"{name}={'|'.join(kind)}")
+        elif kind == "layers":
+            out.append(f"{name}=0,5,7")
+        else:
+            out.append(f"{name}=N")
+    return out
+
+
+def options_table() -> str:
+    """The presets and the options, one per line: `--sparse`'s help and the README's."""
+    rows = [f"{name}: {' + '.join(_spell(n, v) for n, v in p.items()) or 'the plain selection'}"
+            for name, p in PRESETS.items()]
+    for name, _, kind, text in OPTIONS:
+        spelled = ("exact-prefill / sparse-prefill" if kind == "exact" else
+                   f"{name} / no-{name}" if kind is bool else
+                   f"{name}={'|'.join(kind)}" if isinstance(kind, tuple) else
+                   f"{name}=0,5,7" if kind == "layers" else f"{name}=N")
+        rows.append(f"{spelled}: {text}")
+    return "\n".join(rows)
+
+
+def _spell(field: str, value) -> str:
+    name, _, kind, _ = _BY_FIELD[field]
+    if kind is bool:
+        return name if value else f"no-{name}"
+    if kind == "exact":
+        return "exact-prefill" if value == "exact" else "sparse-prefill"
+    if kind == "layers":
+        return f"{name}={','.join(map(str, value))}"
+    return f"{name}={value}"
+
+
+def _option(part: str) -> dict:
+    """The fields one part of a spec sets (a preset: all of its options)."""
+    if part in PRESETS:
+        return dict(PRESETS[part])
+    if part in ("exact-prefill", "sparse-prefill"):
+        return {"prefill": part.split("-")[0]}
+    name, eq, value = part.partition("=")
+    flag_off = (not eq and name.startswith("no-") and name[3:] in _BY_SPELLING
+                and _BY_SPELLING[name[3:]][2] is bool)
+    opt = _BY_SPELLING.get(name[3:] if flag_off else name)
+    if opt is None:
+        raise KestrelError(f"--sparse: unknown option or preset {clip(part)!r}; presets: "
+                           f"{', '.join(PRESETS)}; options: {', '.join(_spellings())}")
+    _, field, kind, _ = opt
+    if kind is bool:
+        if eq:
+            raise KestrelError(f"--sparse: {name} takes no value (no-{name} turns it off), "
+                               f"got {clip(part)!r}")
+        return {field: not flag_off}
+    if not eq or kind == "exact":
+        raise KestrelError(f"--sparse: {name} needs a value ({name}=...), got {clip(part)!r}")
+    if isinstance(kind, tuple):
+        if value not in kind:
+            raise KestrelError(f"--sparse: {name} must be one of {', '.join(kind)}; "
+                               f"got {clip(value)!r}")
+        return {field: value}
+    try:
+        if kind == "layers":
+            return {field: tuple(int(x) for x in value.split(",") if x.strip())}
+        return {field: int(value)}
+    except ValueError:
+        what = "comma-separated layer indices" if kind == "layers" else "an integer"
+        raise KestrelError(f"--sparse: {name} takes {what}, got {clip(value)!r}") from None
+
+
+def _check(s: SparseSpec) -> str | None:
+    """What is wrong with s (the first bad value), or None."""
+    for name in ("k", "probes", "dense_first", "window", "recent", "rest_max"):
+        v = getattr(s, name)
+        if not isinstance(v, int) or isinstance(v, bool):
+            return f"{_BY_FIELD[name][0]} must be an integer, got {clip(v)!r}"
+    if s.k < 0:
+        return f"k must be >= 0 (0: exact attention), got {s.k}"
+    if s.probes < 1:
+        return f"probes must be >= 1, got {s.probes}"
+    for name, ok in (("sink", SINKS), ("probe", PROBES), ("group", GROUPS),
+                     ("prefill", ("sparse", "exact"))):
+        if getattr(s, name) not in ok:
+            return f"{name} must be one of {', '.join(ok)}; got {clip(getattr(s, name))!r}"
+    if s.dense_first < 0:
+        return f"dense-first must be >= 0, got {s.dense_first}"
+    if any(x < 0 for x in s.dense_layers):
+        return f"dense: layer indices must be >= 0, got {clip(s.dense_layers)}"
+    if s.window < 0:
+        return f"window must be >= 0, got {s.window}"
+    if not 0 <= s.recent <= RECENT_MAX:
+        return f"recent must be 0..{RECENT_MAX}, got {s.recent}"
+    if not 0 <= s.rest_max <= REST_MAX_MAX:
+        return f"rest-max must be 0..{REST_MAX_MAX}, got {s.rest_max}"
+    if s.k and s.rest and s.probe != "sketch":
+        return ("rest needs the sketch probe (probe=sketch): the rest is weighed by the "
+                "sketch's block masses")
+    if s.k and s.rest_max and not s.rest:
+        return "rest-max caps the rest: it needs rest"
+    return None
 
 
 def block_importance(importance: np.ndarray, seq_len: int, bs: int = BS) -> np.ndarray:

@@ -109,18 +109,18 @@ def test_attention_rejects_bad_input():
     # the pooling flags: share or rank, each with the max pool only; the rest's cap only
     # with the rest, at most 255
     kb32, vb32, kp32, vp32 = build_cache(np.concatenate([K] * 4), np.concatenate([K] * 4), 32)
-    for opts in (kernels.SHARE | kernels.RANK | 1 << 2, kernels.SHARE | 2 << 2,
-                 kernels.RANK, 2 * kernels.RANK, 8 << kernels.REST_MAX_SHIFT,
-                 kernels.REST | kernels.SKETCH | 256 << kernels.REST_MAX_SHIFT):
-        with pytest.raises(ValueError, match="bad sparse_opts"):
-            kernels.attention(q, kp32, vp32, 32, 2, 16, 0, 1.0, out, 1, sparse_k=1,
-                              sparse_opts=opts)
+    for opts in (dict(share=True, rank=True, pool=1), dict(share=True, pool=2),
+                 dict(rank=True), dict(sink=3), dict(rest_max=8),
+                 dict(rest=True, sketch=True, rest_max=256), dict(n_probe=0), dict(recent=64)):
+        with pytest.raises(ValueError, match="bad sparse options"):
+            kernels.SparseOpts(**opts)
 
 
 # ---------------------------------------------------------------------------------------
 # int8 cache, block-sparse selection, prefill importance (docs/DESIGN.md §2-§3)
 
 from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache            # noqa: E402
+from kestrel_cli.runtime.sparse import SparseSpec                      # noqa: E402
 from kestrel_cli.runtime.sparse import (group_scores, importance_order, probe_scores,  # noqa: E402
                                 select_blocks, select_with)
 
@@ -191,7 +191,7 @@ def test_sparse_decode_matches_reference(q8, seed):
     out = np.empty((1, n_heads * hd), np.float32)
     sel = np.full((1, n_heads, k), -1, np.int32)
     kernels.attention(q.reshape(1, -1), kp, vp, 32, K.shape[1], hd, n - 1, 0.2, out, 2,
-                      kv_q8=q8, sparse_k=k, sparse_probes=n_probe,
+                      kv_q8=q8, sparse_k=k, sparse=SparseSpec(probes=n_probe),
                       imp_order=None if imp is None else importance_order(imp, n), sel=sel)
     for h in range(n_heads):
         kh = h // (n_heads // K.shape[1])
@@ -457,7 +457,7 @@ def test_sparse_decode_many_parts_and_kv_heads(isa, dtype, n_heads, n_kv, hd, n_
             sel = np.full((1, n_heads, k), -1, np.int32)
             kernels.attention(q.reshape(1, -1), kp, vp, 32, n_kv, hd, n_tok - 1, 0.2, out,
                               threads, kv_q8=dtype == "q8", kv_f16=dtype == "f16", sparse_k=k,
-                              sparse_probes=n_probe, imp_order=order, sel=sel)
+                              sparse=SparseSpec(probes=n_probe), imp_order=order, sel=sel)
             if first is None:
                 first = out, sel
                 for h in range(n_heads):
@@ -540,9 +540,9 @@ def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
     rng = np.random.default_rng([case, len(dtype)])
     k, n_probe, pos0, T = 2, (8, 5, 3)[case % 3], 45, 160
     n = pos0 + T
-    spec = CacheSpec(dtype, sparse_k=k, sparse_probes=n_probe, sparse_sink=sink,
-                     sparse_probe="bound" if bound else "sample", sparse_group=pool,
-                     sparse_recent=recent)
+    spec = CacheSpec(dtype, sparse=SparseSpec(k=k, probes=n_probe, sink=sink,
+                                              probe="bound" if bound else "sample",
+                                              group=pool, recent=recent))
     c = KVCache(1, n_kv, hd, n + 32, spec, threads=1)
     c.reserve(n)
     c.write(0, (rng.standard_normal((n, n_kv * hd)) * 2).astype(np.float32),
@@ -569,12 +569,12 @@ def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
         imp = prior.copy() if imp_off is not None else None
         kernels.attention(q.reshape(T, -1), kp, vp, 32, n_kv, hd, pos0, 0.2, out, threads,
                           kv_q8=dtype == "q8", kv_f16=dtype == "f16", sparse_k=k,
-                          sparse_probes=n_probe,
+                          sparse=spec.sparse,
                           imp_order=importance_order(prior, n) if prior_on else None,
                           importance=imp,
                           imp_slots=np.zeros((kernels.SLOTS, n), np.float32)
                           if imp is not None else None,
-                          sel=sel, sparse_opts=spec.sparse_opts,
+                          sel=sel,
                           bounds=c.bounds[0] if bound else None,
                           bound_scales=c.bound_scales[0] if bound else None,
                           bound_cap=c.bounds.shape[2] if bound else 0, imp_from=imp_from)

@@ -170,14 +170,15 @@ def test_sketch_decode_every_variant_is_neon_bits(dtype, rest):
     picked counted at 4 bits: attn_kv.h ka_rest_dots, sdot under dotprod and i8mm, as the
     sketch's dots): the same output bits under every variant, 1 and 2 threads."""
     from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
+    from kestrel_cli.runtime.sparse import SparseSpec
     n_kv, hd, n_heads, seq = 2, 64, 4, 9 * 32 + 5
 
     def run():
         outs = []
         for threads in (1, 2):
             rng = np.random.default_rng(41)
-            spec = CacheSpec(dtype, sparse_k=2, sparse_probe="sketch", sparse_rest=rest,
-                             sparse_prefill=False)
+            spec = CacheSpec(dtype, sparse=SparseSpec(k=2, probe="sketch", rest=rest,
+                                                      prefill="exact"))
             c = KVCache(1, n_kv, hd, seq + 32, spec, threads=threads)
             for a, b in ((0, seq - 3), (seq - 3, seq)):
                 c.reserve(b - a)
