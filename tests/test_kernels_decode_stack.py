@@ -137,14 +137,12 @@ def test_stack_rejects_bad_tables(ckpts):
     c = eng.cache
     h = np.zeros((1, eng.config.hidden_size), np.float32)
     L = c.n_layers
-    z32, z64, zu = np.zeros(L, np.int32), np.zeros(L, np.int64), np.zeros(L, np.uint64)
+    z32 = np.zeros(L, np.int32)
     tab = np.zeros(K.decode_tab_size(c.max_tokens, stack.n_heads, c.head_dim), np.float32)
+    att = c.decode_attention(stack.n_heads)
     with pytest.raises(ValueError, match="not reserved"):     # row 40: no block yet
-        stack.run(h, 40, 40, c.k_ptrs, c.v_ptrs, 32, c.kv_kind, 0, c.scale, 1, False, z32,
-                  zu, z64, K.SparseOpts(), zu, zu, 0, False, tab)
+        stack.run(h, 40, att._replace(pos=40), False)
     with pytest.raises(ValueError, match="too short"):
-        stack.run(h, 5, 5, c.k_ptrs, c.v_ptrs, 32, c.kv_kind, 0, c.scale, 1, False, z32[:1],
-                  zu, z64, K.SparseOpts(), zu, zu, 0, False, tab)
+        stack.run(h, 5, att._replace(layer_k=z32[:1]), False)
     with pytest.raises(ValueError, match="dec_tab"):
-        stack.run(h, 5, 5, c.k_ptrs, c.v_ptrs, 32, c.kv_kind, 0, c.scale, 1, False, z32,
-                  zu, z64, K.SparseOpts(), zu, zu, 0, False, tab[:4])
+        stack.run(h, 5, att._replace(dec_tab=tab[:4]), False)

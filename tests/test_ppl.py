@@ -12,7 +12,7 @@ from kestrel_cli.cli import app
 from kestrel_cli.runtime.kv_cache import CacheSpec
 from kestrel_cli.runtime.sparse import SparseSpec
 from kestrel_cli.apps.ppl import perplexity, windows
-from test_kv_q8 import TEXT
+from test_kv_cache_q8 import TEXT
 
 CTX = 64
 

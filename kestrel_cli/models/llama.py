@@ -266,7 +266,7 @@ class Model:
                                         and not cache.record_selection) else None
         if stack is not None:            # one kernel call for every layer
             a0, m0 = stack.times
-            cache.decode_native(stack, h, int(positions[0]), fwd.act_q8)
+            stack.run(h, int(positions[0]), cache.decode_attention(stack.n_heads), fwd.act_q8)
             a1, m1 = stack.times
             self.prof.attn += a1 - a0
             self.prof.matmul += m1 - m0

@@ -940,6 +940,28 @@ def moe_route(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.nd
     return sel, w
 
 
+class DecodeAttention(NamedTuple):
+    """What one decode token's attention reads and writes in a KV cache, for DecodeStack.run
+    (KVCache.decode_attention makes it; the cache holds no weights, the stack no cache)."""
+    pos: int                      # the token's cache row
+    k_ptrs: np.ndarray            # (n_layers, blocks) uint64 block addresses
+    v_ptrs: np.ndarray
+    block: int                    # tokens a block
+    kind: int                     # value type (KV_F32 / KV_Q8 / KV_F16)
+    q8_soff: int                  # int8 cache: the scales' byte offset in a block
+    scale: float                  # softmax scale
+    threads: int
+    layer_k: np.ndarray           # (n_layers,) int32 sparse k per layer, 0 exact
+    orders: np.ndarray            # (n_layers,) uint64 importance orders or 0
+    n_orders: np.ndarray          # (n_layers,) int64 their lengths
+    sparse: "SparseOpts"          # the selection options (attn_select.h ka_sparse)
+    bnds: np.ndarray              # (n_layers,) uint64 key bounds to update, or 0
+    bscs: np.ndarray              # (n_layers,) uint64 their scales, or 0
+    bcap: int
+    read_bounds: bool             # attention ranks blocks by the bounds
+    dec_tab: np.ndarray           # scratch, decode_tab_size(max_tokens, n_heads, head_dim)
+
+
 class DecodeStack:
     """Every layer of a decoder for one token in one kernel call (decode.pxi): per layer
     the q/k/v `Projection` of RMSNorm(h) (+ biases), qwen3's per-head RMSNorm of q and k,
@@ -982,7 +1004,15 @@ class DecodeStack:
         self._stack = _lib.DecodeStack(specs, H, n_heads, n_kv_heads, head_dim, float(eps),
                                        np.ascontiguousarray(inv_freq, np.float32),
                                        float(attn_scale))
-        self.run = self._stack.run
+
+    def run(self, h: np.ndarray, rope_pos: int, att: "DecodeAttention", act_q8: bool) -> None:
+        """h (1, H) += every layer's attention and MLP blocks for one token at RoPE position
+        rope_pos, its K and V written at row att.pos of each layer's cache and attended
+        there (the cache's tables: KVCache.decode_attention)."""
+        self._stack.run(h, att.pos, rope_pos, att.k_ptrs, att.v_ptrs, att.block, att.kind,
+                        att.q8_soff, att.scale, att.threads, act_q8, att.layer_k, att.orders,
+                        att.n_orders, att.sparse, att.bnds, att.bscs, att.bcap,
+                        att.read_bounds, att.dec_tab)
 
     @property
     def times(self) -> tuple[float, float]:

@@ -149,7 +149,7 @@ class KVCache:
         self._has_imp = np.zeros(n_layers, dtype=bool)     # some prefill recorded here
         self._imp_end = 0                                  # tokens importance may cover
         self._order: list[np.ndarray | None] = [None] * n_layers   # importance_order cache
-        self._native = None              # decode_native's per-layer tables (None: stale)
+        self._native = None              # decode_attention's per-layer tables (None: stale)
         self._slots: np.ndarray | None = None              # (SLOTS, max_tokens) scratch
         self._dec_tab: np.ndarray | None = None            # decode scratch (kernels.attention)
         self.record_selection = False    # tests: keep each layer's last sparse picks
@@ -330,11 +330,10 @@ class KVCache:
         self._native = None
         return out
 
-    def decode_native(self, stack: K.DecodeStack, h: np.ndarray, rope_pos: int,
-                      act_q8: bool) -> None:
-        """One decode token through every layer of `stack` (kernels.DecodeStack): h (1, H)
-        updated in place, the token's K and V written at row `offset` of each layer and
-        attended as `write` + `attend` would (not committed: commit(1) after)."""
+    def decode_attention(self, n_heads: int) -> K.DecodeAttention:
+        """This cache's tables for one decode token at row `offset` (the model's
+        kernels.DecodeStack writes its K and V there and attends as `write` + `attend` would;
+        not committed: commit(1) after). n_heads: the model's query heads (the scratch)."""
         t = self._native
         if t is None:                    # per-layer tables, rebuilt after a prefill or trim
             L = self.n_layers
@@ -356,12 +355,12 @@ class KVCache:
             t = self._native = (ks, orders, n_orders, bnds, bscs)
         if self._dec_tab is None:
             self._dec_tab = np.empty(K.decode_tab_size(
-                self.max_tokens, stack.n_heads, self.head_dim, KV_BLOCK), dtype=np.float32)
+                self.max_tokens, n_heads, self.head_dim, KV_BLOCK), dtype=np.float32)
         ks, orders, n_orders, bnds, bscs = t
-        stack.run(h, self.offset, rope_pos, self.k_ptrs, self.v_ptrs, KV_BLOCK, self.kv_kind,
-                  self.scale_offset, self.scale, self.threads, act_q8, ks, orders, n_orders,
-                  self.sparse_opts, bnds, bscs, self._bcap,
-                  self._use_bounds, self._dec_tab)
+        return K.DecodeAttention(self.offset, self.k_ptrs, self.v_ptrs, KV_BLOCK, self.kv_kind,
+                                 self.scale_offset, self.scale, self.threads, ks, orders,
+                                 n_orders, self.sparse_opts, bnds, bscs, self._bcap,
+                                 self._use_bounds, self._dec_tab)
 
     def respec(self, spec: CacheSpec) -> None:
         """Read this cache's contents from now on with another spec's attention settings
