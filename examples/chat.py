@@ -4,6 +4,7 @@
 
 The engine keeps its KV cache between calls, so each turn only prefills its new tokens.
 """
+
 import argparse
 
 from kestrel_cli import Engine

@@ -1,7 +1,8 @@
 """One-shot generation: ask one question, print the whole answer.
 
-    python examples/one_shot.py [--model PATH] [--prompt TEXT]
+python examples/one_shot.py [--model PATH] [--prompt TEXT]
 """
+
 import argparse
 
 from kestrel_cli import Engine

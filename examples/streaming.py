@@ -1,7 +1,8 @@
 """Streaming: print the answer piece by piece as it is generated, then the speed.
 
-    python examples/streaming.py [--model PATH] [--prompt TEXT] [--temp 0.7]
+python examples/streaming.py [--model PATH] [--prompt TEXT] [--temp 0.7]
 """
+
 import argparse
 import time
 
@@ -18,8 +19,14 @@ args = parser.parse_args()
 engine = Engine.from_pretrained(args.model)
 messages = [{"role": "user", "content": args.prompt}]
 start, pieces = time.perf_counter(), 0
-for piece in engine.generate(messages, max_tokens=args.max_tokens, temperature=args.temp,
-                             top_k=40, top_p=0.95, seed=args.seed):
+for piece in engine.generate(
+    messages,
+    max_tokens=args.max_tokens,
+    temperature=args.temp,
+    top_k=40,
+    top_p=0.95,
+    seed=args.seed,
+):
     print(piece, end="", flush=True)
     pieces += 1
 print(f"\n[{pieces} pieces in {time.perf_counter() - start:.2f} s]")

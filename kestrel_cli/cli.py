@@ -13,6 +13,7 @@ with `@with_options` (later commands such as `serve`, `bench`, `ppl` do the same
     def bench(engine: EngineOptions, n: int = 128):
         eng = engine_from_options(engine)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,32 +29,42 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
-from kestrel_cli.inference.engine import (DEFAULT_CTX_CAP, MAX_CTX, THREADS_FLOOR, THREADS_MAX, THREADS_PER_CORE,
-                     Engine, LoadOptions, default_threads, thread_cap, thread_rule)
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.core.osmem import physical_memory
-from kestrel_cli.runtime.sparse import options_table
+from kestrel_cli.inference.engine import (
+    DEFAULT_CTX_CAP,
+    MAX_CTX,
+    THREADS_FLOOR,
+    THREADS_MAX,
+    THREADS_PER_CORE,
+    Engine,
+    LoadOptions,
+    default_threads,
+    thread_cap,
+    thread_rule,
+)
 from kestrel_cli.inference.timing import TimingPrinter
+from kestrel_cli.runtime.sparse import options_table
 from kestrel_cli.text.tokenizer import TooManyTokens
 
 # typer >= 0.20 vendors click as typer._click; take the exceptions from wherever typer does
 _cx = sys.modules[typer.BadParameter.__module__]
 _NoArgsIsHelp = getattr(_cx, "NoArgsIsHelpError", ())
 
-SPINNER_BYTES = 200 << 20         # show a spinner while loading weights larger than this
+SPINNER_BYTES = 200 << 20  # show a spinner while loading weights larger than this
 
 # What the CLI reads is bounded: a file or stdin past its cap is refused with one line, and
 # is read in pieces so that /dev/zero, a FIFO or a huge file never costs more than the cap.
 MiB = 1 << 20
 READ_PIECE = 1 * MiB
-PROMPT_BYTES = 32 * MiB           # -f FILE, -p - / -f -: the server's request body cap
-PPL_BYTES = 16 * MiB              # ppl -f: tokenising costs ~170 bytes a byte of text at
-                                  # its peak (8 MiB: 1.4 GiB); wikitext-2's train split fits
-SCHEMA_BYTES = 1 * MiB            # --json-schema (the server takes 64 KiB of schema)
-CHAT_LINE_BYTES = PROMPT_BYTES    # one chat line read from a pipe or file
+PROMPT_BYTES = 32 * MiB  # -f FILE, -p - / -f -: the server's request body cap
+PPL_BYTES = 16 * MiB  # ppl -f: tokenising costs ~170 bytes a byte of text at
+# its peak (8 MiB: 1.4 GiB); wikitext-2's train split fits
+SCHEMA_BYTES = 1 * MiB  # --json-schema (the server takes 64 KiB of schema)
+CHAT_LINE_BYTES = PROMPT_BYTES  # one chat line read from a pipe or file
 # Threads: OpenMP starts -t threads per engine; past a few per core they only contend, and
 # enough of them fail to start (libgomp: "Thread creation failed", or a segfault)
-MAX_PARALLEL = 64                 # serve --parallel: each slot a thread, a KV cache, -t threads
+MAX_PARALLEL = 64  # serve --parallel: each slot a thread, a KV cache, -t threads
 
 _MODEL, _SAMPLING, _OUTPUT, _PROMPT = "Model", "Sampling", "Output", "Prompt"
 # --sparse's help: the presets and options, one table (kestrel_cli.runtime.sparse.OPTIONS); rich
@@ -83,64 +94,131 @@ class GGUFType(str, Enum):
 
 # ---------------------------------------------------------------------------- shared flags
 
+
 @dataclass
 class EngineOptions:
     """Flags of every command that builds an Engine (`LoadOptions` on the library side)."""
-    model: Annotated[Optional[Path], typer.Option(
-        "-m", "--model", help="Checkpoint directory or .gguf file.",
-        show_default="bundled SmolLM2-135M-Instruct", rich_help_panel=_MODEL)] = None
-    ctx_size: Annotated[Optional[int], typer.Option(
-        "-c", "--ctx-size", help=f"Context size in tokens (at most {MAX_CTX}; its KV cache "
-        "must fit the machine's memory).",
-        show_default=f"the model's, at most {DEFAULT_CTX_CAP}", rich_help_panel=_MODEL)] = None
-    threads: Annotated[Optional[int], typer.Option(
-        "-t", "--threads", help=f"CPU threads: at most {THREADS_PER_CORE} per core, "
-        f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}. On a "
-        "big.LITTLE CPU as many threads as there are big cores run pinned to them; more run "
-        "unpinned on all cores (`kestrel cpus` shows them).",
-        show_default="all available cores", rich_help_panel=_MODEL)] = None
-    quant: Annotated[Quant, typer.Option(
-        "--quant", help="Quantise the weights at load.", rich_help_panel=_MODEL)] = Quant.none
-    kv_q8: Annotated[bool, typer.Option(
-        "--kv-q8", help="Store the KV cache as int8.", rich_help_panel=_MODEL)] = False
-    kv_f16: Annotated[bool, typer.Option(
-        "--kv-f16", help="Store the KV cache as float16 (not with --kv-q8).",
-        rich_help_panel=_MODEL)] = False
-    sparse_attn: Annotated[bool, typer.Option(
-        "--sparse-attn", help="Block-sparse decode attention.", rich_help_panel=_MODEL)] = False
-    sparse_k: Annotated[int, typer.Option(
-        "--sparse-k", help="Blocks of 32 tokens each query head attends to (--sparse-attn).",
-        rich_help_panel=_MODEL)] = 32
-    sparse_probes: Annotated[int, typer.Option(
-        "--sparse-probes", help="Keys probed per block (--sparse-attn).",
-        rich_help_panel=_MODEL)] = 8
-    sparse: Annotated[Optional[str], typer.Option(
-        "--sparse", metavar="NAME|OPT+OPT+...", help="Sparse options, implies --sparse-attn: "
-        "a preset, or options joined by + applied in order (a preset among them: "
-        "quality+recent=2). " + _SPARSE_TABLE, show_default="none",
-        rich_help_panel=_MODEL)] = None
-    act: Annotated[Act, typer.Option(
-        "--act", help="Activations of quantised matmuls: q8 = int8 blocks of 32 as "
-        "llama.cpp (the fast path, not exact); f32 = float32 (exact).",
-        rich_help_panel=_MODEL)] = Act.q8
 
-    repack: Annotated[bool, typer.Option(
-        "--repack/--no-repack", help="At load, interleave q4_0/q4_1/q4_k/q6_k weights by 16 "
-        "rows (the decode GEMV's layout) and copy the other weights decode reads, but an "
-        "untied embedding, into memory on huge pages; the results are the same. MoE experts "
-        "are repacked too when the weights fit the free memory, else they stay mapped, with "
-        "a note. --no-repack keeps the file's row-major layout as mapped pages.",
-        rich_help_panel=_MODEL)] = True
+    model: Annotated[
+        Optional[Path],
+        typer.Option(
+            "-m",
+            "--model",
+            help="Checkpoint directory or .gguf file.",
+            show_default="bundled SmolLM2-135M-Instruct",
+            rich_help_panel=_MODEL,
+        ),
+    ] = None
+    ctx_size: Annotated[
+        Optional[int],
+        typer.Option(
+            "-c",
+            "--ctx-size",
+            help=f"Context size in tokens (at most {MAX_CTX}; its KV cache "
+            "must fit the machine's memory).",
+            show_default=f"the model's, at most {DEFAULT_CTX_CAP}",
+            rich_help_panel=_MODEL,
+        ),
+    ] = None
+    threads: Annotated[
+        Optional[int],
+        typer.Option(
+            "-t",
+            "--threads",
+            help=f"CPU threads: at most {THREADS_PER_CORE} per core, "
+            f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}. On a "
+            "big.LITTLE CPU as many threads as there are big cores run pinned to them; more run "
+            "unpinned on all cores (`kestrel cpus` shows them).",
+            show_default="all available cores",
+            rich_help_panel=_MODEL,
+        ),
+    ] = None
+    quant: Annotated[
+        Quant, typer.Option("--quant", help="Quantise the weights at load.", rich_help_panel=_MODEL)
+    ] = Quant.none
+    kv_q8: Annotated[
+        bool, typer.Option("--kv-q8", help="Store the KV cache as int8.", rich_help_panel=_MODEL)
+    ] = False
+    kv_f16: Annotated[
+        bool,
+        typer.Option(
+            "--kv-f16",
+            help="Store the KV cache as float16 (not with --kv-q8).",
+            rich_help_panel=_MODEL,
+        ),
+    ] = False
+    sparse_attn: Annotated[
+        bool,
+        typer.Option(
+            "--sparse-attn", help="Block-sparse decode attention.", rich_help_panel=_MODEL
+        ),
+    ] = False
+    sparse_k: Annotated[
+        int,
+        typer.Option(
+            "--sparse-k",
+            help="Blocks of 32 tokens each query head attends to (--sparse-attn).",
+            rich_help_panel=_MODEL,
+        ),
+    ] = 32
+    sparse_probes: Annotated[
+        int,
+        typer.Option(
+            "--sparse-probes", help="Keys probed per block (--sparse-attn).", rich_help_panel=_MODEL
+        ),
+    ] = 8
+    sparse: Annotated[
+        Optional[str],
+        typer.Option(
+            "--sparse",
+            metavar="NAME|OPT+OPT+...",
+            help="Sparse options, implies --sparse-attn: "
+            "a preset, or options joined by + applied in order (a preset among them: "
+            "quality+recent=2). " + _SPARSE_TABLE,
+            show_default="none",
+            rich_help_panel=_MODEL,
+        ),
+    ] = None
+    act: Annotated[
+        Act,
+        typer.Option(
+            "--act",
+            help="Activations of quantised matmuls: q8 = int8 blocks of 32 as "
+            "llama.cpp (the fast path, not exact); f32 = float32 (exact).",
+            rich_help_panel=_MODEL,
+        ),
+    ] = Act.q8
+
+    repack: Annotated[
+        bool,
+        typer.Option(
+            "--repack/--no-repack",
+            help="At load, interleave q4_0/q4_1/q4_k/q6_k weights by 16 "
+            "rows (the decode GEMV's layout) and copy the other weights decode reads, but an "
+            "untied embedding, into memory on huge pages; the results are the same. MoE experts "
+            "are repacked too when the weights fit the free memory, else they stay mapped, with "
+            "a note. --no-repack keeps the file's row-major layout as mapped pages.",
+            rich_help_panel=_MODEL,
+        ),
+    ] = True
 
     def load_options(self) -> LoadOptions:
         """The Engine's options these flags give (-c default: the model's, at most
         DEFAULT_CTX_CAP)."""
-        return LoadOptions(kv_q8=self.kv_q8, sparse_attn=self.sparse_attn,
-                           sparse_k=self.sparse_k, sparse_probes=self.sparse_probes,
-                           quant=Quant(self.quant).value, threads=self.threads,
-                           ctx_size=self.ctx_size, ctx_cap=DEFAULT_CTX_CAP,
-                           act=Act(self.act).value, kv_f16=self.kv_f16, repack=self.repack,
-                           sparse=self.sparse)
+        return LoadOptions(
+            kv_q8=self.kv_q8,
+            sparse_attn=self.sparse_attn,
+            sparse_k=self.sparse_k,
+            sparse_probes=self.sparse_probes,
+            quant=Quant(self.quant).value,
+            threads=self.threads,
+            ctx_size=self.ctx_size,
+            ctx_cap=DEFAULT_CTX_CAP,
+            act=Act(self.act).value,
+            kv_f16=self.kv_f16,
+            repack=self.repack,
+            sparse=self.sparse,
+        )
 
     def check(self) -> None:
         """Fail fast, before any file is read (the Engine's own validation, the bounds of
@@ -151,79 +229,146 @@ class EngineOptions:
 @dataclass
 class SamplingOptions:
     """Generation flags, llama.cpp's defaults."""
-    n_predict: Annotated[int, typer.Option(
-        "-n", "--n-predict", help="Tokens to generate; -1 = until EOS or the context is full.",
-        rich_help_panel=_SAMPLING)] = 256
-    temp: Annotated[float, typer.Option(
-        "--temp", help="Temperature; 0 = greedy.", rich_help_panel=_SAMPLING)] = 0.8
-    top_k: Annotated[int, typer.Option(
-        "--top-k", help="Keep the k most likely tokens; 0 = all.", rich_help_panel=_SAMPLING)] = 40
-    top_p: Annotated[float, typer.Option(
-        "--top-p", help="Keep the most likely tokens up to this probability mass (nucleus "
-        "sampling); 1.0 = all.", rich_help_panel=_SAMPLING)] = 0.95
-    min_p: Annotated[float, typer.Option(
-        "--min-p", help="Drop tokens below min_p x the top probability.",
-        rich_help_panel=_SAMPLING)] = 0.05
-    repeat_penalty: Annotated[float, typer.Option(
-        "--repeat-penalty", help="Penalty on the last 64 tokens; 1.0 = off.",
-        rich_help_panel=_SAMPLING)] = 1.0
-    seed: Annotated[Optional[int], typer.Option(
-        "--seed", help="Random seed (0..2^64-1; -1 = random, as llama.cpp).",
-        show_default="random", rich_help_panel=_SAMPLING)] = None
-    ignore_eos: Annotated[bool, typer.Option(
-        "--ignore-eos", help="Keep generating past the end-of-sequence token.",
-        rich_help_panel=_SAMPLING)] = False
+
+    n_predict: Annotated[
+        int,
+        typer.Option(
+            "-n",
+            "--n-predict",
+            help="Tokens to generate; -1 = until EOS or the context is full.",
+            rich_help_panel=_SAMPLING,
+        ),
+    ] = 256
+    temp: Annotated[
+        float, typer.Option("--temp", help="Temperature; 0 = greedy.", rich_help_panel=_SAMPLING)
+    ] = 0.8
+    top_k: Annotated[
+        int,
+        typer.Option(
+            "--top-k", help="Keep the k most likely tokens; 0 = all.", rich_help_panel=_SAMPLING
+        ),
+    ] = 40
+    top_p: Annotated[
+        float,
+        typer.Option(
+            "--top-p",
+            help="Keep the most likely tokens up to this probability mass (nucleus "
+            "sampling); 1.0 = all.",
+            rich_help_panel=_SAMPLING,
+        ),
+    ] = 0.95
+    min_p: Annotated[
+        float,
+        typer.Option(
+            "--min-p",
+            help="Drop tokens below min_p x the top probability.",
+            rich_help_panel=_SAMPLING,
+        ),
+    ] = 0.05
+    repeat_penalty: Annotated[
+        float,
+        typer.Option(
+            "--repeat-penalty",
+            help="Penalty on the last 64 tokens; 1.0 = off.",
+            rich_help_panel=_SAMPLING,
+        ),
+    ] = 1.0
+    seed: Annotated[
+        Optional[int],
+        typer.Option(
+            "--seed",
+            help="Random seed (0..2^64-1; -1 = random, as llama.cpp).",
+            show_default="random",
+            rich_help_panel=_SAMPLING,
+        ),
+    ] = None
+    ignore_eos: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-eos",
+            help="Keep generating past the end-of-sequence token.",
+            rich_help_panel=_SAMPLING,
+        ),
+    ] = False
 
     def check(self) -> None:
         from kestrel_cli.inference.sampling import check_params
+
         if self.n_predict < -1:
-            raise KestrelError(f"-n/--n-predict must be >= -1 (-1 = until EOS), "
-                               f"got {self.n_predict}")
+            raise KestrelError(
+                f"-n/--n-predict must be >= -1 (-1 = until EOS), got {self.n_predict}"
+            )
         check_params(self.temp, self.top_k, self.top_p, self.min_p, self.repeat_penalty)
-        if self.seed == -1:                  # llama.cpp's "random"
+        if self.seed == -1:  # llama.cpp's "random"
             self.seed = None
         if self.seed is not None and not 0 <= self.seed < 1 << 64:
             raise KestrelError(f"--seed must be in 0..2^64-1 (or -1 = random), got {self.seed}")
 
     def stream_kwargs(self, engine: Engine) -> dict:
         """Keyword arguments for `Engine.stream`."""
-        return dict(max_tokens=engine.ctx_size if self.n_predict < 0 else self.n_predict,
-                    temperature=self.temp, top_k=self.top_k, top_p=self.top_p,
-                    min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed,
-                    ignore_eos=self.ignore_eos)
+        return dict(
+            max_tokens=engine.ctx_size if self.n_predict < 0 else self.n_predict,
+            temperature=self.temp,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
 
 
 @dataclass
 class OutputOptions:
-    timing: Annotated[bool, typer.Option(
-        "--timing/--no-timing", help="Print the [DEC-SINGLE] and [PERF] timing lines on stderr.",
-        rich_help_panel=_OUTPUT)] = True
+    timing: Annotated[
+        bool,
+        typer.Option(
+            "--timing/--no-timing",
+            help="Print the [DEC-SINGLE] and [PERF] timing lines on stderr.",
+            rich_help_panel=_OUTPUT,
+        ),
+    ] = True
 
 
 @dataclass
 class ThinkingOptions:
     """Hybrid-thinking models (Qwen3): the template's switch and how the thinking shows."""
-    think: Annotated[Optional[bool], typer.Option(
-        "--think/--no-think", help="Turn the model's thinking on or off (the chat "
-        "template's enable_thinking).", show_default="the template's",
-        rich_help_panel=_PROMPT)] = None
-    hide_thinking: Annotated[bool, typer.Option(
-        "--hide-thinking", help="Leave the <think> block out of the output (on a terminal "
-        "it is shown dimmed).", rich_help_panel=_OUTPUT)] = False
+
+    think: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--think/--no-think",
+            help="Turn the model's thinking on or off (the chat template's enable_thinking).",
+            show_default="the template's",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = None
+    hide_thinking: Annotated[
+        bool,
+        typer.Option(
+            "--hide-thinking",
+            help="Leave the <think> block out of the output (on a terminal it is shown dimmed).",
+            rich_help_panel=_OUTPUT,
+        ),
+    ] = False
 
     def template_kwargs(self) -> dict:
         return {} if self.think is None else {"enable_thinking": self.think}
 
     def view(self, eng: Engine, ids, out=None):
         """The ThinkingView of an answer to the prompt `ids`."""
-        from kestrel_cli.text.reasoning import ThinkingView, prompt_opens_thinking
         from kestrel_cli.inference.timing import _isatty
+        from kestrel_cli.text.reasoning import ThinkingView, prompt_opens_thinking
+
         try:
             tail = eng.tokenizer.decode([int(t) for t in list(ids)[-4:]])
         except (TypeError, ValueError):
             tail = ""
-        return ThinkingView(_isatty(out if out is not None else sys.stdout),
-                            self.hide_thinking, prompt_opens_thinking(tail))
+        return ThinkingView(
+            _isatty(out if out is not None else sys.stdout),
+            self.hide_thinking,
+            prompt_opens_thinking(tail),
+        )
 
 
 def with_options(fn):
@@ -236,13 +381,22 @@ def with_options(fn):
         if isinstance(cls, type) and dataclasses.is_dataclass(cls):
             fhints = typing.get_type_hints(cls, include_extras=True)
             names = [f.name for f in dataclasses.fields(cls)]
-            params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
-                                         default=f.default, annotation=fhints[f.name])
-                       for f in dataclasses.fields(cls)]
+            params += [
+                inspect.Parameter(
+                    f.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=f.default,
+                    annotation=fhints[f.name],
+                )
+                for f in dataclasses.fields(cls)
+            ]
             groups[p.name] = (cls, names)
         else:
-            params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY,
-                                    annotation=hints.get(p.name, p.annotation)))
+            params.append(
+                p.replace(
+                    kind=inspect.Parameter.KEYWORD_ONLY, annotation=hints.get(p.name, p.annotation)
+                )
+            )
     # own flags first, then the groups in declaration order (that is the --help order)
     own = [p for p in params if not any(p.name in n for _, n in groups.values())]
     params = own + [p for p in params if p not in own]
@@ -260,13 +414,14 @@ def with_options(fn):
 
 def _model_bytes(path: Path | None) -> int:
     from kestrel_cli.models.loader import default_model_path
+
     try:
         p = default_model_path() if path is None else Path(path).expanduser()
         if p.is_dir():
             return sum(f.stat().st_size for f in p.glob("*.safetensors"))
         return p.stat().st_size
     except (OSError, KestrelError):
-        return 0                  # from_pretrained reports it properly
+        return 0  # from_pretrained reports it properly
 
 
 def kv_cache_bytes(eng: Engine, tokens: int) -> int:
@@ -275,10 +430,11 @@ def kv_cache_bytes(eng: Engine, tokens: int) -> int:
     sketches. The cache takes its memory as it fills (kv_cache.BlockPool), so this is its
     size at full context, not at start."""
     from kestrel_cli.runtime.kv_cache import KV_BLOCK
+
     c = eng.cache
     blocks = -(-tokens // KV_BLOCK)
     n = 2 * c.n_layers * blocks * c.block_bytes + 4 * c.n_layers * tokens
-    for a in (c.bounds, c.bound_scales):       # sized by the cache's own blocks
+    for a in (c.bounds, c.bound_scales):  # sized by the cache's own blocks
         if a is not None:
             n += a.nbytes // max(1, c.k_ptrs.shape[1]) * blocks
     return n
@@ -293,20 +449,26 @@ def check_kv_memory(eng: Engine, tokens: int, slots: int = 1, hint: str = "") ->
     kv = slots * kv_cache_bytes(eng, tokens)
     weights = int(getattr(eng.store, "nbytes", 0) or 0)
     if kv + weights > ram:
-        what = (f"{slots} KV caches of {tokens} tokens need" if slots > 1 else
-                f"a KV cache of {tokens} tokens needs")
-        raise KestrelError(f"{what} {_human_bytes(kv)} when full (besides {_human_bytes(weights)}"
-                           f" of weights), more than this machine's {_human_bytes(ram)} of "
-                           f"memory (lower {hint or '-c/--ctx-size'}, or use --kv-q8)")
+        what = (
+            f"{slots} KV caches of {tokens} tokens need"
+            if slots > 1
+            else f"a KV cache of {tokens} tokens needs"
+        )
+        raise KestrelError(
+            f"{what} {_human_bytes(kv)} when full (besides {_human_bytes(weights)}"
+            f" of weights), more than this machine's {_human_bytes(ram)} of "
+            f"memory (lower {hint or '-c/--ctx-size'}, or use --kv-q8)"
+        )
 
 
 def engine_from_options(opts: EngineOptions, spinner: bool = True, slots: int = 1) -> Engine:
     """Build the Engine the flags describe (a spinner on stderr for big models), refused
     when `slots` KV caches of its context cannot fit the memory (check_kv_memory)."""
-    load = opts.load_options()                  # Engine.load validates it
+    load = opts.load_options()  # Engine.load validates it
     size = _model_bytes(opts.model)
     if spinner and size > SPINNER_BYTES and sys.stderr.isatty():
         from rich.console import Console
+
         name = "bundled model" if opts.model is None else Path(opts.model).name
         with Console(stderr=True).status(f"loading {name} ({size / 2**20:.0f} MiB)"):
             eng = Engine.load(opts.model, load)
@@ -317,12 +479,14 @@ def engine_from_options(opts: EngineOptions, spinner: bool = True, slots: int = 
     # big.LITTLE: which cores the threads run on (machines whose cores are alike: nothing)
     if eng.thread_plan is not None and eng.thread_plan.mixed:
         print(eng.thread_plan.line, file=sys.stderr)
-    check_kv_memory(eng, eng.ctx_size, slots,
-                    "--parallel or -c/--ctx-size" if slots > 1 else "-c/--ctx-size")
+    check_kv_memory(
+        eng, eng.ctx_size, slots, "--parallel or -c/--ctx-size" if slots > 1 else "-c/--ctx-size"
+    )
     return eng
 
 
 # ---------------------------------------------------------------------------- the app
+
 
 class _Group(TyperGroup):
     """Turns every failure into one line on stderr: `error: ...`."""
@@ -356,10 +520,15 @@ def _fail(message: str, code: int) -> typing.NoReturn:
     sys.exit(code)
 
 
-app = typer.Typer(cls=_Group, name="kestrel", no_args_is_help=True, add_completion=False,
-                  pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Kestrel runs LLMs on the CPU (Llama, Qwen2/2.5 and the Qwen3 family).")
+app = typer.Typer(
+    cls=_Group,
+    name="kestrel",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Kestrel runs LLMs on the CPU (Llama, Qwen2/2.5 and the Qwen3 family).",
+)
 
 
 def read_bounded(f, cap: int, what: str) -> bytearray:
@@ -382,8 +551,9 @@ def read_file_bounded(path, cap: int, what: str) -> bytearray:
         return read_bounded(f, cap, what)
 
 
-def read_prompt(prompt: str | None, file: Path | None, cap: int = PROMPT_BYTES,
-                what: str = "prompt") -> str:
+def read_prompt(
+    prompt: str | None, file: Path | None, cap: int = PROMPT_BYTES, what: str = "prompt"
+) -> str:
     """The prompt text from -p TEXT, -f FILE, or stdin (-p - / -f -); a file or stdin of
     more than `cap` bytes is refused (`what` names the text in the messages)."""
     if prompt is not None and file is not None:
@@ -408,8 +578,8 @@ def read_prompt(prompt: str | None, file: Path | None, cap: int = PROMPT_BYTES,
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # argv bytes that were not UTF-8 (surrogate-escaped)
             raise KestrelError(f"-p/--prompt is not UTF-8 text (character {e.start})") from None
-    if text.endswith("\n"):              # a file's last newline is not part of the prompt
-        text = text[:-2] if text.endswith("\r\n") else text[:-1]     # (as llama.cpp's -f)
+    if text.endswith("\n"):  # a file's last newline is not part of the prompt
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]  # (as llama.cpp's -f)
     if not text.strip():
         raise KestrelError("empty prompt")
     return text
@@ -418,25 +588,55 @@ def read_prompt(prompt: str | None, file: Path | None, cap: int = PROMPT_BYTES,
 @app.command()
 @with_options
 def run(
-    prompt: Annotated[Optional[str], typer.Option(
-        "-p", "--prompt", help=f"Prompt text; '-' reads stdin (at most {PROMPT_BYTES // MiB} "
-        "MiB).", rich_help_panel=_PROMPT)] = None,
-    file: Annotated[Optional[Path], typer.Option(
-        "-f", "--file", help=f"Read the prompt from a file (at most {PROMPT_BYTES // MiB} MiB).",
-        rich_help_panel=_PROMPT)] = None,
-    system: Annotated[Optional[str], typer.Option(
-        "-s", "--system", help="System message (chat template).", rich_help_panel=_PROMPT)] = None,
-    raw: Annotated[bool, typer.Option(
-        "--raw", help="Send the text as is, without the chat template.",
-        rich_help_panel=_PROMPT)] = False,
-    image: Annotated[Optional[list[Path]], typer.Option(
-        "--image", help="An image file (JPEG, PNG, WebP) shown before the prompt; repeat "
-        "for several (Qwen3-VL).", rich_help_panel=_PROMPT)] = None,
-    json_schema: Annotated[Optional[Path], typer.Option(
-        "--json-schema", help="A JSON schema file: the answer is JSON matching it, enforced "
-        f"while sampling (llguidance); '{{}}' in the file = any JSON object. At most "
-        f"{SCHEMA_BYTES // MiB} MiB.",
-        rich_help_panel=_OUTPUT)] = None,
+    prompt: Annotated[
+        Optional[str],
+        typer.Option(
+            "-p",
+            "--prompt",
+            help=f"Prompt text; '-' reads stdin (at most {PROMPT_BYTES // MiB} MiB).",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = None,
+    file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "-f",
+            "--file",
+            help=f"Read the prompt from a file (at most {PROMPT_BYTES // MiB} MiB).",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = None,
+    system: Annotated[
+        Optional[str],
+        typer.Option(
+            "-s", "--system", help="System message (chat template).", rich_help_panel=_PROMPT
+        ),
+    ] = None,
+    raw: Annotated[
+        bool,
+        typer.Option(
+            "--raw", help="Send the text as is, without the chat template.", rich_help_panel=_PROMPT
+        ),
+    ] = False,
+    image: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            "--image",
+            help="An image file (JPEG, PNG, WebP) shown before the prompt; repeat "
+            "for several (Qwen3-VL).",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = None,
+    json_schema: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--json-schema",
+            help="A JSON schema file: the answer is JSON matching it, enforced "
+            f"while sampling (llguidance); '{{}}' in the file = any JSON object. At most "
+            f"{SCHEMA_BYTES // MiB} MiB.",
+            rich_help_panel=_OUTPUT,
+        ),
+    ] = None,
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
@@ -448,8 +648,7 @@ def run(
     if raw and system is not None:
         raise KestrelError("-s/--system needs the chat template; drop --raw")
     if raw and (thinking.think is not None or thinking.hide_thinking):
-        raise KestrelError("--think/--no-think/--hide-thinking need the chat template; "
-                           "drop --raw")
+        raise KestrelError("--think/--no-think/--hide-thinking need the chat template; drop --raw")
     if raw and image:
         raise KestrelError("--image needs the chat template; drop --raw")
     for f in image or []:
@@ -458,46 +657,60 @@ def run(
     schema = None
     if json_schema is not None:
         import json
+
         try:
-            schema = json.loads(read_file_bounded(json_schema, SCHEMA_BYTES,
-                                                  f"--json-schema {json_schema}")
-                                .decode("utf-8"))
+            schema = json.loads(
+                read_file_bounded(json_schema, SCHEMA_BYTES, f"--json-schema {json_schema}").decode(
+                    "utf-8"
+                )
+            )
         except OSError as e:
-            raise KestrelError(f"cannot read --json-schema {json_schema}: "
-                               f"{e.strerror or e}") from None
+            raise KestrelError(
+                f"cannot read --json-schema {json_schema}: {e.strerror or e}"
+            ) from None
         except (ValueError, UnicodeDecodeError) as e:
             raise KestrelError(f"--json-schema {json_schema} is not JSON: {e}") from None
-        except RecursionError:         # json's decoder recurses once per nesting level
-            raise KestrelError(f"--json-schema {json_schema} is not JSON: nested too deeply "
-                               f"(past Python's recursion limit)") from None
+        except RecursionError:  # json's decoder recurses once per nesting level
+            raise KestrelError(
+                f"--json-schema {json_schema} is not JSON: nested too deeply "
+                f"(past Python's recursion limit)"
+            ) from None
         if not isinstance(schema, dict):
             raise KestrelError(f"--json-schema {json_schema}: a schema is a JSON object")
         schema = schema or {"type": "object"}
         if thinking.think is None and not raw:
-            thinking.think = False            # the answer is JSON from its first token
+            thinking.think = False  # the answer is JSON from its first token
     text = read_prompt(prompt, file)
     eng = engine_from_options(engine)
     # a prompt longer than this cannot fit the context: refused before it is tokenised
     n_chars = len(text) + len(system or "")
     if n_chars > eng.tokenizer.max_text_chars(eng.ctx_size):
-        raise KestrelError(f"the prompt has {n_chars} characters, more than a context of "
-                           f"{eng.ctx_size} tokens can hold (raise -c/--ctx-size)")
+        raise KestrelError(
+            f"the prompt has {n_chars} characters, more than a context of "
+            f"{eng.ctx_size} tokens can hold (raise -c/--ctx-size)"
+        )
     if raw:
         request = text
     else:
-        content = text if not image else \
-            [{"type": "image", "image": str(f)} for f in image] + [{"type": "text", "text": text}]
-        request = ([{"role": "system", "content": system}] if system is not None else []) + \
-            [{"role": "user", "content": content}]
+        content = (
+            text
+            if not image
+            else [{"type": "image", "image": str(f)} for f in image]
+            + [{"type": "text", "text": text}]
+        )
+        request = ([{"role": "system", "content": system}] if system is not None else []) + [
+            {"role": "user", "content": content}
+        ]
     tp = TimingPrinter(output.timing)
     out = sys.stdout
     stats = None
-    try:   # counted up to the context, not further
+    try:  # counted up to the context, not further
         ids = eng.encode_prompt(request, limit=eng.ctx_size, **thinking.template_kwargs())
     except TooManyTokens as e:
-        raise KestrelError(f"prompt has {'' if e.exact else 'at least '}{e.n_tokens} tokens, "
-                           f"more than the context size {eng.ctx_size} (raise -c/--ctx-size)"
-                           ) from None
+        raise KestrelError(
+            f"prompt has {'' if e.exact else 'at least '}{e.n_tokens} tokens, "
+            f"more than the context size {eng.ctx_size} (raise -c/--ctx-size)"
+        ) from None
     view = None if raw else thinking.view(eng, ids, out)
     try:
         for chunk in eng.stream(ids, **sampling.stream_kwargs(eng), json_schema=schema):
@@ -521,9 +734,12 @@ def run(
 @app.command()
 @with_options
 def chat(
-    system: Annotated[Optional[str], typer.Option(
-        "-s", "--system", help="System message (chat template).",
-        rich_help_panel=_PROMPT)] = None,
+    system: Annotated[
+        Optional[str],
+        typer.Option(
+            "-s", "--system", help="System message (chat template).", rich_help_panel=_PROMPT
+        ),
+    ] = None,
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
@@ -531,11 +747,17 @@ def chat(
 ):
     """Chat with the model, turn by turn; /help lists the commands, Ctrl-D leaves."""
     from kestrel_cli.apps.chat import ChatSession, repl
+
     engine.check()
     sampling.check()
     eng = engine_from_options(engine)
-    session = ChatSession(eng, system=system, sampling=sampling.stream_kwargs(eng),
-                          timing=TimingPrinter(output.timing), thinking=thinking)
+    session = ChatSession(
+        eng,
+        system=system,
+        sampling=sampling.stream_kwargs(eng),
+        timing=TimingPrinter(output.timing),
+        thinking=thinking,
+    )
     repl(session, read=chat_reader(session))
 
 
@@ -559,8 +781,9 @@ def chat_reader(session) -> typing.Callable[[str], str]:
                 if not raw:
                     raise EOFError
                 if len(raw) > CHAT_LINE_BYTES and not raw.endswith(b"\n"):
-                    raise KestrelError(f"a chat line on stdin is larger than "
-                                       f"{CHAT_LINE_BYTES // MiB} MiB")
+                    raise KestrelError(
+                        f"a chat line on stdin is larger than {CHAT_LINE_BYTES // MiB} MiB"
+                    )
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -568,9 +791,11 @@ def chat_reader(session) -> typing.Callable[[str], str]:
                     continue
             n_chars = len(line.strip())
             if n_chars > max_chars:
-                session.say(f"[error: the message has {n_chars} characters, more "
-                            f"than a context of {eng.ctx_size} tokens can hold (start the "
-                            f"chat with a larger -c/--ctx-size)]\n")
+                session.say(
+                    f"[error: the message has {n_chars} characters, more "
+                    f"than a context of {eng.ctx_size} tokens can hold (start the "
+                    f"chat with a larger -c/--ctx-size)]\n"
+                )
                 continue
             return line
 
@@ -580,54 +805,117 @@ def chat_reader(session) -> typing.Callable[[str], str]:
 @app.command()
 @with_options
 def serve(
-    host: Annotated[str, typer.Option(
-        "--host", help="Address to listen on; 0.0.0.0 opens it to the network.",
-        rich_help_panel="Server")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(
-        "--port", help="TCP port to listen on.", rich_help_panel="Server")] = 8080,
-    api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", envvar="KESTREL_API_KEY", show_default="none",
-        help="Require 'Authorization: Bearer KEY' on /v1/* (or set KESTREL_API_KEY).",
-        rich_help_panel="Server")] = None,
-    parallel: Annotated[int, typer.Option(
-        "--parallel", help="Requests generated at once, by N engines that share the weights, "
-        "each with its own KV cache and -t threads (by default the cores are split N ways). "
-        f"At most {MAX_PARALLEL}; N KV caches of the context must fit the memory.",
-        rich_help_panel="Server")] = 1,
-    queue_size: Annotated[int, typer.Option(
-        "--queue-size", help="Requests that may wait for a free engine; more get 503.",
-        rich_help_panel="Server")] = 32,
-    shutdown_timeout: Annotated[float, typer.Option(
-        "--shutdown-timeout", help="On SIGINT/SIGTERM, seconds in-flight requests get to "
-        "finish before they end with an error (a stream: an error event and [DONE]).",
-        rich_help_panel="Server")] = 5.0,
-    max_connections: Annotated[int, typer.Option(
-        "--max-connections", help="Connections open at once at most; one more gets 503 and "
-        "is closed.",
-        rich_help_panel="Server limits")] = 64,
-    timeout_header: Annotated[float, typer.Option(
-        "--timeout-header", help="Seconds a request's line and headers may take to arrive "
-        "(and a new connection to start one); then 408 and the connection is closed.",
-        rich_help_panel="Server limits")] = 10.0,
-    timeout_body: Annotated[float, typer.Option(
-        "--timeout-body", help="Seconds a request's body may take to arrive; then 408.",
-        rich_help_panel="Server limits")] = 30.0,
-    timeout_keep_alive: Annotated[float, typer.Option(
-        "--timeout-keep-alive", help="Seconds an idle connection is kept between requests.",
-        rich_help_panel="Server limits")] = 5.0,
-    request_timeout: Annotated[float, typer.Option(
-        "--request-timeout", help="Seconds one request may take from admission to its last "
-        "token (queue wait included); then 504, or an error event in a stream. 0: no limit.",
-        rich_help_panel="Server limits")] = 600.0,
-    memory_budget: Annotated[Optional[str], typer.Option(
-        "--memory-budget", help="Memory that requests being read and prepared (body, "
-        "template, tokens, images, grammars) may hold at once, e.g. 4G; one more gets 503 "
-        "with Retry-After. Weights and KV caches are not part of it.",
-        show_default="a quarter of the RAM", rich_help_panel="Server limits")] = None,
-    max_request_memory: Annotated[Optional[str], typer.Option(
-        "--max-request-memory", help="Memory one request may hold while it is read and "
-        "prepared, e.g. 512M; a larger one gets 413 before any work.",
-        show_default="1G, or the budget if smaller", rich_help_panel="Server limits")] = None,
+    host: Annotated[
+        str,
+        typer.Option(
+            "--host",
+            help="Address to listen on; 0.0.0.0 opens it to the network.",
+            rich_help_panel="Server",
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option("--port", help="TCP port to listen on.", rich_help_panel="Server")
+    ] = 8080,
+    api_key: Annotated[
+        Optional[str],
+        typer.Option(
+            "--api-key",
+            envvar="KESTREL_API_KEY",
+            show_default="none",
+            help="Require 'Authorization: Bearer KEY' on /v1/* (or set KESTREL_API_KEY).",
+            rich_help_panel="Server",
+        ),
+    ] = None,
+    parallel: Annotated[
+        int,
+        typer.Option(
+            "--parallel",
+            help="Requests generated at once, by N engines that share the weights, "
+            "each with its own KV cache and -t threads (by default the cores are split N ways). "
+            f"At most {MAX_PARALLEL}; N KV caches of the context must fit the memory.",
+            rich_help_panel="Server",
+        ),
+    ] = 1,
+    queue_size: Annotated[
+        int,
+        typer.Option(
+            "--queue-size",
+            help="Requests that may wait for a free engine; more get 503.",
+            rich_help_panel="Server",
+        ),
+    ] = 32,
+    shutdown_timeout: Annotated[
+        float,
+        typer.Option(
+            "--shutdown-timeout",
+            help="On SIGINT/SIGTERM, seconds in-flight requests get to "
+            "finish before they end with an error (a stream: an error event and [DONE]).",
+            rich_help_panel="Server",
+        ),
+    ] = 5.0,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            "--max-connections",
+            help="Connections open at once at most; one more gets 503 and is closed.",
+            rich_help_panel="Server limits",
+        ),
+    ] = 64,
+    timeout_header: Annotated[
+        float,
+        typer.Option(
+            "--timeout-header",
+            help="Seconds a request's line and headers may take to arrive "
+            "(and a new connection to start one); then 408 and the connection is closed.",
+            rich_help_panel="Server limits",
+        ),
+    ] = 10.0,
+    timeout_body: Annotated[
+        float,
+        typer.Option(
+            "--timeout-body",
+            help="Seconds a request's body may take to arrive; then 408.",
+            rich_help_panel="Server limits",
+        ),
+    ] = 30.0,
+    timeout_keep_alive: Annotated[
+        float,
+        typer.Option(
+            "--timeout-keep-alive",
+            help="Seconds an idle connection is kept between requests.",
+            rich_help_panel="Server limits",
+        ),
+    ] = 5.0,
+    request_timeout: Annotated[
+        float,
+        typer.Option(
+            "--request-timeout",
+            help="Seconds one request may take from admission to its last "
+            "token (queue wait included); then 504, or an error event in a stream. 0: no limit.",
+            rich_help_panel="Server limits",
+        ),
+    ] = 600.0,
+    memory_budget: Annotated[
+        Optional[str],
+        typer.Option(
+            "--memory-budget",
+            help="Memory that requests being read and prepared (body, "
+            "template, tokens, images, grammars) may hold at once, e.g. 4G; one more gets 503 "
+            "with Retry-After. Weights and KV caches are not part of it.",
+            show_default="a quarter of the RAM",
+            rich_help_panel="Server limits",
+        ),
+    ] = None,
+    max_request_memory: Annotated[
+        Optional[str],
+        typer.Option(
+            "--max-request-memory",
+            help="Memory one request may hold while it is read and "
+            "prepared, e.g. 512M; a larger one gets 413 before any work.",
+            show_default="1G, or the budget if smaller",
+            rich_help_panel="Server limits",
+        ),
+    ] = None,
     engine: EngineOptions = None,
 ):
     """Serve the model over an OpenAI-compatible HTTP API.
@@ -638,38 +926,56 @@ def serve(
         raise KestrelError(f"--port must be in 0..65535, got {port}")
     if parallel < 1:
         raise KestrelError(f"--parallel must be >= 1, got {parallel}")
-    if parallel > MAX_PARALLEL:     # a thread and a KV cache each: past this, --queue-size
+    if parallel > MAX_PARALLEL:  # a thread and a KV cache each: past this, --queue-size
         raise KestrelError(f"--parallel must be at most {MAX_PARALLEL}, got {parallel}")
     if engine.threads is not None and parallel * engine.threads > thread_cap():
-        raise KestrelError(f"--parallel {parallel} x -t {engine.threads} = "
-                           f"{parallel * engine.threads} threads, more than the {thread_cap()} "
-                           f"this machine allows ({thread_rule()})")
+        raise KestrelError(
+            f"--parallel {parallel} x -t {engine.threads} = "
+            f"{parallel * engine.threads} threads, more than the {thread_cap()} "
+            f"this machine allows ({thread_rule()})"
+        )
     if queue_size < 0:
         raise KestrelError(f"--queue-size must be >= 0, got {queue_size}")
     if max_connections < 1:
         raise KestrelError(f"--max-connections must be >= 1, got {max_connections}")
-    for flag, v, zero_ok in (("--shutdown-timeout", shutdown_timeout, True),
-                             ("--timeout-header", timeout_header, False),
-                             ("--timeout-body", timeout_body, False),
-                             ("--timeout-keep-alive", timeout_keep_alive, False),
-                             ("--request-timeout", request_timeout, True)):
+    for flag, v, zero_ok in (
+        ("--shutdown-timeout", shutdown_timeout, True),
+        ("--timeout-header", timeout_header, False),
+        ("--timeout-body", timeout_body, False),
+        ("--timeout-keep-alive", timeout_keep_alive, False),
+        ("--request-timeout", request_timeout, True),
+    ):
         if not (v >= 0 if zero_ok else v > 0) or v == float("inf"):
-            raise KestrelError(f"{flag} must be a number of seconds {'>=' if zero_ok else '>'} 0,"
-                               f" got {v}")
-    from kestrel_cli import server                    # fails with a clear message without fastapi
-    server.check_api_key(api_key)           # before the model is loaded
-    limits = server.Limits(header_timeout=timeout_header, body_timeout=timeout_body,
-                           keep_alive=timeout_keep_alive, request_timeout=request_timeout,
-                           max_connections=max_connections, shutdown_timeout=shutdown_timeout,
-                           memory_budget=memory_budget and server.parse_size(
-                               memory_budget, "--memory-budget"),
-                           max_request_memory=max_request_memory and server.parse_size(
-                               max_request_memory, "--max-request-memory"))
+            raise KestrelError(
+                f"{flag} must be a number of seconds {'>=' if zero_ok else '>'} 0, got {v}"
+            )
+    from kestrel_cli import server  # fails with a clear message without fastapi
+
+    server.check_api_key(api_key)  # before the model is loaded
+    limits = server.Limits(
+        header_timeout=timeout_header,
+        body_timeout=timeout_body,
+        keep_alive=timeout_keep_alive,
+        request_timeout=request_timeout,
+        max_connections=max_connections,
+        shutdown_timeout=shutdown_timeout,
+        memory_budget=memory_budget and server.parse_size(memory_budget, "--memory-budget"),
+        max_request_memory=max_request_memory
+        and server.parse_size(max_request_memory, "--max-request-memory"),
+    )
     # each of the `parallel` engines runs -t threads; by default they split the cores
-    eng = engine_from_options(dataclasses.replace(
-        engine, threads=engine.threads or default_threads(share=parallel)), slots=parallel)
-    server.serve([eng] + [eng.fork() for _ in range(parallel - 1)], host=host, port=port,
-                 api_key=api_key, queue_size=queue_size, limits=limits)
+    eng = engine_from_options(
+        dataclasses.replace(engine, threads=engine.threads or default_threads(share=parallel)),
+        slots=parallel,
+    )
+    server.serve(
+        [eng] + [eng.fork() for _ in range(parallel - 1)],
+        host=host,
+        port=port,
+        api_key=api_key,
+        queue_size=queue_size,
+        limits=limits,
+    )
 
 
 def _human_bytes(n: int) -> str:
@@ -693,21 +999,29 @@ def cpus():
 
     The big and little cores come from sysfs; each fact is one `key: value` line."""
     from kestrel_cli.core.cpus import summary
+
     for line in summary():
         print(line)
 
 
 @app.command()
 def info(
-    model: Annotated[Optional[Path], typer.Option(
-        "-m", "--model", help="Checkpoint directory or .gguf file.",
-        show_default="bundled SmolLM2-135M-Instruct")] = None,
+    model: Annotated[
+        Optional[Path],
+        typer.Option(
+            "-m",
+            "--model",
+            help="Checkpoint directory or .gguf file.",
+            show_default="bundled SmolLM2-135M-Instruct",
+        ),
+    ] = None,
 ):
     """Summarise a model: architecture, size, dtypes, context, template and special tokens.
 
     The last line names the kernels' instruction-set variant on this CPU."""
-    from kestrel_cli.models.loader import open_checkpoint
     from kestrel_cli.models import resolve
+    from kestrel_cli.models.loader import open_checkpoint
+
     cfg, store, tok, path = open_checkpoint(model)
     # what `run` checks at load: every tensor the model reads, present, of its shape and type
     # (the weights are memory-mapped views: nothing is computed or copied but the norms)
@@ -725,8 +1039,11 @@ def info(
         ("parameters", _human_count(n_params)),
         ("layers", cfg.num_hidden_layers),
         ("hidden size", cfg.hidden_size),
-        ("attention", f"{cfg.num_attention_heads} heads, {cfg.num_key_value_heads} kv heads, "
-                      f"head dim {cfg.head_dim}"),
+        (
+            "attention",
+            f"{cfg.num_attention_heads} heads, {cfg.num_key_value_heads} kv heads, "
+            f"head dim {cfg.head_dim}",
+        ),
     ]
     if cfg.num_experts:
         rows.append(("experts", f"{cfg.num_experts}, {cfg.num_experts_per_tok} per token"))
@@ -736,9 +1053,14 @@ def info(
         ("rope theta", cfg.rope["rope_theta"]),
         ("dtypes", ", ".join(f"{f} x{n}" for f, n in dtypes)),
         ("weights memory", _human_bytes(store.nbytes)),
-        ("chat template", "no (use --raw)" if not tok.chat_template else "yes"
-         if (bad := tok.chat_template_error()) is None else "present, but it does not compile: "
-         + bad.removeprefix("invalid chat template: ")),
+        (
+            "chat template",
+            "no (use --raw)"
+            if not tok.chat_template
+            else "yes"
+            if (bad := tok.chat_template_error()) is None
+            else "present, but it does not compile: " + bad.removeprefix("invalid chat template: "),
+        ),
     ]
 
     def special(name):
@@ -749,8 +1071,10 @@ def info(
     toks.append(f"stop ids={sorted(tok.eos_token_ids)}")
     rows.append(("special tokens", ", ".join(toks)))
     from kestrel_cli.runtime.kernels import isa, isa_variants
-    rows.append(("kernels", f"{isa()} (this CPU runs {', '.join(isa_variants())}; "
-                            f"KESTREL_ISA picks one)"))
+
+    rows.append(
+        ("kernels", f"{isa()} (this CPU runs {', '.join(isa_variants())}; KESTREL_ISA picks one)")
+    )
     width = max(len(k) for k, _ in rows) + 1
     for k, v in rows:
         print(f"{k + ':':<{width}} {v}")
@@ -759,18 +1083,35 @@ def info(
 @app.command()
 @with_options
 def ppl(
-    file: Annotated[Path, typer.Option(
-        "-f", "--file", help=f"UTF-8 text to score ('-' reads stdin), at most "
-        f"{PPL_BYTES // MiB} MiB.", rich_help_panel=_PROMPT)],
-    kld_ref: Annotated[bool, typer.Option(
-        "--kld-ref", help="Also print the mean KL divergence of the next-token "
-        "distributions from the exact path's (float32 exact attention and activations) "
-        "over the same windows; each window runs twice.",
-        rich_help_panel=_OUTPUT)] = False,
-    llama_cpp: Annotated[bool, typer.Option(
-        "--llama-cpp", help="Score as llama.cpp's llama-perplexity does (whole windows, "
-        "BOS first when the model adds one, the second half of each window scored), to "
-        "compare the two engines on one file and text.", rich_help_panel=_OUTPUT)] = False,
+    file: Annotated[
+        Path,
+        typer.Option(
+            "-f",
+            "--file",
+            help=f"UTF-8 text to score ('-' reads stdin), at most {PPL_BYTES // MiB} MiB.",
+            rich_help_panel=_PROMPT,
+        ),
+    ],
+    kld_ref: Annotated[
+        bool,
+        typer.Option(
+            "--kld-ref",
+            help="Also print the mean KL divergence of the next-token "
+            "distributions from the exact path's (float32 exact attention and activations) "
+            "over the same windows; each window runs twice.",
+            rich_help_panel=_OUTPUT,
+        ),
+    ] = False,
+    llama_cpp: Annotated[
+        bool,
+        typer.Option(
+            "--llama-cpp",
+            help="Score as llama.cpp's llama-perplexity does (whole windows, "
+            "BOS first when the model adds one, the second half of each window scored), to "
+            "compare the two engines on one file and text.",
+            rich_help_panel=_OUTPUT,
+        ),
+    ] = False,
     engine: EngineOptions = None,
 ):
     """Measure the perplexity of a text, in windows of the context size (-c).
@@ -778,6 +1119,7 @@ def ppl(
     The attention and activation settings are this run's flags.
     It prints one line of key=value pairs: tokens, windows, ppl (and kld) and the time."""
     from kestrel_cli.apps.ppl import perplexity
+
     engine.check()
     text = read_prompt(None, file, cap=PPL_BYTES, what="text")
     eng = engine_from_options(engine)
@@ -789,26 +1131,47 @@ def ppl(
 @app.command()
 @with_options
 def bench(
-    n_prompt: Annotated[int, typer.Option(
-        "-p", "--n-prompt", help="Prompt tokens per pp test; 0 = no pp test.",
-        rich_help_panel=_PROMPT)] = 512,
-    n_gen: Annotated[int, typer.Option(
-        "-n", "--n-gen", help="Tokens per tg test; 0 = no tg test.",
-        rich_help_panel=_PROMPT)] = 128,
-    depth: Annotated[str, typer.Option(
-        "-d", "--depth", help="Comma-separated context depths: tokens already in the KV "
-        "cache before each test.", rich_help_panel=_PROMPT)] = "0",
-    repetitions: Annotated[int, typer.Option(
-        "-r", "--repetitions", help="Runs per test (mean ± sd).",
-        rich_help_panel=_OUTPUT)] = 5,
-    output: Annotated[str, typer.Option(
-        "-o", "--output", help="Print md (a table) or json.", rich_help_panel=_OUTPUT)] = "md",
+    n_prompt: Annotated[
+        int,
+        typer.Option(
+            "-p",
+            "--n-prompt",
+            help="Prompt tokens per pp test; 0 = no pp test.",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = 512,
+    n_gen: Annotated[
+        int,
+        typer.Option(
+            "-n", "--n-gen", help="Tokens per tg test; 0 = no tg test.", rich_help_panel=_PROMPT
+        ),
+    ] = 128,
+    depth: Annotated[
+        str,
+        typer.Option(
+            "-d",
+            "--depth",
+            help="Comma-separated context depths: tokens already in the KV cache before each test.",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = "0",
+    repetitions: Annotated[
+        int,
+        typer.Option(
+            "-r", "--repetitions", help="Runs per test (mean ± sd).", rich_help_panel=_OUTPUT
+        ),
+    ] = 5,
+    output: Annotated[
+        str,
+        typer.Option("-o", "--output", help="Print md (a table) or json.", rich_help_panel=_OUTPUT),
+    ] = "md",
     engine: EngineOptions = None,
 ):
     """Measure prompt processing (pp) and generation (tg) speed, as llama-bench does.
 
     Each test runs at each depth; the tokens/s go to stdout as a table, then the peak RSS."""
     from kestrel_cli.apps.bench import render, run_bench
+
     engine.check()
     try:
         depths = [int(d) for d in depth.split(",") if d.strip()]
@@ -819,51 +1182,87 @@ def bench(
     # bench fills a cache of its own: the deepest test's tokens, bounded as -c is
     need = max(depths or [0]) + max(n_prompt, n_gen) + 1
     if need > MAX_CTX:
-        raise KestrelError(f"bench: -d + max(-p, -n) must be at most {MAX_CTX} tokens, "
-                           f"got {need - 1}")
+        raise KestrelError(
+            f"bench: -d + max(-p, -n) must be at most {MAX_CTX} tokens, got {need - 1}"
+        )
     eng = engine_from_options(engine)
-    if min(depths or [0]) >= 0 and min(n_prompt, n_gen) >= 0:     # else run_bench says so
+    if min(depths or [0]) >= 0 and min(n_prompt, n_gen) >= 0:  # else run_bench says so
         check_kv_memory(eng, need, hint="-d, -p or -n")
-    report = run_bench(eng, n_prompt, n_gen, depths or [0], repetitions,
-                       quant=Quant(engine.quant).value,
-                       progress=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True))
+    report = run_bench(
+        eng,
+        n_prompt,
+        n_gen,
+        depths or [0],
+        repetitions,
+        quant=Quant(engine.quant).value,
+        progress=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True),
+    )
     print(render(report) if output == "md" else report.to_json())
 
 
 @app.command()
 def quantize(
-    src: Annotated[Path, typer.Argument(
-        metavar="IN", help="Hugging Face checkpoint directory (config.json, *.safetensors, "
-        "tokenizer.json).", show_default=False)],
-    out: Annotated[Path, typer.Argument(
-        metavar="OUT", help="GGUF file to write.", show_default=False)],
-    type_: Annotated[GGUFType, typer.Option(
-        "--type", help="GGUF file type, with the tensor mix llama-quantize picks for it "
-        "(q4_k_m/q5_k_m: Q6_K on attn_v and ffn_down of some layers; output Q6_K "
-        "except in q8_0).", show_default=False)],
-    pure: Annotated[bool, typer.Option(
-        "--pure", help="Quantise every matrix to the type itself, output and token "
-        "embeddings included (llama-quantize --pure).")] = False,
-    threads: Annotated[Optional[int], typer.Option(
-        "-t", "--threads", help=f"Threads that quantise: at most {THREADS_PER_CORE} per core, "
-        f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}.",
-        show_default="all available cores")] = None,
+    src: Annotated[
+        Path,
+        typer.Argument(
+            metavar="IN",
+            help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json).",
+            show_default=False,
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Argument(metavar="OUT", help="GGUF file to write.", show_default=False)
+    ],
+    type_: Annotated[
+        GGUFType,
+        typer.Option(
+            "--type",
+            help="GGUF file type, with the tensor mix llama-quantize picks for it "
+            "(q4_k_m/q5_k_m: Q6_K on attn_v and ffn_down of some layers; output Q6_K "
+            "except in q8_0).",
+            show_default=False,
+        ),
+    ],
+    pure: Annotated[
+        bool,
+        typer.Option(
+            "--pure",
+            help="Quantise every matrix to the type itself, output and token "
+            "embeddings included (llama-quantize --pure).",
+        ),
+    ] = False,
+    threads: Annotated[
+        Optional[int],
+        typer.Option(
+            "-t",
+            "--threads",
+            help=f"Threads that quantise: at most {THREADS_PER_CORE} per core, "
+            f"{THREADS_FLOOR} allowed on any machine, never more than {THREADS_MAX}.",
+            show_default="all available cores",
+        ),
+    ] = None,
 ):
     """Write a checkpoint as a GGUF file, in llama.cpp's layout.
 
     The tensors are written one by one, in bounded memory.
     OUT appears only once it is complete (it is OUT.part while being written)."""
     from kestrel_cli.apps.gguf_export import Terminated, quantize_checkpoint
-    LoadOptions(threads=threads).validate()       # -t within what this machine can start
+
+    LoadOptions(threads=threads).validate()  # -t within what this machine can start
     try:
-        quantize_checkpoint(src, out, GGUFType(type_).value, pure=pure,
-                            progress=sys.stderr.isatty(),
-                            log=lambda s: print(s, file=sys.stderr, flush=True),
-                            threads=threads)
+        quantize_checkpoint(
+            src,
+            out,
+            GGUFType(type_).value,
+            pure=pure,
+            progress=sys.stderr.isatty(),
+            log=lambda s: print(s, file=sys.stderr, flush=True),
+            threads=threads,
+        )
     except KeyboardInterrupt:
         print(f"interrupted: {out} not written", file=sys.stderr)
         raise typer.Exit(130)
-    except Terminated as e:            # the status a process ended by SIGTERM would have
+    except Terminated as e:  # the status a process ended by SIGTERM would have
         print(f"error: {e}", file=sys.stderr)
         raise typer.Exit(143)
 
@@ -872,7 +1271,7 @@ def main() -> None:
     """Console entry point `kestrel`."""
     try:
         app(prog_name="kestrel")
-    except KeyboardInterrupt:          # outside a command (e.g. while importing)
+    except KeyboardInterrupt:  # outside a command (e.g. while importing)
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
 

@@ -16,6 +16,7 @@ binary (built as its header says) right after, with the same threads, and prints
 attention's share of its read bandwidth: a ratio from one command, on a machine whose
 bandwidth drifts between commands.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,51 +63,78 @@ def main(argv=None) -> int:
     L, H, KV, hd = geometry(a.shape)
     L = a.layers or L
     es = {"f32": 4, "f16": 2, "q8": 1}[a.dtype]
-    need = L * 2 * a.depth * KV * hd * es + 2 * a.depth * KV * hd * 4   # cache + one layer's input
+    need = L * 2 * a.depth * KV * hd * es + 2 * a.depth * KV * hd * 4  # cache + one layer's input
     avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     if need > avail:
-        p.error(f"the cache needs {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is free: "
-                "fewer layers (-L) or a smaller depth (-d)")
+        p.error(
+            f"the cache needs {need / 2**30:.1f} GiB, {avail / 2**30:.1f} GiB is free: "
+            "fewer layers (-L) or a smaller depth (-d)"
+        )
     rng = np.random.default_rng(0)
     cache = KVCache(L, KV, hd, a.depth + K.KV_BLOCK, CacheSpec(a.dtype))
     cache.reserve(a.depth)
     for layer in range(L):
-        cache.write(layer, rng.standard_normal((a.depth, KV * hd), dtype=np.float32),
-                    rng.standard_normal((a.depth, KV * hd), dtype=np.float32))
+        cache.write(
+            layer,
+            rng.standard_normal((a.depth, KV * hd), dtype=np.float32),
+            rng.standard_normal((a.depth, KV * hd), dtype=np.float32),
+        )
     cache.commit(a.depth)
-    views = [tuple(np.ascontiguousarray(v) for v in cache.views(layer, a.depth))
-             for layer in range(L)]
+    views = [
+        tuple(np.ascontiguousarray(v) for v in cache.views(layer, a.depth)) for layer in range(L)
+    ]
     q = rng.standard_normal((1, H * hd), dtype=np.float32)
     out = np.empty_like(q)
     tab = np.empty(K.decode_tab_size(a.depth, H, hd), np.float32)
     nb = -(-a.depth // K.KV_BLOCK)
     order = np.arange(nb, dtype=np.int32) if a.k else None
     times = []
-    for _ in range(a.reps + 1):                       # the first: warm-up
+    for _ in range(a.reps + 1):  # the first: warm-up
         t0 = time.perf_counter()
         for kp, vp in views:
-            K.attention(q, kp, vp, K.KV_BLOCK, KV, hd, a.depth - 1, hd ** -0.5, out, a.threads,
-                        kv_q8=a.dtype == "q8", kv_f16=a.dtype == "f16", dec_tab=tab,
-                        sparse_k=a.k, imp_order=order)
+            K.attention(
+                q,
+                kp,
+                vp,
+                K.KV_BLOCK,
+                KV,
+                hd,
+                a.depth - 1,
+                hd**-0.5,
+                out,
+                a.threads,
+                kv_q8=a.dtype == "q8",
+                kv_f16=a.dtype == "f16",
+                dec_tab=tab,
+                sparse_k=a.k,
+                imp_order=order,
+            )
         times.append(time.perf_counter() - t0)
     t = float(np.median(times[1:]))
     gbs = L * 2 * a.depth * KV * hd * es / t / 1e9
     mode = f"sparse k={a.k}" if a.k else "exact"
-    rate = f"{gbs:.1f}" if gbs >= 1 else f"{gbs:.4f}"    # a loaded machine: not "0.0"
-    print(f"[ATTN] shape={a.shape} layers={L} heads={H}/{KV}x{hd} depth={a.depth} "
-          f"dtype={a.dtype} {mode} threads={a.threads}: {t * 1e3:.2f} ms/step "
-          f"{rate} GB/s of K+V")
+    rate = f"{gbs:.1f}" if gbs >= 1 else f"{gbs:.4f}"  # a loaded machine: not "0.0"
+    print(
+        f"[ATTN] shape={a.shape} layers={L} heads={H}/{KV}x{hd} depth={a.depth} "
+        f"dtype={a.dtype} {mode} threads={a.threads}: {t * 1e3:.2f} ms/step "
+        f"{rate} GB/s of K+V"
+    )
     if a.stream:
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-        r = subprocess.run([a.stream, str(a.stream_mib), "5"], capture_output=True, text=True,
-                           env=env)
+        r = subprocess.run(
+            [a.stream, str(a.stream_mib), "5"], capture_output=True, text=True, env=env
+        )
         m = re.search(r"kernel=read .*best_gbs=([0-9.]+)", r.stdout)
         if r.returncode or not m:
-            print(f"attn_bench: {a.stream} printed no read figure: {r.stderr.strip()}",
-                  file=sys.stderr)
+            print(
+                f"attn_bench: {a.stream} printed no read figure: {r.stderr.strip()}",
+                file=sys.stderr,
+            )
             return 1
-        print(f"[STREAM] read {float(m.group(1)):.1f} GB/s: attention at "
-              f"{gbs / float(m.group(1)):.0%} of it")
+        print(
+            f"[STREAM] read {float(m.group(1)):.1f} GB/s: attention at "
+            f"{gbs / float(m.group(1)):.0%} of it"
+        )
     return 0
 
 

@@ -18,6 +18,7 @@ not what a plain mmap of the file gives); by default llama-bench's default appli
 machine's load skews both engines alike; the runs alternate per thread count.
 env: KESTREL, the kestrel command (default: this Python's `-m kestrel_cli.cli`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,9 @@ def llama_bench_path(build: Path) -> Path:
     for p in (build, build / "bin" / "llama-bench", build / "llama-bench"):
         if p.is_file() and os.access(p, os.X_OK):
             return p
-    raise PeerError(f"no llama-bench in {build} (build it: cmake --build {build} "
-                    f"--target llama-bench)")
+    raise PeerError(
+        f"no llama-bench in {build} (build it: cmake --build {build} --target llama-bench)"
+    )
 
 
 def _test(n_prompt: int, n_gen: int, depth: int = 0) -> str:
@@ -54,10 +56,12 @@ def llama_rates(text: str) -> dict[tuple[int, str], tuple[float, str]]:
         rows = json.loads(text)
         out: dict[tuple[int, str], tuple[float, str]] = {}
         for r in rows:
-            key = (int(r["n_threads"]), _test(int(r["n_prompt"]), int(r["n_gen"]),
-                                              int(r.get("n_depth", 0))))
+            key = (
+                int(r["n_threads"]),
+                _test(int(r["n_prompt"]), int(r["n_gen"]), int(r.get("n_depth", 0))),
+            )
             fa = r.get("flash_attn")
-            fa = str(int(fa)) if isinstance(fa, (bool, int)) else str(fa)   # bool in older builds
+            fa = str(int(fa)) if isinstance(fa, (bool, int)) else str(fa)  # bool in older builds
             ts = float(r["avg_ts"])
             if key not in out or ts > out[key][0]:
                 out[key] = (ts, fa)
@@ -72,8 +76,9 @@ def kestrel_rates(text: str) -> tuple[int, dict[str, float]]:
         d = json.loads(text)
         return int(d["threads"]), {r["test"]: float(r["mean"]) for r in d["rows"]}
     except (ValueError, KeyError, TypeError) as e:
-        raise PeerError(f"kestrel bench: unreadable JSON output ({type(e).__name__}: {e})") \
-            from None
+        raise PeerError(
+            f"kestrel bench: unreadable JSON output ({type(e).__name__}: {e})"
+        ) from None
 
 
 def table(rows: list[dict], n_prompt: int, n_gen: int) -> str:
@@ -87,12 +92,22 @@ def table(rows: list[dict], n_prompt: int, n_gen: int) -> str:
         return " / ".join(f"{d[t]:.2f}" if t in d else "-" for t in tests)
 
     def ratios(r):
-        return " / ".join(f"{r['kestrel'][t] / r['llama'][t]:.2f}"
-                          if r["kestrel"].get(t) and r["llama"].get(t) else "-" for t in tests)
-    out = [f"| file | threads | llama.cpp {names} | kestrel {names} | ratio {kinds} |",
-           "|---|---:|---:|---:|---:|"]
-    out += [f"| {r['file']} | {r['threads']} | {rates(r['llama'])} | {rates(r['kestrel'])} | "
-            f"{ratios(r)} |" for r in rows]
+        return " / ".join(
+            f"{r['kestrel'][t] / r['llama'][t]:.2f}"
+            if r["kestrel"].get(t) and r["llama"].get(t)
+            else "-"
+            for t in tests
+        )
+
+    out = [
+        f"| file | threads | llama.cpp {names} | kestrel {names} | ratio {kinds} |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    out += [
+        f"| {r['file']} | {r['threads']} | {rates(r['llama'])} | {rates(r['kestrel'])} | "
+        f"{ratios(r)} |"
+        for r in rows
+    ]
     return "\n".join(out)
 
 
@@ -126,15 +141,25 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--repetitions", type=int, default=5)
-    ap.add_argument("--repack", choices=["0", "1"], default=None,
-                    help="llama-bench --repack (weight repacking; default: llama-bench's)")
-    ap.add_argument("--kestrel-args", default="", help='extra kestrel bench flags, e.g. "--quant q8"')
+    ap.add_argument(
+        "--repack",
+        choices=["0", "1"],
+        default=None,
+        help="llama-bench --repack (weight repacking; default: llama-bench's)",
+    )
+    ap.add_argument(
+        "--kestrel-args", default="", help='extra kestrel bench flags, e.g. "--quant q8"'
+    )
     a = ap.parse_args(argv)
     if a.n_prompt < 0 or a.n_gen < 0 or a.n_prompt + a.n_gen == 0 or a.repetitions < 1:
         ap.error("-p and -n must be >= 0, not both 0, and -r >= 1")
     if not a.gguf.is_file():
         ap.error(f"{a.gguf}: no such file")
-    kestrel = shlex.split(os.environ.get("KESTREL", "")) or [sys.executable, "-m", "kestrel_cli.cli"]
+    kestrel = shlex.split(os.environ.get("KESTREL", "")) or [
+        sys.executable,
+        "-m",
+        "kestrel_cli.cli",
+    ]
     common = ["-p", str(a.n_prompt), "-n", str(a.n_gen), "-r", str(a.repetitions)]
     try:
         bench = llama_bench_path(a.build)
@@ -144,14 +169,37 @@ def main(argv=None) -> int:
             if a.repack is not None:
                 cmd += ["--repack", a.repack]
             llama = llama_rates(_run(cmd, "llama-bench"))
-            k_threads, kest = kestrel_rates(_run(
-                [*kestrel, "bench", "-m", str(a.gguf), "-t", str(t), *common, "-o", "json",
-                 *shlex.split(a.kestrel_args)], "kestrel bench"))
+            k_threads, kest = kestrel_rates(
+                _run(
+                    [
+                        *kestrel,
+                        "bench",
+                        "-m",
+                        str(a.gguf),
+                        "-t",
+                        str(t),
+                        *common,
+                        "-o",
+                        "json",
+                        *shlex.split(a.kestrel_args),
+                    ],
+                    "kestrel bench",
+                )
+            )
             fa = {test: f for (n, test), (_, f) in llama.items() if n == t}
-            print(f"threads {t}: llama.cpp fastest with -fa " +
-                  ", ".join(f"{f} ({test})" for test, f in fa.items()), file=sys.stderr)
-            rows.append({"file": a.gguf.name, "threads": t, "kestrel": kest,
-                         "llama": {test: ts for (n, test), (ts, _) in llama.items() if n == t}})
+            print(
+                f"threads {t}: llama.cpp fastest with -fa "
+                + ", ".join(f"{f} ({test})" for test, f in fa.items()),
+                file=sys.stderr,
+            )
+            rows.append(
+                {
+                    "file": a.gguf.name,
+                    "threads": t,
+                    "kestrel": kest,
+                    "llama": {test: ts for (n, test), (ts, _) in llama.items() if n == t},
+                }
+            )
             if k_threads != t:
                 raise PeerError(f"kestrel bench ran {k_threads} threads, asked {t}")
     except PeerError as e:

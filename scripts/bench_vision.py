@@ -7,6 +7,7 @@ CHECKPOINT_DIR: a Qwen3-VL checkpoint with its vision tower (e.g. make_random_ch
 preprocessed once; the vision towers' forward passes are timed (best of -r runs after one
 untimed run), and the outputs compared. Prints one line per size and the peak RSS.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ def main(argv=None) -> int:
 
     from kestrel_cli import Engine
     from kestrel_cli.models.images import ImageConfig, preprocess
+
     eng = Engine.from_pretrained(a.model, threads=a.threads)
     tower = eng.model.vision
     icfg = ImageConfig.from_dir(eng.path, eng.config.vision_config)
@@ -36,6 +38,7 @@ def main(argv=None) -> int:
     if not a.no_torch:
         import torch
         import transformers as tf
+
         torch.set_num_threads(a.threads)
         full = tf.Qwen3VLForConditionalGeneration.from_pretrained(a.model, dtype=torch.float32)
         ref = full.model.visual.eval()
@@ -50,10 +53,13 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             emb, _ = tower.encode(im.patches, [im.grid])
             times.append(time.perf_counter() - t0)
-        line = f"{w}x{h}: grid {im.grid[1]}x{im.grid[2]}, {im.n_tokens} tokens, kestrel " \
-               f"{min(times[1:]) * 1e3:.0f} ms"
+        line = (
+            f"{w}x{h}: grid {im.grid[1]}x{im.grid[2]}, {im.n_tokens} tokens, kestrel "
+            f"{min(times[1:]) * 1e3:.0f} ms"
+        )
         if ref is not None:
             import torch
+
             x = torch.from_numpy(im.patches)
             g = torch.tensor([list(im.grid)])
             rt = []
@@ -63,8 +69,10 @@ def main(argv=None) -> int:
                     out = ref(x, grid_thw=g).pooler_output
                     rt.append(time.perf_counter() - t0)
             diff = float(np.abs(out.numpy() - emb).max())
-            line += f", transformers fp32 {min(rt[1:]) * 1e3:.0f} ms " \
-                    f"(x{min(rt[1:]) / min(times[1:]):.2f}), max abs diff {diff:.1e}"
+            line += (
+                f", transformers fp32 {min(rt[1:]) * 1e3:.0f} ms "
+                f"(x{min(rt[1:]) / min(times[1:]):.2f}), max abs diff {diff:.1e}"
+            )
         print(line, flush=True)
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB")
     return 0

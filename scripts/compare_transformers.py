@@ -8,6 +8,7 @@ weights to fp32; Kestrel uses them as stored); omitted = the bundled SmolLM2 GGU
 Prints prefill and decode tokens/s (best of -r runs) for both and the max abs logit
 difference on the prompt. Local comparison only: transformers is not a dependency.
 """
+
 import argparse
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from kestrel_cli import Engine
+
     torch.set_num_threads(a.threads)
     eng = Engine.from_pretrained(a.model, threads=a.threads)
     path = Path(eng.path)
@@ -51,8 +53,13 @@ def main():
     def hf_gen(n):
         t = time.perf_counter()
         with torch.no_grad():
-            hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                        min_new_tokens=n, do_sample=False)
+            hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+            )
         return time.perf_counter() - t
 
     hf_pp = best_of(a.repeats, hf_prefill)

@@ -53,6 +53,7 @@ text the model generates is noise too. Never commit the output. Memory stays sma
 are generated, converted and streamed to disk a few rows at a time (the q/k matrices of the
 llama arch whole, for the permute). `--layers N` makes a shallower model of the same width.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,11 +66,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # this checkout's kestrel_cli
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's kestrel_cli
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # the VL shapes: image parts as Qwen3-VL's template writes them
 VL_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -77,66 +79,146 @@ VL_CHAT_TEMPLATE = (
     "{% if c['type'] == 'image' or 'image' in c or 'image_url' in c %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>",
-                 "vision_end_token_id": "<|vision_end|>",
-                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+VISION_TOKENS = {
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
 # Qwen3-VL's published preprocessor_config.json
-PREPROCESSOR = {"size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
-                "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
-                "image_processor_type": "Qwen2VLImageProcessorFast"}
+PREPROCESSOR = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
 SHARD_BYTES = 2 << 30
-CHUNK = 1 << 24                          # elements generated at a time
-TOKENIZER_VOCAB = 1000                   # the small BPE tokenizer's size (<= every shape's vocab)
+CHUNK = 1 << 24  # elements generated at a time
+TOKENIZER_VOCAB = 1000  # the small BPE tokenizer's size (<= every shape's vocab)
 
 
 def _qwen3(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool, **extra) -> dict:
     """A Qwen3ForCausalLM config.json as published (Qwen/Qwen3-*)."""
     return {
-        "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": inter,
-        "max_position_embeddings": 40960, "max_window_layers": layers, "model_type": "qwen3",
-        "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": kv,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-        "tie_word_embeddings": tied, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936, **extra}
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": inter,
+        "max_position_embeddings": 40960,
+        "max_window_layers": layers,
+        "model_type": "qwen3",
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+        **extra,
+    }
 
 
 def _qwen3_vl(hidden: int, inter: int, layers: int, heads: int, tied: bool, vision: dict) -> dict:
     """A Qwen3VLForConditionalGeneration config.json as published (Qwen/Qwen3-VL-*-Instruct)."""
     text = {
-        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
-        "dtype": "bfloat16", "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-        "hidden_size": hidden, "initializer_range": 0.02, "intermediate_size": inter,
-        "max_position_embeddings": 262144, "model_type": "qwen3_vl_text",
-        "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": 8,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "dtype": "bfloat16",
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": inter,
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text",
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": 8,
         "rms_norm_eps": 1e-06,
-        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
-                         "rope_type": "default"},
-        "rope_theta": 5000000, "tie_word_embeddings": tied, "use_cache": True,
-        "vocab_size": 151936}
-    vision = {"hidden_act": "gelu_pytorch_tanh", "in_channels": 3, "initializer_range": 0.02,
-              "model_type": "qwen3_vl", "num_heads": 16, "num_position_embeddings": 2304,
-              "out_hidden_size": hidden, "patch_size": 16, "spatial_merge_size": 2,
-              "temporal_patch_size": 2, **vision}
-    return {"architectures": ["Qwen3VLForConditionalGeneration"], "image_token_id": 151655,
-            "model_type": "qwen3_vl", "text_config": text, "tie_word_embeddings": tied,
-            "transformers_version": "4.57.0.dev0", "video_token_id": 151656,
-            "vision_config": dict(sorted(vision.items())), "vision_end_token_id": 151653,
-            "vision_start_token_id": 151652}
+        "rope_scaling": {
+            "mrope_interleaved": True,
+            "mrope_section": [24, 20, 20],
+            "rope_type": "default",
+        },
+        "rope_theta": 5000000,
+        "tie_word_embeddings": tied,
+        "use_cache": True,
+        "vocab_size": 151936,
+    }
+    vision = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+        "initializer_range": 0.02,
+        "model_type": "qwen3_vl",
+        "num_heads": 16,
+        "num_position_embeddings": 2304,
+        "out_hidden_size": hidden,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        **vision,
+    }
+    return {
+        "architectures": ["Qwen3VLForConditionalGeneration"],
+        "image_token_id": 151655,
+        "model_type": "qwen3_vl",
+        "text_config": text,
+        "tie_word_embeddings": tied,
+        "transformers_version": "4.57.0.dev0",
+        "video_token_id": 151656,
+        "vision_config": dict(sorted(vision.items())),
+        "vision_end_token_id": 151653,
+        "vision_start_token_id": 151652,
+    }
 
 
 SMOLLM2_1_7B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 2048,
-    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 8192,
-    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 24,
-    "num_key_value_heads": 32, "pad_token_id": 2, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": None, "rope_theta": 130000, "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16", "transformers_version": "4.42.3", "use_cache": True,
-    "vocab_size": 49152}
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 8192,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 32,
+    "pad_token_id": 2,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 130000,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.3",
+    "use_cache": True,
+    "vocab_size": 49152,
+}
 
 SHAPES = {
     "smollm2-1.7b": SMOLLM2_1_7B,
@@ -145,21 +227,63 @@ SHAPES = {
     "qwen3-4b": _qwen3(2560, 9728, 36, 32, 8, True),
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, False),
     "qwen3-30b-a3b": _qwen3(
-        2048, 6144, 48, 32, 4, False, architectures=["Qwen3MoeForCausalLM"],
-        model_type="qwen3_moe", decoder_sparse_step=1, mlp_only_layers=[],
-        moe_intermediate_size=768, norm_topk_prob=True, num_experts=128, num_experts_per_tok=8,
-        output_router_logits=False, rope_theta=1000000.0, router_aux_loss_coef=0.001),
-    "qwen3-vl-2b": _qwen3_vl(2048, 6144, 28, 16, True, {
-        "deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_size": 1024,
-        "intermediate_size": 4096}),
-    "qwen3-vl-8b": _qwen3_vl(4096, 12288, 36, 32, False, {
-        "deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_size": 1152,
-        "intermediate_size": 4304}),
+        2048,
+        6144,
+        48,
+        32,
+        4,
+        False,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        output_router_logits=False,
+        rope_theta=1000000.0,
+        router_aux_loss_coef=0.001,
+    ),
+    "qwen3-vl-2b": _qwen3_vl(
+        2048,
+        6144,
+        28,
+        16,
+        True,
+        {
+            "deepstack_visual_indexes": [5, 11, 17],
+            "depth": 24,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+        },
+    ),
+    "qwen3-vl-8b": _qwen3_vl(
+        4096,
+        12288,
+        36,
+        32,
+        False,
+        {
+            "deepstack_visual_indexes": [8, 16, 24],
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+        },
+    ),
 }
 # the test shapes: each layout at hidden 64 (rows of whole 32-blocks), 2 layers, vocab 1024
-_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
-         "max_position_embeddings": 2048, "bos_token_id": 0, "eos_token_id": 2}
+_TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+}
 
 
 def _tiny(config: dict, **over) -> dict:
@@ -167,31 +291,55 @@ def _tiny(config: dict, **over) -> dict:
     text = cfg.get("text_config", cfg)
     text.update(_TINY, **over)
     if "text_config" in cfg:
-        text["rope_scaling"]["mrope_section"] = [8, 4, 4]           # head_dim 32
-        cfg["vision_config"].update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                    out_hidden_size=64, deepstack_visual_indexes=[])
+        text["rope_scaling"]["mrope_section"] = [8, 4, 4]  # head_dim 32
+        cfg["vision_config"].update(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            out_hidden_size=64,
+            deepstack_visual_indexes=[],
+        )
     if text.get("max_window_layers"):
         text["max_window_layers"] = text["num_hidden_layers"]
     return cfg
 
 
-SHAPES.update({
-    "tiny-llama": _tiny(SMOLLM2_1_7B, pad_token_id=2),
-    "tiny-qwen3": _tiny(SHAPES["qwen3-1.7b"], head_dim=32),
-    "tiny-qwen3-moe": _tiny(SHAPES["qwen3-30b-a3b"], head_dim=32, num_experts=4,
-                            num_experts_per_tok=2, moe_intermediate_size=64),
-    "tiny-qwen3-vl": _tiny(SHAPES["qwen3-vl-2b"], head_dim=32),
-    # rows of whole 256-blocks everywhere, for the K-quant mixes
-    "tiny-qwen3-moe-k": _tiny(SHAPES["qwen3-30b-a3b"], hidden_size=256, head_dim=64,
-                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256),
-})
+SHAPES.update(
+    {
+        "tiny-llama": _tiny(SMOLLM2_1_7B, pad_token_id=2),
+        "tiny-qwen3": _tiny(SHAPES["qwen3-1.7b"], head_dim=32),
+        "tiny-qwen3-moe": _tiny(
+            SHAPES["qwen3-30b-a3b"],
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+        ),
+        "tiny-qwen3-vl": _tiny(SHAPES["qwen3-vl-2b"], head_dim=32),
+        # rows of whole 256-blocks everywhere, for the K-quant mixes
+        "tiny-qwen3-moe-k": _tiny(
+            SHAPES["qwen3-30b-a3b"],
+            hidden_size=256,
+            head_dim=64,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=256,
+        ),
+    }
+)
 
 # GGUF: llama.cpp's arch per model_type, the types written (every matrix in one type, as
 # llama-quantize --pure) and general.file_type
 GGUF_ARCH = {"llama": "LLAMA", "qwen3": "QWEN3", "qwen3_vl": "QWEN3VL", "qwen3_moe": "QWEN3MOE"}
-GGUF_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"),
-              "bf16": ("BF16", "MOSTLY_BF16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
-              "q4_0": ("Q4_0", "MOSTLY_Q4_0"), "q4_1": ("Q4_1", "MOSTLY_Q4_1")}
+GGUF_TYPES = {
+    "f32": ("F32", "ALL_F32"),
+    "f16": ("F16", "MOSTLY_F16"),
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+    "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
+}
 # llama-quantize mixes written directly (random K-quant blocks, see mix_type)
 GGUF_MIXES = {"q4_k_m": ("Q4_K", "MOSTLY_Q4_K_M")}
 
@@ -206,8 +354,9 @@ def _hparams(config: dict) -> dict:
     cfg = dict(text_config(config))
     rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     cfg.setdefault("rope_theta", rope.get("rope_theta", 10000.0))
-    cfg["rope_theta"] = cfg["rope_theta"] if cfg["rope_theta"] is not None else \
-        rope.get("rope_theta", 10000.0)
+    cfg["rope_theta"] = (
+        cfg["rope_theta"] if cfg["rope_theta"] is not None else rope.get("rope_theta", 10000.0)
+    )
     cfg["mrope_section"] = rope.get("mrope_section")
     cfg["num_experts"] = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     cfg.setdefault("mlp_only_layers", [])
@@ -231,25 +380,34 @@ def text_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     out = [(f"{p}.embed_tokens.weight", (V, H))]
     for i in range(cfg["num_hidden_layers"]):
         q = f"{p}.layers.{i}"
-        out += [(f"{q}.input_layernorm.weight", (H,)),
-                (f"{q}.self_attn.q_proj.weight", (nh * hd, H)),
-                (f"{q}.self_attn.k_proj.weight", (nkv * hd, H)),
-                (f"{q}.self_attn.v_proj.weight", (nkv * hd, H)),
-                (f"{q}.self_attn.o_proj.weight", (H, nh * hd))]
+        out += [
+            (f"{q}.input_layernorm.weight", (H,)),
+            (f"{q}.self_attn.q_proj.weight", (nh * hd, H)),
+            (f"{q}.self_attn.k_proj.weight", (nkv * hd, H)),
+            (f"{q}.self_attn.v_proj.weight", (nkv * hd, H)),
+            (f"{q}.self_attn.o_proj.weight", (H, nh * hd)),
+        ]
         if config["model_type"] != "llama":
-            out += [(f"{q}.self_attn.q_norm.weight", (hd,)),
-                    (f"{q}.self_attn.k_norm.weight", (hd,))]
+            out += [
+                (f"{q}.self_attn.q_norm.weight", (hd,)),
+                (f"{q}.self_attn.k_norm.weight", (hd,)),
+            ]
         out.append((f"{q}.post_attention_layernorm.weight", (H,)))
         if E and i not in cfg["mlp_only_layers"] and (i + 1) % cfg["decoder_sparse_step"] == 0:
             Im = cfg["moe_intermediate_size"]
             out.append((f"{q}.mlp.gate.weight", (E, H)))
-            for proj, shape in (("gate_proj", (Im, H)), ("up_proj", (Im, H)),
-                                ("down_proj", (H, Im))):
+            for proj, shape in (
+                ("gate_proj", (Im, H)),
+                ("up_proj", (Im, H)),
+                ("down_proj", (H, Im)),
+            ):
                 out += [(f"{q}.mlp.experts.{e}.{proj}.weight", shape) for e in range(E)]
         else:
-            out += [(f"{q}.mlp.gate_proj.weight", (I, H)),
-                    (f"{q}.mlp.up_proj.weight", (I, H)),
-                    (f"{q}.mlp.down_proj.weight", (H, I))]
+            out += [
+                (f"{q}.mlp.gate_proj.weight", (I, H)),
+                (f"{q}.mlp.up_proj.weight", (I, H)),
+                (f"{q}.mlp.down_proj.weight", (H, I)),
+            ]
     out.append((f"{p}.norm.weight", (H,)))
     if not config.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", (V, H)))
@@ -260,8 +418,10 @@ def vision_tensors(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of the vision tower, from transformers on the meta device."""
     import torch
     import transformers as tf
-    cfg = tf.Qwen3VLConfig(**{k: v for k, v in config.items()
-                              if k not in ("architectures", "transformers_version")})
+
+    cfg = tf.Qwen3VLConfig(
+        **{k: v for k, v in config.items() if k not in ("architectures", "transformers_version")}
+    )
     with torch.device("meta"):
         model = tf.Qwen3VLForConditionalGeneration(cfg)
     return [(n, tuple(p.shape)) for n, p in model.named_parameters() if ".visual." in f".{n}"]
@@ -296,13 +456,17 @@ def _rows(shape, dtype: str, rng, std: float):
 
 def _store(x: np.ndarray, dtype: str) -> bytes:
     """The safetensors bytes of values already rounded to `dtype`."""
-    return (_bf16(x) if dtype == "bf16" else
-            x.astype(np.float16 if dtype == "f16" else np.float32)).tobytes()
+    return (
+        _bf16(x) if dtype == "bf16" else x.astype(np.float16 if dtype == "f16" else np.float32)
+    ).tobytes()
 
 
 def _log(name, shape) -> None:
-    if "layers" not in name or name.endswith("layers.0.mlp.down_proj.weight") \
-            or name.endswith("layers.0.mlp.experts.0.down_proj.weight"):
+    if (
+        "layers" not in name
+        or name.endswith("layers.0.mlp.down_proj.weight")
+        or name.endswith("layers.0.mlp.experts.0.down_proj.weight")
+    ):
         print(f"  {name} {list(shape)}", file=sys.stderr)
 
 
@@ -323,11 +487,15 @@ def write_shards(out: Path, tensors, dtype: str, rng, std: float) -> int:
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         header, off = {"__metadata__": {"format": "pt"}}, 0
         for name, shape, nb in shard:
-            header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [off, off + nb]}
+            header[name] = {
+                "dtype": st_dtype,
+                "shape": list(shape),
+                "data_offsets": [off, off + nb],
+            }
             off += nb
             weight_map[name] = fname
         h = json.dumps(header, separators=(",", ":")).encode()
-        h += b" " * (-len(h) % 8)                                  # 8-byte aligned data
+        h += b" " * (-len(h) % 8)  # 8-byte aligned data
         with open(out / fname, "wb") as f:
             f.write(struct.pack("<Q", len(h)))
             f.write(h)
@@ -336,23 +504,30 @@ def write_shards(out: Path, tensors, dtype: str, rng, std: float) -> int:
                     f.write(_store(x, dtype))
                 _log(name, shape)
         total += off
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     return total
 
 
 def build_tokenizer():
     """A small byte-level BPE (`tokenizers.Tokenizer`) with the three Qwen special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["The kestrel hovers over the field and drops on a mouse.",
-              "Small models run on small boards; weights stream from memory each token.",
-              "def f(x):\n    return x * 2  # double it"] * 50
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = [
+        "The kestrel hovers over the field and drops on a mouse.",
+        "Small models run on small boards; weights stream from memory each token.",
+        "def f(x):\n    return x * 2  # double it",
+    ] * 50
     tok.train_from_iterator(corpus, trainer)
     return tok
 
@@ -371,9 +546,18 @@ def write_tokenizer(out: Path, config: dict | None = None) -> None:
         (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
         template = VL_CHAT_TEMPLATE
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": template, "eos_token": "<|im_end|>", "bos_token": None,
-        "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": template,
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "pad_token": "<|endoftext|>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            indent=2,
+        )
+    )
 
 
 def gguf_plan(config: dict, tensors) -> list[tuple[str, tuple[int, ...], list]]:
@@ -381,6 +565,7 @@ def gguf_plan(config: dict, tensors) -> list[tuple[str, tuple[int, ...], list]]:
     from the gguf package's map for the arch, consecutive experts merged into one tensor
     (a dense layer of a MoE model, mlp_only_layers, is named as in the dense arch)."""
     import gguf
+
     arch = gguf.MODEL_ARCH[GGUF_ARCH[config["model_type"]]]
     n_layers = _hparams(config)["num_hidden_layers"]
     names = gguf.get_tensor_name_map(arch, n_layers)
@@ -390,15 +575,17 @@ def gguf_plan(config: dict, tensors) -> list[tuple[str, tuple[int, ...], list]]:
         hf = re.sub(r"^model\.language_model\.", "model.", name)
         hf = re.sub(r"\.experts\.\d+\.", ".experts.", hf)
         g = names.get_name(hf, try_suffixes=(".weight",)) or (
-            dense.get_name(hf, try_suffixes=(".weight",)) if ".experts." not in hf else None)
+            dense.get_name(hf, try_suffixes=(".weight",)) if ".experts." not in hf else None
+        )
         if g is None:
             raise ValueError(f"{name}: no GGUF name for arch {gguf.MODEL_ARCH_NAMES[arch]}")
         if plan and plan[-1][0] == g:
             plan[-1][2].append((name, shape))
         else:
             plan.append((g, shape, [(name, shape)]))
-    return [(g, (len(parts), *shape) if "_exps." in g else shape, parts)
-            for g, shape, parts in plan]
+    return [
+        (g, (len(parts), *shape) if "_exps." in g else shape, parts) for g, shape, parts in plan
+    ]
 
 
 def _permute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
@@ -408,8 +595,11 @@ def _permute_qk(x: np.ndarray, n_head: int) -> np.ndarray:
 
 def _more_bits(i_layer: int, n_layers: int) -> bool:
     """llama-quant.cpp's use_more_bits: the layers Q4_K_M gives Q6_K attn_v / ffn_down."""
-    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
-            or (i_layer - n_layers // 8) % 3 == 2)
+    return (
+        i_layer < n_layers // 8
+        or i_layer >= 7 * n_layers // 8
+        or (i_layer - n_layers // 8) % 3 == 2
+    )
 
 
 def mix_type(g: str, shape, mix: str, n_layers: int, tied: bool) -> str:
@@ -473,7 +663,7 @@ def _random_kblocks(qtype: str, n_blocks: int, rng, std: float) -> np.ndarray:
         out = np.empty((n_blocks, 210), np.uint8)
         out[:, :192] = rng.integers(0, 256, (n_blocks, 192), dtype=np.uint8)
         sc = rng.integers(4, 17, (n_blocks, 16), dtype=np.int8)
-        sc *= rng.choice(np.array([-1, 1], np.int8), (n_blocks, 16))      # zero-centred
+        sc *= rng.choice(np.array([-1, 1], np.int8), (n_blocks, 16))  # zero-centred
         out[:, 192:208] = sc.view(np.uint8)
         d = (np.float32(std / (10.6 * 18.47)) * jitter).astype(np.float16)
         out[:, 208:210] = d.view(np.uint8).reshape(-1, 2)
@@ -490,8 +680,17 @@ def _random_kquant_rows(shape, qtype: str, rng, std: float):
         yield _random_kblocks(qtype, m * cols // 256, rng, std).tobytes()
 
 
-def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, std: float,
-               name: str, values=None) -> int:
+def write_gguf(
+    path: Path,
+    config: dict,
+    tensors,
+    gtype: str,
+    dtype: str,
+    rng,
+    std: float,
+    name: str,
+    values=None,
+) -> int:
     """One GGUF file (see the docstring); returns the bytes of tensor data written.
 
     gtype: a type of GGUF_TYPES (every matrix in it), or a mix of GGUF_MIXES (mix_type).
@@ -500,6 +699,7 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
     """
     import gguf
     from gguf.quants import quantize
+
     cfg = _hparams(config)
     arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[GGUF_ARCH[config["model_type"]]]]
     mix = gtype if gtype in GGUF_MIXES else None
@@ -509,8 +709,10 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
     n_layers = cfg["num_hidden_layers"]
     tied = bool(config.get("tie_word_embeddings", False))
     if values is None:
+
         def values(_name, shape):
             return _rows(shape, dtype, rng, std)
+
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"random {name}")
     w.add_file_type(gguf.LlamaFileType[ftype])
@@ -531,10 +733,11 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if arch == "qwen3vl":                 # as convert_hf_to_gguf's Qwen3VLTextModel writes it
+    if arch == "qwen3vl":  # as convert_hf_to_gguf's Qwen3VLTextModel writes it
         w.add_rope_dimension_sections((list(cfg["mrope_section"]) + [0] * 4)[:4])
-        w.add_num_deepstack_layers(len(config.get("vision_config", {})
-                                       .get("deepstack_visual_indexes", [])))
+        w.add_num_deepstack_layers(
+            len(config.get("vision_config", {}).get("deepstack_visual_indexes", []))
+        )
     _gguf_tokenizer(w, V)
 
     plan = gguf_plan(config, tensors)
@@ -543,8 +746,11 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
         if mix:
             t = gguf.GGMLQuantizationType[mix_type(g, shape, mix, n_layers, tied)]
         else:
-            t = gguf.GGMLQuantizationType.F32 if len(shape) == 1 or ".ffn_gate_inp." in g \
+            t = (
+                gguf.GGMLQuantizationType.F32
+                if len(shape) == 1 or ".ffn_gate_inp." in g
                 else gguf.GGMLQuantizationType[qname]
+            )
         b, s = gguf.GGML_QUANT_SIZES[t]
         if shape[-1] % b:
             raise ValueError(f"{g}: rows of {shape[-1]} are not whole {t.name} blocks of {b}")
@@ -580,11 +786,12 @@ def write_gguf(path: Path, config: dict, tensors, gtype: str, dtype: str, rng, s
 def _gguf_tokenizer(w, vocab_size: int) -> None:
     """The small tokenizer as llama.cpp's converter writes a byte-level BPE vocabulary."""
     from kestrel_cli.apps.gguf_export import token_list
+
     tok = build_tokenizer()
-    tokens, types = token_list(tok, vocab_size)      # ids past the tokenizer: [PADn], unused
+    tokens, types = token_list(tok, vocab_size)  # ids past the tokenizer: [PADn], unused
     merges = json.loads(tok.to_str())["model"]["merges"]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")                      # ByteLevel with GPT-2's split regex
+    w.add_tokenizer_pre("gpt-2")  # ByteLevel with GPT-2's split regex
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
@@ -603,28 +810,47 @@ def _gguf_type(s: str) -> str:
     if re.fullmatch(r"(q\d_k.*|iq\d.*|q5_[01]|tq\d_0|mxfp4)", s):
         raise argparse.ArgumentTypeError(
             f"{s!r} is not written here (choose from {choices}): write --gguf f16 and run "
-            f"llama.cpp's llama-quantize F16.gguf OUT.gguf {s.upper()}")
+            f"llama.cpp's llama-quantize F16.gguf OUT.gguf {s.upper()}"
+        )
     raise argparse.ArgumentTypeError(f"unknown type {s!r} (choose from {choices})")
 
 
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="output directory (safetensors) or .gguf file (--gguf)")
-    ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-vl-2b", metavar="NAME",
-                    help=f"published config to copy (default qwen3-vl-2b): {', '.join(SHAPES)}")
-    ap.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16",
-                    help="safetensors dtype; with --gguf, the precision the values are "
-                         "rounded to before TYPE (default bf16)")
+    ap.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        default="qwen3-vl-2b",
+        metavar="NAME",
+        help=f"published config to copy (default qwen3-vl-2b): {', '.join(SHAPES)}",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=["bf16", "f16", "f32"],
+        default="bf16",
+        help="safetensors dtype; with --gguf, the precision the values are "
+        "rounded to before TYPE (default bf16)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=None,
-                    help="decoder layers (default: the shape's)")
-    ap.add_argument("--with-vision", action="store_true",
-                    help="also write a random vision tower (VL shapes; needs transformers)")
-    ap.add_argument("--gguf", type=_gguf_type, default=None, metavar="TYPE",
-                    help=f"write one GGUF file instead: {', '.join(GGUF_TYPES)} (llama-quantize "
-                         f"--pure layout) or the mix {', '.join(GGUF_MIXES)} (llama-quantize "
-                         f"Q4_K_M's types, random K-quant blocks); other K-quants: use "
-                         f"llama.cpp's llama-quantize on an f16 GGUF")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default: the shape's)"
+    )
+    ap.add_argument(
+        "--with-vision",
+        action="store_true",
+        help="also write a random vision tower (VL shapes; needs transformers)",
+    )
+    ap.add_argument(
+        "--gguf",
+        type=_gguf_type,
+        default=None,
+        metavar="TYPE",
+        help=f"write one GGUF file instead: {', '.join(GGUF_TYPES)} (llama-quantize "
+        f"--pure layout) or the mix {', '.join(GGUF_MIXES)} (llama-quantize "
+        f"Q4_K_M's types, random K-quant blocks); other K-quants: use "
+        f"llama.cpp's llama-quantize on an f16 GGUF",
+    )
     a = ap.parse_args(argv)
     if a.layers is not None and a.layers < 1:
         ap.error(f"--layers must be >= 1 (got {a.layers})")
@@ -644,27 +870,39 @@ def main(argv=None) -> int:
     if a.layers is not None:
         text["num_hidden_layers"] = a.layers
     text["dtype" if "text_config" in config else "torch_dtype"] = {
-        "bf16": "bfloat16", "f16": "float16", "f32": "float32"}[a.dtype]
+        "bf16": "bfloat16",
+        "f16": "float16",
+        "f32": "float32",
+    }[a.dtype]
     tensors = text_tensors(config)
     rng = np.random.default_rng(a.seed)
     std = text["initializer_range"]
     if a.gguf:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         total = write_gguf(a.out, config, tensors, a.gguf, a.dtype, rng, std, a.shape)
-        print(f"{a.out}: {a.shape} {a.gguf}, {len(tensors)} checkpoint tensors, "
-              f"{total / 2**30:.2f} GiB of weights", file=sys.stderr)
+        print(
+            f"{a.out}: {a.shape} {a.gguf}, {len(tensors)} checkpoint tensors, "
+            f"{total / 2**30:.2f} GiB of weights",
+            file=sys.stderr,
+        )
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     if a.with_vision:
         tensors = vision_tensors(config) + tensors
     total = write_shards(a.out, tensors, a.dtype, rng, std)
-    write_tokenizer(a.out, config)          # sets a VL config's vision token ids
+    write_tokenizer(a.out, config)  # sets a VL config's vision token ids
     (a.out / "config.json").write_text(json.dumps(config, indent=2))
     eos = text["eos_token_id"]
-    (a.out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": text["bos_token_id"],
-         "eos_token_id": [eos, 151643] if eos == 151645 else eos, "do_sample": False},
-        indent=2))
+    (a.out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": text["bos_token_id"],
+                "eos_token_id": [eos, 151643] if eos == 151645 else eos,
+                "do_sample": False,
+            },
+            indent=2,
+        )
+    )
     print(f"{a.out}: {len(tensors)} tensors, {total / 2**30:.2f} GiB of weights", file=sys.stderr)
     return 0
 

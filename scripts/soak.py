@@ -31,6 +31,7 @@ no file in the model's folder or the server's working folder may appear or chang
 Prints the counts by kind and status, latency p50/p99 (ms), the 5xx count and the RSS over
 time; exits 1 when a check fails. A correctness soak: not a benchmark (use -t 1, nice).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,21 +55,39 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-MIXES = {                    # --mix: kind -> weight
+MIXES = {  # --mix: kind -> weight
     # what clients send in a day, a few bad requests among them
-    "mixed": {"chat": 6, "chat_stream": 6, "completion": 3, "completion_stream": 2,
-              "drop_stream": 3, "bad": 4, "long_prompt": 1, "image": 2, "json": 1},
+    "mixed": {
+        "chat": 6,
+        "chat_stream": 6,
+        "completion": 3,
+        "completion_stream": 2,
+        "drop_stream": 3,
+        "bad": 4,
+        "long_prompt": 1,
+        "image": 2,
+        "json": 1,
+    },
     # memory at the limits (README "Running it safely"): prompts just under the character
     # cap, decompression-bomb and too many images, deep JSON, among ordinary chats
-    "hostile": {"chat": 3, "image": 1, "near_cap": 4, "bomb_images": 2, "many_images": 1,
-                "deep_json": 1},
+    "hostile": {
+        "chat": 3,
+        "image": 1,
+        "near_cap": 4,
+        "bomb_images": 2,
+        "many_images": 1,
+        "deep_json": 1,
+    },
 }
 KINDS = {k: 0 for mix in MIXES.values() for k in mix}
-WORDS = ("kestrel hover field mouse wind small model board token second plenty river stone "
-         "light morning falcon wing grass").split()
+WORDS = (
+    "kestrel hover field mouse wind small model board token second plenty river stone "
+    "light morning falcon wing grass"
+).split()
 
 
 # ---------------------------------------------------------------------------- the server
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -86,18 +105,34 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "kestrel_cli.cli", "serve", "-t", str(self.args.threads),
-               "-c", str(self.args.ctx), "--port", str(self.port),
-               "--queue-size", str(self.args.clients + 2), "--parallel", str(self.args.parallel),
-               *self.args.serve_args.split()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kestrel_cli.cli",
+            "serve",
+            "-t",
+            str(self.args.threads),
+            "-c",
+            str(self.args.ctx),
+            "--port",
+            str(self.port),
+            "--queue-size",
+            str(self.args.clients + 2),
+            "--parallel",
+            str(self.args.parallel),
+            *self.args.serve_args.split(),
+        ]
         if self.args.model:
             cmd += ["-m", self.args.model]
-        env = {**os.environ, "OMP_WAIT_POLICY": "passive",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                           os.environ.get("PYTHONPATH")]))}
+        env = {
+            **os.environ,
+            "OMP_WAIT_POLICY": "passive",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
         with open(self.log, "ab") as f:
-            self.proc = subprocess.Popen(cmd, cwd=self.workdir, stdout=f, stderr=subprocess.STDOUT,
-                                         env=env)
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.workdir, stdout=f, stderr=subprocess.STDOUT, env=env
+            )
         wait_healthy(self.url, self.proc, self.log)
 
     @property
@@ -123,8 +158,10 @@ def wait_healthy(url: str, proc=None, log=None, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
-            sys.exit(f"soak: the server exited with {proc.returncode}:\n"
-                     f"{log.read_text(errors='replace')[-3000:] if log else ''}")
+            sys.exit(
+                f"soak: the server exited with {proc.returncode}:\n"
+                f"{log.read_text(errors='replace')[-3000:] if log else ''}"
+            )
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -151,7 +188,7 @@ def snapshot(*paths: Path) -> dict:
     the server's log aside)."""
     out = {}
     for d in paths:
-        for p in (d.rglob("*") if d.is_dir() else [d]):
+        for p in d.rglob("*") if d.is_dir() else [d]:
             if p.is_file() and p.name != "server.log":
                 st = p.stat()
                 out[str(p)] = (st.st_size, st.st_mtime_ns)
@@ -160,8 +197,10 @@ def snapshot(*paths: Path) -> dict:
 
 # ---------------------------------------------------------------------------- requests
 
+
 def png_data_url(rng: random.Random) -> str:
     from PIL import Image
+
     size = rng.choice([(16, 16), (32, 24), (48, 48)])
     img = Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
     buf = io.BytesIO()
@@ -181,15 +220,24 @@ def bomb_png_data_url() -> str:
         import zlib
 
         def chunk(tag: bytes, data: bytes) -> bytes:
-            return (struct.pack(">I", len(data)) + tag + data
-                    + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+            return (
+                struct.pack(">I", len(data))
+                + tag
+                + data
+                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+            )
+
         w = h = 9000
         z, row, idat = zlib.compressobj(9), b"\0" * (w + 1), []
         for _ in range(h):
             idat.append(z.compress(row))
         idat.append(z.flush())
-        png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
-               + chunk(b"IDAT", b"".join(idat)) + chunk(b"IEND", b""))
+        png = (
+            b"\x89PNG\r\n\x1a\n"
+            + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", b"".join(idat))
+            + chunk(b"IEND", b"")
+        )
         _BOMB.append("data:image/png;base64," + base64.b64encode(png).decode())
     return _BOMB[0]
 
@@ -204,77 +252,152 @@ def make_request(kind: str, rng: random.Random, args) -> dict:
     temp = rng.choice([0, 0.7])
 
     def chat(content, **kw):
-        return {"messages": [{"role": "user", "content": content}], "max_tokens": mt,
-                "temperature": temp, "seed": rng.randrange(1 << 30), **kw}
+        return {
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": mt,
+            "temperature": temp,
+            "seed": rng.randrange(1 << 30),
+            **kw,
+        }
+
     if kind == "chat":
-        return dict(path=CHAT, body=chat(sentence(rng, rng.randint(3, 30))), stream=False,
-                    expect="ok")
+        return dict(
+            path=CHAT, body=chat(sentence(rng, rng.randint(3, 30))), stream=False, expect="ok"
+        )
     if kind == "chat_stream":
-        return dict(path=CHAT, body=chat(sentence(rng, rng.randint(3, 30)), stream=True,
-                                         stream_options={"include_usage": rng.random() < .5}),
-                    stream=True, expect="ok")
+        return dict(
+            path=CHAT,
+            body=chat(
+                sentence(rng, rng.randint(3, 30)),
+                stream=True,
+                stream_options={"include_usage": rng.random() < 0.5},
+            ),
+            stream=True,
+            expect="ok",
+        )
     if kind == "completion":
-        return dict(path=COMPLETIONS, body={"prompt": sentence(rng, rng.randint(2, 20)),
-                                            "max_tokens": mt, "temperature": temp},
-                    stream=False, expect="ok")
+        return dict(
+            path=COMPLETIONS,
+            body={
+                "prompt": sentence(rng, rng.randint(2, 20)),
+                "max_tokens": mt,
+                "temperature": temp,
+            },
+            stream=False,
+            expect="ok",
+        )
     if kind == "completion_stream":
-        return dict(path=COMPLETIONS, body={"prompt": sentence(rng, rng.randint(2, 20)),
-                                            "max_tokens": mt, "stream": True},
-                    stream=True, expect="ok")
+        return dict(
+            path=COMPLETIONS,
+            body={"prompt": sentence(rng, rng.randint(2, 20)), "max_tokens": mt, "stream": True},
+            stream=True,
+            expect="ok",
+        )
     if kind == "drop_stream":
-        return dict(path=CHAT, body=chat("Tell me a long story.", stream=True,
-                                         max_tokens=max(mt, 32), ignore_eos=True),
-                    stream=True, expect="ok", drop_after=2)
+        return dict(
+            path=CHAT,
+            body=chat(
+                "Tell me a long story.", stream=True, max_tokens=max(mt, 32), ignore_eos=True
+            ),
+            stream=True,
+            expect="ok",
+            drop_after=2,
+        )
     if kind == "long_prompt":
-        return dict(path=COMPLETIONS, body={"prompt": sentence(rng, args.ctx // 6),
-                                            "max_tokens": mt}, stream=False, expect="ok")
+        return dict(
+            path=COMPLETIONS,
+            body={"prompt": sentence(rng, args.ctx // 6), "max_tokens": mt},
+            stream=False,
+            expect="ok",
+        )
     if kind == "image":
-        content = [{"type": "image_url", "image_url": {"url": png_data_url(rng)}},
-                   {"type": "text", "text": "What is in the picture?"}]
-        return dict(path=CHAT, body=chat(content, stream=rng.random() < .5),
-                    stream=None, expect="ok_or_400")
+        content = [
+            {"type": "image_url", "image_url": {"url": png_data_url(rng)}},
+            {"type": "text", "text": "What is in the picture?"},
+        ]
+        return dict(
+            path=CHAT,
+            body=chat(content, stream=rng.random() < 0.5),
+            stream=None,
+            expect="ok_or_400",
+        )
     if kind == "json":
-        return dict(path=CHAT, body=chat("Describe a bird as JSON.",
-                                         response_format={"type": "json_object"},
-                                         max_tokens=max(mt, 16)), stream=False, expect="ok")
-    if kind == "near_cap":             # ~1.3 M characters, ~8 MB of JSON: far over any context
+        return dict(
+            path=CHAT,
+            body=chat(
+                "Describe a bird as JSON.",
+                response_format={"type": "json_object"},
+                max_tokens=max(mt, 16),
+            ),
+            stream=False,
+            expect="ok",
+        )
+    if kind == "near_cap":  # ~1.3 M characters, ~8 MB of JSON: far over any context
         if not _NEAR_CAP:
             r0 = random.Random(0)
             _NEAR_CAP.append("".join(chr(r0.randint(0x4E00, 0x9FFF)) for _ in range(1_300_000)))
         cut = rng.randrange(len(_NEAR_CAP[0]))
         text = _NEAR_CAP[0][cut:] + _NEAR_CAP[0][:cut]
-        if rng.random() < .5:
-            return dict(path=COMPLETIONS, body={"prompt": text, "max_tokens": mt},
-                        stream=False, expect="4xx")
+        if rng.random() < 0.5:
+            return dict(
+                path=COMPLETIONS,
+                body={"prompt": text, "max_tokens": mt},
+                stream=False,
+                expect="4xx",
+            )
         return dict(path=CHAT, body=chat(text), stream=False, expect="4xx")
-    if kind == "bomb_images":          # eight 9000 x 9000 images in a 1.6 MB body
+    if kind == "bomb_images":  # eight 9000 x 9000 images in a 1.6 MB body
         content = [{"type": "image_url", "image_url": {"url": bomb_png_data_url()}}] * 8
-        return dict(path=CHAT, body=chat(content + [{"type": "text", "text": "Compare."}]),
-                    stream=False, expect="4xx")
-    if kind == "many_images":          # more images than a prompt may hold
-        content = [{"type": "image_url", "image_url": {"url": png_data_url(rng)}}
-                   for _ in range(200)]
+        return dict(
+            path=CHAT,
+            body=chat(content + [{"type": "text", "text": "Compare."}]),
+            stream=False,
+            expect="4xx",
+        )
+    if kind == "many_images":  # more images than a prompt may hold
+        content = [
+            {"type": "image_url", "image_url": {"url": png_data_url(rng)}} for _ in range(200)
+        ]
         return dict(path=CHAT, body=chat(content), stream=False, expect="4xx")
-    if kind == "deep_json":            # nesting past the server's depth limit
+    if kind == "deep_json":  # nesting past the server's depth limit
         deep = json.loads('{"type": "array", "items": ' * 600 + "{}" + "}" * 600)
-        if rng.random() < .5:
-            body = chat("hi", tools=[{"type": "function",
-                                      "function": {"name": "f", "parameters": deep}}])
+        if rng.random() < 0.5:
+            body = chat(
+                "hi", tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}]
+            )
         else:
-            body = chat("hi", response_format={"type": "json_schema",
-                                               "json_schema": {"name": "x", "schema": deep}})
+            body = chat(
+                "hi",
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": deep},
+                },
+            )
         return dict(path=CHAT, body=body, stream=False, expect="4xx")
-    bad = rng.choice([
-        b"{not json", b"[1, 2]", b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
-        b'{"messages": []}', b'{"prompt": 3}', b'{"prompt": "x", "max_tokens": "10"}',
-        json.dumps(chat("hi", stop=[str(i) for i in range(20)])).encode(),
-        json.dumps({"prompt": sentence(rng, args.ctx * 2), "max_tokens": 1}).encode(),
-        json.dumps(chat("hi", temperature=-1)).encode(),
-        json.dumps(chat([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])).encode(),
-    ])
-    return dict(path=rng.choice([CHAT, COMPLETIONS]) if bad == b"{not json" else
-                (COMPLETIONS if b'"prompt"' in bad else CHAT), body=bad, stream=False,
-                expect="4xx")
+    bad = rng.choice(
+        [
+            b"{not json",
+            b"[1, 2]",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+            b'{"messages": []}',
+            b'{"prompt": 3}',
+            b'{"prompt": "x", "max_tokens": "10"}',
+            json.dumps(chat("hi", stop=[str(i) for i in range(20)])).encode(),
+            json.dumps({"prompt": sentence(rng, args.ctx * 2), "max_tokens": 1}).encode(),
+            json.dumps(chat("hi", temperature=-1)).encode(),
+            json.dumps(
+                chat([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])
+            ).encode(),
+        ]
+    )
+    return dict(
+        path=rng.choice([CHAT, COMPLETIONS])
+        if bad == b"{not json"
+        else (COMPLETIONS if b'"prompt"' in bad else CHAT),
+        body=bad,
+        stream=False,
+        expect="4xx",
+    )
 
 
 class Result:
@@ -298,7 +421,7 @@ def check_error_body(r: httpx.Response) -> str | None:
     return None
 
 
-BUSY_RETRIES = 8                 # 503 server_busy: tries again after Retry-After, as SDKs do
+BUSY_RETRIES = 8  # 503 server_busy: tries again after Retry-After, as SDKs do
 
 
 def run_one(client: httpx.Client, req: dict, kind: str) -> Result:
@@ -314,7 +437,7 @@ def run_one(client: httpx.Client, req: dict, kind: str) -> Result:
     return res
 
 
-BUSY = [0]                       # 503 server_busy answers retried, over the run
+BUSY = [0]  # 503 server_busy answers retried, over the run
 _busy_lock = threading.Lock()
 
 
@@ -345,14 +468,19 @@ def _send(client: httpx.Client, req: dict, kind: str) -> Result:
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if req.get("drop_after") and len(events) >= req["drop_after"]:
-                        break                        # the client goes away mid-stream
+                        break  # the client goes away mid-stream
             ms = (time.perf_counter() - t0) * 1e3
             if req.get("drop_after"):
                 return Result(kind, 200, ms, None)
             return Result(kind, 200, ms, judge_stream(events))
     except httpx.TransportError as e:
-        return Result(kind, None, (time.perf_counter() - t0) * 1e3,
-                      f"transport error: {type(e).__name__}: {e}", transport=True)
+        return Result(
+            kind,
+            None,
+            (time.perf_counter() - t0) * 1e3,
+            f"transport error: {type(e).__name__}: {e}",
+            transport=True,
+        )
 
 
 def judge_plain(r: httpx.Response, req: dict) -> str | None:
@@ -385,14 +513,18 @@ def judge_stream(events: list[str]) -> str | None:
     objs = [json.loads(e) for e in events[:-1]]
     if any("error" in o for o in objs):
         return f"stream ended with an error event: {next(o for o in objs if 'error' in o)}"
-    finishes = [o["choices"][0]["finish_reason"] for o in objs
-                if o.get("choices") and o["choices"][0].get("finish_reason")]
+    finishes = [
+        o["choices"][0]["finish_reason"]
+        for o in objs
+        if o.get("choices") and o["choices"][0].get("finish_reason")
+    ]
     if len(finishes) != 1:
         return f"stream with {len(finishes)} finish_reason chunks"
     return None
 
 
 # ---------------------------------------------------------------------------- the soak
+
 
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
@@ -411,32 +543,65 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="requests before the RSS baseline (default: a fifth of -n)")
-    ap.add_argument("--max-rss-growth", type=float, default=5.0,
-                    help="percent, after warm-up: the last sample over the first may grow this "
-                         "much, or more while the mean of the second half of the samples is "
-                         "within half of it of the first half's (no trend)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="requests before the RSS baseline (default: a fifth of -n)",
+    )
+    ap.add_argument(
+        "--max-rss-growth",
+        type=float,
+        default=5.0,
+        help="percent, after warm-up: the last sample over the first may grow this "
+        "much, or more while the mean of the second half of the samples is "
+        "within half of it of the first half's (no trend)",
+    )
     ap.add_argument("--url", help="drive a running server instead of starting one")
     ap.add_argument("--pid", type=int, help="with --url: the server's pid, for its RSS")
-    ap.add_argument("--kill-restart", type=int, default=0, metavar="K",
-                    help="SIGKILL the server mid-stream K times and restart it")
+    ap.add_argument(
+        "--kill-restart",
+        type=int,
+        default=0,
+        metavar="K",
+        help="SIGKILL the server mid-stream K times and restart it",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
-    ap.add_argument("--client-timeout", type=float, default=600.0,
-                    help="seconds a client waits for a reply (a slower one is a problem)")
-    ap.add_argument("--mix", choices=sorted(MIXES), default="mixed",
-                    help="the kinds of request sent (mixed: a day's traffic; hostile: "
-                         "memory at the limits)")
-    ap.add_argument("--max-peak-mib", type=float, default=None,
-                    help="fail when the server's RSS ever rises more than this over its RSS "
-                         "before the first request (with --memory-budget: the budget)")
-    ap.add_argument("--max-end-mib", type=float, default=None,
-                    help="fail when the server's RSS --rest seconds after the last request is "
-                         "more than this over its RSS before the first")
-    ap.add_argument("--rest", type=float, default=2.0,
-                    help="seconds of quiet after the last request before the RSS at rest")
-    ap.add_argument("--serve-args", default="",
-                    help="more `kestrel serve` flags, e.g. \"--memory-budget 1G\"")
+    ap.add_argument(
+        "--client-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a client waits for a reply (a slower one is a problem)",
+    )
+    ap.add_argument(
+        "--mix",
+        choices=sorted(MIXES),
+        default="mixed",
+        help="the kinds of request sent (mixed: a day's traffic; hostile: memory at the limits)",
+    )
+    ap.add_argument(
+        "--max-peak-mib",
+        type=float,
+        default=None,
+        help="fail when the server's RSS ever rises more than this over its RSS "
+        "before the first request (with --memory-budget: the budget)",
+    )
+    ap.add_argument(
+        "--max-end-mib",
+        type=float,
+        default=None,
+        help="fail when the server's RSS --rest seconds after the last request is "
+        "more than this over its RSS before the first",
+    )
+    ap.add_argument(
+        "--rest",
+        type=float,
+        default=2.0,
+        help="seconds of quiet after the last request before the RSS at rest",
+    )
+    ap.add_argument(
+        "--serve-args", default="", help='more `kestrel serve` flags, e.g. "--memory-budget 1G"'
+    )
     args = ap.parse_args(argv)
     if args.kill_restart and args.url:
         ap.error("--kill-restart needs a server this script starts (no --url)")
@@ -459,24 +624,26 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     mix = MIXES[args.mix]
     kinds = rng.choices(list(mix), weights=list(mix.values()), k=args.requests)
-    plan = [(k, make_request(k, random.Random(args.seed * 1_000_003 + i), args))
-            for i, k in enumerate(kinds)]
+    plan = [
+        (k, make_request(k, random.Random(args.seed * 1_000_003 + i), args))
+        for i, k in enumerate(kinds)
+    ]
     lock = threading.Lock()
     up = threading.Event()
     up.set()
     results: list[Result] = []
     next_i = [0]
-    rss: list[tuple[float, int, int]] = []           # (seconds, requests done, KiB)
+    rss: list[tuple[float, int, int]] = []  # (seconds, requests done, KiB)
     stop_sampling = threading.Event()
     t_start = time.monotonic()
 
-    paused = [0.0]                                   # seconds this process was not run
+    paused = [0.0]  # seconds this process was not run
 
     def sampler():
         last = time.monotonic()
         while not stop_sampling.is_set():
             now = time.monotonic()
-            if now - last > 5:                       # a 0.25 s wait that took > 5 s
+            if now - last > 5:  # a 0.25 s wait that took > 5 s
                 paused[0] += now - last
             last = now
             p = server.pid if server else pid
@@ -487,8 +654,9 @@ def main(argv=None) -> int:
             stop_sampling.wait(0.25)
 
     def client_loop():
-        with httpx.Client(base_url=url, timeout=httpx.Timeout(args.client_timeout,
-                                                               connect=10)) as c:
+        with httpx.Client(
+            base_url=url, timeout=httpx.Timeout(args.client_timeout, connect=10)
+        ) as c:
             while True:
                 with lock:
                     i = next_i[0]
@@ -513,26 +681,44 @@ def main(argv=None) -> int:
 
             def reader():
                 try:
-                    with httpx.Client(base_url=url, timeout=60) as c, c.stream(
-                            "POST", CHAT, json={"messages": [{"role": "user", "content": "Go on."}],
-                                                "max_tokens": args.ctx, "ignore_eos": True,
-                                                "stream": True}) as r:
+                    with (
+                        httpx.Client(base_url=url, timeout=60) as c,
+                        c.stream(
+                            "POST",
+                            CHAT,
+                            json={
+                                "messages": [{"role": "user", "content": "Go on."}],
+                                "max_tokens": args.ctx,
+                                "ignore_eos": True,
+                                "stream": True,
+                            },
+                        ) as r,
+                    ):
                         for line in r.iter_lines():
                             events.append(line)
                 except httpx.TransportError as e:
                     err.append(type(e).__name__)
+
             th = threading.Thread(target=reader)
             th.start()
             deadline = time.monotonic() + 60
-            while sum('"content":"' in e for e in events) < 3 and time.monotonic() < deadline \
-                    and th.is_alive():
+            while (
+                sum('"content":"' in e for e in events) < 3
+                and time.monotonic() < deadline
+                and th.is_alive()
+            ):
                 time.sleep(0.02)
             up.clear()
             server.kill()
             th.join(30)
             done = any(e == "data: [DONE]" for e in events)
-            kills.append({"events_before_kill": len(events), "stream_error": err[:1],
-                          "ended_as_complete": done})
+            kills.append(
+                {
+                    "events_before_kill": len(events),
+                    "stream_error": err[:1],
+                    "ended_as_complete": done,
+                }
+            )
             server.start()
             up.set()
 
@@ -587,46 +773,70 @@ def main(argv=None) -> int:
     # the trend: the mean RSS of the second half of the samples after the warm-up against
     # the first half's (one sample wanders by tens of MiB with the requests in flight)
     half = len(base) // 2
-    trend = (100.0 * (sum(base[half:]) / (len(base) - half) / (sum(base[:half]) / half) - 1)
-             if half >= 4 else None)
+    trend = (
+        100.0 * (sum(base[half:]) / (len(base) - half) / (sum(base[:half]) / half) - 1)
+        if half >= 4
+        else None
+    )
     peak_growth = (100.0 * (max(base) - rss_warm) / rss_warm) if rss_warm else None
     log_text = (tmp / "server.log").read_text(errors="replace") if server else ""
     tracebacks = log_text.count("Traceback")
     changed = sorted(set(before.items()) ^ set(after.items()))
 
-    print(f"soak: {len(results)} requests from {args.clients} clients in {wall:.0f} s "
-          f"against {url} ({args.model or 'bundled model'}, -t {args.threads}, "
-          f"ctx {args.ctx}, max_tokens {args.max_tokens})")
+    print(
+        f"soak: {len(results)} requests from {args.clients} clients in {wall:.0f} s "
+        f"against {url} ({args.model or 'bundled model'}, -t {args.threads}, "
+        f"ctx {args.ctx}, max_tokens {args.max_tokens})"
+    )
     for kind in KINDS:
         if by_kind[kind]:
             xs = lat[kind]
-            print(f"  {kind:18s} {dict(sorted(by_kind[kind].items(), key=str))}"
-                  + (f"  p50 {percentile(xs, 50):7.0f} ms  p99 {percentile(xs, 99):7.0f} ms"
-                     if xs else ""))
-    print(f"latency (successful replies): p50 {percentile(all_ok, 50):.0f} ms, "
-          f"p99 {percentile(all_ok, 99):.0f} ms")
-    print(f"5xx: {n5xx}   transport errors: {transport}   problems: {len(problems)}   "
-          f"tracebacks in the server log: {tracebacks}   503 server_busy retried: {BUSY[0]}")
+            print(
+                f"  {kind:18s} {dict(sorted(by_kind[kind].items(), key=str))}"
+                + (
+                    f"  p50 {percentile(xs, 50):7.0f} ms  p99 {percentile(xs, 99):7.0f} ms"
+                    if xs
+                    else ""
+                )
+            )
+    print(
+        f"latency (successful replies): p50 {percentile(all_ok, 50):.0f} ms, "
+        f"p99 {percentile(all_ok, 99):.0f} ms"
+    )
+    print(
+        f"5xx: {n5xx}   transport errors: {transport}   problems: {len(problems)}   "
+        f"tracebacks in the server log: {tracebacks}   503 server_busy retried: {BUSY[0]}"
+    )
     if rss:
         step = max(1, len(rss) // 10)
-        print("RSS over time (s, requests done, MiB): " + ", ".join(
-            f"({t:.0f}, {n}, {kib / 1024:.0f})" for t, n, kib in rss[::step] + rss[-1:]))
+        print(
+            "RSS over time (s, requests done, MiB): "
+            + ", ".join(f"({t:.0f}, {n}, {kib / 1024:.0f})" for t, n, kib in rss[::step] + rss[-1:])
+        )
     if growth is not None:
-        print(f"RSS after warm-up ({warmup} requests): {rss_warm / 1024:.1f} MiB -> "
-              f"{rss_end / 1024:.1f} MiB at the end: growth {growth:+.2f}% "
-              f"(peak {peak_growth:+.2f}%)")
+        print(
+            f"RSS after warm-up ({warmup} requests): {rss_warm / 1024:.1f} MiB -> "
+            f"{rss_end / 1024:.1f} MiB at the end: growth {growth:+.2f}% "
+            f"(peak {peak_growth:+.2f}%)"
+        )
     if trend is not None:
-        print(f"RSS trend after warm-up: second half's mean {trend:+.2f}% over the first half's "
-              f"({len(base)} samples)")
+        print(
+            f"RSS trend after warm-up: second half's mean {trend:+.2f}% over the first half's "
+            f"({len(base)} samples)"
+        )
     peak_over = end_over = None
     if idle_kib is not None and rss:
         peak_over = (max(k for _, _, k in rss) - idle_kib) / 1024
         end_over = ((rest_kib or rss_end) - idle_kib) / 1024
-        print(f"RSS before the first request {idle_kib / 1024:.0f} MiB; peak {peak_over:+.0f} MiB"
-              f" over it; {args.rest:g} s after the last request {end_over:+.0f} MiB")
+        print(
+            f"RSS before the first request {idle_kib / 1024:.0f} MiB; peak {peak_over:+.0f} MiB"
+            f" over it; {args.rest:g} s after the last request {end_over:+.0f} MiB"
+        )
     if paused[0]:
-        print(f"note: this script was not scheduled for {paused[0]:.0f} s in all (gaps over 5 s "
-              f"between its 0.25 s RSS samples: the machine paused it, e.g. SIGSTOP)")
+        print(
+            f"note: this script was not scheduled for {paused[0]:.0f} s in all (gaps over 5 s "
+            f"between its 0.25 s RSS samples: the machine paused it, e.g. SIGSTOP)"
+        )
     if kills:
         print(f"kill/restart: {kills}")
     if changed:
@@ -634,28 +844,58 @@ def main(argv=None) -> int:
     for p in problems[:20]:
         print(f"  PROBLEM {p}")
 
-    failed = bool(problems or n5xx or tracebacks or changed
-                  or (growth is not None and growth > args.max_rss_growth and not kills
-                      and (trend is None or trend > args.max_rss_growth / 2))
-                  or any(k["ended_as_complete"] for k in kills)
-                  or (server and rc_stop != 0)
-                  or (transport and not args.kill_restart)
-                  or (args.max_peak_mib is not None and peak_over is not None
-                      and peak_over > args.max_peak_mib)
-                  or (args.max_end_mib is not None and end_over is not None
-                      and end_over > args.max_end_mib))
+    failed = bool(
+        problems
+        or n5xx
+        or tracebacks
+        or changed
+        or (
+            growth is not None
+            and growth > args.max_rss_growth
+            and not kills
+            and (trend is None or trend > args.max_rss_growth / 2)
+        )
+        or any(k["ended_as_complete"] for k in kills)
+        or (server and rc_stop != 0)
+        or (transport and not args.kill_restart)
+        or (
+            args.max_peak_mib is not None
+            and peak_over is not None
+            and peak_over > args.max_peak_mib
+        )
+        or (args.max_end_mib is not None and end_over is not None and end_over > args.max_end_mib)
+    )
     if args.json:
-        args.json.write_text(json.dumps({
-            "requests": len(results), "by_kind": {k: dict(v) for k, v in by_kind.items()},
-            "p50_ms": percentile(all_ok, 50), "p99_ms": percentile(all_ok, 99),
-            "n5xx": n5xx, "transport_errors": transport, "problems": problems,
-            "tracebacks": tracebacks, "rss_kib": rss, "rss_warm_kib": rss_warm,
-            "rss_end_kib": rss_end, "rss_growth_pct": growth, "kills": kills,
-            "files_changed": changed, "server_exit": rc_stop, "paused_s": paused[0],
-            "rss_idle_kib": idle_kib, "rss_peak_over_idle_mib": peak_over,
-            "rss_end_over_idle_mib": end_over, "rss_rest_kib": rest_kib,
-            "busy_retries": BUSY[0], "rss_trend_pct": trend,
-            "failed": failed}, default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "requests": len(results),
+                    "by_kind": {k: dict(v) for k, v in by_kind.items()},
+                    "p50_ms": percentile(all_ok, 50),
+                    "p99_ms": percentile(all_ok, 99),
+                    "n5xx": n5xx,
+                    "transport_errors": transport,
+                    "problems": problems,
+                    "tracebacks": tracebacks,
+                    "rss_kib": rss,
+                    "rss_warm_kib": rss_warm,
+                    "rss_end_kib": rss_end,
+                    "rss_growth_pct": growth,
+                    "kills": kills,
+                    "files_changed": changed,
+                    "server_exit": rc_stop,
+                    "paused_s": paused[0],
+                    "rss_idle_kib": idle_kib,
+                    "rss_peak_over_idle_mib": peak_over,
+                    "rss_end_over_idle_mib": end_over,
+                    "rss_rest_kib": rest_kib,
+                    "busy_retries": BUSY[0],
+                    "rss_trend_pct": trend,
+                    "failed": failed,
+                },
+                default=str,
+            )
+        )
     if failed and server:
         print(f"the server's log: {tmp / 'server.log'}")
     elif server:

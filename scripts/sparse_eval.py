@@ -36,6 +36,7 @@ sim:oracle=mass, the k blocks of largest true attention mass per head): slow, fo
 learning what any selection could reach. Everything on the engine's CPU threads (-t);
 run it under nice.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,11 @@ import time
 
 import numpy as np
 
-from kestrel_cli.inference.engine import Engine, LoadOptions
 from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.inference.engine import Engine, LoadOptions
 from kestrel_cli.runtime.kv_cache import CacheSpec
 from kestrel_cli.runtime.sparse import SparseSpec, importance_order
+
 
 def spec_of(config: str, k: int, dtype: str = "f32") -> CacheSpec:
     """The CacheSpec of a config at k: a `--sparse` text (SparseSpec.parse: a preset or
@@ -99,10 +101,20 @@ def configs_of(text: str) -> list[str]:
 #                        times the block's share of the head's mass < E), else at v4s
 #                        (kld prints how the unpicked blocks split)
 
+
 def parse_sim(config: str) -> dict:
     """The policy of a "sim:key=val:..." config."""
-    pol = {"oracle": None, "probe": "p8", "imp": 0, "swap": 0, "sink": "off", "recent": 0,
-           "group": "head", "dense": (), "rest": "off"}
+    pol = {
+        "oracle": None,
+        "probe": "p8",
+        "imp": 0,
+        "swap": 0,
+        "sink": "off",
+        "recent": 0,
+        "group": "head",
+        "dense": (),
+        "rest": "off",
+    }
     for part in config.split(":")[1:]:
         key, _, val = part.partition("=")
         if key not in pol:
@@ -118,9 +130,12 @@ def parse_sim(config: str) -> dict:
         sys.exit(f"unknown oracle {pol['oracle']!r}: mass, max or kvmass")
     rest = pol["rest"]
     if rest not in ("off", "mean", "true", "top", "v4", "v4s") and not re.fullmatch(
-            r"(tier|adapt)[0-9]*\.?[0-9]+(e-?[0-9]+)?", rest):
-        sys.exit(f"unknown rest {rest!r} in {config!r}: off, mean, true, top, v4, v4s, "
-                 f"tierT (T >= 0, e.g. tier6) or adaptE (E > 0, e.g. adapt0.001)")
+        r"(tier|adapt)[0-9]*\.?[0-9]+(e-?[0-9]+)?", rest
+    ):
+        sys.exit(
+            f"unknown rest {rest!r} in {config!r}: off, mean, true, top, v4, v4s, "
+            f"tierT (T >= 0, e.g. tier6) or adaptE (E > 0, e.g. adapt0.001)"
+        )
     return pol
 
 
@@ -146,17 +161,27 @@ def block_reduce(s: np.ndarray, n: int, bs: int, how: str) -> np.ndarray:
     return m + np.log(np.exp(x - m[:, :, None]).sum(axis=2))
 
 
-def sim_select(pol: dict, s: np.ndarray, q: np.ndarray, kq: np.ndarray, n: int, k: int,
-               group: int, order, bs: int = 32, scale: float = 1.0) -> np.ndarray:
+def sim_select(
+    pol: dict,
+    s: np.ndarray,
+    q: np.ndarray,
+    kq: np.ndarray,
+    n: int,
+    k: int,
+    group: int,
+    order,
+    bs: int = 32,
+    scale: float = 1.0,
+) -> np.ndarray:
     """Mask (n_heads, nb) of the blocks each head attends. s (n_heads, n): the true scaled
     scores; q (n_heads, hd); kq (n, n_kv, hd) the keys; order: importance order or None."""
     nh = s.shape[0]
     nb = -(-n // bs)
-    keep = np.zeros((nh, nb), bool)           # kept besides the budget
+    keep = np.zeros((nh, nb), bool)  # kept besides the budget
     if pol["sink"] == "out":
         keep[:, 0] = True
     if pol["recent"]:
-        keep[:, max(0, nb - pol["recent"]):] = True
+        keep[:, max(0, nb - pol["recent"]) :] = True
     if nb <= k + keep[0].sum():
         return np.ones((nh, nb), bool)
     kk = k - (pol["sink"] == "in")
@@ -164,20 +189,22 @@ def sim_select(pol: dict, s: np.ndarray, q: np.ndarray, kq: np.ndarray, n: int, 
     if pol["sink"] == "in":
         sel[:, 0] = True
     if pol["imp"] and order is not None:
-        blocks = [int(b) for b in order if b < nb and not sel[0, b]][:(kk + 1) // 2]
+        blocks = [int(b) for b in order if b < nb and not sel[0, b]][: (kk + 1) // 2]
         sel[:, blocks] = True
         kk -= len(blocks)
     if pol["oracle"] in ("mass", "kvmass") or pol["probe"] == "mass":
         score = block_reduce(s, n, bs, "lse")
     elif pol["oracle"] == "max":
         score = block_reduce(s, n, bs, "max")
-    elif pol["probe"].startswith("rr"):      # rerank: p8's top c*k, then their true mass
+    elif pol["probe"].startswith("rr"):  # rerank: p8's top c*k, then their true mass
         c = float(pol["probe"][2:] or 2)
         sp = np.full((nh, nb * bs), -np.inf)
         sp[:, :n] = s
-        coarse = sp.reshape(nh, nb, bs)[:, :, ::max(1, bs // 8)].max(axis=2)
+        coarse = sp.reshape(nh, nb, bs)[:, :, :: max(1, bs // 8)].max(axis=2)
         last = n - (nb - 1) * bs
-        coarse[:, nb - 1] = sp[:, (nb - 1) * bs:(nb - 1) * bs + last:max(1, last // 8)].max(axis=1)
+        coarse[:, nb - 1] = sp[:, (nb - 1) * bs : (nb - 1) * bs + last : max(1, last // 8)].max(
+            axis=1
+        )
         cand = _topk(coarse, int(round(c * kk)), sel)
         score = np.where(cand, block_reduce(s, n, bs, "lse"), -np.inf)
     elif pol["probe"].startswith("q") and pol["probe"][1:].isdigit():
@@ -186,7 +213,7 @@ def sim_select(pol: dict, s: np.ndarray, q: np.ndarray, kq: np.ndarray, n: int, 
         top = 2 ** (bits - 1) - 1
         amax = np.abs(kq).max(axis=2, keepdims=True)
         sc = np.where(amax > 0, amax / top, 1.0)
-        kd = np.clip(np.rint(kq / sc), -top, top) * sc            # (n, n_kv, hd)
+        kd = np.clip(np.rint(kq / sc), -top, top) * sc  # (n, n_kv, hd)
         qg = q.reshape(-1, group, q.shape[1])
         sa = np.einsum("kgd,nkd->kgn", qg, kd).reshape(nh, n) * scale
         score = block_reduce(sa, n, bs, "lse")
@@ -196,7 +223,7 @@ def sim_select(pol: dict, s: np.ndarray, q: np.ndarray, kq: np.ndarray, n: int, 
         kb = np.full((nb * bs, kq.shape[1], kq.shape[2]), np.nan)
         kb[:n] = kq
         kb = kb.reshape(nb, bs, kq.shape[1], kq.shape[2])
-        mu, var = np.nanmean(kb, axis=1), np.nanvar(kb, axis=1)     # (nb, n_kv, hd)
+        mu, var = np.nanmean(kb, axis=1), np.nanvar(kb, axis=1)  # (nb, n_kv, hd)
         cnt = np.minimum(bs, n - np.arange(nb) * bs).astype(np.float64)
         qg = q.reshape(-1, group, q.shape[1]) * scale
         score = np.einsum("kgd,bkd->kgb", qg, mu)
@@ -207,20 +234,23 @@ def sim_select(pol: dict, s: np.ndarray, q: np.ndarray, kq: np.ndarray, n: int, 
         kb = np.full((nb * bs, kq.shape[1], kq.shape[2]), np.nan)
         kb[:n] = kq
         kb = kb.reshape(nb, bs, kq.shape[1], kq.shape[2])
-        hi, lo = np.nanmax(kb, axis=1), np.nanmin(kb, axis=1)     # (nb, n_kv, hd)
-        qg = q.reshape(-1, group, q.shape[1])                     # (n_kv, group, hd)
-        score = np.maximum(np.einsum("kgd,bkd->kgbd", qg, hi),
-                           np.einsum("kgd,bkd->kgbd", qg, lo)).sum(-1).reshape(nh, nb)
+        hi, lo = np.nanmax(kb, axis=1), np.nanmin(kb, axis=1)  # (nb, n_kv, hd)
+        qg = q.reshape(-1, group, q.shape[1])  # (n_kv, group, hd)
+        score = (
+            np.maximum(np.einsum("kgd,bkd->kgbd", qg, hi), np.einsum("kgd,bkd->kgbd", qg, lo))
+            .sum(-1)
+            .reshape(nh, nb)
+        )
     else:
         lse = pol["probe"].startswith("lse")
-        p = int(pol["probe"][3 if lse else 1:])
+        p = int(pol["probe"][3 if lse else 1 :])
         sp = np.full((nh, nb * bs), -np.inf)
         sp[:, :n] = s
         sp = sp.reshape(nh, nb, bs)
         step = max(1, bs // p)
-        last = n - (nb - 1) * bs                                  # the partial last block
+        last = n - (nb - 1) * bs  # the partial last block
         st = max(1, last // p)
-        if lse:       # log of the block's mass estimated from its samples
+        if lse:  # log of the block's mass estimated from its samples
             x = sp[:, :, ::step]
             m = x.max(axis=2)
             score = m + np.log(np.exp(x - m[:, :, None]).sum(axis=2) * step)
@@ -237,7 +267,7 @@ def sim_select(pol: dict, s: np.ndarray, q: np.ndarray, kq: np.ndarray, n: int, 
         sel |= np.repeat(pick, group, axis=0)
     else:
         pick = _topk(score, kk, sel)
-        if pol["swap"]:          # the seed's recency: the last block replaces the lowest pick
+        if pol["swap"]:  # the seed's recency: the last block replaces the lowest pick
             for h in np.flatnonzero(~(sel | pick)[:, nb - 1]):
                 cand = np.flatnonzero(pick[h])
                 if cand.size:
@@ -270,11 +300,12 @@ class SimAttend:
                 b, m = t0 // c.kv_bs, min(c.kv_bs, n - t0)
                 if c.q8:
                     vals, sc = c._q8_views(blocks[layer][b])
-                    x = (vals[:m].reshape(m, c.n_kv_heads, c.head_dim)
-                         * sc.T[:m, :, None]).reshape(m, c.kv_dim)
+                    x = (vals[:m].reshape(m, c.n_kv_heads, c.head_dim) * sc.T[:m, :, None]).reshape(
+                        m, c.kv_dim
+                    )
                 else:
                     x = blocks[layer][b][:m]
-                dst[layer, t0:t0 + m] = x
+                dst[layer, t0 : t0 + m] = x
         self.have[layer] = n
 
     def __call__(self, layer: int, q: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -306,14 +337,14 @@ class SimAttend:
             kd = np.clip(np.rint(kq / ksc), -7, 7) * ksc
             sa = np.einsum("kgd,nkd->kgn", qh.reshape(nkv, group, hd), kd).reshape(nh, n) * c.scale
             rest = self.pol["rest"]
-            if rest in ("true", "top", "v4"):   # the true scores: value error only
+            if rest in ("true", "top", "v4"):  # the true scores: value error only
                 sa = s
-            lse = block_reduce(sa, n, c.kv_bs, "lse")                  # (nh, nb)
+            lse = block_reduce(sa, n, c.kv_bs, "lse")  # (nh, nb)
             vb = np.zeros((nb * c.kv_bs, nkv, hd))
             vb[:n] = vq
             cnt = np.minimum(c.kv_bs, n - np.arange(nb) * c.kv_bs)
             vmean = vb.reshape(nb, c.kv_bs, nkv, hd).sum(axis=1) / cnt[:, None, None]
-            if rest == "top":        # each unpicked block's top token exact, the rest mean
+            if rest == "top":  # each unpicked block's top token exact, the rest mean
                 tok = tok.copy()
                 sp = np.full((nh, nb * c.kv_bs), -np.inf)
                 sp[:, :n] = s
@@ -325,7 +356,7 @@ class SimAttend:
             st = np.where(tok, s, -np.inf)
             m = np.maximum(st.max(axis=1), np.where(sel, -np.inf, lse).max(axis=1))
             e = np.exp(st - m[:, None])
-            w = np.where(sel, 0.0, np.exp(lse - m[:, None]))            # (nh, nb)
+            w = np.where(sel, 0.0, np.exp(lse - m[:, None]))  # (nh, nb)
             tier = rest.startswith("tier")
             adapt = rest.startswith("adapt")
             if rest in ("v4", "v4s") or tier or adapt:  # every unpicked token at its true (v4) or
@@ -336,15 +367,15 @@ class SimAttend:
                 vsc = np.where(vmax > 0, vmax / 7, 1.0)
                 vd = np.clip(np.rint(vq / vsc), -7, 7) * vsc
                 if rest == "v4s" or tier or adapt:
-                    cv = (c.scale ** 2 * (qh ** 2).sum(axis=1) / 24)[:, None]   # (nh, 1)
+                    cv = (c.scale**2 * (qh**2).sum(axis=1) / 24)[:, None]  # (nh, 1)
                     sw = sa - cv * np.repeat(ksc[:, :, 0].T ** 2, group, axis=0)
                     eu = np.where(tok, 0.0, np.exp(np.minimum(sw - m[:, None], 0.0)))
                 else:
                     eu = np.where(tok, 0.0, np.exp(s - m[:, None]))
-                if tier:             # the blocks below the tier: their means, not 4 bits
+                if tier:  # the blocks below the tier: their means, not 4 bits
                     lo = lse - lse.max(axis=1, keepdims=True) < -float(rest[4:])
                     eu = np.where(np.repeat(lo, c.kv_bs, axis=1)[:, :n], 0.0, eu)
-                if adapt:            # above the kernel's floor (e^-6 of the largest block):
+                if adapt:  # above the kernel's floor (e^-6 of the largest block):
                     # a block whose tokens' sketched shares are near uniform (their L1
                     # distance from 1/n, times the block's share of the head's sketched
                     # mass, below E) at its mean value, the others at 4 bits; below: none
@@ -355,8 +386,9 @@ class SimAttend:
                     bsum = ep.sum(axis=2)
                     pt = ep / np.where(bsum > 0, bsum, 1.0)[:, :, None]
                     l1 = np.abs(pt - 1.0 / cnt[None, :, None])
-                    l1 = np.where(np.arange(c.kv_bs)[None, None, :] < cnt[None, :, None], l1,
-                                  0.0).sum(axis=2)
+                    l1 = np.where(
+                        np.arange(c.kv_bs)[None, None, :] < cnt[None, :, None], l1, 0.0
+                    ).sum(axis=2)
                     share = bsum / bsum.sum(axis=1, keepdims=True)
                     lo = (share * l1 < float(rest[5:])) & ~sel
                     self.stats[0] += int((lo & ~floor).sum())
@@ -366,8 +398,9 @@ class SimAttend:
                     w = np.where(floor, 0.0, w)
                     eu = np.where(np.repeat(lo, c.kv_bs, axis=1)[:, :n], 0.0, eu)
                     tier = True
-                num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)
-                       + np.einsum("kgn,nkd->kgd", eu.reshape(nkv, group, n), vd))
+                num = np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq) + np.einsum(
+                    "kgn,nkd->kgd", eu.reshape(nkv, group, n), vd
+                )
                 den = e.sum(axis=1) + eu.sum(axis=1)
                 if tier:
                     wl = np.where(lo, w, 0.0)
@@ -376,8 +409,9 @@ class SimAttend:
                 den = den.reshape(nkv, group, 1)
                 out[0] = (num / den).reshape(-1)
                 return out
-            num = (np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq)
-                   + np.einsum("kgb,bkd->kgd", w.reshape(nkv, group, nb), vmean))
+            num = np.einsum("kgn,nkd->kgd", e.reshape(nkv, group, n), vq) + np.einsum(
+                "kgb,bkd->kgd", w.reshape(nkv, group, nb), vmean
+            )
             den = (e.sum(axis=1) + w.sum(axis=1)).reshape(nkv, group, 1)
             out[0] = (num / den).reshape(-1)
             return out
@@ -413,9 +447,9 @@ def run_window(model, cache, win: np.ndarray, tail: int) -> np.ndarray:
     cut = max(2, n - tail) if tail else n
     cache.reset()
     rows = [model(win[:cut], cache, all_logits=True)]
-    for t in win[cut:n - 1]:
+    for t in win[cut : n - 1]:
         rows.append(model(np.array([t]), cache))
-    return np.concatenate(rows)[:n - 1]
+    return np.concatenate(rows)[: n - 1]
 
 
 def cmd_kld_shared(a, eng, ids, spans) -> None:
@@ -429,15 +463,19 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
         win = ids[s:e]
         cut = win.size - a.decode_tail
         rc.reset()
-        lq = log_softmax(model(win, rc, all_logits=True, act="f32")[cut - 1:win.size - 1])
+        lq = log_softmax(model(win, rc, all_logits=True, act="f32")[cut - 1 : win.size - 1])
         wins.append((win, cut, lq, {}))
     del rc
-    print(f"{'config (decode over an exact prefill)':<40} {'k':>3} {'kld_dec':>9} "
-          f"{'ppl_dec':>8} {'s':>5}", flush=True)
+    print(
+        f"{'config (decode over an exact prefill)':<40} {'k':>3} {'kld_dec':>9} "
+        f"{'ppl_dec':>8} {'s':>5}",
+        flush=True,
+    )
     runs = [("exact", 0)] + [(c, int(k)) for k in a.k.split(",") for c in configs_of(a.configs)]
-    if a.runs:                                  # explicit config@k pairs
-        runs = [("exact", 0)] + [(r.rpartition("@")[0], int(r.rpartition("@")[2]))
-                                 for r in a.runs.split(",")]
+    if a.runs:  # explicit config@k pairs
+        runs = [("exact", 0)] + [
+            (r.rpartition("@")[0], int(r.rpartition("@")[2])) for r in a.runs.split(",")
+        ]
     for config, k in runs:
         t0 = time.perf_counter()
         kl, nll, n = 0.0, 0.0, 0
@@ -449,38 +487,47 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
             sp = spec.sparse or SparseSpec()
             w = (sp.window, "sketch" if sp.probe == "sketch" else "bound")
             if w not in pre:
-                sc = model.make_cache(a.ctx, CacheSpec(a.dtype, SparseSpec(
-                    k=1, probe=w[1], prefill="exact", window=w[0])))
+                sc = model.make_cache(
+                    a.ctx,
+                    CacheSpec(a.dtype, SparseSpec(k=1, probe=w[1], prefill="exact", window=w[0])),
+                )
                 pre[w] = (sc, model(win[:cut], sc))
             sc, first = pre[w]
             sc.trim(cut)
             sc.respec(spec)
             use_policy(model, sc, config, k)
             rows = [first]
-            for t in win[cut:win.size - 1]:
+            for t in win[cut : win.size - 1]:
                 rows.append(model(np.array([t]), sc))
             lp = log_softmax(np.concatenate(rows))
             kl += float((np.exp(lq) * (lq - lp)).sum())
             nll -= float(lp[np.arange(lp.shape[0]), win[cut:]].sum())
             n += lp.shape[0]
-            if isinstance(sc.__dict__.get("attend"), SimAttend):   # one per window
+            if isinstance(sc.__dict__.get("attend"), SimAttend):  # one per window
                 stats = [x + y for x, y in zip(stats, sc.attend.stats)]
         extra = ""
-        if config.startswith("sim:") and k and sum(stats):   # rest=adaptE's split
-            extra = (f"  unpicked blocks: {stats[2] / sum(stats):.0%} below the floor, "
-                     f"{stats[0] / sum(stats):.0%} at their mean, {stats[1] / sum(stats):.0%} "
-                     f"at 4 bits")
-        print(f"{config:<40} {k:>3} {kl / n:>9.6f} {np.exp(nll / n):>8.4f} "
-              f"{time.perf_counter() - t0:>5.0f}{extra}", flush=True)
+        if config.startswith("sim:") and k and sum(stats):  # rest=adaptE's split
+            extra = (
+                f"  unpicked blocks: {stats[2] / sum(stats):.0%} below the floor, "
+                f"{stats[0] / sum(stats):.0%} at their mean, {stats[1] / sum(stats):.0%} "
+                f"at 4 bits"
+            )
+        print(
+            f"{config:<40} {k:>3} {kl / n:>9.6f} {np.exp(nll / n):>8.4f} "
+            f"{time.perf_counter() - t0:>5.0f}{extra}",
+            flush=True,
+        )
 
 
 def cmd_kld(a) -> None:
     eng = Engine.load(a.model, LoadOptions(threads=a.threads, ctx_size=a.ctx))
     model = eng.model
-    ids = np.asarray(eng.tokenizer.encode(open(a.file, encoding="utf-8").read(),
-                                          add_special_tokens=True), np.int64)
+    ids = np.asarray(
+        eng.tokenizer.encode(open(a.file, encoding="utf-8").read(), add_special_tokens=True),
+        np.int64,
+    )
     spans = [(s, min(s + a.ctx, ids.size)) for s in range(0, ids.size, a.ctx)]
-    spans = [(s, e) for s, e in spans if e - s > a.decode_tail + 2][:a.windows]
+    spans = [(s, e) for s, e in spans if e - s > a.decode_tail + 2][: a.windows]
     if a.shared_prefill and a.decode_tail < 1:
         sys.exit("--shared-prefill needs --decode-tail >= 1")
     print(f"# {ids.size} tokens, windows {spans}, decode tail {a.decode_tail}", flush=True)
@@ -490,10 +537,16 @@ def cmd_kld(a) -> None:
     rc = model.make_cache(a.ctx, CacheSpec())
     for s, e in spans:
         rc.reset()
-        ref.append(log_softmax(model(ids[s:e], rc, all_logits=True, act="f32")[:e - s - 1])
-                   .astype(np.float32))
-    print(f"{'config':<40} {'k':>3} {'kld_pre':>9} {'ppl_pre':>8} {'kld_dec':>9} "
-          f"{'ppl_dec':>8} {'s':>5}", flush=True)
+        ref.append(
+            log_softmax(model(ids[s:e], rc, all_logits=True, act="f32")[: e - s - 1]).astype(
+                np.float32
+            )
+        )
+    print(
+        f"{'config':<40} {'k':>3} {'kld_pre':>9} {'ppl_pre':>8} {'kld_dec':>9} "
+        f"{'ppl_dec':>8} {'s':>5}",
+        flush=True,
+    )
     for k in [int(x) for x in a.k.split(",")]:
         for config in configs_of(a.configs):
             t0 = time.perf_counter()
@@ -506,13 +559,15 @@ def cmd_kld(a) -> None:
                 for part, r0, r1 in (("pre", 0, cut), ("dec", cut, win.size - 1)):
                     q = lq[r0:r1].astype(np.float64)
                     acc[part][0] += float((np.exp(q) * (q - lp[r0:r1])).sum())
-                    acc[part][1] -= float(lp[np.arange(r0, r1), win[r0 + 1:r1 + 1]].sum())
+                    acc[part][1] -= float(lp[np.arange(r0, r1), win[r0 + 1 : r1 + 1]].sum())
                     acc[part][2] += r1 - r0
             kl = {p: v[0] / v[2] if v[2] else float("nan") for p, v in acc.items()}
-            pp = {p: float(np.exp(v[1] / v[2])) if v[2] else float("nan")
-                  for p, v in acc.items()}
-            print(f"{config:<40} {k:>3} {kl['pre']:>9.6f} {pp['pre']:>8.4f} {kl['dec']:>9.6f} "
-                  f"{pp['dec']:>8.4f} {time.perf_counter() - t0:>5.0f}", flush=True)
+            pp = {p: float(np.exp(v[1] / v[2])) if v[2] else float("nan") for p, v in acc.items()}
+            print(
+                f"{config:<40} {k:>3} {kl['pre']:>9.6f} {pp['pre']:>8.4f} {kl['dec']:>9.6f} "
+                f"{pp['dec']:>8.4f} {time.perf_counter() - t0:>5.0f}",
+                flush=True,
+            )
 
 
 WHO = "Anna Boris Chen Dara Emil Farah Goran Hana Ivo Jana Karl Lena Milo Nora Oskar Pia".split()
@@ -528,8 +583,10 @@ def needle_prompt(n_facts: int, depth: float) -> list[dict]:
     for i in range(n_facts):
         if i == at:
             parts.append("The secret password is blue kestrel. ")
-        parts.append(f"{WHO[i % 16]} painted the {THING[(i * 5) % 12]} "
-                     f"{COLOR[(i * 3) % 10]} on {DAY[(i * 2) % 7]}. ")
+        parts.append(
+            f"{WHO[i % 16]} painted the {THING[(i * 5) % 12]} "
+            f"{COLOR[(i * 3) % 10]} on {DAY[(i * 2) % 7]}. "
+        )
     parts.append("\n\nQuestion: What is the secret password?")
     return [{"role": "user", "content": "".join(parts)}]
 
@@ -558,14 +615,17 @@ def cmd_needle(a) -> None:
     ks = [int(x) for x in a.k.split(",")]
     depths = [int(x) for x in a.depths.split(",")]
     runs = [("exact", 0)] + [(c, k) for c in configs_of(a.configs) for k in ks]
-    shared: dict = {}          # window -> a cache with bounds, prefilled exactly
+    shared: dict = {}  # window -> a cache with bounds, prefilled exactly
     own: dict = {}
     hits: dict = {}
-    print(f"{'size':>5} {'depth':>5} {'tokens':>6} " + " ".join(
-        f"{c if k == 0 else f'{c}/{k}':>14}" for c, k in runs), flush=True)
+    print(
+        f"{'size':>5} {'depth':>5} {'tokens':>6} "
+        + " ".join(f"{c if k == 0 else f'{c}/{k}':>14}" for c, k in runs),
+        flush=True,
+    )
     for size in sizes:
         for depth in depths:
-            n_facts = max(1, round(size / 9.4))        # about 9.4 tokens per fact
+            n_facts = max(1, round(size / 9.4))  # about 9.4 tokens per fact
             ids = np.asarray(eng.encode_prompt(needle_prompt(n_facts, depth / 100)), np.int64)
             first: dict = {}
             row = []
@@ -574,8 +634,9 @@ def cmd_needle(a) -> None:
                 sp = spec.sparse or SparseSpec()
                 if spec.sparse is None or not sp.sparse_prefill:
                     w = (sp.window, "sketch" if sp.probe == "sketch" else "bound")
-                    base = CacheSpec(a.dtype, SparseSpec(k=1, probe=w[1], prefill="exact",
-                                                         window=w[0]))
+                    base = CacheSpec(
+                        a.dtype, SparseSpec(k=1, probe=w[1], prefill="exact", window=w[0])
+                    )
                     if w not in shared:
                         shared[w] = model.make_cache(ctx, base)
                     sc = shared[w]
@@ -597,15 +658,19 @@ def cmd_needle(a) -> None:
                 ok = "blue kestrel" in ans.lower()
                 hits.setdefault((c, k), []).append(ok)
                 row.append("yes" if ok else "no")
-            print(f"{size:>5} {depth:>5} {len(ids):>6} " + " ".join(f"{r:>14}" for r in row),
-                  flush=True)
+            print(
+                f"{size:>5} {depth:>5} {len(ids):>6} " + " ".join(f"{r:>14}" for r in row),
+                flush=True,
+            )
     exact = hits[("exact", 0)]
     print(f"# recall: recalled / runs; kept: of the {sum(exact)} exact recalled")
     for key in runs[1:]:
         got = hits[key]
         both = sum(1 for e, g in zip(exact, got) if e and g)
-        print(f"{key[0]:>40} k={key[1]:<3} {sum(got):>3}/{len(got)}  kept {both}/{sum(exact)}",
-              flush=True)
+        print(
+            f"{key[0]:>40} k={key[1]:<3} {sum(got):>3}/{len(got)}  kept {both}/{sum(exact)}",
+            flush=True,
+        )
 
 
 def cmd_speed(a) -> None:
@@ -616,29 +681,34 @@ def cmd_speed(a) -> None:
     eng = Engine.load(a.model, LoadOptions(threads=a.threads, ctx_size=a.depth + a.n + 8))
     model = eng.model
     ids = np.asarray(eng.tokenizer.encode(open(a.file, encoding="utf-8").read()), np.int64)
-    ids = np.resize(ids, a.depth + a.n + 1)             # the text repeated to the depth
-    cache = model.make_cache(a.depth + a.n + 8, CacheSpec(a.dtype, SparseSpec(
-        k=1, probe="sketch", prefill="exact")))
-    model(ids[:a.depth], cache)
+    ids = np.resize(ids, a.depth + a.n + 1)  # the text repeated to the depth
+    cache = model.make_cache(
+        a.depth + a.n + 8, CacheSpec(a.dtype, SparseSpec(k=1, probe="sketch", prefill="exact"))
+    )
+    model(ids[: a.depth], cache)
     configs = configs_of(a.configs)
     runs: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(a.rounds):
         for config in configs:
             cache.trim(a.depth)
-            cache.respec(CacheSpec(a.dtype) if config == "exact" else
-                         spec_of(config, a.k, a.dtype))
-            model(ids[a.depth:a.depth + 1], cache)       # warm: the first step's tables
+            cache.respec(CacheSpec(a.dtype) if config == "exact" else spec_of(config, a.k, a.dtype))
+            model(ids[a.depth : a.depth + 1], cache)  # warm: the first step's tables
             t0 = time.perf_counter()
-            for t in ids[a.depth + 1:a.depth + a.n]:
+            for t in ids[a.depth + 1 : a.depth + a.n]:
                 model(np.array([t]), cache)
             runs[config].append((a.n - 1) / (time.perf_counter() - t0))
     first = float(np.median(runs[configs[0]]))
-    print(f"# depth {a.depth}, k {a.k}, {a.dtype} cache, {a.threads} threads, "
-          f"{a.n - 1} decode steps x {a.rounds} rounds (t/s: median, ratio to {configs[0]})")
+    print(
+        f"# depth {a.depth}, k {a.k}, {a.dtype} cache, {a.threads} threads, "
+        f"{a.n - 1} decode steps x {a.rounds} rounds (t/s: median, ratio to {configs[0]})"
+    )
     for config in configs:
         m = float(np.median(runs[config]))
-        print(f"{config:<40} {m:8.2f} {m / first:6.2f}x   "
-              f"{' '.join(f'{x:.1f}' for x in runs[config])}", flush=True)
+        print(
+            f"{config:<40} {m:8.2f} {m / first:6.2f}x   "
+            f"{' '.join(f'{x:.1f}' for x in runs[config])}",
+            flush=True,
+        )
 
 
 def main(argv=None) -> None:
@@ -656,10 +726,14 @@ def main(argv=None) -> None:
     s.add_argument("-c", "--ctx", type=int, default=4096)
     s.add_argument("--decode-tail", type=int, default=256)
     s.add_argument("--windows", type=int, default=2)
-    s.add_argument("--runs", default="",
-                   help="with --shared-prefill: config@k pairs instead of -k x --configs")
-    s.add_argument("--shared-prefill", action="store_true",
-                   help="one exact prefill per window, every config's decode over it")
+    s.add_argument(
+        "--runs", default="", help="with --shared-prefill: config@k pairs instead of -k x --configs"
+    )
+    s.add_argument(
+        "--shared-prefill",
+        action="store_true",
+        help="one exact prefill per window, every config's decode over it",
+    )
     s = sub.choices["needle"]
     s.add_argument("--sizes", default="1024,2048,4096")
     s.add_argument("--depths", default="10,30,50,70,90")
@@ -678,7 +752,7 @@ def main(argv=None) -> None:
             sys.exit("speed: sim: configs decode in NumPy; time the kernel's configs")
     try:
         {"kld": cmd_kld, "needle": cmd_needle, "speed": cmd_speed}[a.cmd](a)
-    except (KestrelError, OSError) as e:          # a missing/corrupt model or text file
+    except (KestrelError, OSError) as e:  # a missing/corrupt model or text file
         sys.exit(f"sparse_eval: {e}")
 
 

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random checkpoints written by transformers (seeded, no downloads)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -13,58 +14,116 @@ QWEN_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% endif %}{% endif %}")
-CORPUS = ["The kestrel hovers over the field and drops on a mouse.",
-          "Small models run on small boards; 12 tokens per second is plenty.",
-          "def f(x):\n    return x * 2  # double it", "你好，世界 🦅"] * 20
+    "{% endif %}{% endif %}"
+)
+CORPUS = [
+    "The kestrel hovers over the field and drops on a mouse.",
+    "Small models run on small boards; 12 tokens per second is plenty.",
+    "def f(x):\n    return x * 2  # double it",
+    "你好，世界 🦅",
+] * 20
 
 
 def write_tokenizer(d: Path) -> None:
     """A small byte-level BPE tokenizer.json + tokenizer_config.json with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 10, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 10,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": QWEN_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": QWEN_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
 
 
 def tiny_config(arch: str, **over):
     """A transformers config of `arch` small enough to run in milliseconds."""
     import transformers as tf
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     common.update(over)
     if arch == "llama":
         return tf.LlamaConfig(**common)
     if arch == "llama3":
-        return tf.LlamaConfig(**{**common, "rope_scaling": {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}, "rope_theta": 500000.0})
+        return tf.LlamaConfig(
+            **{
+                **common,
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                "rope_theta": 500000.0,
+            }
+        )
     if arch == "qwen2":
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
-        return tf.Qwen3Config(**{"head_dim": 24, **common})        # heads*head_dim != hidden
+        return tf.Qwen3Config(**{"head_dim": 24, **common})  # heads*head_dim != hidden
     if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**{"head_dim": 32, "num_experts": 6, "num_experts_per_tok": 2,
-                                    "moe_intermediate_size": 32, "norm_topk_prob": True,
-                                    "num_hidden_layers": 3, "mlp_only_layers": [1],
-                                    "decoder_sparse_step": 1, **common})
+        return tf.Qwen3MoeConfig(
+            **{
+                "head_dim": 32,
+                "num_experts": 6,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "norm_topk_prob": True,
+                "num_hidden_layers": 3,
+                "mlp_only_layers": [1],
+                "decoder_sparse_step": 1,
+                **common,
+            }
+        )
     if arch == "qwen3_vl":
-        text = {"head_dim": 32, **common, "rope_scaling": {
-            "rope_type": "default", "mrope_section": [8, 4, 4], "mrope_interleaved": True}}
+        text = {
+            "head_dim": 32,
+            **common,
+            "rope_scaling": {
+                "rope_type": "default",
+                "mrope_section": [8, 4, 4],
+                "mrope_interleaved": True,
+            },
+        }
         text.pop("tie_word_embeddings")
-        return tf.Qwen3VLConfig(text_config=text, tie_word_embeddings=common["tie_word_embeddings"],
-                                vision_config=dict(depth=1, hidden_size=32, intermediate_size=64,
-                                                   num_heads=2, out_hidden_size=64,
-                                                   deepstack_visual_indexes=[]))
+        return tf.Qwen3VLConfig(
+            text_config=text,
+            tie_word_embeddings=common["tie_word_embeddings"],
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                deepstack_visual_indexes=[],
+            ),
+        )
     raise ValueError(arch)
 
 
@@ -72,6 +131,7 @@ def make_checkpoint(d: Path, arch: str, dtype=None, seed: int = 0, **over):
     """Build, re-randomise (norms and biases away from 1/0) and save a tiny model; return it."""
     import torch
     import transformers as tf
+
     torch.manual_seed(seed)
     cfg = tiny_config(arch, **over)
     cls = tf.Qwen3VLForConditionalGeneration if arch == "qwen3_vl" else tf.AutoModelForCausalLM
@@ -104,6 +164,7 @@ def smollm2_engine():
     """The bundled model with the default options (--act q8: int8 activations, the fast
     path)."""
     from kestrel_cli import Engine
+
     return Engine.from_pretrained(None, threads=2)
 
 
@@ -113,6 +174,7 @@ def smollm2_exact():
     tests: logits against a dequantised / float reference, KL divergences that must isolate
     one other option, exact greedy answers."""
     from kestrel_cli import Engine
+
     return Engine.from_pretrained(None, threads=2, act="f32")
 
 
@@ -133,7 +195,7 @@ def assert_prefill_then_decode_equals_full(eng, ids, last: int = 5, atol: float 
 # The kernel variants this CPU runs (the portable one first: x86-64 "base", aarch64 "neon";
 # the detected best last); the `isa` fixture runs a test once under each, so the portable
 # one is always tested.
-from kestrel_cli.runtime import kernels as _kernels   # noqa: E402
+from kestrel_cli.runtime import kernels as _kernels  # noqa: E402
 
 VARIANTS = _kernels.isa_variants()
 # The variant chosen at import, before any test switches: KESTREL_ISA's, else the best.
@@ -146,8 +208,9 @@ def check_variants_listed():
     CPU model) make it a check that each variant is really detected and selected."""
     import os
     import platform
+
     assert VARIANTS[0] == ("neon" if platform.machine() == "aarch64" else "base")
-    assert VARIANTS == _kernels.isa_names()[:len(VARIANTS)]
+    assert VARIANTS == _kernels.isa_names()[: len(VARIANTS)]
     assert IMPORT_ISA == (os.environ.get("KESTREL_ISA") or VARIANTS[-1])
     if os.environ.get("KESTREL_EXPECT_VARIANTS"):
         assert VARIANTS == os.environ["KESTREL_EXPECT_VARIANTS"].split()
@@ -173,6 +236,7 @@ def record_tokenised(monkeypatch, tokenizer) -> list[int]:
         def encode_batch(self, texts, **kw):
             seen.extend(len(t) for t in texts)
             return backend.encode_batch(texts, **kw)
+
     monkeypatch.setattr(tokenizer, "_backend", Recorder())
     return seen
 
@@ -185,11 +249,13 @@ class Decoded(BaseException):
 def no_decoding(monkeypatch):
     """Any pixel decoding raises Decoded (and is recorded)."""
     from PIL import ImageFile, WebPImagePlugin
+
     calls = []
 
     def refuse(self, *a, **k):
         calls.append(type(self).__name__)
         raise Decoded(type(self).__name__)
+
     monkeypatch.setattr(ImageFile.ImageFile, "load", refuse)
     monkeypatch.setattr(WebPImagePlugin.WebPImageFile, "load", refuse)
     return calls
@@ -203,39 +269,44 @@ def no_decoding(monkeypatch):
 
 TESTS = Path(__file__).resolve().parent
 # whole modules, or "module::test" (a parametrised test: all its cases)
-SLOW = frozenset({
-    # fuzzing, soak and the SmolLM2-vs-transformers comparisons: whole modules
-    "test_server_fuzz.py", "test_loader_fuzz.py", "test_soak.py", "test_engine_smollm2.py",
-    # and every test of 1.4 s or more in a full run (2 cores)
-    "test_bench.py::test_make_random_checkpoint_loads",
-    "test_board_bench.py::test_real_kestrel_and_taskset",
-    "test_chat.py::test_chat_repl_in_a_pty_two_turns_ctrl_c_ctrl_d",
-    "test_cli.py::test_combined_stdout_and_stderr_keep_the_answer_s_lines_whole",
-    "test_cli.py::test_exit_codes_of_the_real_command",
-    "test_cpus.py::test_cli_prints_the_choice_once",
-    "test_constrained.py::test_too_deep_counts_levels_without_recursion",
-    "test_examples.py::test_examples_run",
-    "test_gguf_export.py::test_chunked_streaming_is_byte_identical",
-    "test_gguf_export.py::test_memory_while_writing_is_a_few_chunks",
-    "test_images.py::test_decode_cost_bounds_measured_peak",
-    "test_kv_cache_f16.py::test_cli_flag_runs_end_to_end",
-    "test_kv_cache_q8.py::test_kl_q8_vs_f32_on_bundled_model",
-    "test_ppl.py::test_kld_ref",
-    "test_scripts.py::test_bench_decode_table",
-    "test_server.py::test_default_flags_serve_int8_activations",
-    "test_server.py::test_logit_bias_and_penalties",
-    "test_server.py::test_sigterm_cancels_in_flight_and_exits_cleanly",
-    "test_server_admission.py::test_memory_flags_are_checked_and_logged",
-    "test_server_admission.py::test_six_near_cap_prompts_at_once_stay_within_memory",
-    "test_server_limits.py::test_sigterm_drains_then_ends_streams_with_an_error_and_done",
-    "test_sparse.py::test_2k_chat_prompt_k32_keeps_the_answer_k1_loses_it",
-    "test_sparse.py::test_needle_sweep_script",
-    "test_tokenizer_templates.py::test_chat_template_error_names_the_reason",
-    "test_tokenizer_templates.py::test_loops_without_output_hit_the_time_limit",
-    "test_tokenizer_templates.py::test_timeout_in_a_worker_thread_leaves_the_thread_usable",
-    "test_tokenizer.py::test_encode_limit_never_refuses_a_text_that_fits",
-    "test_tokenizer.py::test_smollm_encode_matches_transformers",
-})
+SLOW = frozenset(
+    {
+        # fuzzing, soak and the SmolLM2-vs-transformers comparisons: whole modules
+        "test_server_fuzz.py",
+        "test_loader_fuzz.py",
+        "test_soak.py",
+        "test_engine_smollm2.py",
+        # and every test of 1.4 s or more in a full run (2 cores)
+        "test_bench.py::test_make_random_checkpoint_loads",
+        "test_board_bench.py::test_real_kestrel_and_taskset",
+        "test_chat.py::test_chat_repl_in_a_pty_two_turns_ctrl_c_ctrl_d",
+        "test_cli.py::test_combined_stdout_and_stderr_keep_the_answer_s_lines_whole",
+        "test_cli.py::test_exit_codes_of_the_real_command",
+        "test_cpus.py::test_cli_prints_the_choice_once",
+        "test_constrained.py::test_too_deep_counts_levels_without_recursion",
+        "test_examples.py::test_examples_run",
+        "test_gguf_export.py::test_chunked_streaming_is_byte_identical",
+        "test_gguf_export.py::test_memory_while_writing_is_a_few_chunks",
+        "test_images.py::test_decode_cost_bounds_measured_peak",
+        "test_kv_cache_f16.py::test_cli_flag_runs_end_to_end",
+        "test_kv_cache_q8.py::test_kl_q8_vs_f32_on_bundled_model",
+        "test_ppl.py::test_kld_ref",
+        "test_scripts.py::test_bench_decode_table",
+        "test_server.py::test_default_flags_serve_int8_activations",
+        "test_server.py::test_logit_bias_and_penalties",
+        "test_server.py::test_sigterm_cancels_in_flight_and_exits_cleanly",
+        "test_server_admission.py::test_memory_flags_are_checked_and_logged",
+        "test_server_admission.py::test_six_near_cap_prompts_at_once_stay_within_memory",
+        "test_server_limits.py::test_sigterm_drains_then_ends_streams_with_an_error_and_done",
+        "test_sparse.py::test_2k_chat_prompt_k32_keeps_the_answer_k1_loses_it",
+        "test_sparse.py::test_needle_sweep_script",
+        "test_tokenizer_templates.py::test_chat_template_error_names_the_reason",
+        "test_tokenizer_templates.py::test_loops_without_output_hit_the_time_limit",
+        "test_tokenizer_templates.py::test_timeout_in_a_worker_thread_leaves_the_thread_usable",
+        "test_tokenizer.py::test_encode_limit_never_refuses_a_text_that_fits",
+        "test_tokenizer.py::test_smollm_encode_matches_transformers",
+    }
+)
 
 
 def pytest_collection_modifyitems(config, items):

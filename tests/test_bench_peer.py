@@ -1,5 +1,6 @@
 """scripts/bench_peer.py: parsing llama-bench's and kestrel bench's JSON, the table, and one
 run end to end with a stand-in llama-bench (the suite never needs llama.cpp)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,9 +24,21 @@ spec.loader.exec_module(peer)
 def gguf_file(tmp_path_factory) -> Path:
     """A tiny llama-layout Q4_1 GGUF from make_random_checkpoint.py."""
     out = tmp_path_factory.mktemp("peer") / "tiny-llama.q4_1.gguf"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_random_checkpoint.py"), str(out),
-                    "--shape", "tiny-llama", "--gguf", "q4_1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "make_random_checkpoint.py"),
+            str(out),
+            "--shape",
+            "tiny-llama",
+            "--gguf",
+            "q4_1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return out
+
 
 # llama-bench -o json as this llama.cpp build (0c1e570) writes it (flash_attn an int, -1 =
 # auto), the first row recorded whole but samples_*, the others trimmed to what is read;
@@ -53,9 +66,16 @@ LLAMA_JSON = """[
 
 
 def kestrel_json(threads=2, pp=12.0, tg=5.5) -> str:
-    r = BenchReport(model="llama q4_1", path="s.gguf", size_bytes=1, params=1, quant="none",
-                    threads=threads, isa="avx2",
-                    rows=[BenchRow("pp16", 16, 0, 0, [pp]), BenchRow("tg4", 0, 4, 0, [tg])])
+    r = BenchReport(
+        model="llama q4_1",
+        path="s.gguf",
+        size_bytes=1,
+        params=1,
+        quant="none",
+        threads=threads,
+        isa="avx2",
+        rows=[BenchRow("pp16", 16, 0, 0, [pp]), BenchRow("tg4", 0, 4, 0, [tg])],
+    )
     return r.to_json()
 
 
@@ -64,8 +84,16 @@ def test_llama_rates_keep_the_faster_flash_attention():
 
 
 def test_llama_rates_depth_and_errors():
-    rows = [{"n_threads": 1, "flash_attn": True, "n_prompt": 32, "n_gen": 0, "n_depth": 512,
-             "avg_ts": 3.0}]                                    # older builds: a bool
+    rows = [
+        {
+            "n_threads": 1,
+            "flash_attn": True,
+            "n_prompt": 32,
+            "n_gen": 0,
+            "n_depth": 512,
+            "avg_ts": 3.0,
+        }
+    ]  # older builds: a bool
     assert peer.llama_rates(json.dumps(rows)) == {(1, "pp32@d512"): (3.0, "1")}
     for bad in ("not json", "[{}]", '{"a": 1}'):
         with pytest.raises(peer.PeerError, match="llama-bench: unreadable JSON"):
@@ -79,14 +107,21 @@ def test_kestrel_rates():
 
 
 def test_table():
-    rows = [{"file": "s.gguf", "threads": 2, "llama": {"pp16": 17.5, "tg4": 5.5},
-             "kestrel": {"pp16": 12.25, "tg4": 5.5}},
-            {"file": "s.gguf", "threads": 1, "llama": {"pp16": 9.0}, "kestrel": {}}]
+    rows = [
+        {
+            "file": "s.gguf",
+            "threads": 2,
+            "llama": {"pp16": 17.5, "tg4": 5.5},
+            "kestrel": {"pp16": 12.25, "tg4": 5.5},
+        },
+        {"file": "s.gguf", "threads": 1, "llama": {"pp16": 9.0}, "kestrel": {}},
+    ]
     assert peer.table(rows, 16, 4).splitlines() == [
         "| file | threads | llama.cpp pp16 / tg4 | kestrel pp16 / tg4 | ratio pp / tg |",
         "|---|---:|---:|---:|---:|",
         "| s.gguf | 2 | 17.50 / 5.50 | 12.25 / 5.50 | 0.70 / 1.00 |",
-        "| s.gguf | 1 | 9.00 / - | - / - | - / - |"]
+        "| s.gguf | 1 | 9.00 / - | - / - | - / - |",
+    ]
     assert peer.table(rows[:1], 0, 4).splitlines()[2] == "| s.gguf | 2 | 5.50 | 5.50 | 1.00 |"
 
 
@@ -105,17 +140,49 @@ def fake_llama(tmp_path):
 def run_peer(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("KESTREL", None)
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peer.py"), *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_peer.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_end_to_end_with_stand_in_llama_bench(fake_llama, gguf_file):
-    r = run_peer(str(fake_llama / "build"), str(gguf_file), "-t", "1", "-p", "16", "-n", "4",
-                 "-r", "1", "--repack", "0")
+    r = run_peer(
+        str(fake_llama / "build"),
+        str(gguf_file),
+        "-t",
+        "1",
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--repack",
+        "0",
+    )
     assert r.returncode == 0, r.stderr
     assert (fake_llama / "argv").read_text().split() == [
-        "-m", str(gguf_file), "-t", "1", "-p", "16", "-n", "4", "-r", "1", "-fa", "0,1",
-        "-o", "json", "--repack", "0"]
+        "-m",
+        str(gguf_file),
+        "-t",
+        "1",
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "-fa",
+        "0,1",
+        "-o",
+        "json",
+        "--repack",
+        "0",
+    ]
     head, sep, row = r.stdout.strip().splitlines()
     assert head == "| file | threads | llama.cpp pp16 / tg4 | kestrel pp16 / tg4 | ratio pp / tg |"
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -136,6 +203,18 @@ def test_errors(tmp_path, fake_llama, gguf_file):
     assert r.returncode == 2 and "missing.gguf: no such file" in r.stderr
     r = run_peer(str(fake_llama / "build"), str(gguf_file), "-t", "0")
     assert r.returncode == 2 and "expected thread counts like 1,2" in r.stderr
-    r = run_peer(str(fake_llama / "build"), str(gguf_file), "-t", "1", "-p", "16", "-n", "4",
-                 "-r", "1", "--kestrel-args", "--sparse-k 0 --sparse-attn")
+    r = run_peer(
+        str(fake_llama / "build"),
+        str(gguf_file),
+        "-t",
+        "1",
+        "-p",
+        "16",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--kestrel-args",
+        "--sparse-k 0 --sparse-attn",
+    )
     assert r.returncode == 1 and "kestrel bench failed" in r.stderr and "Traceback" not in r.stderr

@@ -1,6 +1,7 @@
 """scripts/board_bench.sh: its table from stand-in kestrel / llama-bench / taskset commands
 on fake sysfs trees (an RK3588, a machine whose cores are alike), its refusals, and one
 run of the real kestrel and taskset on the bundled model."""
+
 from __future__ import annotations
 
 import os
@@ -85,22 +86,38 @@ def fakes(tmp_path):
     bin_.mkdir()
     model = tmp_path / "model.gguf"
     model.write_bytes(b"GGUF")
-    return {"kestrel": exe(bin_ / "kestrel", FAKE_KESTREL),
-            "llama": exe(bin_ / "llama-bench", FAKE_LLAMA),
-            "taskset": exe(bin_ / "taskset", FAKE_TASKSET),
-            "bin": str(bin_), "log": tmp_path / "log", "model": str(model), "tmp": tmp_path}
+    return {
+        "kestrel": exe(bin_ / "kestrel", FAKE_KESTREL),
+        "llama": exe(bin_ / "llama-bench", FAKE_LLAMA),
+        "taskset": exe(bin_ / "taskset", FAKE_TASKSET),
+        "bin": str(bin_),
+        "log": tmp_path / "log",
+        "model": str(model),
+        "tmp": tmp_path,
+    }
 
 
 def run(fakes, caps: dict, *args, ncpu: int = 8, llama: bool = True, **env):
-    e = dict(os.environ, KESTREL=fakes["kestrel"], FAKE_PYTHON=sys.executable,
-             FAKE_LOG=str(fakes["log"]), FAKE_NCPU=str(ncpu), PYTHONPATH=str(ROOT),
-             KESTREL_SYSFS_CPU=str(sysfs(fakes["tmp"] / "sys", caps)),
-             PATH=fakes["bin"] + os.pathsep + os.environ["PATH"], P="16", N="8", R="2", **env)
+    e = dict(
+        os.environ,
+        KESTREL=fakes["kestrel"],
+        FAKE_PYTHON=sys.executable,
+        FAKE_LOG=str(fakes["log"]),
+        FAKE_NCPU=str(ncpu),
+        PYTHONPATH=str(ROOT),
+        KESTREL_SYSFS_CPU=str(sysfs(fakes["tmp"] / "sys", caps)),
+        PATH=fakes["bin"] + os.pathsep + os.environ["PATH"],
+        P="16",
+        N="8",
+        R="2",
+        **env,
+    )
     e.pop("LLAMA_BENCH", None)
     if llama:
         e["LLAMA_BENCH"] = fakes["llama"]
-    return subprocess.run(["bash", str(SCRIPT), *args], env=e, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], env=e, capture_output=True, text=True, timeout=300
+    )
 
 
 def table(stdout: str) -> tuple[list[str], list[list[str]]]:
@@ -108,8 +125,16 @@ def table(stdout: str) -> tuple[list[str], list[list[str]]]:
     return header.split(), [r.split() for r in rows]
 
 
-HEAD = ["threads", "cores", "kestrel_pp", "kestrel_tg", "llama_pp", "llama_tg", "pp_ratio",
-        "tg_ratio"]
+HEAD = [
+    "threads",
+    "cores",
+    "kestrel_pp",
+    "kestrel_tg",
+    "llama_pp",
+    "llama_tg",
+    "pp_ratio",
+    "tg_ratio",
+]
 RK3588 = {**{c: 415 for c in range(4)}, **{c: 1024 for c in range(4, 8)}}
 
 
@@ -119,8 +144,11 @@ def test_rk3588_big_little_and_all(fakes):
     head, rows = table(r.stdout)
     assert head == HEAD
     k = {"4-7": 3, "0-3": 1, "0-7": 2}
-    want = [(t, c) for c, ts in (("big:4-7", (1, 2, 4)), ("little:0-3", (1, 2, 4)),
-                                 ("all:0-7", (8,))) for t in ts]
+    want = [
+        (t, c)
+        for c, ts in (("big:4-7", (1, 2, 4)), ("little:0-3", (1, 2, 4)), ("all:0-7", (8,)))
+        for t in ts
+    ]
     assert [(int(row[0]), row[1]) for row in rows] == want
     for row in rows:
         t, cores = int(row[0]), row[1].split(":")[1]
@@ -135,7 +163,7 @@ def test_rk3588_big_little_and_all(fakes):
     runs = log[1:]
     assert len(runs) == 4 * len(want)
     for i, (t, cores) in enumerate(want):
-        ts, kes, lts, lla = runs[4 * i:4 * i + 4]
+        ts, kes, lts, lla = runs[4 * i : 4 * i + 4]
         assert ts == lts == f"taskset {cores.split(':')[1]}"
         assert kes == f"kestrel bench -m {fakes['model']} -t {t} -p 16 -n 8 -r 2 --kv-q8"
         assert lla == f"llama -m {fakes['model']} -t {t} -p 16 -n 8 -r 2"
@@ -146,13 +174,14 @@ def test_without_llama_bench_its_columns_are_dashes(fakes):
     assert r.returncode == 0, r.stderr
     head, rows = table(r.stdout)
     assert head == HEAD
-    assert [row[:2] for row in rows] == [["2", "big:4-7"], ["2", "little:0-3"],
-                                         ["8", "all:0-7"]]
-    assert [row[2:4] for row in rows] == [["600.25", "60.50"], ["200.25", "20.50"],
-                                          ["1600.25", "160.50"]]
+    assert [row[:2] for row in rows] == [["2", "big:4-7"], ["2", "little:0-3"], ["8", "all:0-7"]]
+    assert [row[2:4] for row in rows] == [
+        ["600.25", "60.50"],
+        ["200.25", "20.50"],
+        ["1600.25", "160.50"],
+    ]
     assert all(row[4:] == ["-"] * 4 for row in rows)
-    assert not [line for line in fakes["log"].read_text().splitlines()
-                if line.startswith("llama ")]
+    assert not [line for line in fakes["log"].read_text().splitlines() if line.startswith("llama ")]
 
 
 def test_cores_alike_give_all_rows_capped_to_the_cpus(fakes):
@@ -168,7 +197,7 @@ def test_missing_model_is_one_clear_message(fakes):
     r = run(fakes, RK3588, str(fakes["tmp"] / "no-such.gguf"))
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr == f"board_bench: model {fakes['tmp'] / 'no-such.gguf'} does not exist\n"
-    assert not fakes["log"].exists()                    # nothing was run
+    assert not fakes["log"].exists()  # nothing was run
     r = run(fakes, RK3588)
     assert r.returncode == 2 and r.stderr.startswith("board_bench: no model given (usage:")
 
@@ -188,21 +217,36 @@ def test_real_kestrel_and_taskset(tmp_path, smollm2_path):
     """The script on this machine: the real `kestrel cpus` (a fake sysfs making the last
     allowed CPU the big one), the real taskset and kestrel bench on the bundled model."""
     allowed = sorted(os.sched_getaffinity(0))
-    kestrel = exe(tmp_path / "kestrel",
-                  f'#!/bin/sh\nexec "{sys.executable}" -m kestrel_cli.cli "$@"\n')
+    kestrel = exe(
+        tmp_path / "kestrel", f'#!/bin/sh\nexec "{sys.executable}" -m kestrel_cli.cli "$@"\n'
+    )
     root = sysfs(tmp_path / "sys", {c: 1024 if c == allowed[-1] else 415 for c in allowed})
-    e = dict(os.environ, KESTREL=kestrel, PYTHONPATH=str(ROOT), KESTREL_SYSFS_CPU=str(root),
-             THREADS="1 2", P="8", N="4", R="1", OMP_WAIT_POLICY="passive")
+    e = dict(
+        os.environ,
+        KESTREL=kestrel,
+        PYTHONPATH=str(ROOT),
+        KESTREL_SYSFS_CPU=str(root),
+        THREADS="1 2",
+        P="8",
+        N="4",
+        R="1",
+        OMP_WAIT_POLICY="passive",
+    )
     e.pop("LLAMA_BENCH", None)
-    r = subprocess.run(["bash", str(SCRIPT), str(smollm2_path)], env=e, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        ["bash", str(SCRIPT), str(smollm2_path)], env=e, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     head, rows = table(r.stdout)
     assert head == HEAD
     from kestrel_cli.core.cpus import cpu_list
+
     if len(allowed) >= 2:
-        want = [["1", f"big:{allowed[-1]}"], ["1", f"little:{cpu_list(allowed[:-1])}"],
-                ["2", f"all:{cpu_list(allowed)}"]]
+        want = [
+            ["1", f"big:{allowed[-1]}"],
+            ["1", f"little:{cpu_list(allowed[:-1])}"],
+            ["2", f"all:{cpu_list(allowed)}"],
+        ]
     else:
         want = [["1", f"all:{allowed[0]}"]]
     assert [row[:2] for row in rows] == want

@@ -1,4 +1,5 @@
 """`kestrel chat`: the REPL in a pseudo-terminal, and ChatSession in process (bundled model, greedy)."""
+
 from __future__ import annotations
 
 import io
@@ -23,6 +24,7 @@ GREEDY = dict(max_tokens=24, temperature=0.0)
 def parse_model_once():
     """The gguf reader takes seconds: parse the bundled model once for this module."""
     import kestrel_cli.inference.engine as engine_mod
+
     memo = {}
 
     def once(path):
@@ -44,19 +46,31 @@ def engine():
 def session(engine, **kw):
     engine.reset()
     out, err = io.StringIO(), io.StringIO()
-    s = ChatSession(engine, sampling=kw.pop("sampling", GREEDY),
-                    timing=TimingPrinter(True, stream=err, out=out), out=out, **kw)
+    s = ChatSession(
+        engine,
+        sampling=kw.pop("sampling", GREEDY),
+        timing=TimingPrinter(True, stream=err, out=out),
+        out=out,
+        **kw,
+    )
     return s, out, err
 
 
 # ------------------------------------------------------------------ the REPL in a terminal
 
+
 def test_chat_repl_in_a_pty_two_turns_ctrl_c_ctrl_d():
     import pexpect
+
     env = dict(os.environ, PYTHONPATH=str(ROOT), TERM="xterm", COLUMNS="250")
-    child = pexpect.spawn(sys.executable, ["-m", "kestrel_cli.cli", "chat", "--temp", "0",
-                                           "-n", "64", "-c", "1024", "-t", "1"],
-                          env=env, encoding="utf-8", dimensions=(50, 250), timeout=120)
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "kestrel_cli.cli", "chat", "--temp", "0", "-n", "64", "-c", "1024", "-t", "1"],
+        env=env,
+        encoding="utf-8",
+        dimensions=(50, 250),
+        timeout=120,
+    )
     log = io.StringIO()
     child.logfile_read = log
     try:
@@ -64,12 +78,12 @@ def test_chat_repl_in_a_pty_two_turns_ctrl_c_ctrl_d():
         turns = []
         for text in (NAME, ASK_NAME):
             child.sendline(text)
-            child.expect(re.escape(text) + r"\r\n")            # the echo of the line
+            child.expect(re.escape(text) + r"\r\n")  # the echo of the line
             child.expect(r"\[TURN\][^\r\n]*")
             turns.append(parse_lines(ANSI.sub("", child.after), "TURN")[0])
             answer = ANSI.sub("", child.before).split("\r\n")[0]
             child.expect("> ")
-        assert "Ada" in answer                                   # turn 2 used turn 1
+        assert "Ada" in answer  # turn 2 used turn 1
         t1, t2 = turns
         assert list(t2) == list(TURN_KEYS)
         assert t1["cached"] == 0 and t1["prefill_tokens"] == t1["prompt_tokens"]
@@ -82,7 +96,7 @@ def test_chat_repl_in_a_pty_two_turns_ctrl_c_ctrl_d():
         # Ctrl-C mid-answer stops it and gives the prompt back
         child.sendline("Write a very long story about a dragon and a knight.")
         child.expect(r"knight\.\r\n")
-        child.expect(r"\w+ \w+")                                 # the answer has begun
+        child.expect(r"\w+ \w+")  # the answer has begun
         child.sendintr()
         child.expect(r"\[interrupted\]")
         child.expect("> ")
@@ -95,7 +109,7 @@ def test_chat_repl_in_a_pty_two_turns_ctrl_c_ctrl_d():
         child.sendline("/stats")
         child.expect(r"turns: 4, messages: 8")
         child.expect("> ")
-        child.sendeof()                                          # Ctrl-D leaves
+        child.sendeof()  # Ctrl-D leaves
         child.expect(pexpect.EOF)
     finally:
         child.close()
@@ -108,13 +122,14 @@ def test_chat_repl_in_a_pty_two_turns_ctrl_c_ctrl_d():
 
 # ------------------------------------------------------------------ ChatSession in process
 
+
 def test_answer_comes_from_the_conversation(engine):
     s, out, err = session(engine)
     s.ask(NAME)
     assert "Ada" in s.ask(ASK_NAME)
     s.command("/reset")
     assert s.messages == [] and engine.cache.offset == 0
-    assert "Ada" not in s.ask(ASK_NAME)                       # a fresh conversation
+    assert "Ada" not in s.ask(ASK_NAME)  # a fresh conversation
     assert [t["turn"] for t in parse_lines(err.getvalue(), "TURN")] == [1, 2, 1]
 
 
@@ -122,12 +137,11 @@ def test_context_full_offers_reset_instead_of_crashing(engine):
     # --act f32: the closing "capital of France" answer is a near tie ("The" 0.15 vs "L" 0.14)
     # that int8 activations flip, as in llama.cpp; this test is about the reset mechanics.
     small = engine_from_options(EngineOptions(threads=1, ctx_size=64, act="f32"), spinner=False)
-    s, out, err = session(small, sampling=dict(max_tokens=200, temperature=0.0,
-                                               ignore_eos=True))
+    s, out, err = session(small, sampling=dict(max_tokens=200, temperature=0.0, ignore_eos=True))
     s.ask("Count from one to one hundred.")
     assert small.cache.offset == 64
     assert "[context full: /reset to start over]" in out.getvalue()
-    assert s.ask("And now backwards.") is None                # does not fit: said so
+    assert s.ask("And now backwards.") is None  # does not fit: said so
     assert "context full: this turn needs" in out.getvalue()
     assert s.turn == 1 and len(s.messages) == 2
     s.command("/reset")
@@ -161,6 +175,6 @@ def test_repl_ctrl_c_at_prompt_and_ctrl_d(engine):
             raise item
         return item
 
-    repl(s, read=read)                       # returns on Ctrl-D (EOFError)
+    repl(s, read=read)  # returns on Ctrl-D (EOFError)
     assert s.system == "Be brief."
     assert "unknown command /bogus" in out.getvalue()

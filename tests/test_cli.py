@@ -1,4 +1,5 @@
 """`kestrel run / info / chat` through typer's CliRunner, on the bundled SmolLM2 (greedy)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,13 +15,26 @@ import typer
 from typer.testing import CliRunner
 
 from kestrel_cli import cli
-from kestrel_cli.cli import (EngineOptions, OutputOptions, SamplingOptions, app,
-                             engine_from_options, with_options)
+from kestrel_cli.cli import (
+    EngineOptions,
+    OutputOptions,
+    SamplingOptions,
+    app,
+    engine_from_options,
+    with_options,
+)
 from kestrel_cli.inference.generate import Stats, TokenTiming
+from kestrel_cli.inference.timing import (
+    DEC_KEYS,
+    PERF_KEYS,
+    TimingPrinter,
+    format_dec,
+    format_perf,
+    parse_line,
+    parse_lines,
+)
 from kestrel_cli.runtime.kv_cache import CacheSpec
 from kestrel_cli.runtime.sparse import SparseSpec
-from kestrel_cli.inference.timing import (DEC_KEYS, PERF_KEYS, TimingPrinter, format_dec, format_perf,
-                                parse_line, parse_lines)
 
 QUESTION = "What is the capital of France?"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -33,6 +47,7 @@ def parse_model_once():
     still builds its Engine through Engine.from_pretrained with all its checks."""
     import kestrel_cli.inference.engine as engine_mod
     import kestrel_cli.models.loader as loader_mod
+
     real, memo = loader_mod.open_checkpoint, {}
 
     def once(path):
@@ -64,6 +79,7 @@ def ok(result):
 
 # ------------------------------------------------------------------------- run
 
+
 def test_run_streams_greedy_answer_and_timing():
     # --act f32: the greedy answer is a near tie ("The" 0.15 vs "L" 0.14) that int8
     # activations flip, as in llama.cpp; this test is about streaming and the timing lines.
@@ -76,22 +92,27 @@ def test_run_streams_greedy_answer_and_timing():
     # one line per decoded token, positions right after the prompt
     assert perf["decode_tokens"] == len(decs)
     assert [d["tok"] for d in decs] == list(range(len(decs)))
-    assert [d["pos"] for d in decs] == list(range(perf["prefill_tokens"],
-                                                  perf["prefill_tokens"] + len(decs)))
+    assert [d["pos"] for d in decs] == list(
+        range(perf["prefill_tokens"], perf["prefill_tokens"] + len(decs))
+    )
     for d in decs:
         assert d["ms"] > 0 and d["attn"] >= 0 and d["matmul"] > 0 and d["other"] >= 0
         assert abs(d["ms"] - d["attn"] - d["matmul"] - d["other"]) <= 0.2
     # attn and matmul are measured: they add up to most of the token, matmul dominating
     assert sum(d["attn"] for d in decs) > 0
     assert sum(d["matmul"] for d in decs) > sum(d["attn"] for d in decs)
-    assert perf["attn_ms_per_tok"] == pytest.approx(sum(d["attn"] for d in decs) / len(decs),
-                                                    abs=0.1)
+    assert perf["attn_ms_per_tok"] == pytest.approx(
+        sum(d["attn"] for d in decs) / len(decs), abs=0.1
+    )
     assert perf["prefill_tps"] > 0 and perf["decode_tps"] > 0 and perf["kv_bytes"] > 0
     # exact text of the lines: one decimal on every time
     for line in r.stderr.splitlines():
         if line.startswith("[DEC-SINGLE]"):
-            assert re.fullmatch(r"\[DEC-SINGLE\] tok=\d+ pos=\d+ ms=\d+\.\d attn=\d+\.\d "
-                                r"matmul=\d+\.\d other=\d+\.\d", line), line
+            assert re.fullmatch(
+                r"\[DEC-SINGLE\] tok=\d+ pos=\d+ ms=\d+\.\d attn=\d+\.\d "
+                r"matmul=\d+\.\d other=\d+\.\d",
+                line,
+            ), line
 
 
 def test_run_no_timing_prompt_file_stdin_system_raw(tmp_path):
@@ -101,20 +122,76 @@ def test_run_no_timing_prompt_file_stdin_system_raw(tmp_path):
     # activations flip, as in llama.cpp; this test is about -f, stdin, -s and --raw.
     a = ok(invoke("run", "-f", f, "--temp", "0", "-n", "12", "--no-timing", "--act", "f32"))
     assert a.stdout == "The capital of France is Paris.\n" and a.stderr == ""
-    b = ok(invoke("run", "-p", "-", "--temp", "0", "-n", "12", "--no-timing", "--act", "f32",
-                  input=QUESTION))
+    b = ok(
+        invoke(
+            "run",
+            "-p",
+            "-",
+            "--temp",
+            "0",
+            "-n",
+            "12",
+            "--no-timing",
+            "--act",
+            "f32",
+            input=QUESTION,
+        )
+    )
     assert b.stdout == a.stdout
-    c = ok(invoke("run", "-p", QUESTION, "-s", "Answer in French.", "--temp", "0", "-n", "6",
-                  "--no-timing", "--act", "f32"))
+    c = ok(
+        invoke(
+            "run",
+            "-p",
+            QUESTION,
+            "-s",
+            "Answer in French.",
+            "--temp",
+            "0",
+            "-n",
+            "6",
+            "--no-timing",
+            "--act",
+            "f32",
+        )
+    )
     assert c.stdout != a.stdout and c.stdout.endswith("\n")
-    d = ok(invoke("run", "--raw", "-p", "The capital of France is", "--temp", "0", "-n", "3",
-                  "--no-timing"))
+    d = ok(
+        invoke(
+            "run",
+            "--raw",
+            "-p",
+            "The capital of France is",
+            "--temp",
+            "0",
+            "-n",
+            "3",
+            "--no-timing",
+        )
+    )
     assert "Paris" in d.stdout
 
 
 def test_run_sampling_flags_seeded_and_ignore_eos():
-    args = ("run", "-p", QUESTION, "-n", "8", "--temp", "0.9", "--top-k", "20", "--top-p",
-            "0.9", "--min-p", "0.02", "--repeat-penalty", "1.1", "--seed", "7", "--no-timing")
+    args = (
+        "run",
+        "-p",
+        QUESTION,
+        "-n",
+        "8",
+        "--temp",
+        "0.9",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--min-p",
+        "0.02",
+        "--repeat-penalty",
+        "1.1",
+        "--seed",
+        "7",
+        "--no-timing",
+    )
     assert ok(invoke(*args)).stdout == ok(invoke(*args)).stdout
     # -n -1 with --ignore-eos runs until the context is full (no crash, exit 0)
     r = ok(invoke("run", "-p", QUESTION, "--temp", "0", "-n", "-1", "--ignore-eos", "-c", "48"))
@@ -128,6 +205,7 @@ def test_default_context_is_the_model_s_capped():
     assert engine_from_options(EngineOptions(ctx_size=100, threads=1)).ctx_size == 100
     # a model whose own context is shorter than the cap keeps its own
     import kestrel_cli.inference.engine as engine_mod
+
     real = engine_mod.open_checkpoint
 
     def short(path):
@@ -148,12 +226,15 @@ LONG = "word " * 200
 def test_engine_and_cli_share_one_validation():
     """The library and the flags fail on the same values with the same message, before
     any file is read; the context cap is an Engine option."""
-    from kestrel_cli.inference.engine import Engine, LoadOptions, default_threads
     from kestrel_cli.core.errors import KestrelError
-    for kw, needle in ((dict(threads=0), "-t/--threads must be >= 1, got 0"),
-                       (dict(ctx_size=0), "-c/--ctx-size must be >= 1, got 0"),
-                       (dict(sparse_k=0), "--sparse-k must be >= 1, got 0"),
-                       (dict(sparse_probes=0), "--sparse-probes must be >= 1, got 0")):
+    from kestrel_cli.inference.engine import Engine, LoadOptions, default_threads
+
+    for kw, needle in (
+        (dict(threads=0), "-t/--threads must be >= 1, got 0"),
+        (dict(ctx_size=0), "-c/--ctx-size must be >= 1, got 0"),
+        (dict(sparse_k=0), "--sparse-k must be >= 1, got 0"),
+        (dict(sparse_probes=0), "--sparse-probes must be >= 1, got 0"),
+    ):
         with pytest.raises(KestrelError, match=re.escape(needle)):
             Engine.from_pretrained("/no/such/model_dir", **kw)
         with pytest.raises(KestrelError, match=re.escape(needle)):
@@ -170,7 +251,7 @@ def test_engine_and_cli_share_one_validation():
     assert eng.ctx_size == 300 and eng.cache.max_tokens == 300 and eng.threads == 1
     # serve --parallel N without -t: the cores split N ways, at least one each
     assert default_threads(share=2) == max(1, default_threads() // 2)
-    assert default_threads(share=10 ** 6) == 1
+    assert default_threads(share=10**6) == 1
 
 
 @pytest.fixture
@@ -180,34 +261,37 @@ def not_a_file(tmp_path):
     return d
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["run", "--bogus"], "No such option: --bogus"),
-    (["run", "-p", "x", "-n", "-5"], "-n/--n-predict must be >= -1"),
-    (["run", "-p", "x", "-n", "lots"], "--n-predict"),
-    (["run", "-p", "x", "-m", "/no/such/model_dir"], "does not exist"),
-    (["run", "-f", "/no/such/prompt.txt"], "cannot read prompt file"),
-    (["run", "-f", "NOT_A_FILE"], "cannot read prompt file"),
-    (["run", "-p", "x", "--sparse-k", "0"], "--sparse-k must be >= 1"),
-    (["run", "-p", "x", "--sparse-probes", "0"], "--sparse-probes must be >= 1"),
-    (["run", "-p", LONG, "-c", "32", "--temp", "0"], "more than the context size 32"),
-    (["run", "-p", "x", "--quant", "q5"], "'q5' is not one of"),
-    (["run"], "no prompt"),
-    (["run", "-p", "   "], "empty prompt"),
-    (["run", "-p", "x", "-f", "y"], "not both"),
-    (["run", "-p", "x", "--raw", "-s", "sys"], "--raw"),
-    (["run", "-p", "x", "--temp", "-1"], "temperature must be >= 0"),
-    (["run", "-p", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
-    (["run", "-p", "x", "-t", "0"], "-t/--threads must be >= 1"),
-    (["run", "-p", "x", "-c", "0"], "-c/--ctx-size must be >= 1"),
-    (["chat", "--sparse-k", "0"], "--sparse-k must be >= 1"),
-    (["info", "-m", "/no/such/model_dir"], "does not exist"),
-    (["nope"], "No such command"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["run", "--bogus"], "No such option: --bogus"),
+        (["run", "-p", "x", "-n", "-5"], "-n/--n-predict must be >= -1"),
+        (["run", "-p", "x", "-n", "lots"], "--n-predict"),
+        (["run", "-p", "x", "-m", "/no/such/model_dir"], "does not exist"),
+        (["run", "-f", "/no/such/prompt.txt"], "cannot read prompt file"),
+        (["run", "-f", "NOT_A_FILE"], "cannot read prompt file"),
+        (["run", "-p", "x", "--sparse-k", "0"], "--sparse-k must be >= 1"),
+        (["run", "-p", "x", "--sparse-probes", "0"], "--sparse-probes must be >= 1"),
+        (["run", "-p", LONG, "-c", "32", "--temp", "0"], "more than the context size 32"),
+        (["run", "-p", "x", "--quant", "q5"], "'q5' is not one of"),
+        (["run"], "no prompt"),
+        (["run", "-p", "   "], "empty prompt"),
+        (["run", "-p", "x", "-f", "y"], "not both"),
+        (["run", "-p", "x", "--raw", "-s", "sys"], "--raw"),
+        (["run", "-p", "x", "--temp", "-1"], "temperature must be >= 0"),
+        (["run", "-p", "x", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["run", "-p", "x", "-t", "0"], "-t/--threads must be >= 1"),
+        (["run", "-p", "x", "-c", "0"], "-c/--ctx-size must be >= 1"),
+        (["chat", "--sparse-k", "0"], "--sparse-k must be >= 1"),
+        (["info", "-m", "/no/such/model_dir"], "does not exist"),
+        (["nope"], "No such command"),
+    ],
+)
 def test_bad_input_is_one_line_no_traceback(args, needle, not_a_file):
     args = [str(not_a_file) if a == "NOT_A_FILE" else a for a in args]
     r = invoke(*args)
     assert r.exit_code != 0
-    assert isinstance(r.exception, SystemExit), r.exception     # no uncaught exception
+    assert isinstance(r.exception, SystemExit), r.exception  # no uncaught exception
     assert "Traceback" not in r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
@@ -217,17 +301,27 @@ def test_bad_input_is_one_line_no_traceback(args, needle, not_a_file):
 
 def test_path_flags_take_effect(tmp_path):
     """--kv-q8, --quant and --sparse-attn change what runs; none is parsed and ignored."""
+
     def perf(*flags):
         r = ok(invoke("run", "-p", QUESTION, "--temp", "0", "-n", "4", "-t", "1", *flags))
         (p,) = parse_lines(r.stderr, "PERF")
         return r.stdout, p
+
     base_out, base = perf()
     q8_out, q8 = perf("--kv-q8")
     assert q8["kv_bytes"] < 0.3 * base["kv_bytes"]
     from conftest import make_checkpoint
-    make_checkpoint(tmp_path, "qwen3")                  # f32 weights: --quant converts them
-    opts = cli.EngineOptions(model=tmp_path, threads=1, quant=cli.Quant("q8"), kv_q8=True,
-                             sparse_attn=True, sparse_k=4, sparse_probes=2)
+
+    make_checkpoint(tmp_path, "qwen3")  # f32 weights: --quant converts them
+    opts = cli.EngineOptions(
+        model=tmp_path,
+        threads=1,
+        quant=cli.Quant("q8"),
+        kv_q8=True,
+        sparse_attn=True,
+        sparse_k=4,
+        sparse_probes=2,
+    )
     eng = cli.engine_from_options(opts, spinner=False)
     assert eng.model.layers[0].mlp.gate_proj.fmt == "q8_0"
     assert eng.spec == CacheSpec("q8", sparse=SparseSpec(k=4, probes=2)) == eng.cache.spec
@@ -238,15 +332,27 @@ def test_path_flags_take_effect(tmp_path):
 def test_exit_codes_of_the_real_command():
     """The console entry point (not CliRunner): one line, status 2 for usage, 1 for input."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for args, code, needle in ((["run", "--bogus"], 2, "No such option"),
-                               (["run", "-p", "x", "-m", "/no/such/dir"], 1, "does not exist"),
-                               (["run", "-p", "x", "-n", "-5"], 1, "--n-predict")):
-        r = subprocess.run([sys.executable, "-m", "kestrel_cli.cli", *args], env=env,
-                           capture_output=True, text=True, timeout=60)
+    for args, code, needle in (
+        (["run", "--bogus"], 2, "No such option"),
+        (["run", "-p", "x", "-m", "/no/such/dir"], 1, "does not exist"),
+        (["run", "-p", "x", "-n", "-5"], 1, "--n-predict"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "kestrel_cli.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == code and r.stdout == ""
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and needle in r.stderr
-    r = subprocess.run([sys.executable, "-m", "kestrel_cli.cli"], env=env, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "kestrel_cli.cli"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and "run" in r.stdout and "chat" in r.stdout and "info" in r.stdout
 
 
@@ -261,24 +367,74 @@ def test_spinner_while_a_big_model_loads(monkeypatch):
 
 # ------------------------------------------------------------------------- help, info
 
+
 def test_help_shows_every_flag_with_default():
     r = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
     ok(r)
     text = ANSI.sub("", r.stdout)
-    for flag in ("--prompt", "-p", "--file", "-f", "--system", "-s", "--raw", "--model", "-m",
-                 "--n-predict", "-n", "--ctx-size", "-c", "--threads", "-t", "--temp",
-                 "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--seed", "--ignore-eos",
-                 "--sparse-attn", "--sparse-k", "--sparse-probes", "--kv-q8", "--quant",
-                 "--timing", "--no-timing"):
+    for flag in (
+        "--prompt",
+        "-p",
+        "--file",
+        "-f",
+        "--system",
+        "-s",
+        "--raw",
+        "--model",
+        "-m",
+        "--n-predict",
+        "-n",
+        "--ctx-size",
+        "-c",
+        "--threads",
+        "-t",
+        "--temp",
+        "--top-k",
+        "--top-p",
+        "--min-p",
+        "--repeat-penalty",
+        "--seed",
+        "--ignore-eos",
+        "--sparse-attn",
+        "--sparse-k",
+        "--sparse-probes",
+        "--kv-q8",
+        "--quant",
+        "--timing",
+        "--no-timing",
+    ):
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), flag
-    for default in ("256", "0.8", "40", "0.95", "0.05", "1.0", "32", "8", "none", "timing",
-                    "(random)", "(bundled SmolLM2-135M-Instruct)", "(all available cores)",
-                    "(the model's, at most 4096)"):
+    for default in (
+        "256",
+        "0.8",
+        "40",
+        "0.95",
+        "0.05",
+        "1.0",
+        "32",
+        "8",
+        "none",
+        "timing",
+        "(random)",
+        "(bundled SmolLM2-135M-Instruct)",
+        "(all available cores)",
+        "(the model's, at most 4096)",
+    ):
         assert f"[default: {default}]" in text, default
-    chat_help = ANSI.sub("", ok(CliRunner().invoke(app, ["chat", "--help"],
-                                                   env={"COLUMNS": "200"})).stdout)
-    for flag in ("--system", "--model", "--ctx-size", "--temp", "--seed", "--sparse-attn",
-                 "--kv-q8", "--quant", "--timing"):
+    chat_help = ANSI.sub(
+        "", ok(CliRunner().invoke(app, ["chat", "--help"], env={"COLUMNS": "200"})).stdout
+    )
+    for flag in (
+        "--system",
+        "--model",
+        "--ctx-size",
+        "--temp",
+        "--seed",
+        "--sparse-attn",
+        "--kv-q8",
+        "--quant",
+        "--timing",
+    ):
         assert flag in chat_help
 
 
@@ -294,11 +450,14 @@ def test_info():
     assert fields["chat template"] == "yes"
     assert "eos='<|im_end|>'" in fields["special tokens"]
     from kestrel_cli.runtime import kernels
-    assert fields["kernels"].startswith(f"{kernels.isa()} (this CPU runs "
-                                        f"{', '.join(kernels.isa_variants())};")
+
+    assert fields["kernels"].startswith(
+        f"{kernels.isa()} (this CPU runs {', '.join(kernels.isa_variants())};"
+    )
 
 
 # ------------------------------------------------------------------------- shared options
+
 
 def test_with_options_lets_other_commands_reuse_the_flags():
     seen = {}
@@ -306,37 +465,71 @@ def test_with_options_lets_other_commands_reuse_the_flags():
 
     @other.command()
     @with_options
-    def bench(n: int = 3, engine: EngineOptions = None, sampling: SamplingOptions = None,
-              output: OutputOptions = None):
+    def bench(
+        n: int = 3,
+        engine: EngineOptions = None,
+        sampling: SamplingOptions = None,
+        output: OutputOptions = None,
+    ):
         seen.update(n=n, engine=engine, sampling=sampling, output=output)
 
     @other.command()
     def unused():
         pass
 
-    r = CliRunner().invoke(other, ["bench", "--n", "5", "-m", "/x", "--sparse-k", "4",
-                                   "--quant", "q8", "-c", "64", "--temp", "0", "--no-timing"])
+    r = CliRunner().invoke(
+        other,
+        [
+            "bench",
+            "--n",
+            "5",
+            "-m",
+            "/x",
+            "--sparse-k",
+            "4",
+            "--quant",
+            "q8",
+            "-c",
+            "64",
+            "--temp",
+            "0",
+            "--no-timing",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert seen["n"] == 5
-    assert seen["engine"] == EngineOptions(model=Path("/x"), sparse_k=4, quant=cli.Quant.q8,
-                                           ctx_size=64)
+    assert seen["engine"] == EngineOptions(
+        model=Path("/x"), sparse_k=4, quant=cli.Quant.q8, ctx_size=64
+    )
     assert seen["sampling"].temp == 0 and seen["sampling"].n_predict == 256
     assert seen["output"].timing is False
 
 
 # ------------------------------------------------------------------------- timing lines
 
+
 def test_timing_format_and_parse_roundtrip():
     line = format_dec(TokenTiming(12, 2073, 56.24, 12.81, 40.06))
     assert line == "[DEC-SINGLE] tok=12 pos=2073 ms=56.2 attn=12.8 matmul=40.1 other=3.4"
-    assert parse_line(line) == ("DEC-SINGLE", dict(tok=12, pos=2073, ms=56.2, attn=12.8,
-                                                   matmul=40.1, other=3.4))
-    s = Stats(prompt_tokens=2061, prefill_tokens=2061, prefill_ms=1000.0, decode_tokens=10,
-              decode_ms=500.0, attn_ms=20.0, kv_bytes=4096)
+    assert parse_line(line) == (
+        "DEC-SINGLE",
+        dict(tok=12, pos=2073, ms=56.2, attn=12.8, matmul=40.1, other=3.4),
+    )
+    s = Stats(
+        prompt_tokens=2061,
+        prefill_tokens=2061,
+        prefill_ms=1000.0,
+        decode_tokens=10,
+        decode_ms=500.0,
+        attn_ms=20.0,
+        kv_bytes=4096,
+    )
     perf = format_perf(s)
-    assert perf == ("[PERF] prefill_tokens=2061 prefill_ms=1000.0 prefill_tps=2061.0 "
-                    "decode_tokens=10 decode_ms=500.0 decode_tps=20.0 attn_ms_per_tok=2.0 "
-                    "kv_bytes=4096")
+    assert perf == (
+        "[PERF] prefill_tokens=2061 prefill_ms=1000.0 prefill_tps=2061.0 "
+        "decode_tokens=10 decode_ms=500.0 decode_tps=20.0 attn_ms_per_tok=2.0 "
+        "kv_bytes=4096"
+    )
     tag, kv = parse_line(perf)
     assert tag == "PERF" and list(kv) == list(PERF_KEYS)
     assert parse_line("The capital of France is Paris.") is None
@@ -352,13 +545,13 @@ def test_timing_printer_plain_rich_deferred_off():
     t = TokenTiming(0, 5, 3.0, 1.0, 1.5)
     plain = io.StringIO()
     p = TimingPrinter(True, stream=plain, out=io.StringIO())
-    p.token(t)                                     # not a terminal: written at once
+    p.token(t)  # not a terminal: written at once
     assert plain.getvalue() == format_dec(t) + "\n"
 
-    err, out = _Tty(), _Tty()                      # stdout and stderr on one terminal
+    err, out = _Tty(), _Tty()  # stdout and stderr on one terminal
     p = TimingPrinter(True, stream=err, out=out)
     p.token(t)
-    assert err.getvalue() == ""                    # held until the reply ends
+    assert err.getvalue() == ""  # held until the reply ends
     p.perf(Stats(decode_tokens=1, decode_ms=3.0))
     lines = [ANSI.sub("", x) for x in err.getvalue().splitlines()]
     assert lines[0] == format_dec(t) and lines[1].startswith("[PERF] ")
@@ -374,6 +567,7 @@ def test_act_flag_reaches_the_model(monkeypatch):
     """--act q8, the default, loads the model with int8 activations (and --act f32 not);
     a bad value is one usage error."""
     from kestrel_cli import cli
+
     seen = []
     real = cli.engine_from_options
 
@@ -381,6 +575,7 @@ def test_act_flag_reaches_the_model(monkeypatch):
         eng = real(opts, *a, **kw)
         seen.append(eng.model.act)
         return eng
+
     monkeypatch.setattr(cli, "engine_from_options", spy)
     for flag, want in (([], "q8"), (["--act", "f32"], "f32"), (["--act", "q8"], "q8")):
         r = invoke("run", "-p", "Hi", "-n", "2", "--temp", "0", "--no-timing", *flag)
@@ -392,34 +587,54 @@ def test_act_flag_reaches_the_model(monkeypatch):
 
 # ------------------------------------------------------------------------- readable output
 
+
 def test_timing_printer_holds_lines_to_the_answer_s_line_boundaries():
     """One stream for both (shared): a [DEC-SINGLE] line waits for the answer's newline."""
     both = io.StringIO()
     p = TimingPrinter(True, stream=both, out=both, shared=True)
     t = [TokenTiming(i, 10 + i, 3.0, 1.0, 1.5) for i in range(4)]
-    p.token(t[0])                          # nothing written yet: at a line start, at once
+    p.token(t[0])  # nothing written yet: at a line start, at once
     p.text("The capital")
     p.token(t[1])
-    p.text(" is Paris.\nIt is")            # held line goes out after the newline
+    p.text(" is Paris.\nIt is")  # held line goes out after the newline
     p.token(t[2])
     p.text(" big.")
     p.token(t[3])
     p.text("\n")
     p.perf(Stats(decode_tokens=4, decode_ms=12.0))
     lines = both.getvalue().splitlines()
-    assert lines == [format_dec(t[0]), "The capital is Paris.", format_dec(t[1]),
-                     "It is big.", format_dec(t[2]), format_dec(t[3]),
-                     format_perf(Stats(decode_tokens=4, decode_ms=12.0))]
+    assert lines == [
+        format_dec(t[0]),
+        "The capital is Paris.",
+        format_dec(t[1]),
+        "It is big.",
+        format_dec(t[2]),
+        format_dec(t[3]),
+        format_perf(Stats(decode_tokens=4, decode_ms=12.0)),
+    ]
 
 
 def test_combined_stdout_and_stderr_keep_the_answer_s_lines_whole():
     """`kestrel run ... 2>&1 | tee`: one pipe for both streams; the timing lines sit between
     the answer's lines, one per decoded token, and the answer is the same text as alone."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="passive")
-    args = [sys.executable, "-m", "kestrel_cli.cli", "run", "-p",
-            "List five fruits, one per line.", "-n", "24", "--temp", "0", "-t", "1"]
-    both = subprocess.run(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=300)
+    args = [
+        sys.executable,
+        "-m",
+        "kestrel_cli.cli",
+        "run",
+        "-p",
+        "List five fruits, one per line.",
+        "-n",
+        "24",
+        "--temp",
+        "0",
+        "-t",
+        "1",
+    ]
+    both = subprocess.run(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300
+    )
     assert both.returncode == 0, both.stdout
     alone = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert alone.returncode == 0, alone.stderr
@@ -429,7 +644,7 @@ def test_combined_stdout_and_stderr_keep_the_answer_s_lines_whole():
         (timing if parsed else answer).append(line)
         assert parsed or "[DEC-SINGLE]" not in line and "[PERF]" not in line, line
     assert "\n".join(answer) + "\n" == alone.stdout
-    assert alone.stdout.count("\n") >= 3                 # a multi-line answer: it was tested
+    assert alone.stdout.count("\n") >= 3  # a multi-line answer: it was tested
     decs = parse_lines(both.stdout, "DEC-SINGLE")
     perf = parse_lines(both.stdout, "PERF")
     assert len(perf) == 1 and len(decs) == perf[0]["decode_tokens"] > 10
@@ -440,14 +655,30 @@ def test_combined_stdout_and_stderr_keep_the_answer_s_lines_whole():
 def test_run_json_schema(tmp_path):
     """--json-schema: the answer parses and matches (bundled model, sampled, 2 seeds)."""
     import json
-    schema = {"type": "object", "properties": {"fruit": {"type": "string", "maxLength": 16},
-                                               "count": {"type": "integer"}},
-              "required": ["fruit", "count"], "additionalProperties": False}
+
+    schema = {
+        "type": "object",
+        "properties": {"fruit": {"type": "string", "maxLength": 16}, "count": {"type": "integer"}},
+        "required": ["fruit", "count"],
+        "additionalProperties": False,
+    }
     f = tmp_path / "s.json"
     f.write_text(json.dumps(schema))
     for seed in ("1", "2"):
-        r = ok(invoke("run", "-p", "Name a fruit and a number.", "--json-schema", f, "-n", "80",
-                      "--seed", seed, "--no-timing"))
+        r = ok(
+            invoke(
+                "run",
+                "-p",
+                "Name a fruit and a number.",
+                "--json-schema",
+                f,
+                "-n",
+                "80",
+                "--seed",
+                seed,
+                "--no-timing",
+            )
+        )
         obj = json.loads(r.stdout)
         assert set(obj) == {"fruit", "count"} and isinstance(obj["count"], int)
     f.write_text("[1]")

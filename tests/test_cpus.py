@@ -1,5 +1,6 @@
 """kestrel_cli.core.cpus: the fast cores of a big.LITTLE CPU from fake sysfs trees, the thread
 plan for the default and for -t, and pinning (checked on this machine's threads)."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,10 @@ PHONE = {**{c: 325 for c in range(4)}, **{c: 856 for c in range(4, 7)}, 7: 1024}
 def fake_sysfs(root: Path, capacity=None, max_freq=None) -> Path:
     """A /sys/devices/system/cpu lookalike: cpuN/cpu_capacity and/or
     cpuN/cpufreq/cpuinfo_max_freq from {cpu: text or int} (text is written as is)."""
-    for name, values, rel in (("capacity", capacity, "cpu_capacity"),
-                              ("freq", max_freq, "cpufreq/cpuinfo_max_freq")):
+    for name, values, rel in (
+        ("capacity", capacity, "cpu_capacity"),
+        ("freq", max_freq, "cpufreq/cpuinfo_max_freq"),
+    ):
         for c, v in (values or {}).items():
             f = root / f"cpu{c}" / rel
             f.parent.mkdir(parents=True, exist_ok=True)
@@ -63,12 +66,12 @@ def test_phone_three_clusters_takes_prime_and_big(tmp_path):
 def test_a_lone_fast_core_wins_only_when_the_rest_are_much_slower(tmp_path):
     caps = {0: 1024, 1: 500, **{c: 100 for c in range(2, 8)}}
     t = topology(str(fake_sysfs(tmp_path, caps)), allowed=range(8))
-    assert t.fast() == (0,)                 # 1024 > 2 x 500 > 8 x 100
+    assert t.fast() == (0,)  # 1024 > 2 x 500 > 8 x 100
     assert plan(topo=t, env={}).threads == 1
-    caps[1] = 520                           # 2 x 520 > 1024: both
+    caps[1] = 520  # 2 x 520 > 1024: both
     t = topology(str(fake_sysfs(tmp_path, caps)), allowed=range(8))
     assert t.fast() == (0, 1)
-    caps = {0: 1024, 1: 1024, 2: 512, 3: 512}   # 2 x 1024 == 4 x 512: the fewer cores
+    caps = {0: 1024, 1: 1024, 2: 512, 3: 512}  # 2 x 1024 == 4 x 512: the fewer cores
     t = topology(str(fake_sysfs(tmp_path / "tie", caps)), allowed=range(4))
     assert t.fast() == (0, 1)
 
@@ -96,7 +99,7 @@ def test_clusters_a_few_percent_apart_are_one_tier(tmp_path):
     t = topology(str(fake_sysfs(tmp_path / "c", caps)), allowed=range(4))
     assert [cs for _, cs in t.tiers()] == [(0, 1), (2, 3)]
     assert [s for s, _ in t.tiers()] == [900, 700]
-    assert t.fast() == (0, 1, 2, 3)                 # 4 x 700 > 2 x 900
+    assert t.fast() == (0, 1, 2, 3)  # 4 x 700 > 2 x 900
 
 
 def test_max_freq_when_capacity_is_missing(tmp_path):
@@ -133,7 +136,7 @@ def test_neither_source_uses_every_cpu(tmp_path):
 
 def test_affinity_restricts_the_cpus(tmp_path):
     root = str(fake_sysfs(tmp_path, RK3588))
-    little = topology(root, allowed={0, 1, 2, 3})           # taskset -c 0-3
+    little = topology(root, allowed={0, 1, 2, 3})  # taskset -c 0-3
     assert not little.mixed and little.fast() == (0, 1, 2, 3)
     p = plan(topo=little, env={})
     assert (p.threads, p.pin) == (4, None)
@@ -145,8 +148,9 @@ def test_affinity_restricts_the_cpus(tmp_path):
     assert topology(str(only_little), allowed={0, 1}).metric == "capacity"
 
 
-@pytest.mark.parametrize("bad", ["abc", "", "-5", "0", "1024 415", "1e3", b"\xff\xfe",
-                                 "9" * 200, "\x00"])
+@pytest.mark.parametrize(
+    "bad", ["abc", "", "-5", "0", "1024 415", "1e3", b"\xff\xfe", "9" * 200, "\x00"]
+)
 def test_malformed_capacity_is_ignored(tmp_path, bad):
     caps = {**RK3588, 6: bad}
     freq = {c: 1800000 if c < 4 else 2400000 for c in range(8)}
@@ -159,7 +163,7 @@ def test_malformed_capacity_is_ignored(tmp_path, bad):
 
 def test_unreadable_entries_are_ignored(tmp_path):
     root = fake_sysfs(tmp_path, {c: v for c, v in RK3588.items() if c != 2})
-    (root / "cpu2" / "cpu_capacity").mkdir(parents=True)      # a directory, not a file
+    (root / "cpu2" / "cpu_capacity").mkdir(parents=True)  # a directory, not a file
     (root / "cpu3" / "cpu_capacity").unlink()
     (root / "cpu3" / "cpu_capacity").symlink_to(root / "cpu3" / "loop")
     (root / "cpu3" / "loop").symlink_to(root / "cpu3" / "cpu_capacity")
@@ -170,15 +174,14 @@ def test_unreadable_entries_are_ignored(tmp_path):
 def test_explicit_threads(tmp_path):
     t = topology(str(fake_sysfs(tmp_path, RK3588)), allowed=range(8))
     p = plan(2, topo=t, env={})
-    assert (p.threads, p.pin) == (2, (4, 5, 6, 7))                # -t 2: on the big cores
+    assert (p.threads, p.pin) == (2, (4, 5, 6, 7))  # -t 2: on the big cores
     assert p.line == "threads: 2 (-t; big cores 4-7 of 8: capacity 1024 vs 415)"
     p = plan(4, topo=t, env={})
     assert (p.threads, p.pin) == (4, (4, 5, 6, 7))
-    p = plan(6, topo=t, env={})                                    # more than the big cores
+    p = plan(6, topo=t, env={})  # more than the big cores
     assert (p.threads, p.pin) == (6, None)
     assert p.line == "threads: 6 (-t 6 > 4 big cores: not pinned, all 8 cores 0-7)"
-    homo = topology(str(fake_sysfs(tmp_path / "h", {c: 1024 for c in range(4)})),
-                    allowed=range(4))
+    homo = topology(str(fake_sysfs(tmp_path / "h", {c: 1024 for c in range(4)})), allowed=range(4))
     assert (plan(2, topo=homo, env={}).pin, plan(9, topo=homo, env={}).pin) == (None, None)
 
 
@@ -206,11 +209,17 @@ def test_cpu_list():
 
 def test_summary_lines(tmp_path):
     t = topology(str(fake_sysfs(tmp_path, PHONE)), allowed=range(8))
-    assert cpus.summary(t) == ["cpus: 0-7", "big: 4-7", "little: 0-3", "metric: capacity",
-                               "threads: 4 (big cores 4-7 of 8: capacity 1024, 856 vs 325)"]
+    assert cpus.summary(t) == [
+        "cpus: 0-7",
+        "big: 4-7",
+        "little: 0-3",
+        "metric: capacity",
+        "threads: 4 (big cores 4-7 of 8: capacity 1024, 856 vs 325)",
+    ]
 
 
 # ------------------------------------------------------------ on this machine's threads
+
 
 def _allowed() -> list[int]:
     return sorted(os.sched_getaffinity(0))
@@ -220,8 +229,9 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
     e = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="passive", **env)
     for k in cpus.OMP_BINDING_ENV:
         e.pop(k, None)
-    return subprocess.run([sys.executable, "-c", code], env=e, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=300
+    )
 
 
 # every thread's Cpus_allowed_list after a forward pass (the OpenMP team is started)
@@ -252,7 +262,9 @@ def big_little(tmp_path):
 
 def test_default_load_pins_every_thread_to_the_big_core(tmp_path, big_little):
     allowed, big, root = big_little
-    code = MASKS + """
+    code = (
+        MASKS
+        + """
 from kestrel_cli.inference.engine import Engine, LoadOptions, default_threads
 eng = Engine.load(None, LoadOptions())
 cache = eng.make_cache(64)
@@ -260,6 +272,7 @@ eng.model([1, 2, 3, 4, 5, 6, 7, 8], cache)
 eng.model([9], cache)
 print(eng.threads, default_threads(), masks(), eng.thread_plan.line, sep='|')
 """
+    )
     r = _run(code, KESTREL_SYSFS_CPU=str(root))
     assert r.returncode == 0, r.stderr
     threads, default, masks, line = r.stdout.strip().split("|")
@@ -271,7 +284,9 @@ print(eng.threads, default_threads(), masks(), eng.thread_plan.line, sep='|')
 def test_more_threads_than_big_cores_run_unpinned(tmp_path, big_little):
     allowed, big, root = big_little
     # a first engine pins to the big core, a second with -t 2 goes back to every CPU
-    code = MASKS + """
+    code = (
+        MASKS
+        + """
 from kestrel_cli.inference.engine import Engine, LoadOptions
 a = Engine.load(None, LoadOptions())
 a.model([1, 2, 3], a.make_cache(16))
@@ -280,19 +295,23 @@ b = Engine.load(None, LoadOptions(threads=2))
 b.model([1, 2, 3], b.make_cache(16))
 print(first, masks(), b.thread_plan.line, sep='|')
 """
+    )
     r = _run(code, KESTREL_SYSFS_CPU=str(root))
     assert r.returncode == 0, r.stderr
     first, after, line = r.stdout.strip().split("|")
     assert first == repr([str(big)])
     assert after == repr([cpu_list(allowed)])
-    assert line == (f"threads: 2 (-t 2 > 1 big cores: not pinned, all {len(allowed)} cores "
-                    f"{cpu_list(allowed)})")
+    assert line == (
+        f"threads: 2 (-t 2 > 1 big cores: not pinned, all {len(allowed)} cores {cpu_list(allowed)})"
+    )
 
 
 def test_cli_prints_the_choice_once(tmp_path, smollm2_path, big_little):
     allowed, big, root = big_little
-    code = ("import sys; sys.argv = ['kestrel', 'run', '-p', 'Hi', '-n', '2', '--temp', '0', "
-            "'--no-timing']; from kestrel_cli.cli import main; main()")
+    code = (
+        "import sys; sys.argv = ['kestrel', 'run', '-p', 'Hi', '-n', '2', '--temp', '0', "
+        "'--no-timing']; from kestrel_cli.cli import main; main()"
+    )
     r = _run(code, KESTREL_SYSFS_CPU=str(root))
     assert r.returncode == 0, r.stderr
     lines = [s for s in r.stderr.splitlines() if s.startswith("threads:")]

@@ -1,4 +1,5 @@
 """examples/*.py run as-is (python examples/x.py) on the bundled model; run side by side."""
+
 from __future__ import annotations
 
 import ast
@@ -31,26 +32,49 @@ def test_examples_run(smollm2_path, smollm2_engine):
     ex = ROOT / "examples"
     jobs = {
         "one_shot": (["one_shot.py", "--max-tokens", "16"], None),
-        "streaming": (["streaming.py", "--model", str(smollm2_path), "--max-tokens", "12",
-                       "--prompt", "What is the capital of France?"], None),
+        "streaming": (
+            [
+                "streaming.py",
+                "--model",
+                str(smollm2_path),
+                "--max-tokens",
+                "12",
+                "--prompt",
+                "What is the capital of France?",
+            ],
+            None,
+        ),
         "chat": (["chat.py", "--max-tokens", "24"], "My name is Ada.\nCan you repeat my name?\n"),
     }
-    procs = {name: subprocess.Popen([sys.executable, str(ex / args[0]), *args[1:]], env=env,
-                                    cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-             for name, (args, _) in jobs.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(ex / args[0]), *args[1:]],
+            env=env,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (args, _) in jobs.items()
+    }
     out = {}
     for name, p in procs.items():
         stdout, stderr = p.communicate(jobs[name][1], timeout=300)
         assert p.returncode == 0, (name, stderr)
         out[name] = stdout
+
     # the examples print what the library generates with its defaults (bit-identical at any
     # thread count): compare with Engine.generate under the same options, greedy
     def greedy(max_tokens):
         smollm2_engine.reset()
-        return "".join(smollm2_engine.generate(
-            [{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=max_tokens))
+        return "".join(
+            smollm2_engine.generate(
+                [{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=max_tokens,
+            )
+        )
+
     answer = greedy(16)
     assert answer.strip()
     assert out["one_shot"] == answer + "\n"

@@ -3,6 +3,7 @@ GGUF in each type; Kestrel reads them back (q8_0, q4_0, q4_1 directly; K-quant f
 gguf.quants' dequantisation) and computes the float checkpoint's logits within the type's
 error; the tokenizer, the tensor mix llama-quantize picks, the K quantisers, OUT.part and the
 errors of bad inputs."""
+
 from __future__ import annotations
 
 import json
@@ -18,25 +19,35 @@ from typer.testing import CliRunner
 from conftest import CORPUS, VOCAB, make_checkpoint, rand_ids
 from kestrel_cli import Engine
 from kestrel_cli.apps import gguf_export
-from kestrel_cli.runtime import kernels
-from kestrel_cli.formats import kquants
 from kestrel_cli.cli import app
+from kestrel_cli.core.osmem import is_file_mapped
+from kestrel_cli.formats import kquants
 from kestrel_cli.inference.engine import LoadOptions
 from kestrel_cli.models.loader import _hf_name, _unpermute_rows, open_checkpoint
-from kestrel_cli.core.osmem import is_file_mapped
+from kestrel_cli.runtime import kernels
 
 # the tiny shapes, at hidden 256 so rows are whole K-quant super-blocks
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-             num_key_value_heads=2)
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 TYPES = gguf_export.QUANT_TYPES
 # relative RMS error of one matrix of N(0, s) values, dequantised (measured ~0.8x these)
-WEIGHT_RTOL = {"F32": 0.0, "Q8_0": 0.007, "Q4_0": 0.10, "Q4_1": 0.09, "Q5_0": 0.05,
-               "Q5_1": 0.045, "Q4_K": 0.085, "Q5_K": 0.045, "Q6_K": 0.022}
+WEIGHT_RTOL = {
+    "F32": 0.0,
+    "Q8_0": 0.007,
+    "Q4_0": 0.10,
+    "Q4_1": 0.09,
+    "Q5_0": 0.05,
+    "Q5_1": 0.045,
+    "Q4_K": 0.085,
+    "Q5_K": 0.045,
+    "Q6_K": 0.022,
+}
 # relative RMS error of the logits of the random 2-layer models (which amplify weight noise)
-LOGIT_RTOL = {"q8_0": 0.05, "q4_0": 0.6, "q4_1": 0.6, "q4_k_m": 0.5, "q5_k_m": 0.3,
-              "q6_k": 0.15}
-TEXTS = CORPUS[:4] + ["<|im_start|>user\nHi  there 123 4567<|im_end|>\n", "  \n\n\t x",
-                      "kestrel's naïve café — 🦅🦅 ok"]
+LOGIT_RTOL = {"q8_0": 0.05, "q4_0": 0.6, "q4_1": 0.6, "q4_k_m": 0.5, "q5_k_m": 0.3, "q6_k": 0.15}
+TEXTS = CORPUS[:4] + [
+    "<|im_start|>user\nHi  there 123 4567<|im_end|>\n",
+    "  \n\n\t x",
+    "kestrel's naïve café — 🦅🦅 ok",
+]
 
 
 def invoke(*args):
@@ -44,7 +55,7 @@ def invoke(*args):
 
 
 def rel(a, b) -> float:
-    return float(np.sqrt(((a - b) ** 2).mean() / (b ** 2).mean()))
+    return float(np.sqrt(((a - b) ** 2).mean() / (b**2).mean()))
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +95,10 @@ def files(ckpts, tmp_path_factory):
 
 def source_tensors(ckpt: Path) -> dict[str, np.ndarray]:
     _, store, _, _ = open_checkpoint(ckpt)
-    return {n: (store.vector(n, None) if len(e[2]) == 1 else store.matrix(n, None).dequantize())
-            for n, e in store.entries.items()}
+    return {
+        n: (store.vector(n, None) if len(e[2]) == 1 else store.matrix(n, None).dequantize())
+        for n, e in store.entries.items()
+    }
 
 
 def read_back(path: Path) -> tuple[dict, dict[str, np.ndarray], dict[str, str], str]:
@@ -100,8 +113,11 @@ def read_back(path: Path) -> tuple[dict, dict[str, np.ndarray], dict[str, str], 
         x = np.asarray(x, np.float32).reshape(shape)
         name = _hf_name(t.name)
         if arch == "llama" and name and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = f["llama.attention.head_count" if "q_proj" in name
-                      else "llama.attention.head_count_kv"]
+            heads = f[
+                "llama.attention.head_count"
+                if "q_proj" in name
+                else "llama.attention.head_count_kv"
+            ]
             x = _unpermute_rows(x, heads)
         out[name or t.name] = x
         types[t.name] = t.tensor_type.name
@@ -112,16 +128,19 @@ def dequantised_checkpoint(path: Path, ckpt: Path, out: Path) -> Path:
     """The GGUF's tensors, dequantised, as an f32 safetensors checkpoint with `ckpt`'s
     config and tokenizer: what Kestrel computes from the file once it reads K-quants."""
     from safetensors.numpy import save_file
+
     _, tensors, _, _ = read_back(path)
     out.mkdir()
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-              str(out / "model.safetensors"))
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(out / "model.safetensors")
+    )
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ckpt / name, out / name)
     return out
 
 
 # ---------------------------------------------------------------- end to end
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("t", ["q8_0", "q4_0-pure", "q4_1-pure"])
@@ -133,17 +152,18 @@ def test_kestrel_runs_the_gguf(ckpts, files, arch, t, tmp_path):
     to even)."""
     ids = rand_ids(24, seed=7)
     ref = Engine.from_pretrained(ckpts[arch], threads=1).logits(ids)
-    eng = Engine.from_pretrained(files[arch, t], threads=1, act="f32")   # parity: exact path
+    eng = Engine.from_pretrained(files[arch, t], threads=1, act="f32")  # parity: exact path
     fmt = t.split("-")[0]
-    up = eng.model.layers[0].mlp.up_proj.fmt        # q4 weights: the decode layout
+    up = eng.model.layers[0].mlp.up_proj.fmt  # q4 weights: the decode layout
     assert up == (fmt + "x16" if fmt in ("q4_0", "q4_1") else fmt)
     got = eng.logits(ids)
     assert rel(got, ref) < LOGIT_RTOL[fmt]
     deq = dequantised_checkpoint(files[arch, t], ckpts[arch], tmp_path / "deq")
     assert rel(got, Engine.from_pretrained(deq, threads=1).logits(ids)) < 1e-5
     if arch == "qwen3" and fmt != "q4_1":
-        load_q = Engine.load(ckpts[arch], LoadOptions(quant=fmt[:2], threads=1, act="f32")
-                             ).logits(ids)
+        load_q = Engine.load(ckpts[arch], LoadOptions(quant=fmt[:2], threads=1, act="f32")).logits(
+            ids
+        )
         assert rel(got, load_q) < 1e-4
 
 
@@ -158,7 +178,7 @@ def test_repacked_decode(files, t):
     apart, from attention's other summation order, can round to another int8 value;
     tests/kernels/test_x16.py shows the x16 GEMV gives the GEMM's bits.)"""
     ids = rand_ids(12, seed=3)
-    f32 = dict(threads=2, act="f32")                # float activations: the exact path
+    f32 = dict(threads=2, act="f32")  # float activations: the exact path
     on = Engine.from_pretrained(files["qwen3", t], **f32)
     off = Engine.from_pretrained(files["qwen3", t], repack=False, **f32)
     if t in ("q4_k_m", "q6_k"):
@@ -186,15 +206,18 @@ def test_streamed_weights_leave_the_mapping(ckpts, files, monkeypatch):
     (q8_0 here, f32 from safetensors) is copied off the file's mapping at load into memory
     on huge pages (kernels.to_huge_pages), an untied embedding excepted (only gathered
     from); --no-repack keeps every weight mapped. Same bytes, so the same logits."""
-    monkeypatch.setattr(kernels, "HUGE_MIN", 4096)     # the test weights are small
+    monkeypatch.setattr(kernels, "HUGE_MIN", 4096)  # the test weights are small
     ids = rand_ids(12, seed=5)
     for path, tied in ((files["qwen3", "q8_0"], False), (ckpts["llama_tied"], True)):
         on = Engine.from_pretrained(path, threads=2)
         off = Engine.from_pretrained(path, threads=2, repack=False)
         for eng, copied in ((on, True), (off, False)):
             m = eng.model
-            ws = [m.lm_head] + [w for layer in m.layers for w in (
-                layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj)]
+            ws = [m.lm_head] + [
+                w
+                for layer in m.layers
+                for w in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.down_proj)
+            ]
             assert {is_file_mapped(w.data) for w in ws} == {not copied}
             assert is_file_mapped(m.embed_tokens.data) == (not copied or not tied)
             assert (m.lm_head is m.embed_tokens) == tied
@@ -223,11 +246,19 @@ def test_every_type_within_its_error(ckpts, files, arch, t, tmp_path):
 
 def _expected_mix(t: str, n_layers: int, tied: bool) -> dict[str, str]:
     """llama-quantize's choice for a dense model, written out from its rules."""
-    base = {"q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K",
-            "q5_k_m": "Q5_K", "q6_k": "Q6_K"}[t]
+    base = {
+        "q8_0": "Q8_0",
+        "q4_0": "Q4_0",
+        "q4_1": "Q4_1",
+        "q4_k_m": "Q4_K",
+        "q5_k_m": "Q5_K",
+        "q6_k": "Q6_K",
+    }[t]
     more = {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27} if n_layers == 28 else {1}
-    out = {"output": "Q8_0" if t == "q8_0" else "Q6_K",
-           "token_embd": ("Q8_0" if t == "q8_0" else "Q6_K") if tied else base}
+    out = {
+        "output": "Q8_0" if t == "q8_0" else "Q6_K",
+        "token_embd": ("Q8_0" if t == "q8_0" else "Q6_K") if tied else base,
+    }
     for i in range(n_layers):
         for kind in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
             out[f"blk.{i}.{kind}"] = base
@@ -244,14 +275,14 @@ def test_tensor_mix_as_llama_quantize(files, ckpts, t, tmp_path):
     """Norms F32; output (token_embd when tied) Q6_K except in q8_0; Q4_K_M/Q5_K_M's Q6_K
     on attn_v and ffn_down of the "more bits" layers; general.file_type."""
     fields, _, types, _ = read_back(files["qwen3", t])
-    mats = {k[:-len(".weight")]: v for k, v in types.items() if not k.endswith("norm.weight")}
+    mats = {k[: -len(".weight")]: v for k, v in types.items() if not k.endswith("norm.weight")}
     assert mats == _expected_mix(t, 2, tied=False)
     assert all(v == "F32" for k, v in types.items() if k.endswith("norm.weight"))
     assert fields["general.file_type"] == gguf.LlamaFileType[gguf_export.FILE_TYPES[t][0]]
     r = invoke(ckpts["llama_tied"], tmp_path / "tied.gguf", "--type", t)
     assert r.exit_code == 0, r.output
     _, _, types, _ = read_back(tmp_path / "tied.gguf")
-    mats = {k[:-len(".weight")]: v for k, v in types.items() if not k.endswith("norm.weight")}
+    mats = {k[: -len(".weight")]: v for k, v in types.items() if not k.endswith("norm.weight")}
     assert mats == _expected_mix(t, 2, tied=True)
 
 
@@ -259,24 +290,34 @@ def test_tensor_mix_as_llama_quantize(files, ckpts, t, tmp_path):
 def test_tensor_mix_at_28_layers(t):
     """Qwen3-1.7B's shape (28 layers, tied): the layers llama-quantize bumps to Q6_K."""
     from kestrel_cli.formats.config import Config
-    cfg = Config(model_type="qwen3", hidden_size=2048, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                 intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True)
+
+    cfg = Config(
+        model_type="qwen3",
+        hidden_size=2048,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    )
     plan = gguf_export.gguf_plan(cfg, gguf_export.decoder_tensors(cfg))
     got = gguf_export.tensor_types(cfg, [(g, s) for g, s, _ in plan], t)
-    mats = {g[:-len(".weight")]: q for (g, _, _), q in zip(plan, got)
-            if not g.endswith("norm.weight")}
+    mats = {
+        g[: -len(".weight")]: q for (g, _, _), q in zip(plan, got) if not g.endswith("norm.weight")
+    }
     assert mats == _expected_mix(t, 28, tied=True)
-    assert gguf_export.tensor_types(cfg, [(g, s) for g, s, _ in plan], t, pure=True) == \
-        ["F32" if len(s) == 1 else gguf_export.FILE_TYPES[t][1] for _, s, _ in plan]
+    assert gguf_export.tensor_types(cfg, [(g, s) for g, s, _ in plan], t, pure=True) == [
+        "F32" if len(s) == 1 else gguf_export.FILE_TYPES[t][1] for _, s, _ in plan
+    ]
 
 
 def test_rows_not_whole_superblocks_fall_back(tmp_path):
     """Hidden 64: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0 (llama-quantize's fallbacks);
     rows of 48 (not whole 32-blocks either) -> F16."""
     make_checkpoint(tmp_path / "ck", "qwen3", head_dim=12)
-    for t, want in (("q4_k_m", {"Q5_0", "Q8_0"}), ("q5_k_m", {"Q5_1", "Q8_0"}),
-                    ("q6_k", {"Q8_0"})):
+    for t, want in (("q4_k_m", {"Q5_0", "Q8_0"}), ("q5_k_m", {"Q5_1", "Q8_0"}), ("q6_k", {"Q8_0"})):
         r = invoke(tmp_path / "ck", tmp_path / f"{t}.gguf", "--type", t)
         assert r.exit_code == 0, r.output
         _, back, types, _ = read_back(tmp_path / f"{t}.gguf")
@@ -287,17 +328,23 @@ def test_rows_not_whole_superblocks_fall_back(tmp_path):
 
 # ---------------------------------------------------------------- metadata and tokenizer
 
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_metadata(ckpts, files, arch):
     cfg, _, tok, _ = open_checkpoint(ckpts[arch])
     f, _, types, got_arch = read_back(files[arch, "q8_0"])
     assert got_arch == arch
     a = arch
-    assert (f[f"{a}.block_count"], f[f"{a}.embedding_length"], f[f"{a}.feed_forward_length"],
-            f[f"{a}.attention.head_count"], f[f"{a}.attention.head_count_kv"],
-            f[f"{a}.attention.key_length"], f[f"{a}.rope.dimension_count"],
-            f[f"{a}.context_length"]) == \
-        (2, 256, 512, 4, 2, cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings)
+    assert (
+        f[f"{a}.block_count"],
+        f[f"{a}.embedding_length"],
+        f[f"{a}.feed_forward_length"],
+        f[f"{a}.attention.head_count"],
+        f[f"{a}.attention.head_count_kv"],
+        f[f"{a}.attention.key_length"],
+        f[f"{a}.rope.dimension_count"],
+        f[f"{a}.context_length"],
+    ) == (2, 256, 512, 4, 2, cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings)
     assert f[f"{a}.rope.freq_base"] == pytest.approx(cfg.rope["rope_theta"])
     assert f["general.type"] == "model" and f["general.size_label"] == "1.3M"
     assert f[f"{a}.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg.rms_norm_eps)
@@ -309,7 +356,8 @@ def test_metadata(ckpts, files, arch):
     assert tokens[f["tokenizer.ggml.eos_token_id"]] == "<|im_end|>"
     assert f["tokenizer.chat_template"] == tok.chat_template
     assert len(f["tokenizer.ggml.merges"]) == len(
-        json.loads((ckpts[arch] / "tokenizer.json").read_text())["model"]["merges"])
+        json.loads((ckpts[arch] / "tokenizer.json").read_text())["model"]["merges"]
+    )
     assert "output.weight" in types
 
 
@@ -323,29 +371,39 @@ def test_tokenizer_round_trip(ckpts, files, arch):
         assert b.encode(text) == ids, text
         assert b.decode(ids) == text
     msgs = [{"role": "user", "content": "hi"}]
-    assert b.apply_chat_template(msgs, add_generation_prompt=True) == \
-        a.apply_chat_template(msgs, add_generation_prompt=True)
+    assert b.apply_chat_template(msgs, add_generation_prompt=True) == a.apply_chat_template(
+        msgs, add_generation_prompt=True
+    )
     assert b.eos_token_id == a.token_to_id("<|im_end|>")
 
 
-@pytest.mark.parametrize("split, name", [("qwen2", "qwen2"), ("llama3", "llama-bpe"),
-                                         ("digits", "smollm")])
+@pytest.mark.parametrize(
+    "split, name", [("qwen2", "qwen2"), ("llama3", "llama-bpe"), ("digits", "smollm")]
+)
 def test_pre_tokenizers(tmp_path, split, name):
     """Qwen2's and Llama 3's split regexes and SmolLM's digit split are named as llama.cpp
     names them, and Kestrel's GGUF tokenizer then splits as tokenizer.json does."""
     from tokenizers import Regex, Tokenizer, pre_tokenizers
+
     from kestrel_cli.text import tokenizer as T
+
     make_checkpoint(tmp_path / "ck", "qwen3", head_dim=16, num_hidden_layers=1)
     tok = Tokenizer.from_file(str(tmp_path / "ck" / "tokenizer.json"))
     if split == "digits":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     else:
         regex = T._QWEN2_SPLIT if split == "qwen2" else T._LLAMA3_SPLIT
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.save(str(tmp_path / "ck" / "tokenizer.json"))
     r = invoke(tmp_path / "ck", tmp_path / "m.gguf", "--type", "q8_0")
     assert r.exit_code == 0, r.output
@@ -362,6 +420,7 @@ def test_llama3_rope_freqs(tmp_path):
     frequencies over transformers' scaled ones."""
     import transformers as tf
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     model = make_checkpoint(tmp_path / "ck", "llama3", num_hidden_layers=1)
     r = invoke(tmp_path / "ck", tmp_path / "m.gguf", "--type", "q8_0")
     assert r.exit_code == 0, r.output
@@ -381,8 +440,11 @@ def test_moe_experts_stacked(tmp_path):
     r = invoke(tmp_path / "ck", tmp_path / "m.gguf", "--type", "q8_0")
     assert r.exit_code == 0, r.output
     f, back, types, arch = read_back(tmp_path / "m.gguf")
-    assert arch == "qwen3moe" and (f["qwen3moe.expert_count"], f["qwen3moe.expert_used_count"],
-                                   f["qwen3moe.expert_feed_forward_length"]) == (6, 2, 32)
+    assert arch == "qwen3moe" and (
+        f["qwen3moe.expert_count"],
+        f["qwen3moe.expert_used_count"],
+        f["qwen3moe.expert_feed_forward_length"],
+    ) == (6, 2, 32)
     assert types["blk.1.ffn_gate_inp.weight"] == "F32"
     src = source_tensors(tmp_path / "ck")
     reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
@@ -391,28 +453,31 @@ def test_moe_experts_stacked(tmp_path):
         data = np.asarray(t[f"blk.1.ffn_{g}.weight"].data)
         assert data.shape[0] == 6
         for e in range(6):
-            want = gguf.quants.quantize(src[f"model.layers.1.mlp.experts.{e}.{proj}.weight"],
-                                        gguf.GGMLQuantizationType.Q8_0)
+            want = gguf.quants.quantize(
+                src[f"model.layers.1.mlp.experts.{e}.{proj}.weight"], gguf.GGMLQuantizationType.Q8_0
+            )
             assert np.array_equal(data[e], want), (proj, e)
 
 
 # ---------------------------------------------------------------- streaming and OUT.part
 
+
 def test_chunked_streaming_is_byte_identical(ckpts, files, tmp_path, monkeypatch):
     """A few rows at a time (and in a thread pool) writes the same bytes as big chunks."""
     monkeypatch.setattr(gguf_export, "CHUNK_VALUES", 1024)
-    assert gguf_export.chunk_values(1) == 1 << 16          # the floor: 256 rows of 256
+    assert gguf_export.chunk_values(1) == 1 << 16  # the floor: 256 rows of 256
     monkeypatch.setattr(gguf_export, "chunk_values", lambda threads: 1024)
     seen = []
     real = gguf_export.quantize_rows
-    monkeypatch.setattr(gguf_export, "quantize_rows",
-                        lambda x, q: (seen.append(x.shape[0]), real(x, q))[1])
+    monkeypatch.setattr(
+        gguf_export, "quantize_rows", lambda x, q: (seen.append(x.shape[0]), real(x, q))[1]
+    )
     for threads in ("1", "2"):
         out = tmp_path / f"small-chunks-{threads}.gguf"
         r = invoke(ckpts["qwen3"], out, "--type", "q4_k_m", "-t", threads)
         assert r.exit_code == 0, r.output
         assert out.read_bytes() == files["qwen3", "q4_k_m"].read_bytes()
-    assert max(seen) == 4                                   # 1024 values: 4 rows of 256
+    assert max(seen) == 4  # 1024 values: 4 rows of 256
 
 
 def test_interrupted_run_leaves_no_file(ckpts, tmp_path, monkeypatch):
@@ -430,23 +495,26 @@ def test_interrupted_run_leaves_no_file(ckpts, tmp_path, monkeypatch):
             assert out.read_bytes() == b"old"
             raise KeyboardInterrupt
         return real(x, q)
+
     monkeypatch.setattr(gguf_export, "quantize_rows", interrupt)
     with pytest.raises(KeyboardInterrupt):
         gguf_export.quantize_checkpoint(ckpts["qwen3"], out, "q8_0", threads=1)
     assert out.read_bytes() == b"old" and not (tmp_path / "m.gguf.part").exists()
     calls.clear()
-    r = invoke(ckpts["qwen3"], out, "--type", "q8_0", "-t", "1")          # the CLI: status 130
+    r = invoke(ckpts["qwen3"], out, "--type", "q8_0", "-t", "1")  # the CLI: status 130
     assert r.exit_code == 130 and r.stderr == f"interrupted: {out} not written\n"
     assert out.read_bytes() == b"old" and not (tmp_path / "m.gguf.part").exists()
     calls.clear()
-    monkeypatch.setattr(gguf_export, "quantize_rows",
-                        lambda x, q: (_ for _ in ()).throw(MemoryError()))
+    monkeypatch.setattr(
+        gguf_export, "quantize_rows", lambda x, q: (_ for _ in ()).throw(MemoryError())
+    )
     r = invoke(ckpts["qwen3"], out, "--type", "q8_0", "-t", "2")
     assert r.exit_code == 1 and r.stderr == "error: out of memory\n"
     assert out.read_bytes() == b"old" and not (tmp_path / "m.gguf.part").exists()
 
 
 # ---------------------------------------------------------------- K quantisers
+
 
 @pytest.mark.parametrize("name, qtype", [("q4_k", "Q4_K"), ("q5_k", "Q5_K"), ("q6_k", "Q6_K")])
 def test_kquants_round_trip(name, qtype):
@@ -456,8 +524,12 @@ def test_kquants_round_trip(name, qtype):
     rng = np.random.default_rng(3)
     q = kquants.QUANTIZERS[name]
     t = gguf.GGMLQuantizationType[qtype]
-    for x in (rng.standard_normal((8, 512)) * 0.02, rng.standard_t(3, (8, 512)),
-              np.abs(rng.standard_normal((8, 512))), rng.standard_normal((8, 512)) * 1e-3):
+    for x in (
+        rng.standard_normal((8, 512)) * 0.02,
+        rng.standard_t(3, (8, 512)),
+        np.abs(rng.standard_normal((8, 512))),
+        rng.standard_normal((8, 512)) * 1e-3,
+    ):
         x = x.astype(np.float32)
         b = q(x)
         assert b.dtype == np.uint8 and b.shape == (8, 2 * kquants.BLOCK_BYTES[name])
@@ -468,7 +540,7 @@ def test_kquants_round_trip(name, qtype):
     x[1, 300] = -0.75
     back = gguf.quants.dequantize(q(x), t).reshape(x.shape)
     assert np.all(back[0] == 0) and np.all(back[1, :256] == 0)
-    np.testing.assert_allclose(back[1, 256:], x[1, 256:], atol=0.01)   # 6-/8-bit sub-scales
+    np.testing.assert_allclose(back[1, 256:], x[1, 256:], atol=0.01)  # 6-/8-bit sub-scales
 
 
 def test_kquants_layout_by_hand():
@@ -476,19 +548,20 @@ def test_kquants_layout_by_hand():
     its f16 super-block scale: every quant lands in its place."""
     rng = np.random.default_rng(4)
     q6 = rng.integers(-32, 32, 256).astype(np.float32)
-    q6[::16] = -32                                  # each sub-block's largest magnitude
+    q6[::16] = -32  # each sub-block's largest magnitude
     x6 = (q6 * np.float32(0.5)).reshape(1, 256)
     back = gguf.quants.dequantize(kquants.quantize_q6_k(x6), gguf.GGMLQuantizationType.Q6_K)
     np.testing.assert_allclose(back.reshape(1, 256), x6, rtol=0, atol=1e-6)
     q4 = rng.integers(0, 16, 256).astype(np.float32)
     q4[::32] = 0
-    q4[1::32] = 15                                  # every sub-block spans 0..15
+    q4[1::32] = 15  # every sub-block spans 0..15
     x4 = (q4 * np.float32(0.25)).reshape(1, 256)
     back = gguf.quants.dequantize(kquants.quantize_q4_k(x4), gguf.GGMLQuantizationType.Q4_K)
     np.testing.assert_allclose(back.reshape(1, 256), x4, rtol=1e-3, atol=0)
 
 
 # ---------------------------------------------------------------- bad inputs
+
 
 def _fails(r, needle: str, tmp_path: Path, code: int = 1):
     assert r.exit_code == code, (r.exit_code, r.output)
@@ -503,28 +576,36 @@ def test_bad_inputs(tmp_path, ckpts):
     out.parent.mkdir()
     _fails(invoke(tmp_path / "nope", out, "--type", "q8_0"), "does not exist", tmp_path)
     (tmp_path / "file.bin").write_bytes(b"x")
-    _fails(invoke(tmp_path / "file.bin", out, "--type", "q8_0"),
-           "expected a Hugging Face checkpoint directory", tmp_path)
+    _fails(
+        invoke(tmp_path / "file.bin", out, "--type", "q8_0"),
+        "expected a Hugging Face checkpoint directory",
+        tmp_path,
+    )
     (tmp_path / "empty").mkdir()
     _fails(invoke(tmp_path / "empty", out, "--type", "q8_0"), "no config.json", tmp_path)
     _fails(invoke(ckpts["qwen3"], out, "--type", "q3_k"), "--type", tmp_path, code=2)
-    _fails(invoke(ckpts["qwen3"], tmp_path / "out", "--type", "q8_0"), "is a directory",
-           tmp_path)
-    _fails(invoke(ckpts["qwen3"], tmp_path / "no" / "m.gguf", "--type", "q8_0"),
-           "no such directory", tmp_path)
+    _fails(invoke(ckpts["qwen3"], tmp_path / "out", "--type", "q8_0"), "is a directory", tmp_path)
+    _fails(
+        invoke(ckpts["qwen3"], tmp_path / "no" / "m.gguf", "--type", "q8_0"),
+        "no such directory",
+        tmp_path,
+    )
 
 
-@pytest.mark.parametrize("damage, needle", [
-    ("unknown_arch", "unknown model_type 'gpt_neox'"),
-    ("truncated", "the file is truncated or corrupt"),
-    ("garbage", "not a valid safetensors file"),
-    ("missing_tensor", "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
-    ("extra_tensor", "model.layers.0.mlp.extra.weight have no place in a qwen3 GGUF"),
-    ("no_tokenizer", "tokenizer.json not found"),
-    ("wordpiece", "only byte-level BPE tokenizers can be written (this is WordPiece)"),
-    ("dense_moe", "are dense MLPs"),
-    ("unknown_pre", "pre-tokenizer [\"Whitespace\"] not recognised"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("unknown_arch", "unknown model_type 'gpt_neox'"),
+        ("truncated", "the file is truncated or corrupt"),
+        ("garbage", "not a valid safetensors file"),
+        ("missing_tensor", "missing tensor 'model.layers.1.mlp.up_proj.weight'"),
+        ("extra_tensor", "model.layers.0.mlp.extra.weight have no place in a qwen3 GGUF"),
+        ("no_tokenizer", "tokenizer.json not found"),
+        ("wordpiece", "only byte-level BPE tokenizers can be written (this is WordPiece)"),
+        ("dense_moe", "are dense MLPs"),
+        ("unknown_pre", 'pre-tokenizer ["Whitespace"] not recognised'),
+    ],
+)
 def test_bad_checkpoints(tmp_path, damage, needle):
     ck = tmp_path / "ck"
     make_checkpoint(ck, "qwen3_moe" if damage == "dense_moe" else "qwen3", head_dim=16)
@@ -538,6 +619,7 @@ def test_bad_checkpoints(tmp_path, damage, needle):
         st.write_bytes(b"\xff" * 64)
     elif damage in ("missing_tensor", "extra_tensor"):
         from safetensors.numpy import load_file, save_file
+
         tensors = load_file(str(st))
         if damage == "missing_tensor":
             del tensors["model.layers.1.mlp.up_proj.weight"]
@@ -548,10 +630,13 @@ def test_bad_checkpoints(tmp_path, damage, needle):
         (ck / "tokenizer.json").unlink()
     elif damage == "wordpiece":
         from tokenizers import Tokenizer, models
+
         Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(
-            str(ck / "tokenizer.json"))
+            str(ck / "tokenizer.json")
+        )
     elif damage == "unknown_pre":
         from tokenizers import Tokenizer, pre_tokenizers
+
         tok = Tokenizer.from_file(str(ck / "tokenizer.json"))
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         tok.save(str(ck / "tokenizer.json"))
@@ -563,6 +648,7 @@ def test_memory_while_writing_is_a_few_chunks(ckpts, tmp_path, monkeypatch):
     few chunks' scratch, below the float32 size of the largest tensor (the file never holds
     a whole tensor, let alone the model)."""
     import tracemalloc
+
     monkeypatch.setattr(gguf_export, "chunk_values", lambda threads: 2048)
     real, base = gguf_export.quantize_rows, []
 
@@ -571,6 +657,7 @@ def test_memory_while_writing_is_a_few_chunks(ckpts, tmp_path, monkeypatch):
             base.append(tracemalloc.get_traced_memory()[0])
             tracemalloc.reset_peak()
         return real(x, q)
+
     monkeypatch.setattr(gguf_export, "quantize_rows", first)
     tracemalloc.start()
     try:
@@ -578,13 +665,14 @@ def test_memory_while_writing_is_a_few_chunks(ckpts, tmp_path, monkeypatch):
         peak = tracemalloc.get_traced_memory()[1] - base[0]
     finally:
         tracemalloc.stop()
-    largest = 512 * 256 * 4                            # gate_proj / up_proj as float32
+    largest = 512 * 256 * 4  # gate_proj / up_proj as float32
     assert peak < largest / 3, (peak, largest)
 
 
 def test_progress_bar(ckpts, tmp_path, capsys):
-    gguf_export.quantize_checkpoint(ckpts["qwen3"], tmp_path / "m.gguf", "q8_0", progress=True,
-                                    threads=1)
+    gguf_export.quantize_checkpoint(
+        ckpts["qwen3"], tmp_path / "m.gguf", "q8_0", progress=True, threads=1
+    )
     err = capsys.readouterr().err
     assert "quantising" in err and "tensor 25/25 output.weight Q8_0" in err
 

@@ -1,12 +1,13 @@
 """kestrel_cli/runtime/kv_cache.py: the cache attends as its spec says (the kernel entry, the
 format, the sparse settings, importance only from prefill); CacheSpec checks itself."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kestrel_cli.runtime import kernels
 from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.runtime import kernels
 from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
 from kestrel_cli.runtime.sparse import SparseSpec, importance_order
 
@@ -25,8 +26,15 @@ def filled(spec, n, seed=0):
     return c, rng
 
 
-@pytest.mark.parametrize("spec", [CacheSpec(), CacheSpec("q8"), CacheSpec(sparse=SparseSpec(k=2)),
-                                  CacheSpec("q8", sparse=SparseSpec(k=3, probes=4))])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        CacheSpec(),
+        CacheSpec("q8"),
+        CacheSpec(sparse=SparseSpec(k=2)),
+        CacheSpec("q8", sparse=SparseSpec(k=3, probes=4)),
+    ],
+)
 @pytest.mark.parametrize("T", [1, 7])
 def test_attend_is_the_kernel_over_its_blocks(spec, T):
     """attend(layer, q, out) == kernels.attention over the cache's block tables with the
@@ -37,9 +45,21 @@ def test_attend_is_the_kernel_over_its_blocks(spec, T):
     c.write(0, k_new, k_new)
     q = rng.standard_normal((T, N_HEADS * HD)).astype(np.float32)
     kp, vp = c.views(0, 200 + T)
-    ref = kernels.attention(q, kp, vp, kernels.KV_BLOCK, N_KV, HD, 200, HD ** -0.5,
-                            np.empty_like(q), 2, kv_q8=spec.dtype == "q8",
-                            sparse_k=spec.sparse_k, sparse=spec.sparse)
+    ref = kernels.attention(
+        q,
+        kp,
+        vp,
+        kernels.KV_BLOCK,
+        N_KV,
+        HD,
+        200,
+        HD**-0.5,
+        np.empty_like(q),
+        2,
+        kv_q8=spec.dtype == "q8",
+        sparse_k=spec.sparse_k,
+        sparse=spec.sparse,
+    )
     out = np.full_like(q, np.nan)
     assert c.attend(0, q, out) is out
     np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
@@ -60,7 +80,7 @@ def test_sparse_decode_uses_prefill_importance():
     q = rng.standard_normal((n, N_HEADS * HD)).astype(np.float32)
     c.attend(0, q, np.empty_like(q))
     c.commit(n)
-    imp_first = importance_order(c.importance[0], c.max_tokens)[:2]     # (k + 1) // 2
+    imp_first = importance_order(c.importance[0], c.max_tokens)[:2]  # (k + 1) // 2
     c.reserve(1)
     c.write(0, kv[:1], kv[:1])
     c.attend(0, q[:1], np.empty((1, N_HEADS * HD), np.float32))
@@ -89,7 +109,7 @@ def test_spec_rejects_bad_values():
         CacheSpec(sparse=SparseSpec(k=0, probes=0))
     spec = CacheSpec("q8", sparse=SparseSpec(k=4))
     with pytest.raises(Exception):
-        spec.sparse_k = 8                          # frozen: a spec is a value
+        spec.sparse_k = 8  # frozen: a spec is a value
 
 
 @pytest.mark.parametrize("dtype", ["f32", "q8", "f16"])
@@ -100,6 +120,7 @@ def test_blocks_come_from_the_pool(dtype, monkeypatch):
     again, the kept tokens untouched; a reset starts a new pool. K and V read back as
     written through it all."""
     from kestrel_cli.runtime.kv_cache import BlockPool
+
     n_kv, hd, L = 4, 128, 2
     c = KVCache(L, n_kv, hd, 64 * 32, CacheSpec(dtype), threads=2)
     stride = -(-c.block_bytes // 64) * 64
@@ -121,26 +142,29 @@ def test_blocks_come_from_the_pool(dtype, monkeypatch):
     def check(K, V):
         a = sorted(addresses())
         assert all(x % 64 == 0 for x in a)
-        assert all(y - x >= c.block_bytes for x, y in zip(a, a[1:]))   # no overlap
-        assert all(b.ctypes.data == p for layer in range(L)
-                   for b, p in zip(c.k_blocks[layer], c.k_ptrs[layer]))
+        assert all(y - x >= c.block_bytes for x, y in zip(a, a[1:]))  # no overlap
+        assert all(
+            b.ctypes.data == p
+            for layer in range(L)
+            for b, p in zip(c.k_blocks[layer], c.k_ptrs[layer])
+        )
         tol = dict(f32=0, f16=1e-3, q8=0.02)[dtype]
         for layer in range(L):
             np.testing.assert_allclose(c.keys(layer), K, atol=tol * 4)
             np.testing.assert_allclose(c.values(layer), V, atol=tol * 4)
 
-    K, V = fill(40 * 32 + 5)                     # 41 blocks a layer: several chunks
+    K, V = fill(40 * 32 + 5)  # 41 blocks a layer: several chunks
     check(K, V)
     first = addresses()
     if min(BlockPool.CHUNK // stride, c._pool.total) * stride >= kernels.HUGE_MIN:
-        assert first[0] % kernels.HUGE_MIN == 0        # the first block taken
+        assert first[0] % kernels.HUGE_MIN == 0  # the first block taken
     c.trim(10 * 32 + 3)
     kept = set(addresses())
     assert kept == set(first[:11]) | set(first[41:52]) | set(first[82:93]) | set(first[123:134])
     K2, V2 = fill(20 * 32)
     again = set(addresses()) - kept
-    assert again <= set(first)                   # grown into the blocks given back
-    check(np.concatenate([K[:10 * 32 + 3], K2]), np.concatenate([V[:10 * 32 + 3], V2]))
+    assert again <= set(first)  # grown into the blocks given back
+    check(np.concatenate([K[: 10 * 32 + 3], K2]), np.concatenate([V[: 10 * 32 + 3], V2]))
     old_pool = c._pool
     c.reset()
     assert c._pool is not old_pool and not addresses()

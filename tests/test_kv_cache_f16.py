@@ -5,6 +5,7 @@ the halves exactly, so attention over a float16 cache equals attention over a fl
 cache holding the same rounded values -- prefill tiles, sparse prefill rows, decode,
 exact and sparse, on every instruction-set variant this CPU runs (the float16 rows are
 converted with F16C under avx2, with simd.h's portable conversion under base)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -12,13 +13,12 @@ import pytest
 from typer.testing import CliRunner
 
 from kestrel_cli import cli
-from kestrel_cli.runtime import kernels
-from kestrel_cli.inference.engine import LoadOptions
 from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.inference.engine import LoadOptions
+from kestrel_cli.inference.timing import parse_lines
+from kestrel_cli.runtime import kernels
 from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
 from kestrel_cli.runtime.sparse import SparseSpec
-from kestrel_cli.inference.timing import parse_lines
-
 
 
 def test_round_trip_is_numpy_half():
@@ -26,7 +26,7 @@ def test_round_trip_is_numpy_half():
     n_kv, hd = 2, 16
     k = (rng.standard_normal((70, n_kv * hd)) * 3).astype(np.float32)
     v = rng.standard_normal((70, n_kv * hd)).astype(np.float32)
-    k[3, :4] = [7e4, -1e5, 3e-8, -6e-5]          # overflow to inf, subnormal halves
+    k[3, :4] = [7e4, -1e5, 3e-8, -6e-5]  # overflow to inf, subnormal halves
     k[4, :3] = [np.inf, -np.inf, 0.0]
     c = KVCache(2, n_kv, hd, 80, CacheSpec("f16"))
     c.reserve(70)
@@ -58,9 +58,9 @@ def _run(spec, k, v, q_pre, q_dec, n_pre, layer_threads=2):
     outs, sels = [], []
     for t in range(n_pre, n):
         c.reserve(1)
-        c.write(0, k[t:t + 1], v[t:t + 1])
+        c.write(0, k[t : t + 1], v[t : t + 1])
         o = np.empty((1, nh_hd), np.float32)
-        c.attend(0, q_dec[t - n_pre:t - n_pre + 1], o)
+        c.attend(0, q_dec[t - n_pre : t - n_pre + 1], o)
         outs.append(o)
         sels.append(None if c.selection[0] is None else c.selection[0].copy())
         c.commit(1)
@@ -80,8 +80,7 @@ def _data(seed, n, n_pre, n_heads, n_kv):
     return k, v, q_pre, q_dec
 
 
-@pytest.mark.parametrize("n_heads,n_kv,sparse_k", [(4, 2, 0), (4, 2, 3), (3, 3, 2),
-                                                   (4, 1, 100)])
+@pytest.mark.parametrize("n_heads,n_kv,sparse_k", [(4, 2, 0), (4, 2, 3), (3, 3, 2), (4, 1, 100)])
 def test_attention_equals_float32_over_rounded_values(isa, n_heads, n_kv, sparse_k):
     n, n_pre = 230, 200
     k, v, q_pre, q_dec = _data(n_heads * 10 + sparse_k, n, n_pre, n_heads, n_kv)
@@ -126,14 +125,16 @@ def test_kernel_refuses_both_value_types():
     blk = np.zeros((32, 64), np.float16)
     ptrs = np.array([blk.ctypes.data], np.uint64)
     with pytest.raises(ValueError, match="kv_q8 and kv_f16"):
-        kernels.attention(q, ptrs, ptrs, 32, 1, 64, 0, 0.125, np.empty_like(q), 1,
-                          kv_q8=True, kv_f16=True)
+        kernels.attention(
+            q, ptrs, ptrs, 32, 1, 64, 0, 0.125, np.empty_like(q), 1, kv_q8=True, kv_f16=True
+        )
 
 
 def test_options_exclude_q8_and_f16():
     assert LoadOptions(kv_f16=True).cache_spec == CacheSpec("f16")
-    assert LoadOptions(kv_f16=True, sparse_attn=True, sparse_k=4).cache_spec == \
-        CacheSpec("f16", sparse=SparseSpec(k=4))
+    assert LoadOptions(kv_f16=True, sparse_attn=True, sparse_k=4).cache_spec == CacheSpec(
+        "f16", sparse=SparseSpec(k=4)
+    )
     with pytest.raises(KestrelError, match="--kv-q8 and --kv-f16"):
         LoadOptions(kv_q8=True, kv_f16=True).validate()
     with pytest.raises(KestrelError, match="dtype must be one of f32, q8, f16"):
@@ -156,14 +157,28 @@ def test_cli_flags_exclusive(command):
 
 def test_cli_flag_runs_end_to_end():
     """`run --kv-f16` on the bundled model: half the float cache's bytes, the same answer."""
+
     # --act f32: the answer is a near tie ("The" 0.15 vs "L" 0.14) that int8 activations
     # flip, as in llama.cpp; this test is about the --kv-f16 flag.
     def perf(*flags):
-        r = _invoke("run", "-p", "What is the capital of France?", "--temp", "0", "-n", "8",
-                    "-t", "1", "--act", "f32", *flags)
+        r = _invoke(
+            "run",
+            "-p",
+            "What is the capital of France?",
+            "--temp",
+            "0",
+            "-n",
+            "8",
+            "-t",
+            "1",
+            "--act",
+            "f32",
+            *flags,
+        )
         assert r.exit_code == 0, (r.output, r.exception)
         (p,) = parse_lines(r.stderr, "PERF")
         return r.stdout, p
+
     base_out, base = perf()
     f16_out, f16 = perf("--kv-f16")
     assert f16["kv_bytes"] * 2 == base["kv_bytes"]

@@ -1,18 +1,17 @@
 """The package's layers (docs/DESIGN.md §1): a module imports only from its own layer or
 the layers below it, and no two modules import each other, directly or around a circle
 (module-level or inside a function: a lazy import is still a dependency)."""
+
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parent.parent / "kestrel_cli"
 
 # lowest first; a module's layer is that of its longest listed prefix
 LAYERS = [
-    ("core", "kestrel_cli._kernels"),                 # the compiled kernels are a leaf too
+    ("core", "kestrel_cli._kernels"),  # the compiled kernels are a leaf too
     ("formats",),
     ("runtime",),
     ("text",),
@@ -55,7 +54,7 @@ def _imports(path: Path, pkg: Path) -> set[str]:
                 mod = node.module or ""
             if not mod.startswith("kestrel_cli"):
                 continue
-            for a in node.names:                      # `from pkg import module`
+            for a in node.names:  # `from pkg import module`
                 sub = f"{mod}.{a.name}"
                 p = pkg.parent / Path(*sub.split("."))
                 out.add(sub if p.with_suffix(".py").exists() or p.is_dir() else mod)
@@ -67,23 +66,28 @@ def _graph(pkg: Path = PKG) -> dict[str, set[str]]:
 
 
 def _upward(graph) -> list[str]:
-    return [f"{mod} (layer {_layer(mod)}) imports {dep} (layer {_layer(dep)})"
-            for mod, deps in sorted(graph.items()) for dep in sorted(deps)
-            if _layer(dep) > _layer(mod)]
+    return [
+        f"{mod} (layer {_layer(mod)}) imports {dep} (layer {_layer(dep)})"
+        for mod, deps in sorted(graph.items())
+        for dep in sorted(deps)
+        if _layer(dep) > _layer(mod)
+    ]
 
 
 def _circle(graph) -> list[str]:
     """One import circle, or []. A package importing its own modules (an __init__'s
     re-exports) is not counted: Python imports the package first either way."""
-    edges = {m: {d for d in deps if d in graph and not d.startswith(m + ".")}
-             for m, deps in graph.items()}
+    edges = {
+        m: {d for d in deps if d in graph and not d.startswith(m + ".")}
+        for m, deps in graph.items()
+    }
     state: dict[str, int] = {}
 
     def visit(m: str, stack: list[str]) -> list[str]:
         state[m] = 1
         for d in sorted(edges[m]):
             if state.get(d) == 1:
-                return stack[stack.index(d):] + [d]
+                return stack[stack.index(d) :] + [d]
             if d not in state and (found := visit(d, stack + [d])):
                 return found
         state[m] = 2
@@ -120,7 +124,11 @@ def test_the_checks_see_a_violation(tmp_path):
     (fake / "runtime" / "kv.py").write_text("from kestrel_cli.inference import engine\n")
     (fake / "inference" / "engine.py").write_text("from ..runtime import kv\n")
     graph = _graph(fake)
-    assert _upward(graph) == ["kestrel_cli.runtime.kv (layer 2) imports "
-                              "kestrel_cli.inference.engine (layer 5)"]
-    assert _circle(graph) == ["kestrel_cli.inference.engine", "kestrel_cli.runtime.kv",
-                              "kestrel_cli.inference.engine"]
+    assert _upward(graph) == [
+        "kestrel_cli.runtime.kv (layer 2) imports kestrel_cli.inference.engine (layer 5)"
+    ]
+    assert _circle(graph) == [
+        "kestrel_cli.inference.engine",
+        "kestrel_cli.runtime.kv",
+        "kestrel_cli.inference.engine",
+    ]

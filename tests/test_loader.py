@@ -1,4 +1,5 @@
 """Bad checkpoints give a KestrelError with one line naming the file or tensor."""
+
 from __future__ import annotations
 
 import json
@@ -6,9 +7,9 @@ import struct
 
 import pytest
 
+from conftest import make_checkpoint
 from kestrel_cli import Engine, KestrelError
 from kestrel_cli.formats.config import Config
-from conftest import make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +21,7 @@ def good(tmp_path_factory):
 
 def copy_dir(src, dst):
     import shutil
+
     shutil.copytree(src, dst)
     return dst
 
@@ -81,11 +83,11 @@ def test_tiny_file(good, tmp_path):
 def rewrite_header(path, edit):
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header)
     h = json.dumps(header).encode()
     h += b" " * (-len(h) % 8)
-    path.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n :])
 
 
 def test_missing_tensor(good, tmp_path):
@@ -101,6 +103,7 @@ def test_wrong_shape(good, tmp_path):
 
     def edit(h):
         h[name]["shape"] = h[name]["shape"][::-1]
+
     rewrite_header(d / "model.safetensors", edit)
     msg = load_error(d)
     assert name in msg and "shape" in msg
@@ -132,14 +135,19 @@ def test_config_rope_styles():
 
 # ---------------------------------------------------------------- shard names (a hostile index)
 
+
 def _sharded(good, d):
     """`good` as a one-shard checkpoint with an index naming the shard."""
     copy_dir(good, d)
     names = json.loads(
-        (d / "model.safetensors").read_bytes()[8:8 + struct.unpack("<Q", (d / "model.safetensors")
-                                                                   .read_bytes()[:8])[0]])
-    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in names
-                                            if k != "__metadata__"}}
+        (d / "model.safetensors").read_bytes()[
+            8 : 8 + struct.unpack("<Q", (d / "model.safetensors").read_bytes()[:8])[0]
+        ]
+    )
+    index = {
+        "metadata": {},
+        "weight_map": {k: "model.safetensors" for k in names if k != "__metadata__"},
+    }
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
     return d
 
@@ -151,8 +159,19 @@ def _point_index_at(d, shard):
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
-@pytest.mark.parametrize("shard", ["../outside.safetensors", "../../x.safetensors", "/etc/passwd",
-                                   "sub/model.safetensors", "..", "", 7, "a\\b.safetensors"])
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "../outside.safetensors",
+        "../../x.safetensors",
+        "/etc/passwd",
+        "sub/model.safetensors",
+        "..",
+        "",
+        7,
+        "a\\b.safetensors",
+    ],
+)
 def test_index_shard_must_be_a_plain_name(good, tmp_path, shard):
     d = _sharded(good, tmp_path / "m")
     (tmp_path / "outside.safetensors").write_bytes((d / "model.safetensors").read_bytes())
@@ -169,7 +188,9 @@ def test_index_shard_symlink_out_of_the_directory(good, tmp_path):
     (d / "link.safetensors").symlink_to(tmp_path / "outside.safetensors")
     _point_index_at(d, "link.safetensors")
     msg = load_error(d)
-    assert "model.safetensors.index.json" in msg and "'link.safetensors'" in msg and "outside" in msg
+    assert (
+        "model.safetensors.index.json" in msg and "'link.safetensors'" in msg and "outside" in msg
+    )
     # without an index, a listed *.safetensors link that leaves the directory is refused too
     (d / "model.safetensors.index.json").unlink()
     assert "'link.safetensors'" in load_error(d)
@@ -193,14 +214,22 @@ def test_foreign_file_as_shard(good, tmp_path):
     (d / "model.safetensors").write_bytes(b"#!/bin/sh\necho this is not a checkpoint\n" * 3)
     msg = load_error(d)
     first8 = str(struct.unpack("<Q", b"#!/bin/s")[0])
-    assert "model.safetensors" in msg and "not a valid safetensors file" in msg and first8 not in msg
+    assert (
+        "model.safetensors" in msg and "not a valid safetensors file" in msg and first8 not in msg
+    )
 
 
-@pytest.mark.parametrize("header", [[1, 2], "x", {"w": {"dtype": "F32", "shape": ["a"],
-                                                          "data_offsets": [0, 4]}},
-                                    {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0]}},
-                                    {"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},
-                                    {"w": [1, 2, 3]}])
+@pytest.mark.parametrize(
+    "header",
+    [
+        [1, 2],
+        "x",
+        {"w": {"dtype": "F32", "shape": ["a"], "data_offsets": [0, 4]}},
+        {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0]}},
+        {"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}},
+        {"w": [1, 2, 3]},
+    ],
+)
 def test_bad_header_is_one_clear_error(good, tmp_path, header):
     d = copy_dir(good, tmp_path / "m")
     h = json.dumps(header).encode()

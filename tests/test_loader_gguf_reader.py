@@ -1,5 +1,6 @@
 """loader._gguf_reader: gguf.GGUFReader with metadata arrays parsed in bulk gives the same
 fields (parts, data, types, contents) and the same memory-mapped tensors as the package's."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +12,7 @@ from kestrel_cli.models.loader import _gguf_reader
 
 def _same(path):
     import gguf
+
     ours, ref = _gguf_reader(path), gguf.GGUFReader(str(path))
     assert list(ours.fields) == list(ref.fields)
     for k in ref.fields:
@@ -25,12 +27,13 @@ def _same(path):
         assert (a.name, a.tensor_type, a.data_offset) == (b.name, b.tensor_type, b.data_offset)
         assert list(a.shape) == list(b.shape) and a.data.dtype == b.data.dtype
         assert np.array_equal(a.data, b.data)
-        assert not a.data.flags.owndata                       # still a view of the mapping
+        assert not a.data.flags.owndata  # still a view of the mapping
     return ours
 
 
 def test_every_value_type(tmp_path):
     import gguf
+
     path = tmp_path / "kinds.gguf"
     w = gguf.GGUFWriter(path, "qwen3")
     w.add_array("t.strings", ["a", "", "héllo", "Ġthe", "<|im_end|>"] * 50)
@@ -55,9 +58,11 @@ def test_model_files(tmp_path):
     """A tokenizer-carrying GGUF (vocab, merges, token types) and a qwen3moe one."""
     import importlib.util
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[1]
     spec = importlib.util.spec_from_file_location(
-        "make_random_checkpoint", root / "scripts" / "make_random_checkpoint.py")
+        "make_random_checkpoint", root / "scripts" / "make_random_checkpoint.py"
+    )
     mrc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mrc)
     for shape in ("tiny-qwen3-moe", "tiny-llama"):
@@ -70,6 +75,7 @@ def test_model_files(tmp_path):
 def test_truncated_string_array(tmp_path):
     """A string array that runs past the end of the file: one KestrelError naming it."""
     import gguf
+
     path = tmp_path / "cut.gguf"
     w = gguf.GGUFWriter(path, "qwen3")
     w.add_array("tokenizer.ggml.tokens", ["x" * 100] * 100)
@@ -78,6 +84,8 @@ def test_truncated_string_array(tmp_path):
     w.write_ti_data_to_file()
     w.close()
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) - 5000])
-    with pytest.raises(KestrelError, match=r"^cut.gguf: not a valid GGUF file: tokenizer.ggml.tokens"):
+    path.write_bytes(data[: len(data) - 5000])
+    with pytest.raises(
+        KestrelError, match=r"^cut.gguf: not a valid GGUF file: tokenizer.ggml.tokens"
+    ):
         Engine.from_pretrained(path, threads=1)

@@ -1,6 +1,7 @@
 """Hostile files and flags (issue 16): each bad value a probe found is one KestrelError naming
 the file and the field (one line, exit 1 at the CLI), never a traceback, a hang or a huge
 allocation."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,15 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import VOCAB, make_checkpoint
-from hostile_seeds import (gguf_fields, image_bytes, join_safetensors, patch, png_header_only,
-                           split_safetensors, write_gguf)
+from hostile_seeds import (
+    gguf_fields,
+    image_bytes,
+    join_safetensors,
+    patch,
+    png_header_only,
+    split_safetensors,
+    write_gguf,
+)
 from kestrel_cli import Engine, KestrelError
 from kestrel_cli.cli import app
 
@@ -53,6 +61,7 @@ def cli(*args, input=None):
 
 def with_config(good, tmp_path, **over):
     import shutil
+
     d = tmp_path / "m"
     shutil.copytree(good, d)
     cfg = json.loads((d / "config.json").read_text())
@@ -70,91 +79,138 @@ _DROP = object()
 
 # ------------------------------------------------------------------ the CLI's own inputs
 
+
 def test_stdin_prompt_not_utf8(good):
     import os
 
     import kestrel_cli
-    code = str(Path(kestrel_cli.__file__).parents[1])        # the kestrel_cli under test
+
+    code = str(Path(kestrel_cli.__file__).parents[1])  # the kestrel_cli under test
     env = {**os.environ, "PYTHONPATH": code + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-c", "from kestrel_cli.cli import main; main()", "run",
-                        "-m", str(good), "-p", "-", "-n", "1", "-t", "1"],
-                       input=b"hi \xff\xfe there", capture_output=True, env=env, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from kestrel_cli.cli import main; main()",
+            "run",
+            "-m",
+            str(good),
+            "-p",
+            "-",
+            "-n",
+            "1",
+            "-t",
+            "1",
+        ],
+        input=b"hi \xff\xfe there",
+        capture_output=True,
+        env=env,
+        timeout=120,
+    )
     err = r.stderr.decode()
     assert r.returncode == 1 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == "error: the prompt on stdin is not UTF-8 text (byte 3)"
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--temp", "nan"], "temperature must be a finite number"),
-    (["--temp", "inf"], "temperature must be a finite number"),
-    (["--temp", "-inf"], "temperature must be a finite number"),
-    (["--temp", "-1"], "temperature must be >= 0"),
-    (["--repeat-penalty", "nan"], "repeat_penalty must be a finite number"),
-    (["--temp", "1", "--seed", "-2"], "--seed must be in 0..2^64-1"),
-    (["--temp", "1", "--seed", str(1 << 64)], "--seed must be in 0..2^64-1"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--temp", "nan"], "temperature must be a finite number"),
+        (["--temp", "inf"], "temperature must be a finite number"),
+        (["--temp", "-inf"], "temperature must be a finite number"),
+        (["--temp", "-1"], "temperature must be >= 0"),
+        (["--repeat-penalty", "nan"], "repeat_penalty must be a finite number"),
+        (["--temp", "1", "--seed", "-2"], "--seed must be in 0..2^64-1"),
+        (["--temp", "1", "--seed", str(1 << 64)], "--seed must be in 0..2^64-1"),
+    ],
+)
 def test_sampling_flags(good, flags, needle):
     assert needle in cli("run", "-m", good, "-p", "hi", "-n", "1", "-t", "1", *flags)
 
 
 def test_seed_minus_one_is_random(good):
-    r = CliRunner().invoke(app, ["run", "-m", str(good), "-p", "hi", "-n", "2", "-t", "1",
-                                 "--temp", "1", "--seed", "-1"])
+    r = CliRunner().invoke(
+        app,
+        ["run", "-m", str(good), "-p", "hi", "-n", "2", "-t", "1", "--temp", "1", "--seed", "-1"],
+    )
     assert r.exit_code == 0, (r.output, r.exception)
 
 
 # ------------------------------------------------------------------ config.json
 
-@pytest.mark.parametrize("over,field", [
-    ({"rms_norm_eps": -1}, "rms_norm_eps"),
-    ({"rms_norm_eps": 0}, "rms_norm_eps"),
-    ({"rms_norm_eps": math.nan}, "rms_norm_eps"),
-    ({"rms_norm_eps": "x"}, "rms_norm_eps"),
-    ({"rope_theta": 0, "rope_parameters": _DROP}, "rope_theta"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": -5}}, "rope_theta"),
-    ({"rope_parameters": {"rope_type": ["default"], "rope_theta": 1e4}}, "rope_type"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
-                          "low_freq_factor": 1.0, "high_freq_factor": 1.0,
-                          "original_max_position_embeddings": 64}}, "high_freq_factor"),
-    ({"num_hidden_layers": -1}, "num_hidden_layers"),
-    ({"num_hidden_layers": 0}, "num_hidden_layers"),
-    ({"num_hidden_layers": True}, "num_hidden_layers"),
-    ({"num_hidden_layers": math.inf}, "num_hidden_layers"),
-    ({"num_hidden_layers": 10 ** 9}, "num_hidden_layers"),
-    ({"hidden_size": 0}, "hidden_size"),
-    ({"hidden_size": -64}, "hidden_size"),
-    ({"hidden_size": 64.5}, "hidden_size"),
-    ({"hidden_size": 10 ** 11}, "hidden_size"),
-    ({"num_attention_heads": 0}, "num_attention_heads"),
-    ({"num_key_value_heads": -2}, "num_key_value_heads"),
-    ({"num_key_value_heads": 8}, "num_key_value_heads"),
-    ({"head_dim": -1}, "head_dim"),
-    ({"head_dim": 23}, "head_dim"),
-    ({"intermediate_size": -1}, "intermediate_size"),
-    ({"max_position_embeddings": -5}, "max_position_embeddings"),
-    ({"max_position_embeddings": 0}, "max_position_embeddings"),
-    ({"max_position_embeddings": 1 << 40}, "max_position_embeddings"),
-    ({"layer_types": [[1]]}, "layer_types"),
-    ({"mlp_only_layers": "all"}, "mlp_only_layers"),
-    ({"vocab_size": 10}, "vocab_size"),
-    ({"vocab_size": -1}, "vocab_size"),
-])
+
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        ({"rms_norm_eps": -1}, "rms_norm_eps"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps"),
+        ({"rms_norm_eps": math.nan}, "rms_norm_eps"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps"),
+        ({"rope_theta": 0, "rope_parameters": _DROP}, "rope_theta"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": -5}}, "rope_theta"),
+        ({"rope_parameters": {"rope_type": ["default"], "rope_theta": 1e4}}, "rope_type"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 1e4,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 1.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "high_freq_factor",
+        ),
+        ({"num_hidden_layers": -1}, "num_hidden_layers"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers"),
+        ({"num_hidden_layers": True}, "num_hidden_layers"),
+        ({"num_hidden_layers": math.inf}, "num_hidden_layers"),
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"hidden_size": -64}, "hidden_size"),
+        ({"hidden_size": 64.5}, "hidden_size"),
+        ({"hidden_size": 10**11}, "hidden_size"),
+        ({"num_attention_heads": 0}, "num_attention_heads"),
+        ({"num_key_value_heads": -2}, "num_key_value_heads"),
+        ({"num_key_value_heads": 8}, "num_key_value_heads"),
+        ({"head_dim": -1}, "head_dim"),
+        ({"head_dim": 23}, "head_dim"),
+        ({"intermediate_size": -1}, "intermediate_size"),
+        ({"max_position_embeddings": -5}, "max_position_embeddings"),
+        ({"max_position_embeddings": 0}, "max_position_embeddings"),
+        ({"max_position_embeddings": 1 << 40}, "max_position_embeddings"),
+        ({"layer_types": [[1]]}, "layer_types"),
+        ({"mlp_only_layers": "all"}, "mlp_only_layers"),
+        ({"vocab_size": 10}, "vocab_size"),
+        ({"vocab_size": -1}, "vocab_size"),
+    ],
+)
 def test_config_values(good, tmp_path, over, field):
     d = with_config(good, tmp_path, **over)
     msg = one_line_error(lambda: Engine.from_pretrained(d, threads=1))
     assert "config.json" in msg and field in msg, msg
-    assert field in cli("info", "-m", d)          # info refuses what run refuses
+    assert field in cli("info", "-m", d)  # info refuses what run refuses
 
 
 def test_moe_config_values():
     from kestrel_cli.formats.config import Config
-    base = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_experts=4, num_experts_per_tok=2,
-                moe_intermediate_size=32)
-    for over, field in [({"decoder_sparse_step": 0}, "decoder_sparse_step"),
-                        ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
-                        ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
-                        ({"moe_intermediate_size": 0}, "moe_intermediate_size")]:
+
+    base = dict(
+        model_type="qwen3_moe",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
+    for over, field in [
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
+        ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+        ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+    ]:
         assert field in one_line_error(lambda: Config.from_hf({**base, **over}))
 
 
@@ -166,6 +222,7 @@ def test_info_validates_what_run_would(good, tmp_path):
 
 def test_short_embedding_vs_tokenizer(good, tmp_path):
     from safetensors.numpy import load_file, save_file
+
     d = with_config(good, tmp_path, vocab_size=10)
     t = load_file(str(d / "model.safetensors"))
     for k in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -184,6 +241,7 @@ def test_token_ids_past_the_embedding(good):
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
 def test_deeply_nested_json(good, tmp_path, name):
     import shutil
+
     d = tmp_path / "m"
     shutil.copytree(good, d)
     (d / name).write_text("[" * 100000 + "]" * 100000)
@@ -193,8 +251,10 @@ def test_deeply_nested_json(good, tmp_path, name):
 
 # ------------------------------------------------------------------ safetensors and the index
 
+
 def _edit_header(good, tmp_path, edit):
     import shutil
+
     d = tmp_path / "m"
     shutil.copytree(good, d)
     header, body = split_safetensors((d / "model.safetensors").read_bytes())
@@ -206,6 +266,7 @@ def _edit_header(good, tmp_path, edit):
 def test_overlapping_tensors(good, tmp_path):
     def edit(h):
         h["lm_head.weight"]["data_offsets"] = h["model.embed_tokens.weight"]["data_offsets"]
+
     d = _edit_header(good, tmp_path, edit)
     msg = one_line_error(lambda: Engine.from_pretrained(d, threads=1))
     assert "model.safetensors" in msg and "overlaps" in msg
@@ -213,6 +274,7 @@ def test_overlapping_tensors(good, tmp_path):
 
 def test_nested_header(good, tmp_path):
     import shutil
+
     d = tmp_path / "m"
     shutil.copytree(good, d)
     raw = b"[" * 200000 + b"]" * 200000
@@ -220,14 +282,18 @@ def test_nested_header(good, tmp_path):
     assert "model.safetensors" in one_line_error(lambda: Engine.from_pretrained(d, threads=1))
 
 
-@pytest.mark.parametrize("index,needle", [
-    ({"weight_map": {"a": ["model.safetensors"]}}, "not a plain file name"),
-    ({"weight_map": {}}, "weight_map"),
-    ({"weight_map": []}, "weight_map"),
-    ([1, 2], "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "index,needle",
+    [
+        ({"weight_map": {"a": ["model.safetensors"]}}, "not a plain file name"),
+        ({"weight_map": {}}, "weight_map"),
+        ({"weight_map": []}, "weight_map"),
+        ([1, 2], "expected a JSON object"),
+    ],
+)
 def test_malformed_index(good, tmp_path, index, needle):
     import shutil
+
     d = tmp_path / "m"
     shutil.copytree(good, d)
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -237,8 +303,10 @@ def test_malformed_index(good, tmp_path, index, needle):
 
 # ------------------------------------------------------------------ GGUF
 
+
 def _gguf_error(tmp_path, data: bytes) -> str:
     from kestrel_cli.models.loader import open_checkpoint
+
     p = tmp_path / "bad.gguf"
     p.write_bytes(data)
     msg = one_line_error(lambda: open_checkpoint(p))
@@ -249,34 +317,37 @@ def _gguf_error(tmp_path, data: bytes) -> str:
 U64 = (1 << 64) - 1
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("GGUF.tensor_count#0", 1 << 62, "tensor_count"),
-    ("GGUF.tensor_count#0", U64, "tensor_count"),
-    ("GGUF.kv_count#0", 1 << 62, "kv_count"),
-    ("GGUF.kv_count#0", 1000, "metadata key #18"),      # the first kv past the real ones
-    # parts of a field: #0 key length, #1 key, #2 value type, then the value; an array's
-    # value: #3 item type, #4 length, then its items (a string: #5 length, #6 bytes, ...)
-    ("tokenizer.ggml.tokens#4", 1 << 62, "tokenizer.ggml.tokens"),
-    ("tokenizer.ggml.tokens#4", 5000, "tokenizer.ggml.tokens"),
-    ("tokenizer.ggml.tokens#3", 99, "tokenizer.ggml.tokens"),
-    ("tokenizer.ggml.tokens#3", 9, "arrays of arrays"),
-    ("tokenizer.ggml.tokens#5", 1 << 40, "tokenizer.ggml.tokens[0]"),
-    ("tokenizer.ggml.token_type#4", 1 << 61, "tokenizer.ggml.token_type"),
-    ("tokenizer.ggml.token_type#3", 8, "tokenizer.ggml.token_type"),
-    ("general.architecture#0", 1 << 40, "metadata key #0"),            # a key's length
-    ("general.architecture#2", 77, "general.architecture"),            # the value type
-    ("llama.block_count#2", 99, "llama.block_count"),
-    ("tensor:blk.0.attn_q.weight#2", 0, "n_dims=0"),
-    ("tensor:blk.0.attn_q.weight#2", 9, "n_dims=9"),
-    ("tensor:blk.0.attn_q.weight#dim0", 0, "dims"),
-    ("tensor:blk.0.attn_q.weight#dim1", 1 << 50, "dims"),
-    ("tensor:blk.0.attn_q.weight#dim1", 1 << 30, "past the end"),
-    ("tensor:blk.0.attn_q.weight#dim0", 33, "blocks of 32"),
-    ("tensor:blk.0.attn_q.weight#4", 1234, "unknown ggml type"),
-    ("tensor:blk.0.attn_q.weight#5", 1 << 50, "past the end"),
-    ("tensor:blk.0.attn_q.weight#5", 7, "alignment"),
-    ("tensor:blk.0.attn_q.weight#5", 0, "overlap"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("GGUF.tensor_count#0", 1 << 62, "tensor_count"),
+        ("GGUF.tensor_count#0", U64, "tensor_count"),
+        ("GGUF.kv_count#0", 1 << 62, "kv_count"),
+        ("GGUF.kv_count#0", 1000, "metadata key #18"),  # the first kv past the real ones
+        # parts of a field: #0 key length, #1 key, #2 value type, then the value; an array's
+        # value: #3 item type, #4 length, then its items (a string: #5 length, #6 bytes, ...)
+        ("tokenizer.ggml.tokens#4", 1 << 62, "tokenizer.ggml.tokens"),
+        ("tokenizer.ggml.tokens#4", 5000, "tokenizer.ggml.tokens"),
+        ("tokenizer.ggml.tokens#3", 99, "tokenizer.ggml.tokens"),
+        ("tokenizer.ggml.tokens#3", 9, "arrays of arrays"),
+        ("tokenizer.ggml.tokens#5", 1 << 40, "tokenizer.ggml.tokens[0]"),
+        ("tokenizer.ggml.token_type#4", 1 << 61, "tokenizer.ggml.token_type"),
+        ("tokenizer.ggml.token_type#3", 8, "tokenizer.ggml.token_type"),
+        ("general.architecture#0", 1 << 40, "metadata key #0"),  # a key's length
+        ("general.architecture#2", 77, "general.architecture"),  # the value type
+        ("llama.block_count#2", 99, "llama.block_count"),
+        ("tensor:blk.0.attn_q.weight#2", 0, "n_dims=0"),
+        ("tensor:blk.0.attn_q.weight#2", 9, "n_dims=9"),
+        ("tensor:blk.0.attn_q.weight#dim0", 0, "dims"),
+        ("tensor:blk.0.attn_q.weight#dim1", 1 << 50, "dims"),
+        ("tensor:blk.0.attn_q.weight#dim1", 1 << 30, "past the end"),
+        ("tensor:blk.0.attn_q.weight#dim0", 33, "blocks of 32"),
+        ("tensor:blk.0.attn_q.weight#4", 1234, "unknown ggml type"),
+        ("tensor:blk.0.attn_q.weight#5", 1 << 50, "past the end"),
+        ("tensor:blk.0.attn_q.weight#5", 7, "alignment"),
+        ("tensor:blk.0.attn_q.weight#5", 0, "overlap"),
+    ],
+)
 def test_gguf_header_fields(seed_gguf, tmp_path, field, value, needle):
     _, data, fields = seed_gguf
     off, size = fields[field]
@@ -290,12 +361,17 @@ def test_truncated_gguf(seed_gguf, tmp_path, cut):
     _gguf_error(tmp_path, data[:cut])
 
 
-LLAMA_KV = {"llama.block_count": ("uint32", 1), "llama.embedding_length": ("uint32", 8),
-            "llama.attention.head_count": ("uint32", 2), "llama.feed_forward_length": ("uint32", 8)}
+LLAMA_KV = {
+    "llama.block_count": ("uint32", 1),
+    "llama.embedding_length": ("uint32", 8),
+    "llama.attention.head_count": ("uint32", 2),
+    "llama.feed_forward_length": ("uint32", 8),
+}
 
 
 def _gguf_with(tmp_path, kv: dict, tensors=(("token_embd.weight", (4, 8)),)):
     import gguf
+
     p = tmp_path / "bad.gguf"
     w = gguf.GGUFWriter(str(p), "llama")
     for k, (kind, v) in {**LLAMA_KV, **kv}.items():
@@ -309,21 +385,24 @@ def _gguf_with(tmp_path, kv: dict, tensors=(("token_embd.weight", (4, 8)),)):
     return p.read_bytes()
 
 
-@pytest.mark.parametrize("kv,needle", [
-    ({"general.alignment": ("uint32", 0)}, "general.alignment"),
-    ({"general.alignment": ("uint32", 24)}, "general.alignment"),
-    ({"general.alignment": ("string", "32")}, "general.alignment"),
-    ({"llama.block_count": ("string", "two")}, "llama.block_count"),
-    ({"llama.block_count": ("array", [1, 2])}, "llama.block_count"),
-    ({"llama.attention.head_count": ("uint32", 0)}, "num_attention_heads"),
-    ({"llama.attention.head_count": ("float32", 2.0)}, "llama.attention.head_count"),
-    ({"llama.attention.layer_norm_rms_epsilon": ("float32", -1.0)}, "rms_norm_eps"),
-    ({"llama.attention.layer_norm_rms_epsilon": ("string", "x")}, "layer_norm_rms_epsilon"),
-    ({"llama.rope.freq_base": ("float32", 0.0)}, "rope_theta"),
-    ({"llama.block_count": ("uint64", 1 << 40)}, "num_hidden_layers"),
-    ({"llama.context_length": ("int32", -4)}, "max_position_embeddings"),
-    ({"general.architecture": ("array", ["llama"])}, "architecture"),
-])
+@pytest.mark.parametrize(
+    "kv,needle",
+    [
+        ({"general.alignment": ("uint32", 0)}, "general.alignment"),
+        ({"general.alignment": ("uint32", 24)}, "general.alignment"),
+        ({"general.alignment": ("string", "32")}, "general.alignment"),
+        ({"llama.block_count": ("string", "two")}, "llama.block_count"),
+        ({"llama.block_count": ("array", [1, 2])}, "llama.block_count"),
+        ({"llama.attention.head_count": ("uint32", 0)}, "num_attention_heads"),
+        ({"llama.attention.head_count": ("float32", 2.0)}, "llama.attention.head_count"),
+        ({"llama.attention.layer_norm_rms_epsilon": ("float32", -1.0)}, "rms_norm_eps"),
+        ({"llama.attention.layer_norm_rms_epsilon": ("string", "x")}, "layer_norm_rms_epsilon"),
+        ({"llama.rope.freq_base": ("float32", 0.0)}, "rope_theta"),
+        ({"llama.block_count": ("uint64", 1 << 40)}, "num_hidden_layers"),
+        ({"llama.context_length": ("int32", -4)}, "max_position_embeddings"),
+        ({"general.architecture": ("array", ["llama"])}, "architecture"),
+    ],
+)
 def test_gguf_metadata_values(tmp_path, kv, needle):
     msg = _gguf_error(tmp_path, _gguf_with(tmp_path, kv))
     assert needle in msg, msg
@@ -338,8 +417,10 @@ def test_gguf_stock_error_reads_like_numpy_no_more(tmp_path):
 
 # ------------------------------------------------------------------ images
 
+
 def _image_error(src) -> str:
     from kestrel_cli.models.images import load_image
+
     return one_line_error(lambda: load_image(src))
 
 
@@ -353,11 +434,12 @@ def test_pillow_limits_are_set_explicitly():
     from PIL import Image, ImageFile
 
     from kestrel_cli.models import images
-    Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = None, True   # as another library might
+
+    Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = None, True  # as another library might
     try:
         assert "too large" in _image_error(png_header_only(12_000, 12_000))
         good = image_bytes("PNG", (64, 64))
-        assert "not a readable image" in _image_error(good[:len(good) // 2])
+        assert "not a readable image" in _image_error(good[: len(good) // 2])
         assert Image.MAX_IMAGE_PIXELS == images.MAX_DECODE_PIXELS
     finally:
         Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES = 89_478_485, False
@@ -366,20 +448,28 @@ def test_pillow_limits_are_set_explicitly():
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "BMP", "TIFF", "WEBP"])
 def test_truncated_and_garbled_images(fmt):
     data = image_bytes(fmt, (40, 30))
-    for bad in (data[:len(data) // 3], data[:20], data[:8] + b"\xff" * (len(data) - 8)):
+    for bad in (data[: len(data) // 3], data[:20], data[:8] + b"\xff" * (len(data) - 8)):
         assert "not a readable image" in _image_error(bad)
 
 
-@pytest.mark.parametrize("over,field", [
-    ({"patch_size": 0}, "patch_size"), ({"merge_size": -1}, "merge_size"),
-    ({"patch_size": "16"}, "patch_size"), ({"min_pixels": 0}, "min_pixels"),
-    ({"min_pixels": 5000, "max_pixels": 10}, "min_pixels"),
-    ({"max_pixels": 10 ** 12}, "max_pixels"), ({"image_std": [0.5, 0, 0.5]}, "image_std"),
-    ({"image_mean": [0.5]}, "image_mean"), ({"size": [1, 2]}, "size"),
-    ({"rescale_factor": "x"}, "rescale_factor"),
-])
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        ({"patch_size": 0}, "patch_size"),
+        ({"merge_size": -1}, "merge_size"),
+        ({"patch_size": "16"}, "patch_size"),
+        ({"min_pixels": 0}, "min_pixels"),
+        ({"min_pixels": 5000, "max_pixels": 10}, "min_pixels"),
+        ({"max_pixels": 10**12}, "max_pixels"),
+        ({"image_std": [0.5, 0, 0.5]}, "image_std"),
+        ({"image_mean": [0.5]}, "image_mean"),
+        ({"size": [1, 2]}, "size"),
+        ({"rescale_factor": "x"}, "rescale_factor"),
+    ],
+)
 def test_preprocessor_config_values(tmp_path, over, field):
     from kestrel_cli.models.images import ImageConfig
+
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(over))
     msg = one_line_error(lambda: ImageConfig.from_dir(tmp_path))
     assert "preprocessor_config.json" in msg and field in msg
@@ -417,6 +507,7 @@ ESCAPES = [
 @pytest.fixture(scope="module")
 def tok(good):
     from kestrel_cli.text.tokenizer import Tokenizer
+
     return Tokenizer.from_dir(good)
 
 
@@ -432,13 +523,17 @@ def test_template_escapes_fail_cleanly(tok, source):
         assert leak not in out, out
 
 
-@pytest.mark.parametrize("source,needle", [
-    ("{{ 1/0 }}", "division by zero"),
-    ("{% for i in range(100000000) %}{% endfor %}", "chat template error"),
-    ("{{ range(100000000)|list|length }}", "chat template error"),
-])
+@pytest.mark.parametrize(
+    "source,needle",
+    [
+        ("{{ 1/0 }}", "division by zero"),
+        ("{% for i in range(100000000) %}{% endfor %}", "chat template error"),
+        ("{{ range(100000000)|list|length }}", "chat template error"),
+    ],
+)
 def test_template_errors_at_the_cli(good, tmp_path, source, needle):
     import shutil
+
     d = tmp_path / "m"
     shutil.copytree(good, d)
     (d / "chat_template.jinja").write_text(source)
@@ -447,16 +542,23 @@ def test_template_errors_at_the_cli(good, tmp_path, source, needle):
 
 # ------------------------------------------------------------------ issue 33: round two
 
+
 def kestrel(*args, timeout=180, input=None) -> subprocess.CompletedProcess:
     """The CLI in a subprocess (the kestrel_cli under test), as a user runs it."""
     import os
 
     import kestrel_cli
+
     code = str(Path(kestrel_cli.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": code + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-c", "from kestrel_cli.cli import main; main()",
-                           *[str(a) for a in args]], input=input, capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", "from kestrel_cli.cli import main; main()", *[str(a) for a in args]],
+        input=input,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def one_error_line(r: subprocess.CompletedProcess) -> str:
@@ -470,24 +572,32 @@ def one_error_line(r: subprocess.CompletedProcess) -> str:
 # config.json, tokenizer files, templates and the index linked out of the model directory
 # are refused as shards already were (a planted link must not make the loader read, or echo
 # parts of, a file elsewhere)
-OUTSIDE_FILES = {"config.json": None, "tokenizer.json": None, "tokenizer_config.json": None,
-                 "generation_config.json": '{"eos_token_id": 1}',
-                 "chat_template.jinja": "{{ messages[0]['content'] }}",
-                 "additional_chat_templates/tool_use.jinja": "{{ messages }}",
-                 "model.safetensors.index.json": None}
+OUTSIDE_FILES = {
+    "config.json": None,
+    "tokenizer.json": None,
+    "tokenizer_config.json": None,
+    "generation_config.json": '{"eos_token_id": 1}',
+    "chat_template.jinja": "{{ messages[0]['content'] }}",
+    "additional_chat_templates/tool_use.jinja": "{{ messages }}",
+    "model.safetensors.index.json": None,
+}
 
 
 @pytest.mark.parametrize("name", list(OUTSIDE_FILES))
 def test_model_files_linked_outside_the_directory(good, tmp_path, name):
     import shutil
+
     d = tmp_path / "m"
     shutil.copytree(good, d)
     outside = tmp_path / "elsewhere" / Path(name).name
     outside.parent.mkdir()
     if name == "model.safetensors.index.json":
         from safetensors import safe_open
+
         with safe_open(d / "model.safetensors", "np") as f:
-            outside.write_text(json.dumps({"weight_map": {k: "model.safetensors" for k in f.keys()}}))
+            outside.write_text(
+                json.dumps({"weight_map": {k: "model.safetensors" for k in f.keys()}})
+            )
     elif OUTSIDE_FILES[name] is None:
         shutil.move(d / name, outside)
     else:
@@ -506,6 +616,7 @@ def test_model_files_linked_outside_the_directory(good, tmp_path, name):
 
 def test_preprocessor_config_linked_outside(tmp_path):
     from kestrel_cli.models.images import ImageConfig
+
     (tmp_path / "m").mkdir()
     (tmp_path / "elsewhere.json").write_text(json.dumps({"patch_size": 16}))
     (tmp_path / "m" / "preprocessor_config.json").symlink_to(tmp_path / "elsewhere.json")
@@ -517,6 +628,7 @@ def test_quantize_does_not_write_through_a_planted_part_link(good, tmp_path):
     """OUT.part planted as a link to a victim file: the victim keeps its bytes, OUT is a new
     regular file (the link was neither written through nor renamed into place)."""
     from kestrel_cli.apps.gguf_export import quantize_checkpoint
+
     victim, out = tmp_path / "victim.txt", tmp_path / "m.gguf"
     victim.write_bytes(b"precious")
     (tmp_path / "m.gguf.part").symlink_to(victim)
@@ -538,16 +650,23 @@ def test_quantize_sigterm_removes_the_partial_file(good, tmp_path):
     import time
 
     import kestrel_cli
+
     out, part = tmp_path / "m.gguf", tmp_path / "m.gguf.part"
     out.write_bytes(b"old")
-    slow = ("import sys, time; import kestrel_cli.apps.gguf_export as g; real = g.quantize_rows; "
-            "g.quantize_rows = lambda x, q: (time.sleep(0.2), real(x, q))[1]; "
-            "from kestrel_cli.cli import main; sys.argv = ['kestrel'] + sys.argv[1:]; main()")
+    slow = (
+        "import sys, time; import kestrel_cli.apps.gguf_export as g; real = g.quantize_rows; "
+        "g.quantize_rows = lambda x, q: (time.sleep(0.2), real(x, q))[1]; "
+        "from kestrel_cli.cli import main; sys.argv = ['kestrel'] + sys.argv[1:]; main()"
+    )
     code = str(Path(kestrel_cli.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": code + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-c", slow, "quantize", str(good), str(out),
-                             "--type", "q8_0", "-t", "1"], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", slow, "quantize", str(good), str(out), "--type", "q8_0", "-t", "1"],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (part.exists() and part.stat().st_size > 0):
@@ -561,20 +680,25 @@ def test_quantize_sigterm_removes_the_partial_file(good, tmp_path):
             proc.kill()
     line = one_error_line(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     assert "SIGTERM" in line and str(out) in line, line
-    assert proc.returncode == 143                   # 128 + SIGTERM, as a shell reports it
+    assert proc.returncode == 143  # 128 + SIGTERM, as a shell reports it
     assert not part.exists() and out.read_bytes() == b"old"
 
 
-@pytest.mark.parametrize("tensor,value", [("token_embd.weight", math.nan),
-                                          ("blk.0.attn_k.weight", math.inf),
-                                          ("output_norm.weight", math.inf)])
+@pytest.mark.parametrize(
+    "tensor,value",
+    [
+        ("token_embd.weight", math.nan),
+        ("blk.0.attn_k.weight", math.inf),
+        ("output_norm.weight", math.inf),
+    ],
+)
 @pytest.mark.parametrize("temp", [0.0, 0.8])
 def test_non_finite_weights_refused_when_sampling(tmp_path, tensor, value, temp):
     """NaN/Inf weights give NaN/Inf logits: one ModelError naming the file and the position,
     never a silent argmax over NaN (greedy) or numpy's ValueError (sampling)."""
     from kestrel_cli.core.errors import ModelError
-    p = write_gguf(tmp_path / "nan.gguf", hidden=4, ff=4, heads=2, q8=False,
-                   poison={tensor: value})
+
+    p = write_gguf(tmp_path / "nan.gguf", hidden=4, ff=4, heads=2, q8=False, poison={tensor: value})
     eng = Engine.from_pretrained(p, threads=1)
     with pytest.raises(ModelError) as e:
         list(eng.generate([0, 1], max_tokens=3, temperature=temp, seed=0))
@@ -584,20 +708,29 @@ def test_non_finite_weights_refused_when_sampling(tmp_path, tensor, value, temp)
 
 
 def test_non_finite_weights_at_the_cli(tmp_path):
-    p = write_gguf(tmp_path / "nan.gguf", hidden=4, ff=4, heads=2, q8=False,
-                   poison={"token_embd.weight": math.nan})
+    p = write_gguf(
+        tmp_path / "nan.gguf",
+        hidden=4,
+        ff=4,
+        heads=2,
+        q8=False,
+        poison={"token_embd.weight": math.nan},
+    )
     r = kestrel("run", "-m", p, "-p", "hi", "-n", "2", "--temp", "0", "--no-timing", "-t", "1")
     line = one_error_line(r)
     assert line.startswith("error: ") and "non-finite logits" in line, line
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("llama.attention.head_count_kv#3", 0, "llama.attention.head_count_kv"),
-    ("llama.attention.head_count_kv#3", 3, "llama.attention.head_count_kv"),
-    ("llama.attention.head_count_kv#3", 1 << 31, "llama.attention.head_count_kv"),
-    ("llama.attention.head_count#3", 1 << 20, "llama.attention.head_count"),
-    ("llama.attention.head_count#3", 3, "llama.attention.head_count"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("llama.attention.head_count_kv#3", 0, "llama.attention.head_count_kv"),
+        ("llama.attention.head_count_kv#3", 3, "llama.attention.head_count_kv"),
+        ("llama.attention.head_count_kv#3", 1 << 31, "llama.attention.head_count_kv"),
+        ("llama.attention.head_count#3", 1 << 20, "llama.attention.head_count"),
+        ("llama.attention.head_count#3", 3, "llama.attention.head_count"),
+    ],
+)
 def test_gguf_head_counts(seed_gguf, tmp_path, field, value, needle):
     _, data, fields = seed_gguf
     msg = _gguf_error(tmp_path, patch(data, *fields[field], value))
@@ -624,12 +757,17 @@ def test_gguf_head_count_kv_0_at_the_cli(seed_gguf, tmp_path, command):
     assert "kv0.gguf" in line and "head_count_kv" in line, line
 
 
-@pytest.mark.parametrize("over,field", [
-    ({"num_attention_heads": 1 << 20}, "num_attention_heads"),
-    ({"num_attention_heads": 1 << 20, "num_key_value_heads": 1 << 20, "head_dim": 2},
-     "num_attention_heads"),
-    ({"head_dim": 1 << 20}, "head_dim"),
-])
+@pytest.mark.parametrize(
+    "over,field",
+    [
+        ({"num_attention_heads": 1 << 20}, "num_attention_heads"),
+        (
+            {"num_attention_heads": 1 << 20, "num_key_value_heads": 1 << 20, "head_dim": 2},
+            "num_attention_heads",
+        ),
+        ({"head_dim": 1 << 20}, "head_dim"),
+    ],
+)
 def test_config_absurd_head_counts(good, tmp_path, over, field):
     d = with_config(good, tmp_path, **over)
     msg = one_line_error(lambda: Engine.from_pretrained(d, threads=1))
@@ -637,16 +775,20 @@ def test_config_absurd_head_counts(good, tmp_path, over, field):
 
 
 # error lines echo a hostile file's shapes, names and dtypes cut short, never whole
-@pytest.mark.parametrize("entry", [
-    {"shape": [3] * 100_000},                       # was a 300 KB line, or a ValueError
-    {"shape": [1] * 100_000},
-    {"shape": [1] * 100},                           # past numpy's 64 dimensions
-    {"shape": [7, 1 << 40, 3]},
-    {"dtype": "F" * 100_000},
-])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"shape": [3] * 100_000},  # was a 300 KB line, or a ValueError
+        {"shape": [1] * 100_000},
+        {"shape": [1] * 100},  # past numpy's 64 dimensions
+        {"shape": [7, 1 << 40, 3]},
+        {"dtype": "F" * 100_000},
+    ],
+)
 def test_safetensors_echoes_are_bounded(tmp_path, entry):
-    from kestrel_cli.models.loader import TensorStore, _open_safetensors
     from hostile_seeds import write_safetensors
+    from kestrel_cli.models.loader import TensorStore, _open_safetensors
+
     p = write_safetensors(tmp_path / "x.safetensors")
     header, body = split_safetensors(p.read_bytes())
     header["a.weight"].update(entry)
@@ -656,6 +798,7 @@ def test_safetensors_echoes_are_bounded(tmp_path, entry):
         store = TensorStore()
         _open_safetensors(p, store)
         store.matrix("a.weight", (4, 32))
+
     msg = one_line_error(load)
     assert "x.safetensors" in msg and len(msg) < 400, msg[:500]
 
@@ -665,12 +808,17 @@ def test_huge_integers_in_json(good, tmp_path, digits):
     """A 4000-digit dimension was echoed whole (8 KB); past Python's 4300-digit limit on
     int parsing json raised a bare ValueError (a traceback), in config.json too."""
     import shutil
-    from kestrel_cli.models.loader import TensorStore, _open_safetensors
+
     from hostile_seeds import write_safetensors
+    from kestrel_cli.models.loader import TensorStore, _open_safetensors
+
     p = write_safetensors(tmp_path / "x.safetensors")
     header, body = split_safetensors(p.read_bytes())
-    raw = json.dumps(header).encode().replace(b'"shape": [4, 32]',
-                                              b'"shape": [4, ' + b"9" * digits + b']')
+    raw = (
+        json.dumps(header)
+        .encode()
+        .replace(b'"shape": [4, 32]', b'"shape": [4, ' + b"9" * digits + b"]")
+    )
     p.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
     msg = one_line_error(lambda: _open_safetensors(p, TensorStore()))
     assert "x.safetensors" in msg and len(msg) < 400, msg[:500]
@@ -696,8 +844,9 @@ def test_long_gguf_names_are_cut(tmp_path):
 
 
 def test_long_tensor_name_is_cut(tmp_path):
-    from kestrel_cli.models.loader import TensorStore, _open_safetensors
     from hostile_seeds import write_safetensors
+    from kestrel_cli.models.loader import TensorStore, _open_safetensors
+
     name = "w" * 100_000
     p = write_safetensors(tmp_path / "x.safetensors", {name: np.zeros((4, 32), np.float32)})
     header, body = split_safetensors(p.read_bytes())

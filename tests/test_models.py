@@ -1,16 +1,17 @@
 """Every architecture against transformers (fp32, CPU) on tiny random checkpoints."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from kestrel_cli import Engine
 from conftest import VOCAB, assert_prefill_then_decode_equals_full, make_checkpoint, rand_ids
+from kestrel_cli import Engine
 
 CASES = {
     "llama": {},
-    "llama3": {},                                   # llama3 rope scaling
+    "llama3": {},  # llama3 rope scaling
     "llama_tied": {"arch": "llama", "tie_word_embeddings": True},
     "qwen2": {},
     "qwen3": {},
@@ -18,8 +19,8 @@ CASES = {
     "qwen3_moe": {},
     "qwen3_vl": {},
 }
-N = 40                 # tokens of the parity prompt (>= 32)
-ATOL = 1e-4            # fp32 logits, max abs difference
+N = 40  # tokens of the parity prompt (>= 32)
+ATOL = 1e-4  # fp32 logits, max abs difference
 
 
 def hf_logits(model, ids) -> np.ndarray:
@@ -31,7 +32,7 @@ def hf_greedy(model, ids, n) -> list[int]:
     out = list(ids)
     for _ in range(n):
         out.append(int(hf_logits(model, out)[-1].argmax()))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -65,17 +66,18 @@ def test_greedy_tokens_identical(case):
     ref = hf_greedy(model, ids, 16)
     ours = [c.token for c in eng.stream(ids, max_tokens=16, stop=()) if c.token is not None]
     # the tiny tokenizer's eos (<|im_end|>) may come up: compare up to where we stopped
-    assert ours == ref[:len(ours)] and len(ours) >= 1, name
+    assert ours == ref[: len(ours)] and len(ours) >= 1, name
     if len(ours) < 16:
         assert ref[len(ours)] in eng.tokenizer.eos_token_ids
 
 
-BF16_ATOL = 2e-4       # bf16 weights, f32 activations: same math as fp32 on the rounded weights
+BF16_ATOL = 2e-4  # bf16 weights, f32 activations: same math as fp32 on the rounded weights
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
 def test_bf16_checkpoint(tmp_path, arch):
     from transformers import AutoModelForCausalLM
+
     make_checkpoint(tmp_path, arch, dtype=torch.bfloat16)
     # the saved bf16 values, widened to fp32 on load (a .float() of the bf16 module would
     # also carry the bf16-rounded rope inv_freq buffer)
@@ -90,11 +92,20 @@ def test_bf16_checkpoint(tmp_path, arch):
 
 def test_sharded_checkpoint(tmp_path):
     import json
+
     model = make_checkpoint(tmp_path, "qwen3")
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    assert len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())
-                   ["weight_map"].values())) > 1
+    assert (
+        len(
+            set(
+                json.loads((tmp_path / "model.safetensors.index.json").read_text())[
+                    "weight_map"
+                ].values()
+            )
+        )
+        > 1
+    )
     ids = rand_ids(N, seed=5)
     eng = Engine.from_pretrained(tmp_path, threads=1)
     assert float(np.abs(eng.logits(ids) - hf_logits(model, ids)).max()) < ATOL

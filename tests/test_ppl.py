@@ -1,18 +1,19 @@
 """kestrel_cli.apps.ppl and `kestrel ppl`: perplexity in windows of the context size, and the
 mean KL divergence from exact float32 attention (--kld-ref), on the bundled SmolLM2."""
+
 from __future__ import annotations
 
 import math
 
 import numpy as np
 import pytest
+from test_kv_cache_q8 import TEXT
 from typer.testing import CliRunner
 
+from kestrel_cli.apps.ppl import perplexity, windows
 from kestrel_cli.cli import app
 from kestrel_cli.runtime.kv_cache import CacheSpec
 from kestrel_cli.runtime.sparse import SparseSpec
-from kestrel_cli.apps.ppl import perplexity, windows
-from test_kv_cache_q8 import TEXT
 
 CTX = 64
 
@@ -24,12 +25,12 @@ def eng(smollm2_engine):
 
 @pytest.fixture(scope="module")
 def ids(eng):
-    return eng.tokenizer.encode(TEXT, add_special_tokens=True)[:2 * CTX + 40]
+    return eng.tokenizer.encode(TEXT, add_special_tokens=True)[: 2 * CTX + 40]
 
 
 def test_windows():
     assert windows(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert windows(9, 4) == [(0, 4), (4, 8)]          # a 1-token tail scores nothing
+    assert windows(9, 4) == [(0, 4), (4, 8)]  # a 1-token tail scores nothing
     assert windows(1, 4) == []
 
 
@@ -40,7 +41,7 @@ def test_perplexity_matches_direct_computation(eng, ids):
         lg = eng.logits(ids[s:e]).astype(np.float64)[:-1]
         lg -= lg.max(axis=1, keepdims=True)
         lp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
-        nll -= lp[np.arange(e - s - 1), ids[s + 1:e]].sum()
+        nll -= lp[np.arange(e - s - 1), ids[s + 1 : e]].sum()
         n += e - s - 1
     assert (res.tokens, res.windows, res.ctx) == (n, 3, CTX)
     assert res.ppl == pytest.approx(math.exp(nll / n), rel=1e-6)
@@ -56,21 +57,21 @@ def test_llama_cpp_scoring(eng, ids):
     res = perplexity(eng, ids, CTX, llama_cpp=True)
     nll, n = 0.0, 0
     for s in range(0, len(ids) - CTX + 1, CTX):
-        lg = eng.logits(ids[s:s + CTX]).astype(np.float64)
+        lg = eng.logits(ids[s : s + CTX]).astype(np.float64)
         lg -= lg.max(axis=1, keepdims=True)
         lp = lg - np.log(np.exp(lg).sum(axis=1, keepdims=True))
         rows = np.arange(CTX // 2 - 1, CTX - 1)
-        nll -= lp[rows, np.asarray(ids[s + 1:s + CTX])[rows]].sum()
+        nll -= lp[rows, np.asarray(ids[s + 1 : s + CTX])[rows]].sum()
         n += rows.size
-    assert (res.tokens, res.windows) == (n, 2) and n == CTX       # the 40-token tail is dropped
+    assert (res.tokens, res.windows) == (n, 2) and n == CTX  # the 40-token tail is dropped
     assert res.ppl == pytest.approx(math.exp(nll / n), rel=1e-6)
     assert res.ppl != pytest.approx(perplexity(eng, ids, CTX).ppl, rel=1e-3)
 
 
 def test_kld_ref(smollm2_exact, ids):
-    eng = smollm2_exact                       # act="f32": the reference's own computation
+    eng = smollm2_exact  # act="f32": the reference's own computation
     exact = perplexity(eng, ids, CTX, kld_ref=True)
-    assert exact.kld == 0.0                           # same computation as the reference
+    assert exact.kld == 0.0  # same computation as the reference
     base = eng.spec
     try:
         eng.spec = CacheSpec("q8", sparse=SparseSpec(k=1))
@@ -84,8 +85,23 @@ def test_kld_ref(smollm2_exact, ids):
 def test_cli_ppl(tmp_path):
     f = tmp_path / "text.txt"
     f.write_text(TEXT[:700], encoding="utf-8")
-    r = CliRunner().invoke(app, ["ppl", "-f", str(f), "-c", "64", "-t", "2", "--sparse-attn",
-                                 "--sparse-k", "2", "--kv-q8", "--kld-ref"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "ppl",
+            "-f",
+            str(f),
+            "-c",
+            "64",
+            "-t",
+            "2",
+            "--sparse-attn",
+            "--sparse-k",
+            "2",
+            "--kv-q8",
+            "--kld-ref",
+        ],
+    )
     assert r.exit_code == 0, (r.output, r.exception)
     kv = dict(p.split("=") for p in r.stdout.split())
     assert list(kv) == ["tokens", "windows", "ctx", "ppl", "kld", "time_s", "tok_per_s"]
@@ -96,8 +112,10 @@ def test_cli_ppl(tmp_path):
 def test_cli_ppl_bad_input(tmp_path):
     f = tmp_path / "one.txt"
     f.write_text("Hi", encoding="utf-8")
-    for args, needle in ((["-f", str(f)], "at least 2"),
-                         (["-f", str(tmp_path / "missing.txt")], "cannot read")):
+    for args, needle in (
+        (["-f", str(f)], "at least 2"),
+        (["-f", str(tmp_path / "missing.txt")], "cannot read"),
+    ):
         r = CliRunner().invoke(app, ["ppl", "-t", "1", *args])
         assert r.exit_code == 1 and "Traceback" not in r.output
         assert r.stderr.startswith("error: ") and needle in r.stderr, r.stderr
@@ -108,7 +126,7 @@ def test_int8_activations_cost_measured_by_kld_ref(eng, smollm2_exact, ids):
     nonzero KL divergence; the same model with --act f32 is the reference itself (kld 0)."""
     exact = perplexity(smollm2_exact, ids, CTX, kld_ref=True)
     assert smollm2_exact.model.act == "f32" and exact.kld == 0.0
-    assert eng.model.act == "q8"                      # the default
+    assert eng.model.act == "q8"  # the default
     q8 = perplexity(eng, ids, CTX, kld_ref=True)
     assert 1e-4 < q8.kld < 0.05 and q8.ppl != exact.ppl
     assert abs(math.log(q8.ppl / exact.ppl)) < 0.1

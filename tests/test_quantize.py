@@ -6,16 +6,17 @@ replaced by dequantise(quantise(w)) (the NumPy references in kestrel_cli.formats
 compute the same function: the tolerance is the fp32 parity one of test_models (1e-4 on logits).
 Block-format GGUF tensors are used as stored, never requantised.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import VOCAB, make_checkpoint, rand_ids
 from kestrel_cli import Engine
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.formats.weights import dequantize, quantize_q4_0, quantize_q8_0
-from conftest import VOCAB, make_checkpoint, rand_ids
 
 ATOL = 1e-4
 REF = {"q8": ("q8_0", quantize_q8_0), "q4": ("q4_0", quantize_q4_0)}
@@ -39,11 +40,12 @@ def hf_logits(model, ids) -> np.ndarray:
 
 
 @pytest.mark.parametrize("quant", ["q8", "q4"])
-@pytest.mark.parametrize("arch,over", [("llama", {}), ("qwen3", {"tie_word_embeddings": True}),
-                                       ("qwen2", {})])
+@pytest.mark.parametrize(
+    "arch,over", [("llama", {}), ("qwen3", {"tie_word_embeddings": True}), ("qwen2", {})]
+)
 def test_quantised_logits_match_dequantised_reference(tmp_path, arch, over, quant):
     model = make_checkpoint(tmp_path, arch, **over)
-    eng = Engine.from_pretrained(tmp_path, threads=2, quant=quant, act="f32")   # exact path
+    eng = Engine.from_pretrained(tmp_path, threads=2, quant=quant, act="f32")  # exact path
     layer = eng.model.layers[0]
     fmt = REF[quant][0]
     assert layer.mlp.down_proj.block_fmt == fmt and layer.self_attn.q_proj.block_fmt == fmt
@@ -64,9 +66,10 @@ def test_quantised_logits_match_dequantised_reference(tmp_path, arch, over, quan
 def test_bf16_checkpoint_quantised(tmp_path):
     """bf16 weights quantise from their exact values (the reference widens them first)."""
     from transformers import AutoModelForCausalLM
+
     make_checkpoint(tmp_path, "qwen3", dtype=torch.bfloat16)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    eng = Engine.from_pretrained(tmp_path, threads=2, quant="q8", act="f32")   # exact path
+    eng = Engine.from_pretrained(tmp_path, threads=2, quant="q8", act="f32")  # exact path
     assert eng.model.layers[1].mlp.gate_proj.block_fmt == "q8_0"
     ids = rand_ids(33, seed=8)
     diff = float(np.abs(eng.logits(ids) - hf_logits(quantised_reference(ref, "q8"), ids)).max())
@@ -76,10 +79,11 @@ def test_bf16_checkpoint_quantised(tmp_path):
 def test_quant_memory_is_the_quantised_size(tmp_path):
     """The engine holds q8_0 weights: 34 bytes per 32 values instead of 128 (f32)."""
     from kestrel_cli.apps.bench import model_weights
+
     make_checkpoint(tmp_path, "llama")
     f32 = model_weights(Engine.from_pretrained(tmp_path, threads=1).model)
     q8 = model_weights(Engine.from_pretrained(tmp_path, threads=1, quant="q8").model)
-    assert q8[1] == f32[1]                          # same parameters
+    assert q8[1] == f32[1]  # same parameters
     assert q8[2].keys() == {"q8_0"} and f32[2].keys() == {"f32"}
     assert q8[2]["q8_0"] * 128 == f32[2]["f32"] * 34
 
@@ -100,16 +104,18 @@ def test_drop_pages_keeps_the_data(tmp_path):
     """Dropping a read-only mapping's pages only releases memory: the data reads back;
     other memory, a huge_buffer's anonymous mapping included, is left alone."""
     from kestrel_cli.core.osmem import drop_pages
+
     a = np.arange(1 << 20, dtype=np.float32)
     a.tofile(tmp_path / "a.bin")
     m = np.memmap(tmp_path / "a.bin", dtype=np.float32, mode="r")
     assert float(m[1234]) == 1234.0
     drop_pages(m[4096:])
-    drop_pages(a)                                   # not a mapping: no-op
+    drop_pages(a)  # not a mapping: no-op
     np.testing.assert_array_equal(m, a)
     from kestrel_cli.runtime import kernels
-    h = kernels.huge_buffer(4 << 20)                # an anonymous mapping is no file's:
-    h[:] = 5                                        # dropping its pages would zero them
+
+    h = kernels.huge_buffer(4 << 20)  # an anonymous mapping is no file's:
+    h[:] = 5  # dropping its pages would zero them
     drop_pages(h[4096:])
     assert int(h.min()) == 5
 

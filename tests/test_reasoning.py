@@ -8,6 +8,7 @@ is replaced by a script that picks the tokens of a given text, one per step (`sc
 prompt rendering, tokenizer, decode loop, detokenizer, splitting and the HTTP layer are
 the real ones. A random model cannot be steered to a multi-token answer otherwise.
 """
+
 from __future__ import annotations
 
 # Qwen/Qwen3-0.6B's tokenizer_config.json chat_template, verbatim
@@ -110,35 +111,54 @@ from typer.testing import CliRunner  # noqa: E402
 
 from conftest import CORPUS, VOCAB, make_checkpoint  # noqa: E402
 from kestrel_cli import Engine  # noqa: E402
-from kestrel_cli.inference import engine as engine_mod  # noqa: E402
 from kestrel_cli.cli import app  # noqa: E402
-from kestrel_cli.text.reasoning import DIM, RESET, AnswerSplitter, ThinkingView, split_answer  # noqa: E402
+from kestrel_cli.inference import engine as engine_mod  # noqa: E402
 from kestrel_cli.server.app import create_app  # noqa: E402
+from kestrel_cli.text.reasoning import DIM, RESET, AnswerSplitter, ThinkingView, split_answer  # noqa: E402
 
-TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
-        "</tool_response>"]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
+TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 def write_qwen3_tokenizer(d):
     """A small byte-level BPE with Qwen3's special and added tokens and its chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 10, show_progress=False,
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 10,
+        show_progress=False,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in TAGS])
     assert tok.get_vocab_size() <= VOCAB
     tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": QWEN3_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
-        "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": QWEN3_TEMPLATE,
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "pad_token": "<|endoftext|>",
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -163,51 +183,64 @@ def hf_ids(hf_tok, messages, **kw) -> list[int]:
 @pytest.fixture(scope="module")
 def hf_tok(qwen3_dir):
     import transformers
+
     return transformers.AutoTokenizer.from_pretrained(str(qwen3_dir))
 
 
 # ----------------------------------------------------------------------------- the splitter
 
-ANSWER = ('<think>\nThe user asks.\n\nCall it.\n</think>\n\nLet me look. <tool_call>\n'
-          '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-          '<tool_call>\n{"name": oops}\n</tool_call>')
+ANSWER = (
+    "<think>\nThe user asks.\n\nCall it.\n</think>\n\nLet me look. <tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": oops}\n</tool_call>'
+)
 
 
 def _streamed(text, cut, **kw):
     sp, parts = AnswerSplitter(**kw), []
     for i in range(0, len(text), cut):
-        parts += sp.feed(text[i:i + cut])
+        parts += sp.feed(text[i : i + cut])
     parts += sp.finish()
-    return ("".join(t for k, t in parts if k == "reasoning"),
-            "".join(t for k, t in parts if k == "content"),
-            [t for k, t in parts if k == "tool_call"])
+    return (
+        "".join(t for k, t in parts if k == "reasoning"),
+        "".join(t for k, t in parts if k == "content"),
+        [t for k, t in parts if k == "tool_call"],
+    )
 
 
 def test_splitter_reasoning_content_tool_calls_whatever_the_pieces():
     whole = split_answer(ANSWER, tools=True)
-    assert whole == ("The user asks.\n\nCall it.",
-                     "Let me look. <tool_call>\n{\"name\": oops}\n</tool_call>",
-                     [{"name": "get_weather", "arguments": '{"city": "Paris"}'}])
-    for cut in (1, 2, 3, 5, 7, 1000):                 # streamed in any pieces: the same
+    assert whole == (
+        "The user asks.\n\nCall it.",
+        'Let me look. <tool_call>\n{"name": oops}\n</tool_call>',
+        [{"name": "get_weather", "arguments": '{"city": "Paris"}'}],
+    )
+    for cut in (1, 2, 3, 5, 7, 1000):  # streamed in any pieces: the same
         assert _streamed(ANSWER, cut, tools=True) == whole
     # no tools: a <tool_call> is content; no thinking tag: all content; unclosed: content
     assert split_answer(ANSWER)[2] == [] and "<tool_call>" in split_answer(ANSWER)[1]
     assert split_answer("Plain <think> text") == ("", "Plain <think> text", [])
-    assert split_answer('<tool_call>{"name": "f"', tools=True) == \
-        ("", '<tool_call>{"name": "f"', [])
-    assert split_answer("still thinking</think>\n\nDone.", in_thinking=True) == \
-        ("still thinking", "Done.", [])
+    assert split_answer('<tool_call>{"name": "f"', tools=True) == (
+        "",
+        '<tool_call>{"name": "f"',
+        [],
+    )
+    assert split_answer("still thinking</think>\n\nDone.", in_thinking=True) == (
+        "still thinking",
+        "Done.",
+        [],
+    )
     assert split_answer("<think>\n\n</think>\n\nNo thought.") == ("", "No thought.", [])
 
 
 def test_thinking_view_dims_hides_or_passes_through():
     text = "<think>\nhmm\n</think>\n\nParis."
     tty = ThinkingView(tty=True)
-    shown = "".join(tty.feed(text[i:i + 3]) for i in range(0, len(text), 3)) + tty.finish()
+    shown = "".join(tty.feed(text[i : i + 3]) for i in range(0, len(text), 3)) + tty.finish()
     assert shown == DIM + "hmm" + RESET + "\n\n" + "Paris." and "".join(tty.content) == "Paris."
     hide = ThinkingView(tty=False, hide=True)
     assert hide.feed(text) + hide.finish() == "Paris."
-    plain = ThinkingView(tty=False)                  # a pipe: as the model wrote it
+    plain = ThinkingView(tty=False)  # a pipe: as the model wrote it
     assert plain.feed(text) + plain.finish() == text and "".join(plain.content) == "Paris."
 
 
@@ -220,8 +253,17 @@ CONVERSATION = [
     {"role": "user", "content": "Weather in Paris?"},
 ]
 TOOL_TURN = CONVERSATION + [
-    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
-     "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
 ]
 
@@ -231,19 +273,23 @@ TOOL_TURN = CONVERSATION + [
 def test_qwen3_template_renders_as_transformers(eng, hf_tok, think, messages, tools):
     kw = {} if think is None else {"enable_thinking": think}
     ours = eng.tokenizer.apply_chat_template(messages, tools=tools, **kw)
-    theirs = hf_tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                        add_generation_prompt=True, **kw)
+    theirs = hf_tok.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, **kw
+    )
     assert ours == theirs
-    assert eng.encode_prompt(messages, **kw, **({"tools": tools} if tools else {})) == \
-        hf_ids(hf_tok, messages, tools=tools, **kw)
-    assert "Greet back." not in ours                  # earlier turns' thinking dropped
+    assert eng.encode_prompt(messages, **kw, **({"tools": tools} if tools else {})) == hf_ids(
+        hf_tok, messages, tools=tools, **kw
+    )
+    assert "Greet back." not in ours  # earlier turns' thinking dropped
     assert ours.endswith("<think>\n\n</think>\n\n") == (think is False)
 
 
 # ----------------------------------------------------------------------------- the CLI
 
+
 def _perf(out):
     from kestrel_cli.inference.timing import parse_lines
+
     return parse_lines(out, "PERF")[0]
 
 
@@ -264,14 +310,31 @@ def test_cli_think_flags_reach_the_template(qwen3_dir, hf_tok):
 
 def test_cli_hide_thinking_on_a_scripted_answer(qwen3_dir, eng, monkeypatch):
     scripted(monkeypatch, eng, "<think>\nsecret plan\n</think>\n\nThe answer.")
-    r = CliRunner().invoke(app, [str(a) for a in [
-        "run", "-m", qwen3_dir, "-p", "Hi", "-n", "40", "-t", "1", "--hide-thinking",
-        "--no-timing"]])
+    r = CliRunner().invoke(
+        app,
+        [
+            str(a)
+            for a in [
+                "run",
+                "-m",
+                qwen3_dir,
+                "-p",
+                "Hi",
+                "-n",
+                "40",
+                "-t",
+                "1",
+                "--hide-thinking",
+                "--no-timing",
+            ]
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert r.output == "The answer.\n"
 
 
 # ----------------------------------------------------------------------------- the server
+
 
 def scripted(monkeypatch, eng, *answers):
     """Replace the sampler: request k's tokens are those of answers[k], then EOS."""
@@ -281,6 +344,7 @@ def scripted(monkeypatch, eng, *answers):
     def make_sampler(*a, **k):
         ids = queue.pop(0)
         return lambda logits: ids.pop(0) if ids else eos
+
     monkeypatch.setattr(engine_mod, "make_sampler", make_sampler)
     return queue
 
@@ -320,8 +384,11 @@ def test_server_splits_thinking_streamed_and_not(client, eng, monkeypatch):
     msgs = [{"role": "user", "content": "Hi"}]
     r = client.chat.completions.create(model="m", messages=msgs, max_tokens=300)
     m = r.choices[0].message
-    assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == \
-        ("They greet.", "Hello there.", "stop")
+    assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == (
+        "They greet.",
+        "Hello there.",
+        "stop",
+    )
     s = client.chat.completions.create(model="m", messages=msgs, max_tokens=300, stream=True)
     reasoning, content = "", ""
     for ch in s:
@@ -337,29 +404,37 @@ def test_server_thinking_switch_renders_the_template(client, eng, hf_tok, monkey
     msgs = [{"role": "user", "content": "Hi"}]
     n = {t: len(hf_ids(hf_tok, msgs, enable_thinking=t)) for t in (True, False)}
     scripted(monkeypatch, eng, "A.", "B.", "C.", "D.")
-    for extra, think in (({}, True), ({"reasoning_effort": "none"}, False),
-                         ({"reasoning_effort": "high"}, True),
-                         ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
-                          False)):
+    for extra, think in (
+        ({}, True),
+        ({"reasoning_effort": "none"}, False),
+        ({"reasoning_effort": "high"}, True),
+        ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, False),
+    ):
         r = client.chat.completions.create(model="m", messages=msgs, max_tokens=5, **extra)
         assert r.usage.prompt_tokens == n[think], extra
 
 
 def test_tool_call_round_trip(client, eng, monkeypatch):
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    scripted(monkeypatch, eng, "<think>\nUse the tool.\n</think>\n\n" + call, call,
-             "It is 21 degrees.", "It is 21 degrees.")
+    scripted(
+        monkeypatch,
+        eng,
+        "<think>\nUse the tool.\n</think>\n\n" + call,
+        call,
+        "It is 21 degrees.",
+        "It is 21 degrees.",
+    )
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
-    r = client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER],
-                                       max_tokens=400)
+    r = client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER], max_tokens=400)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
     (tc,) = c.message.tool_calls
     assert tc.type == "function" and tc.function.name == "get_weather" and tc.id
     assert json.loads(tc.function.arguments) == {"city": "Paris"}
     # streamed: the same call as delta.tool_calls
-    s = client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER],
-                                       max_tokens=400, stream=True)
+    s = client.chat.completions.create(
+        model="m", messages=msgs, tools=[WEATHER], max_tokens=400, stream=True
+    )
     deltas, finish = [], None
     for ch in s:
         if ch.choices:
@@ -369,34 +444,60 @@ def test_tool_call_round_trip(client, eng, monkeypatch):
     assert deltas[0].function.name == "get_weather" and deltas[0].index == 0
     assert json.loads(deltas[0].function.arguments) == {"city": "Paris"}
     # the next request: the assistant's call and the tool's answer
-    follow = msgs + [c.message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": tc.id, "content": '{"temp": 21}'}]
-    r2 = client.chat.completions.create(model="m", messages=follow, tools=[WEATHER],
-                                        max_tokens=200)
+    follow = msgs + [
+        c.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": tc.id, "content": '{"temp": 21}'},
+    ]
+    r2 = client.chat.completions.create(model="m", messages=follow, tools=[WEATHER], max_tokens=200)
     assert r2.choices[0].message.content == "It is 21 degrees."
     assert r2.choices[0].finish_reason == "stop" and not r2.choices[0].message.tool_calls
-    s2 = client.chat.completions.create(model="m", messages=follow, tools=[WEATHER],
-                                        max_tokens=200, stream=True)
-    assert "".join(ch.choices[0].delta.content or "" for ch in s2 if ch.choices) == \
-        "It is 21 degrees."
+    s2 = client.chat.completions.create(
+        model="m", messages=follow, tools=[WEATHER], max_tokens=200, stream=True
+    )
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in s2 if ch.choices) == "It is 21 degrees."
+    )
 
 
 def test_tool_call_prompt_matches_transformers(eng, hf_tok):
     """The follow-up request's prompt, as the server builds it, is transformers' rendering."""
     from kestrel_cli.server.models import parse_messages
-    body = {"messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_9", "content": '{"temp": 21}'}]}
+
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_9",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_9", "content": '{"temp": 21}'},
+        ]
+    }
     msgs = parse_messages(body)
-    hf_msgs = [{"role": "user", "content": "Weather in Paris?"},
-               {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
-                "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-               {"role": "tool", "content": '{"temp": 21}'}]
-    assert eng.tokenizer.apply_chat_template(msgs, tools=[WEATHER]) == \
-        hf_tok.apply_chat_template(hf_msgs, tools=[WEATHER], tokenize=False,
-                                   add_generation_prompt=True)
+    hf_msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": '{"temp": 21}'},
+    ]
+    assert eng.tokenizer.apply_chat_template(msgs, tools=[WEATHER]) == hf_tok.apply_chat_template(
+        hf_msgs, tools=[WEATHER], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_malformed_tool_call_is_content_and_forced_choice(client, eng, monkeypatch, served):
@@ -404,24 +505,32 @@ def test_malformed_tool_call_is_content_and_forced_choice(client, eng, monkeypat
     # named tool_choice: the prompt already opens the call; the model writes the arguments
     scripted(monkeypatch, eng, bad, '{"city": "Oslo"}}')
     msgs = [{"role": "user", "content": "Weather?"}]
-    r = client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER],
-                                       max_tokens=300)
+    r = client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER], max_tokens=300)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == bad
     r = client.chat.completions.create(
-        model="m", messages=msgs, tools=[WEATHER], max_tokens=300,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        model="m",
+        messages=msgs,
+        tools=[WEATHER],
+        max_tokens=300,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     (tc,) = r.choices[0].message.tool_calls
-    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == \
-        {"city": "Oslo"}
-    for body, param in (({"tools": [{"type": "x"}]}, "tools[0]"),
-                        ({"tool_choice": "required"}, "tool_choice"),
-                        ({"tools": [WEATHER], "tool_choice": {"type": "function",
-                          "function": {"name": "nope"}}}, "tool_choice.function.name"),
-                        ({"messages": [{"role": "tool", "content": "x"}]},
-                         "messages[0].tool_call_id"),
-                        ({"reasoning_effort": "max"}, "reasoning_effort")):
-        r = httpx.post(served + "/v1/chat/completions",
-                       json={"messages": msgs, "max_tokens": 2, **body})
+    assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {
+        "city": "Oslo"
+    }
+    for body, param in (
+        ({"tools": [{"type": "x"}]}, "tools[0]"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        ({"reasoning_effort": "max"}, "reasoning_effort"),
+    ):
+        r = httpx.post(
+            served + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **body}
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
@@ -432,6 +541,7 @@ def test_chat_keeps_answers_without_their_thinking(eng, monkeypatch):
 
     from kestrel_cli.apps.chat import ChatSession
     from kestrel_cli.cli import ThinkingOptions
+
     scripted(monkeypatch, eng, "<think>\nPlan A.\n</think>\n\nHello!", "Fine.")
     out = io.StringIO()
     s = ChatSession(eng, sampling=dict(max_tokens=60), out=out, thinking=ThinkingOptions())
@@ -441,8 +551,12 @@ def test_chat_keeps_answers_without_their_thinking(eng, monkeypatch):
     assert [m["content"] for m in s.messages] == ["Hi", "Hello!", "How are you?", "Fine."]
     hidden = io.StringIO()
     scripted(monkeypatch, eng, "<think>\nPlan B.\n</think>\n\nYes.")
-    s = ChatSession(eng, sampling=dict(max_tokens=60), out=hidden,
-                    thinking=ThinkingOptions(think=True, hide_thinking=True))
+    s = ChatSession(
+        eng,
+        sampling=dict(max_tokens=60),
+        out=hidden,
+        thinking=ThinkingOptions(think=True, hide_thinking=True),
+    )
     s.ask("Hi")
     assert hidden.getvalue() == "Yes.\n"
 
@@ -450,14 +564,30 @@ def test_chat_keeps_answers_without_their_thinking(eng, monkeypatch):
 def test_forced_tool_choice_is_enforced_on_the_random_model(client, eng):
     """tool_choice required / named: the call's JSON is enforced while sampling (llguidance),
     so even the random model's answer is a valid call of the tool (no script here)."""
-    pick = {"type": "function", "function": {"name": "pick_city", "parameters": {
-        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-        "required": ["city"], "additionalProperties": False}}}
+    pick = {
+        "type": "function",
+        "function": {
+            "name": "pick_city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
     msgs = [{"role": "user", "content": "Pick a city."}]
     for choice in ("required", {"type": "function", "function": {"name": "pick_city"}}):
         for stream in (False, True):
-            kw = dict(model="m", messages=msgs, tools=[WEATHER, pick], tool_choice=choice,
-                      max_tokens=120, temperature=1.0, seed=4)
+            kw = dict(
+                model="m",
+                messages=msgs,
+                tools=[WEATHER, pick],
+                tool_choice=choice,
+                max_tokens=120,
+                temperature=1.0,
+                seed=4,
+            )
             if choice != "required":
                 kw["tools"] = [pick]
             if stream:

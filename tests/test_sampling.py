@@ -1,4 +1,5 @@
 """Samplers and the stop-string logic of stream_generate."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -56,15 +57,16 @@ def test_repetition_penalty():
     np.testing.assert_array_equal(x, [1.0, -4.0, 1.0])
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0),
-                                dict(top_p=1.5), dict(min_p=2)])
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5), dict(min_p=2)]
+)
 def test_bad_params(kw):
     with pytest.raises(KestrelError):
         make_sampler(**{"temperature": 1.0, **kw})
 
 
 def test_stop_cut():
-    assert _stop_cut("hello wor", ["world"]) == ("hello ", False)      # held back
+    assert _stop_cut("hello wor", ["world"]) == ("hello ", False)  # held back
     assert _stop_cut("hello world!", ["world"]) == ("hello ", True)
     assert _stop_cut("abc", ["x"]) == ("abc", False)
     assert _stop_cut("a</s", ["</s>", "s>"]) == ("a", False)
@@ -79,7 +81,7 @@ def test_stop_strings_on_bundled_model(smollm2_exact):
     assert "Paris" in full
     chunks = list(eng.stream(prompt, max_tokens=16, stop=["Paris"]))
     text = "".join(c.text for c in chunks)
-    assert text == full[:full.index("Paris")] and chunks[-1].finish_reason == "stop"
+    assert text == full[: full.index("Paris")] and chunks[-1].finish_reason == "stop"
     last = list(eng.stream(prompt, max_tokens=3))[-1]
     assert last.finish_reason == "length" and last.stats.generated_tokens == 3
 
@@ -94,8 +96,7 @@ def test_prompt_cache_reuse(smollm2_engine):
     smollm2_engine.reset()
     first = list(smollm2_engine.stream(msgs, max_tokens=8))
     reply = "".join(c.text for c in first)
-    msgs2 = msgs + [{"role": "assistant", "content": reply},
-                    {"role": "user", "content": "Again."}]
+    msgs2 = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Again."}]
     second = list(smollm2_engine.stream(msgs2, max_tokens=4))[-1].stats
     assert second.cached_tokens > first[-1].stats.prompt_tokens
     assert second.prefill_tokens == second.prompt_tokens - second.cached_tokens
@@ -116,6 +117,7 @@ def test_non_finite_logits_refused(bad, temp):
     """Greedy argmax over NaN picked a token silently; sampling raised numpy's ValueError
     (an HTTP 500 with no explanation): both are one ModelError now."""
     from kestrel_cli.core.errors import ModelError
+
     x = LOGITS.copy()
     x[3] = bad
     with pytest.raises(ModelError, match="non-finite logits"):
@@ -125,13 +127,15 @@ def test_non_finite_logits_refused(bad, temp):
 def test_check_logits_names_the_position_and_file():
     from kestrel_cli.core.errors import ModelError
     from kestrel_cli.inference.sampling import check_logits
+
     check_logits(LOGITS, 5)
     x = LOGITS.copy()
-    x[0] = -np.inf                                  # from the model: corrupt too
+    x[0] = -np.inf  # from the model: corrupt too
     with pytest.raises(ModelError) as e:
         check_logits(x, 7, "/models/bad.gguf")
-    assert str(e.value).startswith("bad.gguf: the model produced non-finite logits (NaN/Inf) "
-                                   "at position 7")
+    assert str(e.value).startswith(
+        "bad.gguf: the model produced non-finite logits (NaN/Inf) at position 7"
+    )
 
 
 def test_masked_logits_still_sample():
@@ -154,9 +158,10 @@ def test_extreme_repeat_penalty_stays_finite(penalty):
     logit to +-inf (which the samplers refuse as a corrupt model: a 500 in the server): the
     largest finite value makes the same choice."""
     from kestrel_cli.inference.sampling import apply_repetition_penalty
+
     row = np.array([3.0, -2.0, 1.0, 0.5], np.float32)
     apply_repetition_penalty(row, [0, 1], penalty)
     assert np.isfinite(row).all(), row
     assert make_sampler(0.0)(row.copy()) == (0 if penalty < 1 else 2)
-    if penalty < 1:                       # the boosted token dominates a sampled pick too
+    if penalty < 1:  # the boosted token dominates a sampled pick too
         assert make_sampler(0.7, seed=1)(row.copy()) == 0

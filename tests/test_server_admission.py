@@ -2,6 +2,7 @@
 budget before its template is rendered, its prompt tokenised or its grammar compiled; a prompt
 far over the context is refused after tokenising about a context of it; the API key is one
 header and never empty; 503 server_busy says when to retry."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from test_server_limits import CHAT, chat, post_all, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def tiny(tmp_path_factory):
     from conftest import make_checkpoint
     from kestrel_cli import Engine
+
     d = tmp_path_factory.mktemp("tiny") / "tiny-qwen3"
     make_checkpoint(d, "qwen3")
     return Engine.from_pretrained(d, threads=1, ctx_size=64)
@@ -38,17 +39,21 @@ def cjk(n: int, seed: int = 1) -> str:
 
 # ---------------------------------------------------------------------------- tokenising
 
+
 def test_a_prompt_far_over_the_context_is_tokenised_only_in_part(smollm2_engine, monkeypatch):
     """The tokenizer never sees the whole of a 200K-character prompt (under the character cap)
     for an 8192-token context: it is refused after a piece or two, as 'at least N tokens'."""
+    from conftest import record_tokenised
     from kestrel_cli.server import create_app
     from kestrel_cli.text.tokenizer import COUNT_CHUNK_CHARS
-    from conftest import record_tokenised
+
     tiny = smollm2_engine
     seen = record_tokenised(monkeypatch, tiny.tokenizer)
     text = cjk(200_000)
-    r, c = post_all(create_app([tiny]), [(CHAT, chat(text)),
-                                         ("/v1/completions", {"prompt": text, "max_tokens": 1})])
+    r, c = post_all(
+        create_app([tiny]),
+        [(CHAT, chat(text)), ("/v1/completions", {"prompt": text, "max_tokens": 1})],
+    )
     for resp, param in ((r, "messages"), (c, "prompt")):
         assert resp.status_code == 400, resp.text
         err = resp.json()["error"]
@@ -64,18 +69,28 @@ def test_six_near_cap_prompts_at_once_stay_within_memory(tmp_path):
     1.5 GB over its idle RSS (they used to peak at +0.8 GB each), and it returns near idle."""
     proc, url, _ = start_server(tmp_path, ctx=4096)
     try:
+
         def status(key):
             for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
                 if line.startswith(key):
                     return int(line.split()[1]) << 10
+
         idle = status("VmRSS:")
-        body = json.dumps({"messages": [{"role": "user", "content": cjk(1_300_000)}],
-                           "max_tokens": 1}).encode()
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": cjk(1_300_000)}], "max_tokens": 1}
+        ).encode()
         out = []
 
         def post():
-            out.append(httpx.post(url + CHAT, content=body, timeout=120,
-                                  headers={"content-type": "application/json"}))
+            out.append(
+                httpx.post(
+                    url + CHAT,
+                    content=body,
+                    timeout=120,
+                    headers={"content-type": "application/json"},
+                )
+            )
+
         threads = [threading.Thread(target=post) for _ in range(6)]
         for t in threads:
             t.start()
@@ -93,16 +108,19 @@ def test_six_near_cap_prompts_at_once_stay_within_memory(tmp_path):
 
 # ---------------------------------------------------------------------------- admission
 
+
 def test_the_queue_bound_holds_before_tokenising(tiny, monkeypatch):
     """With every place taken (requests in preparation count), the next request gets 503
     server_busy with Retry-After, and its prompt is never rendered or tokenised."""
     from kestrel_cli.server import create_app
+
     app = create_app([tiny], queue_size=2)
 
     def never(*a, **k):
         raise AssertionError("tokenised a request that had no place")
+
     monkeypatch.setattr(tiny, "encode_prompt", never)
-    app.state.scheduler.preparing = 3             # one slot + a queue of 2, all preparing
+    app.state.scheduler.preparing = 3  # one slot + a queue of 2, all preparing
     r, c = post_all(app, [(CHAT, chat()), ("/v1/completions", {"prompt": "hi"})])
     for resp in (r, c):
         assert resp.status_code == 503, resp.text
@@ -115,22 +133,24 @@ def test_the_memory_budget_is_taken_before_work_and_given_back(tiny, monkeypatch
     others, 503 server_busy with Retry-After; an admitted request gives its share back."""
     from kestrel_cli.server import Limits, create_app
     from kestrel_cli.server.admission import MiB, prep_cost
+
     need = prep_cost(len("Say hi."), tiny.ctx_size)
     limits = Limits(memory_budget=4 * need, max_request_memory=2 * need)
     app = create_app([tiny], limits=limits)
-    ok, = post_all(app, [(CHAT, chat())])
+    (ok,) = post_all(app, [(CHAT, chat())])
     assert ok.status_code == 200, ok.text
-    assert app.state.budget.used == 0             # given back once the reply was sent
-    app = create_app([tiny], limits=limits)       # (post_all ends an app's lifespan)
+    assert app.state.budget.used == 0  # given back once the reply was sent
+    app = create_app([tiny], limits=limits)  # (post_all ends an app's lifespan)
     budget = app.state.budget
-    budget.used = 3 * need                        # others hold most of it
+    budget.used = 3 * need  # others hold most of it
     calls = []
     real = tiny.encode_prompt
     monkeypatch.setattr(tiny, "encode_prompt", lambda *a, **k: calls.append(1) or real(*a, **k))
-    busy, = post_all(app, [(CHAT, chat())])
-    big, = post_all(create_app([tiny], limits=Limits(memory_budget=4 * need,
-                                                     max_request_memory=need // 2)),
-                    [(CHAT, chat())])
+    (busy,) = post_all(app, [(CHAT, chat())])
+    (big,) = post_all(
+        create_app([tiny], limits=Limits(memory_budget=4 * need, max_request_memory=need // 2)),
+        [(CHAT, chat())],
+    )
     assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
     assert busy.json()["error"]["code"] == "server_busy"
     assert "--memory-budget" in busy.json()["error"]["message"]
@@ -146,22 +166,31 @@ def test_a_body_is_charged_as_it_arrives(tiny):
     budget left is 503 before it is parsed."""
     from kestrel_cli.server import Limits, create_app
     from kestrel_cli.server.admission import MiB
+
     app = create_app([tiny], limits=Limits(memory_budget=64 * MiB, max_request_memory=64 * MiB))
     app.state.budget.used = 62 * MiB
-    r, = post_all(app, [(CHAT, chat("y" * MiB))])
+    (r,) = post_all(app, [(CHAT, chat("y" * MiB))])
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text
     assert app.state.budget.used == 62 * MiB
 
 
 def test_memory_flags_are_checked_and_logged(tmp_path):
-    for args, needle in ((["--memory-budget", "0"], "--memory-budget"),
-                         (["--memory-budget", "lots"], "--memory-budget"),
-                         (["--max-request-memory", "-5"], "--max-request-memory")):
-        r = subprocess.run([sys.executable, "-m", "kestrel_cli.cli", "serve", *args],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    for args, needle in (
+        (["--memory-budget", "0"], "--memory-budget"),
+        (["--memory-budget", "lots"], "--memory-budget"),
+        (["--max-request-memory", "-5"], "--max-request-memory"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "kestrel_cli.cli", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert r.returncode != 0 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
-    proc, url, log = start_server(tmp_path, "--memory-budget", "300M",
-                                  "--max-request-memory", "100M")
+    proc, url, log = start_server(
+        tmp_path, "--memory-budget", "300M", "--max-request-memory", "100M"
+    )
     try:
         assert "memory budget 300 MiB, 100 MiB a request" in log.read_text()
     finally:
@@ -171,13 +200,19 @@ def test_memory_flags_are_checked_and_logged(tmp_path):
 
 # ---------------------------------------------------------------------------- the key
 
+
 def test_an_empty_api_key_is_refused_at_start():
     """`--api-key ""` (as `--api-key "$KEY"` with KEY unset) is one error line before the
     model is loaded; it used to serve asking for a key that an empty Bearer satisfied. (An
     empty KESTREL_API_KEY counts as unset, as click reads every environment variable.)"""
     for args in (["--api-key", ""], ["--api-key", "  "]):
-        r = subprocess.run([sys.executable, "-m", "kestrel_cli.cli", "serve", "-c", "64", *args],
-                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        r = subprocess.run(
+            [sys.executable, "-m", "kestrel_cli.cli", "serve", "-c", "64", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
         assert r.returncode != 0, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "api-key" in lines[0] and "empty" in lines[0], r.stderr
@@ -185,23 +220,29 @@ def test_an_empty_api_key_is_refused_at_start():
 
 def test_one_authorization_header_with_the_key(tiny):
     from kestrel_cli.server import create_app
+
     app = create_app([tiny], api_key="k")
 
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://k") as c:
             out = []
-            for headers in ([("authorization", "Bearer wrong"), ("authorization", "Bearer k")],
-                            [("authorization", "Bearer k"), ("authorization", "Bearer k")],
-                            [("authorization", "Bearer ")], [("authorization", "Bearer")],
-                            [("authorization", "Bearer k")]):
+            for headers in (
+                [("authorization", "Bearer wrong"), ("authorization", "Bearer k")],
+                [("authorization", "Bearer k"), ("authorization", "Bearer k")],
+                [("authorization", "Bearer ")],
+                [("authorization", "Bearer")],
+                [("authorization", "Bearer k")],
+            ):
                 out.append((await c.get("/v1/models", headers=headers)).status_code)
             return out
+
     assert asyncio.run(main()) == [401, 401, 401, 401, 200]
 
 
 def test_retry_after_on_the_connection_cap(tmp_path):
     from test_server_limits import connect, read_all
+
     proc, url, _ = start_server(tmp_path, "--max-connections", "1")
     try:
         with connect(url) as held:
@@ -219,6 +260,7 @@ def test_retry_after_on_the_connection_cap(tmp_path):
 
 # ---------------------------------------------------------------------------- the model at fault
 
+
 def test_nan_weights_are_a_500_model_error_and_the_server_goes_on(tmp_path):
     """A model whose weights hold NaN: each request gets 500 `model_error` naming the cause
     (it used to be 500 'internal error: ValueError' from the sampler), and /health stays ok."""
@@ -227,6 +269,7 @@ def test_nan_weights_are_a_500_model_error_and_the_server_goes_on(tmp_path):
     from conftest import make_checkpoint
     from kestrel_cli import Engine
     from kestrel_cli.server import create_app
+
     make_checkpoint(tmp_path, "qwen3")
     f = next(tmp_path.glob("*.safetensors"))
     w = load_file(f)
@@ -242,19 +285,23 @@ def test_nan_weights_are_a_500_model_error_and_the_server_goes_on(tmp_path):
 
 # ---------------------------------------------------------------------------- images
 
+
 @pytest.fixture(scope="module")
 def vl_engine(tmp_path_factory):
     from test_qwen3_vl import make_vl_checkpoint
 
     from kestrel_cli import Engine
+
     d = tmp_path_factory.mktemp("vl")
     make_vl_checkpoint(d)
     return Engine.from_pretrained(d, threads=1, ctx_size=128)
 
 
 def image_chat(urls, text="Compare."):
-    return chat([{"type": "image_url", "image_url": {"url": u}} for u in urls]
-                + [{"type": "text", "text": text}])
+    return chat(
+        [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        + [{"type": "text", "text": text}]
+    )
 
 
 def test_bomb_images_are_refused_before_any_is_decoded(vl_engine, no_decoding):
@@ -266,15 +313,21 @@ def test_bomb_images_are_refused_before_any_is_decoded(vl_engine, no_decoding):
 
     from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT
     from kestrel_cli.server import create_app
-    bomb, small, wide = (data_url(png_bomb(9000, 9000)), data_url(png_bomb(64, 64)),
-                         data_url(png_bomb(4000, 4000)))
-    per = vl_engine.image_config().tokens_for(4000, 4000)   # at the checkpoint's max_pixels
-    fill = -(-vl_engine.ctx_size // per)                     # that many fill the context
+
+    bomb, small, wide = (
+        data_url(png_bomb(9000, 9000)),
+        data_url(png_bomb(64, 64)),
+        data_url(png_bomb(4000, 4000)),
+    )
+    per = vl_engine.image_config().tokens_for(4000, 4000)  # at the checkpoint's max_pixels
+    fill = -(-vl_engine.ctx_size // per)  # that many fill the context
     assert fill <= MAX_IMAGES_PER_PROMPT
-    reqs = [(CHAT, image_chat([bomb] * 8)),
-            (CHAT, image_chat([small] * (MAX_IMAGES_PER_PROMPT + 1))),
-            (CHAT, image_chat([wide] * fill)),
-            (CHAT, image_chat([data_url(eps_bytes())]))]
+    reqs = [
+        (CHAT, image_chat([bomb] * 8)),
+        (CHAT, image_chat([small] * (MAX_IMAGES_PER_PROMPT + 1))),
+        (CHAT, image_chat([wide] * fill)),
+        (CHAT, image_chat([data_url(eps_bytes())])),
+    ]
     out = post_all(create_app([vl_engine]), reqs)
     for r, needle in zip(out, ("too large", "images in one request", "no room", "PNG, JPEG")):
         assert r.status_code == 400, r.text
@@ -291,22 +344,28 @@ def test_image_cost_is_leased(vl_engine, monkeypatch):
 
     from kestrel_cli.server import Limits, create_app
     from kestrel_cli.server.admission import MiB
-    big = data_url(png_bomb(2000, 1000))            # 2 M pixels, resized to fit the tokens
+
+    big = data_url(png_bomb(2000, 1000))  # 2 M pixels, resized to fit the tokens
     cfg = vl_engine.image_config()
     cost = cfg.decode_cost(2000, 1000, "PNG")
-    app = create_app([vl_engine], limits=Limits(memory_budget=cost + 64 * MiB,
-                                                max_request_memory=cost + 64 * MiB))
+    app = create_app(
+        [vl_engine],
+        limits=Limits(memory_budget=cost + 64 * MiB, max_request_memory=cost + 64 * MiB),
+    )
     app.state.budget.used = 64 * MiB
     decoded = []
-    monkeypatch.setattr("kestrel_cli.models.images.prepare",
-                        lambda *a, **k: decoded.append(1) or (_ for _ in ()).throw(
-                            AssertionError("decoded")))
-    r, = post_all(app, [(CHAT, image_chat([big]))])
+    monkeypatch.setattr(
+        "kestrel_cli.models.images.prepare",
+        lambda *a, **k: decoded.append(1) or (_ for _ in ()).throw(AssertionError("decoded")),
+    )
+    (r,) = post_all(app, [(CHAT, image_chat([big]))])
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy", r.text
     assert not decoded
-    app = create_app([vl_engine], limits=Limits(memory_budget=cost + 64 * MiB,
-                                                max_request_memory=cost + 64 * MiB))
+    app = create_app(
+        [vl_engine],
+        limits=Limits(memory_budget=cost + 64 * MiB, max_request_memory=cost + 64 * MiB),
+    )
     monkeypatch.undo()
-    ok, = post_all(app, [(CHAT, image_chat([data_url(png_bomb(64, 64))]))])
+    (ok,) = post_all(app, [(CHAT, image_chat([data_url(png_bomb(64, 64))]))])
     assert ok.status_code == 200, ok.text
     assert app.state.budget.used == 0

@@ -7,6 +7,7 @@ back once its reply is done, and the test process's peak memory stays bounded ac
 (hostile sizes: JSON nested far past MAX_JSON_DEPTH, 40 images and header-only bombs, prompts
 at the character cap, bodies up to MAX_BODY_BYTES). Requests that once broke the server are
 kept in fuzz_corpus/server_requests.jsonl and replayed first."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,20 +28,25 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from test_images import eps_bytes, png_bomb
 from test_server import ERROR_KEYS, sse_events
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_MESSAGE_CHARS = 1024          # an error line, its echoes of the request cut
-HEAP_ADDRESS = re.compile(r"object at 0x[0-9a-fA-F]+")     # a repr such as <_io.BytesIO ...>
+MAX_MESSAGE_CHARS = 1024  # an error line, its echoes of the request cut
+HEAP_ADDRESS = re.compile(r"object at 0x[0-9a-fA-F]+")  # a repr such as <_io.BytesIO ...>
 CORPUS = Path(__file__).parent / "fuzz_corpus" / "server_requests.jsonl"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 def fuzz_settings(n: int):
-    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck), print_blob=True)
+    return settings(
+        max_examples=n,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
+    )
 
 
 class Harness:
@@ -54,14 +60,17 @@ class Harness:
 
         async def enter():
             await self.stack.enter_async_context(app.router.lifespan_context(app))
-            return await self.stack.enter_async_context(httpx.AsyncClient(
-                transport=transport, base_url="http://k", timeout=60))
+            return await self.stack.enter_async_context(
+                httpx.AsyncClient(transport=transport, base_url="http://k", timeout=60)
+            )
+
         self.client = self.loop.run_until_complete(enter())
         self.statuses: collections.Counter = collections.Counter()
 
     def request(self, method: str, path: str, raw: bytes | None = None) -> httpx.Response:
-        kw = {} if raw is None else {"content": raw,
-                                      "headers": {"Content-Type": "application/json"}}
+        kw = (
+            {} if raw is None else {"content": raw, "headers": {"Content-Type": "application/json"}}
+        )
         r = self.loop.run_until_complete(self.client.request(method, path, **kw))
         self.statuses[r.status_code] += 1
         return r
@@ -76,6 +85,7 @@ def harness(tmp_path_factory):
     pytest.importorskip("transformers")
     from conftest import make_checkpoint
     from kestrel_cli import Engine
+
     d = tmp_path_factory.mktemp("fuzz") / "tiny-qwen3"
     make_checkpoint(d, "qwen3")
     yield from _harness(Engine.from_pretrained(d, threads=1, ctx_size=64), d, "requests")
@@ -85,6 +95,7 @@ def _harness(eng, d, what: str):
     """A Harness over an app of `eng` (from directory `d`), closed after the module, with
     the statuses it saw printed."""
     from kestrel_cli.server import create_app
+
     h = Harness(create_app([eng], queue_size=4))
     h.model_dir, h.max_chars = d, eng.tokenizer.max_text_chars(eng.ctx_size)
     yield h
@@ -99,6 +110,7 @@ def vl_harness(tmp_path_factory):
     from test_qwen3_vl import make_vl_checkpoint
 
     from kestrel_cli import Engine
+
     d = tmp_path_factory.mktemp("fuzzvl") / "tiny-qwen3-vl"
     make_vl_checkpoint(d)
     yield from _harness(Engine.from_pretrained(d, threads=1, ctx_size=512), d, "image requests")
@@ -135,11 +147,14 @@ def check(h: Harness, r: httpx.Response, what) -> None:
     if r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == ERROR_KEYS and isinstance(err["message"], str) and err["message"]
-        assert "\n" not in err["message"], (what, err["message"][:500])     # one line
+        assert "\n" not in err["message"], (what, err["message"][:500])  # one line
         # what it echoes of the request is cut (errors.clip): a hostile key or path of a
         # megabyte must not come back (and into the log line) whole
-        assert len(err["message"]) <= MAX_MESSAGE_CHARS, (what, len(err["message"]),
-                                                          err["message"][:300])
+        assert len(err["message"]) <= MAX_MESSAGE_CHARS, (
+            what,
+            len(err["message"]),
+            err["message"][:300],
+        )
         assert len(str(err["param"])) <= MAX_MESSAGE_CHARS, (what, str(err["param"])[:300])
         assert err["type"] != "server_error", (what, err)
         return
@@ -156,13 +171,14 @@ def check(h: Harness, r: httpx.Response, what) -> None:
 
 
 def send(h: Harness, path: str, body, method: str = "POST") -> httpx.Response:
-    raw = body if isinstance(body, bytes) else dumps(body)   # ASCII: \ud800 kept
+    raw = body if isinstance(body, bytes) else dumps(body)  # ASCII: \ud800 kept
     r = h.request(method, path, raw)
     check(h, r, (path, raw[:300]))
     return r
 
 
 # ---------------------------------------------------------------------------- strategies
+
 
 def _with_surrogate(s: str, i: int, c: int) -> str:
     i = i % (len(s) + 1)
@@ -171,18 +187,44 @@ def _with_surrogate(s: str, i: int, c: int) -> str:
 
 TEXT = st.one_of(
     st.text(max_size=40),
-    st.sampled_from(["", " ", "\x00", "<|im_start|>", "<|im_end|>", "{{ 7*7 }}", "{% if %}",
-                     "<think>", "</think>", "<tool_call>", "\U0001F985", "你好", "a" * 300,
-                     "data:image/png;base64,", "http://x/y.png", "\\ud800"]),
-    st.builds(_with_surrogate, st.text(max_size=10), st.integers(0, 10),
-              st.integers(0xD800, 0xDFFF)))
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "\x00",
+            "<|im_start|>",
+            "<|im_end|>",
+            "{{ 7*7 }}",
+            "{% if %}",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "\U0001f985",
+            "你好",
+            "a" * 300,
+            "data:image/png;base64,",
+            "http://x/y.png",
+            "\\ud800",
+        ]
+    ),
+    st.builds(
+        _with_surrogate, st.text(max_size=10), st.integers(0, 10), st.integers(0xD800, 0xDFFF)
+    ),
+)
 SCALAR = st.one_of(
-    st.none(), st.booleans(), TEXT,
-    st.integers(-2, 70), st.sampled_from([-2 ** 63, 2 ** 63, 2 ** 64, 10 ** 30, -10 ** 30]),
+    st.none(),
+    st.booleans(),
+    TEXT,
+    st.integers(-2, 70),
+    st.sampled_from([-(2**63), 2**63, 2**64, 10**30, -(10**30)]),
     st.floats(allow_nan=False, allow_infinity=False),
-    st.sampled_from([0.0, -0.0, 1e-320, 1e308, -1.5, 0.5, 2.0, 100.0, 101.0]))
-JSON = st.recursive(SCALAR, lambda ch: st.lists(ch, max_size=4) |
-                    st.dictionaries(TEXT, ch, max_size=4), max_leaves=10)
+    st.sampled_from([0.0, -0.0, 1e-320, 1e308, -1.5, 0.5, 2.0, 100.0, 101.0]),
+)
+JSON = st.recursive(
+    SCALAR,
+    lambda ch: st.lists(ch, max_size=4) | st.dictionaries(TEXT, ch, max_size=4),
+    max_leaves=10,
+)
 
 _PNG = None
 
@@ -191,6 +233,7 @@ def png() -> str:
     global _PNG
     if _PNG is None:
         from PIL import Image
+
         buf = io.BytesIO()
         Image.new("RGB", (4, 4), (200, 10, 10)).save(buf, "PNG")
         _PNG = base64.b64encode(buf.getvalue()).decode()
@@ -198,94 +241,216 @@ def png() -> str:
 
 
 IMAGE_URL = st.one_of(
-    st.just("png"), st.sampled_from(["data:", "data:image/png;base64,", "data:,",
-                                      "data:image/png;base64,!!!", "data:text/plain,hi",
-                                      "file:///etc/passwd", "http://127.0.0.1/x.png"]),
+    st.just("png"),
+    st.sampled_from(
+        [
+            "data:",
+            "data:image/png;base64,",
+            "data:,",
+            "data:image/png;base64,!!!",
+            "data:text/plain,hi",
+            "file:///etc/passwd",
+            "http://127.0.0.1/x.png",
+        ]
+    ),
     st.binary(max_size=64).map(lambda b: "data:image/png;base64," + base64.b64encode(b).decode()),
     st.sampled_from(["img:bomb", "img:eps_as_png", "img:b64_cut", "img:tiff_as_png"]),
-    TEXT)
+    TEXT,
+)
 PART = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
-    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.one_of(
-        st.fixed_dictionaries({"url": IMAGE_URL}), IMAGE_URL, JSON)}),
-    st.dictionaries(st.sampled_from(["type", "text", "image_url", "image"]), JSON, max_size=3))
-ROLE = st.one_of(st.sampled_from(["system", "developer", "user", "assistant", "tool",
-                                  "function", "robot", ""]), JSON)
-TOOL_CALL = st.one_of(JSON, st.fixed_dictionaries({
-    "id": st.one_of(TEXT, JSON), "type": st.just("function"),
-    "function": st.fixed_dictionaries({"name": TEXT, "arguments": st.one_of(
-        TEXT, st.just('{"a": 1}'), JSON)})}))
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image_url"),
+            "image_url": st.one_of(st.fixed_dictionaries({"url": IMAGE_URL}), IMAGE_URL, JSON),
+        }
+    ),
+    st.dictionaries(st.sampled_from(["type", "text", "image_url", "image"]), JSON, max_size=3),
+)
+ROLE = st.one_of(
+    st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "robot", ""]),
+    JSON,
+)
+TOOL_CALL = st.one_of(
+    JSON,
+    st.fixed_dictionaries(
+        {
+            "id": st.one_of(TEXT, JSON),
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": TEXT, "arguments": st.one_of(TEXT, st.just('{"a": 1}'), JSON)}
+            ),
+        }
+    ),
+)
 MESSAGE = st.one_of(
-    st.fixed_dictionaries({"role": ROLE, "content": st.one_of(TEXT, st.lists(PART, max_size=3),
-                                                               JSON)},
-                          optional={"tool_call_id": st.one_of(TEXT, JSON),
-                                    "tool_calls": st.one_of(st.lists(TOOL_CALL, max_size=2),
-                                                            JSON),
-                                    "reasoning_content": st.one_of(TEXT, JSON),
-                                    "name": TEXT, "function_call": JSON}),
-    JSON)
+    st.fixed_dictionaries(
+        {"role": ROLE, "content": st.one_of(TEXT, st.lists(PART, max_size=3), JSON)},
+        optional={
+            "tool_call_id": st.one_of(TEXT, JSON),
+            "tool_calls": st.one_of(st.lists(TOOL_CALL, max_size=2), JSON),
+            "reasoning_content": st.one_of(TEXT, JSON),
+            "name": TEXT,
+            "function_call": JSON,
+        },
+    ),
+    JSON,
+)
 SCHEMA = st.one_of(
     JSON,
-    st.sampled_from([{"type": "object"}, {"type": "string", "maxLength": 3},
-                     {"type": "integer", "minimum": 5, "maximum": 3}, {"enum": []},
-                     {"type": "array", "minItems": 100000}, {"$ref": "#/nope"},
-                     {"type": "string", "pattern": "(((a+)+)+)+$"}, {"anyOf": []},
-                     {"type": "nope"}, {"not": {}}, {"const": None}, True, False]))
-TOOL = st.one_of(JSON, st.fixed_dictionaries(
-    {"type": st.one_of(st.just("function"), JSON),
-     "function": st.one_of(JSON, st.fixed_dictionaries(
-         {"name": TEXT}, optional={"description": TEXT, "parameters": SCHEMA}))}))
+    st.sampled_from(
+        [
+            {"type": "object"},
+            {"type": "string", "maxLength": 3},
+            {"type": "integer", "minimum": 5, "maximum": 3},
+            {"enum": []},
+            {"type": "array", "minItems": 100000},
+            {"$ref": "#/nope"},
+            {"type": "string", "pattern": "(((a+)+)+)+$"},
+            {"anyOf": []},
+            {"type": "nope"},
+            {"not": {}},
+            {"const": None},
+            True,
+            False,
+        ]
+    ),
+)
+TOOL = st.one_of(
+    JSON,
+    st.fixed_dictionaries(
+        {
+            "type": st.one_of(st.just("function"), JSON),
+            "function": st.one_of(
+                JSON,
+                st.fixed_dictionaries(
+                    {"name": TEXT}, optional={"description": TEXT, "parameters": SCHEMA}
+                ),
+            ),
+        }
+    ),
+)
 FIELDS = {
-    "model": TEXT, "temperature": SCALAR, "top_p": SCALAR, "top_k": SCALAR, "min_p": SCALAR,
-    "repeat_penalty": SCALAR, "seed": SCALAR, "max_tokens": SCALAR,
-    "max_completion_tokens": SCALAR, "ignore_eos": SCALAR, "cache_prompt": SCALAR,
+    "model": TEXT,
+    "temperature": SCALAR,
+    "top_p": SCALAR,
+    "top_k": SCALAR,
+    "min_p": SCALAR,
+    "repeat_penalty": SCALAR,
+    "seed": SCALAR,
+    "max_tokens": SCALAR,
+    "max_completion_tokens": SCALAR,
+    "ignore_eos": SCALAR,
+    "cache_prompt": SCALAR,
     "stream": st.one_of(st.booleans(), SCALAR),
     "stream_options": st.one_of(JSON, st.fixed_dictionaries({"include_usage": SCALAR})),
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=20), JSON),
-    "chat_template_kwargs": st.one_of(JSON, st.fixed_dictionaries(
-        {"enable_thinking": SCALAR}), st.dictionaries(TEXT, JSON, max_size=3)),
+    "chat_template_kwargs": st.one_of(
+        JSON,
+        st.fixed_dictionaries({"enable_thinking": SCALAR}),
+        st.dictionaries(TEXT, JSON, max_size=3),
+    ),
     "reasoning_effort": st.one_of(st.sampled_from(["none", "low", "high", "max"]), JSON),
-    "presence_penalty": SCALAR, "frequency_penalty": SCALAR,
-    "logit_bias": st.one_of(JSON, st.dictionaries(
-        st.one_of(st.integers(-5, 400).map(str), TEXT), SCALAR, max_size=5)),
-    "logprobs": SCALAR, "top_logprobs": SCALAR,
-    "response_format": st.one_of(JSON, st.fixed_dictionaries(
-        {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
-        optional={"json_schema": st.one_of(JSON, st.fixed_dictionaries(
-            {"name": TEXT}, optional={"schema": SCHEMA, "strict": SCALAR}))})),
+    "presence_penalty": SCALAR,
+    "frequency_penalty": SCALAR,
+    "logit_bias": st.one_of(
+        JSON, st.dictionaries(st.one_of(st.integers(-5, 400).map(str), TEXT), SCALAR, max_size=5)
+    ),
+    "logprobs": SCALAR,
+    "top_logprobs": SCALAR,
+    "response_format": st.one_of(
+        JSON,
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
+            optional={
+                "json_schema": st.one_of(
+                    JSON,
+                    st.fixed_dictionaries(
+                        {"name": TEXT}, optional={"schema": SCHEMA, "strict": SCALAR}
+                    ),
+                )
+            },
+        ),
+    ),
     "tools": st.one_of(st.lists(TOOL, max_size=3), JSON),
-    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), JSON,
-                             st.fixed_dictionaries({"type": st.just("function"),
-                                                    "function": st.fixed_dictionaries(
-                                                        {"name": TEXT})})),
-    "n": SCALAR, "echo": SCALAR, "suffix": SCALAR, "best_of": SCALAR, "user": JSON,
-    "functions": JSON, "function_call": JSON, "modalities": JSON, "audio": JSON,
-    "parallel_tool_calls": SCALAR, "metadata": JSON,
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required"]),
+        JSON,
+        st.fixed_dictionaries(
+            {"type": st.just("function"), "function": st.fixed_dictionaries({"name": TEXT})}
+        ),
+    ),
+    "n": SCALAR,
+    "echo": SCALAR,
+    "suffix": SCALAR,
+    "best_of": SCALAR,
+    "user": JSON,
+    "functions": JSON,
+    "function_call": JSON,
+    "modalities": JSON,
+    "audio": JSON,
+    "parallel_tool_calls": SCALAR,
+    "metadata": JSON,
 }
 # values a client might really send: most requests get past validation and generate
 PLAUSIBLE = {
-    "temperature": st.sampled_from([0, 0.0, 0.7, 1, 2.0]), "top_p": st.sampled_from([0, 0.5, 1]),
-    "top_k": st.integers(0, 50), "min_p": st.sampled_from([0, 0.05, 1]),
-    "repeat_penalty": st.sampled_from([0.5, 1, 1.3]), "seed": st.integers(-2 ** 63, 2 ** 64),
-    "max_tokens": st.integers(1, 80), "max_completion_tokens": st.integers(1, 8),
-    "ignore_eos": st.booleans(), "cache_prompt": st.booleans(), "stream": st.booleans(),
+    "temperature": st.sampled_from([0, 0.0, 0.7, 1, 2.0]),
+    "top_p": st.sampled_from([0, 0.5, 1]),
+    "top_k": st.integers(0, 50),
+    "min_p": st.sampled_from([0, 0.05, 1]),
+    "repeat_penalty": st.sampled_from([0.5, 1, 1.3]),
+    "seed": st.integers(-(2**63), 2**64),
+    "max_tokens": st.integers(1, 80),
+    "max_completion_tokens": st.integers(1, 8),
+    "ignore_eos": st.booleans(),
+    "cache_prompt": st.booleans(),
+    "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=4)),
     "chat_template_kwargs": st.fixed_dictionaries({"enable_thinking": st.booleans()}),
     "reasoning_effort": st.sampled_from(["none", "low", "high"]),
-    "presence_penalty": st.sampled_from([-2, 0, 1.5]), "frequency_penalty": st.just(0.5),
-    "logit_bias": st.dictionaries(st.integers(0, 319).map(str),
-                                  st.sampled_from([-100, -1, 5, 100]), max_size=3),
-    "logprobs": st.one_of(st.booleans(), st.integers(0, 5)), "top_logprobs": st.integers(0, 5),
-    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}, {
-        "type": "json_schema", "json_schema": {"name": "p", "schema": {
-            "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]),
-    "tools": st.just([{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"type": "string"}}}}}]),
+    "presence_penalty": st.sampled_from([-2, 0, 1.5]),
+    "frequency_penalty": st.just(0.5),
+    "logit_bias": st.dictionaries(
+        st.integers(0, 319).map(str), st.sampled_from([-100, -1, 5, 100]), max_size=3
+    ),
+    "logprobs": st.one_of(st.booleans(), st.integers(0, 5)),
+    "top_logprobs": st.integers(0, 5),
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "p",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"a": {"type": "integer"}},
+                        "required": ["a"],
+                    },
+                },
+            },
+        ]
+    ),
+    "tools": st.just(
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+                },
+            }
+        ]
+    ),
     "tool_choice": st.sampled_from(["none", "auto", "required"]),
 }
-BASE_CHAT = {"messages": [{"role": "user", "content": "The kestrel hovers"}],
-             "max_tokens": 2, "temperature": 0}
+BASE_CHAT = {
+    "messages": [{"role": "user", "content": "The kestrel hovers"}],
+    "max_tokens": 2,
+    "temperature": 0,
+}
 BASE_COMPLETION = {"prompt": "The kestrel hovers", "max_tokens": 2, "temperature": 0}
 
 
@@ -319,12 +484,14 @@ def _resolve_png(v):
 
 # -- deep JSON: far past constrained.MAX_JSON_DEPTH (64) and past Python's recursion limit
 
+
 class Deep:
     """A JSON value nested `levels` deep ([] is 1 level, as constrained.too_deep counts),
     kept as text: json.dumps and json.loads recurse once per level, and 5,000 levels is past
     Python's recursion limit, so it is built by repetition and spliced into the body by
     dumps(). `as_string`: sent as a JSON string holding that text (tool-call arguments)."""
-    SHAPES = {                       # opening, closing, levels each step adds
+
+    SHAPES = {  # opening, closing, levels each step adds
         "list": ("[", "]", 1),
         "dict": ('{"a": ', "}", 1),
         "wide": ('[1, "x", true, {"k": 2.5, "n": ', "}]", 2),
@@ -335,17 +502,20 @@ class Deep:
     }
     LEAVES = ("null", "1", '"x"', '{"type": "integer"}', '"\\ud800"', "[]")
 
-    def __init__(self, levels: int, shape: str = "list", leaf: str = "null",
-                 as_string: bool = False):
+    def __init__(
+        self, levels: int, shape: str = "list", leaf: str = "null", as_string: bool = False
+    ):
         self.levels, self.shape, self.leaf, self.as_string = levels, shape, leaf, as_string
 
-    def __repr__(self) -> str:       # hypothesis's falsifying examples print this
-        return (f"Deep({self.levels}, {self.shape!r}, {self.leaf!r}"
-                f"{', as_string=True' if self.as_string else ''})")
+    def __repr__(self) -> str:  # hypothesis's falsifying examples print this
+        return (
+            f"Deep({self.levels}, {self.shape!r}, {self.leaf!r}"
+            f"{', as_string=True' if self.as_string else ''})"
+        )
 
     def text(self) -> str:
         op, cl, per = self.SHAPES[self.shape]
-        inner = self.levels - (self.leaf[:1] in "[{")             # the leaf's own level
+        inner = self.levels - (self.leaf[:1] in "[{")  # the leaf's own level
         steps, rest = divmod(max(inner, 0), per)
         # an odd level left over: one more level of the shape's own kind (a schema stays one)
         fo, fc = ('{"items": ', "}") if op[0] == "{" else ("[", "]")
@@ -366,6 +536,7 @@ def dumps(body) -> bytes:
         if isinstance(v, list):
             return [sub(x) for x in v]
         return v
+
     text = json.dumps(sub(body))
     for i, raw in enumerate(raws):
         text = text.replace(json.dumps(f"\0deep{i}\0"), raw, 1)
@@ -375,19 +546,28 @@ def dumps(body) -> bytes:
 # -- images: valid small ones of each accepted format, header-only bombs, wrong formats and
 # broken base64 (the server reads headers before any pixel: tests/test_images.py)
 
+
 def _png_chunk(kind: bytes, body: bytes) -> bytes:
-    return (struct.pack(">I", len(body)) + kind + body
-            + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF))
+    return (
+        struct.pack(">I", len(body))
+        + kind
+        + body
+        + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+    )
 
 
 def png_header(width: int, height: int) -> bytes:
     """A PNG of a header and no pixel data: what probe_image reads; decoding it fails."""
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", struct.pack(
-        ">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + _png_chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + _png_chunk(b"IEND", b"")
+    )
 
 
 def _pil_bytes(fmt: str, size=(8, 8)) -> bytes:
     from PIL import Image
+
     buf = io.BytesIO()
     Image.new("RGB", size, (10, 120, 200)).save(buf, fmt)
     return buf.getvalue()
@@ -397,7 +577,7 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-IMAGES = {   # name -> (a data URL's mime, its base64 text)
+IMAGES = {  # name -> (a data URL's mime, its base64 text)
     "png": lambda: ("image/png", png()),
     "jpeg": lambda: ("image/jpeg", _b64(_pil_bytes("JPEG"))),
     "gif": lambda: ("image/gif", _b64(_pil_bytes("GIF"))),
@@ -407,12 +587,12 @@ IMAGES = {   # name -> (a data URL's mime, its base64 text)
     "tiff_as_png": lambda: ("image/png", _b64(_pil_bytes("TIFF"))),
     "ico_as_png": lambda: ("image/png", _b64(_pil_bytes("ICO", (16, 16)))),
     "eps_as_png": lambda: ("image/png", _b64(eps_bytes())),
-    "bomb": lambda: ("image/png", _b64(png_bomb(9000, 9000))),     # 81 M pixels in ~10 KB
+    "bomb": lambda: ("image/png", _b64(png_bomb(9000, 9000))),  # 81 M pixels in ~10 KB
     "bomb_wide": lambda: ("image/png", _b64(png_header(1, 99_000_000))),
     "bomb_long": lambda: ("image/png", _b64(png_header(99_000_000, 1))),
-    "huge_dims": lambda: ("image/png", _b64(png_header(2 ** 31 - 1, 2 ** 31 - 1))),
+    "huge_dims": lambda: ("image/png", _b64(png_header(2**31 - 1, 2**31 - 1))),
     "zero_dims": lambda: ("image/png", _b64(png_header(0, 0))),
-    "aspect": lambda: ("image/png", _b64(png_header(20_000, 1))),   # few pixels, too wide
+    "aspect": lambda: ("image/png", _b64(png_header(20_000, 1))),  # few pixels, too wide
     "header_only": lambda: ("image/png", _b64(png_header(64, 64))),
     "png64": lambda: ("image/png", _b64(png_bomb(64, 64))),
     "png64_cut": lambda: ("image/png", _b64(png_bomb(64, 64)[:-30])),
@@ -420,8 +600,8 @@ IMAGES = {   # name -> (a data URL's mime, its base64 text)
     "signature": lambda: ("image/png", _b64(b"\x89PNG\r\n\x1a\n")),
     "b64_garbage": lambda: ("image/png", "!!!~~~" + png()[:40]),
     "b64_unpadded": lambda: ("image/png", png().rstrip("=")),
-    "b64_cut": lambda: ("image/png", png()[:len(png()) // 2 * 2 + 1]),
-    "b64_lines": lambda: ("image/png", "\n".join(png()[i:i + 16] for i in range(0, 200, 16))),
+    "b64_cut": lambda: ("image/png", png()[: len(png()) // 2 * 2 + 1]),
+    "b64_lines": lambda: ("image/png", "\n".join(png()[i : i + 16] for i in range(0, 200, 16))),
     "b64_empty": lambda: ("image/png", ""),
     "not_base64": lambda: ("image/png;charset=utf-8", png()),
 }
@@ -436,14 +616,21 @@ def image_url(name: str) -> str:
 # -- long prompts: text at the server's character cap (Tokenizer.max_text_chars of the
 # context) or around the context in tokens
 
+
 def long_text(kind: str, n: int, seed: int = 0) -> str:
     """`n` characters: CJK (several byte-level tokens each), ASCII, words, emoji (a UTF-16
     pair each on the wire), combining marks (NFC), newlines, chat special tokens."""
     if kind == "cjk":
         rnd = random.Random(seed)
         return "".join(chr(rnd.randint(0x4E00, 0x9FFF)) for _ in range(n))
-    unit = {"ascii": "a", "words": "The kestrel hovers ", "emoji": "\U0001F985",
-            "marks": "e\u0301", "newlines": "\n", "special": "<|im_start|>"}[kind]
+    unit = {
+        "ascii": "a",
+        "words": "The kestrel hovers ",
+        "emoji": "\U0001f985",
+        "marks": "e\u0301",
+        "newlines": "\n",
+        "special": "<|im_start|>",
+    }[kind]
     return (unit * (n // len(unit) + 1))[:n]
 
 
@@ -458,8 +645,7 @@ SCHEMA_SHAPES = ("properties", "items", "anyOf", "dict", "wide")
 
 
 def deep(shapes=tuple(Deep.SHAPES), as_string=st.just(False)):
-    return st.builds(Deep, LEVELS, st.sampled_from(shapes), st.sampled_from(Deep.LEAVES),
-                     as_string)
+    return st.builds(Deep, LEVELS, st.sampled_from(shapes), st.sampled_from(Deep.LEAVES), as_string)
 
 
 def _tool(parameters) -> dict:
@@ -467,42 +653,87 @@ def _tool(parameters) -> dict:
 
 
 def _assistant_call(arguments) -> list[dict]:
-    return [{"role": "user", "content": "hi"},
-            {"role": "assistant", "content": None, "tool_calls": [{
-                "id": "c1", "type": "function",
-                "function": {"name": "f", "arguments": arguments}}]},
-            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    return [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
 
 
 # where a deep value goes: (the shapes that suit the place, a function putting `d` there)
 DEEP_PLACES = {
     "tools.parameters": (SCHEMA_SHAPES, lambda b, d: b.update(tools=[_tool(d)])),
-    "tools.property": (SCHEMA_SHAPES, lambda b, d: b.update(tools=[_tool(
-        {"type": "object", "properties": {"x": d}})])),
+    "tools.property": (
+        SCHEMA_SHAPES,
+        lambda b, d: b.update(tools=[_tool({"type": "object", "properties": {"x": d}})]),
+    ),
     "tools": (tuple(Deep.SHAPES), lambda b, d: b.update(tools=[d])),
-    "arguments": (("dict", "properties", "list_dict", "wide"),
-                  lambda b, d: b.update(messages=_assistant_call(d))),
-    "arguments_string": (tuple(Deep.SHAPES), lambda b, d: b.update(messages=_assistant_call(
-        Deep(d.levels, d.shape, d.leaf, as_string=True)))),
-    "response_format": (SCHEMA_SHAPES, lambda b, d: b.update(response_format={
-        "type": "json_schema", "json_schema": {"name": "x", "schema": d}})),
-    "chat_template_kwargs": (("dict", "list_dict"),
-                             lambda b, d: b.update(chat_template_kwargs={"k": d})),
+    "arguments": (
+        ("dict", "properties", "list_dict", "wide"),
+        lambda b, d: b.update(messages=_assistant_call(d)),
+    ),
+    "arguments_string": (
+        tuple(Deep.SHAPES),
+        lambda b, d: b.update(
+            messages=_assistant_call(Deep(d.levels, d.shape, d.leaf, as_string=True))
+        ),
+    ),
+    "response_format": (
+        SCHEMA_SHAPES,
+        lambda b, d: b.update(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": d}}
+        ),
+    ),
+    "chat_template_kwargs": (
+        ("dict", "list_dict"),
+        lambda b, d: b.update(chat_template_kwargs={"k": d}),
+    ),
     "chat_template_kwargs.self": (("dict",), lambda b, d: b.update(chat_template_kwargs=d)),
-    "content": (tuple(Deep.SHAPES), lambda b, d: b.update(messages=[
-        {"role": "user", "content": d}])),
-    "content.text": (tuple(Deep.SHAPES), lambda b, d: b.update(messages=[
-        {"role": "user", "content": [{"type": "text", "text": d}]}])),
-    "content.image_url": (tuple(Deep.SHAPES), lambda b, d: b.update(messages=[
-        {"role": "user", "content": [{"type": "image_url", "image_url": d}]}])),
-    "message": (("dict", "list_dict"), lambda b, d: b.update(messages=[
-        {"role": "user", "content": "hi", "extra": d}])),
+    "content": (
+        tuple(Deep.SHAPES),
+        lambda b, d: b.update(messages=[{"role": "user", "content": d}]),
+    ),
+    "content.text": (
+        tuple(Deep.SHAPES),
+        lambda b, d: b.update(
+            messages=[{"role": "user", "content": [{"type": "text", "text": d}]}]
+        ),
+    ),
+    "content.image_url": (
+        tuple(Deep.SHAPES),
+        lambda b, d: b.update(
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": d}]}]
+        ),
+    ),
+    "message": (
+        ("dict", "list_dict"),
+        lambda b, d: b.update(messages=[{"role": "user", "content": "hi", "extra": d}]),
+    ),
     "messages": (tuple(Deep.SHAPES), lambda b, d: b.update(messages=d)),
     "body": (("dict",), lambda b, d: b.update(nested=d)),
 }
-DEEP_FIELDS = ("stop", "logit_bias", "metadata", "user", "stream_options", "tool_choice",
-               "reasoning_effort", "seed", "temperature", "max_tokens", "functions",
-               "modalities", "response_format", "tools")
+DEEP_FIELDS = (
+    "stop",
+    "logit_bias",
+    "metadata",
+    "user",
+    "stream_options",
+    "tool_choice",
+    "reasoning_effort",
+    "seed",
+    "temperature",
+    "max_tokens",
+    "functions",
+    "modalities",
+    "response_format",
+    "tools",
+)
 
 
 @st.composite
@@ -518,9 +749,12 @@ def deep_request(draw):
     else:
         shapes, put = DEEP_PLACES[place]
         put(body, draw(deep(shapes)))
-    if "tools" in body:   # a forced call compiles its parameters into a grammar
-        choice = draw(st.sampled_from([None, "auto", "required", "none",
-                                       {"type": "function", "function": {"name": "f"}}]))
+    if "tools" in body:  # a forced call compiles its parameters into a grammar
+        choice = draw(
+            st.sampled_from(
+                [None, "auto", "required", "none", {"type": "function", "function": {"name": "f"}}]
+            )
+        )
         if choice is not None:
             body["tool_choice"] = choice
     if draw(st.integers(0, 3)) == 0:
@@ -531,47 +765,83 @@ def deep_request(draw):
 # many images: up to 40 parts of every kind, runs of one kind around MAX_IMAGES_PER_PROMPT
 IMAGE_NAME = st.sampled_from(sorted(IMAGES))
 IMAGE_PART = st.builds(
-    lambda name, wrapped: {"type": "image_url",
-                           "image_url": {"url": "img:" + name} if wrapped else "img:" + name},
-    IMAGE_NAME, st.booleans())
-TEXT_PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.sampled_from(
-    ["Compare.", "", "\n", "你好", "<|im_start|>", "\U0001F985", "<|image_pad|>",
-     "<|vision_start|><|image_pad|><|vision_end|>"])})
+    lambda name, wrapped: {
+        "type": "image_url",
+        "image_url": {"url": "img:" + name} if wrapped else "img:" + name,
+    },
+    IMAGE_NAME,
+    st.booleans(),
+)
+TEXT_PART = st.fixed_dictionaries(
+    {
+        "type": st.just("text"),
+        "text": st.sampled_from(
+            [
+                "Compare.",
+                "",
+                "\n",
+                "你好",
+                "<|im_start|>",
+                "\U0001f985",
+                "<|image_pad|>",
+                "<|vision_start|><|image_pad|><|vision_end|>",
+            ]
+        ),
+    }
+)
 MANY_IMAGES = st.one_of(
     st.lists(st.one_of(IMAGE_PART, TEXT_PART), min_size=1, max_size=40),
     st.builds(lambda part, n: [part] * n, IMAGE_PART, st.integers(1, 40)),
     # small valid images up to MAX_IMAGES_PER_PROMPT and past it, then one of any kind
-    st.builds(lambda n, last: [{"type": "image_url", "image_url": {"url": "img:png"}}] * n
-              + [last], st.integers(24, 34), IMAGE_PART))
+    st.builds(
+        lambda n, last: [{"type": "image_url", "image_url": {"url": "img:png"}}] * n + [last],
+        st.integers(24, 34),
+        IMAGE_PART,
+    ),
+)
 
 
 # long prompts: (kind, characters as "cap"+delta, or a count near the context in tokens)
 LONG_TEXT = st.one_of(
     st.tuples(st.sampled_from(TEXT_KINDS), st.just("cap"), st.integers(-40, 40)),
     st.tuples(st.sampled_from(TEXT_KINDS), st.just("n"), st.integers(10, 90)),
-    st.tuples(st.sampled_from(TEXT_KINDS), st.just("n"), st.integers(150, 300)))
-LONG_PLACES = ("content", "parts", "messages", "system", "tool_description", "prompt",
-               "prompt_list", "stop")
+    st.tuples(st.sampled_from(TEXT_KINDS), st.just("n"), st.integers(150, 300)),
+)
+LONG_PLACES = (
+    "content",
+    "parts",
+    "messages",
+    "system",
+    "tool_description",
+    "prompt",
+    "prompt_list",
+    "stop",
+)
 
 
 def place_long(place: str, text: str, seed: int) -> tuple[str, dict]:
     """A request carrying `text` at `place` (split in pieces where the place takes several)."""
     k = max(1, len(text) // (2 + seed % 5))
-    pieces = [text[i:i + k] for i in range(0, len(text), k)] or [""]
+    pieces = [text[i : i + k] for i in range(0, len(text), k)] or [""]
     chat = dict(BASE_CHAT)
     if place == "content":
         chat["messages"] = [{"role": "user", "content": text}]
     elif place == "parts":
-        chat["messages"] = [{"role": "user", "content": [{"type": "text", "text": t}
-                                                          for t in pieces]}]
+        chat["messages"] = [
+            {"role": "user", "content": [{"type": "text", "text": t} for t in pieces]}
+        ]
     elif place == "messages":
         roles = ("user", "assistant")
         chat["messages"] = [{"role": roles[i % 2], "content": t} for i, t in enumerate(pieces)]
     elif place == "system":
         chat["messages"] = [{"role": "system", "content": text}] + BASE_CHAT["messages"]
     elif place == "tool_description":
-        chat["tools"] = [{"type": "function", "function": {
-            "name": "f", "description": text, "parameters": {"type": "object"}}}]
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {"name": "f", "description": text, "parameters": {"type": "object"}},
+            }
+        ]
     elif place == "stop":
         chat["stop"] = pieces[:4]
     elif place == "prompt":
@@ -600,8 +870,10 @@ def generate(spec: str, h: Harness) -> str:
     if kind == "image":
         return json.dumps(image_url(args[0]))
     if kind == "image_parts":
-        return json.dumps([{"type": "image_url", "image_url": {"url": image_url(args[1])}}]
-                          * int(args[0]) + [{"type": "text", "text": "Compare."}])
+        return json.dumps(
+            [{"type": "image_url", "image_url": {"url": image_url(args[1])}}] * int(args[0])
+            + [{"type": "text", "text": "Compare."}]
+        )
     if kind == "text":
         n = args[1]
         n = h.max_chars + int(n[3:] or 0) if n.startswith("cap") else int(n)
@@ -621,8 +893,11 @@ def test_corpus_of_requests_that_once_failed(harness, vl_harness, peak0):
     failures = []
     for case in cases:
         h = vl_harness if case.get("model") == "vl" else harness
-        raw = (bytes.fromhex(case["body_hex"]) if "body_hex" in case
-               else GEN.sub(lambda m: generate(m.group(1), h), case["body"]).encode())
+        raw = (
+            bytes.fromhex(case["body_hex"])
+            if "body_hex" in case
+            else GEN.sub(lambda m: generate(m.group(1), h), case["body"]).encode()
+        )
         try:
             r = h.request(case.get("method", "POST"), case["path"], raw)
             check(h, r, case["path"])
@@ -648,18 +923,35 @@ def test_fuzz_chat_messages(harness, messages, stream):
 
 
 @fuzz_settings(600)
-@given(body=mutated(BASE_COMPLETION, {"prompt": st.one_of(
-    TEXT, st.lists(st.integers(-3, 400), max_size=70), st.lists(TEXT, max_size=2), JSON)}))
+@given(
+    body=mutated(
+        BASE_COMPLETION,
+        {
+            "prompt": st.one_of(
+                TEXT, st.lists(st.integers(-3, 400), max_size=70), st.lists(TEXT, max_size=2), JSON
+            )
+        },
+    )
+)
 def test_fuzz_completion_fields(harness, body):
     send(harness, COMPLETIONS, body)
 
 
 @fuzz_settings(600)
-@given(base=st.sampled_from([(CHAT, BASE_CHAT), (COMPLETIONS, BASE_COMPLETION),
-                             (CHAT, {**BASE_CHAT, "stream": True,
-                                     "response_format": {"type": "json_object"}})]),
-       edits=st.lists(st.tuples(st.integers(0, 10 ** 6), st.sampled_from("dir"),
-                                st.binary(min_size=1, max_size=3)), min_size=1, max_size=4))
+@given(
+    base=st.sampled_from(
+        [
+            (CHAT, BASE_CHAT),
+            (COMPLETIONS, BASE_COMPLETION),
+            (CHAT, {**BASE_CHAT, "stream": True, "response_format": {"type": "json_object"}}),
+        ]
+    ),
+    edits=st.lists(
+        st.tuples(st.integers(0, 10**6), st.sampled_from("dir"), st.binary(min_size=1, max_size=3)),
+        min_size=1,
+        max_size=4,
+    ),
+)
 def test_fuzz_raw_bytes(harness, base, edits):
     """Byte-level mutations of valid bodies: deleted, inserted and replaced bytes (invalid
     UTF-8, broken JSON, stray escapes)."""
@@ -668,18 +960,30 @@ def test_fuzz_raw_bytes(harness, base, edits):
     for pos, op, b in edits:
         pos %= len(raw) + 1
         if op == "d":
-            del raw[pos:pos + len(b)]
+            del raw[pos : pos + len(b)]
         elif op == "i":
             raw[pos:pos] = b
         else:
-            raw[pos:pos + len(b)] = b
+            raw[pos : pos + len(b)] = b
     send(harness, path, bytes(raw))
 
 
 @fuzz_settings(300)
-@given(path=st.sampled_from([CHAT, COMPLETIONS, "/v1/models", "/health", "/v1/models/x",
-                             "/v1/embeddings", "/v1/chat/completions/"]),
-       method=st.sampled_from(["POST", "GET", "PUT", "DELETE"]), body=JSON)
+@given(
+    path=st.sampled_from(
+        [
+            CHAT,
+            COMPLETIONS,
+            "/v1/models",
+            "/health",
+            "/v1/models/x",
+            "/v1/embeddings",
+            "/v1/chat/completions/",
+        ]
+    ),
+    method=st.sampled_from(["POST", "GET", "PUT", "DELETE"]),
+    body=JSON,
+)
 def test_fuzz_any_json_to_any_route(harness, path, method, body):
     send(harness, path, body, method)
 
@@ -702,15 +1006,16 @@ def test_fuzz_many_images(vl_harness, content, split, stream):
     header bombs, EPS/TIFF/JPEG sent as image/png, truncated files, broken base64), in one
     message or spread over several: refused from their headers, or answered."""
     messages = [{"role": "user", "content": content}]
-    if split:                          # the same parts over several user turns
+    if split:  # the same parts over several user turns
         k = -(-len(content) // (split + 1))
         messages = []
         for i in range(0, len(content), k):
-            messages += [{"role": "user", "content": content[i:i + k]},
-                         {"role": "assistant", "content": "Seen."}]
+            messages += [
+                {"role": "user", "content": content[i : i + k]},
+                {"role": "assistant", "content": "Seen."},
+            ]
         messages.pop()
-    send(vl_harness, CHAT, _resolve_png({"messages": messages, "max_tokens": 2,
-                                         "stream": stream}))
+    send(vl_harness, CHAT, _resolve_png({"messages": messages, "max_tokens": 2, "stream": stream}))
 
 
 @fuzz_settings(1200)
@@ -744,32 +1049,91 @@ def test_big_bodies_keep_memory_bounded(harness, vl_harness, peak0):
     and the process's peak memory for the whole fuzz run (this test comes last) stays within
     PEAK_GROWTH of its baseline."""
     from kestrel_cli.server.app import MAX_BODY_BYTES
+
     near = MAX_BODY_BYTES - 200
 
     def filled(template: bytes, n: int, fill: bytes = b"a") -> bytes:
         """`template` with its "@" replaced by `n` bytes of `fill`: one copy of a big body."""
         head, tail = template.split(b"@")
         return b"".join((head, fill * n, tail))
-    cases = [   # (app, route, a function making the body, the status)
-        (harness, CHAT, lambda: dumps({"messages": [
-            {"role": "user", "content": long_text("cjk", 1_300_000)}]}), 400),
+
+    cases = [  # (app, route, a function making the body, the status)
+        (
+            harness,
+            CHAT,
+            lambda: dumps({"messages": [{"role": "user", "content": long_text("cjk", 1_300_000)}]}),
+            400,
+        ),
         (harness, COMPLETIONS, lambda: dumps({"prompt": long_text("cjk", 1_300_000)}), 400),
-        (harness, CHAT, lambda: filled(b'{"messages": [{"role": "user", "content": "@"}]}',
-                                       near), 400),
+        (
+            harness,
+            CHAT,
+            lambda: filled(b'{"messages": [{"role": "user", "content": "@"}]}', near),
+            400,
+        ),
         (harness, COMPLETIONS, lambda: filled(b'{"prompt": "@"}', MAX_BODY_BYTES), 413),
-        (harness, CHAT, lambda: filled(b'{"messages": [{"role": "user", "content": "hi"}], '
-                                       b'"max_tokens": 2, "user": "@"}', near), 200),
+        (
+            harness,
+            CHAT,
+            lambda: filled(
+                b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "user": "@"}',
+                near,
+            ),
+            200,
+        ),
         (harness, CHAT, lambda: dumps({**BASE_CHAT, "stop": ["s"] * 1_000_000}), 400),
-        (harness, CHAT, lambda: dumps({**BASE_CHAT, "messages": [
-            {"role": "user", "content": "a"}] * 200_000}), 400),
-        (harness, CHAT, lambda: dumps({**BASE_CHAT, "logit_bias": {
-            str(i): 1 for i in range(300_000)}}), 400),
-        (vl_harness, CHAT, lambda: dumps(_resolve_png({**BASE_CHAT, "messages": [{
-            "role": "user", "content": [{"type": "image_url", "image_url": {"url": "img:bomb"}}]
-            * 8}]})), 400),
-        (vl_harness, CHAT, lambda: dumps(_resolve_png({**BASE_CHAT, "messages": [{
-            "role": "user", "content": [{"type": "image_url", "image_url": {
-                "url": "img:png_2mpx"}}] * 32}]})), 200),
+        (
+            harness,
+            CHAT,
+            lambda: dumps({**BASE_CHAT, "messages": [{"role": "user", "content": "a"}] * 200_000}),
+            400,
+        ),
+        (
+            harness,
+            CHAT,
+            lambda: dumps({**BASE_CHAT, "logit_bias": {str(i): 1 for i in range(300_000)}}),
+            400,
+        ),
+        (
+            vl_harness,
+            CHAT,
+            lambda: dumps(
+                _resolve_png(
+                    {
+                        **BASE_CHAT,
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": [{"type": "image_url", "image_url": {"url": "img:bomb"}}]
+                                * 8,
+                            }
+                        ],
+                    }
+                )
+            ),
+            400,
+        ),
+        (
+            vl_harness,
+            CHAT,
+            lambda: dumps(
+                _resolve_png(
+                    {
+                        **BASE_CHAT,
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": [
+                                    {"type": "image_url", "image_url": {"url": "img:png_2mpx"}}
+                                ]
+                                * 32,
+                            }
+                        ],
+                    }
+                )
+            ),
+            200,
+        ),
     ]
     for h, path, body, status in cases:
         r = send(h, path, body())

@@ -3,6 +3,7 @@ kestrel_cli.runtime.sparse.select_blocks against a plain-Python transcription of
 steps, the C kernel's picks against select_blocks, and
 the engine-level contract on the bundled SmolLM2 (determinism, k >= n_blocks exact,
 ~2K-token chat prompt: k = 32 keeps the greedy answer, k = 1 loses it)."""
+
 from __future__ import annotations
 
 import math
@@ -19,43 +20,48 @@ BS = 32
 
 # ------------------------------------------------------ the design doc's steps, verbatim
 
+
 def spec_select(q, keys, importance, k, n_probe=8, bs=BS):
     """docs/DESIGN.md §3 steps 1-4, transcribed with plain Python lists and loops."""
     seq_len = len(keys)
     n_blocks = math.ceil(seq_len / bs)
     if n_blocks <= k:
         return list(range(n_blocks))
-    dot = lambda a, b: float(np.dot(np.asarray(a, np.float32), np.asarray(b, np.float32)))
+
+    def dot(a, b):
+        return float(np.dot(np.asarray(a, np.float32), np.asarray(b, np.float32)))
+
     probe = []
-    for b in range(n_blocks):                                    # 1. probe
+    for b in range(n_blocks):  # 1. probe
         p0, p_end = b * bs, min(b * bs + bs, seq_len)
         step = max(1, (p_end - p0) // n_probe)
         probe.append(max(dot(q, keys[ps]) for ps in range(p0, p_end, step)))
     picks = []
-    if importance is not None:                                   # 2. importance
+    if importance is not None:  # 2. importance
         imp = []
         for b in range(n_blocks):
             imp.append(sum(float(importance[t]) for t in range(b * bs, min(b * bs + bs, seq_len))))
         for _ in range((k + 1) // 2):
             best = None
-            for b in range(n_blocks):                            # largest, ties: lower index
+            for b in range(n_blocks):  # largest, ties: lower index
                 if b not in picks and (best is None or imp[b] > imp[best]):
                     best = b
             picks.append(best)
     n_imp = len(picks)
-    for _ in range(k - n_imp):                                   # 3. probe fill
+    for _ in range(k - n_imp):  # 3. probe fill
         best = None
         for b in range(n_blocks):
             if b not in picks and (best is None or probe[b] > probe[best]):
                 best = b
         picks.append(best)
-    last = n_blocks - 1                                          # 4. recency
+    last = n_blocks - 1  # 4. recency
     probe_picks = list(range(n_imp, k))
     if last not in picks and probe_picks:
         low = probe_picks[0]
-        for i in probe_picks:                                    # lowest probe, ties: higher index
+        for i in probe_picks:  # lowest probe, ties: higher index
             if probe[picks[i]] < probe[picks[low]] or (
-                    probe[picks[i]] == probe[picks[low]] and picks[i] > picks[low]):
+                probe[picks[i]] == probe[picks[low]] and picks[i] > picks[low]
+            ):
                 low = i
         picks[low] = last
     return picks
@@ -71,10 +77,22 @@ def c_select(q, keys, importance, k, n_probe=8):
     ptrs = np.array([b.ctypes.data for b in blocks], dtype=np.uint64)
     out = np.empty((1, hd), np.float32)
     sel = np.full((1, 1, k), -1, np.int32)
-    kernels.attention(q.reshape(1, hd).astype(np.float32), ptrs, ptrs, BS, 1, hd, seq - 1, 1.0,
-                      out, 1, sparse_k=k, sparse=SparseSpec(probes=n_probe),
-                      imp_order=None if importance is None else importance_order(importance, seq),
-                      sel=sel)
+    kernels.attention(
+        q.reshape(1, hd).astype(np.float32),
+        ptrs,
+        ptrs,
+        BS,
+        1,
+        hd,
+        seq - 1,
+        1.0,
+        out,
+        1,
+        sparse_k=k,
+        sparse=SparseSpec(probes=n_probe),
+        imp_order=None if importance is None else importance_order(importance, seq),
+        sel=sel,
+    )
     return sel[0, 0].tolist() if nb > k else list(range(nb))
 
 
@@ -87,6 +105,7 @@ def check(q, keys, importance, k, n_probe=8):
 
 
 # ----------------------------------------------------------------------- select_blocks
+
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_cases(seed):
@@ -105,8 +124,8 @@ def test_equal_probes_tie_to_lower_index():
     rng = np.random.default_rng(1)
     q = rng.standard_normal(16).astype(np.float32)
     keys = np.tile(rng.standard_normal((BS, 16)).astype(np.float32), (10, 1))  # 10 equal blocks
-    assert check(q, keys, None, 3) == [0, 1, 9]          # 0, 1, 2 by index; 2 -> last (recency)
-    keys[5 * BS:6 * BS] *= 0                              # block 5 probes 0: still ties elsewhere
+    assert check(q, keys, None, 3) == [0, 1, 9]  # 0, 1, 2 by index; 2 -> last (recency)
+    keys[5 * BS : 6 * BS] *= 0  # block 5 probes 0: still ties elsewhere
     check(q, keys, None, 4)
 
 
@@ -116,8 +135,8 @@ def test_equal_importance_ties_to_lower_index():
     keys = rng.standard_normal((8 * BS, 16)).astype(np.float32)
     imp = np.ones(8 * BS, np.float32)
     picks = check(q, keys, imp, 5)
-    assert picks[:3] == [0, 1, 2]                         # (5 + 1) // 2 importance picks
-    imp[3 * BS:4 * BS] = 2.0
+    assert picks[:3] == [0, 1, 2]  # (5 + 1) // 2 importance picks
+    imp[3 * BS : 4 * BS] = 2.0
     assert check(q, keys, imp, 5)[:3] == [3, 0, 1]
 
 
@@ -125,21 +144,21 @@ def test_k1_with_and_without_importance():
     rng = np.random.default_rng(3)
     q = rng.standard_normal(16).astype(np.float32)
     keys = rng.standard_normal((6 * BS + 7, 16)).astype(np.float32)
-    assert check(q, keys, None, 1) == [6]                  # the one probe pick -> recency
+    assert check(q, keys, None, 1) == [6]  # the one probe pick -> recency
     imp = np.zeros(len(keys), np.float32)
     imp[2 * BS + 5] = 1.0
-    assert check(q, keys, imp, 1) == [2]                   # importance only, never swapped
+    assert check(q, keys, imp, 1) == [2]  # importance only, never swapped
 
 
 def test_last_block_already_chosen():
     rng = np.random.default_rng(4)
     q = rng.standard_normal(16).astype(np.float32)
     keys = rng.standard_normal((7 * BS, 16)).astype(np.float32)
-    keys[6 * BS] = q * 10                                  # last block probes highest
+    keys[6 * BS] = q * 10  # last block probes highest
     picks = check(q, keys, None, 3)
     assert picks[0] == 6 and len(set(picks)) == 3
     imp = np.zeros(len(keys), np.float32)
-    imp[6 * BS + 1] = 5.0                                  # last block taken by importance
+    imp[6 * BS + 1] = 5.0  # last block taken by importance
     keys[6 * BS] = -q * 10
     picks = check(q, keys, imp, 3)
     assert picks[0] == 6 and len(set(picks)) == 3
@@ -152,7 +171,7 @@ def test_seq_len_not_a_multiple_of_32(seq):
     keys = rng.standard_normal((seq, 8)).astype(np.float32)
     imp = rng.random(seq).astype(np.float32)
     for k in (1, 2, 3):
-        for n_probe in (1, 3, 8, 64):                     # steps over a short last block
+        for n_probe in (1, 3, 8, 64):  # steps over a short last block
             check(q, keys, imp, k, n_probe)
             check(q, keys, None, k, n_probe)
 
@@ -176,8 +195,10 @@ def needle_prompt(n_facts: int) -> list[dict]:
     for i in range(n_facts):
         if i == n_facts // 2:
             parts.append("The secret password is blue kestrel. ")
-        parts.append(f"{WHO[i % 16]} painted the {THING[(i * 5) % 12]} "
-                     f"{COLOR[(i * 3) % 10]} on {DAY[(i * 2) % 7]}. ")
+        parts.append(
+            f"{WHO[i % 16]} painted the {THING[(i * 5) % 12]} "
+            f"{COLOR[(i * 3) % 10]} on {DAY[(i * 2) % 7]}. "
+        )
     parts.append("\n\nQuestion: What is the secret password?")
     return [{"role": "user", "content": "".join(parts)}]
 
@@ -203,7 +224,7 @@ def greedy(eng, ids, n=16):
 
 
 def test_k_at_least_n_blocks_is_bit_identical(eng):
-    ids = eng.encode_prompt(needle_prompt(12))               # ~170 tokens
+    ids = eng.encode_prompt(needle_prompt(12))  # ~170 tokens
     nb = -(-len(ids) // BS)
 
     def run(spec=CacheSpec()):
@@ -239,10 +260,10 @@ def test_importance_recorded_per_layer(eng):
     cache = use_cache(eng)
     eng.prefill(ids)
     n, H = len(ids), eng.config.num_attention_heads
-    mass = cache.importance[:, :n].sum(axis=1)               # each row's softmax sums to 1
+    mass = cache.importance[:, :n].sum(axis=1)  # each row's softmax sums to 1
     np.testing.assert_allclose(mass, n * H, rtol=1e-4)
     assert np.all(cache.importance[:, n:] == 0)
-    eng.decode_step(ids[-1])                                     # decode adds nothing
+    eng.decode_step(ids[-1])  # decode adds nothing
     np.testing.assert_allclose(cache.importance[:, :n].sum(axis=1), mass, rtol=0)
     assert np.all(cache.importance[:, n] == 0)
 
@@ -265,18 +286,35 @@ def test_needle_sweep_script(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[1]
     exe = tmp_path / "kestrel"
     exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kestrel_cli.cli "$@"\n')
     exe.chmod(0o755)
-    env = dict(os.environ, KESTREL=str(exe), PYTHONPATH=str(root), NEEDLE_SWEEP="1",
-               SWEEP_K="1", NEEDLE_FILLER="6", NEEDLE_N="10")
-    r = subprocess.run(["bash", str(root / "scripts" / "needle.sh"), "", "-t", "1"], env=env,
-                       capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        KESTREL=str(exe),
+        PYTHONPATH=str(root),
+        NEEDLE_SWEEP="1",
+        SWEEP_K="1",
+        NEEDLE_FILLER="6",
+        NEEDLE_N="10",
+    )
+    r = subprocess.run(
+        ["bash", str(root / "scripts" / "needle.sh"), "", "-t", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     rows = [line.split(None, 4) for line in r.stdout.strip().splitlines()]
     assert rows[0] == ["attn", "kv", "recalled", "attn_ms", "answer"]
-    assert [row[:2] for row in rows[1:]] == [["exact", "f32"], ["exact", "q8"], ["k=1", "f32"],
-                                            ["k=1", "q8"]]
+    assert [row[:2] for row in rows[1:]] == [
+        ["exact", "f32"],
+        ["exact", "q8"],
+        ["k=1", "f32"],
+        ["k=1", "q8"],
+    ]
     assert all(row[2] in ("yes", "no") and float(row[3]) >= 0 for row in rows[1:])
     assert rows[1][2] == "yes" and "blue kestrel" in rows[1][4].lower()

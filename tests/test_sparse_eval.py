@@ -1,6 +1,7 @@
 """scripts/sparse_eval.py's NumPy decode (SimAttend, "sim:..." configs): it must reproduce
 the kernel's selection where it claims to (the seed, union), equal exact attention when
 every block is kept, and its oracles must pick what they say."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -73,12 +74,15 @@ def test_oracles_pick_the_largest_mass_and_max():
     rng = np.random.default_rng(7)
     n, nb, k = 10 * BS - 4, 10, 3
     s = rng.standard_normal((N_HEADS, n)) * 2
-    s[0, 5 * BS + 7] = 9.0                  # head 0: one huge score in block 5
-    s[1, 2 * BS:3 * BS] += 1.5              # head 1: block 2 heavy in sum, not in max
+    s[0, 5 * BS + 7] = 9.0  # head 0: one huge score in block 5
+    s[1, 2 * BS : 3 * BS] += 1.5  # head 1: block 2 heavy in sum, not in max
     q = rng.standard_normal((N_HEADS, HD))
     kq = rng.standard_normal((n, N_KV, HD))
-    mass = np.exp(np.pad(s, ((0, 0), (0, nb * BS - n)), constant_values=-np.inf)
-                  ).reshape(N_HEADS, nb, BS).sum(-1)
+    mass = (
+        np.exp(np.pad(s, ((0, 0), (0, nb * BS - n)), constant_values=-np.inf))
+        .reshape(N_HEADS, nb, BS)
+        .sum(-1)
+    )
     sel = se.sim_select(se.parse_sim("sim:oracle=mass"), s, q, kq, n, k, GROUP, None, BS)
     for h in range(N_HEADS):
         assert set(np.flatnonzero(sel[h])) == set(np.argsort(-mass[h])[:k])
@@ -89,12 +93,14 @@ def test_oracles_pick_the_largest_mass_and_max():
     kv = se.sim_select(se.parse_sim("sim:oracle=kvmass"), s, q, kq, n, k, GROUP, None, BS)
     share = (mass / mass.sum(1, keepdims=True)).reshape(N_KV, GROUP, nb).sum(1)
     for g in range(N_KV):
-        rows = kv[g * GROUP:(g + 1) * GROUP]
+        rows = kv[g * GROUP : (g + 1) * GROUP]
         assert (rows == rows[0]).all() and set(np.flatnonzero(rows[0])) == set(
-            np.argsort(-share[g])[:k])
+            np.argsort(-share[g])[:k]
+        )
     # sink and recent outside the budget
-    sr = se.sim_select(se.parse_sim("sim:oracle=mass:sink=out:recent=2"), s, q, kq, n, k,
-                       GROUP, None, BS)
+    sr = se.sim_select(
+        se.parse_sim("sim:oracle=mass:sink=out:recent=2"), s, q, kq, n, k, GROUP, None, BS
+    )
     assert sr[:, [0, 8, 9]].all() and (sr.sum(1) == k + 3).all()
 
 
@@ -103,7 +109,7 @@ def test_sim_options_checked():
         se.parse_sim("sim:nope=1")
     with pytest.raises(SystemExit):
         se.parse_sim("sim:oracle=best")
-    for rest in ("pat6", "tier", "adapt", "adapt1e"):          # tierT / adaptE need a number
+    for rest in ("pat6", "tier", "adapt", "adapt1e"):  # tierT / adaptE need a number
         with pytest.raises(SystemExit):
             se.parse_sim(f"sim:rest={rest}")
     assert se.parse_sim("sim:rest=adapt1e-4")["rest"] == "adapt1e-4"
@@ -113,8 +119,10 @@ def test_sim_options_checked():
 def test_use_policy_routes_decode_through_the_sim():
     """A sim config turns the model's native decode off (else cache.attend is never
     called) and installs SimAttend; any other config restores both."""
+
     class M:
         native_decode = True
+
     m, c = M(), KVCache(1, N_KV, HD, 64, CacheSpec(sparse=SparseSpec(k=2)))
     se.use_policy(m, c, "sim:oracle=mass", 2)
     assert m.native_decode is False and isinstance(c.attend, se.SimAttend)
@@ -136,14 +144,24 @@ def test_sim_rest_variants_order_as_measured():
     exact = c.attend(0, q, np.empty_like(q)).copy()
     err = {}
     outs = {}
-    for rest in ("off", "mean", "true", "top", "v4", "v4s", "tier1", "tier100", "adapt0",
-                 "adapt1000"):
+    for rest in (
+        "off",
+        "mean",
+        "true",
+        "top",
+        "v4",
+        "v4s",
+        "tier1",
+        "tier100",
+        "adapt0",
+        "adapt1000",
+    ):
         pol = se.parse_sim(f"sim:probe=q4:group=union:sink=out:recent=1:rest={rest}")
         outs[rest] = se.SimAttend(c, pol, 2)(0, q, np.empty_like(q)).copy()
         err[rest] = float(np.abs(outs[rest] - exact).max())
     assert err["v4"] < 0.1 * err["off"] and err["v4s"] < 0.1 * err["off"]
     assert err["v4"] < err["top"] < err["true"]
-    assert err["true"] < err["off"]          # spread heads: the means beat dropping them
+    assert err["true"] < err["off"]  # spread heads: the means beat dropping them
     # tiers: 4-bit values within e^-T of a head's largest block mass, means below it; a
     # tier below every block is v4s, and e^-1 here sits between v4s and the means
     np.testing.assert_array_equal(outs["tier100"], outs["v4s"])
@@ -152,23 +170,30 @@ def test_sim_rest_variants_order_as_measured():
     # block above the floor at its mean, as far off as tier0's means
     np.testing.assert_allclose(outs["adapt0"], outs["v4s"], rtol=1e-10, atol=1e-12)
     assert err["v4s"] < 0.5 * err["adapt1000"]
-    np.testing.assert_allclose(outs["adapt1000"], se.SimAttend(c, se.parse_sim(
-        "sim:probe=q4:group=union:sink=out:recent=1:rest=tier0"), 2)(0, q, np.empty_like(q)),
-        rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(
+        outs["adapt1000"],
+        se.SimAttend(c, se.parse_sim("sim:probe=q4:group=union:sink=out:recent=1:rest=tier0"), 2)(
+            0, q, np.empty_like(q)
+        ),
+        rtol=1e-10,
+        atol=1e-12,
+    )
 
 
 def test_bad_input_is_one_line(tmp_path):
     """speed takes one k (its default too); a missing model or text file is one line."""
-    for argv, msg in ((["speed", "-k", "8,4"], "one k"),
-                      (["speed", "-m", str(tmp_path / "none.gguf")], "does not exist"),
-                      (["kld", "-m", str(tmp_path / "none.gguf")], "does not exist")):
+    for argv, msg in (
+        (["speed", "-k", "8,4"], "one k"),
+        (["speed", "-m", str(tmp_path / "none.gguf")], "does not exist"),
+        (["kld", "-m", str(tmp_path / "none.gguf")], "does not exist"),
+    ):
         with pytest.raises(SystemExit) as e:
             se.main(argv)
         assert msg in str(e.value)
     with pytest.raises(SystemExit) as e:
-        se.main(["speed", "--configs", "sim:oracle=mass"])      # default k accepted
+        se.main(["speed", "--configs", "sim:oracle=mass"])  # default k accepted
     assert "sim:" in str(e.value)
-    for bad in ("tierx", "tier", "v5"):                      # a rest it does not know
+    for bad in ("tierx", "tier", "v5"):  # a rest it does not know
         with pytest.raises(SystemExit) as e:
             se.parse_sim(f"sim:probe=q4:rest={bad}")
         assert "unknown rest" in str(e.value)
@@ -182,6 +207,9 @@ def test_configs_are_sparse_specs():
     assert se.spec_of("seed", 4, "q8") == CacheSpec("q8", SparseSpec(k=4))
     assert se.spec_of("sim:oracle=mass", 4).sparse == SparseSpec(k=4, prefill="exact")
     assert se.configs_of("seed,quality+dense=0,5,sink=in") == [
-        "seed", "quality+dense=0,5", "sink=in"]
+        "seed",
+        "quality+dense=0,5",
+        "sink=in",
+    ]
     with pytest.raises(KestrelError, match="unknown option or preset 'kv-max'"):
         se.spec_of("kv-max", 8)

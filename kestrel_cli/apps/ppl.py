@@ -11,6 +11,7 @@ t's logits score token t + 1.
 activations in every matmul (--f32-act) and averages KL(P_exact || P_this) over the same
 rows: the cost of the int8 KV cache, of sparse attention and of int8 activations together.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,17 +23,17 @@ import numpy as np
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime.kv_cache import CacheSpec
 
-ROWS = 256             # logits rows turned into log-probabilities at a time (float64)
+ROWS = 256  # logits rows turned into log-probabilities at a time (float64)
 
 
 @dataclass
 class PplResult:
-    tokens: int           # tokens scored (each window's tokens after its first)
+    tokens: int  # tokens scored (each window's tokens after its first)
     windows: int
-    ctx: int              # window length
-    nll: float            # mean negative log-likelihood (nats)
+    ctx: int  # window length
+    nll: float  # mean negative log-likelihood (nats)
     seconds: float
-    kld: float | None = None   # mean KL(exact || this run), nats; None without kld_ref
+    kld: float | None = None  # mean KL(exact || this run), nats; None without kld_ref
 
     @property
     def ppl(self) -> float:
@@ -42,8 +43,10 @@ class PplResult:
         """One key=value line (stable for scripts)."""
         kld = "" if self.kld is None else f" kld={self.kld:.6f}"
         tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
-        return (f"tokens={self.tokens} windows={self.windows} ctx={self.ctx} "
-                f"ppl={self.ppl:.4f}{kld} time_s={self.seconds:.1f} tok_per_s={tps:.1f}")
+        return (
+            f"tokens={self.tokens} windows={self.windows} ctx={self.ctx} "
+            f"ppl={self.ppl:.4f}{kld} time_s={self.seconds:.1f} tok_per_s={tps:.1f}"
+        )
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -59,8 +62,14 @@ def windows(n_tokens: int, ctx: int) -> list[tuple[int, int]]:
     return [(s, e) for s, e in out if e - s >= 2]
 
 
-def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
-               progress=None, llama_cpp: bool = False) -> PplResult:
+def perplexity(
+    engine,
+    ids,
+    ctx: int | None = None,
+    kld_ref: bool = False,
+    progress=None,
+    llama_cpp: bool = False,
+) -> PplResult:
     """Perplexity of token ids under `engine` (its model and attention settings).
 
     Args:
@@ -84,22 +93,24 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
     if ctx > engine.ctx_size:
         raise KestrelError(f"window {ctx} exceeds the context size {engine.ctx_size}")
     spans = windows(ids.size, ctx)
-    first = 0                                   # first scored row of a window
+    first = 0  # first scored row of a window
     bos = None
     if llama_cpp:
         spans = [(s, e) for s, e in spans if e - s == ctx]
-        first = ctx // 2 - 1                    # row ctx/2 - 1 scores token ctx/2
+        first = ctx // 2 - 1  # row ctx/2 - 1 scores token ctx/2
         tok = engine.tokenizer
         if getattr(tok, "add_bos_token", False) and tok.bos_token_id is not None:
             bos = int(tok.bos_token_id)
         if ctx < 4 or not spans:
-            raise KestrelError(f"--llama-cpp scoring needs at least one whole window of "
-                               f"{ctx} >= 4 tokens; the text has {ids.size}")
+            raise KestrelError(
+                f"--llama-cpp scoring needs at least one whole window of "
+                f"{ctx} >= 4 tokens; the text has {ids.size}"
+            )
     if not spans:
         raise KestrelError(f"the text has {ids.size} token(s); perplexity needs at least 2")
     model = engine.model
     cache = engine.make_cache(ctx)
-    ref_cache = model.make_cache(ctx, CacheSpec()) if kld_ref else None   # f32, exact
+    ref_cache = model.make_cache(ctx, CacheSpec()) if kld_ref else None  # f32, exact
     nll_sum, kl_sum, n_scored = 0.0, 0.0, 0
     t0 = time.perf_counter()
     for w, (s, e) in enumerate(spans):
@@ -108,16 +119,16 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
             win = win.copy()
             win[0] = bos
         cache.reset()
-        logits = model(win, cache, all_logits=True)            # (n, V) float32
+        logits = model(win, cache, all_logits=True)  # (n, V) float32
         ref = None
         if ref_cache is not None:
             ref_cache.reset()
             ref = model(win, ref_cache, all_logits=True, act="f32")
-        n = win.size - 1                                        # rows 0..n-1 score 1..n
+        n = win.size - 1  # rows 0..n-1 score 1..n
         for r0 in range(first, n, ROWS):
             r1 = min(r0 + ROWS, n)
             lp = _log_softmax(logits[r0:r1])
-            nll_sum -= float(lp[np.arange(r1 - r0), win[r0 + 1:r1 + 1]].sum())
+            nll_sum -= float(lp[np.arange(r1 - r0), win[r0 + 1 : r1 + 1]].sum())
             if ref is not None:
                 lq = _log_softmax(ref[r0:r1])
                 kl_sum += float((np.exp(lq) * (lq - lp)).sum())
@@ -126,5 +137,11 @@ def perplexity(engine, ids, ctx: int | None = None, kld_ref: bool = False,
         if progress is not None:
             progress(w, len(spans))
     secs = time.perf_counter() - t0
-    return PplResult(tokens=n_scored, windows=len(spans), ctx=ctx, nll=nll_sum / n_scored,
-                     seconds=secs, kld=kl_sum / n_scored if kld_ref else None)
+    return PplResult(
+        tokens=n_scored,
+        windows=len(spans),
+        ctx=ctx,
+        nll=nll_sum / n_scored,
+        seconds=secs,
+        kld=kl_sum / n_scored if kld_ref else None,
+    )

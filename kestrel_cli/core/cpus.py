@@ -35,6 +35,7 @@ pool, an earlier engine's OpenMP team) are moved too.
 KESTREL_SYSFS_CPU names another directory laid out as /sys/devices/system/cpu (tests use
 fake trees). `kestrel cpus` prints what this module finds.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,11 +43,11 @@ from dataclasses import dataclass
 
 SYSFS_ENV = "KESTREL_SYSFS_CPU"
 SYSFS_CPU = "/sys/devices/system/cpu"
-TIER_TOLERANCE = 0.15           # cores within 15% of each other count as one tier
-MAX_SYSFS_BYTES = 64            # a sysfs number file is a few bytes; more is not one
+TIER_TOLERANCE = 0.15  # cores within 15% of each other count as one tier
+MAX_SYSFS_BYTES = 64  # a sysfs number file is a few bytes; more is not one
 OMP_BINDING_ENV = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY")
 
-_original_affinity: frozenset[int] | None = None     # the mask before we first pinned
+_original_affinity: frozenset[int] | None = None  # the mask before we first pinned
 
 
 def sysfs_root(root: str | None = None) -> str:
@@ -61,7 +62,7 @@ def allowed_cpus() -> frozenset[int]:
         return _original_affinity
     try:
         return frozenset(os.sched_getaffinity(0))
-    except (AttributeError, OSError):          # not Linux: every CPU
+    except (AttributeError, OSError):  # not Linux: every CPU
         return frozenset(range(os.cpu_count() or 1))
 
 
@@ -106,6 +107,7 @@ class Topology:
         source covered every allowed CPU: all are taken as alike).
     speed: CPU -> its value of `metric` (empty when metric is None).
     """
+
     allowed: tuple[int, ...]
     metric: str | None
     speed: dict
@@ -139,7 +141,7 @@ class Topology:
         for speed, cpus in tiers:
             used = used + cpus
             rate = len(used) * speed
-            if rate > best_rate:                  # ties keep the fewer cores
+            if rate > best_rate:  # ties keep the fewer cores
                 best, best_rate = used, rate
         return tuple(sorted(best))
 
@@ -163,8 +165,7 @@ class Topology:
         kept = ", ".join(val(s) for s, cs in tiers if set(cs) <= fast_set)
         left = ", ".join(val(s) for s, cs in tiers if not set(cs) <= fast_set)
         name = "capacity" if self.metric == "capacity" else "max freq"
-        return (f"big cores {cpu_list(fast)} of {len(self.allowed)}: "
-                f"{name} {kept} vs {left}{unit}")
+        return f"big cores {cpu_list(fast)} of {len(self.allowed)}: {name} {kept} vs {left}{unit}"
 
 
 def topology(root: str | None = None, allowed=None) -> Topology:
@@ -188,14 +189,16 @@ class ThreadPlan:
     line: the choice in one line for the CLI, e.g. "threads: 4 (big cores 4-7 of 8: ...)".
     mixed: whether the allowed cores differ in speed (the CLI prints `line` only then).
     """
+
     threads: int
     pin: tuple[int, ...] | None
     line: str
     mixed: bool
 
 
-def plan(threads: int | None = None, share: int = 1, topo: Topology | None = None,
-         env=None) -> ThreadPlan:
+def plan(
+    threads: int | None = None, share: int = 1, topo: Topology | None = None, env=None
+) -> ThreadPlan:
     """The thread plan for `-t threads` (None: the default, one per fast core, split
     `share` ways as `serve --parallel` does)."""
     topo = topology() if topo is None else topo
@@ -213,9 +216,12 @@ def plan(threads: int | None = None, share: int = 1, topo: Topology | None = Non
     else:
         n = threads
         pin = None
-        head = (f"threads: {n} (-t {n} > {len(fast)} big cores: not pinned, all "
-                f"{len(topo.allowed)} cores {cpu_list(topo.allowed)})" if topo.mixed else
-                f"threads: {n} (-t; {why})")
+        head = (
+            f"threads: {n} (-t {n} > {len(fast)} big cores: not pinned, all "
+            f"{len(topo.allowed)} cores {cpu_list(topo.allowed)})"
+            if topo.mixed
+            else f"threads: {n} (-t; {why})"
+        )
     bound = [k for k in OMP_BINDING_ENV if env.get(k)]
     if pin is not None and bound:
         pin = None
@@ -244,7 +250,7 @@ def pin_process(cpus) -> None:
     for tid in tids:
         try:
             os.sched_setaffinity(tid, mask)
-        except OSError:             # a thread that has just exited, or a CPU gone offline
+        except OSError:  # a thread that has just exited, or a CPU gone offline
             pass
 
 
@@ -258,6 +264,10 @@ def summary(topo: Topology | None = None) -> list[str]:
     default leaves out, empty when all are alike), the speed source and the default plan,
     one `key: value` line each (scripts/board_bench.sh reads them)."""
     topo = topology() if topo is None else topo
-    return [f"cpus: {cpu_list(topo.allowed)}", f"big: {cpu_list(topo.fast())}",
-            f"little: {cpu_list(topo.slow())}", f"metric: {topo.metric or 'none'}",
-            plan(topo=topo).line]
+    return [
+        f"cpus: {cpu_list(topo.allowed)}",
+        f"big: {cpu_list(topo.fast())}",
+        f"little: {cpu_list(topo.slow())}",
+        f"metric: {topo.metric or 'none'}",
+        plan(topo=topo).line,
+    ]

@@ -14,4 +14,4 @@ def clip(value, limit: int = 60) -> str:
     """str(value) on one line, cut to `limit` characters: what an error line may echo of
     input that a hostile file controls (names, shapes, an exception quoting its input)."""
     s = " ".join(str(value).split())
-    return s if len(s) <= limit else s[:limit - 3] + "..."
+    return s if len(s) <= limit else s[: limit - 3] + "..."

@@ -1,6 +1,7 @@
 """What the operating system says about memory and what it is told: the machine's RAM,
 giving freed heap pages back, and dropping a file mapping's pages. Used by the CLI (KV
 caches must fit), the server's admission budget, image decoding and the loaders."""
+
 from __future__ import annotations
 
 import mmap
@@ -41,6 +42,7 @@ def return_freed_memory() -> None:
     if _malloc_trim is None:
         try:
             import ctypes
+
             _malloc_trim = ctypes.CDLL(None).malloc_trim
         except (OSError, AttributeError):
             _malloc_trim = False
@@ -76,7 +78,7 @@ def drop_pages(a: np.ndarray) -> None:
     lo = a.ctypes.data - start
     hi = lo + a.nbytes
     page = mmap.PAGESIZE
-    lo, hi = -(-lo // page) * page, hi // page * page     # whole pages inside the array
+    lo, hi = -(-lo // page) * page, hi // page * page  # whole pages inside the array
     if hi > lo:
         try:
             mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)

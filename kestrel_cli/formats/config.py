@@ -1,4 +1,5 @@
 """config.json -> a dataclass whose field names are the Hugging Face keys verbatim."""
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ class Config:
     mlp_bias: bool = False
     # qwen3_moe
     num_experts: int = 0
-    num_local_experts: int = 0          # transformers 5 spelling of num_experts
+    num_local_experts: int = 0  # transformers 5 spelling of num_experts
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
@@ -57,18 +58,28 @@ class Config:
         """Filter config.json to the known keys; Qwen3-VL keeps its decoder in text_config."""
         if "text_config" in raw and str(raw.get("model_type", "")).endswith("_vl"):
             if not isinstance(raw["text_config"], dict):
-                raise KestrelError(f"text_config must be an object, got "
-                                   f"{type(raw['text_config']).__name__}")
+                raise KestrelError(
+                    f"text_config must be an object, got {type(raw['text_config']).__name__}"
+                )
             text = dict(raw["text_config"])
             text["model_type"] = raw["model_type"]
-            for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "vision_config",
-                      "image_token_id", "vision_start_token_id"):
-                if k in raw:                 # the wrapper's value is the one transformers uses
+            for k in (
+                "tie_word_embeddings",
+                "eos_token_id",
+                "bos_token_id",
+                "vision_config",
+                "image_token_id",
+                "vision_start_token_id",
+            ):
+                if k in raw:  # the wrapper's value is the one transformers uses
                     text[k] = raw[k]
             raw = text
-        missing = [f.name for f in fields(cls)
-                   if f.name in ("model_type", "hidden_size", "num_hidden_layers",
-                                 "num_attention_heads") and f.name not in raw]
+        missing = [
+            f.name
+            for f in fields(cls)
+            if f.name in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads")
+            and f.name not in raw
+        ]
         if missing:
             raise KestrelError(f"lacks required key(s): {', '.join(missing)}")
         known = {f.name for f in fields(cls)}
@@ -81,14 +92,17 @@ class Config:
         self.mlp_only_layers = list(self.mlp_only_layers or [])
         self.num_experts = self.num_experts or self.num_local_experts
         if not 2 <= self.head_dim <= MAX_HEAD_DIM or self.head_dim % 2:
-            raise KestrelError(f"head_dim={self.head_dim} (hidden_size / num_attention_heads "
-                               f"unless given) must be an even number in 2..{MAX_HEAD_DIM} "
-                               f"(RoPE rotates pairs)")
+            raise KestrelError(
+                f"head_dim={self.head_dim} (hidden_size / num_attention_heads "
+                f"unless given) must be an even number in 2..{MAX_HEAD_DIM} "
+                f"(RoPE rotates pairs)"
+            )
         self._refuse_ignored()
 
     def _check_values(self) -> None:
         """Every size, count and constant a config claims is a number in its range, before
         anything is computed or allocated from it: one KestrelError naming the field."""
+
         def bad(name, value, why):
             raise KestrelError(f"{name}={_show(value)} is invalid ({why})")
 
@@ -116,10 +130,15 @@ class Config:
         # 0 and null: the default (num_attention_heads; hidden_size / num_attention_heads)
         integer("num_key_value_heads", self.num_key_value_heads, 0, MAX_HEADS, optional=True)
         integer("head_dim", self.head_dim, 0, MAX_HEAD_DIM, optional=True)
-        for name in ("intermediate_size", "num_experts", "num_local_experts",
-                     "num_experts_per_tok", "moe_intermediate_size"):
+        for name in (
+            "intermediate_size",
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+        ):
             integer(name, getattr(self, name), 0)
-        integer("vocab_size", self.vocab_size, 0)          # 0: unset (the loader checks it)
+        integer("vocab_size", self.vocab_size, 0)  # 0: unset (the loader checks it)
         integer("max_position_embeddings", self.max_position_embeddings, 1, _MAX_POSITIONS)
         integer("decoder_sparse_step", self.decoder_sparse_step, 1)
         number("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0)
@@ -131,14 +150,21 @@ class Config:
             v = getattr(self, name)
             if v is not None and not isinstance(v, dict):
                 bad(name, v, "expected a JSON object")
-        for name in ("sliding_window", "max_window_layers", "bos_token_id", "image_token_id",
-                     "vision_start_token_id"):
+        for name in (
+            "sliding_window",
+            "max_window_layers",
+            "bos_token_id",
+            "image_token_id",
+            "vision_start_token_id",
+        ):
             integer(name, getattr(self, name), 0, optional=True)
         eos = self.eos_token_id
-        for t in (eos if isinstance(eos, list) else [eos]):
+        for t in eos if isinstance(eos, list) else [eos]:
             integer("eos_token_id", t, 0, optional=True)
-        if self.layer_types is not None and (not isinstance(self.layer_types, list) or any(
-                not isinstance(t, str) for t in self.layer_types)):
+        if self.layer_types is not None and (
+            not isinstance(self.layer_types, list)
+            or any(not isinstance(t, str) for t in self.layer_types)
+        ):
             bad("layer_types", self.layer_types, "expected a list of strings")
         layers = self.mlp_only_layers or []
         if not isinstance(layers, list) or any(type(i) is not int for i in layers):
@@ -149,24 +175,33 @@ class Config:
                 bad("num_experts_per_tok", self.num_experts_per_tok, f"must be in 1..{n_exp}")
             integer("moe_intermediate_size", self.moe_intermediate_size, 1)
         if self.num_key_value_heads and self.num_key_value_heads > self.num_attention_heads:
-            bad("num_key_value_heads", self.num_key_value_heads,
-                f"more than num_attention_heads={self.num_attention_heads}")
+            bad(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"more than num_attention_heads={self.num_attention_heads}",
+            )
 
     def _refuse_ignored(self) -> None:
         """Refuse what transformers would compute for this model_type and Kestrel would not.
 
         Fields transformers itself ignores for a model_type (mlp_bias on qwen2, say) stay ignored.
         """
+
         def refuse(field_name, value, why):
-            raise KestrelError(f"{field_name}={_show(value)} is not supported for "
-                               f"{self.model_type} ({why})")
+            raise KestrelError(
+                f"{field_name}={_show(value)} is not supported for {self.model_type} ({why})"
+            )
+
         if self.hidden_act not in ("silu", "swish"):
             refuse("hidden_act", self.hidden_act, "only silu")
         if self.mlp_bias and self.model_type == "llama":
             refuse("mlp_bias", self.mlp_bias, "the MLP projections have no bias here")
         if self.num_attention_heads % self.num_key_value_heads:
-            refuse("num_key_value_heads", self.num_key_value_heads,
-                   f"it must divide num_attention_heads={self.num_attention_heads}")
+            refuse(
+                "num_key_value_heads",
+                self.num_key_value_heads,
+                f"it must divide num_attention_heads={self.num_attention_heads}",
+            )
         window = self._sliding_layers()
         if window:
             refuse(window[0], window[1], "sliding-window attention is not implemented")
@@ -182,12 +217,16 @@ class Config:
                 refuse(f"rope {key}", v, f"rope_type {p['rope_type']} needs a number")
             lo, hi = _ROPE_RANGE
             if not (math.isfinite(v) and lo < v < hi):
-                raise KestrelError(f"rope {key}={_show(v)} is invalid (must be a finite "
-                                   f"number in ({lo:g}, {hi:g}))")
+                raise KestrelError(
+                    f"rope {key}={_show(v)} is invalid (must be a finite "
+                    f"number in ({lo:g}, {hi:g}))"
+                )
         if p["rope_type"] == "llama3" and p["high_freq_factor"] <= p["low_freq_factor"]:
-            raise KestrelError(f"rope high_freq_factor={_show(p['high_freq_factor'])} is invalid "
-                               f"(must be more than low_freq_factor="
-                               f"{_show(p['low_freq_factor'])})")
+            raise KestrelError(
+                f"rope high_freq_factor={_show(p['high_freq_factor'])} is invalid "
+                f"(must be more than low_freq_factor="
+                f"{_show(p['low_freq_factor'])})"
+            )
 
     def _sliding_layers(self) -> tuple[str, object] | None:
         """(field, value) that turns sliding-window attention on for some layer, as transformers reads it."""
@@ -199,10 +238,10 @@ class Config:
                 kinds = set(self.layer_types) - {"full_attention"}
                 return ("layer_types", sorted(kinds)) if kinds else None
             if self.use_sliding_window and self.sliding_window is not None:
-                if self.model_type == "qwen3_moe":          # every layer
+                if self.model_type == "qwen3_moe":  # every layer
                     return "use_sliding_window", True
                 first = self.max_window_layers if self.max_window_layers is not None else 28
-                if first < self.num_hidden_layers:           # layers >= max_window_layers slide
+                if first < self.num_hidden_layers:  # layers >= max_window_layers slide
                     return "use_sliding_window", True
         return None
 
@@ -224,7 +263,7 @@ class Config:
         dim = int(self.head_dim * self.partial_rotary_factor)
         base = np.float32(p["rope_theta"])
         exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-        inv_freq = (np.float32(1.0) / (base ** exponent)).astype(np.float32)
+        inv_freq = (np.float32(1.0) / (base**exponent)).astype(np.float32)
         kind = p["rope_type"]
         if kind == "default":
             return inv_freq, 1.0
@@ -267,6 +306,8 @@ def _show(value) -> str:
 
 
 # rope_type -> the keys its inverse frequencies need (besides rope_theta)
-_ROPE_KEYS = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings")}
+_ROPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}

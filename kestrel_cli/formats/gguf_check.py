@@ -11,6 +11,7 @@ The layout (little- or big-endian, as the version field tells):
 The gguf package trusts these numbers (an absurd count made it loop for hours or fail with
 numpy's "index 0 is out of bounds"), so the loader runs `check_gguf` first.
 """
+
 from __future__ import annotations
 
 import struct
@@ -21,16 +22,28 @@ from kestrel_cli.core.errors import KestrelError
 # value type -> size in bytes (8 string, 9 array: variable)
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
-_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
-               6: "float32", 7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64",
-               12: "float64"}
+_TYPE_NAMES = {
+    0: "uint8",
+    1: "int8",
+    2: "uint16",
+    3: "int16",
+    4: "uint32",
+    5: "int32",
+    6: "float32",
+    7: "bool",
+    8: "string",
+    9: "array",
+    10: "uint64",
+    11: "int64",
+    12: "float64",
+}
 # budgets: far above any published model, far below what would exhaust memory (the gguf
 # package holds one Python object per array element and per tensor)
 MAX_KV = 1 << 16
 MAX_TENSORS = 1 << 16
-MAX_ARRAY_ITEMS = 1 << 22          # over all metadata arrays (a 262K vocabulary uses ~1M)
+MAX_ARRAY_ITEMS = 1 << 22  # over all metadata arrays (a 262K vocabulary uses ~1M)
 MAX_KEY = 1 << 16
-MAX_DIMS = 4                       # GGML_MAX_DIMS
+MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ALIGNMENT = 1 << 16
 
 
@@ -38,12 +51,13 @@ def printable(name: str, limit: int = 80) -> str:
     """A key or tensor name as a message may show it: itself, or its repr when it holds a
     newline or another control character (an error is one line); cut to `limit` characters."""
     s = name if name.isprintable() else repr(name)
-    return s if len(s) <= limit else s[:limit - 3] + "..."
+    return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
 def _quant_sizes() -> dict[int, tuple[int, int]]:
     """ggml type id -> (elements per block, bytes per block), from the gguf package."""
     from gguf.constants import GGML_QUANT_SIZES
+
     return {int(t): v for t, v in GGML_QUANT_SIZES.items()}
 
 
@@ -59,8 +73,11 @@ class _Cursor:
 
     def need(self, n: int, where: str) -> None:
         if n > self.size - self.pos:
-            self.fail(where, f"needs {n} bytes at offset {self.pos}, the file has "
-                             f"{self.size - self.pos} left (truncated or corrupt)")
+            self.fail(
+                where,
+                f"needs {n} bytes at offset {self.pos}, the file has "
+                f"{self.size - self.pos} left (truncated or corrupt)",
+            )
 
     def unpack(self, fmt: str, where: str):
         n = struct.calcsize(fmt)
@@ -74,7 +91,7 @@ class _Cursor:
         if limit is not None and n > limit:
             self.fail(where, f"a string of {n} bytes (at most {limit})")
         self.need(n, where)
-        s = self.buf[self.pos:self.pos + n].tobytes()
+        s = self.buf[self.pos : self.pos + n].tobytes()
         self.pos += n
         return s
 
@@ -98,6 +115,7 @@ def check_gguf(path) -> None:
     """Raise one KestrelError naming `path` and the field if its header is not sound; the
     tensors' types, extents, alignment and overlaps included. Returns None when it is."""
     import numpy as np
+
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -113,7 +131,7 @@ def _walk(path: Path, buf) -> None:
     if buf[:4].tobytes() != b"GGUF":
         raise KestrelError(f"{path.name}: not a GGUF file (no GGUF magic)")
     (v,) = struct.unpack_from("<I", memoryview(buf), 4)
-    order = "<" if v & 0xFFFF else ">"          # the gguf package's test for a swapped file
+    order = "<" if v & 0xFFFF else ">"  # the gguf package's test for a swapped file
     c = _Cursor(path, memoryview(buf), order)
     c.pos = 4
     version = c.unpack("I", "version")
@@ -121,11 +139,12 @@ def _walk(path: Path, buf) -> None:
         c.fail("version", f"{version} (supported: 2, 3)")
     n_tensors = c.unpack("Q", "tensor_count")
     n_kv = c.unpack("Q", "kv_count")
-    if n_kv > MAX_KV or n_kv * 13 > c.size - c.pos:      # a kv takes >= 13 bytes
+    if n_kv > MAX_KV or n_kv * 13 > c.size - c.pos:  # a kv takes >= 13 bytes
         c.fail("kv_count", f"{n_kv} key-value pairs cannot fit in the file (or exceed {MAX_KV})")
     if n_tensors > MAX_TENSORS or n_tensors * 24 > c.size - c.pos:
-        c.fail("tensor_count", f"{n_tensors} tensors cannot fit in the file "
-                               f"(or exceed {MAX_TENSORS})")
+        c.fail(
+            "tensor_count", f"{n_tensors} tensors cannot fit in the file (or exceed {MAX_TENSORS})"
+        )
     keys: set[str] = set()
     items = 0
     alignment = 32
@@ -144,8 +163,11 @@ def _walk(path: Path, buf) -> None:
             count = c.unpack("Q", f"{key} (array length)")
             items += count
             if items > MAX_ARRAY_ITEMS:
-                c.fail(key, f"an array of {count} items: the metadata arrays exceed "
-                            f"{MAX_ARRAY_ITEMS} items in all")
+                c.fail(
+                    key,
+                    f"an array of {count} items: the metadata arrays exceed "
+                    f"{MAX_ARRAY_ITEMS} items in all",
+                )
             if itype == _STRING:
                 if count * 8 > c.size - c.pos:
                     c.fail(key, f"an array of {count} strings cannot fit in the file")
@@ -201,17 +223,22 @@ def _walk(path: Path, buf) -> None:
         for d in dims:
             n *= d
         if offset % alignment:
-            c.fail(f"tensor {name}", f"offset {offset} is not a multiple of the alignment "
-                                     f"{alignment}")
+            c.fail(
+                f"tensor {name}", f"offset {offset} is not a multiple of the alignment {alignment}"
+            )
         tensors.append((offset, n // block * type_size, name))
     start = c.pos + (-c.pos) % alignment
     data = c.size - start
     end_name, end = None, 0
     for offset, nbytes, name in sorted(tensors):
         if offset + nbytes > data:
-            c.fail(f"tensor {name}", f"bytes {offset}..{offset + nbytes} of the data section "
-                                     f"run past the end of the file ({max(data, 0)} bytes)")
+            c.fail(
+                f"tensor {name}",
+                f"bytes {offset}..{offset + nbytes} of the data section "
+                f"run past the end of the file ({max(data, 0)} bytes)",
+            )
         if offset < end:
-            c.fail(f"tensor {name}", f"its bytes from {offset} overlap tensor {end_name}'s "
-                                     f"(to {end})")
+            c.fail(
+                f"tensor {name}", f"its bytes from {offset} overlap tensor {end_name}'s (to {end})"
+            )
         end_name, end = name, offset + nbytes

@@ -17,13 +17,14 @@ Block layouts (bytes; one block = 256 values of a row):
   Q6_K  210: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (sub-blocks of 16),
              f16 d; x = d*sc_j*(q - 32)
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 QK_K = 256
 BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
-_EPS = np.float32(1e-15)                   # llama.cpp's GROUP_MAX_EPS
+_EPS = np.float32(1e-15)  # llama.cpp's GROUP_MAX_EPS
 _F = np.float32
 
 
@@ -70,10 +71,10 @@ def _min_scale_search(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nste
         L = quants(iscale, np.empty_like(x))
         best = error(scale, L, mn)
         for i in range(nstep + 1):
-            rng = np.where(flat, _F(1), mx - mn)          # the C loop moves min as it goes
+            rng = np.where(flat, _F(1), mx - mn)  # the C loop moves min as it goes
             iscale = (_F(rmin) + _F(rdelta) * _F(i) + _F(nmax)) / rng
             quants(iscale, la)
-            np.multiply(w, la, out=t2)                    # w*l
+            np.multiply(w, la, out=t2)  # w*l
             sum_l = t2.sum(axis=0)
             sum_l2 = np.multiply(t2, la, out=t1).sum(axis=0)
             sum_xl = np.multiply(t2, x, out=t1).sum(axis=0)
@@ -98,7 +99,7 @@ def _min_scale_search(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nste
 def _scale_min_blocks(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
     """The shared part of Q4_K and Q5_K: (d bytes, dmin bytes, 12 scale bytes, L (nb, 8, 32))."""
     nb = x.shape[0]
-    sub = np.ascontiguousarray(x.reshape(nb * 8, 32).T)         # (32, sub-blocks)
+    sub = np.ascontiguousarray(x.reshape(nb * 8, 32).T)  # (32, sub-blocks)
     scales, mins, L = _min_scale_search(sub, nmax, rmin, rdelta, nstep)
     scales, mins, L = scales.reshape(nb, 8), mins.reshape(nb, 8), L.T.reshape(nb, 8, 32)
     max_scale = np.maximum(scales.max(axis=1), _F(0))
@@ -145,7 +146,7 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
     r, n = x.shape
     xb = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, QK_K)
     d, dmin, sc, L = _scale_min_blocks(xb, 31, -0.5, 0.1, 15)
-    hi = (L >> 4) & 1                                       # (nb, 8, 32)
+    hi = (L >> 4) & 1  # (nb, 8, 32)
     qh = np.zeros((L.shape[0], 32), np.uint8)
     for j in range(8):
         qh |= hi[:, j] << j
@@ -157,7 +158,7 @@ def _signed_scale_search(x: np.ndarray, nmax: int):
     """llama.cpp's make_qx_quants (weights x^2) on each column of x (16, n): x ~
     scale*(L - nmax), L in 0..2*nmax-1, the best of 19 trial scales (sums over axis 0, in
     the C loop's order). Returns (scale (n,), L (16, n) uint8)."""
-    idx = np.abs(x).argmax(axis=0)                      # the first of the largest magnitude
+    idx = np.abs(x).argmax(axis=0)  # the first of the largest magnitude
     mx = np.take_along_axis(x, idx[None, :], axis=0)[0]
     zero = np.abs(mx) < _EPS
     mx = np.where(zero, _F(1), mx)
@@ -213,10 +214,13 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     L = np.where(zero[:, None, None, None], 0, L).astype(np.uint8)
     sc = np.where(zero[:, None], 0, sc).astype(np.int8)
     lo = L & 0xF
-    ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)],
-                        axis=2).reshape(nb, 128)
+    ql = np.concatenate(
+        [lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=2
+    ).reshape(nb, 128)
     hi = L >> 4
-    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(nb, 64)
+    qh = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).reshape(
+        nb, 64
+    )
     out = np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=1)
     return out.reshape(r, n // QK_K * 210)
 

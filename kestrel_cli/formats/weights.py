@@ -27,24 +27,61 @@ Formats and the layout of `data` (rows = output features, d x n logical):
                     not row i; `rows_x16`)
 The block layouts are GGUF's (llama.cpp's), so GGUF tensors are used in place.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-QK = 32                                   # elements per block of 32 (and activation block)
-QK_K = 256                                # elements per K-quant super-block
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24,
-               "q2_k": 84, "q3_k": 110, "q4_k": 144, "q5_k": 176, "q6_k": 210,
-               "iq4_nl": 18, "iq4_xs": 136, "q4_0x16": 18, "q4_1x16": 20, "q4_kx16": 144,
-               "q6_kx16": 210}
+QK = 32  # elements per block of 32 (and activation block)
+QK_K = 256  # elements per K-quant super-block
+BLOCK_BYTES = {
+    "q8_0": 34,
+    "q4_0": 18,
+    "q4_1": 20,
+    "q5_0": 22,
+    "q5_1": 24,
+    "q2_k": 84,
+    "q3_k": 110,
+    "q4_k": 144,
+    "q5_k": 176,
+    "q6_k": 210,
+    "iq4_nl": 18,
+    "iq4_xs": 136,
+    "q4_0x16": 18,
+    "q4_1x16": 20,
+    "q4_kx16": 144,
+    "q6_kx16": 210,
+}
 BLOCK_ELEMS = {f: (QK_K if f.endswith(("_k", "_xs", "_kx16")) else QK) for f in BLOCK_BYTES}
-FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
-           "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs", "q4_0x16", "q4_1x16",
-           "q4_kx16", "q6_kx16")
-X16_OF = {"q4_0": "q4_0x16", "q4_1": "q4_1x16", "q4_k": "q4_kx16",   # repacked for decode
-          "q6_k": "q6_kx16"}
+FORMATS = (
+    "f32",
+    "f16",
+    "bf16",
+    "q8_0",
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "q2_k",
+    "q3_k",
+    "q4_k",
+    "q5_k",
+    "q6_k",
+    "iq4_nl",
+    "iq4_xs",
+    "q4_0x16",
+    "q4_1x16",
+    "q4_kx16",
+    "q6_kx16",
+)
+X16_OF = {
+    "q4_0": "q4_0x16",
+    "q4_1": "q4_1x16",
+    "q4_k": "q4_kx16",  # repacked for decode
+    "q6_k": "q6_kx16",
+}
 X16_BASE = {v: k for k, v in X16_OF.items()}
 
 
@@ -55,17 +92,27 @@ def row_bytes(fmt: str, n: int) -> int:
     qk = BLOCK_ELEMS[fmt]
     nb = n // qk
     return nb * BLOCK_BYTES[fmt] + (18 if fmt == "q6_kx16" and nb % 2 else 0)
+
+
 # the gguf package's type of each format whose reference is gguf.quants.dequantize
-_GGUF_REFERENCE = {"q5_0": "Q5_0", "q5_1": "Q5_1", "q2_k": "Q2_K", "q3_k": "Q3_K",
-                   "q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "iq4_nl": "IQ4_NL",
-                   "iq4_xs": "IQ4_XS"}
+_GGUF_REFERENCE = {
+    "q5_0": "Q5_0",
+    "q5_1": "Q5_1",
+    "q2_k": "Q2_K",
+    "q3_k": "Q3_K",
+    "q4_k": "Q4_K",
+    "q5_k": "Q5_K",
+    "q6_k": "Q6_K",
+    "iq4_nl": "IQ4_NL",
+    "iq4_xs": "IQ4_XS",
+}
 
 
 @dataclass
 class Weight:
-    fmt: str                 # one of FORMATS
-    data: np.ndarray         # raw storage, see module docstring
-    shape: tuple[int, int]   # logical (d, n)
+    fmt: str  # one of FORMATS
+    data: np.ndarray  # raw storage, see module docstring
+    shape: tuple[int, int]  # logical (d, n)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -93,8 +140,7 @@ class Weight:
         idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         if self.fmt in X16_BASE:
             base, n = X16_BASE[self.fmt], self.shape[1]
-            return dequantize(base, rows_x16(self.fmt, self.data)[idx][:, :row_bytes(base, n)],
-                              n)
+            return dequantize(base, rows_x16(self.fmt, self.data)[idx][:, : row_bytes(base, n)], n)
         return dequantize(self.fmt, self.data[idx], self.shape[1])
 
     def dequantize(self) -> np.ndarray:
@@ -130,12 +176,12 @@ def rows_x16(fmt: str, data: np.ndarray) -> np.ndarray:
     q41 = fmt == "q4_1x16"
     bb, qo = (20, 4) if q41 else (18, 2)
     nb = ldw // bb
-    mb = 128 if q41 else 64                        # a pair of blocks: scales, then quants
+    mb = 128 if q41 else 64  # a pair of blocks: scales, then quants
     pairs = np.ascontiguousarray(data).reshape(d // 16, nb // 2, mb + 512)
-    q = pairs[:, :, mb:].reshape(d // 16, nb // 2, 2, 4, 16, 4)    # (g, p, b%2, k, r, 4)
+    q = pairs[:, :, mb:].reshape(d // 16, nb // 2, 2, 4, 16, 4)  # (g, p, b%2, k, r, 4)
     out = np.empty((d // 16, 16, nb, bb), dtype=np.uint8)
     out[..., qo:] = q.transpose(0, 4, 1, 2, 3, 5).reshape(d // 16, 16, nb, 16)
-    sc = pairs[:, :, :64].reshape(d // 16, nb // 2, 2, 16, 2)         # (g, p, b%2, r, 2)
+    sc = pairs[:, :, :64].reshape(d // 16, nb // 2, 2, 16, 2)  # (g, p, b%2, r, 2)
     out[..., 0:2] = sc.transpose(0, 3, 1, 2, 4).reshape(d // 16, 16, nb, 2)
     if q41:
         m = pairs[:, :, 64:128].reshape(d // 16, nb // 2, 2, 16, 2)
@@ -156,22 +202,25 @@ def _rows_q6_kx16(data: np.ndarray) -> np.ndarray:
     if ldw % 420:
         g, nsb = d // 16, ldw // 210
         tail = np.zeros((g, 6720 * (nsb // 2 + 1)), np.uint8)
-        tail[:, :16 * ldw] = np.ascontiguousarray(data).reshape(g, 16 * ldw)
-        return _rows_q6_kx16(tail.reshape(d, -1))[:, :210 * nsb]
+        tail[:, : 16 * ldw] = np.ascontiguousarray(data).reshape(g, 16 * ldw)
+        return _rows_q6_kx16(tail.reshape(d, -1))[:, : 210 * nsb]
     g, p = d // 16, ldw // 420
     pair = np.ascontiguousarray(data).reshape(g, p, 6720)
-    out = np.empty((g, 16, p, 2, 210), dtype=np.uint8)        # (g, r, p, sb % 2, bytes)
+    out = np.empty((g, 16, p, 2, 210), dtype=np.uint8)  # (g, r, p, sb % 2, bytes)
     out[..., 208:210] = pair[:, :, :64].reshape(g, p, 2, 16, 2).transpose(0, 3, 1, 2, 4)
     out[..., 192:208] = pair[:, :, 64:576].reshape(g, p, 2, 16, 16).transpose(0, 4, 1, 2, 3)
-    v = pair[:, :, 576:].reshape(g, p, 2, 2, 8, 3, 16, 4)    # (g, p, sb%2, h, s, m, r, c)
+    v = pair[:, :, 576:].reshape(g, p, 2, 2, 8, 3, 16, 4)  # (g, p, sb%2, h, s, m, r, c)
     q = np.empty((g, p, 2, 2, 4, 8, 16, 4), dtype=np.uint8)  # (g, p, sb%2, h, i, s, r, c)
     for m in range(3):
         q[:, :, :, :, m] = v[:, :, :, :, :, m] & 63
-    q[:, :, :, :, 3] = ((v[:, :, :, :, :, 0] >> 6) | ((v[:, :, :, :, :, 1] >> 6) << 2)
-                        | ((v[:, :, :, :, :, 2] >> 6) << 4))
+    q[:, :, :, :, 3] = (
+        (v[:, :, :, :, :, 0] >> 6)
+        | ((v[:, :, :, :, :, 1] >> 6) << 2)
+        | ((v[:, :, :, :, :, 2] >> 6) << 4)
+    )
     # -> (g, r, p, sb%2, h, i, k = 4 s + c)
     q = q.transpose(0, 6, 1, 2, 3, 4, 5, 7).reshape(g, 16, p, 2, 2, 4, 32)
-    ql = np.empty((g, 16, p, 2, 2, 2, 32), dtype=np.uint8)   # (.., h, i % 2, k)
+    ql = np.empty((g, 16, p, 2, 2, 2, 32), dtype=np.uint8)  # (.., h, i % 2, k)
     for i in range(2):
         ql[..., i, :] = (q[..., i, :] & 15) | ((q[..., i + 2, :] & 15) << 4)
     qh = np.zeros((g, 16, p, 2, 2, 32), dtype=np.uint8)
@@ -184,9 +233,9 @@ def _rows_q6_kx16(data: np.ndarray) -> np.ndarray:
 
 def dequantize(fmt: str, data: np.ndarray, n: int) -> np.ndarray:
     """Reference NumPy dequantisation of raw rows (r, ...) -> float32 (r, n)."""
-    if fmt in X16_BASE:      # (a q6_kx16 row's zero partner super-block cut off)
+    if fmt in X16_BASE:  # (a q6_kx16 row's zero partner super-block cut off)
         base = X16_BASE[fmt]
-        return dequantize(base, rows_x16(fmt, data)[:, :row_bytes(base, n)], n)
+        return dequantize(base, rows_x16(fmt, data)[:, : row_bytes(base, n)], n)
     r = data.shape[0]
     if fmt == "f32":
         return np.array(data, dtype=np.float32)
@@ -197,6 +246,7 @@ def dequantize(fmt: str, data: np.ndarray, n: int) -> np.ndarray:
     if fmt in _GGUF_REFERENCE:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize as gguf_dequantize
+
         raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(r, -1)
         out = gguf_dequantize(raw, GGMLQuantizationType[_GGUF_REFERENCE[fmt]])
         return np.asarray(out, dtype=np.float32).reshape(r, n)
@@ -207,7 +257,7 @@ def dequantize(fmt: str, data: np.ndarray, n: int) -> np.ndarray:
         q = blocks[:, :, 2:].view(np.int8).astype(np.float32)
         return (d * q).reshape(r, n)
     off = 2 if fmt == "q4_0" else 4
-    qs = blocks[:, :, off:off + 16]
+    qs = blocks[:, :, off : off + 16]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.float32)
     if fmt == "q4_0":
         return (d * (q - 8.0)).reshape(r, n)
@@ -247,4 +297,4 @@ def quantize_q4_0(w: np.ndarray) -> np.ndarray:
     return out.reshape(d_, n // QK * 18)
 
 
-QUANT_FORMATS = {"q8": "q8_0", "q4": "q4_0"}     # --quant value -> block format
+QUANT_FORMATS = {"q8": "q8_0", "q4": "q4_0"}  # --quant value -> block format

@@ -1,5 +1,6 @@
 """Engine: a loaded model, its tokenizer and one conversation's KV cache
 (docs/DESIGN.md §1 Layers)."""
+
 from __future__ import annotations
 
 import os
@@ -10,24 +11,23 @@ import numpy as np
 
 from kestrel_cli.core import cpus
 from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.formats.weights import QUANT_FORMATS
 from kestrel_cli.inference.generate import Chunk, stream_generate
-from kestrel_cli.runtime.kv_cache import CacheSpec
-from kestrel_cli.models.loader import open_checkpoint
+from kestrel_cli.inference.sampling import check_params, make_sampler
 from kestrel_cli.models import resolve
 from kestrel_cli.models.llama import ACT_MODES
-from kestrel_cli.inference.sampling import check_params, make_sampler
+from kestrel_cli.models.loader import open_checkpoint
+from kestrel_cli.runtime.kv_cache import CacheSpec
 from kestrel_cli.runtime.sparse import SparseSpec
 from kestrel_cli.text.tokenizer import TooManyTokens
-from kestrel_cli.formats.weights import QUANT_FORMATS
 
-
-DEFAULT_CTX_CAP = 4096            # the CLI's -c default: the model's context, at most this
+DEFAULT_CTX_CAP = 4096  # the CLI's -c default: the model's context, at most this
 
 
 THREADS_PER_CORE = 4
-THREADS_FLOOR = 64                # allowed on any machine
-THREADS_MAX = 512                 # never more (ggml's GGML_MAX_N_THREADS)
-MAX_CTX = 1 << 24                 # -c: far past any model's context (numpy's arrays fail first)
+THREADS_FLOOR = 64  # allowed on any machine
+THREADS_MAX = 512  # never more (ggml's GGML_MAX_N_THREADS)
+MAX_CTX = 1 << 24  # -c: far past any model's context (numpy's arrays fail first)
 
 
 def thread_cap() -> int:
@@ -42,7 +42,7 @@ def thread_rule() -> str:
     return f"{THREADS_PER_CORE} per core, at least {THREADS_FLOOR}, at most {THREADS_MAX}"
 
 
-EXPERTS_MARGIN = 1 << 30            # memory left over once the experts are copied
+EXPERTS_MARGIN = 1 << 30  # memory left over once the experts are copied
 
 
 def experts_fit(store) -> tuple[bool, str]:
@@ -51,13 +51,16 @@ def experts_fit(store) -> tuple[bool, str]:
     with EXPERTS_MARGIN to spare; else the experts are read from the file's mapping as
     stored (a file larger than the RAM still runs), and why, in one line."""
     from kestrel_cli.core.osmem import available_memory
+
     avail = available_memory()
     need = store.nbytes + EXPERTS_MARGIN
     if avail is None or need <= avail:
         return True, ""
-    return False, (f"the weights ({store.nbytes / 2**30:.1f} GiB) do not fit the "
-                   f"{avail / 2**30:.1f} GiB of memory available: the MoE experts are read "
-                   f"from the file as stored (slower decode; --no-repack silences this)")
+    return False, (
+        f"the weights ({store.nbytes / 2**30:.1f} GiB) do not fit the "
+        f"{avail / 2**30:.1f} GiB of memory available: the MoE experts are read "
+        f"from the file as stored (slower decode; --no-repack silences this)"
+    )
 
 
 def default_threads(share: int = 1) -> int:
@@ -93,6 +96,7 @@ class LoadOptions:
             text (--sparse: a preset name or opt+opt+..., `SparseSpec.parse`, over
             sparse_k and sparse_probes).
     """
+
     kv_q8: bool = False
     sparse_attn: bool = False
     sparse_k: int = 32
@@ -119,8 +123,9 @@ class LoadOptions:
     def validate(self) -> "LoadOptions":
         """Raise KestrelError naming the flag of the first bad value; self when all are ok."""
         if self.quant not in (None, "none", *QUANT_FORMATS):
-            raise KestrelError(f"--quant must be one of none, {', '.join(QUANT_FORMATS)}; "
-                               f"got {self.quant!r}")
+            raise KestrelError(
+                f"--quant must be one of none, {', '.join(QUANT_FORMATS)}; got {self.quant!r}"
+            )
         if self.act not in ACT_MODES:
             raise KestrelError(f"--act must be one of {', '.join(ACT_MODES)}; got {self.act!r}")
         if self.ctx_size is not None and self.ctx_size < 1:
@@ -132,8 +137,9 @@ class LoadOptions:
         if self.threads is not None and self.threads < 1:
             raise KestrelError(f"-t/--threads must be >= 1, got {self.threads}")
         if self.threads is not None and self.threads > thread_cap():
-            raise KestrelError(f"-t/--threads must be at most {thread_cap()} ({thread_rule()}), "
-                               f"got {self.threads}")
+            raise KestrelError(
+                f"-t/--threads must be at most {thread_cap()} ({thread_rule()}), got {self.threads}"
+            )
         if self.kv_q8 and self.kv_f16:
             raise KestrelError("--kv-q8 and --kv-f16 exclude each other: give one")
         if self.sparse_k < 1:
@@ -141,16 +147,18 @@ class LoadOptions:
         if self.sparse_probes < 1:
             raise KestrelError(f"--sparse-probes must be >= 1, got {self.sparse_probes}")
         if self.sparse is not None and not isinstance(self.sparse, (str, SparseSpec)):
-            raise KestrelError(f"sparse options must be a SparseSpec or its text, got "
-                               f"{type(self.sparse).__name__}")
+            raise KestrelError(
+                f"sparse options must be a SparseSpec or its text, got {type(self.sparse).__name__}"
+            )
         self.sparse_spec()
         return self
 
     @property
     def cache_spec(self) -> CacheSpec:
         """The KV cache these options describe."""
-        return CacheSpec("q8" if self.kv_q8 else ("f16" if self.kv_f16 else "f32"),
-                         self.sparse_spec())
+        return CacheSpec(
+            "q8" if self.kv_q8 else ("f16" if self.kv_f16 else "f32"), self.sparse_spec()
+        )
 
     def context(self, model_ctx: int | None) -> int:
         """The context size for a model whose own context length is model_ctx."""
@@ -223,19 +231,20 @@ class Engine:
     `decode_step` are the two steps generation is made of (generate.py).
     """
 
-    def __init__(self, model, tokenizer, config, path, store, ctx_size: int,
-                 spec: CacheSpec = CacheSpec()):
+    def __init__(
+        self, model, tokenizer, config, path, store, ctx_size: int, spec: CacheSpec = CacheSpec()
+    ):
         self.model, self.tokenizer, self.config, self.path = model, tokenizer, config, path
         self.store, self.ctx_size, self.spec = store, ctx_size, spec
-        self.notices: list[str] = []        # one line each, for the user (load's choices)
-        self.thread_plan = None             # cpus.ThreadPlan: the threads and their cores
+        self.notices: list[str] = []  # one line each, for the user (load's choices)
+        self.thread_plan = None  # cpus.ThreadPlan: the threads and their cores
         self.cache = self.make_cache()
-        self.cached_ids: list[int] = []     # tokens whose K/V the cache holds
-        self.cached_keys: list = []         # their keys (VisionPrompt.keys; ids for text)
-        self.rope_delta = 0                 # M-RoPE: position minus token index after them
-        self.vision_ms = 0.0                # vision tower time of the last prefill
-        self.image_tokens = 0               # image tokens of the last prompt
-        self._vision_cache: dict = {}       # image digest -> (embeds, deepstack)
+        self.cached_ids: list[int] = []  # tokens whose K/V the cache holds
+        self.cached_keys: list = []  # their keys (VisionPrompt.keys; ids for text)
+        self.rope_delta = 0  # M-RoPE: position minus token index after them
+        self.vision_ms = 0.0  # vision tower time of the last prefill
+        self.image_tokens = 0  # image tokens of the last prompt
+        self._vision_cache: dict = {}  # image digest -> (embeds, deepstack)
         self._image_config = None
 
     @property
@@ -244,19 +253,43 @@ class Engine:
         return self.model.threads
 
     @classmethod
-    def from_pretrained(cls, path=None, kv_q8: bool = False, sparse_attn: bool = False,
-                        sparse_k: int = 32, sparse_probes: int = 8, quant: str | None = None,
-                        threads: int | None = None, ctx_size: int | None = None,
-                        ctx_cap: int | None = None, act: str = "q8",
-                        kv_f16: bool = False, repack: bool = True,
-                        sparse: str | SparseSpec | None = None) -> "Engine":
+    def from_pretrained(
+        cls,
+        path=None,
+        kv_q8: bool = False,
+        sparse_attn: bool = False,
+        sparse_k: int = 32,
+        sparse_probes: int = 8,
+        quant: str | None = None,
+        threads: int | None = None,
+        ctx_size: int | None = None,
+        ctx_cap: int | None = None,
+        act: str = "q8",
+        kv_f16: bool = False,
+        repack: bool = True,
+        sparse: str | SparseSpec | None = None,
+    ) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 
         Args: as `LoadOptions` (they mirror the CLI flags).
         """
-        return cls.load(path, LoadOptions(kv_q8, sparse_attn, sparse_k, sparse_probes, quant,
-                                          threads, ctx_size, ctx_cap, act, kv_f16, repack,
-                                          sparse))
+        return cls.load(
+            path,
+            LoadOptions(
+                kv_q8,
+                sparse_attn,
+                sparse_k,
+                sparse_probes,
+                quant,
+                threads,
+                ctx_size,
+                ctx_cap,
+                act,
+                kv_f16,
+                repack,
+                sparse,
+            ),
+        )
 
     @classmethod
     def load(cls, path, options: LoadOptions) -> "Engine":
@@ -267,7 +300,7 @@ class Engine:
         cpus.apply(plan)
         threads = plan.threads
         cfg, store, tok, p = open_checkpoint(path)
-        store.quantize_to(QUANT_FORMATS.get(options.quant), threads)   # --quant: at load
+        store.quantize_to(QUANT_FORMATS.get(options.quant), threads)  # --quant: at load
         store.repack_x16 = options.repack
         notices = []
         if options.repack and store.expert_nbytes:
@@ -275,8 +308,15 @@ class Engine:
             if not store.experts_at_load:
                 notices.append(why)
         model = resolve(cfg.model_type).Model(cfg, store, threads, act=options.act)
-        eng = cls(model, tok, cfg, p, store, options.context(cfg.max_position_embeddings),
-                  options.cache_spec)
+        eng = cls(
+            model,
+            tok,
+            cfg,
+            p,
+            store,
+            options.context(cfg.max_position_embeddings),
+            options.cache_spec,
+        )
         eng.notices = notices
         eng.thread_plan = plan
         return eng
@@ -285,11 +325,13 @@ class Engine:
         """Another Engine on the same weights (shared, not copied) with its own, empty KV
         cache and timing profile; the two may run in different threads (`serve --parallel`)."""
         import copy
-        model = copy.copy(self.model)           # the layers, hence the weights, are shared
-        model.prof = type(self.model.prof)()    # per-call timing must not mix
-        model._stack = None                     # the native decode's buffers neither
-        return Engine(model, self.tokenizer, self.config, self.path, self.store,
-                      self.ctx_size, self.spec)
+
+        model = copy.copy(self.model)  # the layers, hence the weights, are shared
+        model.prof = type(self.model.prof)()  # per-call timing must not mix
+        model._stack = None  # the native decode's buffers neither
+        return Engine(
+            model, self.tokenizer, self.config, self.path, self.store, self.ctx_size, self.spec
+        )
 
     def make_cache(self, max_tokens: int | None = None):
         """An empty KV cache of this engine's spec (default: its context size)."""
@@ -316,11 +358,11 @@ class Engine:
         keys = ids.keys if isinstance(ids, VisionPrompt) else [int(t) for t in ids]
         n = 0
         # keys beyond cached_ids are stale (a caller that swapped the cache reset only the ids)
-        for a, b in zip(self.cached_keys[:len(self.cached_ids)], keys):
+        for a, b in zip(self.cached_keys[: len(self.cached_ids)], keys):
             if a != b:
                 break
             n += 1
-        n = min(n, len(ids) - 1)                 # at least one token to compute logits from
+        n = min(n, len(ids) - 1)  # at least one token to compute logits from
         self.cache.trim(n)
         self.cached_ids, self.cached_keys = self.cached_ids[:n], self.cached_keys[:n]
         logits = self._forward(ids, n, all_logits=False)
@@ -328,18 +370,23 @@ class Engine:
 
     def _check_fits(self, ids) -> None:
         if min(ids) < 0 or max(ids) >= self.config.vocab_size:
-            raise KestrelError(f"token id out of range [0, {self.config.vocab_size}): "
-                               f"min {min(ids)}, max {max(ids)}")
+            raise KestrelError(
+                f"token id out of range [0, {self.config.vocab_size}): "
+                f"min {min(ids)}, max {max(ids)}"
+            )
         if len(ids) > self.ctx_size:
             extra = ""
             if isinstance(ids, VisionPrompt) and ids.images:
                 extra = f" ({ids.image_tokens} of them for {len(ids.images)} image(s))"
-            raise KestrelError(f"prompt has {len(ids)} tokens{extra}, more than the context "
-                               f"size {self.ctx_size} (raise -c/--ctx-size)")
+            raise KestrelError(
+                f"prompt has {len(ids)} tokens{extra}, more than the context "
+                f"size {self.ctx_size} (raise -c/--ctx-size)"
+            )
 
     def _forward(self, ids, n: int, all_logits: bool) -> np.ndarray:
         """Run ids[n:] after the n cached tokens; records ids as cached."""
         import time
+
         self.vision_ms, self.image_tokens = 0.0, 0
         if isinstance(ids, VisionPrompt):
             t0 = time.perf_counter()
@@ -347,8 +394,13 @@ class Engine:
             self.vision_ms = (time.perf_counter() - t0) * 1e3
             self.image_tokens = ids.image_tokens
             ints = [int(t) for t in ids]
-            logits = self.model(ints[n:], self.cache, all_logits=all_logits,
-                                positions=ids.positions[:, n:], vision=vision)
+            logits = self.model(
+                ints[n:],
+                self.cache,
+                all_logits=all_logits,
+                positions=ids.positions[:, n:],
+                vision=vision,
+            )
             self.cached_ids, self.cached_keys = ints, list(ids.keys)
             self.rope_delta = ids.rope_delta
         else:
@@ -364,6 +416,7 @@ class Engine:
         """The image rows of the tokens ids[n:], with their embeddings and deepstack
         features (the vision tower runs on the images not yet encoded)."""
         from kestrel_cli.models.qwen3_vl import VisionInput
+
         rows, embeds, deep = [], [], []
         for im, (s, e) in zip(ids.images, ids.spans()):
             if e <= n:
@@ -371,12 +424,15 @@ class Engine:
             emb, ds = self._encode_image(im)
             a = max(s, n)
             rows.append(np.arange(a, e, dtype=np.int64) - n)
-            embeds.append(emb[a - s:])
-            deep.append([d[a - s:] for d in ds])
+            embeds.append(emb[a - s :])
+            deep.append([d[a - s :] for d in ds])
         if not rows:
             return None
-        return VisionInput(np.concatenate(rows), np.concatenate(embeds),
-                           [np.concatenate(parts) for parts in zip(*deep)])
+        return VisionInput(
+            np.concatenate(rows),
+            np.concatenate(embeds),
+            [np.concatenate(parts) for parts in zip(*deep)],
+        )
 
     def _encode_image(self, im):
         hit = self._vision_cache.get(im.digest)
@@ -434,12 +490,17 @@ class Engine:
             return prompt
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True, limit=limit)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt) and prompt:
+        if (
+            isinstance(prompt, (list, tuple))
+            and all(isinstance(m, dict) for m in prompt)
+            and prompt
+        ):
             parts = _image_parts(prompt)
             if parts:
-                self._check_vision()       # before a text-only template meets image parts
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True,
-                                                      tokenize=False, **template_kwargs)
+                self._check_vision()  # before a text-only template meets image parts
+            text = self.tokenizer.apply_chat_template(
+                list(prompt), add_generation_prompt=True, tokenize=False, **template_kwargs
+            )
             # the template writes BOS itself when it wants one
             ids = self.tokenizer.encode(text, add_special_tokens=False, limit=limit)
             return self._with_images(ids, parts) if parts else ids
@@ -452,19 +513,23 @@ class Engine:
 
     def _check_vision(self) -> None:
         if not getattr(self.model, "has_vision", False):
-            raise KestrelError(f"{self.config.model_type} model {self.path.name} has no vision "
-                               f"tower: images need a Qwen3-VL checkpoint with its "
-                               f"model.visual.* weights")
+            raise KestrelError(
+                f"{self.config.model_type} model {self.path.name} has no vision "
+                f"tower: images need a Qwen3-VL checkpoint with its "
+                f"model.visual.* weights"
+            )
 
     def image_config(self):
         """The checkpoint's images.ImageConfig (preprocessor_config.json), read once: with
         images.probe_image, what a caller sizes an image with (tokens_for, decode_cost,
         patch_bytes) before sending it."""
         from kestrel_cli.models.images import ImageConfig
+
         self._check_vision()
         if self._image_config is None:
             self._image_config = ImageConfig.from_dir(
-                self.path if self.path.is_dir() else None, self.config.vision_config)
+                self.path if self.path.is_dir() else None, self.config.vision_config
+            )
         return self._image_config
 
     def _with_images(self, ids: list[int], parts: list) -> VisionPrompt:
@@ -474,23 +539,28 @@ class Engine:
         context; only then are they decoded and preprocessed, one at a time."""
         from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, prepare, probe_image
         from kestrel_cli.models.qwen3_vl import rope_index
+
         self._check_vision()
         if len(parts) > MAX_IMAGES_PER_PROMPT:
-            raise KestrelError(f"{len(parts)} images in one prompt, more than "
-                               f"{MAX_IMAGES_PER_PROMPT}")
+            raise KestrelError(
+                f"{len(parts)} images in one prompt, more than {MAX_IMAGES_PER_PROMPT}"
+            )
         tok_id = self.config.image_token_id
         found = sum(1 for t in ids if t == tok_id)
         if found != len(parts):
-            raise KestrelError(f"the chat template wrote {found} image token(s) for "
-                               f"{len(parts)} image(s)")
+            raise KestrelError(
+                f"the chat template wrote {found} image token(s) for {len(parts)} image(s)"
+            )
         cfg = self.image_config()
         sources = [_image_source(p) for p in parts]
         n_image = sum(cfg.tokens_for(h.width, h.height) for h in map(probe_image, sources))
         total = len(ids) - len(parts) + n_image
         if total > self.ctx_size:
-            raise KestrelError(f"prompt has {total} tokens ({n_image} of them for "
-                               f"{len(parts)} image(s)), more than the context size "
-                               f"{self.ctx_size} (raise -c/--ctx-size)")
+            raise KestrelError(
+                f"prompt has {total} tokens ({n_image} of them for "
+                f"{len(parts)} image(s)), more than the context size "
+                f"{self.ctx_size} (raise -c/--ctx-size)"
+            )
         images = [prepare(src, cfg) for src in sources]
         out, keys, k = [], [], 0
         for t in ids:
@@ -505,13 +575,26 @@ class Engine:
         positions, delta = rope_index(out, tok_id, images, self._image_config.merge_size)
         return VisionPrompt(out, images, positions, delta, keys, tok_id)
 
-    def stream(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, min_p: float = 0.0, repeat_penalty: float = 1.0,
-               seed: int | None = None, stop=(), template_kwargs: dict | None = None,
-               ignore_eos: bool = False, logit_bias: dict[int, float] | None = None,
-               presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-               logprobs: int | None = None, json_schema: dict | None = None,
-               json_then: str = "") -> Iterator[Chunk]:
+    def stream(
+        self,
+        prompt,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repeat_penalty: float = 1.0,
+        seed: int | None = None,
+        stop=(),
+        template_kwargs: dict | None = None,
+        ignore_eos: bool = False,
+        logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: int | None = None,
+        json_schema: dict | None = None,
+        json_then: str = "",
+    ) -> Iterator[Chunk]:
         """Chunks with text, per-token timing and, last, finish_reason and Stats
         (logprobs=k: each token's log-probability and the k likeliest, on its chunk;
         json_schema: the answer is one JSON value matching it, enforced while sampling)."""
@@ -526,15 +609,26 @@ class Engine:
         constraint = None
         if json_schema is not None:
             from kestrel_cli.text.constrained import JsonConstraint
-            constraint = JsonConstraint(self, json_schema, json_then)
-        return stream_generate(self, ids, max_tokens, sampler, repeat_penalty=repeat_penalty,
-                               stop=stop, stop_ids=[] if ignore_eos else None,
-                               logit_bias=logit_bias, presence_penalty=presence_penalty,
-                               frequency_penalty=frequency_penalty, logprobs=logprobs,
-                               constraint=constraint)
 
-    def generate(self, prompt, max_tokens: int = 256, temperature: float = 0.0, **kw
-                 ) -> Iterator[str]:
+            constraint = JsonConstraint(self, json_schema, json_then)
+        return stream_generate(
+            self,
+            ids,
+            max_tokens,
+            sampler,
+            repeat_penalty=repeat_penalty,
+            stop=stop,
+            stop_ids=[] if ignore_eos else None,
+            logit_bias=logit_bias,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logprobs=logprobs,
+            constraint=constraint,
+        )
+
+    def generate(
+        self, prompt, max_tokens: int = 256, temperature: float = 0.0, **kw
+    ) -> Iterator[str]:
         """Text pieces as they are produced (greedy when temperature == 0).
 
         Args:

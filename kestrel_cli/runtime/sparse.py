@@ -13,6 +13,7 @@ blocks) see the importance recorded by the calls before it -- this call's own ma
 only known once all its rows are done -- so the rows of a first prompt pick by probes
 alone; the next turn's prompt uses the first one's importance.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -22,15 +23,15 @@ import numpy as np
 from kestrel_cli.core.errors import KestrelError, clip
 from kestrel_cli.runtime.kernels import KV_BLOCK
 
-BS = KV_BLOCK            # tokens per block: one KV cache block
+BS = KV_BLOCK  # tokens per block: one KV cache block
 
-SINKS = ("off", "in", "out")            # SparseSpec.sink values (kernel code: their index)
+SINKS = ("off", "in", "out")  # SparseSpec.sink values (kernel code: their index)
 PROBES = ("sample", "bound", "sketch")  # SparseSpec.probe values
 # SparseSpec.group values; the kernel's pool is the index ("share" / "rank": max and the
 # share / rank flag)
 GROUPS = ("head", "max", "sum", "union", "share", "rank")
-RECENT_MAX = 63                         # the kernel keeps at most this many recent blocks
-REST_MAX_MAX = 255                      # the rest's cap (rest-max) fits 8 bits
+RECENT_MAX = 63  # the kernel keeps at most this many recent blocks
+REST_MAX_MAX = 255  # the rest's cap (rest-max) fits 8 bits
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class SparseSpec:
             0: every block above the floor (e^REST_FLOOR of the head's largest).
         prefill: "sparse", or "exact": prefill attends exactly, only decode is sparse.
     """
+
     k: int = 32
     probes: int = 8
     sink: str = "off"
@@ -86,7 +88,8 @@ class SparseSpec:
     def __post_init__(self):
         layers = self.dense_layers
         if not isinstance(layers, (tuple, list)) or any(
-                not isinstance(x, int) or isinstance(x, bool) for x in layers):
+            not isinstance(x, int) or isinstance(x, bool) for x in layers
+        ):
             raise KestrelError(f"--sparse: dense takes layer indices, got {clip(layers)!r}")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
         bad = _check(self)
@@ -113,12 +116,19 @@ class SparseSpec:
         ka_sparse); sketch: the cache's bounds arrays hold key sketches (a cache made with
         the sketch probe keeps them whatever probe reads)."""
         from kestrel_cli.runtime.kernels import SparseOpts
+
         pooled = self.group in ("share", "rank")
-        return SparseOpts(n_probe=self.probes, sink=SINKS.index(self.sink),
-                          pool=GROUPS.index("max") if pooled else GROUPS.index(self.group),
-                          share=self.group == "share", rank=self.group == "rank",
-                          recent=self.recent, sketch=sketch, rest=self.rest,
-                          rest_max=self.rest_max if self.rest else 0)
+        return SparseOpts(
+            n_probe=self.probes,
+            sink=SINKS.index(self.sink),
+            pool=GROUPS.index("max") if pooled else GROUPS.index(self.group),
+            share=self.group == "share",
+            rank=self.group == "rank",
+            recent=self.recent,
+            sketch=sketch,
+            rest=self.rest,
+            rest_max=self.rest_max if self.rest else 0,
+        )
 
     @classmethod
     def parse(cls, text: str, k: int = 32, probes: int = 8) -> "SparseSpec":
@@ -129,8 +139,10 @@ class SparseSpec:
         fields: dict = {"k": k, "probes": probes}
         parts = str(text).strip().split("+")
         if not all(p.strip() for p in parts):
-            raise KestrelError(f"--sparse: empty option in {clip(text)!r} (NAME or "
-                               f"opt+opt+...; options: {', '.join(_spellings())})")
+            raise KestrelError(
+                f"--sparse: empty option in {clip(text)!r} (NAME or "
+                f"opt+opt+...; options: {', '.join(_spellings())})"
+            )
         for part in parts:
             fields.update(_option(part.strip()))
         if fields["k"] < 1:
@@ -147,8 +159,11 @@ class SparseSpec:
         best = None
         for name, preset in PRESETS.items():
             ref = {**base, **preset}
-            parts = [_spell(o[1], getattr(self, o[1])) for o in OPTIONS
-                     if o[1] not in ("k", "probes") and getattr(self, o[1]) != ref[o[1]]]
+            parts = [
+                _spell(o[1], getattr(self, o[1]))
+                for o in OPTIONS
+                if o[1] not in ("k", "probes") and getattr(self, o[1]) != ref[o[1]]
+            ]
             parts = parts if name == "seed" else [name, *parts]
             if best is None or len(parts) < len(best):
                 best = parts
@@ -167,8 +182,15 @@ PRESETS: dict[str, dict] = {
     # decode KLD of the combinations tried (each part lowers it: the rest most, then the
     # sketch probe over sampled keys), every needle exact attention recalls kept at k = 8;
     # bound probe, pooled picks, dense layers, window: no better (docs/PERFORMANCE.md)
-    "quality": {"prefill": "exact", "group": "union", "importance": False, "sink": "out",
-                "recent": 1, "probe": "sketch", "rest": True},
+    "quality": {
+        "prefill": "exact",
+        "group": "union",
+        "importance": False,
+        "sink": "out",
+        "recent": 1,
+        "probe": "sketch",
+        "rest": True,
+    },
 }
 
 # The options of `--sparse opt+opt+...`: spelling, field, kind (a tuple: the values; int;
@@ -176,30 +198,59 @@ PRESETS: dict[str, dict] = {
 # table the CLI's help and the README show (`options_table`).
 OPTIONS = (
     ("k", "k", int, "blocks of 32 tokens each query head attends to (>= 1; --sparse-k)"),
-    ("probes", "probes", int, "keys probed per block by the sample probe (>= 1; "
-     "--sparse-probes)"),
-    ("sink", "sink", SINKS, "block 0 always attended: off, in (one of the k picks), out "
-     "(besides them)"),
-    ("probe", "probe", PROBES, "block ranking: sample (probes keys), bound (per-block "
-     "min/max key bound, Quest), sketch (every key kept at 4 bits, blocks ranked by "
-     "their estimated attention mass)"),
-    ("group", "group", GROUPS, "head: each query head picks; max / sum: one pick per kv "
-     "head from its heads' pooled probes; share: the same from each head's probes less "
-     "their log-sum-exp; rank: the heads' own picks in turns; union: each head attends "
-     "its kv head's union"),
+    ("probes", "probes", int, "keys probed per block by the sample probe (>= 1; --sparse-probes)"),
+    (
+        "sink",
+        "sink",
+        SINKS,
+        "block 0 always attended: off, in (one of the k picks), out (besides them)",
+    ),
+    (
+        "probe",
+        "probe",
+        PROBES,
+        "block ranking: sample (probes keys), bound (per-block "
+        "min/max key bound, Quest), sketch (every key kept at 4 bits, blocks ranked by "
+        "their estimated attention mass)",
+    ),
+    (
+        "group",
+        "group",
+        GROUPS,
+        "head: each query head picks; max / sum: one pick per kv "
+        "head from its heads' pooled probes; share: the same from each head's probes less "
+        "their log-sum-exp; rank: the heads' own picks in turns; union: each head attends "
+        "its kv head's union",
+    ),
     ("dense-first", "dense_first", int, "the first N layers attend exactly"),
     ("dense", "dense_layers", "layers", "these layers (0,5,7) attend exactly"),
-    ("window", "window", int, "prefill importance from the prompt's last N rows only; "
-     "0 = all"),
+    ("window", "window", int, "prefill importance from the prompt's last N rows only; 0 = all"),
     ("recent", "recent", int, f"the last N blocks attended besides the k (0..{RECENT_MAX})"),
-    ("importance", "importance", bool, "half of the k picks by prefill importance "
-     "(no-importance: all k by probes)"),
-    ("rest", "rest", bool, "decode also counts the blocks not picked, at 4 bits (needs "
-     "probe=sketch)"),
-    ("rest-max", "rest_max", int, f"with rest: at most N blocks not picked per head "
-     f"(1..{REST_MAX_MAX}; 0 = all above the floor)"),
-    ("exact-prefill", "prefill", "exact", "exact prompt attention, sparse decode "
-     "(sparse-prefill: both sparse)"),
+    (
+        "importance",
+        "importance",
+        bool,
+        "half of the k picks by prefill importance (no-importance: all k by probes)",
+    ),
+    (
+        "rest",
+        "rest",
+        bool,
+        "decode also counts the blocks not picked, at 4 bits (needs probe=sketch)",
+    ),
+    (
+        "rest-max",
+        "rest_max",
+        int,
+        f"with rest: at most N blocks not picked per head "
+        f"(1..{REST_MAX_MAX}; 0 = all above the floor)",
+    ),
+    (
+        "exact-prefill",
+        "prefill",
+        "exact",
+        "exact prompt attention, sparse decode (sparse-prefill: both sparse)",
+    ),
 )
 _BY_SPELLING = {o[0]: o for o in OPTIONS}
 _BY_FIELD = {o[1]: o for o in OPTIONS}
@@ -223,13 +274,22 @@ def _spellings() -> list[str]:
 
 def options_table() -> str:
     """The presets and the options, one per line: `--sparse`'s help and the README's."""
-    rows = [f"{name}: {' + '.join(_spell(n, v) for n, v in p.items()) or 'the plain selection'}"
-            for name, p in PRESETS.items()]
+    rows = [
+        f"{name}: {' + '.join(_spell(n, v) for n, v in p.items()) or 'the plain selection'}"
+        for name, p in PRESETS.items()
+    ]
     for name, _, kind, text in OPTIONS:
-        spelled = ("exact-prefill / sparse-prefill" if kind == "exact" else
-                   f"{name} / no-{name}" if kind is bool else
-                   f"{name}={'|'.join(kind)}" if isinstance(kind, tuple) else
-                   f"{name}=0,5,7" if kind == "layers" else f"{name}=N")
+        spelled = (
+            "exact-prefill / sparse-prefill"
+            if kind == "exact"
+            else f"{name} / no-{name}"
+            if kind is bool
+            else f"{name}={'|'.join(kind)}"
+            if isinstance(kind, tuple)
+            else f"{name}=0,5,7"
+            if kind == "layers"
+            else f"{name}=N"
+        )
         rows.append(f"{spelled}: {text}")
     return "\n".join(rows)
 
@@ -252,24 +312,32 @@ def _option(part: str) -> dict:
     if part in ("exact-prefill", "sparse-prefill"):
         return {"prefill": part.split("-")[0]}
     name, eq, value = part.partition("=")
-    flag_off = (not eq and name.startswith("no-") and name[3:] in _BY_SPELLING
-                and _BY_SPELLING[name[3:]][2] is bool)
+    flag_off = (
+        not eq
+        and name.startswith("no-")
+        and name[3:] in _BY_SPELLING
+        and _BY_SPELLING[name[3:]][2] is bool
+    )
     opt = _BY_SPELLING.get(name[3:] if flag_off else name)
     if opt is None:
-        raise KestrelError(f"--sparse: unknown option or preset {clip(part)!r}; presets: "
-                           f"{', '.join(PRESETS)}; options: {', '.join(_spellings())}")
+        raise KestrelError(
+            f"--sparse: unknown option or preset {clip(part)!r}; presets: "
+            f"{', '.join(PRESETS)}; options: {', '.join(_spellings())}"
+        )
     _, field, kind, _ = opt
     if kind is bool:
         if eq:
-            raise KestrelError(f"--sparse: {name} takes no value (no-{name} turns it off), "
-                               f"got {clip(part)!r}")
+            raise KestrelError(
+                f"--sparse: {name} takes no value (no-{name} turns it off), got {clip(part)!r}"
+            )
         return {field: not flag_off}
     if not eq or kind == "exact":
         raise KestrelError(f"--sparse: {name} needs a value ({name}=...), got {clip(part)!r}")
     if isinstance(kind, tuple):
         if value not in kind:
-            raise KestrelError(f"--sparse: {name} must be one of {', '.join(kind)}; "
-                               f"got {clip(value)!r}")
+            raise KestrelError(
+                f"--sparse: {name} must be one of {', '.join(kind)}; got {clip(value)!r}"
+            )
         return {field: value}
     try:
         if kind == "layers":
@@ -290,8 +358,12 @@ def _check(s: SparseSpec) -> str | None:
         return f"k must be >= 0 (0: exact attention), got {s.k}"
     if s.probes < 1:
         return f"probes must be >= 1, got {s.probes}"
-    for name, ok in (("sink", SINKS), ("probe", PROBES), ("group", GROUPS),
-                     ("prefill", ("sparse", "exact"))):
+    for name, ok in (
+        ("sink", SINKS),
+        ("probe", PROBES),
+        ("group", GROUPS),
+        ("prefill", ("sparse", "exact")),
+    ):
         if getattr(s, name) not in ok:
             return f"{name} must be one of {', '.join(ok)}; got {clip(getattr(s, name))!r}"
     if s.dense_first < 0:
@@ -305,8 +377,10 @@ def _check(s: SparseSpec) -> str | None:
     if not 0 <= s.rest_max <= REST_MAX_MAX:
         return f"rest-max must be 0..{REST_MAX_MAX}, got {s.rest_max}"
     if s.k and s.rest and s.probe != "sketch":
-        return ("rest needs the sketch probe (probe=sketch): the rest is weighed by the "
-                "sketch's block masses")
+        return (
+            "rest needs the sketch probe (probe=sketch): the rest is weighed by the "
+            "sketch's block masses"
+        )
     if s.k and s.rest_max and not s.rest:
         return "rest-max caps the rest: it needs rest"
     return None
@@ -347,7 +421,7 @@ def key_bounds(keys: np.ndarray, bs: int = BS) -> tuple[np.ndarray, np.ndarray]:
     hi = np.empty((nb, hd), np.float32)
     lo = np.empty((nb, hd), np.float32)
     for b in range(nb):
-        blk = keys[b * bs:min(b * bs + bs, seq)].astype(np.float32)
+        blk = keys[b * bs : min(b * bs + bs, seq)].astype(np.float32)
         hi[b], lo[b] = blk.max(axis=0), blk.min(axis=0)
     return hi, lo
 
@@ -365,8 +439,9 @@ def key_bounds_q8(keys: np.ndarray, bs: int = BS) -> tuple[np.ndarray, np.ndarra
     return qh, ql, s
 
 
-def bound_scores(q: np.ndarray, hi: np.ndarray, lo: np.ndarray,
-                 scale: np.ndarray | None = None) -> np.ndarray:
+def bound_scores(
+    q: np.ndarray, hi: np.ndarray, lo: np.ndarray, scale: np.ndarray | None = None
+) -> np.ndarray:
     """The bound probe: score[b] = sum over channels c of max(q[c] * hi[b, c],
     q[c] * lo[b, c]) (times scale[b] for int8 bounds), an upper bound of q . k for every
     key k of block b (Quest). float32 (n_blocks,)."""
@@ -385,8 +460,9 @@ def key_sketch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     k = np.asarray(keys, np.float32)
     h2 = k.shape[1] // 2
     m = np.abs(k).max(axis=1)
-    inv = np.where(m > 0, np.float32(7.0) / np.where(m > 0, m, np.float32(1.0)),
-                   np.float32(0.0)).astype(np.float32)
+    inv = np.where(
+        m > 0, np.float32(7.0) / np.where(m > 0, m, np.float32(1.0)), np.float32(0.0)
+    ).astype(np.float32)
     u = (np.clip(np.rint(k * inv[:, None]), -7, 7) + 8).astype(np.uint8)
     return u[:, :h2] | (u[:, h2:] << 4), (m / np.float32(7.0)).astype(np.float32)
 
@@ -397,12 +473,13 @@ def value_nibbles(raw: np.ndarray, head_dim: int, bs: int = BS) -> np.ndarray:
     token 8p + i's nibble low and token 8p + 4 + i's high): raw uint8 (n_blocks,
     bs * head_dim / 2) -> u uint8 (n_blocks * bs, head_dim), 1..15 (0 where unwritten)."""
     x = np.asarray(raw, np.uint8).reshape(-1, bs // 8, head_dim, 4)
-    u = np.concatenate([x & 15, x >> 4], axis=3)          # (nb, p, d, 8): token 8p + i
+    u = np.concatenate([x & 15, x >> 4], axis=3)  # (nb, p, d, 8): token 8p + i
     return u.transpose(0, 1, 3, 2).reshape(-1, head_dim)
 
 
-def sketch_token_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray,
-                        scale: float) -> np.ndarray:
+def sketch_token_scores(
+    q: np.ndarray, packed: np.ndarray, scales: np.ndarray, scale: float
+) -> np.ndarray:
     """Each sketched key's score, scale * q~ . k~_t - cv * S_t^2 (see `sketch_scores`):
     float32 (seq,)."""
     q = np.asarray(q, np.float32)
@@ -415,8 +492,9 @@ def sketch_token_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray,
     return acc.astype(np.float32) * (scales * qs) - cv * scales * scales
 
 
-def sketch_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray, scale: float,
-                  bs: int = BS) -> np.ndarray:
+def sketch_scores(
+    q: np.ndarray, packed: np.ndarray, scales: np.ndarray, scale: float, bs: int = BS
+) -> np.ndarray:
     """The sketch probe: score[b] = log sum over block b's tokens t of exp(scale * q~ . k~_t
     - cv * S_t^2), q~ = rint(q / Sq) * Sq at int8 (Sq = max|q| / 127), k~ the sketched
     keys (`key_sketch`, S_t their scales), cv = (Sq scale)^2 |q~ / Sq|^2 / 24 (the
@@ -432,21 +510,30 @@ def sketch_scores(q: np.ndarray, packed: np.ndarray, scales: np.ndarray, scale: 
     return (mx + np.log(np.exp(x - mx[:, None]).sum(axis=1))).astype(np.float32)
 
 
-def _picks(score: np.ndarray, importance_picks: list[int], k: int, nb: int,
-           taken: set[int]) -> list[int]:
+def _picks(
+    score: np.ndarray, importance_picks: list[int], k: int, nb: int, taken: set[int]
+) -> list[int]:
     """Steps 3-4: fill k - len(importance_picks) picks by score (descending, ties to the
     lower index) among blocks not taken, then the recency swap."""
     n_imp = len(importance_picks)
-    by_probe = [b for b in np.lexsort((np.arange(nb), -score.astype(np.float64)))
-                if int(b) not in taken]
-    probe_picks = [int(b) for b in by_probe[:k - n_imp]]
+    by_probe = [
+        b for b in np.lexsort((np.arange(nb), -score.astype(np.float64))) if int(b) not in taken
+    ]
+    probe_picks = [int(b) for b in by_probe[: k - n_imp]]
     if probe_picks and nb - 1 not in taken and nb - 1 not in probe_picks:
-        probe_picks[-1] = nb - 1      # the last pick is the lowest probe, ties: higher index
+        probe_picks[-1] = nb - 1  # the last pick is the lowest probe, ties: higher index
     return importance_picks + probe_picks
 
 
-def select_with(score: np.ndarray, importance: np.ndarray | None, seq: int, k: int,
-                sink: str = "off", bs: int = BS, recent: int = 0) -> np.ndarray:
+def select_with(
+    score: np.ndarray,
+    importance: np.ndarray | None,
+    seq: int,
+    k: int,
+    sink: str = "off",
+    bs: int = BS,
+    recent: int = 0,
+) -> np.ndarray:
     """Steps 2-4 over given block scores, with the sink and recent options: block 0 first,
     then the last `recent` blocks, then steps 2-4 over the other blocks with k - 1 picks
     (sink "in") or k ("out", "off"). All blocks ascending while n_blocks <= k (+ 1 with
@@ -471,10 +558,20 @@ def select_with(score: np.ndarray, importance: np.ndarray | None, seq: int, k: i
     return np.array(head + _picks(score, picks, k, nb, taken), dtype=np.int64)
 
 
-def select_blocks_opts(q: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
-                       n_probe: int = 8, bs: int = BS, *, sink: str = "off",
-                       probe: str = "sample", bounds=None, recent: int = 0,
-                       scale: float = 1.0) -> np.ndarray:
+def select_blocks_opts(
+    q: np.ndarray,
+    keys: np.ndarray,
+    importance: np.ndarray | None,
+    k: int,
+    n_probe: int = 8,
+    bs: int = BS,
+    *,
+    sink: str = "off",
+    probe: str = "sample",
+    bounds=None,
+    recent: int = 0,
+    scale: float = 1.0,
+) -> np.ndarray:
     """`select_blocks` with the options (docs/DESIGN.md §3 Options): sink "off" / "in" /
     "out"; probe "sample", "bound" (scores from `bound_scores` over `bounds` = (hi, lo)
     or (hi, lo, scale), default key_bounds(keys)) or "sketch" (`sketch_scores` at the
@@ -526,36 +623,69 @@ def group_scores(scores, pool: str, pick=None) -> list[np.ndarray]:
     return [out] * group
 
 
-def select_group(qs: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
-                 pool: str, n_probe: int = 8, bs: int = BS, *, sink: str = "off",
-                 probe: str = "sample", bounds=None, scale: float = 1.0) -> list[np.ndarray]:
+def select_group(
+    qs: np.ndarray,
+    keys: np.ndarray,
+    importance: np.ndarray | None,
+    k: int,
+    pool: str,
+    n_probe: int = 8,
+    bs: int = BS,
+    *,
+    sink: str = "off",
+    probe: str = "sample",
+    bounds=None,
+    scale: float = 1.0,
+) -> list[np.ndarray]:
     """The blocks each of the query heads qs (group, head_dim) of one kv head attends to
     with one selection per kv head: pool "max" / "sum" / "share" / "rank" picks once from
     the heads' scores pooled (`group_scores`); "union" picks per head and each attends the union (ascending).
     Returns one array per head (pick order for max / sum)."""
     if pool == "union":
-        each = [select_blocks_opts(q, keys, importance, k, n_probe, bs, sink=sink,
-                                   probe=probe, bounds=bounds, scale=scale) for q in qs]
+        each = [
+            select_blocks_opts(
+                q,
+                keys,
+                importance,
+                k,
+                n_probe,
+                bs,
+                sink=sink,
+                probe=probe,
+                bounds=bounds,
+                scale=scale,
+            )
+            for q in qs
+        ]
         u = np.unique(np.concatenate(each)).astype(np.int64)
         return [u for _ in qs]
     scores = []
     for q in qs:
         if probe == "sketch":
-            scores.append(sketch_scores(q, *(key_sketch(keys) if bounds is None else bounds),
-                                        scale, bs))
+            scores.append(
+                sketch_scores(q, *(key_sketch(keys) if bounds is None else bounds), scale, bs)
+            )
         elif probe == "bound":
             b = key_bounds(keys, bs) if bounds is None else bounds
             scores.append(bound_scores(q, *b))
         else:
             scores.append(probe_scores(q, keys, n_probe, bs))
+
     def pick(x):
         return select_with(x, importance, keys.shape[0], k, sink, bs)
+
     sel = pick(group_scores(scores, pool, pick)[0])
     return [sel for _ in qs]
 
 
-def select_blocks(q: np.ndarray, keys: np.ndarray, importance: np.ndarray | None, k: int,
-                  n_probe: int = 8, bs: int = BS) -> np.ndarray:
+def select_blocks(
+    q: np.ndarray,
+    keys: np.ndarray,
+    importance: np.ndarray | None,
+    k: int,
+    n_probe: int = 8,
+    bs: int = BS,
+) -> np.ndarray:
     """The blocks one query head attends to (docs/DESIGN.md §3), in pick order.
 
     Args:
@@ -579,5 +709,5 @@ def select_blocks(q: np.ndarray, keys: np.ndarray, importance: np.ndarray | None
     picks: list[int] = []
     if importance is not None:
         order = importance_order(importance, seq, bs)
-        picks = [int(b) for b in order[:(k + 1) // 2]]
+        picks = [int(b) for b in order[: (k + 1) // 2]]
     return np.array(_picks(probe, picks, k, nb, set(picks)), dtype=np.int64)

@@ -25,19 +25,40 @@ that would change the reply's meaning (n > 1, logprobs, tools, penalties, ...) g
 naming the field; unknown harmless fields are ignored. Replies carry llama-server's
 `timings`. Errors have OpenAI's shape {"error": {"message", "type", "param", "code"}}.
 """
+
 from kestrel_cli.core.errors import KestrelError
 
 try:
     import fastapi  # noqa: F401
     import uvicorn  # noqa: F401
-except ImportError as e:                                  # the [serve] extra is missing
-    raise KestrelError(f"kestrel serve needs fastapi and uvicorn ({e.name} is missing): "
-                       "pip install 'kestrel-cli[serve]'") from None
+except ImportError as e:  # the [serve] extra is missing
+    raise KestrelError(
+        f"kestrel serve needs fastapi and uvicorn ({e.name} is missing): "
+        "pip install 'kestrel-cli[serve]'"
+    ) from None
 
 from kestrel_cli.server.admission import parse_size  # noqa: E402
-from kestrel_cli.server.app import Limits, check_api_key, create_app, exposure_warning, model_id, serve  # noqa: E402
+from kestrel_cli.server.app import (  # noqa: E402
+    Limits,
+    check_api_key,
+    create_app,
+    exposure_warning,
+    model_id,
+    serve,
+)
 from kestrel_cli.server.models import APIError  # noqa: E402
 from kestrel_cli.server.scheduler import Job, Scheduler, Slot  # noqa: E402
 
-__all__ = ["APIError", "Job", "Limits", "Scheduler", "Slot", "check_api_key", "create_app",
-           "exposure_warning", "model_id", "parse_size", "serve"]
+__all__ = [
+    "APIError",
+    "Job",
+    "Limits",
+    "Scheduler",
+    "Slot",
+    "check_api_key",
+    "create_app",
+    "exposure_warning",
+    "model_id",
+    "parse_size",
+    "serve",
+]

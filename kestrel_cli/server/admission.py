@@ -15,6 +15,7 @@ text is copied into the rendered template and tokenised in bounded pieces
 one context; an image costs what images.decode_cost says from its header, one image
 decoded at a time, plus the patches of all of them.
 """
+
 from __future__ import annotations
 
 from kestrel_cli.core.errors import KestrelError
@@ -23,12 +24,12 @@ from kestrel_cli.server.models import APIError
 
 MiB = 1 << 20
 
-BODY_COPIES = 3                  # the body's bytes: received parts, joined, parsed
-TEXT_BYTES_PER_CHAR = 16         # message copies, the rendered prompt, the piece being tokenised
-TOKEN_BYTES = 64                 # the ids of the prompt (Python ints, the tokenizer's Encoding)
-PREP_BASE = 8 * MiB              # a request's fixed cost (template state, objects)
-GRAMMAR_BYTES = 64 * MiB         # one compiled JSON schema (response_format, a forced tool)
-TRIM_AFTER = 32 * MiB            # a lease this large returns freed heap pages when released
+BODY_COPIES = 3  # the body's bytes: received parts, joined, parsed
+TEXT_BYTES_PER_CHAR = 16  # message copies, the rendered prompt, the piece being tokenised
+TOKEN_BYTES = 64  # the ids of the prompt (Python ints, the tokenizer's Encoding)
+PREP_BASE = 8 * MiB  # a request's fixed cost (template state, objects)
+GRAMMAR_BYTES = 64 * MiB  # one compiled JSON schema (response_format, a forced tool)
+TRIM_AFTER = 32 * MiB  # a lease this large returns freed heap pages when released
 
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -66,8 +67,14 @@ def prep_cost(n_chars: int, n_tokens: int, images: list = (), grammars: int = 0)
     `grammars` JSON schemas compiled."""
     decode = max((d for d, _ in images), default=0)
     patches = sum(p for _, p in images)
-    return (PREP_BASE + n_chars * TEXT_BYTES_PER_CHAR + n_tokens * TOKEN_BYTES + decode
-            + patches + grammars * GRAMMAR_BYTES)
+    return (
+        PREP_BASE
+        + n_chars * TEXT_BYTES_PER_CHAR
+        + n_tokens * TOKEN_BYTES
+        + decode
+        + patches
+        + grammars * GRAMMAR_BYTES
+    )
 
 
 def _mib(n: int) -> str:
@@ -97,13 +104,20 @@ class Lease:
         """Hold `n` bytes more (a lease never shrinks before release)."""
         b, total = self.budget, self.held + n
         if total > b.per_request:
-            raise APIError(f"{what} needs about {_mib(total)} of memory to prepare, more than "
-                           f"the {_mib(b.per_request)} one request may use "
-                           f"(--max-request-memory)", 413, code="request_too_large")
+            raise APIError(
+                f"{what} needs about {_mib(total)} of memory to prepare, more than "
+                f"the {_mib(b.per_request)} one request may use "
+                f"(--max-request-memory)",
+                413,
+                code="request_too_large",
+            )
         if b.used + n > b.total:
-            raise APIError(f"server busy: requests in preparation hold {_mib(b.used)} of the "
-                           f"{_mib(b.total)} memory budget (--memory-budget); retry later",
-                           503, code="server_busy")
+            raise APIError(
+                f"server busy: requests in preparation hold {_mib(b.used)} of the "
+                f"{_mib(b.total)} memory budget (--memory-budget); retry later",
+                503,
+                code="server_busy",
+            )
         b.used += n
         self.held = total
 

@@ -1,5 +1,6 @@
 """The FastAPI app: routes, replies (JSON or server-sent events), one log line per request,
 and running it under uvicorn until SIGINT/SIGTERM."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,22 +24,37 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kestrel_cli import __version__
-from kestrel_cli.inference.engine import Engine
 from kestrel_cli.core.errors import KestrelError, clip
+from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.generate import Stats
 from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, probe_image
+from kestrel_cli.server.admission import (
+    BODY_COPIES,
+    Budget,
+    Lease,
+    default_budget,
+    default_request_memory,
+    prep_cost,
+)
+from kestrel_cli.server.models import (
+    COMPLETIONS_MAX_TOKENS,
+    APIError,
+    Options,
+    check_unsupported,
+    content_chars,
+    first_bad_string,
+    parse_messages,
+    parse_prompt,
+    parse_tools,
+)
+from kestrel_cli.server.scheduler import Job, Scheduler, Ticket
 from kestrel_cli.text.reasoning import AnswerSplitter, prompt_opens_thinking
 from kestrel_cli.text.tokenizer import TooManyTokens
-from kestrel_cli.server.admission import (BODY_COPIES, Budget, Lease, default_budget, default_request_memory,
-                        prep_cost)
-from kestrel_cli.server.models import (COMPLETIONS_MAX_TOKENS, APIError, Options, check_unsupported,
-                     content_chars, first_bad_string, parse_messages, parse_prompt, parse_tools)
-from kestrel_cli.server.scheduler import Job, Scheduler, Ticket
 
 log = logging.getLogger("kestrel.server")
 
-MAX_BODY_BYTES = 32 << 20        # larger request bodies get 413
-RETRY_AFTER_S = 1                # 503 server_busy's Retry-After: a request or a slot frees soon
+MAX_BODY_BYTES = 32 << 20  # larger request bodies get 413
+RETRY_AFTER_S = 1  # 503 server_busy's Retry-After: a request or a slot frees soon
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -46,13 +62,14 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 class Limits:
     """What one client may hold, in seconds and counts (`kestrel serve` flags; README:
     "Running it safely")."""
-    header_timeout: float = 10.0     # a request's line and headers, from its first byte
-    body_timeout: float = 30.0       # its body, from the end of the headers (-> 408)
-    keep_alive: float = 5.0          # an idle connection between requests
-    request_timeout: float = 600.0   # one generation, from admission to last token (-> 504)
-    max_connections: int = 64        # open connections; one more gets 503 and is closed
-    schema_timeout: float = 5.0      # compiling a response_format / tool schema (-> 400)
-    shutdown_timeout: float = 5.0    # SIGTERM: in-flight replies get this long, then 503
+
+    header_timeout: float = 10.0  # a request's line and headers, from its first byte
+    body_timeout: float = 30.0  # its body, from the end of the headers (-> 408)
+    keep_alive: float = 5.0  # an idle connection between requests
+    request_timeout: float = 600.0  # one generation, from admission to last token (-> 504)
+    max_connections: int = 64  # open connections; one more gets 503 and is closed
+    schema_timeout: float = 5.0  # compiling a response_format / tool schema (-> 400)
+    shutdown_timeout: float = 5.0  # SIGTERM: in-flight replies get this long, then 503
     # bytes requests may hold while read and prepared (admission.py): all at once (-> 503
     # server_busy), one request (-> 413); None: admission's defaults for this machine
     memory_budget: int | None = None
@@ -65,23 +82,31 @@ class Limits:
 
 # ---------------------------------------------------------------------------- replies
 
+
 def _usage(stats: Stats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
 
 
 def _timings(stats: Stats, gen_ms: float) -> dict:
     """llama-server's `timings`: prompt_* count only the tokens prefilled (not cache_n);
     predicted_* the tokens sampled, over the time from the end of prefill to the last."""
     pn, pms, gn, gms = stats.prefill_tokens, stats.prefill_ms, stats.generated_tokens, gen_ms
-    return {"cache_n": stats.cached_tokens,
-            "prompt_n": pn, "prompt_ms": round(pms, 3),
-            "prompt_per_token_ms": round(pms / pn, 3) if pn else 0.0,
-            "prompt_per_second": round(pn / pms * 1e3, 3) if pms > 0 else 0.0,
-            "predicted_n": gn, "predicted_ms": round(gms, 3),
-            "predicted_per_token_ms": round(gms / gn, 3) if gn else 0.0,
-            "predicted_per_second": round(gn / gms * 1e3, 3) if gms > 0 else 0.0}
+    return {
+        "cache_n": stats.cached_tokens,
+        "prompt_n": pn,
+        "prompt_ms": round(pms, 3),
+        "prompt_per_token_ms": round(pms / pn, 3) if pn else 0.0,
+        "prompt_per_second": round(pn / pms * 1e3, 3) if pms > 0 else 0.0,
+        "predicted_n": gn,
+        "predicted_ms": round(gms, 3),
+        "predicted_per_token_ms": round(gms / gn, 3) if gn else 0.0,
+        "predicted_per_second": round(gn / gms * 1e3, 3) if gms > 0 else 0.0,
+    }
 
 
 def _error_response(err: APIError) -> JSONResponse:
@@ -102,8 +127,12 @@ class _Stream(StreamingResponse):
     server shutting down, or an error."""
 
     def __init__(self, content, on_close, **kw):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            **kw,
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):
@@ -120,22 +149,30 @@ async def _wait_disconnect(receive) -> None:
 
 # ---------------------------------------------------------------------------- the app
 
+
 def check_api_key(api_key: str | None) -> None:
     """An empty key is a mistake (`--api-key "$KEY"` with KEY unset), not a request to serve
     without one."""
     if api_key is not None and not api_key.strip():
-        raise KestrelError("--api-key (or KESTREL_API_KEY) is empty: give a key, or leave it "
-                           "out to serve without one")
+        raise KestrelError(
+            "--api-key (or KESTREL_API_KEY) is empty: give a key, or leave it "
+            "out to serve without one"
+        )
 
 
 def model_id(engine: Engine) -> str:
     return Path(str(engine.path)).name or str(engine.path)
 
 
-def create_app(engines: list[Engine], api_key: str | None = None, queue_size: int = 32,
-               limits: Limits | None = None) -> FastAPI:
+def create_app(
+    engines: list[Engine],
+    api_key: str | None = None,
+    queue_size: int = 32,
+    limits: Limits | None = None,
+) -> FastAPI:
     """The FastAPI app serving `engines` (one per slot, sharing weights and tokenizer)."""
     from contextlib import asynccontextmanager
+
     check_api_key(api_key)
     limits = limits or Limits()
     sched = Scheduler(engines, queue_size)
@@ -150,8 +187,14 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         yield
         await sched.close()
 
-    app = FastAPI(title="kestrel", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, redirect_slashes=False)   # "/v1/models/" is a 404
+    app = FastAPI(
+        title="kestrel",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+    )  # "/v1/models/" is a 404
     app.state.scheduler = sched
     app.state.limits = limits
     app.state.budget = budget
@@ -191,6 +234,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
 
         def no_constant(name):
             raise ValueError(f"{name} is not valid JSON")
+
         try:
             body = json.loads(raw, parse_constant=no_constant)
         except (ValueError, RecursionError) as e:
@@ -198,9 +242,13 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object", 400)
         if _SURROGATE_ESCAPE.search(raw) and (where := first_bad_string(body)) is not None:
-            where = clip(where, 200)     # a path through long or deep keys is the client's
-            raise APIError(f"'{where}' holds a lone UTF-16 surrogate (an unpaired \\ud800-"
-                           f"\\udfff escape), which is not valid Unicode", 400, param=where)
+            where = clip(where, 200)  # a path through long or deep keys is the client's
+            raise APIError(
+                f"'{where}' holds a lone UTF-16 surrogate (an unpaired \\ud800-"
+                f"\\udfff escape), which is not valid Unicode",
+                400,
+                param=where,
+            )
         return body
 
     def lease_of(request: Request) -> Lease:
@@ -208,19 +256,34 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         reply has been sent)."""
         return request.scope["kestrel.lease"]
 
-    async def admit(request: Request, ids: list[int], params: dict, param: str,
-                    cache_prompt: bool, ticket: Ticket | None = None) -> Job:
+    async def admit(
+        request: Request,
+        ids: list[int],
+        params: dict,
+        param: str,
+        cache_prompt: bool,
+        ticket: Ticket | None = None,
+    ) -> Job:
         if len(ids) >= eng0.ctx_size:
-            raise APIError(f"the prompt has {len(ids)} tokens, and the context size is "
-                           f"{eng0.ctx_size}: no room for an answer (start the server with a "
-                           f"larger -c/--ctx-size)",
-                           400, param=param, code="context_length_exceeded")
+            raise APIError(
+                f"the prompt has {len(ids)} tokens, and the context size is "
+                f"{eng0.ctx_size}: no room for an answer (start the server with a "
+                f"larger -c/--ctx-size)",
+                400,
+                param=param,
+                code="context_length_exceeded",
+            )
         if not ids:
             raise APIError("empty prompt", 400, param=param)
         # max_tokens is capped by the room the context has left (finish_reason "length")
         params = {**params, "max_tokens": min(params["max_tokens"], eng0.ctx_size - len(ids))}
-        job = Job(ids, params, asyncio.get_running_loop(), cache_prompt,
-                  timeout=limits.request_timeout or None)
+        job = Job(
+            ids,
+            params,
+            asyncio.get_running_loop(),
+            cache_prompt,
+            timeout=limits.request_timeout or None,
+        )
         request.scope["kestrel.job"] = job
         sched.submit(job, ticket)
         return job
@@ -230,22 +293,32 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
 
     def bound_prompt(n_chars: int, param: str) -> None:
         if n_chars > max_chars:
-            raise APIError(f"the prompt has {n_chars} characters, more than a context of "
-                           f"{eng0.ctx_size} tokens can hold (start the server with a larger "
-                           f"-c/--ctx-size)", 400, param=param, code="context_length_exceeded")
+            raise APIError(
+                f"the prompt has {n_chars} characters, more than a context of "
+                f"{eng0.ctx_size} tokens can hold (start the server with a larger "
+                f"-c/--ctx-size)",
+                400,
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def encode(prompt, param: str, **kw) -> list[int]:
         """Template and tokeniser run in a worker thread: the event loop keeps serving. A
         prompt with no room left for an answer is refused once that is certain, without
         tokenising the rest of it."""
         try:
-            return await asyncio.to_thread(eng0.encode_prompt, prompt,
-                                           limit=eng0.ctx_size - 1, **kw)
+            return await asyncio.to_thread(
+                eng0.encode_prompt, prompt, limit=eng0.ctx_size - 1, **kw
+            )
         except TooManyTokens as e:
-            raise APIError(f"the prompt has {'' if e.exact else 'at least '}{e.n_tokens} "
-                           f"tokens, and the context size is {eng0.ctx_size}: no room for an "
-                           f"answer (start the server with a larger -c/--ctx-size)",
-                           400, param=param, code="context_length_exceeded") from None
+            raise APIError(
+                f"the prompt has {'' if e.exact else 'at least '}{e.n_tokens} "
+                f"tokens, and the context size is {eng0.ctx_size}: no room for an "
+                f"answer (start the server with a larger -c/--ctx-size)",
+                400,
+                param=param,
+                code="context_length_exceeded",
+            ) from None
         except KestrelError as e:
             raise APIError(str(e), 400, param=param) from None
 
@@ -258,7 +331,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
     def tok_text(t: int) -> str:
         try:
             return eng0.tokenizer.decode([t])
-        except KestrelError:   # a padding row of the embeddings, past the tokenizer's vocab
+        except KestrelError:  # a padding row of the embeddings, past the tokenizer's vocab
             return ""
 
     def lp_entry(t: int, lp: float) -> dict:
@@ -267,9 +340,15 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
 
     def chat_logprobs(chunks) -> dict:
         """OpenAI's chat `logprobs` of the tokens of `chunks`."""
-        return {"content": [{**lp_entry(c.token, c.logprob[0]),
-                             "top_logprobs": [lp_entry(t, v) for t, v in c.logprob[1]]}
-                            for c in chunks]}
+        return {
+            "content": [
+                {
+                    **lp_entry(c.token, c.logprob[0]),
+                    "top_logprobs": [lp_entry(t, v) for t, v in c.logprob[1]],
+                }
+                for c in chunks
+            ]
+        }
 
     def completion_logprobs(chunks, offset: int) -> dict:
         """/v1/completions' legacy `logprobs` (text_offset counted from `offset`)."""
@@ -292,15 +371,26 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
             elif k == "content":
                 deltas.append({"content": v})
             else:
-                call = {"index": len(calls), "id": "call_" + secrets.token_hex(12),
-                        "type": "function", "function": dict(v)}
+                call = {
+                    "index": len(calls),
+                    "id": "call_" + secrets.token_hex(12),
+                    "type": "function",
+                    "function": dict(v),
+                }
                 calls.append(call)
                 deltas.append({"tool_calls": [call]})
         return deltas
 
-    async def generate(request: Request, job: Job, stream: bool, include_usage: bool,
-                       kind: str, split: dict | None = None, prefix: str = "",
-                       suffix: str = ""):
+    async def generate(
+        request: Request,
+        job: Job,
+        stream: bool,
+        include_usage: bool,
+        kind: str,
+        split: dict | None = None,
+        prefix: str = "",
+        suffix: str = "",
+    ):
         """The reply to an admitted job: one JSON object, or SSE chunks. Chat answers go
         through an AnswerSplitter (`split`: its arguments): reasoning_content, content and
         tool_calls; `prefix` is answer text the prompt already holds (a forced tool call)."""
@@ -311,8 +401,13 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         obj = "chat.completion" if kind == "chat" else "text_completion"
         if stream and kind == "chat":
             obj = "chat.completion.chunk"
-        head = {"id": rid, "object": obj,
-                "created": int(time.time()), "model": mid, "system_fingerprint": fingerprint}
+        head = {
+            "id": rid,
+            "object": obj,
+            "created": int(time.time()),
+            "model": mid,
+            "system_fingerprint": fingerprint,
+        }
 
         if not stream:
             watch = asyncio.create_task(_wait_disconnect(request.receive))
@@ -327,9 +422,9 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                     last = ch if ch.finish_reason else last
             finally:
                 watch.cancel()
-                if last is None:                       # client gone, error or shutdown
+                if last is None:  # client gone, error or shutdown
                     sched.cancel(job)
-            if last is None:                           # cancelled: the client is gone
+            if last is None:  # cancelled: the client is gone
                 finish_log(request, job, None, "cancelled")
                 return JSONResponse({}, status_code=499)
             text = "".join(pieces)
@@ -337,29 +432,41 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
             if sp is not None:
                 parts = sp.feed(prefix + text + suffix) + sp.finish()
                 deltas = split_parts(sp, parts, calls)
-                msg = {"role": "assistant",
-                       "content": "".join(d.get("content", "") for d in deltas)}
+                msg = {
+                    "role": "assistant",
+                    "content": "".join(d.get("content", "") for d in deltas),
+                }
                 reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
                 if reasoning:
                     msg["reasoning_content"] = reasoning
                 if calls:
                     msg["content"] = msg["content"] or None
-                    msg["tool_calls"] = [{k: c[k] for k in ("id", "type", "function")}
-                                         for c in calls]
+                    msg["tool_calls"] = [
+                        {k: c[k] for k in ("id", "type", "function")} for c in calls
+                    ]
                     finish = "tool_calls"
                 choice = {"index": 0, "message": msg}
             else:
-                choice = ({"index": 0, "message": {"role": "assistant", "content": text}}
-                          if kind == "chat" else {"index": 0, "text": text})
+                choice = (
+                    {"index": 0, "message": {"role": "assistant", "content": text}}
+                    if kind == "chat"
+                    else {"index": 0, "text": text}
+                )
             lps = None
             if want_lp:
                 lps = chat_logprobs(scored) if kind == "chat" else completion_logprobs(scored, 0)
             choice.update(logprobs=lps, finish_reason=finish)
             finish_log(request, job, last.stats, last.finish_reason)
-            return JSONResponse({**head, "choices": [choice], "usage": _usage(last.stats),
-                                 "timings": _timings(last.stats, job.gen_ms)})
+            return JSONResponse(
+                {
+                    **head,
+                    "choices": [choice],
+                    "usage": _usage(last.stats),
+                    "timings": _timings(last.stats, job.gen_ms),
+                }
+            )
 
-        scored: list = []                 # tokens whose logprobs no event has carried yet
+        scored: list = []  # tokens whose logprobs no event has carried yet
         offset = [0]
 
         def take_logprobs():
@@ -373,10 +480,12 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
             return lps
 
         def chunk(delta_or_text, finish=None, **extra) -> dict:
-            c = ({"index": 0, "delta": delta_or_text} if kind == "chat"
-                 else {"index": 0, "text": delta_or_text})
-            c.update(logprobs=take_logprobs() if scored or finish else None,
-                     finish_reason=finish)
+            c = (
+                {"index": 0, "delta": delta_or_text}
+                if kind == "chat"
+                else {"index": 0, "text": delta_or_text}
+            )
+            c.update(logprobs=take_logprobs() if scored or finish else None, finish_reason=finish)
             out = {**head, "choices": [c], **extra}
             if include_usage:
                 out["usage"] = None
@@ -402,7 +511,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                 if last is not None and sp is not None:
                     for d in split_parts(sp, sp.feed(suffix) + sp.finish(), calls):
                         yield _sse(chunk(d))
-            except APIError as e:          # an engine error, the time limit, shutdown
+            except APIError as e:  # an engine error, the time limit, shutdown
                 finish_log(request, job, None, "error")
                 request.scope["kestrel.error"] = e.message
                 yield _sse(e.body())
@@ -412,18 +521,29 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                 finish_log(request, job, None, "cancelled")
                 return
             finish_log(request, job, last.stats, last.finish_reason)
-            yield _sse(chunk({} if kind == "chat" else "",
-                             "tool_calls" if calls else last.finish_reason,
-                             timings=_timings(last.stats, job.gen_ms)))
+            yield _sse(
+                chunk(
+                    {} if kind == "chat" else "",
+                    "tool_calls" if calls else last.finish_reason,
+                    timings=_timings(last.stats, job.gen_ms),
+                )
+            )
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(last.stats),
-                            "timings": _timings(last.stats, job.gen_ms)})
+                yield _sse(
+                    {
+                        **head,
+                        "choices": [],
+                        "usage": _usage(last.stats),
+                        "timings": _timings(last.stats, job.gen_ms),
+                    }
+                )
             yield "data: [DONE]\n\n"
 
         def on_close():
             if job.state != "done":
                 sched.cancel(job)
                 request.scope.setdefault("kestrel.log", (job, None, "cancelled"))
+
         return _Stream(events(), on_close)
 
     # -- routes
@@ -434,91 +554,143 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": mid, "object": "model", "created": created, "owned_by": "kestrel",
-            "meta": {"architecture": eng0.config.model_type, "n_ctx": eng0.ctx_size,
-                     "n_vocab": eng0.config.vocab_size, "parallel": len(engines)}}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": mid,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "kestrel",
+                    "meta": {
+                        "architecture": eng0.config.model_type,
+                        "n_ctx": eng0.ctx_size,
+                        "n_vocab": eng0.config.vocab_size,
+                        "parallel": len(engines),
+                    },
+                }
+            ],
+        }
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name != mid:
-            raise APIError(f"model {name!r} not found; this server has {mid!r}", 404,
-                           param="model", code="model_not_found")
+            raise APIError(
+                f"model {name!r} not found; this server has {mid!r}",
+                404,
+                param="model",
+                code="model_not_found",
+            )
         return {"id": mid, "object": "model", "created": created, "owned_by": "kestrel"}
 
     def forced_schema(tools: list[dict], name: str) -> tuple[dict, str]:
         """(schema, text after it) of a forced call: a named function's arguments then the
         call's closing "}"; for 'required' the whole {"name", "arguments"} of one tool."""
-        params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
-                  for t in tools}
+        params = {
+            t["function"]["name"]: t["function"].get("parameters") or {"type": "object"}
+            for t in tools
+        }
         if name:
             return params[name], "}"
-        return {"anyOf": [{"type": "object", "properties": {"name": {"const": n},
-                                                            "arguments": p},
-                           "required": ["name", "arguments"], "additionalProperties": False}
-                          for n, p in params.items()]}, ""
+        return {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": n}, "arguments": p},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for n, p in params.items()
+            ]
+        }, ""
 
-    async def answer(request: Request, opts: Options, prompt, param: str, kind: str,
-                     forced: str | None = None, ticket: Ticket | None = None, **kw):
+    async def answer(
+        request: Request,
+        opts: Options,
+        prompt,
+        param: str,
+        kind: str,
+        forced: str | None = None,
+        ticket: Ticket | None = None,
+        **kw,
+    ):
         ids = await encode(prompt, param, **kw)
         split, prefix = None, ""
         if kind == "chat":
             try:
                 tail = eng0.tokenizer.decode([int(t) for t in ids[-4:]])
-            except (TypeError, ValueError):        # a vision prompt
+            except (TypeError, ValueError):  # a vision prompt
                 tail = ""
-            split = dict(thinking=True, in_thinking=prompt_opens_thinking(tail),
-                         tools=kw.get("tools") is not None)
-            if forced is not None:                 # tool_choice required / a named function
-                prefix = "<tool_call>\n" + (f'{{"name": {json.dumps(forced)}, "arguments": '
-                                            if forced else "")
+            split = dict(
+                thinking=True,
+                in_thinking=prompt_opens_thinking(tail),
+                tools=kw.get("tools") is not None,
+            )
+            if forced is not None:  # tool_choice required / a named function
+                prefix = "<tool_call>\n" + (
+                    f'{{"name": {json.dumps(forced)}, "arguments": ' if forced else ""
+                )
                 if split["in_thinking"]:
                     prefix = "</think>\n\n" + prefix
                 ids = list(ids) + eng0.tokenizer.encode(prefix)
         default_max = eng0.ctx_size if kind == "chat" else COMPLETIONS_MAX_TOKENS
         params = opts.sampling(default_max)
         suffix = ""
-        if forced is not None:                     # the call's JSON enforced while sampling
+        if forced is not None:  # the call's JSON enforced while sampling
             params["json_schema"], params["json_then"] = forced_schema(kw["tools"], forced)
             suffix = "\n</tool_call>"
         job = await admit(request, ids, params, param, opts.cache_prompt, ticket)
-        return await generate(request, job, opts.stream, opts.include_usage, kind, split,
-                              prefix, suffix)
+        return await generate(
+            request, job, opts.stream, opts.include_usage, kind, split, prefix, suffix
+        )
 
     async def size_images(parts: list[dict]) -> list[tuple[int, int]]:
         """(decode_cost, patch_bytes) of each image, from its header alone (base64 decoded,
         no pixel): a bad or oversized image, or images whose tokens leave no room in the
         context, are refused here, before the template runs or any image is decoded."""
+
         def probe():
-            cfg = eng0.image_config()            # KestrelError: no vision tower
+            cfg = eng0.image_config()  # KestrelError: no vision tower
             return cfg, [probe_image(q["image"]) for q in parts]
+
         try:
             cfg, heads = await asyncio.to_thread(probe)
         except KestrelError as e:
             raise APIError(str(e), 400, param="messages") from None
         n = sum(cfg.tokens_for(h.width, h.height) for h in heads)
         if n >= eng0.ctx_size:
-            raise APIError(f"the prompt's {len(heads)} image(s) take {n} tokens, and the "
-                           f"context size is {eng0.ctx_size}: no room for an answer (start the "
-                           f"server with a larger -c/--ctx-size, or send smaller images)",
-                           400, param="messages", code="context_length_exceeded")
-        return [(cfg.decode_cost(h.width, h.height, h.format), cfg.patch_bytes(h.width, h.height))
-                for h in heads]
+            raise APIError(
+                f"the prompt's {len(heads)} image(s) take {n} tokens, and the "
+                f"context size is {eng0.ctx_size}: no room for an answer (start the "
+                f"server with a larger -c/--ctx-size, or send smaller images)",
+                400,
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return [
+            (cfg.decode_cost(h.width, h.height, h.format), cfg.patch_bytes(h.width, h.height))
+            for h in heads
+        ]
 
     async def check_schema(schema: dict, param: str = "response_format") -> None:
         """A schema llguidance cannot compile (or not within limits.schema_timeout) is the
         request's error (400), found early."""
         from kestrel_cli.text.constrained import JsonConstraint, _ll_tokenizer
+
         try:
             # the model's llguidance tokenizer, built once (seconds), is not the schema's time
             await asyncio.to_thread(_ll_tokenizer, eng0)
-            await asyncio.wait_for(asyncio.to_thread(JsonConstraint, eng0, schema),
-                                   limits.schema_timeout)
+            await asyncio.wait_for(
+                asyncio.to_thread(JsonConstraint, eng0, schema), limits.schema_timeout
+            )
         except KestrelError as e:
             raise APIError(str(e), 400, param=param) from None
         except asyncio.TimeoutError:
-            raise APIError(f"the JSON schema did not compile within {limits.schema_timeout:g} s",
-                           400, param=param) from None
+            raise APIError(
+                f"the JSON schema did not compile within {limits.schema_timeout:g} s",
+                400,
+                param=param,
+            ) from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -530,21 +702,33 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         kwargs = opts.template_kwargs()
         schema = opts.json_schema
         # tools are rendered into the prompt too: their JSON counts against its size
-        n_chars = (sum(content_chars(m["content"]) for m in messages)
-                   + (len(json.dumps(tools)) if tools is not None else 0))
+        n_chars = sum(content_chars(m["content"]) for m in messages) + (
+            len(json.dumps(tools)) if tools is not None else 0
+        )
         bound_prompt(n_chars, "messages")
-        parts = [q for m in messages if isinstance(m["content"], list) for q in m["content"]
-                 if q["type"] == "image"]
+        parts = [
+            q
+            for m in messages
+            if isinstance(m["content"], list)
+            for q in m["content"]
+            if q["type"] == "image"
+        ]
         if len(parts) > MAX_IMAGES_PER_PROMPT:
-            raise APIError(f"{len(parts)} images in one request, more than "
-                           f"{MAX_IMAGES_PER_PROMPT}", 400, param="messages")
+            raise APIError(
+                f"{len(parts)} images in one request, more than {MAX_IMAGES_PER_PROMPT}",
+                400,
+                param="messages",
+            )
         # admitted (a place, then memory) before any template, tokeniser, image or grammar work
         ticket = sched.reserve()
         try:
             images = await size_images(parts) if parts else []
-            lease_of(request).add(prep_cost(n_chars, eng0.ctx_size, images,
-                                            (schema is not None) + (forced is not None)),
-                                  "the request")
+            lease_of(request).add(
+                prep_cost(
+                    n_chars, eng0.ctx_size, images, (schema is not None) + (forced is not None)
+                ),
+                "the request",
+            )
             if schema is not None:
                 await check_schema(schema)
                 if "enable_thinking" not in kwargs:
@@ -553,10 +737,19 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
                 kwargs["tools"] = tools
             if forced is not None:
                 await check_schema(forced_schema(tools, forced)[0], "tools")
-            return await answer(request, opts, messages, "messages", "chat", forced=forced,
-                                ticket=ticket, max_chars=max_chars, **kwargs)
+            return await answer(
+                request,
+                opts,
+                messages,
+                "messages",
+                "chat",
+                forced=forced,
+                ticket=ticket,
+                max_chars=max_chars,
+                **kwargs,
+            )
         finally:
-            ticket.release()               # not queued: the preparation failed
+            ticket.release()  # not queued: the preparation failed
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -573,8 +766,7 @@ def create_app(engines: list[Engine], api_key: str | None = None, queue_size: in
         finally:
             ticket.release()
 
-    app.add_middleware(_FrontDoor, api_key=api_key, body_timeout=limits.body_timeout,
-                       budget=budget)
+    app.add_middleware(_FrontDoor, api_key=api_key, body_timeout=limits.body_timeout, budget=budget)
     return app
 
 
@@ -584,8 +776,9 @@ class _FrontDoor:
     (408), then logs one line per request with status, tokens and time (the handlers
     leave `kestrel.log` = (job, stats, finish) in the scope)."""
 
-    def __init__(self, app, budget: Budget, api_key: str | None = None,
-                 body_timeout: float | None = None):
+    def __init__(
+        self, app, budget: Budget, api_key: str | None = None, body_timeout: float | None = None
+    ):
         self.app, self.api_key, self.body_timeout = app, api_key, body_timeout
         self.budget = budget
 
@@ -602,11 +795,15 @@ class _FrontDoor:
             try:
                 msg = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
             except asyncio.TimeoutError:
-                raise APIError(f"the request body did not arrive within {self.body_timeout:g} s",
-                               408, code="request_timeout") from None
+                raise APIError(
+                    f"the request body did not arrive within {self.body_timeout:g} s",
+                    408,
+                    code="request_timeout",
+                ) from None
             if msg["type"] != "http.request" or not msg.get("more_body"):
                 done[0] = True
             return msg
+
         return receive_
 
     def _authorized(self, scope) -> bool:
@@ -619,8 +816,11 @@ class _FrontDoor:
             return False
         scheme, _, token = auth[0].decode("latin-1").partition(" ")
         token = token.strip().encode("latin-1")
-        return (scheme.lower() == "bearer" and bool(token)
-                and hmac.compare_digest(token, self.api_key.encode()))
+        return (
+            scheme.lower() == "bearer"
+            and bool(token)
+            and hmac.compare_digest(token, self.api_key.encode())
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -633,13 +833,16 @@ class _FrontDoor:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
+
         try:
             if self._authorized(scope):
                 await self.app(scope, self._deadline_receive(receive), send_)
             else:
-                await APIError("invalid or missing API key (send one 'Authorization: Bearer "
-                               "KEY' header)", 401,
-                               code="invalid_api_key").response()(scope, receive, send_)
+                await APIError(
+                    "invalid or missing API key (send one 'Authorization: Bearer KEY' header)",
+                    401,
+                    code="invalid_api_key",
+                ).response()(scope, receive, send_)
         finally:
             lease.release()
             self._line(scope, status[0], t0)
@@ -652,8 +855,10 @@ class _FrontDoor:
         parts = [who, f'"{scope["method"]} {scope["path"]}"', str(status or "-")]
         job, stats, finish = scope.get("kestrel.log", (scope.get("kestrel.job"), None, None))
         if stats is not None:
-            parts.append(f"prompt={stats.prompt_tokens} cached={stats.cached_tokens} "
-                         f"completion={stats.generated_tokens}")
+            parts.append(
+                f"prompt={stats.prompt_tokens} cached={stats.cached_tokens} "
+                f"completion={stats.generated_tokens}"
+            )
         elif job is not None and job.n_tokens:
             parts.append(f"completion={job.n_tokens}")
         if finish is not None:
@@ -668,14 +873,17 @@ class _FrontDoor:
 
 # ---------------------------------------------------------------------------- running it
 
+
 def _raw_error(err: APIError) -> bytes:
     """A whole HTTP/1.1 error response that closes the connection, for the protocol level
     (before any ASGI app runs)."""
     body = json.dumps(err.body()).encode()
     reason = {408: b"Request Timeout", 503: b"Service Unavailable"}.get(err.status, b"Error")
     retry = b"retry-after: %d\r\n" % RETRY_AFTER_S if err.code == "server_busy" else b""
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"%sconnection: close\r\n\r\n" % (err.status, reason, len(body), retry)) + body
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"%sconnection: close\r\n\r\n" % (err.status, reason, len(body), retry)
+    ) + body
 
 
 class _Protocol(H11Protocol):
@@ -691,11 +899,20 @@ class _Protocol(H11Protocol):
         self._got_bytes = False
         limits: Limits = self.config.kestrel_limits
         if len(self.connections) > limits.max_connections:
-            log.warning(f"refused a connection: {len(self.connections) - 1} open "
-                        f"(--max-connections {limits.max_connections})")
-            transport.write(_raw_error(APIError(
-                f"too many open connections (the limit is {limits.max_connections}); retry "
-                f"later", 503, code="server_busy")))
+            log.warning(
+                f"refused a connection: {len(self.connections) - 1} open "
+                f"(--max-connections {limits.max_connections})"
+            )
+            transport.write(
+                _raw_error(
+                    APIError(
+                        f"too many open connections (the limit is {limits.max_connections}); retry "
+                        f"later",
+                        503,
+                        code="server_busy",
+                    )
+                )
+            )
             transport.close()
             return
         self._arm()
@@ -703,7 +920,8 @@ class _Protocol(H11Protocol):
     def _arm(self) -> None:
         if self._header_timer is None:
             self._header_timer = self.loop.call_later(
-                self.config.kestrel_limits.header_timeout, self._header_timeout)
+                self.config.kestrel_limits.header_timeout, self._header_timeout
+            )
 
     def _disarm(self) -> None:
         if self._header_timer is not None:
@@ -714,7 +932,7 @@ class _Protocol(H11Protocol):
         self._got_bytes = True
         super().data_received(data)
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._arm()                   # a request has begun: its headers have a deadline
+            self._arm()  # a request has begun: its headers have a deadline
         else:
             self._disarm()
 
@@ -722,18 +940,24 @@ class _Protocol(H11Protocol):
         self._header_timer = None
         if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
             return
-        if self._got_bytes:               # a partial request line or headers
+        if self._got_bytes:  # a partial request line or headers
             t = self.config.kestrel_limits.header_timeout
-            self.transport.write(_raw_error(APIError(
-                f"the request headers did not arrive within {t:g} s", 408,
-                code="request_timeout")))
+            self.transport.write(
+                _raw_error(
+                    APIError(
+                        f"the request headers did not arrive within {t:g} s",
+                        408,
+                        code="request_timeout",
+                    )
+                )
+            )
         self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self._got_bytes = False
         if self.conn.their_state not in (h11.IDLE, h11.DONE) and not self.transport.is_closing():
-            self.transport.close()        # the rest of its body is not waited for
+            self.transport.close()  # the rest of its body is not waited for
 
     def connection_lost(self, exc) -> None:
         self._disarm()
@@ -772,18 +996,21 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
     try:
         if ipaddress.ip_address(host.strip("[]")).is_loopback:
             return None
-    except ValueError:                    # a host name: only localhost is known to be local
+    except ValueError:  # a host name: only localhost is known to be local
         if host == "localhost":
             return None
-    return (f"listening on {host}, beyond this machine's loopback, WITHOUT --api-key: anyone "
-            f"who can reach this port can use the model; set --api-key (or KESTREL_API_KEY), "
-            f"or bind 127.0.0.1")
+    return (
+        f"listening on {host}, beyond this machine's loopback, WITHOUT --api-key: anyone "
+        f"who can reach this port can use the model; set --api-key (or KESTREL_API_KEY), "
+        f"or bind 127.0.0.1"
+    )
 
 
 def _setup_logging() -> None:
     if log.handlers:
         return
     from uvicorn.logging import DefaultFormatter
+
     h = logging.StreamHandler()
     h.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
     log.addHandler(h)
@@ -791,9 +1018,14 @@ def _setup_logging() -> None:
     log.propagate = False
 
 
-def serve(engines: list[Engine], host: str = "127.0.0.1", port: int = 8080,
-          api_key: str | None = None, queue_size: int = 32,
-          limits: Limits | None = None) -> None:
+def serve(
+    engines: list[Engine],
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: str | None = None,
+    queue_size: int = 32,
+    limits: Limits | None = None,
+) -> None:
     """Serve until SIGINT/SIGTERM; then in-flight requests get `limits.shutdown_timeout`
     seconds to finish before they are ended with a 503 error, queued ones get 503 at once,
     and this returns."""
@@ -801,23 +1033,36 @@ def serve(engines: list[Engine], host: str = "127.0.0.1", port: int = 8080,
     limits = limits or Limits()
     app = create_app(engines, api_key=api_key, queue_size=queue_size, limits=limits)
     # uvicorn's own graceful timeout is a backstop after ours: the aborted replies are sent
-    config = uvicorn.Config(app, host=host, port=port, access_log=False, log_level="info",
-                            http=_Protocol, timeout_keep_alive=limits.keep_alive,
-                            timeout_graceful_shutdown=limits.shutdown_timeout + 3,
-                            lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        access_log=False,
+        log_level="info",
+        http=_Protocol,
+        timeout_keep_alive=limits.keep_alive,
+        timeout_graceful_shutdown=limits.shutdown_timeout + 3,
+        lifespan="on",
+    )
     config.kestrel_limits = limits
     server = _Server(config)
     server.scheduler, server.drain_timeout = app.state.scheduler, limits.shutdown_timeout
     eng = engines[0]
-    log.info(f"model {model_id(eng)} ({eng.config.model_type}), context {eng.ctx_size}, "
-             f"{len(engines)} slot(s) x {eng.threads} thread(s), queue {queue_size}"
-             + (", API key required" if api_key else ""))
-    log.info(f"limits: {limits.max_connections} connections, headers {limits.header_timeout:g} s,"
-             f" body {limits.body_timeout:g} s, keep-alive {limits.keep_alive:g} s, request "
-             f"{limits.request_timeout:g} s, shutdown drain {limits.shutdown_timeout:g} s")
+    log.info(
+        f"model {model_id(eng)} ({eng.config.model_type}), context {eng.ctx_size}, "
+        f"{len(engines)} slot(s) x {eng.threads} thread(s), queue {queue_size}"
+        + (", API key required" if api_key else "")
+    )
+    log.info(
+        f"limits: {limits.max_connections} connections, headers {limits.header_timeout:g} s,"
+        f" body {limits.body_timeout:g} s, keep-alive {limits.keep_alive:g} s, request "
+        f"{limits.request_timeout:g} s, shutdown drain {limits.shutdown_timeout:g} s"
+    )
     budget = app.state.budget
-    log.info(f"memory for requests in preparation: memory budget {budget.total >> 20} MiB, "
-             f"{budget.per_request >> 20} MiB a request")
+    log.info(
+        f"memory for requests in preparation: memory budget {budget.total >> 20} MiB, "
+        f"{budget.per_request >> 20} MiB a request"
+    )
     warning = exposure_warning(host, api_key)
     if warning:
         log.warning(warning)

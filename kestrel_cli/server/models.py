@@ -1,4 +1,5 @@
 """Requests of the OpenAI API: the fields we read, checked, and the error reply's shape."""
+
 from __future__ import annotations
 
 import json
@@ -10,38 +11,62 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kestrel_cli.text.constrained import MAX_JSON_DEPTH, too_deep
 
-COMPLETIONS_MAX_TOKENS = 16      # OpenAI's default max_tokens for /v1/completions
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 # bounds on what one request may ask for (README: "Running it safely")
-MAX_STOPS = 16                   # stop strings per request
-MAX_STOP_CHARS = 1024            # characters per stop string
-MAX_LOGIT_BIAS = 1024            # logit_bias entries
-MAX_SCHEMA_BYTES = 64 << 10      # a response_format schema or a tool's parameters, as JSON
-MAX_TOOLS = 128                  # tools per request
+MAX_STOPS = 16  # stop strings per request
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_SCHEMA_BYTES = 64 << 10  # a response_format schema or a tool's parameters, as JSON
+MAX_TOOLS = 128  # tools per request
 # levels of objects/arrays in a schema, a tool's parameters, a tool call's arguments and
 # chat_template_kwargs: constrained.MAX_JSON_DEPTH (64), checked before anything recursive
 # (json.dumps, the chat template's data copy and tojson, llguidance) reads them
-TEMPLATE_RESERVED = {"messages", "add_generation_prompt", "tokenize", "tools", "documents",
-                     "chat_template", "max_chars"}   # apply_chat_template's own arguments
+TEMPLATE_RESERVED = {
+    "messages",
+    "add_generation_prompt",
+    "tokenize",
+    "tools",
+    "documents",
+    "chat_template",
+    "max_chars",
+}  # apply_chat_template's own arguments
 
 
 # ---------------------------------------------------------------------------- errors
 
+
 class APIError(Exception):
     """An HTTP error reply in OpenAI's shape."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None, type: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error",
-                             404: "not_found_error", 408: "timeout_error",
-                             413: "invalid_request_error", 503: "unavailable_error",
-                             504: "timeout_error"}.get(
-            status, "invalid_request_error" if status < 500 else "server_error")
+        self.type = type or {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            408: "timeout_error",
+            413: "invalid_request_error",
+            503: "unavailable_error",
+            504: "timeout_error",
+        }.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": scrub_paths(self.message), "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": scrub_paths(self.message),
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
@@ -53,19 +78,26 @@ _ABS_PATH = re.compile(r"(?<![\w/.:])/((?:[\w.+@~-]+/)+)([\w.+@~-]*)")
 def scrub_paths(message: str) -> str:
     """`message` with each absolute path on this machine (its first folder exists) cut to
     its last component: errors name the model's file, never where it or the code lives."""
+
     def cut(m):
         first = m.group(1).split("/", 1)[0]
-        return m.group(2) or m.group(1).rstrip("/").rsplit("/", 1)[-1] \
-            if os.path.isdir("/" + first) else m.group(0)
+        return (
+            m.group(2) or m.group(1).rstrip("/").rsplit("/", 1)[-1]
+            if os.path.isdir("/" + first)
+            else m.group(0)
+        )
+
     return _ABS_PATH.sub(cut, message)
 
 
 def unsupported(name: str, why: str = "") -> APIError:
-    return APIError(f"'{name}' is not supported by this server{why}", param=name,
-                    code="unsupported_parameter")
+    return APIError(
+        f"'{name}' is not supported by this server{why}", param=name, code="unsupported_parameter"
+    )
 
 
 # ---------------------------------------------------------------------------- request parsing
+
 
 class _Fields(BaseModel):
     """JSON types are strict ("1" is not a number), null means the default, and fields we do
@@ -97,17 +129,17 @@ class Options(_Fields):
     seed: int | None = None
     stop: str | list[str] | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)   # the newer name; wins
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name; wins
     ignore_eos: bool = False
-    cache_prompt: bool = True        # False: prefill the whole prompt
+    cache_prompt: bool = True  # False: prefill the whole prompt
     stream: bool = False
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict | None = None
-    reasoning_effort: str | None = None    # "none": thinking off; others: on (Qwen3)
+    reasoning_effort: str | None = None  # "none": thinking off; others: on (Qwen3)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
-    logprobs: bool | int | None = None      # chat: a bool; /v1/completions: 0..5 alternatives
+    logprobs: bool | int | None = None  # chat: a bool; /v1/completions: 0..5 alternatives
     top_logprobs: int = Field(0, ge=0, le=20)
     response_format: dict | None = None
 
@@ -126,31 +158,40 @@ class Options(_Fields):
     def sampling(self, default_max_tokens: int) -> dict:
         """Engine.stream keyword arguments."""
         temperature, top_p = self.temperature, self.top_p
-        if top_p == 0:                     # the smallest set with mass >= 0: the top token
+        if top_p == 0:  # the smallest set with mass >= 0: the top token
             temperature, top_p = 0.0, 1.0
         seed = None if self.seed is None else self.seed & ((1 << 64) - 1)  # numpy: unsigned
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOPS:
             raise APIError(f"'stop': at most {MAX_STOPS} strings, got {len(stops)}", param="stop")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise APIError(f"'stop': each string at most {MAX_STOP_CHARS} characters",
-                           param="stop")
+            raise APIError(f"'stop': each string at most {MAX_STOP_CHARS} characters", param="stop")
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         bias = {}
         for k, v in (self.logit_bias or {}).items():
             if not k.strip().isdigit():
-                raise APIError(f"'logit_bias': keys must be token ids, got {_short(k)}",
-                               param="logit_bias")
+                raise APIError(
+                    f"'logit_bias': keys must be token ids, got {_short(k)}", param="logit_bias"
+                )
             if not -100 <= v <= 100:
                 raise APIError("'logit_bias': values must be in [-100, 100]", param="logit_bias")
             bias[int(k)] = float(v)
-        return dict(max_tokens=max_tokens, temperature=float(temperature), top_k=self.top_k,
-                    top_p=float(top_p), min_p=float(self.min_p),
-                    repeat_penalty=float(self.repeat_penalty), seed=seed,
-                    stop=[s for s in stops if s], ignore_eos=self.ignore_eos,
-                    presence_penalty=float(self.presence_penalty),
-                    frequency_penalty=float(self.frequency_penalty), logit_bias=bias or None,
-                    logprobs=self.n_logprobs, json_schema=self.json_schema)
+        return dict(
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_k=self.top_k,
+            top_p=float(top_p),
+            min_p=float(self.min_p),
+            repeat_penalty=float(self.repeat_penalty),
+            seed=seed,
+            stop=[s for s in stops if s],
+            ignore_eos=self.ignore_eos,
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            logit_bias=bias or None,
+            logprobs=self.n_logprobs,
+            json_schema=self.json_schema,
+        )
 
     @property
     def json_schema(self) -> dict | None:
@@ -163,14 +204,18 @@ class Options(_Fields):
         if rf.get("type") == "json_schema":
             js = rf.get("json_schema")
             if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
-                raise APIError("'response_format.json_schema.schema' must be an object",
-                               param="response_format.json_schema")
+                raise APIError(
+                    "'response_format.json_schema.schema' must be an object",
+                    param="response_format.json_schema",
+                )
             schema = js.get("schema") or {"type": "object"}
             check_depth(schema, "response_format")
             check_schema_size(schema, "response_format.json_schema.schema")
             return schema
-        raise APIError("'response_format.type' must be text, json_object or json_schema",
-                       param="response_format.type")
+        raise APIError(
+            "'response_format.type' must be text, json_object or json_schema",
+            param="response_format.type",
+        )
 
     @property
     def n_logprobs(self) -> int | None:
@@ -193,16 +238,20 @@ class Options(_Fields):
     def template_kwargs(self) -> dict:
         """chat_template_kwargs (e.g. enable_thinking), none of apply_chat_template's own."""
         kwargs = self.chat_template_kwargs or {}
-        check_depth(kwargs, "chat_template_kwargs")    # they reach the template as they are
+        check_depth(kwargs, "chat_template_kwargs")  # they reach the template as they are
         bad = sorted(TEMPLATE_RESERVED & set(kwargs))
         if bad:
-            raise APIError(f"'chat_template_kwargs.{bad[0]}' is not allowed",
-                           param=f"chat_template_kwargs.{bad[0]}")
+            raise APIError(
+                f"'chat_template_kwargs.{bad[0]}' is not allowed",
+                param=f"chat_template_kwargs.{bad[0]}",
+            )
         if self.reasoning_effort is not None:
             if self.reasoning_effort not in REASONING_EFFORTS:
-                raise APIError(f"'reasoning_effort' must be one of "
-                               f"{', '.join(REASONING_EFFORTS)}", param="reasoning_effort")
-            if "enable_thinking" not in kwargs:     # chat_template_kwargs wins
+                raise APIError(
+                    f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}",
+                    param="reasoning_effort",
+                )
+            if "enable_thinking" not in kwargs:  # chat_template_kwargs wins
                 kwargs = {**kwargs, "enable_thinking": self.reasoning_effort != "none"}
         return kwargs
 
@@ -221,9 +270,9 @@ _NEUTRAL = {
     "audio": lambda v: False,
     "prediction": lambda v: False,
     "web_search_options": lambda v: False,
-    "echo": lambda v: v is False,                 # /v1/completions
-    "suffix": lambda v: v == "",                  # /v1/completions
-    "best_of": lambda v: v == 1,                  # /v1/completions
+    "echo": lambda v: v is False,  # /v1/completions
+    "suffix": lambda v: v == "",  # /v1/completions
+    "best_of": lambda v: v == 1,  # /v1/completions
 }
 
 
@@ -248,19 +297,23 @@ def check_schema_size(schema, param: str) -> None:
     time grows with its size)."""
     n = len(json.dumps(schema, ensure_ascii=False))
     if n > MAX_SCHEMA_BYTES:
-        raise APIError(f"'{param}' is {n} bytes of JSON, more than the {MAX_SCHEMA_BYTES >> 10}"
-                       f" KiB allowed", param=param)
+        raise APIError(
+            f"'{param}' is {n} bytes of JSON, more than the {MAX_SCHEMA_BYTES >> 10} KiB allowed",
+            param=param,
+        )
 
 
 def first_bad_string(v, path: str = "") -> str | None:
     """The JSON path of the first string (or object key) in `v` holding a lone UTF-16
     surrogate (JSON's "\\ud800" escape decodes to one; it is not valid Unicode), or None."""
+
     def bad(s: str) -> bool:
         try:
             s.encode("utf-8")
             return False
         except UnicodeEncodeError:
             return True
+
     stack = [(v, path)]
     while stack:
         v, p = stack.pop()
@@ -306,15 +359,19 @@ def text_content(content, param: str):
             if not isinstance(url, str):
                 raise APIError(f"'{p}.image_url.url' must be a string", param=f"{p}.image_url.url")
             if not url.startswith("data:"):
-                raise APIError(f"'{p}.image_url.url': remote image URLs are not fetched; send "
-                               f"the image inline as a base64 data: URL", param=f"{p}.image_url.url")
+                raise APIError(
+                    f"'{p}.image_url.url': remote image URLs are not fetched; send "
+                    f"the image inline as a base64 data: URL",
+                    param=f"{p}.image_url.url",
+                )
             parts.append({"type": "image", "image": url})
             has_image = True
             continue
         if kind != "text":
             if isinstance(kind, str):
-                raise unsupported(f"{p}.type",
-                                  f": only text and image_url parts (got {_short(kind)})")
+                raise unsupported(
+                    f"{p}.type", f": only text and image_url parts (got {_short(kind)})"
+                )
             raise APIError(f"'{p}.type' must be a string", param=f"{p}.type")
         if not isinstance(part.get("text"), str):
             raise APIError(f"'{p}.text' must be a string", param=f"{p}.text")
@@ -344,22 +401,30 @@ def parse_messages(body: dict) -> list[dict]:
             raise APIError(f"'{p}' must be an object", param=p)
         role = m.get("role")
         if role == "function" or m.get("function_call"):
-            raise unsupported(f"{p}.role" if role == "function" else f"{p}.function_call",
-                              ": the legacy functions API; use tools")
+            raise unsupported(
+                f"{p}.role" if role == "function" else f"{p}.function_call",
+                ": the legacy functions API; use tools",
+            )
         if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise APIError(f"'{p}.role' must be one of system, developer, user, assistant, "
-                           f"tool; got {_short(role)}", param=f"{p}.role")
+            raise APIError(
+                f"'{p}.role' must be one of system, developer, user, assistant, "
+                f"tool; got {_short(role)}",
+                param=f"{p}.role",
+            )
         content = m.get("content")
         if content is None:
             if role != "assistant":
                 raise APIError(f"'{p}.content' is required", param=f"{p}.content")
             content = ""
-        msg = {"role": "system" if role == "developer" else role,
-               "content": text_content(content, f"{p}.content")}
+        msg = {
+            "role": "system" if role == "developer" else role,
+            "content": text_content(content, f"{p}.content"),
+        }
         if role == "tool":
             if not isinstance(m.get("tool_call_id"), str):
-                raise APIError(f"'{p}.tool_call_id' is required (a string)",
-                               param=f"{p}.tool_call_id")
+                raise APIError(
+                    f"'{p}.tool_call_id' is required (a string)", param=f"{p}.tool_call_id"
+                )
             if not isinstance(msg["content"], str):
                 raise APIError(f"'{p}.content' must be text", param=f"{p}.content")
             msg["tool_call_id"] = m["tool_call_id"]
@@ -381,25 +446,35 @@ def parse_tool_calls(calls, param: str) -> list[dict]:
         q = f"{param}[{j}]"
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise APIError(f"'{q}.function.name' is required (a string)",
-                           param=f"{q}.function.name")
+            raise APIError(
+                f"'{q}.function.name' is required (a string)", param=f"{q}.function.name"
+            )
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
             except ValueError:
-                raise APIError(f"'{q}.function.arguments' is not valid JSON",
-                               param=f"{q}.function.arguments") from None
-            except RecursionError:     # json.loads recurses once per level
-                raise APIError(f"'{q}.function.arguments' is nested more than {MAX_JSON_DEPTH} "
-                               f"levels deep", param=f"{q}.function.arguments") from None
+                raise APIError(
+                    f"'{q}.function.arguments' is not valid JSON", param=f"{q}.function.arguments"
+                ) from None
+            except RecursionError:  # json.loads recurses once per level
+                raise APIError(
+                    f"'{q}.function.arguments' is nested more than {MAX_JSON_DEPTH} levels deep",
+                    param=f"{q}.function.arguments",
+                ) from None
         # the template copies them and writes them with tojson: both recurse once per level
         check_depth(args, f"{q}.function.arguments")
         if not isinstance(args, dict):
-            raise APIError(f"'{q}.function.arguments' must be a JSON object",
-                           param=f"{q}.function.arguments")
-        out.append({"id": c.get("id") if isinstance(c.get("id"), str) else f"call_{j}",
-                    "type": "function", "function": {"name": fn["name"], "arguments": args}})
+            raise APIError(
+                f"'{q}.function.arguments' must be a JSON object", param=f"{q}.function.arguments"
+            )
+        out.append(
+            {
+                "id": c.get("id") if isinstance(c.get("id"), str) else f"call_{j}",
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
     return out
 
 
@@ -418,19 +493,32 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | None]:
     names = []
     for j, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise APIError(f"'tools[{j}]' must be {{\"type\": \"function\", \"function\": "
-                           f"{{\"name\": ..., \"parameters\": ...}}}}", param=f"tools[{j}]")
+        if (
+            not isinstance(t, dict)
+            or t.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise APIError(
+                f'\'tools[{j}]\' must be {{"type": "function", "function": '
+                f'{{"name": ..., "parameters": ...}}}}',
+                param=f"tools[{j}]",
+            )
         if fn.get("parameters") is not None:
             if not isinstance(fn["parameters"], dict):
-                raise APIError(f"'tools[{j}].function.parameters' must be a JSON schema "
-                               f"(an object)", param=f"tools[{j}].function.parameters")
+                raise APIError(
+                    f"'tools[{j}].function.parameters' must be a JSON schema (an object)",
+                    param=f"tools[{j}].function.parameters",
+                )
             # tool_choice 'required' enforces {"anyOf": [{... "properties": {"arguments":
             # parameters}}]} (server.app.forced_schema): 4 levels around them, and that schema
             # is held to MAX_JSON_DEPTH as a whole
-            check_depth(fn["parameters"], f"tools[{j}].function.parameters",
-                        MAX_JSON_DEPTH - 4 if choice == "required" else MAX_JSON_DEPTH)
+            check_depth(
+                fn["parameters"],
+                f"tools[{j}].function.parameters",
+                MAX_JSON_DEPTH - 4 if choice == "required" else MAX_JSON_DEPTH,
+            )
             check_schema_size(fn["parameters"], f"tools[{j}].function.parameters")
         # the whole tool reaches the template: parameters sit 2 levels inside it
         check_depth(t, f"tools[{j}]", MAX_JSON_DEPTH + 2)
@@ -441,19 +529,27 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | None]:
         return None, None
     if choice == "required":
         return tools, ""
-    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) \
-            and choice.get("type") == "function":
+    if (
+        isinstance(choice, dict)
+        and isinstance(choice.get("function"), dict)
+        and choice.get("type") == "function"
+    ):
         name = choice["function"].get("name")
         if not isinstance(name, str):
-            raise APIError("'tool_choice.function.name' must be a string",
-                           param="tool_choice.function.name")
+            raise APIError(
+                "'tool_choice.function.name' must be a string", param="tool_choice.function.name"
+            )
         if name not in names:
-            raise APIError(f"'tool_choice.function.name': {_short(name)} is not one of the tools",
-                           param="tool_choice.function.name")
+            raise APIError(
+                f"'tool_choice.function.name': {_short(name)} is not one of the tools",
+                param="tool_choice.function.name",
+            )
         return tools, name
-    raise APIError("'tool_choice' must be none, auto, required or "
-                   "{\"type\": \"function\", \"function\": {\"name\": ...}}",
-                   param="tool_choice")
+    raise APIError(
+        "'tool_choice' must be none, auto, required or "
+        '{"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
 
 
 def is_int(v) -> bool:
@@ -464,12 +560,16 @@ def parse_prompt(body: dict) -> str | list[int]:
     """/v1/completions' prompt: a string or token ids (a batch of one is unwrapped)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                  # a batch of one
+        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        return prompt                       # token ids, used as is
+        return prompt  # token ids, used as is
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise unsupported("prompt", ": one prompt per request, not a batch")
     if not isinstance(prompt, str):
-        raise APIError("'prompt' must be a string or an array of token ids"
-                       if prompt is not None else "'prompt' is required", param="prompt")
+        raise APIError(
+            "'prompt' must be a string or an array of token ids"
+            if prompt is not None
+            else "'prompt' is required",
+            param="prompt",
+        )
     return prompt

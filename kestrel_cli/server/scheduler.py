@@ -1,4 +1,5 @@
 """The slots: one Engine and one worker thread each (--parallel), a bounded FIFO in front."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,42 +10,53 @@ import threading
 import time
 from typing import AsyncIterator
 
-from kestrel_cli.inference.engine import Engine
 from kestrel_cli.core.errors import KestrelError, ModelError
+from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.generate import Chunk
 from kestrel_cli.server.models import APIError
 
 log = logging.getLogger("kestrel.server")
 
-_END = object()                  # job.events: the worker is done with this job
-_CANCELLED = object()            # job.events: the client went away
+_END = object()  # job.events: the worker is done with this job
+_CANCELLED = object()  # job.events: the client went away
 
 
 # ---------------------------------------------------------------------------- scheduling
 
+
 class Job:
     """One generation request, from the queue to its last chunk."""
 
-    def __init__(self, ids: list[int], params: dict, loop: asyncio.AbstractEventLoop,
-                 cache_prompt: bool = True, timeout: float | None = None):
+    def __init__(
+        self,
+        ids: list[int],
+        params: dict,
+        loop: asyncio.AbstractEventLoop,
+        cache_prompt: bool = True,
+        timeout: float | None = None,
+    ):
         self.ids, self.params, self.loop = ids, params, loop
         # the wall-clock limit (--request-timeout), from admission: checked between tokens
         self.timeout = timeout
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.cache_prompt = cache_prompt    # False: prefill the whole prompt (llama-server's)
-        self.events: asyncio.Queue = asyncio.Queue()   # Chunk | APIError | _END | _CANCELLED
-        self.cancelled = False      # set in the loop thread, read by the worker between tokens
-        self.state = "queued"       # queued -> running -> done
-        self.gen_ms = 0.0           # wall time from the end of prefill to the last token
-        self.t_first: float | None = None    # when the first token reached the handler
-        self.n_tokens = 0           # tokens that reached the handler
+        self.cache_prompt = cache_prompt  # False: prefill the whole prompt (llama-server's)
+        self.events: asyncio.Queue = asyncio.Queue()  # Chunk | APIError | _END | _CANCELLED
+        self.cancelled = False  # set in the loop thread, read by the worker between tokens
+        self.state = "queued"  # queued -> running -> done
+        self.gen_ms = 0.0  # wall time from the end of prefill to the last token
+        self.t_first: float | None = None  # when the first token reached the handler
+        self.n_tokens = 0  # tokens that reached the handler
 
     def expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
 
     def timeout_error(self) -> APIError:
-        return APIError(f"the request ran past the server's time limit of {self.timeout:g} s "
-                        f"(--request-timeout)", 504, code="request_timeout")
+        return APIError(
+            f"the request ran past the server's time limit of {self.timeout:g} s "
+            f"(--request-timeout)",
+            504,
+            code="request_timeout",
+        )
 
     def post(self, item) -> None:
         """From the worker thread: hand an event to the request's handler."""
@@ -105,7 +117,7 @@ class Scheduler:
         self.idle = list(self.slots)
         self.pending: collections.deque[Job] = collections.deque()
         self.queue_size = queue_size
-        self.preparing = 0          # requests holding a Ticket (being rendered and tokenised)
+        self.preparing = 0  # requests holding a Ticket (being rendered and tokenised)
         self.closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -113,8 +125,9 @@ class Scheduler:
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         for s in self.slots:
-            s.thread = threading.Thread(target=self._work, args=(s,), daemon=True,
-                                        name=f"kestrel-slot-{s.index}")
+            s.thread = threading.Thread(
+                target=self._work, args=(s,), daemon=True, name=f"kestrel-slot-{s.index}"
+            )
             s.thread.start()
 
     def reserve(self) -> "Ticket":
@@ -126,9 +139,13 @@ class Scheduler:
             raise APIError("the server is shutting down", 503)
         running = len(self.slots) - len(self.idle)
         if self.preparing + len(self.pending) + running >= len(self.slots) + self.queue_size:
-            raise APIError(f"server busy: {running} running, {len(self.pending)} queued and "
-                           f"{self.preparing} in preparation for {len(self.slots)} slot(s) and "
-                           f"a queue of {self.queue_size}; retry later", 503, code="server_busy")
+            raise APIError(
+                f"server busy: {running} running, {len(self.pending)} queued and "
+                f"{self.preparing} in preparation for {len(self.slots)} slot(s) and "
+                f"a queue of {self.queue_size}; retry later",
+                503,
+                code="server_busy",
+            )
         self.preparing += 1
         return Ticket(self)
 
@@ -139,8 +156,12 @@ class Scheduler:
         if ticket is not None and ticket.live:
             ticket.release()
         elif not self.idle and len(self.pending) >= self.queue_size:
-            raise APIError(f"server busy: {len(self.pending)} requests already wait for "
-                           f"{len(self.slots)} slot(s); retry later", 503, code="server_busy")
+            raise APIError(
+                f"server busy: {len(self.pending)} requests already wait for "
+                f"{len(self.slots)} slot(s); retry later",
+                503,
+                code="server_busy",
+            )
         self.pending.append(job)
         self._dispatch()
 
@@ -160,14 +181,19 @@ class Scheduler:
     def _dispatch(self) -> None:
         while self.pending and self.idle:
             job = self.pending.popleft()
-            if job.expired():                  # waited in the queue past its time limit
+            if job.expired():  # waited in the queue past its time limit
                 job.state = "done"
                 job.events.put_nowait(job.timeout_error())
                 continue
             # the idle slot whose KV cache shares the longest prefix with the prompt; on a
             # tie the one holding least, so other conversations keep their caches
-            slot = max(self.idle, key=lambda s: (_common_prefix(s.engine.cached_ids, job.ids),
-                                                 -len(s.engine.cached_ids)))
+            slot = max(
+                self.idle,
+                key=lambda s: (
+                    _common_prefix(s.engine.cached_ids, job.ids),
+                    -len(s.engine.cached_ids),
+                ),
+            )
             self.idle.remove(slot)
             slot.job, job.state = job, "running"
             slot.inbox.put(job)
@@ -203,8 +229,13 @@ class Scheduler:
             job = s.job
             if job is not None and not job.cancelled:
                 job.cancelled = True
-                job.events.put_nowait(APIError("the server is shutting down; the reply was "
-                                               "cut short", 503, code="shutting_down"))
+                job.events.put_nowait(
+                    APIError(
+                        "the server is shutting down; the reply was cut short",
+                        503,
+                        code="shutting_down",
+                    )
+                )
 
     async def close(self) -> None:
         self.begin_shutdown(cancel_running=True)
@@ -215,9 +246,13 @@ class Scheduler:
                 await asyncio.to_thread(s.thread.join, 10.0)
 
     def health(self) -> dict:
-        return {"status": "shutting down" if self.closing else "ok",
-                "slots_idle": len(self.idle), "slots_processing": len(self.slots) - len(self.idle),
-                "requests_queued": len(self.pending), "requests_preparing": self.preparing}
+        return {
+            "status": "shutting down" if self.closing else "ok",
+            "slots_idle": len(self.idle),
+            "slots_processing": len(self.slots) - len(self.idle),
+            "requests_queued": len(self.pending),
+            "requests_preparing": self.preparing,
+        }
 
     # -- worker threads
     def _work(self, slot: Slot) -> None:
@@ -246,22 +281,20 @@ class Scheduler:
                 if chunk.stats is not None:
                     job.gen_ms = (time.perf_counter() - t0) * 1e3 - chunk.stats.prefill_ms
                 job.post(chunk)
-                if job.cancelled:          # checked between tokens: stops within one token
+                if job.cancelled:  # checked between tokens: stops within one token
                     break
                 if chunk.finish_reason is None and job.expired():
                     job.post(job.timeout_error())
                     break
-        except ModelError as e:           # the model file is at fault (NaN logits): not the client
+        except ModelError as e:  # the model file is at fault (NaN logits): not the client
             log.error(f"model error: {e}")
             job.post(APIError(str(e), 500, code="model_error"))
         except KestrelError as e:
             job.post(APIError(str(e), 400))
-        except Exception as e:            # never let a request kill the worker
+        except Exception as e:  # never let a request kill the worker
             log.exception("generation failed")
-            eng.reset()                    # the KV cache may be half-written
+            eng.reset()  # the KV cache may be half-written
             job.post(APIError(f"internal error: {type(e).__name__}", 500))
         finally:
             if gen is not None:
                 gen.close()
-
-

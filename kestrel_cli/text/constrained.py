@@ -4,6 +4,7 @@ llguidance (a maintained Rust library, on PyPI) over the model's `tokenizers` vo
 A `JsonConstraint` masks the logits before each sampling step (tokens that cannot continue
 a valid answer get -inf, EOS only once the JSON is complete) and follows the sampled tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import numpy as np
 
 from kestrel_cli.core.errors import KestrelError
 
-_TOKENIZERS: dict[int, object] = {}      # LLTokenizer per Tokenizer (building one takes ~1 s)
+_TOKENIZERS: dict[int, object] = {}  # LLTokenizer per Tokenizer (building one takes ~1 s)
 
 # Levels of objects/arrays a JSON value from a user may nest (a schema, a tool's parameters, a
 # tool call's arguments, chat_template_kwargs; the value itself is level 1). What reads such a
@@ -42,8 +43,9 @@ def too_deep(value, limit: int = MAX_JSON_DEPTH) -> bool:
         if seen.get(id(v), 0) >= depth:
             continue
         seen[id(v)] = depth
-        stack.extend((c, depth + 1) for c in children
-                     if isinstance(c, (dict, list, tuple, Mapping)))
+        stack.extend(
+            (c, depth + 1) for c in children if isinstance(c, (dict, list, tuple, Mapping))
+        )
     return False
 
 
@@ -77,8 +79,11 @@ def _ll_tokenizer(engine):
     key = id(tok)
     if key not in _TOKENIZERS:
         eos = sorted(tok.eos_token_ids)
-        _TOKENIZERS[key] = llg.LLTokenizer(tok.backend.to_str(), n_vocab=engine.config.vocab_size,
-                                           eos_token=eos if len(eos) > 1 else eos[0])
+        _TOKENIZERS[key] = llg.LLTokenizer(
+            tok.backend.to_str(),
+            n_vocab=engine.config.vocab_size,
+            eos_token=eos if len(eos) > 1 else eos[0],
+        )
     return _TOKENIZERS[key]
 
 
@@ -96,13 +101,15 @@ class JsonConstraint:
         try:
             if then:
                 grammar = llg.LLMatcher.grammar_from_lark(
-                    f"start: value {json.dumps(then)}\nvalue: %json {json.dumps(schema)}")
+                    f"start: value {json.dumps(then)}\nvalue: %json {json.dumps(schema)}"
+                )
             else:
                 grammar = llg.LLMatcher.grammar_from_json_schema(
-                    json.dumps(schema), defaults={"whitespace_flexible": False})
+                    json.dumps(schema), defaults={"whitespace_flexible": False}
+                )
         except (ValueError, TypeError, RecursionError) as e:  # e.g. not JSON (NaN)
             raise KestrelError(f"JSON schema not supported: {_ll_error(e)}") from None
-        msg = llg.LLMatcher.validate_grammar(grammar)     # "" when it is fine
+        msg = llg.LLMatcher.validate_grammar(grammar)  # "" when it is fine
         if msg:
             raise KestrelError(f"JSON schema not supported: {_ll_error(msg)}")
         # log_level 0: llguidance's own warnings would be extra lines on stderr; its errors
@@ -117,15 +124,17 @@ class JsonConstraint:
     def apply(self, row: np.ndarray) -> None:
         """Set the logits of tokens the grammar does not allow next to -inf (in place)."""
         self._llg.numpy.fill_next_token_bitmask(self.matcher, self.mask, 0)
-        if self.matcher.is_error():   # e.g. a pattern whose lexer grows past llguidance's limits
+        if self.matcher.is_error():  # e.g. a pattern whose lexer grows past llguidance's limits
             raise KestrelError(f"constrained decoding: {_ll_error(self.matcher.get_error())}")
-        bits = np.unpackbits(self.mask[0].view(np.uint8), bitorder="little")[:row.shape[-1]]
+        bits = np.unpackbits(self.mask[0].view(np.uint8), bitorder="little")[: row.shape[-1]]
         row[bits == 0] = -np.inf
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
-            raise KestrelError(f"constrained decoding: token {token} rejected "
-                               f"({_ll_error(self.matcher.get_error())})")
+            raise KestrelError(
+                f"constrained decoding: token {token} rejected "
+                f"({_ll_error(self.matcher.get_error())})"
+            )
 
     @property
     def done(self) -> bool:

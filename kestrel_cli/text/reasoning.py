@@ -7,6 +7,7 @@
 complete; a `<tool_call>` block is held whole and parsed when it closes; one that does not
 parse (or never closes) comes out as plain content, as the model wrote it.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,7 +46,7 @@ def parse_tool_call(body: str) -> dict | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", {})
-    if isinstance(args, str):                  # some models write the arguments as a string
+    if isinstance(args, str):  # some models write the arguments as a string
         try:
             args = json.loads(args)
         except (ValueError, RecursionError):
@@ -66,7 +67,7 @@ class AnswerSplitter:
         self.tools = tools
         self.buf = ""
         self.calls = 0
-        self._strip: str | None = None     # characters to strip from the next text ("" none)
+        self._strip: str | None = None  # characters to strip from the next text ("" none)
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         self.buf += text
@@ -90,16 +91,16 @@ class AnswerSplitter:
         return [p for p in out if p[1] != ""]
 
     def _step(self, out: list, final: bool) -> None:
-        if self._strip is not None:          # leading newlines after a tag, however it streams
+        if self._strip is not None:  # leading newlines after a tag, however it streams
             self.buf = self.buf.lstrip(self._strip or None)
             if not self.buf:
                 return
             self._strip = None
         b = self.buf
-        if self.state == "start":              # before the answer's first visible text
+        if self.state == "start":  # before the answer's first visible text
             s = b.lstrip()
             if s.startswith(THINK_OPEN):
-                self.buf, self.state, self._strip = s[len(THINK_OPEN):], "reasoning", "\n"
+                self.buf, self.state, self._strip = s[len(THINK_OPEN) :], "reasoning", "\n"
                 out.append(("reasoning", ""))
             elif final or (s and not THINK_OPEN.startswith(s)):
                 self.state = "content"
@@ -109,17 +110,17 @@ class AnswerSplitter:
             i = b.find(THINK_CLOSE)
             if i >= 0:
                 out.append(("reasoning", b[:i].rstrip("\n") if i else ""))
-                self.buf, self.state, self._strip = b[i + len(THINK_CLOSE):], "content", "\n"
-                out.append(("content", ""))        # progress marker (dropped if empty)
+                self.buf, self.state, self._strip = b[i + len(THINK_CLOSE) :], "content", "\n"
+                out.append(("content", ""))  # progress marker (dropped if empty)
                 return
             keep = 0
-            if not final:                      # a tag's start, and newlines that may end it
+            if not final:  # a tag's start, and newlines that may end it
                 keep = _partial_tail(b, [THINK_CLOSE])
-                rest = b[:len(b) - keep]
+                rest = b[: len(b) - keep]
                 keep += len(rest) - len(rest.rstrip("\n"))
-            if b[:len(b) - keep]:
-                out.append(("reasoning", b[:len(b) - keep]))
-                self.buf = b[len(b) - keep:]
+            if b[: len(b) - keep]:
+                out.append(("reasoning", b[: len(b) - keep]))
+                self.buf = b[len(b) - keep :]
             return
         if self.state == "content":
             if not self.tools:
@@ -135,22 +136,22 @@ class AnswerSplitter:
                 out.append(("content", ""))
                 return
             keep = 0 if final else _partial_tail(b, [CALL_OPEN])
-            if b[:len(b) - keep]:
-                out.append(("content", b[:len(b) - keep]))
-                self.buf = b[len(b) - keep:]
+            if b[: len(b) - keep]:
+                out.append(("content", b[: len(b) - keep]))
+                self.buf = b[len(b) - keep :]
             return
-        if self.state == "call":               # buf starts with <tool_call>
+        if self.state == "call":  # buf starts with <tool_call>
             j = b.find(CALL_CLOSE)
             if j < 0:
-                return                         # held until it closes (finish: as content)
-            raw = b[:j + len(CALL_CLOSE)]
-            call = parse_tool_call(b[len(CALL_OPEN):j].strip())
+                return  # held until it closes (finish: as content)
+            raw = b[: j + len(CALL_CLOSE)]
+            call = parse_tool_call(b[len(CALL_OPEN) : j].strip())
             if call is None:
                 out.append(("content", raw))
             else:
                 out.append(("tool_call", call))
                 self.calls += 1
-            rest = b[j + len(CALL_CLOSE):]
+            rest = b[j + len(CALL_CLOSE) :]
             self.buf, self.state = rest, "content"
             self._strip = "" if call else None
             out.append(("content", ""))
@@ -177,8 +178,8 @@ class ThinkingView:
         self.split = AnswerSplitter(thinking=True, in_thinking=in_thinking)
         self.tty, self.hide = tty, hide
         self.content: list[str] = []
-        self._dim = False                 # inside dimmed text on the terminal
-        self._thought = False             # some reasoning was shown
+        self._dim = False  # inside dimmed text on the terminal
+        self._thought = False  # some reasoning was shown
 
     def _show(self, parts) -> str:
         shown = []

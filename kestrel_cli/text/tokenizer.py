@@ -43,8 +43,11 @@ class TooManyTokens(KestrelError):
 
     def __init__(self, n_tokens: int, limit: int, exact: bool):
         self.n_tokens, self.limit, self.exact = n_tokens, limit, exact
-        super().__init__(f"the text has {'' if exact else 'at least '}{n_tokens} tokens, more than the "
-                         f"{limit} allowed")
+        super().__init__(
+            f"the text has {'' if exact else 'at least '}{n_tokens} tokens, more than the "
+            f"{limit} allowed"
+        )
+
 
 # ---------------------------------------------------------------------------------------------------------------------
 # GGUF pre-tokenizers.
@@ -72,7 +75,9 @@ _TEKKEN_SPLIT = (
 
 _REGEX_SPLIT_PRE = {
     # architecture llama: Llama 3 and models built on its tokenizer; Mistral's tekken (Mistral Nemo)
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral"), _LLAMA3_SPLIT),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral"), _LLAMA3_SPLIT
+    ),
     "tekken": _TEKKEN_SPLIT,
     # architectures qwen2 and qwen3
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
@@ -89,8 +94,20 @@ _DIGIT_SPLIT_PRE = frozenset(("smollm", "minerva-7b"))
 
 # Control tokens that llama.cpp treats as end-of-generation when present (besides eos/eot/eom ids).
 _EOG_TEXTS = frozenset(
-    ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
-     "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>")
+    (
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<|return|>",
+        "<|call|>",
+    )
 )
 
 # SentencePiece ("llama") vocabularies of these architectures need fixes we do not implement (see transformers'
@@ -103,7 +120,11 @@ _TOKEN_TYPE_USER_DEFINED = 4
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (same as transformers.convert_slow_tokenizer.bytes_to_unicode)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -119,7 +140,9 @@ def _bytes_to_unicode() -> dict[int, str]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_template_cache: dict[str, Any] = {}  # source -> the compiled template, or the KestrelError compiling it raised
+_template_cache: dict[
+    str, Any
+] = {}  # source -> the compiled template, or the KestrelError compiling it raised
 
 # A chat template is a program: rendering gets a time and a size limit. Time: every intercepted operation and
 # every output chunk checks the deadline, and a watchdog interrupts loops that do neither. Size: values made by
@@ -151,7 +174,9 @@ class _Limits:
     def size(self, n: int, what: str, limit: int | None = None) -> None:
         limit = self.max_chars if limit is None else limit
         if n > limit:
-            raise KestrelError(f"chat template error: {what} of size {n}, over the limit of {limit}")
+            raise KestrelError(
+                f"chat template error: {what} of size {n}, over the limit of {limit}"
+            )
         self.tick()
 
 
@@ -251,9 +276,36 @@ def _guard_call(lim: _Limits, obj: Any, args: tuple, kwargs: dict) -> tuple:
 
 # filters that only count, pick or reorder: their arguments are not turned into text
 _PICKING_FILTERS = frozenset(
-    ("length", "count", "first", "last", "list", "reverse", "select", "reject", "selectattr", "rejectattr", "map",
-     "sort", "unique", "min", "max", "batch", "slice", "groupby", "dictsort", "items", "attr", "default", "d", "int",
-     "float", "abs", "round", "bool")
+    (
+        "length",
+        "count",
+        "first",
+        "last",
+        "list",
+        "reverse",
+        "select",
+        "reject",
+        "selectattr",
+        "rejectattr",
+        "map",
+        "sort",
+        "unique",
+        "min",
+        "max",
+        "batch",
+        "slice",
+        "groupby",
+        "dictsort",
+        "items",
+        "attr",
+        "default",
+        "d",
+        "int",
+        "float",
+        "abs",
+        "round",
+        "bool",
+    )
 )
 
 
@@ -313,7 +365,9 @@ def _render_limited(compiled, variables: dict, seconds: float, max_chars: int) -
         with lock:
             if not state["done"]:
                 state["fired"] = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid), ctypes.py_object(_TemplateTimeout))
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(tid), ctypes.py_object(_TemplateTimeout)
+                )
 
     watchdog = threading.Timer(seconds, interrupt)
     watchdog.daemon = True
@@ -344,7 +398,9 @@ def _compile_template(source: str):
     if compiled is None:
         compiled = _template_cache[source] = _compile_in_thread(source)
     if isinstance(compiled, KestrelError):
-        raise KestrelError(str(compiled))  # a new exception each time: no traceback piles up on the cached one
+        raise KestrelError(
+            str(compiled)
+        )  # a new exception each time: no traceback piles up on the cached one
     return compiled
 
 
@@ -358,10 +414,14 @@ def _compile_in_thread(source: str):
         try:
             result.append(_build_template(source))
         except RecursionError:
-            result.append(KestrelError("invalid chat template: nested too deeply (Python's recursion limit)"))
+            result.append(
+                KestrelError("invalid chat template: nested too deeply (Python's recursion limit)")
+            )
         except MemoryError:
             result.append(KestrelError("invalid chat template: out of memory while compiling it"))
-        except Exception as e:  # jinja2.TemplateSyntaxError; SyntaxError from Python's compiler; anything else
+        except (
+            Exception
+        ) as e:  # jinja2.TemplateSyntaxError; SyntaxError from Python's compiler; anything else
             result.append(KestrelError(f"invalid chat template: {_one_line(e)}"))
 
     t = threading.Thread(target=work, name="kestrel-template-compile", daemon=True)
@@ -418,7 +478,9 @@ def _build_template(source: str):
         raise KestrelError(f"chat template error: {message}")
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
@@ -445,7 +507,9 @@ def _build_template(source: str):
         @staticmethod
         def _check_name(name):
             if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+                raise jinja2.exceptions.SecurityError(
+                    f"namespace attribute {name!r} is not allowed"
+                )
 
     class GenerationTag(jinja2.ext.Extension):
         # transformers' `{% generation %}...{% endgeneration %}` block (assistant-token masks); it renders its body.
@@ -454,13 +518,18 @@ def _build_template(source: str):
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(
+                lineno
+            )
 
         def _render(self, caller):
             return caller()
 
     env = _LimitedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols], finalize=_finalize
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationTag, jinja2.ext.loopcontrols],
+        finalize=_finalize,
     )
     env.filters["tojson"] = tojson
     env.filters = {name: _guarded_filter(name, f) for name, f in env.filters.items()}
@@ -502,17 +571,25 @@ def _check_depth(value: Any, what: str) -> None:
     from kestrel_cli.text.constrained import too_deep
 
     if too_deep(value, TEMPLATE_MAX_DEPTH):
-        raise KestrelError(f"chat template error: {what} is nested more than {TEMPLATE_MAX_DEPTH} levels deep")
+        raise KestrelError(
+            f"chat template error: {what} is nested more than {TEMPLATE_MAX_DEPTH} levels deep"
+        )
 
 
 def _normalize_messages(messages: Iterable[Any]) -> list[dict]:
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):  # its type, not its repr: that can be huge, or recurse without end
-            raise KestrelError(f"chat messages must be dicts, got {type(message).__name__} at messages[{i}]")
+        if not isinstance(
+            message, Mapping
+        ):  # its type, not its repr: that can be huge, or recurse without end
+            raise KestrelError(
+                f"chat messages must be dicts, got {type(message).__name__} at messages[{i}]"
+            )
         _check_depth(message, f"messages[{i}]")
         message = {k: v for k, v in message.items() if v is not None}
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        reasoning = next(
+            (message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None
+        )
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(_plain(message))
@@ -541,7 +618,9 @@ class Tokenizer:
         add_eos_token: bool | None = None,
     ):
         self._backend = backend
-        self._longest_token: int | None = None  # characters of the longest vocabulary entry (max_text_chars)
+        self._longest_token: int | None = (
+            None  # characters of the longest vocabulary entry (max_text_chars)
+        )
         # A dict of named templates ({"default": ..., "tool_use": ...}) or one template, as transformers keeps it.
         self._chat_templates = chat_template
         self.bos_token = bos_token
@@ -575,7 +654,9 @@ class Tokenizer:
             raise KestrelError(f"{root}: not a directory")
         tok_file = root / "tokenizer.json"
         if not tok_file.is_file():
-            raise KestrelError(f"{tok_file}: tokenizer.json not found (a Hugging Face tokenizer is required)")
+            raise KestrelError(
+                f"{tok_file}: tokenizer.json not found (a Hugging Face tokenizer is required)"
+            )
         try:
             backend = _Backend.from_file(str(tok_file))
         except Exception as e:  # the Rust side raises plain Exception
@@ -587,13 +668,16 @@ class Tokenizer:
 
         # Named special tokens: strings, or serialised AddedTokens ({"content": ...}).
         special = {
-            name: _token_content(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            name: _token_content(config.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
         # Like transformers, named special tokens missing from the vocabulary's added tokens become special tokens.
         added = {t.content for t in backend.get_added_tokens_decoder().values()}
         missing = [s for s in special.values() if s is not None and s not in added]
         if missing:
-            backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in missing])
+            backend.add_special_tokens(
+                [AddedToken(s, special=True, normalized=False) for s in missing]
+            )
 
         # Chat templates: chat_template.jinja (+ additional_chat_templates/*.jinja) win over tokenizer_config.json.
         templates: dict[str, str] = {}
@@ -614,7 +698,9 @@ class Tokenizer:
         if extra_dir.is_dir():
             for f in sorted(extra_dir.glob("*.jinja")):
                 from_files[f.stem] = _read_text(f)
-        if from_files:  # as in transformers, template files replace tokenizer_config.json's templates entirely
+        if (
+            from_files
+        ):  # as in transformers, template files replace tokenizer_config.json's templates entirely
             templates = from_files
         chat_template = _collapse_templates(templates)
 
@@ -657,11 +743,15 @@ class Tokenizer:
             raise KestrelError("GGUF file has no tokenizer (tokenizer.ggml.model missing)")
         tokens = get("tokenizer.ggml.tokens")
         if not tokens:
-            raise KestrelError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens missing)")
+            raise KestrelError(
+                "GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens missing)"
+            )
         n = len(tokens)
         token_types = get("tokenizer.ggml.token_type") or [1] * n
         if len(token_types) != n:
-            raise KestrelError("GGUF tokenizer.ggml.token_type does not match tokenizer.ggml.tokens")
+            raise KestrelError(
+                "GGUF tokenizer.ggml.token_type does not match tokenizer.ggml.tokens"
+            )
         merges = get("tokenizer.ggml.merges")
         architecture = get("general.architecture", "")
 
@@ -688,7 +778,11 @@ class Tokenizer:
                     f"GGUF tokenizer: SentencePiece vocabulary of architecture {architecture!r} is not supported"
                 )
             backend = _sentencepiece_from_gguf(
-                tokens, token_types, merges, get("tokenizer.ggml.scores"), get("tokenizer.ggml.add_space_prefix", True)
+                tokens,
+                token_types,
+                merges,
+                get("tokenizer.ggml.scores"),
+                get("tokenizer.ggml.add_space_prefix", True),
             )
             # Older files have no flag; llama.cpp (and transformers) add BOS to a SentencePiece vocabulary then.
             default_add_bos = True
@@ -703,7 +797,9 @@ class Tokenizer:
         named = [t for t in (bos, eos, unk, pad) if t is not None and t not in control]
         specials = list(dict.fromkeys(control + named))
         if specials:
-            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+            backend.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in specials]
+            )
         user = [t for t, ty in zip(tokens, token_types) if ty == _TOKEN_TYPE_USER_DEFINED]
         if user:
             backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
@@ -722,12 +818,18 @@ class Tokenizer:
         add_eos = get("tokenizer.ggml.add_eos_token")
 
         stop = set()
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        for key in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ):
             i = get(key)
             if i is not None and 0 <= int(i) < n:
                 stop.add(int(i))
         stop.update(
-            i for i, (t, ty) in enumerate(zip(tokens, token_types)) if ty == _TOKEN_TYPE_CONTROL and t in _EOG_TEXTS
+            i
+            for i, (t, ty) in enumerate(zip(tokens, token_types))
+            if ty == _TOKEN_TYPE_CONTROL and t in _EOG_TEXTS
         )
 
         tok = cls(
@@ -742,12 +844,19 @@ class Tokenizer:
             add_eos_token=None if add_eos is None else bool(add_eos),
         )
         # The GGUF's own ids win over a lookup by text (duplicate spellings in a vocabulary are possible).
-        tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id = bos_id, eos_id, unk_id, pad_id
+        tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id = (
+            bos_id,
+            eos_id,
+            unk_id,
+            pad_id,
+        )
         return tok
 
     # -- encoding / decoding ------------------------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = False, limit: int | None = None
+    ) -> list[int]:
         """Token ids of `text`. Special tokens written in the text are recognised. `add_special_tokens` adds BOS
         (and EOS) when the model asks for it. With `limit`, a text of more than `limit` tokens raises
         TooManyTokens, and a text far longer than that is refused after tokenising about `limit` tokens of it
@@ -757,9 +866,10 @@ class Tokenizer:
         if not text.isascii():
             try:
                 text.encode("utf-8")
-            except UnicodeEncodeError as e:   # a lone surrogate: the tokenizer would raise TypeError
-                raise KestrelError(f"text is not valid Unicode (a lone surrogate at character "
-                                   f"{e.start})") from None
+            except UnicodeEncodeError as e:  # a lone surrogate: the tokenizer would raise TypeError
+                raise KestrelError(
+                    f"text is not valid Unicode (a lone surrogate at character {e.start})"
+                ) from None
         if limit is not None and len(text) > 2 * limit + COUNT_CHUNK_CHARS:
             self._count_upto(text, limit)
         # encode_batch lets go of the GIL while it works (encode does not): a long prompt tokenised in a
@@ -825,7 +935,9 @@ class Tokenizer:
         vocabulary entry has (byte-level and SentencePiece spellings are never shorter than the text); x4
         covers normalizers that merge characters (NFC composes at most a few into one)."""
         if self._longest_token is None:
-            self._longest_token = max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
+            self._longest_token = max(
+                map(len, self._backend.get_vocab(with_added_tokens=True)), default=1
+            )
         return 4 * n_tokens * self._longest_token
 
     @property
@@ -869,7 +981,9 @@ class Tokenizer:
                 return t["tool_use"]
             if "default" in t:
                 return t["default"]
-            raise KestrelError(f"model has several chat templates and none is the default: {sorted(t)}")
+            raise KestrelError(
+                f"model has several chat templates and none is the default: {sorted(t)}"
+            )
         if not t:
             raise KestrelError(NO_TEMPLATE_MESSAGE)
         return t
@@ -935,13 +1049,17 @@ class Tokenizer:
         add_bos = add_bos and bos is not None and self.bos_token_id is not None
         add_eos = add_eos and eos is not None and self.eos_token_id is not None
         single = (f"{bos}:0 " if add_bos else "") + "$A:0" + (f" {eos}:0" if add_eos else "")
-        pair = single + (f" {bos}:1" if add_bos else "") + " $B:1" + (f" {eos}:1" if add_eos else "")
+        pair = (
+            single + (f" {bos}:1" if add_bos else "") + " $B:1" + (f" {eos}:1" if add_eos else "")
+        )
         special = []
         if add_bos:
             special.append((bos, self.bos_token_id))
         if add_eos and eos != bos:
             special.append((eos, self.eos_token_id))
-        self._backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+        self._backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=special
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -997,7 +1115,7 @@ class Detokenizer:
         if self._held:
             before = self._decode(self._last)
             text = self._decode(self._last + self._held)
-            out = text[len(before):] if text.startswith(before) else self._decode(self._held)
+            out = text[len(before) :] if text.startswith(before) else self._decode(self._held)
         self.reset()
         return out
 
@@ -1034,13 +1152,19 @@ def _byte_level_from_gguf(tokens, token_types, merges, pre) -> _Backend:
         vocab.setdefault(key, i)
     try:
         bpe = models.BPE(
-            vocab=vocab, merges=_split_merges(merges), dropout=None, continuing_subword_prefix="",
-            end_of_word_suffix="", fuse_unk=False,
+            vocab=vocab,
+            merges=_split_merges(merges),
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
         )
     except KestrelError:
         raise
     except Exception as e:
-        raise KestrelError(f"GGUF byte-level BPE tokenizer is inconsistent ({_one_line(e)})") from None
+        raise KestrelError(
+            f"GGUF byte-level BPE tokenizer is inconsistent ({_one_line(e)})"
+        ) from None
     backend = _Backend(bpe)
     if pre in _DIGIT_SPLIT_PRE:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -1089,9 +1213,13 @@ def _sentencepiece_from_gguf(tokens, token_types, merges, scores, add_space_pref
             raise KestrelError("GGUF SentencePiece tokenizer has neither merges nor scores")
         merge_list = _generate_merges(vocab, dict(zip(tokens, scores)))
     try:
-        bpe = models.BPE(vocab=vocab, merges=merge_list, fuse_unk=True, byte_fallback=True, dropout=None)
+        bpe = models.BPE(
+            vocab=vocab, merges=merge_list, fuse_unk=True, byte_fallback=True, dropout=None
+        )
     except Exception as e:
-        raise KestrelError(f"GGUF SentencePiece tokenizer is inconsistent ({_one_line(e)})") from None
+        raise KestrelError(
+            f"GGUF SentencePiece tokenizer is inconsistent ({_one_line(e)})"
+        ) from None
     backend = _Backend(bpe)
     # transformers' LlamaTokenizer (legacy=False): Metaspace, prefix "▁" on the first piece only.
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
@@ -1127,7 +1255,7 @@ def _read_json(path: Path) -> dict:
         return {}
     try:
         data = json.loads(_read_text(path))
-    except ValueError as e:           # JSONDecodeError, or an integer over 4300 digits
+    except ValueError as e:  # JSONDecodeError, or an integer over 4300 digits
         raise KestrelError(f"{path}: corrupt {path.name} ({e})") from None
     except RecursionError:
         raise KestrelError(f"{path}: corrupt {path.name} (nested too deeply)") from None

@@ -4,6 +4,7 @@ The cache is built the way docs/DESIGN.md §2 lays it out: float32 blocks of
 (kv_bs, n_kv_heads * head_dim), token t at block t // kv_bs, row t % kv_bs, passed by
 address. Tolerance: 2e-6 relative to max|V| (float32 online softmax vs float64).
 """
+
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ def build_cache(K, V, kv_bs, spare_blocks=0):
     n_blocks = -(-n_tok // kv_bs) + spare_blocks
     kb = [np.full((kv_bs, n_kv * hd), np.nan, dtype=np.float32) for _ in range(n_blocks)]
     vb = [np.full((kv_bs, n_kv * hd), np.nan, dtype=np.float32) for _ in range(n_blocks)]
-    for t in range(n_tok):                     # unwritten rows stay NaN: reading one fails
+    for t in range(n_tok):  # unwritten rows stay NaN: reading one fails
         kb[t // kv_bs][t % kv_bs] = K[t].reshape(-1)
         vb[t // kv_bs][t % kv_bs] = V[t].reshape(-1)
     kp = np.array([b.ctypes.data for b in kb], dtype=np.uint64)
@@ -42,14 +43,14 @@ def attention_ref(q, K, V, pos0, scale):
 
 
 CASES = [  # (T, pos0, n_heads, n_kv, hd, kv_bs)
-    (1, 0, 4, 2, 16, 8),          # first token
-    (1, 44, 4, 2, 64, 8),         # decode, 45 tokens: 5 full blocks + 5
-    (1, 70, 4, 2, 16, 32),        # decode across 3 blocks of 32
-    (13, 0, 4, 2, 16, 8),         # prefill, 13 tokens
-    (7, 30, 4, 2, 64, 32),        # chunked prefill crossing a block boundary (37 tokens)
-    (37, 5, 4, 2, 64, 8),         # pos0 > 0, T > 1, 42 tokens
-    (5, 11, 4, 4, 16, 8),         # no GQA
-    (3, 9, 4, 1, 16, 32),         # MQA
+    (1, 0, 4, 2, 16, 8),  # first token
+    (1, 44, 4, 2, 64, 8),  # decode, 45 tokens: 5 full blocks + 5
+    (1, 70, 4, 2, 16, 32),  # decode across 3 blocks of 32
+    (13, 0, 4, 2, 16, 8),  # prefill, 13 tokens
+    (7, 30, 4, 2, 64, 32),  # chunked prefill crossing a block boundary (37 tokens)
+    (37, 5, 4, 2, 64, 8),  # pos0 > 0, T > 1, 42 tokens
+    (5, 11, 4, 4, 16, 8),  # no GQA
+    (3, 9, 4, 1, 16, 32),  # MQA
 ]
 
 
@@ -62,7 +63,7 @@ def test_attention(T, pos0, n_heads, n_kv, hd, kv_bs, threads):
     K = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
     V = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
     kb, vb, kp, vp = build_cache(K, V, kv_bs, spare_blocks=1)
-    scale = hd ** -0.5
+    scale = hd**-0.5
     out = np.full((T, n_heads * hd), np.nan, dtype=np.float32)
     res = kernels.attention(q.reshape(T, -1), kp, vp, kv_bs, n_kv, hd, pos0, scale, out, threads)
     assert res is out
@@ -88,16 +89,17 @@ def test_attention_peaked_scores():
 def test_attention_rejects_bad_input():
     rng = np.random.default_rng(0)
     K = rng.standard_normal((10, 2, 16)).astype(np.float32)
-    kb, vb, kp, vp = build_cache(K, K, 8)            # 2 blocks: 16 positions
+    kb, vb, kp, vp = build_cache(K, K, 8)  # 2 blocks: 16 positions
     q = np.zeros((3, 64), dtype=np.float32)
     out = np.empty_like(q)
     with pytest.raises(ValueError, match="cannot hold"):
-        kernels.attention(q, kp, vp, 8, 2, 16, 14, 1.0, out, 1)   # needs positions 0..16
+        kernels.attention(q, kp, vp, 8, 2, 16, 14, 1.0, out, 1)  # needs positions 0..16
     with pytest.raises(ValueError, match="q: expected dtype float32"):
         kernels.attention(q.astype(np.float64), kp, vp, 8, 2, 16, 0, 1.0, out, 1)
     with pytest.raises(ValueError, match="C-contiguous"):
-        kernels.attention(np.zeros((3, 128), dtype=np.float32)[:, ::2], kp, vp, 8, 2, 16, 0,
-                          1.0, out, 1)
+        kernels.attention(
+            np.zeros((3, 128), dtype=np.float32)[:, ::2], kp, vp, 8, 2, 16, 0, 1.0, out, 1
+        )
     with pytest.raises(ValueError, match="k_ptrs: expected dtype uint64"):
         kernels.attention(q, kp.astype(np.int64), vp, 8, 2, 16, 0, 1.0, out, 1)
     with pytest.raises(ValueError, match="n_kv_heads"):
@@ -109,9 +111,16 @@ def test_attention_rejects_bad_input():
     # the pooling flags: share or rank, each with the max pool only; the rest's cap only
     # with the rest, at most 255
     kb32, vb32, kp32, vp32 = build_cache(np.concatenate([K] * 4), np.concatenate([K] * 4), 32)
-    for opts in (dict(share=True, rank=True, pool=1), dict(share=True, pool=2),
-                 dict(rank=True), dict(sink=3), dict(rest_max=8),
-                 dict(rest=True, sketch=True, rest_max=256), dict(n_probe=0), dict(recent=64)):
+    for opts in (
+        dict(share=True, rank=True, pool=1),
+        dict(share=True, pool=2),
+        dict(rank=True),
+        dict(sink=3),
+        dict(rest_max=8),
+        dict(rest=True, sketch=True, rest_max=256),
+        dict(n_probe=0),
+        dict(recent=64),
+    ):
         with pytest.raises(ValueError, match="bad sparse options"):
             kernels.SparseOpts(**opts)
 
@@ -119,13 +128,18 @@ def test_attention_rejects_bad_input():
 # ---------------------------------------------------------------------------------------
 # int8 cache, block-sparse selection, prefill importance (docs/DESIGN.md §2-§3)
 
-from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache            # noqa: E402
-from kestrel_cli.runtime.sparse import SparseSpec                      # noqa: E402
-from kestrel_cli.runtime.sparse import (group_scores, importance_order, probe_scores,  # noqa: E402
-                                select_blocks, select_with)
+from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache  # noqa: E402
+from kestrel_cli.runtime.sparse import (  # noqa: E402
+    SparseSpec,  # noqa: E402
+    group_scores,
+    importance_order,
+    probe_scores,
+    select_blocks,
+    select_with,
+)
 
 
-def q8_cache(K, V, kv_bs=32):        # kv_bs: the cache's block, kernels.KV_BLOCK
+def q8_cache(K, V, kv_bs=32):  # kv_bs: the cache's block, kernels.KV_BLOCK
     """An int8 KVCache (one layer) holding K, V (n_tok, n_kv, hd); returns it and the
     dequantised K, V it holds."""
     n_tok, n_kv, hd = K.shape
@@ -190,22 +204,37 @@ def test_sparse_decode_matches_reference(q8, seed):
     n_heads, hd = q.shape[1], q.shape[2]
     out = np.empty((1, n_heads * hd), np.float32)
     sel = np.full((1, n_heads, k), -1, np.int32)
-    kernels.attention(q.reshape(1, -1), kp, vp, 32, K.shape[1], hd, n - 1, 0.2, out, 2,
-                      kv_q8=q8, sparse_k=k, sparse=SparseSpec(probes=n_probe),
-                      imp_order=None if imp is None else importance_order(imp, n), sel=sel)
+    kernels.attention(
+        q.reshape(1, -1),
+        kp,
+        vp,
+        32,
+        K.shape[1],
+        hd,
+        n - 1,
+        0.2,
+        out,
+        2,
+        kv_q8=q8,
+        sparse_k=k,
+        sparse=SparseSpec(probes=n_probe),
+        imp_order=None if imp is None else importance_order(imp, n),
+        sel=sel,
+    )
     for h in range(n_heads):
         kh = h // (n_heads // K.shape[1])
         ref_sel = select_blocks(q[0, h], K[:, kh], imp, k, n_probe)
         assert sel[0, h].tolist() == ref_sel.tolist(), (h, sel[0, h], ref_sel)
         ref = masked_ref(q[0, h], K[:, kh], V[:, kh], 0.2, blocks_tokens(ref_sel, n))
-        np.testing.assert_allclose(out[0, h * hd:(h + 1) * hd], ref, rtol=0,
-                                   atol=2e-5 * np.abs(V).max())
+        np.testing.assert_allclose(
+            out[0, h * hd : (h + 1) * hd], ref, rtol=0, atol=2e-5 * np.abs(V).max()
+        )
 
 
 @pytest.mark.parametrize("q8", [False, True])
 def test_sparse_with_k_at_least_n_blocks_is_bit_identical(q8):
     rng = np.random.default_rng(5)
-    n_heads, n_kv, hd, T, pos0 = 4, 2, 32, 24, 100           # 124 tokens: 4 blocks
+    n_heads, n_kv, hd, T, pos0 = 4, 2, 32, 24, 100  # 124 tokens: 4 blocks
     q = rng.standard_normal((T, n_heads * hd)).astype(np.float32)
     K = rng.standard_normal((pos0 + T, n_kv, hd)).astype(np.float32)
     if q8:
@@ -214,12 +243,13 @@ def test_sparse_with_k_at_least_n_blocks_is_bit_identical(q8):
     else:
         kb, vb, kp, vp = build_cache(K, K, 32)
     res = {}
-    for k in (0, 4, 7):                                     # exact, k == n_blocks, k > n_blocks
-        out = np.empty_like(q)                              # prefill
+    for k in (0, 4, 7):  # exact, k == n_blocks, k > n_blocks
+        out = np.empty_like(q)  # prefill
         kernels.attention(q, kp, vp, 32, n_kv, hd, pos0, 0.2, out, 2, kv_q8=q8, sparse_k=k)
-        dec = np.empty_like(q[:1])                          # decode of the last row
-        kernels.attention(q[-1:], kp, vp, 32, n_kv, hd, pos0 + T - 1, 0.2, dec, 2, kv_q8=q8,
-                          sparse_k=k)
+        dec = np.empty_like(q[:1])  # decode of the last row
+        kernels.attention(
+            q[-1:], kp, vp, 32, n_kv, hd, pos0 + T - 1, 0.2, dec, 2, kv_q8=q8, sparse_k=k
+        )
         res[k] = out, dec
     for k in (4, 7):
         assert np.array_equal(res[k][0], res[0][0]) and np.array_equal(res[k][1], res[0][1])
@@ -237,8 +267,9 @@ def prefill_ref(q, K, V, pos0, scale, k, n_probe, order_imp):
         for h in range(n_heads):
             kh = h // group
             if k and -(-n // 32) > k:
-                sel = select_blocks(q[i, h], K[:n, kh], order_imp[:n] if order_imp is not None
-                                    else None, k, n_probe)
+                sel = select_blocks(
+                    q[i, h], K[:n, kh], order_imp[:n] if order_imp is not None else None, k, n_probe
+                )
                 picks[i, h] = sel.tolist()
                 toks = blocks_tokens(sel, n)
             else:
@@ -277,9 +308,24 @@ def test_prefill_sparse_rows_and_importance(k, prior, q8):
     slots = np.zeros((kernels.SLOTS, n + 5), np.float32)
     sel = np.full((T, n_heads, max(k, 1)), -1, np.int32)
     out = np.empty((T, n_heads * hd), np.float32)
-    kernels.attention(q.reshape(T, -1), kp, vp, 32, n_kv, hd, pos0, 0.2, out, 2, kv_q8=q8,
-                      sparse_k=k, imp_order=order, importance=imp, imp_slots=slots,
-                      sel=sel if k else None)
+    kernels.attention(
+        q.reshape(T, -1),
+        kp,
+        vp,
+        32,
+        n_kv,
+        hd,
+        pos0,
+        0.2,
+        out,
+        2,
+        kv_q8=q8,
+        sparse_k=k,
+        imp_order=order,
+        importance=imp,
+        imp_slots=slots,
+        sel=sel if k else None,
+    )
     ref, mass, picks = prefill_ref(q, K, V, pos0, 0.2, k, 8, before if prior else None)
     np.testing.assert_allclose(out, ref.reshape(T, -1), rtol=0, atol=2e-5 * np.abs(V).max())
     np.testing.assert_allclose(imp[:n] - before[:n], mass, rtol=1e-4, atol=1e-5)
@@ -303,8 +349,21 @@ def test_importance_independent_of_thread_count():
     for threads in (1, 2, 3):
         imp = np.zeros(T, np.float32)
         out = np.empty_like(q)
-        kernels.attention(q, kp, vp, 32, n_kv, hd, 0, 0.2, out, threads, sparse_k=2,
-                          importance=imp, imp_slots=np.zeros((kernels.SLOTS, T), np.float32))
+        kernels.attention(
+            q,
+            kp,
+            vp,
+            32,
+            n_kv,
+            hd,
+            0,
+            0.2,
+            out,
+            threads,
+            sparse_k=2,
+            importance=imp,
+            imp_slots=np.zeros((kernels.SLOTS, T), np.float32),
+        )
         res.append((out, imp))
     for out, imp in res[1:]:
         assert np.array_equal(out, res[0][0]) and np.array_equal(imp, res[0][1])
@@ -320,15 +379,18 @@ def test_sparse_rejects_bad_input():
         kernels.attention(q, kp, vp, 8, 2, 16, 39, 1.0, out, 1, sparse_k=2)
     kb, vb, kp, vp = build_cache(K, K, 32)
     with pytest.raises(ValueError, match="imp_slots"):
-        kernels.attention(q, kp, vp, 32, 2, 16, 39, 1.0, out, 1,
-                          importance=np.zeros(40, np.float32))
+        kernels.attention(
+            q, kp, vp, 32, 2, 16, 39, 1.0, out, 1, importance=np.zeros(40, np.float32)
+        )
     with pytest.raises(ValueError, match="sel: expected shape"):
-        kernels.attention(q, kp, vp, 32, 2, 16, 39, 1.0, out, 1, sparse_k=1,
-                          sel=np.zeros((1, 4, 2), np.int32))
+        kernels.attention(
+            q, kp, vp, 32, 2, 16, 39, 1.0, out, 1, sparse_k=1, sel=np.zeros((1, 4, 2), np.int32)
+        )
 
 
-@pytest.mark.parametrize("T,pos0,kv_bs,n_kv,hd", [(1, 40, 32, 3, 17), (6, 10, 8, 2, 20),
-                                                   (1, 70, 32, 2, 64)])
+@pytest.mark.parametrize(
+    "T,pos0,kv_bs,n_kv,hd", [(1, 40, 32, 3, 17), (6, 10, 8, 2, 20), (1, 70, 32, 2, 64)]
+)
 def test_kv_q8_layout_is_what_the_kernel_reads(T, pos0, kv_bs, n_kv, hd):
     """Blocks built by hand from kv_q8_layout alone (NaN bytes everywhere else, the
     padding before the scales included) attend as the float reference does."""
@@ -346,10 +408,12 @@ def test_kv_q8_layout_is_what_the_kernel_reads(T, pos0, kv_bs, n_kv, hd):
     blocks = {"k": [], "v": []}
     for name, vals, scales in (("k", Kq, Ks), ("v", Vq, Vs)):
         for b in range(-(-n // kv_bs)):
-            blk = np.full(nbytes, 0xFF, np.uint8)            # 0xFFFFFFFF is a float NaN
+            blk = np.full(nbytes, 0xFF, np.uint8)  # 0xFFFFFFFF is a float NaN
             t = np.arange(b * kv_bs, min(n, b * kv_bs + kv_bs))
-            blk[:kv_bs * ld].view(np.int8).reshape(kv_bs, ld)[:len(t)] = vals[t].reshape(len(t), -1)
-            blk[off:].view(np.float32).reshape(n_kv, kv_bs)[:, :len(t)] = scales[t].T
+            blk[: kv_bs * ld].view(np.int8).reshape(kv_bs, ld)[: len(t)] = vals[t].reshape(
+                len(t), -1
+            )
+            blk[off:].view(np.float32).reshape(n_kv, kv_bs)[:, : len(t)] = scales[t].T
             blocks[name].append(blk)
     kp = np.array([b.ctypes.data for b in blocks["k"]], np.uint64)
     vp = np.array([b.ctypes.data for b in blocks["v"]], np.uint64)
@@ -370,7 +434,6 @@ def test_kv_q8_layout_rejects_bad_geometry():
 # The decode units are compiled per instruction set (portable C "base" / "neon"; x86
 # "avx2"; aarch64 "dotprod"), the best one picked at import. Every variant this CPU runs must pass the decode tests: the
 # portable one is what aarch64 boards run.
-
 
 
 def test_attn_variants_listed():
@@ -395,8 +458,9 @@ def test_sparse_decode_every_variant(isa, q8):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("n_heads,n_kv,hd", [(8, 8, 32), (12, 4, 32), (6, 3, 32), (8, 2, 48),
-                                             (16, 8, 128)])
+@pytest.mark.parametrize(
+    "n_heads,n_kv,hd", [(8, 8, 32), (12, 4, 32), (6, 3, 32), (8, 2, 48), (16, 8, 128)]
+)
 def test_decode_many_parts_and_heads(isa, n_heads, n_kv, hd):
     """Decode over many parts (19 blocks of 16: 5 parts, the last block partial) with units
     of several kv heads (the token-major walk, attn_decode.h ka_decode_heads): the float64
@@ -412,12 +476,13 @@ def test_decode_many_parts_and_heads(isa, n_heads, n_kv, hd):
         K = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
         V = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
         kb, vb, kp, vp = build_cache(K, V, kv_bs, spare_blocks=1)
-        ref = attention_ref(q, K, V, n_tok - 1, hd ** -0.5).reshape(1, -1)
+        ref = attention_ref(q, K, V, n_tok - 1, hd**-0.5).reshape(1, -1)
         first = None
         for threads in (1, 2, 3, 5):
             out = np.full((1, n_heads * hd), np.nan, dtype=np.float32)
-            kernels.attention(q.reshape(1, -1), kp, vp, kv_bs, n_kv, hd, n_tok - 1,
-                              hd ** -0.5, out, threads)
+            kernels.attention(
+                q.reshape(1, -1), kp, vp, kv_bs, n_kv, hd, n_tok - 1, hd**-0.5, out, threads
+            )
             np.testing.assert_allclose(out, ref, rtol=0, atol=2e-6 * np.abs(V).max())
             if first is None:
                 first = out
@@ -439,7 +504,7 @@ def test_sparse_decode_many_parts_and_kv_heads(isa, dtype, n_heads, n_kv, hd, n_
     kernels.set_isa(isa)
     try:
         rng = np.random.default_rng([n_heads, n_kv, hd, n_probe, len(dtype)])
-        n_tok, k = 611, 4                                   # 20 blocks: 5 parts
+        n_tok, k = 611, 4  # 20 blocks: 5 parts
         q = (rng.standard_normal((1, n_heads, hd)) * 2).astype(np.float32)
         K = rng.standard_normal((n_tok, n_kv * hd)).astype(np.float32)
         V = rng.standard_normal((n_tok, n_kv * hd)).astype(np.float32)
@@ -455,18 +520,39 @@ def test_sparse_decode_many_parts_and_kv_heads(isa, dtype, n_heads, n_kv, hd, n_
         for threads in (1, 2, 3, 5):
             out = np.full((1, n_heads * hd), np.nan, np.float32)
             sel = np.full((1, n_heads, k), -1, np.int32)
-            kernels.attention(q.reshape(1, -1), kp, vp, 32, n_kv, hd, n_tok - 1, 0.2, out,
-                              threads, kv_q8=dtype == "q8", kv_f16=dtype == "f16", sparse_k=k,
-                              sparse=SparseSpec(probes=n_probe), imp_order=order, sel=sel)
+            kernels.attention(
+                q.reshape(1, -1),
+                kp,
+                vp,
+                32,
+                n_kv,
+                hd,
+                n_tok - 1,
+                0.2,
+                out,
+                threads,
+                kv_q8=dtype == "q8",
+                kv_f16=dtype == "f16",
+                sparse_k=k,
+                sparse=SparseSpec(probes=n_probe),
+                imp_order=order,
+                sel=sel,
+            )
             if first is None:
                 first = out, sel
                 for h in range(n_heads):
                     ref_sel = select_blocks(q[0, h], Kd[:, h // group], imp, k, n_probe)
                     assert sel[0, h].tolist() == ref_sel.tolist(), (h, sel[0, h], ref_sel)
-                    ref = masked_ref(q[0, h], Kd[:, h // group], Vd[:, h // group], 0.2,
-                                     blocks_tokens(ref_sel, n_tok))
-                    np.testing.assert_allclose(out[0, h * hd:(h + 1) * hd], ref, rtol=0,
-                                               atol=2e-5 * np.abs(Vd).max())
+                    ref = masked_ref(
+                        q[0, h],
+                        Kd[:, h // group],
+                        Vd[:, h // group],
+                        0.2,
+                        blocks_tokens(ref_sel, n_tok),
+                    )
+                    np.testing.assert_allclose(
+                        out[0, h * hd : (h + 1) * hd], ref, rtol=0, atol=2e-5 * np.abs(Vd).max()
+                    )
             np.testing.assert_array_equal(out, first[0])
             np.testing.assert_array_equal(sel, first[1])
     finally:
@@ -482,14 +568,14 @@ def test_sparse_decode_many_parts_and_kv_heads(isa, dtype, n_heads, n_kv, hd, n_
 
 # (sink, pool, recent, bound probe, prior importance, imp_from offset, (n_heads, n_kv), hd)
 PREFILL_OPTS = [
-    ("off", "head", 0, False, False, None, (4, 4), 32),    # plain, no GQA, no importance
-    ("off", "head", 0, False, True, 0, (6, 2), 40),        # importance picks, group 3
-    ("in", "max", 0, False, True, 20, (6, 2), 32),         # pooled, imp_from inside the call
-    ("out", "sum", 1, True, False, 0, (8, 1), 16),         # MQA group 8: 4-row tiles
-    ("off", "union", 2, False, True, 0, (12, 2), 36),      # group 6: 5-row tiles, recent 2
-    ("out", "head", 0, True, True, 0, (4, 2), 32),         # bound probe, sink outside
-    ("off", "share", 1, False, True, 0, (6, 2), 32),       # pooled shares
-    ("out", "rank", 1, False, True, 0, (6, 2), 32),        # the heads' picks in turns
+    ("off", "head", 0, False, False, None, (4, 4), 32),  # plain, no GQA, no importance
+    ("off", "head", 0, False, True, 0, (6, 2), 40),  # importance picks, group 3
+    ("in", "max", 0, False, True, 20, (6, 2), 32),  # pooled, imp_from inside the call
+    ("out", "sum", 1, True, False, 0, (8, 1), 16),  # MQA group 8: 4-row tiles
+    ("off", "union", 2, False, True, 0, (12, 2), 36),  # group 6: 5-row tiles, recent 2
+    ("out", "head", 0, True, True, 0, (4, 2), 32),  # bound probe, sink outside
+    ("off", "share", 1, False, True, 0, (6, 2), 32),  # pooled shares
+    ("out", "rank", 1, False, True, 0, (6, 2), 32),  # the heads' picks in turns
 ]
 
 
@@ -510,10 +596,13 @@ def sparse_prefill_ref(q, Kd, Vd, pos0, scale, k, n_probe, prior, opts, score):
             toks = {h: np.arange(n) for h in heads}
             if -(-n // 32) > ktot:
                 sc = [score(q[i, h], kh, n) for h in heads]
-                sc = group_scores(sc, pool, lambda x: select_with(x, imp, n, k, sink,
-                                                                  recent=recent))
-                own = {h: select_with(sc[g], imp, n, k, sink, recent=recent)
-                       for g, h in enumerate(heads)}
+                sc = group_scores(
+                    sc, pool, lambda x: select_with(x, imp, n, k, sink, recent=recent)
+                )
+                own = {
+                    h: select_with(sc[g], imp, n, k, sink, recent=recent)
+                    for g, h in enumerate(heads)
+                }
                 both = np.unique(np.concatenate(list(own.values())))
                 for h in heads:
                     picks[i, h] = own[h].tolist()
@@ -540,13 +629,24 @@ def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
     rng = np.random.default_rng([case, len(dtype)])
     k, n_probe, pos0, T = 2, (8, 5, 3)[case % 3], 45, 160
     n = pos0 + T
-    spec = CacheSpec(dtype, sparse=SparseSpec(k=k, probes=n_probe, sink=sink,
-                                              probe="bound" if bound else "sample",
-                                              group=pool, recent=recent))
+    spec = CacheSpec(
+        dtype,
+        sparse=SparseSpec(
+            k=k,
+            probes=n_probe,
+            sink=sink,
+            probe="bound" if bound else "sample",
+            group=pool,
+            recent=recent,
+        ),
+    )
     c = KVCache(1, n_kv, hd, n + 32, spec, threads=1)
     c.reserve(n)
-    c.write(0, (rng.standard_normal((n, n_kv * hd)) * 2).astype(np.float32),
-            rng.standard_normal((n, n_kv * hd)).astype(np.float32))
+    c.write(
+        0,
+        (rng.standard_normal((n, n_kv * hd)) * 2).astype(np.float32),
+        rng.standard_normal((n, n_kv * hd)).astype(np.float32),
+    )
     c.commit(n)
     Kd, Vd = c.keys(0).reshape(n, n_kv, hd), c.values(0).reshape(n, n_kv, hd)
     kp, vp = c.views(0, n)
@@ -567,31 +667,65 @@ def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
         out = np.full((T, n_heads * hd), np.nan, np.float32)
         sel = np.full((T, n_heads, spec.sparse_width), -1, np.int32)
         imp = prior.copy() if imp_off is not None else None
-        kernels.attention(q.reshape(T, -1), kp, vp, 32, n_kv, hd, pos0, 0.2, out, threads,
-                          kv_q8=dtype == "q8", kv_f16=dtype == "f16", sparse_k=k,
-                          sparse=spec.sparse,
-                          imp_order=importance_order(prior, n) if prior_on else None,
-                          importance=imp,
-                          imp_slots=np.zeros((kernels.SLOTS, n), np.float32)
-                          if imp is not None else None,
-                          sel=sel,
-                          bounds=c.bounds[0] if bound else None,
-                          bound_scales=c.bound_scales[0] if bound else None,
-                          bound_cap=c.bounds.shape[2] if bound else 0, imp_from=imp_from)
+        kernels.attention(
+            q.reshape(T, -1),
+            kp,
+            vp,
+            32,
+            n_kv,
+            hd,
+            pos0,
+            0.2,
+            out,
+            threads,
+            kv_q8=dtype == "q8",
+            kv_f16=dtype == "f16",
+            sparse_k=k,
+            sparse=spec.sparse,
+            imp_order=importance_order(prior, n) if prior_on else None,
+            importance=imp,
+            imp_slots=np.zeros((kernels.SLOTS, n), np.float32) if imp is not None else None,
+            sel=sel,
+            bounds=c.bounds[0] if bound else None,
+            bound_scales=c.bound_scales[0] if bound else None,
+            bound_cap=c.bounds.shape[2] if bound else 0,
+            imp_from=imp_from,
+        )
         runs.append((out, sel, imp))
     for a, b in zip(runs[0], runs[1]):
         assert a is None and b is None or np.array_equal(a, b)
     out, sel, imp = runs[0]
-    ref, mass, picks = sparse_prefill_ref(q, Kd, Vd, pos0, 0.2, k, n_probe,
-                                          prior if prior_on else None,
-                                          (sink, pool, recent, imp_from), score)
+    ref, mass, picks = sparse_prefill_ref(
+        q,
+        Kd,
+        Vd,
+        pos0,
+        0.2,
+        k,
+        n_probe,
+        prior if prior_on else None,
+        (sink, pool, recent, imp_from),
+        score,
+    )
     ktot = spec.sparse_width
     first_sparse = next(i for i in range(T) if -(-(pos0 + i + 1) // 32) > ktot)
-    rt = min(8, 32 // (n_heads // n_kv))                 # rows per tile (attn_prefill.h)
+    rt = min(8, 32 // (n_heads // n_kv))  # rows per tile (attn_prefill.h)
     assert first_sparse % rt and T - first_sparse > rt  # a mixed tile, then sparse ones
-    exact = np.empty_like(out)                          # rows within k blocks: exact bits
-    kernels.attention(q.reshape(T, -1), kp, vp, 32, n_kv, hd, pos0, 0.2, exact, 1,
-                      kv_q8=dtype == "q8", kv_f16=dtype == "f16")
+    exact = np.empty_like(out)  # rows within k blocks: exact bits
+    kernels.attention(
+        q.reshape(T, -1),
+        kp,
+        vp,
+        32,
+        n_kv,
+        hd,
+        pos0,
+        0.2,
+        exact,
+        1,
+        kv_q8=dtype == "q8",
+        kv_f16=dtype == "f16",
+    )
     assert np.array_equal(out[:first_sparse], exact[:first_sparse])
     for i in range(T):
         for h in range(n_heads):
@@ -608,8 +742,9 @@ def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
 
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("dtype", ["f32", "q8", "f16"])
-@pytest.mark.parametrize("group,hd,sparse_k", [(5, 40, 0), (2, 64, 0), (4, 48, 0), (3, 64, 3),
-                                               (6, 32, 4)])
+@pytest.mark.parametrize(
+    "group,hd,sparse_k", [(5, 40, 0), (2, 64, 0), (4, 48, 0), (3, 64, 3), (6, 32, 4)]
+)
 def test_gqa_decode_is_mha_over_copied_kv_heads(isa, dtype, group, hd, sparse_k):
     """A kv head's query heads in one unit (scores and weighted sums of a block every
     head reads in one call: ka_scores_heads, ka_pv_heads, up to 3 heads a pass) give the
@@ -628,16 +763,31 @@ def test_gqa_decode_is_mha_over_copied_kv_heads(isa, dtype, group, hd, sparse_k)
         K = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
         V = rng.standard_normal((n_tok, n_kv, hd)).astype(np.float32)
         outs = []
-        for kv, Kc, Vc in ((n_kv, K, V), (n_heads, np.repeat(K, group, axis=1),
-                                          np.repeat(V, group, axis=1))):
+        for kv, Kc, Vc in (
+            (n_kv, K, V),
+            (n_heads, np.repeat(K, group, axis=1), np.repeat(V, group, axis=1)),
+        ):
             c = KVCache(1, kv, hd, n_tok + 32, CacheSpec(dtype))
             c.reserve(n_tok)
             c.write(0, Kc.reshape(n_tok, -1), Vc.reshape(n_tok, -1))
             c.commit(n_tok)
             kp, vp = c.views(0, n_tok)
             out = np.full((1, n_heads * hd), np.nan, np.float32)
-            kernels.attention(q, kp, vp, 32, kv, hd, n_tok - 1, hd ** -0.5, out, 2,
-                              kv_q8=dtype == "q8", kv_f16=dtype == "f16", sparse_k=sparse_k)
+            kernels.attention(
+                q,
+                kp,
+                vp,
+                32,
+                kv,
+                hd,
+                n_tok - 1,
+                hd**-0.5,
+                out,
+                2,
+                kv_q8=dtype == "q8",
+                kv_f16=dtype == "f16",
+                sparse_k=sparse_k,
+            )
             outs.append(out)
         assert np.isfinite(outs[0]).all()
         np.testing.assert_array_equal(outs[0], outs[1])

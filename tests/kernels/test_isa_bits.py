@@ -9,27 +9,32 @@ bodies' order under dotprod / i8mm: those two agree bit for bit, and with neon t
 x86's avx2 / avx512 tiles have
 float steps of their own (FMA where base has none): they agree to rounding, which
 test_matmul and test_kquants check on every platform."""
+
 import platform
 
 import numpy as np
 import pytest
-from conftest import VARIANTS
 from test_kquants import INT8_GEMM, make_kweight
 from test_matmul import make_weight
 from test_moe_prefill import experts, routing
 
+from conftest import VARIANTS
 from kestrel_cli.runtime import kernels
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "aarch64",
-    reason="bit equality of the variants is aarch64's property (x86: test_*_variants_agree)")
+    reason="bit equality of the variants is aarch64's property (x86: test_*_variants_agree)",
+)
 
 FMTS = ["q8_0", "q4_0", "q4_1"] + INT8_GEMM
 
 
 def weight(fmt, d, n, rng):
-    return make_weight(fmt, d, n, rng) if fmt in ("q8_0", "q4_0", "q4_1") \
+    return (
+        make_weight(fmt, d, n, rng)
+        if fmt in ("q8_0", "q4_0", "q4_1")
         else make_kweight(fmt, d, n, rng)
+    )
 
 
 def outputs(x, w, d):
@@ -38,8 +43,9 @@ def outputs(x, w, d):
     try:
         for v in VARIANTS:
             assert kernels.set_isa(v) == v
-            outs[v] = kernels.matmul(x, w, np.full((x.shape[0], d), np.nan, np.float32), 2,
-                                     act_q8=True)
+            outs[v] = kernels.matmul(
+                x, w, np.full((x.shape[0], d), np.nan, np.float32), 2, act_q8=True
+            )
     finally:
         kernels.set_isa(VARIANTS[-1])
     return outs
@@ -48,9 +54,9 @@ def outputs(x, w, d):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_int8_every_variant_is_neon_bits(fmt):
     rng = np.random.default_rng([FMTS.index(fmt), 35])
-    d, n = 37, 512                          # 37 rows: a partial group of 8 in every tile
+    d, n = 37, 512  # 37 rows: a partial group of 8 in every tile
     w = weight(fmt, d, n, rng)
-    for T in (1, 2, 4, 5, 9, 13):           # tails of 1 token after 0..3 full tiles
+    for T in (1, 2, 4, 5, 9, 13):  # tails of 1 token after 0..3 full tiles
         x = rng.standard_normal((T, n)).astype(np.float32)
         outs = outputs(x, w, d)
         for v, o in outs.items():
@@ -92,8 +98,9 @@ def each_variant(f):
     return outs
 
 
-@pytest.mark.parametrize("fmt,n", [("q4_0", 320), ("q4_1", 320), ("q4_k", 512),
-                                   ("q6_k", 512), ("q6_k_odd", 768)])
+@pytest.mark.parametrize(
+    "fmt,n", [("q4_0", 320), ("q4_1", 320), ("q4_k", 512), ("q6_k", 512), ("q6_k_odd", 768)]
+)
 @pytest.mark.parametrize("act_q8", [True, False])
 def test_x16_gemv_every_variant(fmt, n, act_q8):
     """The x16 GEMV of one token (decode's kernel: kx_*_group*), 80 rows (5 full groups)
@@ -115,6 +122,7 @@ def test_x16_gemv_every_variant(fmt, n, act_q8):
                 group(x, out, threads, act_q8)
                 res.append(out)
             return res
+
         outs = each_variant(run)
         for v, res in outs.items():
             for threads, o in zip((1, 2, 3), res):
@@ -124,18 +132,21 @@ def test_x16_gemv_every_variant(fmt, n, act_q8):
             else:
                 np.testing.assert_array_equal(res[0], outs[VARIANTS[1]][0], err_msg=f"{fmt} {v}")
                 ref = outs[VARIANTS[0]][0]
-                np.testing.assert_allclose(res[0], ref, rtol=1e-4,
-                                           atol=1e-5 * float(np.abs(ref).max()),
-                                           err_msg=f"{fmt} {v}")
+                np.testing.assert_allclose(
+                    res[0],
+                    ref,
+                    rtol=1e-4,
+                    atol=1e-5 * float(np.abs(ref).max()),
+                    err_msg=f"{fmt} {v}",
+                )
 
 
-@pytest.mark.parametrize("fmts", [["q4_0x16", "q4_1x16"], ["q4_kx16", "q6_kx16"],
-                                  ["q4_0", "q4_k"]])
+@pytest.mark.parametrize("fmts", [["q4_0x16", "q4_1x16"], ["q4_kx16", "q6_kx16"], ["q4_0", "q4_k"]])
 def test_moe_prefill_int8_every_variant_is_neon_bits(fmts):
     """The MoE prefill's x16 group dots of 4, 2 and 1 tokens (row-major q4_0 / q4_k copied
     to the layout group by group): int8 activations, neon's bits under every variant."""
     rng = np.random.default_rng([len(fmts[0]), 38])
-    H, I, E, T, k = 256, 256, 4, 11, 3       # ~8 tokens an expert: t4, t2, t1
+    H, I, E, T, k = 256, 256, 4, 11, 3  # ~8 tokens an expert: t4, t2, t1
     table = kernels.ExpertTable(experts(E, H, I, fmts, rng))
     x = rng.standard_normal((T, H)).astype(np.float32)
     ex, starts, rows = routing(T, E, k, rng)
@@ -171,14 +182,16 @@ def test_sketch_decode_every_variant_is_neon_bits(dtype, rest):
     sketch's dots): the same output bits under every variant, 1 and 2 threads."""
     from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
     from kestrel_cli.runtime.sparse import SparseSpec
+
     n_kv, hd, n_heads, seq = 2, 64, 4, 9 * 32 + 5
 
     def run():
         outs = []
         for threads in (1, 2):
             rng = np.random.default_rng(41)
-            spec = CacheSpec(dtype, sparse=SparseSpec(k=2, probe="sketch", rest=rest,
-                                                      prefill="exact"))
+            spec = CacheSpec(
+                dtype, sparse=SparseSpec(k=2, probe="sketch", rest=rest, prefill="exact")
+            )
             c = KVCache(1, n_kv, hd, seq + 32, spec, threads=threads)
             for a, b in ((0, seq - 3), (seq - 3, seq)):
                 c.reserve(b - a)
@@ -186,13 +199,17 @@ def test_sketch_decode_every_variant_is_neon_bits(dtype, rest):
                 c.write(0, k, rng.standard_normal((b - a, n_kv * hd)).astype(np.float32))
                 c.commit(b - a)
             c.reserve(1)
-            c.write(0, rng.standard_normal((1, n_kv * hd)).astype(np.float32),
-                    rng.standard_normal((1, n_kv * hd)).astype(np.float32))
+            c.write(
+                0,
+                rng.standard_normal((1, n_kv * hd)).astype(np.float32),
+                rng.standard_normal((1, n_kv * hd)).astype(np.float32),
+            )
             q = (rng.standard_normal((1, n_heads * hd)) * 3).astype(np.float32)
             out = np.full_like(q, np.nan)
             c.attend(0, q, out)
             outs.append(out)
         return outs
+
     outs = each_variant(run)
     for v, o in outs.items():
         for threads, x in zip((1, 2), o):

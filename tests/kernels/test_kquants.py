@@ -3,20 +3,30 @@ q4_k, q5_k, q6_k, iq4_nl, iq4_xs) in the kernels: dequantisation bit-exact again
 gguf package, the float GEMV / GEMM within the float32 tolerance of test_matmul, the
 int8-activation GEMV against an integer-block model, on every kernel variant this CPU
 runs."""
+
 import numpy as np
 import pytest
-
-from kestrel_cli.runtime import kernels
-from kestrel_cli.formats.weights import BLOCK_BYTES, BLOCK_ELEMS, QK, Weight
-from conftest import VARIANTS
 from test_matmul import check_matmul, q8_activations
+
+from conftest import VARIANTS
+from kestrel_cli.formats.weights import BLOCK_BYTES, BLOCK_ELEMS, QK, Weight
+from kestrel_cli.runtime import kernels
 
 NEW = ["q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]
 # byte offsets of each format's f16 fields (scales, mins)
-F16_AT = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,),
-          "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
+F16_AT = {
+    "q5_0": (0,),
+    "q5_1": (0, 2),
+    "q2_k": (80, 82),
+    "q3_k": (108,),
+    "q4_k": (0, 2),
+    "q5_k": (0, 2),
+    "q6_k": (208,),
+    "iq4_nl": (0,),
+    "iq4_xs": (0,),
+}
 INT8_DOTS = ["q5_0", "q5_1", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs"]  # int8
-INT8_GEMM = INT8_DOTS                                             # ... and int8 GEMM
+INT8_GEMM = INT8_DOTS  # ... and int8 GEMM
 
 
 def make_kweight(fmt: str, d: int, n: int, rng, scale: float = 0.01) -> Weight:
@@ -26,13 +36,14 @@ def make_kweight(fmt: str, d: int, n: int, rng, scale: float = 0.01) -> Weight:
     raw = rng.integers(0, 256, size=(d, nb, BLOCK_BYTES[fmt]), dtype=np.uint8)
     for o in F16_AT[fmt]:
         v = (rng.standard_normal((d, nb)) * scale).astype(np.float16)
-        raw[:, :, o:o + 2] = v.view(np.uint8).reshape(d, nb, 2)
+        raw[:, :, o : o + 2] = v.view(np.uint8).reshape(d, nb, 2)
     return Weight(fmt, raw.reshape(d, -1), (d, n))
 
 
 def gguf_reference(w: Weight) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
+
     return dequantize(w.data, GGMLQuantizationType[w.fmt.upper()]).reshape(w.shape)
 
 
@@ -45,13 +56,13 @@ def test_dequantize_is_gguf(fmt):
     w = make_kweight(fmt, 40, n, rng)
     blocks = w.data.reshape(40, -1, BLOCK_BYTES[fmt])
     o = F16_AT[fmt][0]
-    blocks[0, :, o:o + 2] = np.array([0x0001], np.uint16).view(np.uint8)   # subnormal
-    blocks[1, :, o:o + 2] = 0                                               # zero
-    blocks[2, :, o:o + 2] = np.array([0x8400], np.uint16).view(np.uint8)   # -2^-14
+    blocks[0, :, o : o + 2] = np.array([0x0001], np.uint16).view(np.uint8)  # subnormal
+    blocks[1, :, o : o + 2] = 0  # zero
+    blocks[2, :, o : o + 2] = np.array([0x8400], np.uint16).view(np.uint8)  # -2^-14
     ref = gguf_reference(w)
     np.testing.assert_array_equal(w.dequantize().view(np.uint32), ref.view(np.uint32))
     ids = np.array([0, 1, 2, 39, 7, 7, 13], dtype=np.int64)
-    for v in VARIANTS:              # get_rows has one code path; run it under each anyway
+    for v in VARIANTS:  # get_rows has one code path; run it under each anyway
         kernels.set_isa(v)
         out = np.full((len(ids), n), np.nan, np.float32)
         kernels.get_rows(w, ids, out)
@@ -104,6 +115,7 @@ def test_float_variants_agree(fmt):
 
 # ------------------------------------------------------------------ int8 activations
 
+
 def int8_block_reference(x: np.ndarray, w: Weight) -> np.ndarray:
     """(T, d) in float64: per activation block b of 32, the int8 form of x (xd_b, xq_b) dotted
     with the dequantised weights' block: sum_b xd_b sum_k W_bk xq_bk, the offset (mins,
@@ -127,10 +139,11 @@ def test_int8_activations(isa, fmt, n):
     rng = np.random.default_rng([NEW.index(fmt), n])
     w = make_kweight(fmt, 45, n, rng)
     x = rng.standard_normal((1, n)).astype(np.float32)
-    x[0, :QK] = 0.0                                      # an all-zero block: xd = 0
+    x[0, :QK] = 0.0  # an all-zero block: xd = 0
     out = kernels.matmul(x, w, np.empty((1, 45), np.float32), 2, act_q8=True)
     np.testing.assert_array_equal(
-        out, kernels.matmul(x, w, np.empty((1, 45), np.float32), 1, act_q8=True))
+        out, kernels.matmul(x, w, np.empty((1, 45), np.float32), 1, act_q8=True)
+    )
     scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
     if fmt not in INT8_DOTS:
         np.testing.assert_array_equal(out, kernels.matmul(x, w, np.empty((1, 45), np.float32), 2))
@@ -154,13 +167,13 @@ def test_int8_activations_extremes(isa, fmt):
         if fmt == "q6_k":
             raw[:, 192:208] = np.array([127, -128] * 8, np.int8).view(np.uint8)
         elif fmt in ("q4_k", "q5_k"):
-            raw[:, 4:16] = 0xFF                          # every scale and min 63
+            raw[:, 4:16] = 0xFF  # every scale and min 63
         elif fmt == "iq4_xs":
-            raw[:, 2:8] = 0x00                           # every scale 0 - 32
+            raw[:, 2:8] = 0x00  # every scale 0 - 32
         elif fmt == "q3_k":
-            raw[:, 96:108] = 0x00                        # every scale 0 - 32
+            raw[:, 96:108] = 0x00  # every scale 0 - 32
         for o in F16_AT[fmt]:
-            raw[:, o:o + 2] = np.array([1.0], np.float16).view(np.uint8)
+            raw[:, o : o + 2] = np.array([1.0], np.float16).view(np.uint8)
         rows.append(raw.reshape(-1))
     w = Weight(fmt, np.stack(rows), (len(rows), n))
     c = np.float32(3.5)
@@ -172,9 +185,11 @@ def test_int8_activations_extremes(isa, fmt):
         assert np.all(np.abs(q8_activations(x[0])[0]) == 127)
         out = kernels.matmul(x, w, np.empty((1, len(rows)), np.float32), 1, act_q8=True)
         scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
-        assert np.all(np.abs(out - int8_block_reference(x, w)) <= 1e-6 * scale + 1e-3), \
-            (out, int8_block_reference(x, w))
-    if fmt in INT8_GEMM:                                 # and the int8 GEMM (T > 1)
+        assert np.all(np.abs(out - int8_block_reference(x, w)) <= 1e-6 * scale + 1e-3), (
+            out,
+            int8_block_reference(x, w),
+        )
+    if fmt in INT8_GEMM:  # and the int8 GEMM (T > 1)
         xs = np.stack([np.full(n, c), np.full(n, -c), np.full(n, c)]).astype(np.float32)
         out = kernels.matmul(xs, w, np.empty((3, len(rows)), np.float32), 1, act_q8=True)
         scale = np.abs(xs.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
@@ -195,7 +210,8 @@ def test_int8_rows_and_groups(isa, fmt):
             sub = Weight(fmt, w.data[r0:r1], (r1 - r0, n))
             np.testing.assert_array_equal(
                 kernels.matmul(x, sub, np.empty((1, r1 - r0), np.float32), 2, act_q8=q8),
-                full[:, r0:r1])
+                full[:, r0:r1],
+            )
         g = kernels.GemvGroup([Weight(fmt, w.data[:3], (3, n)), Weight(fmt, w.data[3:], (67, n))])
         out = np.empty((1, 70), np.float32)
         g(x, out, 2, act_q8=q8)
@@ -228,12 +244,12 @@ def test_prompt_with_act_q8_is_float_gemm(fmt):
     x = rng.standard_normal((6, 256)).astype(np.float32)
     np.testing.assert_array_equal(
         kernels.matmul(x, w, np.empty((6, 21), np.float32), 2, act_q8=True),
-        kernels.matmul(x, w, np.empty((6, 21), np.float32), 2))
+        kernels.matmul(x, w, np.empty((6, 21), np.float32), 2),
+    )
 
 
 @pytest.mark.parametrize("fmt", INT8_GEMM)
-@pytest.mark.parametrize("d,n,T", [(53, 256, 2), (37, 512, 17), (19, 1024, 67),
-                                   (300, 2048, 9)])
+@pytest.mark.parametrize("d,n,T", [(53, 256, 2), (37, 512, 17), (19, 1024, 67), (300, 2048, 9)])
 def test_int8_gemm(isa, fmt, d, n, T):
     """act_q8, T > 1: the int8 GEMM (q4_k as q4_1 per sub-block, the others as q8_0) within
     float32 rounding of the integer-block model and of each token's GEMV; threads change
@@ -241,13 +257,18 @@ def test_int8_gemm(isa, fmt, d, n, T):
     rng = np.random.default_rng([NEW.index(fmt), d, n, T])
     w = make_kweight(fmt, d, n, rng)
     x = rng.standard_normal((T, n)).astype(np.float32)
-    x[1, :QK] = 0.0                                      # an all-zero block: xd = 0
+    x[1, :QK] = 0.0  # an all-zero block: xd = 0
     out = kernels.matmul(x, w, np.full((T, d), np.nan, np.float32), 1, act_q8=True)
     np.testing.assert_array_equal(
-        out, kernels.matmul(x, w, np.full((T, d), np.nan, np.float32), 2, act_q8=True))
+        out, kernels.matmul(x, w, np.full((T, d), np.nan, np.float32), 2, act_q8=True)
+    )
     scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
     assert np.all(np.abs(out - int8_block_reference(x, w)) <= 1e-5 * scale)
-    gemv = np.concatenate([kernels.matmul(x[t:t + 1], w, np.empty((1, d), np.float32), 1,
-                                          act_q8=True) for t in range(T)])
+    gemv = np.concatenate(
+        [
+            kernels.matmul(x[t : t + 1], w, np.empty((1, d), np.float32), 1, act_q8=True)
+            for t in range(T)
+        ]
+    )
     assert np.all(np.abs(out - gemv) <= 2e-6 * scale)
     assert not np.array_equal(out, kernels.matmul(x, w, np.empty((T, d), np.float32), 1))

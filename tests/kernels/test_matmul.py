@@ -5,12 +5,13 @@ magnitudes of the products (float32 accumulation over n terms), which implies th
 engine's ~1e-4 relative target on every output that is not a cancellation.
 The dequantisation itself must be exact: get_rows equals weights.dequantize bit for bit.
 """
+
 import numpy as np
 import pytest
 
-from kestrel_cli.runtime import kernels
 from conftest import VARIANTS, check_variants_listed
 from kestrel_cli.formats.weights import BLOCK_BYTES, QK, Weight, quantize_q8_0
+from kestrel_cli.runtime import kernels
 
 RTOL = 1e-5
 
@@ -49,11 +50,12 @@ def check_matmul(x, w, threads):
 
 
 FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"]
-SIZES = [(67, 96), (67, 160), (67, 71)]       # (d, n); n = 71 for the float formats only
+SIZES = [(67, 96), (67, 160), (67, 71)]  # (d, n); n = 71 for the float formats only
 
 
-CASES = [(fmt, d, n) for fmt in FORMATS for d, n in SIZES
-         if not (n % QK and fmt in BLOCK_BYTES)]     # quantised rows are whole blocks
+CASES = [
+    (fmt, d, n) for fmt in FORMATS for d, n in SIZES if not (n % QK and fmt in BLOCK_BYTES)
+]  # quantised rows are whole blocks
 
 
 @pytest.mark.parametrize("fmt,d,n", CASES)
@@ -66,7 +68,7 @@ def test_matmul_formats(fmt, d, n, T):
     out2 = check_matmul(x, w, 2)
     # every output is summed in a fixed order: the thread count cannot change a bit
     np.testing.assert_array_equal(out1, out2)
-    np.testing.assert_array_equal(out1, check_matmul(x, w, None))   # OpenMP default
+    np.testing.assert_array_equal(out1, check_matmul(x, w, None))  # OpenMP default
 
 
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "q8_0", "q4_1"])
@@ -116,8 +118,9 @@ def test_f16_every_bit_pattern():
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16).reshape(2048, 32)
     out = np.empty((2048, 32), dtype=np.float32)
     kernels.get_rows(Weight("f16", bits, (2048, 32)), np.arange(2048, dtype=np.int64), out)
-    np.testing.assert_array_equal(out.view(np.uint32),
-                                  bits.view(np.float16).astype(np.float32).view(np.uint32))
+    np.testing.assert_array_equal(
+        out.view(np.uint32), bits.view(np.float16).astype(np.float32).view(np.uint32)
+    )
     kernels.get_rows(Weight("bf16", bits, (2048, 32)), np.arange(2048, dtype=np.int64), out)
     np.testing.assert_array_equal(out.view(np.uint32), bits.astype(np.uint32) << 16)
 
@@ -126,8 +129,11 @@ def test_f16_subnormal_scales():
     """q8_0 blocks whose f16 scale is subnormal dequantise like the NumPy reference."""
     rng = np.random.default_rng(5)
     raw = rng.integers(0, 256, size=(4, 2, 34), dtype=np.uint8)
-    raw[:, :, 0:2] = np.array([1, 0x3ff, 0x8001, 0x0400], dtype=np.uint16)[:, None, None].view(
-        np.uint8).reshape(4, 1, 2)
+    raw[:, :, 0:2] = (
+        np.array([1, 0x3FF, 0x8001, 0x0400], dtype=np.uint16)[:, None, None]
+        .view(np.uint8)
+        .reshape(4, 1, 2)
+    )
     w = Weight("q8_0", raw.reshape(4, 68), (4, 64))
     out = np.empty((4, 64), dtype=np.float32)
     kernels.get_rows(w, np.arange(4, dtype=np.int64), out)
@@ -177,15 +183,15 @@ def test_get_rows_rejects_bad_input():
 # code old x86 and Armv8.0 cores run.
 
 
-
 def test_variants_listed():
     check_variants_listed()
     with pytest.raises(ValueError, match="unknown"):
         kernels.set_isa("sse9")
 
 
-@pytest.mark.parametrize("fmt,d,n", CASES + [("q8_0", 33, 64), ("q4_1", 17, 96),
-                                             ("bf16", 45, 130), ("f32", 3, 5)])
+@pytest.mark.parametrize(
+    "fmt,d,n", CASES + [("q8_0", 33, 64), ("q4_1", 17, 96), ("bf16", 45, 130), ("f32", 3, 5)]
+)
 def test_matmul_every_variant(isa, fmt, d, n):
     """GEMV (T = 1) and GEMM tiles (full KF_VNT tiles, 4-token and 1-token tails)."""
     rng = np.random.default_rng([FORMATS.index(fmt), d, n, 11])
@@ -213,7 +219,7 @@ def test_matmul_gemm_kernel_tiles_every_variant(isa, fmt, n):
     and two threads give the same bits."""
     rng = np.random.default_rng([FORMATS.index(fmt), n])
     w = make_weight(fmt, 84, n, rng)
-    for T in ((2, 6, 7, 12, 13, 25, 30) if n == 64 else (12, 17)):
+    for T in (2, 6, 7, 12, 13, 25, 30) if n == 64 else (12, 17):
         x = rng.standard_normal((T, n)).astype(np.float32)
         np.testing.assert_array_equal(check_matmul(x, w, 1), check_matmul(x, w, 2))
 
@@ -239,6 +245,7 @@ def test_variants_agree_closely():
 
 # ------------------------------------------------------------------ int8 activations
 
+
 def q8_activations(x: np.ndarray):
     """NumPy model of the kernels' int8 activations: per block of 32, d = amax / 127,
     q = rint(x / d) (float32 ops as in C)."""
@@ -262,7 +269,7 @@ def int8_reference(x: np.ndarray, w: Weight) -> np.ndarray:
         qw = blocks[:, :, 2:].view(np.int8).astype(np.float64)
     else:
         o = 2 if w.fmt == "q4_0" else 4
-        qs = blocks[:, :, o:o + 16]
+        qs = blocks[:, :, o : o + 16]
         qw = np.concatenate([qs & 15, qs >> 4], axis=2).astype(np.float64)
         if w.fmt == "q4_0":
             qw -= 8
@@ -287,16 +294,18 @@ def test_int8_activations(isa, fmt, n):
     assert np.all(np.abs(out - int8_reference(x, w)) <= 1e-5 * scale)
     exact = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
     assert np.all(np.abs(out - exact) <= 1e-2 * scale)
-    np.testing.assert_array_equal(out, kernels.matmul(x, w, np.empty((1, 53), np.float32), 1,
-                                                      act_q8=True))
+    np.testing.assert_array_equal(
+        out, kernels.matmul(x, w, np.empty((1, 53), np.float32), 1, act_q8=True)
+    )
 
 
 def q8_weight(qs: np.ndarray, d: float = 0.01) -> Weight:
     """A q8_0 weight with the given int8 values (rows, n) and one scale d everywhere."""
     rows, n = qs.shape
     blocks = np.empty((rows, n // QK, 34), np.uint8)
-    blocks[:, :, 0:2] = np.full((rows, n // QK), d, np.float16).view(np.uint8).reshape(
-        rows, n // QK, 2)
+    blocks[:, :, 0:2] = (
+        np.full((rows, n // QK), d, np.float16).view(np.uint8).reshape(rows, n // QK, 2)
+    )
     blocks[:, :, 2:] = qs.astype(np.int8).view(np.uint8).reshape(rows, n // QK, QK)
     return Weight("q8_0", blocks.reshape(rows, -1), (rows, n))
 
@@ -308,10 +317,9 @@ def q4_weight(fmt: str, nib: np.ndarray, d: float = 0.01, m: float = -0.03) -> W
     blocks = np.zeros((rows, nb, BLOCK_BYTES[fmt]), np.uint8)
     blocks[:, :, 0:2] = np.full((rows, nb), d, np.float16).view(np.uint8).reshape(rows, nb, 2)
     if fmt == "q4_1":
-        blocks[:, :, 2:4] = np.full((rows, nb), m, np.float16).view(np.uint8).reshape(
-            rows, nb, 2)
+        blocks[:, :, 2:4] = np.full((rows, nb), m, np.float16).view(np.uint8).reshape(rows, nb, 2)
     u = nib.reshape(rows, nb, QK).astype(np.uint8)
-    blocks[:, :, o:o + 16] = u[:, :, :16] | (u[:, :, 16:] << 4)
+    blocks[:, :, o : o + 16] = u[:, :, :16] | (u[:, :, 16:] << 4)
     return Weight(fmt, blocks.reshape(rows, -1), (rows, n))
 
 
@@ -335,13 +343,23 @@ def test_int8_activations_extremes(isa, fmt):
     rng = np.random.default_rng(6)
     if fmt == "q8_0":
         lo, hi = -128, 127
-        pats = [np.full(n, hi), np.full(n, lo), np.tile([hi, lo], n // 2),
-                np.tile([lo, lo, hi, hi], n // 4), rng.choice([lo, hi], n),
-                np.tile([hi, hi, lo, lo], n // 4)]
+        pats = [
+            np.full(n, hi),
+            np.full(n, lo),
+            np.tile([hi, lo], n // 2),
+            np.tile([lo, lo, hi, hi], n // 4),
+            rng.choice([lo, hi], n),
+            np.tile([hi, hi, lo, lo], n // 4),
+        ]
         w = q8_weight(np.stack(pats * 2)[:11])
     else:
-        pats = [np.full(n, 15), np.zeros(n, int), np.tile([15, 0], n // 2),
-                rng.choice([0, 15], n), np.tile([0, 0, 15, 15], n // 4)]
+        pats = [
+            np.full(n, 15),
+            np.zeros(n, int),
+            np.tile([15, 0], n // 2),
+            rng.choice([0, 15], n),
+            np.tile([0, 0, 15, 15], n // 4),
+        ]
         w = q4_weight(fmt, np.stack(pats * 2)[:9])
     d = w.shape[0]
     for x in extreme_activations(n):
@@ -366,15 +384,17 @@ def test_int8_activations_rows_and_threads(isa, fmt, n):
     x = rng.standard_normal((1, n)).astype(np.float32)
     full = kernels.matmul(x, w, np.empty((1, 263), np.float32), 1, act_q8=True)
     np.testing.assert_array_equal(
-        full, kernels.matmul(x, w, np.empty((1, 263), np.float32), 2, act_q8=True))
+        full, kernels.matmul(x, w, np.empty((1, 263), np.float32), 2, act_q8=True)
+    )
     scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
     assert np.all(np.abs(full - int8_reference(x, w)) <= 1e-5 * scale)
     for r0, r1 in [(0, 1), (5, 6), (3, 10), (1, 8), (130, 133), (259, 263), (7, 262)]:
         sub = Weight(fmt, w.data[r0:r1], (r1 - r0, n))
         for threads in (1, 2):
             np.testing.assert_array_equal(
-                kernels.matmul(x, sub, np.empty((1, r1 - r0), np.float32), threads,
-                               act_q8=True), full[:, r0:r1])
+                kernels.matmul(x, sub, np.empty((1, r1 - r0), np.float32), threads, act_q8=True),
+                full[:, r0:r1],
+            )
     parts = [Weight(fmt, w.data[a:b], (b - a, n)) for a, b in [(0, 3), (3, 134), (134, 263)]]
     g = kernels.GemvGroup(parts)
     for threads in (1, 2):
@@ -395,8 +415,7 @@ def test_int8_activations_variants_agree():
                 outs = []
                 for v in VARIANTS:
                     kernels.set_isa(v)
-                    outs.append(kernels.matmul(x, w, np.empty((1, d), np.float32), 2,
-                                               act_q8=True))
+                    outs.append(kernels.matmul(x, w, np.empty((1, d), np.float32), 2, act_q8=True))
                 scale = np.abs(x) @ np.abs(w.dequantize()).T
                 for o in outs[1:]:
                     assert np.all(np.abs(o - outs[0]) <= 2e-6 * scale)
@@ -424,6 +443,7 @@ def test_int8_activations_only_for_quantised_weights():
 
 # ------------------------------------------------------------------ int8 GEMM (T > 1)
 
+
 def int8_gemm(x, w, threads):
     out = np.full((x.shape[0], w.shape[0]), np.nan, np.float32)
     return kernels.matmul(x, w, out, threads, act_q8=True)
@@ -439,12 +459,16 @@ def test_int8_gemm_block_model(isa, fmt, d, n, T):
     rng = np.random.default_rng([FORMATS.index(fmt), d, n, T])
     w = make_weight(fmt, d, n, rng)
     x = rng.standard_normal((T, n)).astype(np.float32)
-    x[1, :QK] = 0.0                                      # an all-zero block: d_x = 0
+    x[1, :QK] = 0.0  # an all-zero block: d_x = 0
     out = int8_gemm(x, w, 2)
     scale = np.abs(x.astype(np.float64)) @ np.abs(w.dequantize().astype(np.float64)).T
     assert np.all(np.abs(out - int8_reference(x, w)) <= 1e-5 * scale)
-    gemv = np.concatenate([kernels.matmul(x[t:t + 1], w, np.empty((1, d), np.float32), 1,
-                                          act_q8=True) for t in range(T)])
+    gemv = np.concatenate(
+        [
+            kernels.matmul(x[t : t + 1], w, np.empty((1, d), np.float32), 1, act_q8=True)
+            for t in range(T)
+        ]
+    )
     assert np.all(np.abs(out - gemv) <= 2e-6 * scale)
 
 
@@ -484,7 +508,7 @@ def test_int8_gemm_saturation_extremes(isa, fmt):
             raw[:, :, 2:4] = np.array([-3.0], np.float16).view(np.uint8)
         nib = rng.choice(np.array([0, 15], np.uint8), size=(d, nb, QK))
         nib[0], nib[1] = 15, 0
-        raw[:, :, o:o + 16] = nib[:, :, :16] | (nib[:, :, 16:] << 4)
+        raw[:, :, o : o + 16] = nib[:, :, :16] | (nib[:, :, 16:] << 4)
     w = Weight(fmt, raw.reshape(d, -1), (d, n))
     x = rng.choice(np.array([-1.0, 1.0], np.float32), size=(T, n))
     x[0], x[1] = 1.0, -1.0
@@ -498,10 +522,15 @@ def test_int8_gemm_saturation_extremes(isa, fmt):
 
 # ------------------------------------------------------------------ grouped GEMV
 
+
 def test_gemv_group_equals_separate_matmuls(isa):
     rng = np.random.default_rng(31)
-    ws = [make_weight("q4_1", 96, 576, rng), make_weight("q8_0", 40, 576, rng),
-          make_weight("bf16", 33, 576, rng), make_weight("f32", 1, 576, rng)]
+    ws = [
+        make_weight("q4_1", 96, 576, rng),
+        make_weight("q8_0", 40, 576, rng),
+        make_weight("bf16", 33, 576, rng),
+        make_weight("f32", 1, 576, rng),
+    ]
     g = kernels.GemvGroup(ws)
     x = rng.standard_normal((1, 576)).astype(np.float32)
     for threads in (1, 2, 3):
@@ -553,13 +582,33 @@ def test_gemv_group_rejects_bad_input():
 
 # ------------------------------------------------------------------ quantisation
 
+
 def test_f32_to_f16_exact():
     """The quantisers' scale store rounds like numpy, normals to subnormals to inf."""
     from kestrel_cli._kernels import lib as M
+
     rng = np.random.default_rng(4)
     x = (rng.standard_normal(200000) * np.exp2(rng.integers(-40, 20, 200000))).astype(np.float32)
-    x = np.concatenate([x, np.float32([0, -0.0, 65504, 65519.99, 65520, 1e-8, 2.0 ** -24,
-                                       2.0 ** -25, 3 * 2.0 ** -26, np.inf, -np.inf])])
+    x = np.concatenate(
+        [
+            x,
+            np.float32(
+                [
+                    0,
+                    -0.0,
+                    65504,
+                    65519.99,
+                    65520,
+                    1e-8,
+                    2.0**-24,
+                    2.0**-25,
+                    3 * 2.0**-26,
+                    np.inf,
+                    -np.inf,
+                ]
+            ),
+        ]
+    )
     out = np.empty(x.shape, np.uint16)
     M.f32_to_f16(x, out)
     with np.errstate(over="ignore"):
@@ -578,11 +627,14 @@ def _float_weight(fmt, w32):
 @pytest.mark.parametrize("to", ["q8_0", "q4_0"])
 def test_quantize_rows_bit_exact(isa, src, to):
     from kestrel_cli.formats.weights import quantize_q4_0
+
     rng = np.random.default_rng([len(src), len(to)])
-    w32 = (rng.standard_normal((37, 288)) * np.exp2(rng.integers(-12, 4, (37, 1)))).astype(np.float32)
-    w32[1] = 0                                    # all-zero blocks: d = 0
-    w32[2, :32] = 1e-7                            # subnormal f16 scales
-    w32[3, :32] = np.linspace(-3, 3, 32)          # ties between +-max
+    w32 = (rng.standard_normal((37, 288)) * np.exp2(rng.integers(-12, 4, (37, 1)))).astype(
+        np.float32
+    )
+    w32[1] = 0  # all-zero blocks: d = 0
+    w32[2, :32] = 1e-7  # subnormal f16 scales
+    w32[3, :32] = np.linspace(-3, 3, 32)  # ties between +-max
     w32[4, 5] = -w32[4, :32].__abs__().max() * 2  # a negative extreme
     w = _float_weight(src, w32)
     out = np.empty((37, 288 // 32 * BLOCK_BYTES[to]), np.uint8)
@@ -595,13 +647,18 @@ def test_quantize_rows_error_bounds():
     """|x - dequantise(quantise(x))| <= d / 2 (q8_0) and <= d (q4_0: one step at the
     clamped end), plus |q| * d * 2^-11 for d's rounding to f16."""
     from kestrel_cli.formats.weights import dequantize, quantize_q4_0
+
     rng = np.random.default_rng(9)
     w32 = rng.standard_normal((20, 256)).astype(np.float32)
     for fmt, f, k in (("q8_0", quantize_q8_0, 0.5), ("q4_0", quantize_q4_0, 1.0)):
         raw = f(w32)
         back = dequantize(fmt, raw, 256)
-        d = np.abs(raw.reshape(20, 8, BLOCK_BYTES[fmt])[:, :, 0:2].copy().view(np.float16)
-                   .astype(np.float32))
+        d = np.abs(
+            raw.reshape(20, 8, BLOCK_BYTES[fmt])[:, :, 0:2]
+            .copy()
+            .view(np.float16)
+            .astype(np.float32)
+        )
         err = np.abs(back - w32).reshape(20, 8, 32)
         assert np.all(err <= (k + 128 / 2048) * d + 1e-7)
 
@@ -624,9 +681,15 @@ def test_unknown_kestrel_isa_is_one_warning_line():
     import os
     import subprocess
     import sys
+
     env = {**os.environ, "KESTREL_ISA": "sse9"}
-    r = subprocess.run([sys.executable, "-c", "import kestrel_cli.runtime.kernels as K; print(K.isa())"],
-                       env=env, capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-c", "import kestrel_cli.runtime.kernels as K; print(K.isa())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: KESTREL_ISA='sse9'"), r.stderr
     assert r.stdout.strip() == kernels.isa_variants()[-1]

@@ -1,13 +1,14 @@
 """The fused MoE decode kernel (kernels.ExpertTable.decode, matmul.h kf_moe_thread): the
 same bits as the per-expert kernel calls it replaces, at any thread count, with int8 or
 float activations, for any mix of weight formats (the x16 decode layout included)."""
+
 import numpy as np
 import pytest
-
-from kestrel_cli.runtime import kernels
-from conftest import VARIANTS
-from test_matmul import make_weight
 from test_kquants import make_kweight
+from test_matmul import make_weight
+
+from conftest import VARIANTS
+from kestrel_cli.runtime import kernels
 
 
 def experts(E, H, I, fmts, rng):
@@ -34,9 +35,15 @@ def per_expert(ex, x, sel, we, out, threads, act_q8):
 
 
 @pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("H,I,fmts", [(64, 96, ["q4_0", "q8_0"]), (96, 64, ["q4_1", "f16"]),
-                                      (64, 40, ["f32", "bf16"]),
-                                      (256, 768, ["q4_k", "q6_k"])])   # q6_k x16: 1 and 3 sb
+@pytest.mark.parametrize(
+    "H,I,fmts",
+    [
+        (64, 96, ["q4_0", "q8_0"]),
+        (96, 64, ["q4_1", "f16"]),
+        (64, 40, ["f32", "bf16"]),
+        (256, 768, ["q4_k", "q6_k"]),
+    ],
+)  # q6_k x16: 1 and 3 sb
 @pytest.mark.parametrize("act_q8", [False, True])
 def test_moe_decode_equals_per_expert_calls(isa, H, I, fmts, act_q8):
     kernels.set_isa(isa)
@@ -58,7 +65,10 @@ def test_moe_decode_equals_per_expert_calls(isa, H, I, fmts, act_q8):
 
 def test_expert_table_checks_shapes():
     rng = np.random.default_rng(0)
-    g, u, d = (make_weight("f32", 8, 16, rng), make_weight("f32", 8, 16, rng),
-               make_weight("f32", 8, 16, rng))
+    g, u, d = (
+        make_weight("f32", 8, 16, rng),
+        make_weight("f32", 8, 16, rng),
+        make_weight("f32", 8, 16, rng),
+    )
     with pytest.raises(ValueError, match="expert 0 weight 2"):
         kernels.ExpertTable([(g, u, d)])

@@ -4,18 +4,19 @@ matmul gate and up, swiglu, matmul down): the same bits with int8 activations, u
 rounding with float ones (it sums as the one-token GEMV); at any thread count, for
 row-major q4_0 / q4_1 / q4_k / q6_k (copied to the x16 layout group by group), x16 weights
 read in place, and other formats (the one-token GEMV per token), on every ISA variant."""
+
 import numpy as np
 import pytest
-
-from kestrel_cli.runtime import kernels
-from conftest import VARIANTS
-from test_matmul import make_weight
 from test_kquants import make_kweight
+from test_matmul import make_weight
+
+from conftest import VARIANTS
 from kestrel_cli.formats.weights import BLOCK_BYTES, BLOCK_ELEMS, Weight
+from kestrel_cli.runtime import kernels
 
 
 def weight(fmt, d, n, rng):
-    if fmt.endswith("x16"):                  # where the shape allows it
+    if fmt.endswith("x16"):  # where the shape allows it
         w = weight(fmt[:-3], d, n, rng)
         return kernels.repack_x16(w) if kernels.can_repack_x16(w) else w
     if fmt in ("q4_k", "q6_k", "q5_k"):
@@ -57,10 +58,10 @@ def per_expert(ex, x, experts, starts, rows, threads, act_q8):
 
 
 CASES = [  # (H, I, formats)
-    (256, 768, ["q4_k", "q6_k"]),                 # row-major: copied group by group (q4_k),
-    (512, 512, ["q4_kx16", "q6_kx16"]),           # the GEMV (q6_k); x16 in place
-    (256, 768, ["q4_kx16", "q6_kx16"]),           # x16 q6_k of 1 and 3 super-blocks a row
-    (64, 96, ["q4_0", "q4_1x16", "q8_0"]),        # 3 blocks a row; q8_0: the GEMV
+    (256, 768, ["q4_k", "q6_k"]),  # row-major: copied group by group (q4_k),
+    (512, 512, ["q4_kx16", "q6_kx16"]),  # the GEMV (q6_k); x16 in place
+    (256, 768, ["q4_kx16", "q6_kx16"]),  # x16 q6_k of 1 and 3 super-blocks a row
+    (64, 96, ["q4_0", "q4_1x16", "q8_0"]),  # 3 blocks a row; q8_0: the GEMV
     (128, 64, ["q4_1", "q4_0x16"]),
     (64, 40, [("q4_0", "q4_1", "f32"), "bf16"]),  # 40 gate rows: a last partial group
     (64, 32, ["f32", "f16"]),
@@ -83,7 +84,7 @@ def as_x16(w):
     be, bb = BLOCK_ELEMS[w.fmt], BLOCK_BYTES[w.fmt]
     nb = n // be
     data = np.zeros((d + -d % 16, (nb + nb % 2) * bb), np.uint8)
-    data[:d, :nb * bb] = w.data
+    data[:d, : nb * bb] = w.data
     return kernels.repack_x16(Weight(w.fmt, data, (data.shape[0], (nb + nb % 2) * be)))
 
 
@@ -104,6 +105,7 @@ def one_token(ws):
         y = np.empty((1, d.shape[0]), np.float32)
         down(pad(gu[0, :I], d.shape[1]), y, 1, act_q8)
         return y[0, :H]
+
     return run
 
 
@@ -119,7 +121,7 @@ def test_moe_prefill(isa, H, I, fmts, act_q8):
     kernels.set_isa(isa)
     try:
         rng = np.random.default_rng([H, I, len(fmts[0]), len(fmts[1])])
-        E, T, k = 6, 13, 3                # experts with 1 token up to > 8 (a second chunk)
+        E, T, k = 6, 13, 3  # experts with 1 token up to > 8 (a second chunk)
         ex = experts(E, H, I, fmts, rng)
         table = kernels.ExpertTable(ex)
         x = rng.standard_normal((T, H)).astype(np.float32)
@@ -131,10 +133,14 @@ def test_moe_prefill(isa, H, I, fmts, act_q8):
                 np.testing.assert_array_equal(got[s], run(x[rows[s]], act_q8))
         for threads in (2, 3):
             np.testing.assert_array_equal(
-                table.prefill(x, experts_, starts, rows, threads, act_q8), got)
+                table.prefill(x, experts_, starts, rows, threads, act_q8), got
+            )
         want = per_expert(ex, x, experts_, starts, rows, 2, act_q8)
-        if act_q8 and all(goes_x16(w) and w.shape[1] // BLOCK_ELEMS[w.fmt.replace("x16", "")] % 2
-                          == 0 for ws in ex for w in ws):
+        if act_q8 and all(
+            goes_x16(w) and w.shape[1] // BLOCK_ELEMS[w.fmt.replace("x16", "")] % 2 == 0
+            for ws in ex
+            for w in ws
+        ):
             np.testing.assert_array_equal(got, want)
         else:
             np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-5 * float(np.abs(want).max()))

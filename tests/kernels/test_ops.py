@@ -4,13 +4,14 @@ Tolerances: rms_norm and swiglu 2e-6 relative to float64 references (a few float
 roundings); rope 2e-6 * |x| against a NumPy transcription of HF's rotate_half with the
 same float32 angle; scatter_add 1e-6 relative to float64 np.add.at.
 """
+
 import numpy as np
 import pytest
 
 from kestrel_cli.runtime import kernels
 
-
 # ---------------------------------------------------------------- rms_norm
+
 
 def rms_norm_ref(x, weight, eps):
     x64 = x.astype(np.float64)
@@ -30,7 +31,7 @@ def test_rms_norm(R, n, threads):
 
 def test_rms_norm_in_place_and_nd():
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((5, 4, 16)).astype(np.float32)   # per-head norm, Qwen3 style
+    x = rng.standard_normal((5, 4, 16)).astype(np.float32)  # per-head norm, Qwen3 style
     weight = rng.standard_normal(16).astype(np.float32)
     ref = rms_norm_ref(x, weight, 1e-5)
     kernels.rms_norm(x, weight, 1e-5, x)
@@ -46,9 +47,10 @@ def test_rms_norm_eps_dominates():
 
 # ---------------------------------------------------------------- rope
 
+
 def rope_ref(x, positions, inv_freq, attn_scale):
     """HF: freqs = pos (float32) outer inv_freq; emb = cat(freqs, freqs); q*cos + rotate_half(q)*sin."""
-    freqs = positions.astype(np.float32)[:, None] * inv_freq[None, :]      # float32 product
+    freqs = positions.astype(np.float32)[:, None] * inv_freq[None, :]  # float32 product
     emb = np.concatenate([freqs, freqs], axis=-1).astype(np.float64)
     cos = (np.cos(emb).astype(np.float32) * np.float32(attn_scale))[:, None, :]
     sin = (np.sin(emb).astype(np.float32) * np.float32(attn_scale))[:, None, :]
@@ -97,19 +99,20 @@ def test_rope_rejects_bad_input():
 
 # ---------------------------------------------------------------- swiglu
 
+
 @pytest.mark.parametrize("T,I", [(1, 96), (3, 71), (37, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_swiglu(T, I, threads):
     rng = np.random.default_rng([T, I])
     gate = (rng.standard_normal((T, I)) * 4).astype(np.float32)
-    gate[0, :4] = [-100.0, 100.0, 0.0, -30.0]            # exp overflow / saturation
+    gate[0, :4] = [-100.0, 100.0, 0.0, -30.0]  # exp overflow / saturation
     up = rng.standard_normal((T, I)).astype(np.float32)
     out = np.empty_like(gate)
     assert kernels.swiglu(gate, up, out, threads) is out
     g = gate.astype(np.float64)
     ref = g / (1.0 + np.exp(-g)) * up
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-30)
-    kernels.swiglu(gate, up, gate, threads)                 # in place
+    kernels.swiglu(gate, up, gate, threads)  # in place
     np.testing.assert_array_equal(gate, out)
 
 
@@ -125,13 +128,14 @@ def test_swiglu_rejects_bad_input():
 
 # ---------------------------------------------------------------- scatter_add
 
+
 @pytest.mark.parametrize("T,H,M", [(1, 64, 8), (5, 300, 17), (37, 96, 296)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_scatter_add(T, H, M, threads):
     rng = np.random.default_rng([T, H, M])
     out = rng.standard_normal((T, H)).astype(np.float32)
     src = rng.standard_normal((M, H)).astype(np.float32)
-    rows = rng.integers(0, T, size=M).astype(np.int64)     # repeats: several experts per token
+    rows = rng.integers(0, T, size=M).astype(np.int64)  # repeats: several experts per token
     weights = rng.random(M).astype(np.float32)
     ref = out.astype(np.float64)
     np.add.at(ref, rows, weights[:, None].astype(np.float64) * src)
@@ -151,5 +155,6 @@ def test_scatter_add_rejects_bad_input():
     with pytest.raises(ValueError, match="src: expected shape"):
         kernels.scatter_add(out, src[:, :4].copy(), np.array([0, 1, 1], dtype=np.int64), w)
     with pytest.raises(ValueError, match="C-contiguous"):
-        kernels.scatter_add(out, np.ones((3, 16), dtype=np.float32)[:, ::2],
-                            np.array([0, 1, 1], dtype=np.int64), w)
+        kernels.scatter_add(
+            out, np.ones((3, 16), dtype=np.float32)[:, ::2], np.array([0, 1, 1], dtype=np.int64), w
+        )

@@ -1,20 +1,22 @@
 """kernels.Projection: one row (the fused GEMV plan) and many rows (rms_norm, matmul,
 swiglu) give what the separate entry points give."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_matmul import make_weight
 
 from kestrel_cli.runtime import kernels
-from test_matmul import make_weight
 
 
 def reference(x, weights, biases=None, norm=None, eps=0.0, swiglu=False):
     """The entry points one after the other."""
     if norm is not None:
         x = kernels.rms_norm(x, norm, eps, np.empty_like(x))
-    outs = [kernels.matmul(x, w, np.empty((x.shape[0], w.shape[0]), np.float32), 1)
-            for w in weights]
+    outs = [
+        kernels.matmul(x, w, np.empty((x.shape[0], w.shape[0]), np.float32), 1) for w in weights
+    ]
     if swiglu:
         outs = [kernels.swiglu(outs[0], outs[1], np.empty_like(outs[0]))]
     for o, b in zip(outs, biases or []):
@@ -27,10 +29,16 @@ def reference(x, weights, biases=None, norm=None, eps=0.0, swiglu=False):
 def test_grouped_with_norm_and_biases(T):
     rng = np.random.default_rng(T)
     n = 128
-    ws = [make_weight("q8_0", 64, n, rng), make_weight("f32", 32, n, rng),
-          make_weight("bf16", 32, n, rng)]
-    bs = [rng.standard_normal(64).astype(np.float32), None,
-          rng.standard_normal(32).astype(np.float32)]
+    ws = [
+        make_weight("q8_0", 64, n, rng),
+        make_weight("f32", 32, n, rng),
+        make_weight("bf16", 32, n, rng),
+    ]
+    bs = [
+        rng.standard_normal(64).astype(np.float32),
+        None,
+        rng.standard_normal(32).astype(np.float32),
+    ]
     nw = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
     x = rng.standard_normal((T, n)).astype(np.float32)
     p = kernels.Projection(ws, bs, norm=nw, eps=1e-5)
@@ -41,7 +49,7 @@ def test_grouped_with_norm_and_biases(T):
         for o, r in zip(outs, ref):
             # the one-row plan normalises inside the kernel: float32 round-off apart
             np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5)
-    if T > 1:                      # many rows: exactly the entry points
+    if T > 1:  # many rows: exactly the entry points
         for o, r in zip(p(x, 2), ref):
             np.testing.assert_array_equal(o, r)
 

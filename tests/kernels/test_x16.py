@@ -1,14 +1,15 @@
 """The decode layout of q4_0 / q4_1 / q4_k / q6_k weights, 16 rows interleaved (pyx/gemv_x16.h): the
 repack against its NumPy model, every kernel (GEMV, GEMM, embedding rows, the fused
 decode plan) on it against the row-major weight, on every kernel variant this CPU runs."""
+
 import numpy as np
 import pytest
-
-from kestrel_cli.runtime import kernels
-from kestrel_cli.formats.weights import Weight, rows_x16
-from conftest import VARIANTS
-from test_matmul import check_matmul, make_weight
 from test_kquants import make_kweight
+from test_matmul import check_matmul, make_weight
+
+from conftest import VARIANTS
+from kestrel_cli.formats.weights import rows_x16
+from kestrel_cli.runtime import kernels
 
 # q6_k_odd: q6_k rows of an odd number of super-blocks (Qwen3-30B-A3B's expert downs, 768
 # wide: 3), whose x16 rows carry a zero partner for the last (weights.row_bytes)
@@ -35,11 +36,11 @@ def test_repack_layout_and_inverse(fmt):
     """C repack == the NumPy model of the layout (rows_x16 inverts it), unpack_x16 inverts
     the repack, dequantisation is unchanged, and the result is 64-byte aligned."""
     w, x, _ = _pair(fmt, 48, 1024 if fmt in ("q4_k", "q6_k", "q6_k_odd") else 128, 1)
-    rb = w.data.shape[1]                                   # its own row bytes
+    rb = w.data.shape[1]  # its own row bytes
     assert x.fmt == w.fmt + "x16" and x.shape == w.shape
-    assert x.data.shape == (48, rb + (18 if fmt == "q6_k_odd" else 0))   # (KX_6TAIL)
+    assert x.data.shape == (48, rb + (18 if fmt == "q6_k_odd" else 0))  # (KX_6TAIL)
     assert x.data.nbytes == kernels.x16_nbytes(w) and x.data.ctypes.data % 64 == 0
-    assert not np.array_equal(x.data[:, :rb], w.data)      # really moved
+    assert not np.array_equal(x.data[:, :rb], w.data)  # really moved
     np.testing.assert_array_equal(rows_x16(x.fmt, x.data), w.data)
     back = np.zeros_like(x.data)
     kernels._lib.unpack_x16(x.data, kernels.FMT_CODE[x.fmt], back)
@@ -50,10 +51,15 @@ def test_repack_layout_and_inverse(fmt):
 
 def test_repack_refuses():
     rng = np.random.default_rng(0)
-    for w in (make_weight("q8_0", 32, 64, rng), make_weight("q4_0", 24, 64, rng),
-              make_weight("q4_1", 32, 96, rng),                   # fmt, d % 16, odd blocks
-              make_kweight("q4_k", 40, 256, rng), make_kweight("q6_k", 40, 512, rng),
-              make_kweight("q6_k", 40, 768, rng), make_kweight("q5_k", 32, 512, rng)):
+    for w in (
+        make_weight("q8_0", 32, 64, rng),
+        make_weight("q4_0", 24, 64, rng),
+        make_weight("q4_1", 32, 96, rng),  # fmt, d % 16, odd blocks
+        make_kweight("q4_k", 40, 256, rng),
+        make_kweight("q6_k", 40, 512, rng),
+        make_kweight("q6_k", 40, 768, rng),
+        make_kweight("q5_k", 32, 512, rng),
+    ):
         assert not kernels.can_repack_x16(w)
         with pytest.raises(ValueError, match="repack_x16"):
             kernels.repack_x16(w)
@@ -74,7 +80,7 @@ def test_float_activations(isa, fmt, T):
             out = check_matmul(x, x16, threads)
             if threads == 1:
                 first = out
-            np.testing.assert_array_equal(out, first)          # no thread count changes a bit
+            np.testing.assert_array_equal(out, first)  # no thread count changes a bit
             if T > 1:
                 np.testing.assert_array_equal(out, check_matmul(x, w, threads))
     finally:
@@ -94,8 +100,14 @@ def test_int8_activations_are_the_gemm_bits(isa, fmt):
         gemm16 = kernels.matmul(x, x16, np.empty((7, 96), np.float32), 3, act_q8=True)
         np.testing.assert_array_equal(gemm16, gemm)
         for threads in (1, 2, 3):
-            one = np.stack([kernels.matmul(x[t:t + 1], x16, np.empty((1, 96), np.float32),
-                                           threads, act_q8=True)[0] for t in range(7)])
+            one = np.stack(
+                [
+                    kernels.matmul(
+                        x[t : t + 1], x16, np.empty((1, 96), np.float32), threads, act_q8=True
+                    )[0]
+                    for t in range(7)
+                ]
+            )
             np.testing.assert_array_equal(one, gemm)
     finally:
         kernels.set_isa(VARIANTS[-1])
@@ -112,8 +124,13 @@ def test_decode_plan_cuts_groups(isa, act_q8):
         a = make_weight("q8_0", 24, 128, rng)
         w, x16, _ = _pair("q4_1", 80, 128, 5)
         x = rng.standard_normal((1, 128)).astype(np.float32)
-        want = np.concatenate([kernels.matmul(x, m, np.empty((1, m.shape[0]), np.float32), 1,
-                                              act_q8) for m in (a, x16)], axis=1)
+        want = np.concatenate(
+            [
+                kernels.matmul(x, m, np.empty((1, m.shape[0]), np.float32), 1, act_q8)
+                for m in (a, x16)
+            ],
+            axis=1,
+        )
         group = kernels.GemvGroup([a, x16])
         for threads in (1, 2, 3):
             out = np.full((1, 104), np.nan, np.float32)
@@ -131,8 +148,13 @@ def test_decode_plan_cuts_groups(isa, act_q8):
         a2 = make_weight("q8_0", 24, 256, rng)
         wk, kx, _ = _pair("q4_k", 48, 256, 9)
         x2 = rng.standard_normal((1, 256)).astype(np.float32)
-        want = np.concatenate([kernels.matmul(x2, m, np.empty((1, m.shape[0]), np.float32), 1,
-                                              act_q8) for m in (a2, kx)], axis=1)
+        want = np.concatenate(
+            [
+                kernels.matmul(x2, m, np.empty((1, m.shape[0]), np.float32), 1, act_q8)
+                for m in (a2, kx)
+            ],
+            axis=1,
+        )
         for threads in (1, 2, 3):
             out = np.full((1, 72), np.nan, np.float32)
             kernels.GemvGroup([a2, kx])(x2, out, threads, act_q8)
@@ -144,8 +166,13 @@ def test_decode_plan_cuts_groups(isa, act_q8):
         for fmt in ("q6_k", "q4_1"):
             _, wx, _ = _pair(fmt, 240, 512, 10)
             assert wx.fmt == fmt + "x16"
-            want = np.concatenate([kernels.matmul(x3, m, np.empty((1, m.shape[0]), np.float32),
-                                                  1, act_q8) for m in (a3, wx)], axis=1)
+            want = np.concatenate(
+                [
+                    kernels.matmul(x3, m, np.empty((1, m.shape[0]), np.float32), 1, act_q8)
+                    for m in (a3, wx)
+                ],
+                axis=1,
+            )
             base = rng.standard_normal((1, 264)).astype(np.float32)
             for threads in (1, 2, 3):
                 out = np.full((1, 264), np.nan, np.float32)
@@ -206,9 +233,17 @@ def test_huge_buffer_keeps_no_partial_huge_page(monkeypatch):
         def madvise(self, option, start=0, length=None):
             calls.append((option, start, len(self) - start if length is None else length))
 
-    fake = type("mmap_module", (), dict(
-        mmap=Recorder, MAP_PRIVATE=real.MAP_PRIVATE, MAP_ANONYMOUS=real.MAP_ANONYMOUS,
-        MADV_HUGEPAGE=14, MADV_NOHUGEPAGE=15))
+    fake = type(
+        "mmap_module",
+        (),
+        dict(
+            mmap=Recorder,
+            MAP_PRIVATE=real.MAP_PRIVATE,
+            MAP_ANONYMOUS=real.MAP_ANONYMOUS,
+            MADV_HUGEPAGE=14,
+            MADV_NOHUGEPAGE=15,
+        ),
+    )
     monkeypatch.setitem(kernels.huge_buffer.__globals__, "mmap", fake)
     n = (6 << 20) - 4096
     a = kernels.huge_buffer(n)
