@@ -491,14 +491,14 @@ def cmd_kld_shared(a, eng, ids, spans) -> None:
                     a.ctx,
                     CacheSpec(a.dtype, SparseSpec(k=1, probe=w[1], prefill="exact", window=w[0])),
                 )
-                pre[w] = (sc, model(win[:cut], sc))
+                pre[w] = (sc, model(win[:cut], sc, act=a.act))
             sc, first = pre[w]
             sc.trim(cut)
             sc.respec(spec)
             use_policy(model, sc, config, k)
             rows = [first]
             for t in win[cut : win.size - 1]:
-                rows.append(model(np.array([t]), sc))
+                rows.append(model(np.array([t]), sc, act=a.act))
             lp = log_softmax(np.concatenate(rows))
             kl += float((np.exp(lq) * (lq - lp)).sum())
             nll -= float(lp[np.arange(lp.shape[0]), win[cut:]].sum())
@@ -733,6 +733,13 @@ def main(argv=None) -> None:
         "--shared-prefill",
         action="store_true",
         help="one exact prefill per window, every config's decode over it",
+    )
+    s.add_argument(
+        "--act",
+        choices=("f32", "q8"),
+        default="f32",
+        help="--shared-prefill: the decode's activations (f32, the reference's: the KLD is "
+        "the attention's alone; q8: with the int8 activations' own share)",
     )
     s = sub.choices["needle"]
     s.add_argument("--sizes", default="1024,2048,4096")
