@@ -285,3 +285,17 @@ def test_qwen3_vl_yarn_text_and_mrope_streams(tmp_path):
     att.apply_rope(q3, k3, three)
     np.testing.assert_allclose(q3, q1, atol=1e-5)
     np.testing.assert_allclose(k3, k1, atol=1e-5)
+
+
+def test_both_spellings_give_the_same_rope():
+    """`rope_scaling` with `type` or `rope_type`, and transformers 5's `rope_parameters`."""
+    want = Config.from_hf({**_BASE, "rope_scaling": dict(YARN)}).rope_inv_freq()
+    old = {**YARN, "type": YARN["rope_type"]}
+    del old["rope_type"]
+    for over in (
+        {"rope_scaling": old},
+        {"rope_parameters": {**YARN, "rope_theta": 1e6}},
+    ):
+        got = Config.from_hf({**_BASE, **over}).rope_inv_freq()
+        np.testing.assert_array_equal(got[0], want[0])
+        assert got[1] == want[1]
