@@ -153,6 +153,8 @@ _BASE = {
         ({**YARN, "beta_fast": -1}, "rope beta_fast=-1"),
         ({**YARN, "attention_factor": 0}, "rope attention_factor=0"),
         ({**YARN, "truncate": "yes"}, "rope truncate"),
+        ({**YARN, "rope_theta": 1}, "rope rope_theta=1"),
+        ({**YARN, "mscale": 1.0, "mscale_all_dim": -1}, "rope mscale_all_dim=-1"),
         ({"rope_type": "dynamic", "factor": 2.0}, "dynamic NTK"),
         ({"type": "longrope", "factor": 2.0}, "longrope"),
     ],

@@ -238,6 +238,8 @@ class Config:
                 )
         if kind == "yarn" and not isinstance(p.get("truncate", True), bool):
             refuse("rope truncate", p["truncate"], "rope_type yarn needs true or false")
+        if kind == "yarn" and p["rope_theta"] == 1:  # transformers divides by log(rope_theta)
+            raise KestrelError("rope rope_theta=1 is invalid for rope_type yarn (log(1) = 0)")
         if p["rope_type"] == "llama3" and p["high_freq_factor"] <= p["low_freq_factor"]:
             raise KestrelError(
                 f"rope high_freq_factor={_show(p['high_freq_factor'])} is invalid "
