@@ -252,7 +252,7 @@ BASE = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, num_attenti
             },
             "partial_rotary_factor",
         ),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": "4"}}, "factor"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type"),
         ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}}, "rope_type"),
         ({"rope_scaling": {"rope_type": "linear"}}, "factor"),
@@ -355,7 +355,7 @@ def _gguf(path, rope_dim=4, scaling=None, extra_tensor=None):
     "kw,needle",
     [
         (dict(rope_dim=2), "partial_rotary_factor=0.5"),
-        (dict(scaling="yarn"), 'rope_type="yarn"'),
+        (dict(scaling="longrope"), 'rope_type="longrope"'),
         (dict(extra_tensor="rope_freqs.weight"), "rope_freqs.weight"),
         (dict(extra_tensor="blk.0.attn_q_lora.weight"), "blk.0.attn_q_lora.weight"),
     ],

@@ -482,6 +482,20 @@ def add_hparams(
     if rope["rope_type"] == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope["factor"]))
+    elif rope["rope_type"] == "yarn":
+        if any(rope.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim")) or (
+            rope.get("truncate", True) is not True
+        ):
+            raise KestrelError(
+                "yarn with attention_factor, mscale or truncate cannot be written as GGUF"
+            )
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        if rope.get("beta_fast"):
+            w.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        if rope.get("beta_slow"):
+            w.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
     elif rope["rope_type"] not in ("default", "llama3"):  # llama3: the rope_freqs tensor
         raise KestrelError(f"rope_type {rope['rope_type']!r} cannot be written as GGUF")
     if rope.get("mrope_section"):  # qwen3vl: [t, h, w] padded to 4

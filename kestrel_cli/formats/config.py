@@ -35,6 +35,8 @@ class Config:
     rope_scaling: dict | None = None
     rope_parameters: dict | None = None
     partial_rotary_factor: float = 1.0
+    # top level (Phi-3 style): transformers puts it in the rope dict over the dict's own value
+    original_max_position_embeddings: int | None = None
     # qwen2: q/k/v bias; llama: `attention_bias` toggles all four projections
     attention_bias: bool | None = None
     mlp_bias: bool = False
@@ -140,6 +142,13 @@ class Config:
             integer(name, getattr(self, name), 0)
         integer("vocab_size", self.vocab_size, 0)  # 0: unset (the loader checks it)
         integer("max_position_embeddings", self.max_position_embeddings, 1, _MAX_POSITIONS)
+        integer(
+            "original_max_position_embeddings",
+            self.original_max_position_embeddings,
+            1,
+            _MAX_POSITIONS,
+            optional=True,
+        )
         integer("decoder_sparse_step", self.decoder_sparse_step, 1)
         number("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0)
         number("rope_theta", self.rope_theta, *_ROPE_RANGE, optional=True)
@@ -209,18 +218,28 @@ class Config:
         if factor != 1.0:
             refuse("partial_rotary_factor", factor, "RoPE over the whole head only")
         p = self.rope
-        if not isinstance(p["rope_type"], str) or p["rope_type"] not in _ROPE_KEYS:
-            refuse("rope_type", p["rope_type"], f"supported: {', '.join(_ROPE_KEYS)}")
-        for key in _ROPE_KEYS[p["rope_type"]] + ("rope_theta",):
+        kind = p["rope_type"]
+        if not isinstance(kind, str) or kind not in _ROPE_KEYS:
+            why = _ROPE_REFUSED.get(kind, "") if isinstance(kind, str) else ""
+            refuse("rope_type", kind, f"{why}supported: {', '.join(_ROPE_KEYS)}")
+        lo, hi = _ROPE_RANGE
+        optional = _ROPE_OPTIONAL.get(kind, ())
+        for key in _ROPE_KEYS[kind] + ("rope_theta",) + optional:
             v = p.get(key)
+            if key in optional and (v is None or (v == 0 and key != "attention_factor")):
+                # absent, or 0: transformers' `or` default
+                continue
             if not isinstance(v, (int, float)) or isinstance(v, bool):
-                refuse(f"rope {key}", v, f"rope_type {p['rope_type']} needs a number")
-            lo, hi = _ROPE_RANGE
+                refuse(f"rope {key}", v, f"rope_type {kind} needs a number")
             if not (math.isfinite(v) and lo < v < hi):
                 raise KestrelError(
                     f"rope {key}={_show(v)} is invalid (must be a finite "
                     f"number in ({lo:g}, {hi:g}))"
                 )
+        if kind == "yarn" and not isinstance(p.get("truncate", True), bool):
+            refuse("rope truncate", p["truncate"], "rope_type yarn needs true or false")
+        if kind == "yarn" and p["rope_theta"] == 1:  # transformers divides by log(rope_theta)
+            raise KestrelError("rope rope_theta=1 is invalid for rope_type yarn (log(1) = 0)")
         if p["rope_type"] == "llama3" and p["high_freq_factor"] <= p["low_freq_factor"]:
             raise KestrelError(
                 f"rope high_freq_factor={_show(p['high_freq_factor'])} is invalid "
@@ -255,6 +274,15 @@ class Config:
             p.setdefault("rope_theta", self.rope_theta)
         p.setdefault("rope_theta", 10000.0)
         p["rope_type"] = p.get("rope_type") or p.get("type") or "default"
+        if p["rope_type"] in ("llama3", "yarn"):  # transformers' standardize_rope_params
+            if self.original_max_position_embeddings is not None:
+                p["original_max_position_embeddings"] = self.original_max_position_embeddings
+            else:
+                p.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+            old = p["original_max_position_embeddings"]
+            if p["rope_type"] == "yarn" and "factor" in p and p["factor"] is None:
+                if isinstance(old, (int, float)) and not isinstance(old, bool) and old > 0:
+                    p["factor"] = self.max_position_embeddings / old  # DeepSeek-V3 style
         return p
 
     def rope_inv_freq(self) -> tuple[np.ndarray, float]:
@@ -280,6 +308,8 @@ class Config:
             smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
             medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
             return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+        if kind == "yarn":
+            return _yarn(p, dim, inv_freq, base**exponent)
         raise KestrelError(f"unsupported rope_type {kind!r} (supported: {', '.join(_ROPE_KEYS)})")
 
 
@@ -310,4 +340,51 @@ _ROPE_KEYS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }
+# optional numbers (absent, null or 0: the default), checked as the required ones
+_ROPE_OPTIONAL = {
+    "yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+}
+# why the rope types transformers knows and Kestrel does not run are refused
+_ROPE_REFUSED = {
+    "dynamic": "dynamic NTK rescales the frequencies by the longest sequence seen so far, "
+    "so cached keys would disagree; ",
+    "longrope": "not implemented; ",
+}
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(p: dict, dim: int, extrapolation: np.ndarray, pos_freqs: np.ndarray):
+    """YaRN as transformers' _compute_yarn_parameters, float32 where it computes in float32:
+    (inv_freq, attention scaling, which multiplies cos and sin)."""
+    factor = p["factor"]
+    base = p["rope_theta"]
+    old_ctx = p["original_max_position_embeddings"]
+    attention = p.get("attention_factor")
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+    if attention is None:
+        if mscale and mscale_all_dim:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention = _yarn_mscale(factor)
+    beta_fast = p.get("beta_fast") or 32
+    beta_slow = p.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    extra = np.float32(1) - np.clip(ramp, np.float32(0), np.float32(1))
+    interpolation = np.float32(1) / (np.float32(factor) * pos_freqs)
+    inv_freq = interpolation * (np.float32(1) - extra) + extrapolation * extra
+    return inv_freq.astype(np.float32), float(attention)

@@ -570,6 +570,29 @@ def _gguf_refuse_ignored(path: Path, arch: str, number, field, raw: dict) -> Non
             "rope_type": scaling,
             "factor": number(f"{arch}.rope.scaling.factor", kind=float),
         }
+    if scaling == "yarn":
+        rope = raw["rope_scaling"]
+        # llama.cpp's default for the pre-YaRN context: context_length (transformers' too)
+        old_ctx = number(f"{arch}.rope.scaling.original_context_length")
+        if old_ctx is not None:
+            rope["original_max_position_embeddings"] = old_ctx
+        for key, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            v = number(f"{arch}.rope.scaling.{key}", kind=float)
+            if v is not None:
+                rope[ours] = v
+        # llama.cpp's own YaRN knobs, with no transformers counterpart: only their defaults
+        for key, defaults in (
+            ("attn_factor", (1.0,)),
+            ("yarn_attn_factor", (1.0,)),
+            ("yarn_log_multiplier", (0.0,)),
+            ("yarn_ext_factor", (-1.0, 1.0)),
+        ):
+            v = number(f"{arch}.rope.scaling.{key}", kind=float)
+            if v is not None and v not in defaults:
+                raise KestrelError(
+                    f"{path.name}: metadata {arch}.rope.scaling.{key}={v:g} is not supported "
+                    f"(YaRN as transformers computes it)"
+                )
 
 
 def _gguf_check_heads(path: Path, arch: str, n_head: int, n_kv: int, key_len) -> None:

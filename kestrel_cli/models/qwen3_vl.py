@@ -85,9 +85,7 @@ class VisionInput:
 class Attention(qwen3.Attention):
     def __init__(self, cfg, store, p, norm):
         super().__init__(cfg, store, p, norm)
-        inv_freq, scale = cfg.rope_inv_freq()
-        if scale != 1.0:
-            raise KestrelError("qwen3_vl: M-RoPE with an attention scaling is not supported")
+        inv_freq, self.attn_scale = cfg.rope_inv_freq()
         axes = mrope_axes(cfg)
         self.inv_axes = [
             np.where(axes == a, inv_freq, np.float32(0)).astype(np.float32) for a in range(3)
@@ -99,8 +97,10 @@ class Attention(qwen3.Attention):
         if pos.ndim == 1:
             return super().apply_rope(q, k, fwd)
         for a in range(3):
-            K.rope_unchecked(q, pos[a], self.inv_axes[a], 1.0, fwd.threads)
-            K.rope_unchecked(k, pos[a], self.inv_axes[a], 1.0, fwd.threads)
+            # the attention scaling (yarn) once: a zero frequency multiplies its pair by it
+            scale = self.attn_scale if a == 0 else 1.0
+            K.rope_unchecked(q, pos[a], self.inv_axes[a], scale, fwd.threads)
+            K.rope_unchecked(k, pos[a], self.inv_axes[a], scale, fwd.threads)
 
 
 class Model(qwen3.Model):
