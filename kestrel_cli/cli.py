@@ -690,6 +690,7 @@ def run(
         schema = schema or {"type": "object"}
         if thinking.think is None and not raw:
             thinking.think = False  # the answer is JSON from its first token
+    check_prompt_cache(prompt_cache)
     text = read_prompt(prompt, file)
     eng = engine_from_options(engine)
     # a prompt longer than this cannot fit the context: refused before it is tokenised
@@ -748,6 +749,12 @@ def run(
         tp.perf(stats)
 
 
+def check_prompt_cache(path: Path | None) -> None:
+    """--prompt-cache: its directory must exist (checked before the model is loaded)."""
+    if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
+        raise KestrelError(f"--prompt-cache {path}: no such directory")
+
+
 def load_prompt_cache(eng: Engine, path: Path) -> None:
     """--prompt-cache: load the file into the engine's cache when it exists (a missing
     file is made after the prompt, as llama.cpp does); a file that does not match is an
@@ -755,8 +762,15 @@ def load_prompt_cache(eng: Engine, path: Path) -> None:
     path = Path(path).expanduser()
     if not path.exists():
         return
-    n, _ = eng.load_cache(path)
-    print(f"prompt cache {path}: {n} tokens loaded", file=sys.stderr)
+    import time
+
+    t0 = time.perf_counter()
+    n, size = eng.load_cache(path)
+    ms = (time.perf_counter() - t0) * 1e3
+    print(
+        f"prompt cache {path}: {n} tokens loaded ({size / 2**20:.1f} MiB in {ms:.0f} ms)",
+        file=sys.stderr,
+    )
 
 
 def save_prompt_cache(eng: Engine, path: Path, n_tokens: int | None = None) -> None:
@@ -792,6 +806,7 @@ def chat(
 
     engine.check()
     sampling.check()
+    check_prompt_cache(prompt_cache)
     eng = engine_from_options(engine)
     if prompt_cache is not None:
         load_prompt_cache(eng, prompt_cache)
