@@ -73,14 +73,15 @@ def assert_same(a, b):
         np.testing.assert_array_equal(a[5], b[5])
 
 
-# BOUND_NOTE: with the bound probe a prefix reused in memory (a chat's next turn) can
-# already answer otherwise than a cold prefill of the whole prompt; a reloaded file answers
-# as the reused prefix does, which is what is checked for it
+# SPARSE_PREFILL: with a sparse prefill (the seed preset's) a prefix reused in memory (a
+# chat's next turn) already answers otherwise than a cold prefill of the whole prompt (the
+# new tokens' attention picks blocks by the earlier prefill's importance); a reloaded file
+# answers as the prefix reused in memory does, which is what is checked there
 PROMPT = rand_ids(200, seed=3)
 MORE = rand_ids(30, seed=4)
 
 
-@pytest.mark.parametrize("sparse", [None, SPARSE, "quality+probe=bound+k=2"])
+@pytest.mark.parametrize("sparse", [None, SPARSE, "probe=bound+k=2"])
 @pytest.mark.parametrize("dtype", ["f32", "q8", "f16"])
 def test_round_trip_same_answer_prefills_only_new_tokens(ckpt, tmp_path, dtype, sparse):
     src = load(ckpt, dtype, sparse)
@@ -112,7 +113,7 @@ def test_round_trip_same_answer_prefills_only_new_tokens(ckpt, tmp_path, dtype, 
     got, st = greedy(dst, PROMPT + MORE)
     assert st.cached_tokens == len(PROMPT) and st.prefill_tokens == len(MORE)
     assert got == want
-    if sparse is None or c1.sketch:  # the bound probe: see BOUND_NOTE
+    if sparse is None or not c1.spec.sparse.sparse_prefill:  # see SPARSE_PREFILL
         cold = load(ckpt, dtype, sparse)
         assert greedy(cold, PROMPT + MORE)[0] == got
     if sparse and not c1.sketch:  # the last block's bound once both hold the same rows
@@ -308,3 +309,22 @@ def test_server_slot_save_restore(ckpt, tmp_path):
         r = c.post("/slots/0?action=save", json={"filename": "s0.bin"})
         assert r.status_code == 501
         assert "does not support slots action" in r.json()["error"]["message"]
+
+
+def test_chat_prompt_cache_saves_each_turn(tmp_path, smollm2_path):
+    from typer.testing import CliRunner
+
+    from kestrel_cli.cli import app
+
+    path = tmp_path / "chat.kvc"
+    args = ["chat", "--temp", "0", "-n", "4", "-t", "1", "-c", "256"]
+    args += ["--prompt-cache", str(path)]
+    r = CliRunner().invoke(app, args, input="Name a bird.\n")
+    assert r.exit_code == 0, r.output
+    assert path.is_file() and "tokens loaded" not in r.stderr
+    r = CliRunner().invoke(app, args, input="Name a bird.\n")
+    assert r.exit_code == 0, r.output
+    assert "tokens loaded" in r.stderr
+    assert "[TURN] turn=1" in r.stderr and "cached=0 " not in r.stderr
+    r = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "no" / "x.kvc")], input="")
+    assert r.exit_code == 1 and "no such directory" in r.stderr
