@@ -637,6 +637,16 @@ def run(
             rich_help_panel=_OUTPUT,
         ),
     ] = None,
+    prompt_cache: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--prompt-cache",
+            help="A file to keep the prompt's KV cache in (llama.cpp's flag): when it exists "
+            "and matches the model and cache options, the prompt's longest prefix it holds is "
+            "not computed again; the prompt is saved to it once processed.",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = None,
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
@@ -680,6 +690,7 @@ def run(
         schema = schema or {"type": "object"}
         if thinking.think is None and not raw:
             thinking.think = False  # the answer is JSON from its first token
+    check_prompt_cache(prompt_cache)
     text = read_prompt(prompt, file)
     eng = engine_from_options(engine)
     # a prompt longer than this cannot fit the context: refused before it is tokenised
@@ -712,9 +723,16 @@ def run(
             f"more than the context size {eng.ctx_size} (raise -c/--ctx-size)"
         ) from None
     view = None if raw else thinking.view(eng, ids, out)
+    saved = prompt_cache is None
+    if prompt_cache is not None:
+        load_prompt_cache(eng, prompt_cache)
     try:
         for chunk in eng.stream(ids, **sampling.stream_kwargs(eng), json_schema=schema):
             tp.text(view.feed(chunk.text) if view else chunk.text, out)
+            if not saved:  # the prompt is processed: saved now, as llama.cpp does
+                saved = True
+                tp.flush()
+                save_prompt_cache(eng, prompt_cache, len(ids))
             tp.token(chunk.timing)
             stats = chunk.stats or stats
         if view:
@@ -731,6 +749,34 @@ def run(
         tp.perf(stats)
 
 
+def check_prompt_cache(path: Path | None) -> None:
+    """--prompt-cache: its directory must exist (checked before the model is loaded)."""
+    if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
+        raise KestrelError(f"--prompt-cache {path}: no such directory")
+
+
+def load_prompt_cache(eng: Engine, path: Path) -> None:
+    """--prompt-cache: load the file into the engine's cache when it exists (a missing
+    file is made after the prompt, as llama.cpp does); a file that does not match is an
+    error."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        return
+    import time
+
+    t0 = time.perf_counter()
+    n, size = eng.load_cache(path)
+    ms = (time.perf_counter() - t0) * 1e3
+    print(
+        f"prompt cache {path}: {n} tokens loaded ({size / 2**20:.1f} MiB in {ms:.0f} ms)",
+        file=sys.stderr,
+    )
+
+
+def save_prompt_cache(eng: Engine, path: Path, n_tokens: int | None = None) -> None:
+    eng.save_cache(Path(path).expanduser(), n_tokens)
+
+
 @app.command()
 @with_options
 def chat(
@@ -738,6 +784,16 @@ def chat(
         Optional[str],
         typer.Option(
             "-s", "--system", help="System message (chat template).", rich_help_panel=_PROMPT
+        ),
+    ] = None,
+    prompt_cache: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--prompt-cache",
+            help="A file to keep the prompt's KV cache in (llama.cpp's flag): when it exists "
+            "and matches the model and cache options, the prompt's longest prefix it holds is "
+            "not computed again; the conversation is saved to it after each turn.",
+            rich_help_panel=_PROMPT,
         ),
     ] = None,
     engine: EngineOptions = None,
@@ -750,13 +806,17 @@ def chat(
 
     engine.check()
     sampling.check()
+    check_prompt_cache(prompt_cache)
     eng = engine_from_options(engine)
+    if prompt_cache is not None:
+        load_prompt_cache(eng, prompt_cache)
     session = ChatSession(
         eng,
         system=system,
         sampling=sampling.stream_kwargs(eng),
         timing=TimingPrinter(output.timing),
         thinking=thinking,
+        on_turn=None if prompt_cache is None else lambda: save_prompt_cache(eng, prompt_cache),
     )
     repl(session, read=chat_reader(session))
 
@@ -916,6 +976,16 @@ def serve(
             rich_help_panel="Server limits",
         ),
     ] = None,
+    slot_save_path: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--slot-save-path",
+            help="A directory for POST /slots/{id}?action=save|restore|erase "
+            "(llama-server's): a slot's KV cache saved to a file there and loaded back. "
+            "Off without it (501).",
+            rich_help_panel="Server",
+        ),
+    ] = None,
     engine: EngineOptions = None,
 ):
     """Serve the model over an OpenAI-compatible HTTP API.
@@ -949,6 +1019,9 @@ def serve(
             raise KestrelError(
                 f"{flag} must be a number of seconds {'>=' if zero_ok else '>'} 0, got {v}"
             )
+    if slot_save_path is not None:
+        slot_save_path = Path(slot_save_path).expanduser()
+        slot_save_path.mkdir(parents=True, exist_ok=True)  # as llama-server does
     from kestrel_cli import server  # fails with a clear message without fastapi
 
     server.check_api_key(api_key)  # before the model is loaded
@@ -975,6 +1048,7 @@ def serve(
         api_key=api_key,
         queue_size=queue_size,
         limits=limits,
+        slot_save_path=slot_save_path,
     )
 
 

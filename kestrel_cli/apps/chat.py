@@ -36,8 +36,10 @@ class ChatSession:
         timing: TimingPrinter | None = None,
         out: TextIO | None = None,
         thinking=None,
+        on_turn: Callable[[], None] | None = None,
     ):
         self.engine = engine
+        self.on_turn = on_turn  # after each completed turn (--prompt-cache saves)
         self.thinking = thinking  # cli.ThinkingOptions: --think/--hide-thinking
         self.system = system
         self.sampling = dict(sampling or {})
@@ -141,6 +143,8 @@ class ChatSession:
             self.totals[k] += getattr(stats, k)
         self.timing.perf(stats)
         self.timing.line(format_turn(self.turn, stats, self.ctx_used, eng.ctx_size))
+        if self.on_turn is not None:
+            self.on_turn()
         if finish == "length" and self.ctx_used >= eng.ctx_size:
             self.say("[context full: /reset to start over]\n")
         return reply

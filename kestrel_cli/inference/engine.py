@@ -329,13 +329,72 @@ class Engine:
         model = copy.copy(self.model)  # the layers, hence the weights, are shared
         model.prof = type(self.model.prof)()  # per-call timing must not mix
         model._stack = None  # the native decode's buffers neither
-        return Engine(
+        eng = Engine(
             model, self.tokenizer, self.config, self.path, self.store, self.ctx_size, self.spec
         )
+        eng._model_id = getattr(self, "_model_id", None)
+        return eng
 
     def make_cache(self, max_tokens: int | None = None):
         """An empty KV cache of this engine's spec (default: its context size)."""
         return self.model.make_cache(max_tokens or self.ctx_size, self.spec)
+
+    @property
+    def model_id(self) -> str:
+        """What a prompt cache file names this model by (cache_file): a hash of the
+        weights' names, formats, shapes and first and last bytes, the load options that
+        change K and V (--quant, --act), the rope tables and the config; computed once."""
+        mid = getattr(self, "_model_id", None)
+        if mid is None:
+            import hashlib
+
+            h = hashlib.sha256()
+            entries = getattr(self.store, "entries", {})
+            for name in sorted(entries):
+                fmt, raw, shape = entries[name][:3]
+                a = np.asarray(raw)
+                h.update(f"{name}|{fmt}|{shape}|{a.dtype}|{a.shape}|".encode())
+                if a.flags.c_contiguous:  # a few bytes of each: fine-tunes differ there
+                    flat = a.reshape(-1)
+                    h.update(flat[:16].tobytes() + flat[-16:].tobytes())
+            h.update(f"quant={getattr(self.store, 'quant', None)}|".encode())
+            h.update(f"act={getattr(self.model, 'act', None)}|{self.config!r}|".encode())
+            rope = getattr(self.model, "rope", None)
+            for part in rope if isinstance(rope, (tuple, list)) else (rope,):
+                h.update(np.asarray(part).tobytes() if part is not None else b"-")
+            mid = self._model_id = h.hexdigest()
+        return mid
+
+    def save_cache(self, path, n_tokens: int | None = None) -> tuple[int, int]:
+        """Write the first `n_tokens` cached tokens (all: None) and their K/V to a prompt
+        cache file, atomically (runtime/cache_file.py); a prompt with images is saved up to
+        its first image. Returns (tokens saved, bytes written)."""
+        from kestrel_cli.runtime import cache_file
+
+        n = len(self.cached_ids) if n_tokens is None else min(n_tokens, len(self.cached_ids))
+        for i, key in enumerate(self.cached_keys[:n]):
+            if not isinstance(key, int):
+                n = i
+                break
+        return n, cache_file.save(self.cache, self.cached_ids[:n], self.model_id, path)
+
+    def load_cache(self, path) -> tuple[int, int]:
+        """Replace the KV cache with a prompt cache file's (`save_cache`): the next prompt
+        reuses the longest prefix it shares with the file's tokens. A file not ours,
+        truncated, or of another model or cache spec raises KestrelError before the cache
+        is touched. Returns (tokens restored, bytes read)."""
+        from kestrel_cli.runtime import cache_file
+
+        cf = cache_file.open_file(path, self.cache, self.model_id)
+        if cf.n_tokens and max(cf.tokens()) >= self.config.vocab_size:
+            raise KestrelError(f"prompt cache {path}: token ids past the vocabulary")
+        try:
+            tokens = cache_file.load_into(cf, self.cache)
+        except BaseException:
+            self.reset()  # never half-loaded
+            raise
+        self.cached_ids, self.cached_keys, self.rope_delta = tokens, list(tokens), 0
+        return len(tokens), cf.nbytes
 
     def reset(self) -> None:
         """Forget the conversation: the cache is emptied."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import ipaddress
 import json
@@ -160,6 +161,35 @@ def check_api_key(api_key: str | None) -> None:
         )
 
 
+def valid_filename(name) -> bool:
+    """A slot file's name (llama-server's rules, a subset): a plain file name of at most
+    255 bytes, no path separator, no "..", no control character, not starting with "."."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name.encode("utf-8", "replace")) <= 255
+        and name == name.strip()
+        and not name.startswith(".")
+        and ".." not in name
+        and not any(c in name for c in "/\\:")
+        and all(ord(c) >= 32 and ord(c) != 127 for c in name)
+    )
+
+
+def _save(engine: Engine, path: Path) -> tuple[int, int]:
+    try:
+        return engine.save_cache(path)
+    except KestrelError as e:
+        raise APIError(str(e), 400) from None
+    except OSError as e:
+        raise APIError(f"cannot save {path.name}: {e.strerror or e}", 500) from None
+
+
+def _erase(engine: Engine) -> int:
+    n = len(engine.cached_ids)
+    engine.reset()
+    return n
+
+
 def model_id(engine: Engine) -> str:
     return Path(str(engine.path)).name or str(engine.path)
 
@@ -169,8 +199,11 @@ def create_app(
     api_key: str | None = None,
     queue_size: int = 32,
     limits: Limits | None = None,
+    slot_save_path: str | Path | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engines` (one per slot, sharing weights and tokenizer)."""
+    """The FastAPI app serving `engines` (one per slot, sharing weights and tokenizer);
+    with `slot_save_path`, POST /slots/{id}?action=save|restore|erase (llama-server's) save
+    a slot's KV cache to a file of that directory and load it back."""
     from contextlib import asynccontextmanager
 
     check_api_key(api_key)
@@ -324,8 +357,6 @@ def create_app(
 
     def finish_log(request: Request, job: Job, stats: Stats | None, finish: str) -> None:
         request.scope["kestrel.log"] = (job, stats, finish)
-
-    import functools
 
     @functools.lru_cache(maxsize=65536)
     def tok_text(t: int) -> str:
@@ -692,6 +723,64 @@ def create_app(
                 param=param,
             ) from None
 
+    @app.post("/slots/{id_slot}")
+    async def slots_action(request: Request, id_slot: str, action: str = ""):
+        if slot_save_path is None:
+            raise APIError(
+                "This server does not support slots action. Start it with `--slot-save-path`",
+                501,
+                type="not_supported_error",
+            )
+        try:
+            index = int(id_slot)
+        except ValueError:
+            raise APIError(f"invalid slot id {id_slot!r}", 400) from None
+        if action not in ("save", "restore", "erase"):
+            raise APIError(
+                f"invalid action {action!r}: save, restore or erase", 400, param="action"
+            )
+        if action == "erase":
+            n = await sched.on_idle_slot(index, _erase)
+            return JSONResponse({"id_slot": index, "n_erased": n})
+        body = await read_json(request)
+        name = body.get("filename")
+        if not valid_filename(name):
+            raise APIError("Invalid filename", 400, param="filename")
+        path = Path(slot_save_path) / name
+        t0 = time.perf_counter()
+        if action == "save":
+            n, size = await sched.on_idle_slot(index, functools.partial(_save, path=path))
+            ms = (time.perf_counter() - t0) * 1e3
+            return JSONResponse(
+                {
+                    "id_slot": index,
+                    "filename": name,
+                    "n_saved": n,
+                    "n_written": size,
+                    "timings": {"save_ms": round(ms, 3)},
+                }
+            )
+        if not path.is_file():
+            raise APIError(f"no saved slot file {name!r}", 404, param="filename")
+
+        def restore(e: Engine):
+            try:
+                return e.load_cache(path)
+            except KestrelError as err:
+                raise APIError(str(err).replace(str(path), name), 400) from None
+
+        n, size = await sched.on_idle_slot(index, restore)
+        ms = (time.perf_counter() - t0) * 1e3
+        return JSONResponse(
+            {
+                "id_slot": index,
+                "filename": name,
+                "n_restored": n,
+                "n_read": size,
+                "timings": {"restore_ms": round(ms, 3)},
+            }
+        )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
@@ -1025,13 +1114,20 @@ def serve(
     api_key: str | None = None,
     queue_size: int = 32,
     limits: Limits | None = None,
+    slot_save_path: str | Path | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM; then in-flight requests get `limits.shutdown_timeout`
     seconds to finish before they are ended with a 503 error, queued ones get 503 at once,
     and this returns."""
     _setup_logging()
     limits = limits or Limits()
-    app = create_app(engines, api_key=api_key, queue_size=queue_size, limits=limits)
+    app = create_app(
+        engines,
+        api_key=api_key,
+        queue_size=queue_size,
+        limits=limits,
+        slot_save_path=slot_save_path,
+    )
     # uvicorn's own graceful timeout is a backstop after ours: the aborted replies are sent
     config = uvicorn.Config(
         app,

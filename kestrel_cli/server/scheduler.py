@@ -210,6 +210,21 @@ class Scheduler:
         self.idle.sort(key=lambda s: s.index)
         self._dispatch()
 
+    async def on_idle_slot(self, index: int, fn):
+        """Run fn(engine) in a worker thread on slot `index` while it is idle (slot save /
+        restore): the slot is taken off the idle list meanwhile; 404 for no such slot,
+        503 when it is answering a request."""
+        if not 0 <= index < len(self.slots):
+            raise APIError(f"no slot {index}: the slots are 0..{len(self.slots) - 1}", 404)
+        slot = self.slots[index]
+        if slot not in self.idle:
+            raise APIError(f"slot {index} is busy; retry later", 503, code="server_busy")
+        self.idle.remove(slot)
+        try:
+            return await asyncio.to_thread(fn, slot.engine)
+        finally:
+            self._released(slot)
+
     def begin_shutdown(self, cancel_running: bool = False) -> None:
         """SIGINT/SIGTERM: refuse new work, fail the queued jobs with 503; running jobs
         finish (until abort_running, at the --shutdown-timeout deadline) unless
