@@ -129,7 +129,7 @@ def save(cache, tokens, model_id: str, path) -> int:
                     for layer in range(L):
                         for b in src[layer][:nb]:
                             f.write(memoryview(b).cast("B"))
-                else:
+                elif src.size:  # (a memoryview of an empty array cannot be cast)
                     f.write(memoryview(src).cast("B"))
             size = f.tell()
             f.flush()
