@@ -1054,6 +1054,9 @@ def info(
         print(f"{k + ':':<{width}} {v}")
 
 
+PPL_WINDOW = 4096  # ppl's window without -c: its logits (window x vocab float32) are kept
+
+
 @app.command()
 @with_options
 def ppl(
@@ -1088,7 +1091,8 @@ def ppl(
     ] = False,
     engine: EngineOptions = None,
 ):
-    """Measure the perplexity of a text, in windows of the context size (-c).
+    """Measure the perplexity of a text, in windows of the context size (-c; without it the
+    model's context, at most PPL_WINDOW tokens: a window's logits are all kept).
 
     The attention and activation settings are this run's flags.
     It prints one line of key=value pairs: tokens, windows, ppl (and kld) and the time."""
@@ -1098,7 +1102,10 @@ def ppl(
     text = read_prompt(None, file, cap=PPL_BYTES, what="text")
     eng = engine_from_options(engine)
     ids = eng.tokenizer.encode(text, add_special_tokens=True)
-    res = perplexity(eng, ids, eng.ctx_size, kld_ref=kld_ref, llama_cpp=llama_cpp)
+    window = eng.ctx_size if engine.ctx_size is not None else min(eng.ctx_size, PPL_WINDOW)
+    # a window's KV cache (twice with --kld-ref) must fit the memory available now
+    kv_memory.check_request(eng, min(window, len(ids)) * (2 if kld_ref else 1), "a smaller -c")
+    res = perplexity(eng, ids, window, kld_ref=kld_ref, llama_cpp=llama_cpp)
     print(res.line())
 
 

@@ -141,3 +141,14 @@ def test_server_answers_413_when_the_kv_cache_does_not_fit(monkeypatch, big_ctx_
             json={"messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 4},
         )
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_ppl_window_without_c_stays_at_most_4096(tmp_path):
+    """ppl keeps every logit of a window (window x vocab float32): without -c its window is
+    the model's context, at most cli.PPL_WINDOW; -c sets it."""
+    f = tmp_path / "t.txt"
+    f.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    r = run("ppl", "-t", "1", "-f", f)
+    assert r.exit_code == 0 and f"ctx={cli.PPL_WINDOW} " in r.output, r.output
+    r = run("ppl", "-t", "1", "-f", f, "-c", "16")
+    assert r.exit_code == 0 and "ctx=16 " in r.output, r.output
