@@ -16,8 +16,10 @@
 #   SPARSE_K     --sparse-k of the sparse rows (default: 32)
 #   CONFIGS      sparse_eval configs at q8 (default: seed,quality,exact; seed = --sparse-attn --kv-q8)
 #   ROUNDS       sparse_eval rounds (default: 3)
+#   STEPS        which steps run, in this order (default: "kestrel sparse llama"); e.g.
+#                "llama sparse" when the time is short (each step is a prefill of DEPTH)
 #
-# It runs, in this order, each on its own prefill of DEPTH tokens:
+# It runs (STEPS), each on its own prefill of DEPTH tokens:
 #   1. kestrel bench -m GGUF -t T -d DEPTH -p N_PROMPT -n N_GEN -r 1   (exact, default flags)
 #   2. sparse_eval.py speed -m GGUF -t T -d DEPTH -n N_GEN -k K --dtype q8 --configs CONFIGS
 #      (one exact prefill shared by the configs; decode tokens/s, median of ROUNDS)
@@ -70,11 +72,13 @@ step() {  # name, then the command; its stdout to $tmp/name.out, the time it too
 table() {
     echo
     echo "# $(basename "$gguf"), depth $depth, $threads threads; t/s (one run each)," \
-        "ratio to kestrel exact of the same test; step = wall seconds of the engine's whole step"
+        "ratio to kestrel exact of the same test (else kestrel q8 exact); step = wall seconds of the engine's whole step"
     awk -F'\t' '
         { eng[NR] = $1; test[NR] = $2; ts[NR] = $3; sec[NR] = $4
-          if ($1 == "kestrel exact" && $3 != "fail") base[$2] = $3 }
-        END {
+          if ($1 == "kestrel exact" && $3 != "fail") base[$2] = $3
+          if ($1 == "kestrel q8 exact" && $3 != "fail") q8[$2] = $3 }
+        END {  # without kestrel exact (STEPS): the ratio to kestrel q8 exact
+            for (t in q8) if (!(t in base)) base[t] = q8[t]
             printf "| %-28s | %-14s | %9s | %8s | %6s |\n", "engine", "test", "t/s", "ratio", "step s"
             printf "|%s|%s|%s|%s|%s|\n", "------------------------------", "----------------", \
                 "-----------", "----------", "--------"
@@ -94,6 +98,7 @@ pp=pp$n_prompt@d$depth
 tg=tg$n_gen@d$depth
 
 # 1. Kestrel, exact attention, default flags (float32 KV cache)
+step_kestrel() {
 if step kestrel "${kestrel[@]}" bench -m "$gguf" -t "$threads" -d "$depth" -p "$n_prompt" \
     -n "$n_gen" -r 1 -o json; then
     awk -v s="$(cat "$tmp/kestrel.s")" '
@@ -104,7 +109,10 @@ else
     printf 'kestrel exact\t%s\tfail\t-\nkestrel exact\t%s\tfail\t-\n' "$pp" "$tg" >> "$rows"
 fi
 
+}
+
 # 2. Kestrel decode at the depth: exact and sparse configs over one prefill, int8 KV cache
+step_sparse() {
 if step sparse "$python" "$here/sparse_eval.py" speed -m "$gguf" -t "$threads" -d "$depth" \
     -n "$n_gen" -k "$k" --dtype q8 --configs "$configs" --rounds "$rounds"; then
     awk -v s="$(cat "$tmp/sparse.s")" -v tg="$tg" -v k="$k" '
@@ -116,7 +124,10 @@ else
     printf 'kestrel q8 sparse\t%s\tfail\t-\n' "$tg" >> "$rows"
 fi
 
+}
+
 # 3. llama.cpp, one llama-bench run per -fa value, in the order given
+step_llama() {
 if [[ -n ${LLAMA_BENCH:-} ]]; then
     for f in ${fa//,/ }; do
         if step "llama$f" "$LLAMA_BENCH" -m "$gguf" -t "$threads" -d "$depth" -p "$n_prompt" \
@@ -137,5 +148,12 @@ if [[ -n ${LLAMA_BENCH:-} ]]; then
         fi
     done
 fi
+}
 
+for s in ${STEPS:-kestrel sparse llama}; do
+    case $s in
+        kestrel | sparse | llama) "step_$s" ;;
+        *) echo "long_context: STEPS takes kestrel, sparse, llama; got $s" >&2; exit 1 ;;
+    esac
+done
 table
