@@ -30,9 +30,8 @@ import typer
 from typer.core import TyperGroup
 
 from kestrel_cli.core.errors import KestrelError
-from kestrel_cli.core.osmem import physical_memory
+from kestrel_cli.inference import kv_memory
 from kestrel_cli.inference.engine import (
-    DEFAULT_CTX_CAP,
     MAX_CTX,
     THREADS_FLOOR,
     THREADS_MAX,
@@ -114,9 +113,10 @@ class EngineOptions:
         typer.Option(
             "-c",
             "--ctx-size",
-            help=f"Context size in tokens (at most {MAX_CTX}; its KV cache "
-            "must fit the machine's memory).",
-            show_default=f"the model's, at most {DEFAULT_CTX_CAP}",
+            help=f"Context size in tokens (at most {MAX_CTX}). The KV cache takes memory as "
+            "tokens arrive: a request whose cache would not fit the memory available is "
+            "refused before its prefill.",
+            show_default="the model's",
             rich_help_panel=_MODEL,
         ),
     ] = None
@@ -203,8 +203,7 @@ class EngineOptions:
     ] = True
 
     def load_options(self) -> LoadOptions:
-        """The Engine's options these flags give (-c default: the model's, at most
-        DEFAULT_CTX_CAP)."""
+        """The Engine's options these flags give (-c default: the model's context)."""
         return LoadOptions(
             kv_q8=self.kv_q8,
             sparse_attn=self.sparse_attn,
@@ -213,7 +212,6 @@ class EngineOptions:
             quant=Quant(self.quant).value,
             threads=self.threads,
             ctx_size=self.ctx_size,
-            ctx_cap=DEFAULT_CTX_CAP,
             act=Act(self.act).value,
             kv_f16=self.kv_f16,
             repack=self.repack,
@@ -424,46 +422,17 @@ def _model_bytes(path: Path | None) -> int:
         return 0  # from_pretrained reports it properly
 
 
-def kv_cache_bytes(eng: Engine, tokens: int) -> int:
-    """Bytes one KV cache of `eng`'s spec holds once `tokens` tokens fill it: K and V blocks
-    of every layer, the per-token importance, and the sparse probes' per-block bounds or
-    sketches. The cache takes its memory as it fills (kv_cache.BlockPool), so this is its
-    size at full context, not at start."""
-    from kestrel_cli.runtime.kv_cache import KV_BLOCK
-
-    c = eng.cache
-    blocks = -(-tokens // KV_BLOCK)
-    n = 2 * c.n_layers * blocks * c.block_bytes + 4 * c.n_layers * tokens
-    for a in (c.bounds, c.bound_scales):  # sized by the cache's own blocks
-        if a is not None:
-            n += a.nbytes // max(1, c.k_ptrs.shape[1]) * blocks
-    return n
-
-
 def check_kv_memory(eng: Engine, tokens: int, slots: int = 1, hint: str = "") -> None:
-    """Refuse up front when `slots` KV caches of `tokens` tokens and the weights cannot fit
-    this machine's RAM once full (they would fail mid-answer, or wake the OOM killer)."""
-    ram = physical_memory()
-    if not ram:
-        return
-    kv = slots * kv_cache_bytes(eng, tokens)
-    weights = int(getattr(eng.store, "nbytes", 0) or 0)
-    if kv + weights > ram:
-        what = (
-            f"{slots} KV caches of {tokens} tokens need"
-            if slots > 1
-            else f"a KV cache of {tokens} tokens needs"
-        )
-        raise KestrelError(
-            f"{what} {_human_bytes(kv)} when full (besides {_human_bytes(weights)}"
-            f" of weights), more than this machine's {_human_bytes(ram)} of "
-            f"memory (lower {hint or '-c/--ctx-size'}, or use --kv-q8)"
-        )
+    """Refuse at start when `slots` KV caches of `tokens` tokens and the weights could never
+    fit this machine's RAM (kv_memory.check_ram)."""
+    kv_memory.check_ram(eng, tokens, slots, hint)
 
 
 def engine_from_options(opts: EngineOptions, spinner: bool = True, slots: int = 1) -> Engine:
     """Build the Engine the flags describe (a spinner on stderr for big models), refused
-    when `slots` KV caches of its context cannot fit the memory (check_kv_memory)."""
+    when `slots` KV caches of an explicit -c (or of --parallel slots) could never fit the
+    RAM (check_kv_memory); the model's own context costs memory only as it is used, and each
+    request is checked when its tokens are known (kv_memory.check_request)."""
     load = opts.load_options()  # Engine.load validates it
     size = _model_bytes(opts.model)
     if spinner and size > SPINNER_BYTES and sys.stderr.isatty():
@@ -479,9 +448,13 @@ def engine_from_options(opts: EngineOptions, spinner: bool = True, slots: int = 
     # big.LITTLE: which cores the threads run on (machines whose cores are alike: nothing)
     if eng.thread_plan is not None and eng.thread_plan.mixed:
         print(eng.thread_plan.line, file=sys.stderr)
-    check_kv_memory(
-        eng, eng.ctx_size, slots, "--parallel or -c/--ctx-size" if slots > 1 else "-c/--ctx-size"
-    )
+    if opts.ctx_size is not None:
+        check_kv_memory(
+            eng,
+            eng.ctx_size,
+            slots,
+            "--parallel or -c/--ctx-size" if slots > 1 else "-c/--ctx-size",
+        )
     return eng
 
 
@@ -722,12 +695,18 @@ def run(
             f"prompt has {'' if e.exact else 'at least '}{e.n_tokens} tokens, "
             f"more than the context size {eng.ctx_size} (raise -c/--ctx-size)"
         ) from None
+    kw = sampling.stream_kwargs(eng)  # its KV cache must fit the memory available now
+    kv_memory.check_request(
+        eng,
+        min(eng.ctx_size, len(ids) + kw["max_tokens"]),
+        "a smaller -n/--n-predict or -c/--ctx-size",
+    )
     view = None if raw else thinking.view(eng, ids, out)
     saved = prompt_cache is None
     if prompt_cache is not None:
         load_prompt_cache(eng, prompt_cache)
     try:
-        for chunk in eng.stream(ids, **sampling.stream_kwargs(eng), json_schema=schema):
+        for chunk in eng.stream(ids, **kw, json_schema=schema):
             tp.text(view.feed(chunk.text) if view else chunk.text, out)
             if not saved:  # the prompt is processed: saved now, as llama.cpp does
                 saved = True
@@ -1052,12 +1031,7 @@ def serve(
     )
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+_human_bytes = kv_memory.human_bytes
 
 
 def _human_count(n: int) -> str:
@@ -1154,6 +1128,9 @@ def info(
         print(f"{k + ':':<{width}} {v}")
 
 
+PPL_WINDOW = 4096  # ppl's window without -c: its logits (window x vocab float32) are kept
+
+
 @app.command()
 @with_options
 def ppl(
@@ -1188,7 +1165,8 @@ def ppl(
     ] = False,
     engine: EngineOptions = None,
 ):
-    """Measure the perplexity of a text, in windows of the context size (-c).
+    """Measure the perplexity of a text, in windows of the context size (-c; without it the
+    model's context, at most PPL_WINDOW tokens: a window's logits are all kept).
 
     The attention and activation settings are this run's flags.
     It prints one line of key=value pairs: tokens, windows, ppl (and kld) and the time."""
@@ -1198,7 +1176,10 @@ def ppl(
     text = read_prompt(None, file, cap=PPL_BYTES, what="text")
     eng = engine_from_options(engine)
     ids = eng.tokenizer.encode(text, add_special_tokens=True)
-    res = perplexity(eng, ids, eng.ctx_size, kld_ref=kld_ref, llama_cpp=llama_cpp)
+    window = eng.ctx_size if engine.ctx_size is not None else min(eng.ctx_size, PPL_WINDOW)
+    # a window's KV cache (twice with --kld-ref) must fit the memory available now
+    kv_memory.check_request(eng, min(window, len(ids)) * (2 if kld_ref else 1), "a smaller -c")
+    res = perplexity(eng, ids, window, kld_ref=kld_ref, llama_cpp=llama_cpp)
     print(res.line())
 
 
@@ -1261,7 +1242,7 @@ def bench(
         )
     eng = engine_from_options(engine)
     if min(depths or [0]) >= 0 and min(n_prompt, n_gen) >= 0:  # else run_bench says so
-        check_kv_memory(eng, need, hint="-d, -p or -n")
+        kv_memory.check_request(eng, need, "smaller -d, -p or -n")
     report = run_bench(
         eng,
         n_prompt,

@@ -199,11 +199,11 @@ def test_run_sampling_flags_seeded_and_ignore_eos():
     assert decs[-1]["pos"] == 47
 
 
-def test_default_context_is_the_model_s_capped():
+def test_default_context_is_the_model_s():
     eng = engine_from_options(EngineOptions(threads=1))
-    assert eng.config.max_position_embeddings == 8192 and eng.ctx_size == cli.DEFAULT_CTX_CAP
+    assert eng.config.max_position_embeddings == 8192 and eng.ctx_size == 8192
     assert engine_from_options(EngineOptions(ctx_size=100, threads=1)).ctx_size == 100
-    # a model whose own context is shorter than the cap keeps its own
+    # a model of a shorter context keeps its own
     import kestrel_cli.inference.engine as engine_mod
 
     real = engine_mod.open_checkpoint
@@ -246,7 +246,7 @@ def test_engine_and_cli_share_one_validation():
     assert LoadOptions(ctx_cap=4096).context(8192) == 4096
     assert LoadOptions(ctx_cap=4096).context(1000) == 1000
     assert LoadOptions().context(8192) == 8192
-    assert EngineOptions().load_options().ctx_cap == cli.DEFAULT_CTX_CAP
+    assert EngineOptions().load_options().ctx_cap is None  # no cap: the model's context
     eng = Engine.from_pretrained(None, threads=1, ctx_cap=300)
     assert eng.ctx_size == 300 and eng.cache.max_tokens == 300 and eng.threads == 1
     # serve --parallel N without -t: the cores split N ways, at least one each
@@ -418,7 +418,7 @@ def test_help_shows_every_flag_with_default():
         "(random)",
         "(bundled SmolLM2-135M-Instruct)",
         "(all available cores)",
-        "(the model's, at most 4096)",
+        "(the model's)",
     ):
         assert f"[default: {default}]" in text, default
     chat_help = ANSI.sub(

@@ -103,12 +103,12 @@ def test_ppl_text_is_bounded():
 
 
 def test_prompt_longer_than_the_context_is_refused_before_tokenising(tmp_path):
-    """Under the byte cap but more characters than 4096 tokens can hold: refused from its
+    """Under the byte cap but more characters than 8192 tokens can hold: refused from its
     length (Tokenizer.max_text_chars), not after tokenising it."""
     f = tmp_path / "long.txt"
-    f.write_text("hello " * 400_000)  # 2.4 MB, ~400K tokens
+    f.write_text("hello " * 600_000)  # 3.6 MB, ~600K tokens
     line = refused(kestrel("run", "-t", "1", "-f", f), "characters, more than a context of")
-    assert "4096 tokens" in line and "-c/--ctx-size" in line
+    assert "8192 tokens" in line and "-c/--ctx-size" in line
 
 
 def test_chat_endless_line_on_stdin():
@@ -124,12 +124,12 @@ def test_chat_endless_line_on_stdin():
 def test_chat_too_long_or_not_utf8_line_then_goes_on():
     """A piped line too long for the context, or not UTF-8, is an error for that line; the
     chat goes on to the next."""
-    text = b"hello " * 300_000 + b"\n" + b"\xff\xfe hi\n" + b"/stats\n/exit\n"
+    text = b"hello " * 500_000 + b"\n" + b"\xff\xfe hi\n" + b"/stats\n/exit\n"
     r = kestrel("chat", "-t", "1", input=text)
     out = r.stdout.decode()
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr[-2000:]
     assert (
-        "[error: the message has 1799999 characters, more than a context of 4096 tokens" in out
+        "[error: the message has 2999999 characters, more than a context of 8192 tokens" in out
     ), out[-2000:]
     assert "[error: the message is not UTF-8 text (byte 0)]" in out
     assert "turns" in out.split("[error: the message is not UTF-8")[1]  # /stats ran after

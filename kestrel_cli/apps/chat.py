@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.inference import kv_memory
 from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.timing import TimingPrinter, format_turn
 from kestrel_cli.text.tokenizer import TooManyTokens
@@ -103,6 +104,9 @@ class ChatSession:
                 f"{eng.ctx_size}; /reset to start over, or restart with a larger -c]\n"
             )
             return None
+        # its KV cache must fit the memory available now (KestrelError: one line, next turn)
+        tokens = min(eng.ctx_size, len(ids) + self.sampling.get("max_tokens", 256))
+        kv_memory.check_request(eng, tokens, "a smaller -n/--n-predict or -c/--ctx-size")
         stats, finish = None, None
         # the reply kept in the history is the answer without its thinking, as Qwen3's
         # template expects of earlier turns

@@ -21,9 +21,6 @@ from kestrel_cli.runtime.kv_cache import CacheSpec
 from kestrel_cli.runtime.sparse import SparseSpec
 from kestrel_cli.text.tokenizer import TooManyTokens
 
-DEFAULT_CTX_CAP = 4096  # the CLI's -c default: the model's context, at most this
-
-
 THREADS_PER_CORE = 4
 THREADS_FLOOR = 64  # allowed on any machine
 THREADS_MAX = 512  # never more (ggml's GGML_MAX_N_THREADS)
@@ -83,8 +80,8 @@ class LoadOptions:
         threads: OpenMP threads (-t); None: one per fast core this process may use
             (kestrel_cli.core.cpus: every core when they are alike, pinned to the big ones of
             a big.LITTLE CPU).
-        ctx_size: context size in tokens (-c); None: the model's context length, at most
-            ctx_cap (None: no cap).
+        ctx_size: context size in tokens (-c); None: the model's context length (its KV
+            cache takes memory only as tokens arrive), at most ctx_cap (None: no cap).
         act: the activations quantised weights multiply (--act; docs/DESIGN.md §5 Kernels
             and ISAs): "q8" int8 blocks of 32 (the default, llama.cpp's arithmetic: the
             fast path, KL divergence from exact in docs/PERFORMANCE.md) or "f32" float32

@@ -26,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kestrel_cli import __version__
 from kestrel_cli.core.errors import KestrelError, clip
+from kestrel_cli.inference import kv_memory
 from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.generate import Stats
 from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, probe_image
@@ -310,6 +311,20 @@ def create_app(
             raise APIError("empty prompt", 400, param=param)
         # max_tokens is capped by the room the context has left (finish_reason "length")
         params = {**params, "max_tokens": min(params["max_tokens"], eng0.ctx_size - len(ids))}
+        # its KV cache must fit the memory available now (on the slot holding the least)
+        tokens = len(ids) + params["max_tokens"]
+        short = kv_memory.request_shortfall(engines, tokens)
+        if short is not None:
+            raise APIError(
+                kv_memory.shortfall_text(
+                    tokens,
+                    *short,
+                    "a smaller max_tokens, or a server started with a smaller -c/--ctx-size",
+                ),
+                413,
+                param="max_tokens",
+                code="request_too_large",
+            )
         job = Job(
             ids,
             params,
