@@ -13,6 +13,7 @@ import pytest
 
 from conftest import make_checkpoint, rand_ids
 from kestrel_cli import Engine
+from kestrel_cli.core import atomic
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime import cache_file
 
@@ -192,13 +193,13 @@ def test_save_is_atomic(ckpt, tmp_path, monkeypatch):
         assert (tmp_path / "p.kvc.part").exists()  # written aside, not over FILE
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(cache_file.os, "fsync", broken_fsync)
+    monkeypatch.setattr(atomic.os, "fsync", broken_fsync)
     with pytest.raises(OSError):
         eng.save_cache(path)
     assert path.read_bytes() == b"old contents"
     assert not (tmp_path / "p.kvc.part").exists()
     monkeypatch.undo()
-    monkeypatch.setattr(cache_file.os, "replace", replace)
+    monkeypatch.setattr(atomic.os, "replace", replace)
     eng.save_cache(path)
     assert written == [(str(tmp_path / "p.kvc.part"), str(path))]
     assert path.read_bytes()[:8] == cache_file.MAGIC

@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from kestrel_cli.core.atomic import atomic_write
 from kestrel_cli.core.errors import KestrelError, clip
 from kestrel_cli.formats.config import Config
 
@@ -711,51 +712,6 @@ def _progress_bar(plan: list[PlanTensor], enabled: bool):
     return update, bar
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # a folder on a file system that cannot sync one
-        pass
-    finally:
-        os.close(fd)
-
-
-def _create_part(part: Path, out: Path):
-    """OUT.part, new and empty, open for writing. A stale one (a killed run's) or a planted
-    link is removed first (a link itself, never the file it names); O_EXCL | O_NOFOLLOW:
-    the file is created here, never opened through a link planted meanwhile."""
-    try:
-        if part.is_symlink() or part.is_file():
-            part.unlink()
-        fd = os.open(
-            part,
-            os.O_WRONLY
-            | os.O_CREAT
-            | os.O_EXCL
-            | getattr(os, "O_NOFOLLOW", 0)
-            | getattr(os, "O_CLOEXEC", 0),
-            0o666,
-        )
-    except FileExistsError:
-        raise KestrelError(
-            f"{part} exists and is not a file (or another kestrel quantize is "
-            f"writing {out}); remove it first"
-        ) from None
-    except OSError as e:
-        raise KestrelError(f"{part}: cannot create ({e.strerror or e})") from None
-    return os.fdopen(fd, "wb")
-
-
-def _same_file(path: Path, st: os.stat_result) -> bool:
-    """Whether `path` (not followed if a link) is still the file `st` was taken of."""
-    try:
-        now = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
-
-
 class Terminated(KestrelError):
     """SIGTERM while writing (the CLI may exit 143 on it, as a process killed by it would)."""
 
@@ -831,33 +787,17 @@ def quantize_checkpoint(
         )
         add_tokenizer_from_dir(w, src, cfg.vocab_size)
 
-    part = out.with_name(out.name + ".part")
     update, bar = _progress_bar(plan, progress)
-    with _sigterm_raises(out):
-        f = made = None
-        try:
-            f = _create_part(part, out)
-            made = os.fstat(f.fileno())
-            with bar:
-                total = write_gguf(
-                    f,
-                    cfg,
-                    plan,
-                    _store_rows(store, chunk_values(threads)),
-                    metadata,
-                    update,
-                    threads,
-                )
-            if not _same_file(part, made):
-                raise KestrelError(f"{part} was replaced while being written; {out} not written")
-            os.replace(part, out)  # fsynced first: a crash or power cut leaves the
-            _fsync(out.parent)  # old OUT or the whole new one
-        except BaseException:
-            if f is not None:
-                f.close()
-            if made is not None and _same_file(part, made):  # ours only, never a swapped-in one
-                part.unlink(missing_ok=True)
-            raise
+    with _sigterm_raises(out), atomic_write(out) as f, bar:
+        total = write_gguf(
+            f,
+            cfg,
+            plan,
+            _store_rows(store, chunk_values(threads)),
+            metadata,
+            update,
+            threads,
+        )
     types: dict[str, int] = {}
     for t in plan:
         types[t.qtype] = types.get(t.qtype, 0) + 1

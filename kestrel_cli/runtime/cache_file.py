@@ -23,13 +23,13 @@ cache is left as it was. `save` writes FILE.part, fsyncs it and renames it over 
 from __future__ import annotations
 
 import json
-import os
 import struct
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from kestrel_cli.core.atomic import atomic_write
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime.kernels import KV_BLOCK
 
@@ -118,34 +118,18 @@ def save(cache, tokens, model_id: str, path) -> int:
         header["file_bytes"] = sections[arrays[-1][0]][0] + arrays[-1][2]
     hdr = json.dumps(header, separators=(",", ":")).encode()
     assert _PREFIX.size + len(hdr) <= sections["tokens"][0]
-    part = path.with_name(path.name + ".part")
-    try:
-        with open(part, "wb") as f:
-            f.write(_PREFIX.pack(MAGIC, VERSION, len(hdr), zlib.crc32(hdr), 0))
-            f.write(hdr)
-            for name, src, _ in arrays:
-                f.write(b"\0" * (sections[name][0] - f.tell()))
-                if name in ("k", "v"):
-                    for layer in range(L):
-                        for b in src[layer][:nb]:
-                            f.write(memoryview(b).cast("B"))
-                elif src.size:  # (a memoryview of an empty array cannot be cast)
-                    f.write(memoryview(src).cast("B"))
-            size = f.tell()
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(part, path)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-    try:  # the rename itself survives a crash once the directory is synced
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    with atomic_write(path) as f:
+        f.write(_PREFIX.pack(MAGIC, VERSION, len(hdr), zlib.crc32(hdr), 0))
+        f.write(hdr)
+        for name, src, _ in arrays:
+            f.write(b"\0" * (sections[name][0] - f.tell()))
+            if name in ("k", "v"):
+                for layer in range(L):
+                    for b in src[layer][:nb]:
+                        f.write(memoryview(b).cast("B"))
+            elif src.size:  # (a memoryview of an empty array cannot be cast)
+                f.write(memoryview(src).cast("B"))
+        size = f.tell()
     return size
 
 
