@@ -346,13 +346,6 @@ class KVCache:
                 sel = np.full((T, q.shape[1] // self.head_dim, self.sparse_width), -1, np.int32)
                 self.selection[layer] = sel
         if T == 1:  # decode: the per-token path, nothing allocated
-            if self._dec_tab is None:
-                self._dec_tab = np.empty(
-                    K.decode_tab_size(
-                        self.max_tokens, q.shape[1] // self.head_dim, self.head_dim, KV_BLOCK
-                    ),
-                    dtype=np.float32,
-                )
             return K.attention_unchecked(
                 q,
                 k_ptrs,
@@ -369,7 +362,7 @@ class KVCache:
                 self.sparse_opts,
                 order,
                 sel,
-                self._dec_tab,
+                self._decode_tab(q.shape[1] // self.head_dim),
                 self._bnd[layer] if self._use_bounds else None,
                 self._bsc[layer],
                 self._bcap,
@@ -406,6 +399,15 @@ class KVCache:
         self._native = None
         return out
 
+    def _decode_tab(self, n_heads: int) -> np.ndarray:
+        """The decode kernels' scratch, made once at the context's size."""
+        if self._dec_tab is None:
+            self._dec_tab = np.empty(
+                K.decode_tab_size(self.max_tokens, n_heads, self.head_dim, KV_BLOCK),
+                dtype=np.float32,
+            )
+        return self._dec_tab
+
     def decode_attention(self, n_heads: int) -> K.DecodeAttention:
         """This cache's tables for one decode token at row `offset` (the model's
         kernels.DecodeStack writes its K and V there and attends as `write` + `attend` would;
@@ -431,11 +433,6 @@ class KVCache:
                     bnds[layer] = self._bnd[layer].ctypes.data
                     bscs[layer] = self._bsc[layer].ctypes.data
             t = self._native = (ks, orders, n_orders, bnds, bscs)
-        if self._dec_tab is None:
-            self._dec_tab = np.empty(
-                K.decode_tab_size(self.max_tokens, n_heads, self.head_dim, KV_BLOCK),
-                dtype=np.float32,
-            )
         ks, orders, n_orders, bnds, bscs = t
         return K.DecodeAttention(
             self.offset,
@@ -454,7 +451,7 @@ class KVCache:
             bscs,
             self._bcap,
             self._use_bounds,
-            self._dec_tab,
+            self._decode_tab(n_heads),
         )
 
     def respec(self, spec: CacheSpec) -> None:
