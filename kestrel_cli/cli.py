@@ -38,9 +38,6 @@ from kestrel_cli.inference.engine import (
     THREADS_PER_CORE,
     Engine,
     LoadOptions,
-    default_threads,
-    thread_cap,
-    thread_rule,
 )
 from kestrel_cli.inference.timing import TimingPrinter
 from kestrel_cli.runtime.sparse import options_table
@@ -869,9 +866,9 @@ def serve(
         int,
         typer.Option(
             "--parallel",
-            help="Requests generated at once, by N engines that share the weights, "
-            "each with its own KV cache and -t threads (by default the cores are split N ways). "
-            f"At most {MAX_PARALLEL}; N KV caches of the context must fit the memory.",
+            help="Requests generated at once (slots): each has its own KV cache and prompt "
+            "prefix; their tokens are decoded together, one pass over the weights a step, on the "
+            f"-t threads. At most {MAX_PARALLEL}; N KV caches of the context must fit the memory.",
             rich_help_panel="Server",
         ),
     ] = 1,
@@ -977,12 +974,6 @@ def serve(
         raise KestrelError(f"--parallel must be >= 1, got {parallel}")
     if parallel > MAX_PARALLEL:  # a thread and a KV cache each: past this, --queue-size
         raise KestrelError(f"--parallel must be at most {MAX_PARALLEL}, got {parallel}")
-    if engine.threads is not None and parallel * engine.threads > thread_cap():
-        raise KestrelError(
-            f"--parallel {parallel} x -t {engine.threads} = "
-            f"{parallel * engine.threads} threads, more than the {thread_cap()} "
-            f"this machine allows ({thread_rule()})"
-        )
     if queue_size < 0:
         raise KestrelError(f"--queue-size must be >= 0, got {queue_size}")
     if max_connections < 1:
@@ -1015,11 +1006,8 @@ def serve(
         max_request_memory=max_request_memory
         and server.parse_size(max_request_memory, "--max-request-memory"),
     )
-    # each of the `parallel` engines runs -t threads; by default they split the cores
-    eng = engine_from_options(
-        dataclasses.replace(engine, threads=engine.threads or default_threads(share=parallel)),
-        slots=parallel,
-    )
+    # the slots' sequences run in one batch thread (inference/batch.py) on -t threads
+    eng = engine_from_options(engine, slots=parallel)
     server.serve(
         [eng] + [eng.fork() for _ in range(parallel - 1)],
         host=host,

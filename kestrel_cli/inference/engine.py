@@ -60,10 +60,10 @@ def experts_fit(store) -> tuple[bool, str]:
     )
 
 
-def default_threads(share: int = 1) -> int:
-    """The fast cores this process may use, split `share` ways (at least 1): every allowed
-    core when they are alike, only the big ones of a big.LITTLE CPU (kestrel_cli.core.cpus)."""
-    return cpus.plan(share=share).threads
+def default_threads() -> int:
+    """The fast cores this process may use: every allowed core when they are alike, only
+    the big ones of a big.LITTLE CPU (kestrel_cli.core.cpus)."""
+    return cpus.plan().threads
 
 
 @dataclass(frozen=True)
@@ -242,6 +242,9 @@ class Engine:
         self.vision_ms = 0.0  # vision tower time of the last prefill
         self.image_tokens = 0  # image tokens of the last prompt
         self._vision_cache: dict = {}  # image digest -> (embeds, deepstack)
+        # inference/batch.Batcher: set by a server of several slots, whose engines' model
+        # calls then run in its one thread, batched (None: this thread runs them)
+        self.batcher = None
         self._image_config = None
 
     @property
@@ -445,25 +448,33 @@ class Engine:
 
         self.vision_ms, self.image_tokens = 0.0, 0
         if isinstance(ids, VisionPrompt):
-            t0 = time.perf_counter()
-            vision = self._vision_input(ids, n)
-            self.vision_ms = (time.perf_counter() - t0) * 1e3
-            self.image_tokens = ids.image_tokens
             ints = [int(t) for t in ids]
-            logits = self.model(
-                ints[n:],
-                self.cache,
-                all_logits=all_logits,
-                positions=ids.positions[:, n:],
-                vision=vision,
-            )
+
+            def run():
+                t0 = time.perf_counter()
+                vision = self._vision_input(ids, n)
+                self.vision_ms = (time.perf_counter() - t0) * 1e3
+                return self.model(
+                    ints[n:],
+                    self.cache,
+                    all_logits=all_logits,
+                    positions=ids.positions[:, n:],
+                    vision=vision,
+                )
+
+            self.image_tokens = ids.image_tokens
+            # with a batcher, the vision tower and the M-RoPE prompt run alone in its thread
+            logits = run() if self.batcher is None else self.batcher.solo(self, run)
             self.cached_ids, self.cached_keys = ints, list(ids.keys)
             self.rope_delta = ids.rope_delta
         else:
             # no image in the prompt: positions are the token indices (a reused prefix
             # holds no image either: image tokens' keys never equal token ids)
             ints = [int(t) for t in ids]
-            logits = self.model(ints[n:], self.cache, all_logits=all_logits)
+            if self.batcher is None:
+                logits = self.model(ints[n:], self.cache, all_logits=all_logits)
+            else:  # a chunk per batch step, between the other sequences' tokens
+                logits = self.batcher.run(self, ints[n:], None, all_logits)
             self.cached_ids, self.cached_keys = ints, list(ints)
             self.rope_delta = 0
         return logits
@@ -501,11 +512,13 @@ class Engine:
 
     def decode_step(self, token: int) -> np.ndarray:
         """Run one token after the cached ones; its logits (1, V)."""
+        pos = None
         if self.rope_delta:
             pos = np.array([self.cache.offset + self.rope_delta], dtype=np.int64)
-            logits = self.model([token], self.cache, positions=pos)
+        if self.batcher is not None:  # one row of the batch's next step
+            logits = self.batcher.run(self, [token], pos)
         else:
-            logits = self.model([token], self.cache)
+            logits = self.model([token], self.cache, positions=pos)
         self.cached_ids.append(int(token))
         self.cached_keys.append(int(token))
         return logits

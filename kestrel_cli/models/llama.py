@@ -13,7 +13,7 @@ import numpy as np
 from kestrel_cli.formats.config import Config
 from kestrel_cli.models.loader import TensorStore
 from kestrel_cli.runtime import kernels as K
-from kestrel_cli.runtime.kv_cache import CacheSpec, KVCache
+from kestrel_cli.runtime.kv_cache import CacheRows, CacheSpec, KVCache
 
 ACT_MODES = ("f32", "q8")  # activations of quantised matmuls (Model.act)
 
@@ -323,3 +323,64 @@ class Model:
             h = h[-1:]
         h = rms_norm(np.ascontiguousarray(h), self.norm, self.cfg.rms_norm_eps, self.threads)
         return fwd.project(self.head, h)[0]
+
+    def forward_rows(self, segs) -> list[np.ndarray | None]:
+        """One pass over the tokens of several sequences, each with its own cache
+        (continuous batching, inference/batch.py): the weights are read once for all the
+        rows, attention runs per sequence over its cache.
+
+        Args:
+            segs: (cache, ids, positions, want) per sequence: its tokens run after those
+                in its cache, at RoPE positions (int64 (n,); None: the cache offsets);
+                want "last" (logits (1, V) of its last token), "all" ((n, V)) or None.
+        Returns:
+            the logits each sequence wants (None where it wants none), in segs' order.
+        """
+        if len(segs) == 1:  # one sequence: the plain call (the native decode for a token)
+            cache, ids, positions, want = segs[0]
+            out = self.forward(ids, cache, want == "all", None, positions, None)
+            return [out if want else None]
+        ids = np.concatenate([np.asarray(s[1], dtype=np.int64).reshape(-1) for s in segs])
+        spans, a = [], 0
+        for cache, seq, _, _ in segs:
+            spans.append((cache, a, a + len(seq)))
+            a += len(seq)
+        for cache, a, b in spans:
+            cache.reserve(b - a)
+        positions = np.concatenate(
+            [
+                np.arange(c.offset, c.offset + b - a, dtype=np.int64)
+                if s[2] is None
+                else np.asarray(s[2], dtype=np.int64).reshape(-1)
+                for s, (c, a, b) in zip(segs, spans)
+            ]
+        )
+        fwd = ForwardPass(self.threads, positions, self.rope, self.prof, self.act == "q8")
+        h = np.empty((ids.shape[0], self.cfg.hidden_size), dtype=np.float32)
+        K.get_rows(self.embed_tokens, ids, h)
+        self.add_inputs(h, None)
+        rows = CacheRows(spans)
+        for i, layer in enumerate(self.layers):
+            layer(h, rows, i, fwd)
+            self.after_layer(h, i, None)
+        for cache, a, b in spans:
+            cache.commit(b - a)
+        # the rows whose logits are wanted, through the final norm and the head at once
+        pick = []
+        for (_, a, b), s in zip(spans, segs):
+            if s[3] == "all":
+                pick.extend(range(a, b))
+            elif s[3]:
+                pick.append(b - 1)
+        outs: list[np.ndarray | None] = [None] * len(segs)
+        if pick:
+            x = np.ascontiguousarray(h[pick])
+            x = rms_norm(x, self.norm, self.cfg.rms_norm_eps, self.threads)
+            logits = fwd.project(self.head, x)[0]
+            j = 0
+            for i, ((_, a, b), s) in enumerate(zip(spans, segs)):
+                n = (b - a) if s[3] == "all" else (1 if s[3] else 0)
+                if n:
+                    outs[i] = logits[j : j + n]
+                    j += n
+        return outs

@@ -542,3 +542,23 @@ class KVCache:
     def values(self, layer: int) -> np.ndarray:
         """V of the committed tokens, as `keys`."""
         return self._gather(self.v_blocks[layer])
+
+
+class CacheRows:
+    """Several KV caches as one to a model's layers (Model.forward_rows): rows a..b of a
+    pass's K, V and Q belong to the sequence of `cache`, for each (cache, a, b) of spans;
+    each writes to and attends over its own cache (reserve() them first)."""
+
+    record_selection = False
+
+    def __init__(self, spans: list[tuple["KVCache", int, int]]):
+        self.spans = spans
+
+    def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        for cache, a, b in self.spans:
+            cache.write(layer, k[a:b], v[a:b])
+
+    def attend(self, layer: int, q: np.ndarray, out: np.ndarray) -> np.ndarray:
+        for cache, a, b in self.spans:
+            cache.attend(layer, q[a:b], out[a:b])
+        return out

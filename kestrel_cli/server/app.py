@@ -27,6 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kestrel_cli import __version__
 from kestrel_cli.core.errors import KestrelError, clip
 from kestrel_cli.inference import kv_memory
+from kestrel_cli.inference.batch import Batcher
 from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.generate import Stats
 from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, probe_image
@@ -209,7 +210,10 @@ def create_app(
 
     check_api_key(api_key)
     limits = limits or Limits()
-    sched = Scheduler(engines, queue_size)
+    # several slots: their sequences decoded together by one batch thread
+    sched = Scheduler(
+        engines, queue_size, Batcher(engines[0].fork().model) if len(engines) > 1 else None
+    )
     budget = limits.budget()
     eng0 = engines[0]
     mid, created = model_id(eng0), int(time.time())

@@ -1,4 +1,7 @@
-"""The slots: one Engine and one worker thread each (--parallel), a bounded FIFO in front."""
+"""The slots: one Engine and one worker thread each (--parallel), a bounded FIFO in front.
+
+With several slots their engines share one Batcher (inference/batch.py): the workers sample
+and stream, its thread runs every model call, one pass a step for all the sequences."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import time
 from typing import AsyncIterator
 
 from kestrel_cli.core.errors import KestrelError, ModelError
+from kestrel_cli.inference.batch import Batcher
 from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.generate import Chunk
 from kestrel_cli.server.models import APIError
@@ -112,8 +116,13 @@ class Scheduler:
     """A bounded FIFO of jobs in front of the slots. All its state lives in the event loop
     thread; workers only run jobs and post events back (call_soon_threadsafe)."""
 
-    def __init__(self, engines: list[Engine], queue_size: int):
+    def __init__(self, engines: list[Engine], queue_size: int, batcher: Batcher | None = None):
         self.slots = [Slot(i, e) for i, e in enumerate(engines)]
+        # with a batcher, its one thread runs the engines' model calls (continuous batching)
+        self.batcher = batcher
+        if batcher is not None:
+            for e in engines:
+                e.batcher = batcher
         self.idle = list(self.slots)
         self.pending: collections.deque[Job] = collections.deque()
         self.queue_size = queue_size
@@ -259,6 +268,8 @@ class Scheduler:
         for s in self.slots:
             if s.thread is not None:
                 await asyncio.to_thread(s.thread.join, 10.0)
+        if self.batcher is not None:
+            await asyncio.to_thread(self.batcher.close)
 
     def health(self) -> dict:
         return {
@@ -282,8 +293,7 @@ class Scheduler:
                 # a client that sends its next request at once never finds it still busy
                 self.loop.call_soon_threadsafe(self._finished, slot, job)
 
-    @staticmethod
-    def _run(eng: Engine, job: Job) -> None:
+    def _run(self, eng: Engine, job: Job) -> None:
         if job.cancelled:
             return
         gen = None
@@ -313,3 +323,5 @@ class Scheduler:
         finally:
             if gen is not None:
                 gen.close()
+            if self.batcher is not None:  # the batch steps stop waiting for this sequence
+                self.batcher.leave(eng)

@@ -1,0 +1,245 @@
+"""Continuous batching: one thread runs the model for the sequences of many engines.
+
+`serve --parallel N` gives each slot an Engine of its own (its KV cache, its prompt prefix,
+its sampling loop in its own thread) on shared weights. Without batching the N engines each
+read every weight for each of their tokens, so N streams cost N times the memory traffic of
+one. With a Batcher the engines hand their model calls to its thread instead: each step
+runs one token of every decoding sequence and at most `chunk` tokens of one prompt being
+prefilled, all in one pass (Model.forward_rows: the weights are read once for all rows,
+attention runs per sequence over its own cache). Sequences join and leave between steps; a
+long prompt is prefilled a chunk per step, so it does not stall the others for its whole
+length; and a step waits briefly for every decoding sequence's next token (they sample in
+their own threads) so that they stay in one pass.
+
+Everything that runs kernels runs in the batch thread: the engines' threads only sample,
+detokenise and check stop strings. The model's `-t` threads are shared by all sequences.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from kestrel_cli.core.errors import KestrelError
+
+PREFILL_CHUNK = 256  # prompt tokens per step (llama.cpp's --ubatch-size is 512)
+GATHER_S = 0.02  # how long a step waits for the decoding sequences' next tokens
+
+
+class _Work:
+    """One engine's request to the batch thread: tokens to run after its cache's, or a
+    function to run alone (`solo`)."""
+
+    __slots__ = (
+        "engine",
+        "ids",
+        "positions",
+        "all_logits",
+        "solo",
+        "done",
+        "out",
+        "err",
+        "rows",
+        "sent",
+    )
+
+    def __init__(self, engine, ids=None, positions=None, all_logits=False, solo=None):
+        self.engine, self.ids, self.positions = engine, ids, positions
+        self.all_logits, self.solo = all_logits, solo
+        self.done = threading.Event()
+        self.out = self.err = None
+        self.rows: list[np.ndarray] = []  # logits of the chunks run so far (all_logits)
+        self.sent = 0  # tokens of ids run so far (a prompt runs a chunk per step)
+
+    def finish(self, out=None, err: BaseException | None = None) -> None:
+        self.out, self.err = out, err
+        self.done.set()
+
+
+class Batcher:
+    """The batch thread of a set of engines sharing one model's weights (see the module
+    docstring). Engines call `run` (tokens after their cache's: a decode step or a prompt)
+    and `solo` (anything else that runs kernels); both block their caller until done."""
+
+    def __init__(self, model, chunk: int = PREFILL_CHUNK, gather_s: float = GATHER_S):
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.model, self.chunk, self.gather_s = model, chunk, gather_s
+        self._cond = threading.Condition()
+        self._decode: list[_Work] = []  # one-token requests, run together next step
+        self._prompts: collections.deque[_Work] = collections.deque()  # chunk by chunk
+        self._solo: collections.deque[_Work] = collections.deque()
+        self._active: set[int] = set()  # id(engine) of engines in a generation
+        self._busy: set[int] = set()  # of those, the ones with a prompt or solo queued
+        self._closed = False
+        self.steps = 0  # passes run (tests and stats)
+        self.rows_run = 0  # token rows of those passes
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="kestrel-batch")
+        self._thread.start()
+
+    # -- engines' threads
+    def run(self, engine, ids, positions=None, all_logits: bool = False) -> np.ndarray:
+        """Run tokens `ids` after those in engine.cache, at RoPE `positions` (None: the
+        cache offsets); logits of the last one (1, V), or of all (T, V) with
+        `all_logits`. One token joins the next step; more are run `chunk` at a time."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise KestrelError("empty prompt")
+        pos = None if positions is None else np.asarray(positions, dtype=np.int64).reshape(-1)
+        w = _Work(engine, ids, pos, all_logits)
+        with self._cond:
+            self._check_open()
+            self._active.add(id(engine))
+            if len(ids) == 1 and not all_logits:
+                self._decode.append(w)
+            else:
+                self._busy.add(id(engine))
+                self._prompts.append(w)
+            self._cond.notify_all()
+        return self._wait(w)
+
+    def solo(self, engine, fn):
+        """fn() in the batch thread, between steps (a prompt with images: its vision
+        tower and its M-RoPE positions run as one call)."""
+        w = _Work(engine, solo=fn)
+        with self._cond:
+            self._check_open()
+            self._active.add(id(engine))
+            self._busy.add(id(engine))
+            self._solo.append(w)
+            self._cond.notify_all()
+        return self._wait(w)
+
+    def leave(self, engine) -> None:
+        """The engine's generation is over: steps no longer wait for its tokens."""
+        with self._cond:
+            self._active.discard(id(engine))
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(10.0)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KestrelError("the batch thread is closed")
+
+    @staticmethod
+    def _wait(w: _Work):
+        w.done.wait()
+        if w.err is not None:
+            raise w.err
+        return w.out
+
+    # -- the batch thread
+    def _ready(self, since: float | None) -> bool:
+        """Whether a step should run now (the lock held): a solo call at once; else when
+        every sequence that is decoding has sent its next token, or gather_s after the
+        first request of the step arrived."""
+        if self._solo:
+            return True
+        if not self._decode and not self._prompts:
+            return False
+        expected = self._active - self._busy
+        if expected <= {id(w.engine) for w in self._decode}:
+            return True
+        return since is not None and time.monotonic() - since >= self.gather_s
+
+    def _loop(self) -> None:
+        since = None  # when the first decode request of the coming step arrived
+        while True:
+            with self._cond:
+                while not self._ready(since):
+                    if self._closed:
+                        self._fail_all(KestrelError("the batch thread is closed"))
+                        return
+                    if (self._decode or self._prompts) and since is None:
+                        since = time.monotonic()
+                    timeout = None
+                    if since is not None:
+                        timeout = max(0.0, since + self.gather_s - time.monotonic())
+                    self._cond.wait(timeout)
+                solo = self._solo.popleft() if self._solo else None
+                decode, prompt = [], None
+                if solo is None:
+                    decode, self._decode = self._decode, []
+                    prompt = self._prompts[0] if self._prompts else None
+                since = None
+            if solo is not None:
+                try:
+                    solo.finish(solo.solo())
+                except BaseException as e:  # the caller's error, raised in its thread
+                    solo.finish(err=e)
+                with self._cond:
+                    self._busy.discard(id(solo.engine))
+                continue
+            self._step(decode, prompt)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for w in [*self._decode, *self._prompts, *self._solo]:
+            w.finish(err=err)
+        self._decode, self._prompts, self._solo = [], collections.deque(), collections.deque()
+
+    def _step(self, decode: list[_Work], prompt: _Work | None) -> None:
+        """One pass: every decode request plus the next chunk of the first prompt."""
+        works = list(decode)
+        segs = [(w.engine.cache, w.ids, w.positions, "last") for w in decode]
+        if prompt is not None:
+            a = prompt.sent
+            b = min(a + self.chunk, len(prompt.ids))
+            pos = None if prompt.positions is None else prompt.positions[a:b]
+            want = "all" if prompt.all_logits else ("last" if b == len(prompt.ids) else None)
+            segs.append((prompt.engine.cache, prompt.ids[a:b], pos, want))
+            works.append(prompt)
+        # a sequence whose cache cannot take its tokens fails alone, before the pass
+        keep = []
+        for s, w in zip(segs, works):
+            try:
+                s[0].reserve(len(s[1]))
+            except KestrelError as e:
+                self._fail(w, prompt, e)
+                continue
+            keep.append((s, w))
+        if not keep:
+            return
+        prof = self.model.prof
+        a0, m0 = prof.snapshot()
+        try:
+            outs = self.model.forward_rows([s for s, _ in keep])
+        except BaseException as e:  # every sequence of the pass sees the error
+            for _, w in keep:
+                self._fail(w, prompt, e)
+            return
+        a1, m1 = prof.snapshot()
+        self.steps += 1
+        self.rows_run += sum(len(s[1]) for s, _ in keep)
+        for (s, w), out in zip(keep, outs):
+            ep = getattr(w.engine.model, "prof", None)
+            if ep is not None and ep is not prof:  # the pass's time, as each engine's
+                ep.attn += a1 - a0
+                ep.matmul += m1 - m0
+            if w is not prompt:
+                w.finish(out)
+                continue
+            w.sent += len(s[1])
+            if out is not None:
+                w.rows.append(out)
+            if w.sent == len(w.ids):
+                self._end_prompt(w)
+                w.finish(np.concatenate(w.rows) if w.all_logits else w.rows[-1])
+
+    def _fail(self, w: _Work, prompt: _Work | None, err: BaseException) -> None:
+        if w is prompt:
+            self._end_prompt(w)
+        w.finish(err=err)
+
+    def _end_prompt(self, w: _Work) -> None:
+        with self._cond:
+            if self._prompts and self._prompts[0] is w:
+                self._prompts.popleft()
+            self._busy.discard(id(w.engine))

@@ -1,0 +1,137 @@
+"""Continuous batching (inference/batch.py, Model.forward_rows): sequences run in one pass,
+each over its own KV cache, give what each gives alone."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import make_checkpoint, rand_ids
+from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.inference.batch import Batcher
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe", "llama"])
+def arch_path(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    make_checkpoint(d, request.param)
+    return d
+
+
+def _engine(path, **kw):
+    from kestrel_cli import Engine
+
+    return Engine.from_pretrained(path, threads=2, ctx_size=256, **kw)
+
+
+@pytest.mark.parametrize("quant", [None, "q8", "q4"])
+@pytest.mark.parametrize("kv", [{}, {"kv_q8": True}, {"kv_f16": True}])
+def test_forward_rows_equals_each_sequence_alone(arch_path, quant, kv):
+    """Three decode rows and a prompt chunk in one pass: each sequence's logits are the
+    ones its own calls give (float weights: float32 arithmetic; q8 / q4 weights: int8
+    activations, the default)."""
+    eng = _engine(arch_path, quant=quant, **kv)
+    m = eng.model
+    prompts = [rand_ids(n, seed=n) for n in (5, 37, 70)]
+    nxt = [11, 12, 13]
+    chunk = rand_ids(20, seed=99)
+
+    ref = []
+    for p, t in zip(prompts, nxt):
+        c = eng.make_cache()
+        m(p, c)
+        ref.append(m([t], c))
+    ref_chunk = m(chunk, eng.make_cache(), all_logits=True)
+
+    caches = [eng.make_cache() for _ in prompts]
+    for p, c in zip(prompts, caches):
+        m(p, c)
+    fresh = eng.make_cache()
+    segs = [(c, [t], None, "last") for c, t in zip(caches, nxt)]
+    outs = m.forward_rows(segs + [(fresh, chunk[:12], None, "all")])
+    outs2 = m.forward_rows([(fresh, chunk[12:], None, "all"), (caches[0], [5], None, None)])
+    assert outs2[1] is None
+    for got, want in zip(outs[:3], ref):
+        assert got.shape == (1, want.shape[1])
+        # the batch's rows run the GEMM, a lone token the GEMV: the same products summed
+        # in another order (as prefill and decode rows), so equal to float rounding
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        assert got.argmax() == want.argmax()
+    np.testing.assert_allclose(np.concatenate([outs[3], outs2[0]]), ref_chunk, rtol=0, atol=1e-5)
+    assert [c.offset for c in caches] == [7, 38, 71] and fresh.offset == 20
+
+
+def _greedy(eng, ids, n):
+    return [c.token for c in eng.stream(ids, max_tokens=n, ignore_eos=True) if c.token is not None]
+
+
+def test_batcher_threads_get_their_solo_greedy_answers(arch_path):
+    """Five engines on one Batcher, generating at once from prompts of 3 to 40 tokens
+    (chunks of 8: the long ones take several steps while the others decode): each gets the
+    tokens it gets alone, and the steps were shared."""
+    eng = _engine(arch_path, act="f32")
+    prompts = [rand_ids(n, seed=n) for n in (3, 9, 17, 40, 4)]
+    solo = [_greedy(eng.fork(), p, 12) for p in prompts]
+    engines = [eng.fork() for _ in prompts]
+    b = Batcher(engines[0].fork().model, chunk=8)
+    for e in engines:
+        e.batcher = b
+    got: dict[int, list[int]] = {}
+    errors = []
+
+    def work(i):
+        try:
+            got[i] = _greedy(engines[i], prompts[i], 12)
+        except Exception as e:  # reported below, with the thread's error
+            errors.append(e)
+        finally:
+            b.leave(engines[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    b.close()
+    assert not errors
+    assert [got[i] for i in range(len(prompts))] == solo
+    total_rows = sum(len(p) for p in prompts) + 11 * len(prompts)  # prompts + fed tokens
+    assert b.rows_run == total_rows
+    assert b.steps < total_rows / 2  # tokens shared passes
+    # the caches hold each sequence, as alone
+    for e, p, s in zip(engines, prompts, solo):
+        assert e.cached_ids == p + s[:-1]
+
+
+def test_batcher_errors_stay_with_their_caller(tmp_path):
+    make_checkpoint(tmp_path, "qwen3")
+    eng = _engine(tmp_path, act="f32")
+    b = Batcher(eng.fork().model)
+    e1, e2 = eng.fork(), eng.fork()
+    e1.batcher = e2.batcher = b
+
+    def boom():
+        raise KestrelError("no")
+
+    with pytest.raises(KestrelError, match="no"):
+        b.solo(e1, boom)
+    # a prompt past its cache's room fails alone; the batch thread goes on
+    small = eng.fork()
+    small.cache = small.model.make_cache(8)
+    small.batcher = b
+    with pytest.raises(KestrelError, match="context full"):
+        b.run(small, rand_ids(9))
+    assert small.cache.offset == 0
+    b.leave(small)
+    logits = b.run(e2, rand_ids(6))
+    ref = eng.model(rand_ids(6), eng.make_cache())
+    np.testing.assert_allclose(logits, ref, rtol=0, atol=1e-5)
+    b.leave(e1)
+    b.leave(e2)
+    b.close()
+    with pytest.raises(KestrelError, match="closed"):
+        b.run(e2, [1])
