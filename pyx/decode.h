@@ -52,6 +52,62 @@ static inline void kf_gemv_spec_rows(const kf_gemv_spec *s, const kf_act *a, ptr
                           accumulate);
 }
 
+/* Rows r0 <= r < r1 (r0 a multiple of 16) of s for nt <= KX_NT tokens, token t's
+ * activation a[t] and outputs out + t * ldo: each token's outputs are what
+ * kf_gemv_spec_rows gives it alone. x16 weights take the multi-token group kernels
+ * (kx_group_tokens: a group's quants unpacked once for all the tokens, each token the
+ * one-token kernel's bits); other formats one token after another over the rows, which
+ * stay in cache meanwhile. */
+static inline void kf_gemv_spec_rows_t(const kf_gemv_spec *s, const kf_act *a, int nt,
+                                       ptrdiff_t r0, ptrdiff_t r1, float *out, ptrdiff_t ldo,
+                                       int accumulate)
+{
+    const int x16 = s->mode == 1 ? kx_is_x16(s->fmts[0]) && kx_is_x16(s->fmts[1]) : 0;
+    float g[KX_NT * KX_G], u[KX_NT * KX_G];
+    if (s->mode == 1 && x16) {                       /* SwiGLU, as kf_gemv_swiglu */
+        for (ptrdiff_t r = r0; r < r1; r += KX_G) {
+            const int m = r1 - r < KX_G ? (int)(r1 - r) : KX_G;
+            kx_group_tokens(s->fmts[0], a, nt, s->n,
+                            (const uint8_t *)(uintptr_t)s->ptrs[0] + r * s->ldws[0], g, KX_G);
+            kx_group_tokens(s->fmts[1], a, nt, s->n,
+                            (const uint8_t *)(uintptr_t)s->ptrs[1] + r * s->ldws[1], u, KX_G);
+            for (int t = 0; t < nt; t++)
+                for (int j = 0; j < m; j++) {
+                    const float gv = g[t * KX_G + j], v = gv / (1.0f + expf(-gv)) * u[t * KX_G + j];
+                    float *o = out + t * ldo + r + j;
+                    *o = accumulate ? *o + v : v;
+                }
+        }
+        return;
+    }
+    if (s->mode == 1) {
+        for (int t = 0; t < nt; t++)
+            kf_gemv_spec_rows(s, a + t, r0, r1, out + t * ldo, accumulate);
+        return;
+    }
+    for (int i = 0; i < s->k; i++) {                 /* stacked, as kf_gemv_multi_acc */
+        const ptrdiff_t lo = r0 > s->offs[i] ? r0 : s->offs[i];
+        const ptrdiff_t hi = r1 < s->offs[i + 1] ? r1 : s->offs[i + 1];
+        if (lo >= hi)
+            continue;
+        const uint8_t *w = (const uint8_t *)(uintptr_t)s->ptrs[i];
+        if (!kx_is_x16(s->fmts[i]) || (lo - s->offs[i]) % KX_G) {
+            for (int t = 0; t < nt; t++)             /* this weight's rows, token by token */
+                kf_gemv_spec_rows(s, a + t, lo, hi, out + t * ldo, accumulate);
+            continue;
+        }
+        for (ptrdiff_t r = lo; r < hi; r += KX_G) {
+            const int m = hi - r < KX_G ? (int)(hi - r) : KX_G;
+            kx_group_tokens(s->fmts[i], a, nt, s->n, w + (r - s->offs[i]) * s->ldws[i], g, KX_G);
+            for (int t = 0; t < nt; t++)
+                for (int j = 0; j < m; j++) {
+                    float *o = out + t * ldo + r + j;
+                    *o = accumulate ? *o + g[t * KX_G + j] : g[t * KX_G + j];
+                }
+        }
+    }
+}
+
 /* Every thread of a team calls it: s's rows in KD_CHUNKS chunks a thread, taken in turn
  * (a dynamic worksharing loop, no barrier at its end), so a thread slowed by the memory
  * system does not hold the others at the next barrier. */

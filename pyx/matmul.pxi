@@ -128,6 +128,10 @@ cdef extern from "decode.h" nogil:
     Py_ssize_t kf_split(Py_ssize_t d, Py_ssize_t c, Py_ssize_t nc) noexcept
     void kf_gemv_spec_rows(const kf_gemv_spec *s, const kf_act *a, Py_ssize_t r0,
                            Py_ssize_t r1, float *out, int accumulate) noexcept
+    void kf_gemv_spec_rows_t(const kf_gemv_spec *s, const kf_act *a, int nt, Py_ssize_t r0,
+                             Py_ssize_t r1, float *out, Py_ssize_t ldo, int accumulate) noexcept
+    enum:
+        KX_NT
 
 
 cdef inline Py_ssize_t rows_per_block(Py_ssize_t n, Py_ssize_t d, int n_threads,
@@ -294,6 +298,70 @@ cdef int gemv_exec(const kf_gemv_spec *s, const float *x, float *out, int n_thre
     return 0
 
 
+DEF GEMV_ROWS_MAX = 16    # tokens one gemv_exec_rows call takes (a batch's decode rows)
+DEF GEMV_ROWS_CHUNK = 64  # weight rows a token pass covers: the other tokens read them from cache
+
+
+cdef void gemv_rows_range(const kf_gemv_spec *s, const kf_act *a, Py_ssize_t T,
+                          Py_ssize_t lo, Py_ssize_t hi, float *out,
+                          int accumulate) noexcept nogil:
+    """Rows lo..hi-1 of s for each of T prepared activations, chunk by chunk of rows
+    (KX_NT tokens a kernel call)."""
+    cdef Py_ssize_t r = lo, r1, t
+    while r < hi:
+        r1 = min(r + GEMV_ROWS_CHUNK, hi)
+        t = 0
+        while t < T:
+            kf_gemv_spec_rows_t(s, &a[t], min(KX_NT, T - t), r, r1, out + t * s.d, s.d,
+                                accumulate)
+            t += KX_NT
+        r = r1
+
+
+cdef int gemv_exec_rows(const kf_gemv_spec *s, const float *x, Py_ssize_t T, float *out,
+                        int n_threads, int act_q8, const float *norm, float eps,
+                        int accumulate) noexcept nogil:
+    """out[t, 0:s.d] (+)= s's products of x[t] for T <= GEMV_ROWS_MAX rows of x (T, n)
+    (each RMSNorm'd first when norm is not NULL), in one parallel region: each thread
+    takes its rows GEMV_ROWS_CHUNK at a time and runs every token over them, so a weight
+    byte comes from memory once for the T tokens. Each token's outputs are gemv_exec's on
+    that row alone, bit for bit (the same kernel on the same rows); 0, or -1 when the
+    scratch could not be allocated."""
+    cdef Py_ssize_t c, t, n = s.n, R = s.d
+    cdef kf_act a[GEMV_ROWS_MAX]
+    cdef char *scratch
+    cdef char *own
+    cdef const float *xp
+    cdef size_t per
+    cdef int nt, q8
+    if R == 0:
+        return 0
+    if n == 0:
+        if not accumulate:
+            memset(out, 0, T * R * sizeof(float))
+        return 0
+    q8 = 1 if act_q8 and n % KF_QK == 0 else 0
+    per = (kf_act_bytes(n) + <size_t> n * sizeof(float) + 63) // 64 * 64
+    scratch = <char *> kf_scratch(per * T)
+    if scratch == NULL:
+        return -1
+    for t in range(T):
+        own = scratch + t * per
+        xp = x + t * n
+        if norm != NULL:
+            kf_rms_norm_row(xp, norm, eps, n, <float *> own)
+            xp = <const float *> own
+        kf_prep_act(xp, n, q8, own + n * sizeof(float), &a[t])
+    nt = team_size(n_threads, R * s.k if s.mode == 1 else R, 64)
+    if nt == 1:
+        gemv_rows_range(s, a, T, 0, R, out, accumulate)
+        return 0
+    with parallel(num_threads=nt):
+        for c in prange(nt, schedule="static", chunksize=1):
+            gemv_rows_range(s, a, T, kf_split(R, c, nt), kf_split(R, c + 1, nt), out, accumulate)
+    return 0
+
+
 cdef class GemvPlan:
     """Weights sharing one one-token input, multiplied in one parallel region.
 
@@ -335,27 +403,38 @@ cdef class GemvPlan:
         """Inputs per row."""
         return self.s.n
 
-    def run(self, const float[:, ::1] x,       # IN  (1, n)
-            float[:, ::1] out,                 # OUT (1, d), or IN/OUT with accumulate
+    ROWS_MAX = GEMV_ROWS_MAX  # most rows of x one call takes
+
+    def run(self, const float[:, ::1] x,       # IN  (T, n), 1 <= T <= ROWS_MAX
+            float[:, ::1] out,                 # OUT (T, d), or IN/OUT with accumulate
             int n_threads,
             bint act_q8=False,
             const float[::1] norm=None,        # IN  (n,) RMSNorm weight, or None
             float eps=0.0,
             bint accumulate=False):
-        """out (+)= the plan's products of x (RMSNorm'd first when norm is given)."""
-        cdef Py_ssize_t n = self.s.n, R = self.s.d
+        """out (+)= the plan's products of x (RMSNorm'd first when norm is given); each row
+        of x gives what it gives alone (several rows: the weights read once for them)."""
+        cdef Py_ssize_t n = self.s.n, R = self.s.d, T = x.shape[0]
         cdef int rc
-        if x.shape[0] != 1 or x.shape[1] != n:
-            raise ValueError(f"x: expected shape (1, {n}), got {tuple(x.shape)[:2]}")
-        if out.shape[0] != 1 or out.shape[1] != R:
-            raise ValueError(f"out: expected shape (1, {R}), got {tuple(out.shape)[:2]}")
+        if not 1 <= T <= GEMV_ROWS_MAX or x.shape[1] != n:
+            raise ValueError(
+                f"x: expected shape (T, {n}) with 1 <= T <= {GEMV_ROWS_MAX}, "
+                f"got {tuple(x.shape)[:2]}"
+            )
+        if out.shape[0] != T or out.shape[1] != R:
+            raise ValueError(f"out: expected shape ({T}, {R}), got {tuple(out.shape)[:2]}")
         if norm is not None and norm.shape[0] != n:
             raise ValueError(f"norm: expected shape ({n},), got ({norm.shape[0]},)")
         if R == 0:
             return
         with nogil:
-            rc = gemv_exec(&self.s, &x[0, 0] if n else NULL, &out[0, 0], n_threads, act_q8,
-                           &norm[0] if norm is not None else NULL, eps, accumulate)
+            if T == 1:
+                rc = gemv_exec(&self.s, &x[0, 0] if n else NULL, &out[0, 0], n_threads,
+                               act_q8, &norm[0] if norm is not None else NULL, eps, accumulate)
+            else:
+                rc = gemv_exec_rows(&self.s, &x[0, 0] if n else NULL, T, &out[0, 0],
+                                    n_threads, act_q8, &norm[0] if norm is not None else NULL,
+                                    eps, accumulate)
         if rc:
             raise MemoryError("matmul: could not allocate scratch")
 

@@ -1339,15 +1339,20 @@ class DecodeStack:
         return self._stack.t_attn, self._stack.t_matmul
 
 
+ROWS_MAX = _lib.GemvPlan.ROWS_MAX  # most rows a Projection runs as GEMVs (one weight pass)
+
+
 class Projection:
     """A linear layer over one input: x @ W_i.T (+ b_i) for each of its weights, of one
     row or many, optionally of RMSNorm(x), optionally SwiGLU of a (gate, up) pair, and
     optionally added into a residual.
 
-    One row (decode) runs `GemvGroup`'s fused plan: one kernel call, the RMSNorm, the
-    SwiGLU and the residual add inside it. More rows (prefill) run `rms_norm`, `matmul`
-    per weight and `swiglu`, then the bias and residual adds. Both give what those entry
-    points give one after the other.
+    Up to ROWS_MAX rows (decode; a batch's decode rows) run `GemvGroup`'s fused plan: one
+    kernel call, the RMSNorm, the SwiGLU and the residual add inside it, the weights read
+    once for the rows, each row's outputs those it gets alone. More rows (prefill) run
+    `rms_norm`, `matmul` per weight and `swiglu`, then the bias and residual adds. Both
+    give what those entry points give one after the other (within float rounding: the
+    GEMM sums a row's products in another order than the GEMV).
 
     Args:
         weights: Weights (d_i, n) of any formats, one common n.
@@ -1402,14 +1407,19 @@ class Projection:
             one float32 (T, d_i) array per weight ([the SwiGLU output] with swiglu), or
             [residual] when given. One row: (1, d_i) views of one new buffer.
         """
-        if x.shape[0] == 1:
+        if x.shape[0] <= ROWS_MAX:
             # decode: positional, no checks beyond the kernel's own (it runs per layer)
             if residual is not None and not self.has_bias:
                 self._run(x, residual, threads, act_q8, self.norm, self.eps, True)
                 return [residual]
-            out = np.empty((1, self.d), dtype=np.float32)
+            out = np.empty((x.shape[0], self.d), dtype=np.float32)
             self._run(x, out, threads, act_q8, self.norm, self.eps, False)
-            outs = [out] if self._slices is None else [out[:, s] for s in self._slices]
+            if self._slices is None:
+                outs = [out]
+            elif x.shape[0] == 1:  # one row: its column slices are C-contiguous views
+                outs = [out[:, s] for s in self._slices]
+            else:
+                outs = [np.ascontiguousarray(out[:, s]) for s in self._slices]
         else:
             if self.norm is not None:
                 x = rms_norm(x, self.norm, self.eps, np.empty_like(x), threads)

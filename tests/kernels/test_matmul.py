@@ -575,9 +575,54 @@ def test_gemv_group_rejects_bad_input():
         kernels.GemvGroup([a, make_weight("f32", 9, 64, rng)], swiglu=True)
     g = kernels.GemvGroup([a])
     with pytest.raises(ValueError, match="x: expected shape"):
-        g(np.zeros((2, 64), np.float32), np.empty((1, 8), np.float32), 1)
+        g(np.zeros((1, 63), np.float32), np.empty((1, 8), np.float32), 1)
+    with pytest.raises(ValueError, match="x: expected shape"):  # more rows than one pass
+        R = kernels.ROWS_MAX + 1
+        g(np.zeros((R, 64), np.float32), np.empty((R, 8), np.float32), 1)
     with pytest.raises(ValueError, match="out: expected shape"):
         g(np.zeros((1, 64), np.float32), np.empty((1, 9), np.float32), 1)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        g(np.zeros((2, 64), np.float32), np.empty((1, 8), np.float32), 1)
+
+
+@pytest.mark.parametrize("act_q8", [False, True])
+def test_gemv_group_rows_equal_each_row_alone(isa, act_q8):
+    """Several rows in one call (a batch's decode rows: the weights read once for them)
+    give each row's one-row outputs bit for bit: stacked weights of row-major and x16
+    formats, SwiGLU of x16 and of q8_0 pairs, RMSNorm, accumulate, 1..ROWS_MAX rows."""
+    from test_moe_prefill import weight
+
+    rng = np.random.default_rng(33)
+    n, inter = 512, 96
+    stacked = kernels.GemvGroup(
+        [
+            weight("q4_kx16", 64, n, rng),
+            weight("q8_0", 40, n, rng),
+            weight("q6_kx16", 32, n, rng),
+            weight("q4_0x16", 48, n, rng),
+            weight("f32", 3, n, rng),
+        ]
+    )
+    pairs = [
+        kernels.GemvGroup([weight(f, inter, n, rng), weight(f, inter, n, rng)], swiglu=True)
+        for f in ("q4_kx16", "q8_0", "q6_kx16")
+    ]
+    nw = (1 + 0.2 * rng.standard_normal(n)).astype(np.float32)
+    for g in [stacked, *pairs]:
+        for T in (2, 5, 8, 9, kernels.ROWS_MAX):
+            x = rng.standard_normal((T, n)).astype(np.float32)
+            for threads in (1, 2):
+                for kw in ({}, {"norm": nw, "eps": 1e-6}):
+                    out = np.empty((T, g.d), np.float32)
+                    g(x, out, threads, act_q8, **kw)
+                    acc = rng.standard_normal((T, g.d)).astype(np.float32)
+                    acc0 = acc.copy()
+                    g(x, acc, threads, act_q8, accumulate=True, **kw)
+                    for t in range(T):
+                        one = np.empty((1, g.d), np.float32)
+                        g(x[t : t + 1], one, 1, act_q8, **kw)
+                        np.testing.assert_array_equal(out[t], one[0], err_msg=f"T={T} t={t}")
+                        np.testing.assert_array_equal(acc[t], acc0[t] + one[0])
 
 
 # ------------------------------------------------------------------ quantisation

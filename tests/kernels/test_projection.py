@@ -1,5 +1,5 @@
-"""kernels.Projection: one row (the fused GEMV plan) and many rows (rms_norm, matmul,
-swiglu) give what the separate entry points give."""
+"""kernels.Projection: up to ROWS_MAX rows (the fused GEMV plan, each row what it gives
+alone) and more rows (rms_norm, matmul, swiglu) give what the separate entry points give."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def reference(x, weights, biases=None, norm=None, eps=0.0, swiglu=False):
     return outs
 
 
-@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("T", [1, 5, kernels.ROWS_MAX + 3])
 def test_grouped_with_norm_and_biases(T):
     rng = np.random.default_rng(T)
     n = 128
@@ -49,9 +49,14 @@ def test_grouped_with_norm_and_biases(T):
         for o, r in zip(outs, ref):
             # the one-row plan normalises inside the kernel: float32 round-off apart
             np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5)
-    if T > 1:  # many rows: exactly the entry points
+    if T > kernels.ROWS_MAX:  # many rows: exactly the entry points
         for o, r in zip(p(x, 2), ref):
             np.testing.assert_array_equal(o, r)
+    else:  # a few rows: each exactly what it gives alone
+        outs = p(x, 2)
+        for t in range(T):
+            for o, r in zip(outs, p(x[t : t + 1], 1)):
+                np.testing.assert_array_equal(o[t], r[0])
 
 
 @pytest.mark.parametrize("T", [1, 4])
