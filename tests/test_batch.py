@@ -36,6 +36,7 @@ def test_forward_rows_equals_each_sequence_alone(arch_path, quant, kv):
     activations, the default)."""
     eng = _engine(arch_path, quant=quant, **kv)
     m = eng.model
+    tol = 1e-5 if arch_path.name.startswith("qwen3_moe") else 0
     prompts = [rand_ids(n, seed=n) for n in (5, 37, 70)]
     nxt = [11, 12, 13]
     chunk = rand_ids(20, seed=99)
@@ -58,11 +59,11 @@ def test_forward_rows_equals_each_sequence_alone(arch_path, quant, kv):
     assert outs2[1] is None
     for got, want in zip(outs[:3], ref):
         assert got.shape == (1, want.shape[1])
-        # the batch's rows run the GEMM, a lone token the GEMV: the same products summed
-        # in another order (as prefill and decode rows), so equal to float rounding
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+        # dense layers: the GEMV's rows, each its own bits; MoE experts take their prefill
+        # kernel for several rows, which sums a row as the one-row path to float rounding
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol)
         assert got.argmax() == want.argmax()
-    np.testing.assert_allclose(np.concatenate([outs[3], outs2[0]]), ref_chunk, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate([outs[3], outs2[0]]), ref_chunk, rtol=0, atol=tol)
     assert [c.offset for c in caches] == [7, 38, 71] and fresh.offset == 20
 
 
@@ -71,14 +72,14 @@ def _greedy(eng, ids, n):
 
 
 def test_batcher_threads_get_their_solo_greedy_answers(arch_path):
-    """Five engines on one Batcher, generating at once from prompts of 3 to 40 tokens
-    (chunks of 8: the long ones take several steps while the others decode): each gets the
-    tokens it gets alone, and the steps were shared."""
+    """Five engines on one Batcher, generating at once from prompts of 3 to 60 tokens
+    (chunks of 20: the long ones take several steps while the others decode): each gets
+    the tokens it gets alone, and the steps were shared."""
     eng = _engine(arch_path, act="f32")
-    prompts = [rand_ids(n, seed=n) for n in (3, 9, 17, 40, 4)]
+    prompts = [rand_ids(n, seed=n) for n in (3, 9, 17, 60, 4)]
     solo = [_greedy(eng.fork(), p, 12) for p in prompts]
     engines = [eng.fork() for _ in prompts]
-    b = Batcher(engines[0].fork().model, chunk=8)
+    b = Batcher(engines[0].fork().model, chunk=20)
     for e in engines:
         e.batcher = b
     got: dict[int, list[int]] = {}
@@ -102,7 +103,7 @@ def test_batcher_threads_get_their_solo_greedy_answers(arch_path):
     assert [got[i] for i in range(len(prompts))] == solo
     total_rows = sum(len(p) for p in prompts) + 11 * len(prompts)  # prompts + fed tokens
     assert b.rows_run == total_rows
-    assert b.steps < total_rows / 2  # tokens shared passes
+    assert b.steps < 11 * len(prompts) / 2  # decode tokens shared passes
     # the caches hold each sequence, as alone
     for e, p, s in zip(engines, prompts, solo):
         assert e.cached_ids == p + s[:-1]

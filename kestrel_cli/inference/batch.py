@@ -4,9 +4,11 @@
 its sampling loop in its own thread) on shared weights. Without batching the N engines each
 read every weight for each of their tokens, so N streams cost N times the memory traffic of
 one. With a Batcher the engines hand their model calls to its thread instead: each step
-runs one token of every decoding sequence and at most `chunk` tokens of one prompt being
-prefilled, all in one pass (Model.forward_rows: the weights are read once for all rows,
-attention runs per sequence over its own cache). Sequences join and leave between steps; a
+runs one token of every decoding sequence in one pass (Model.forward_rows: the weights are
+read once for all rows, attention runs per sequence over its own cache), and the next
+`chunk` tokens of one prompt being prefilled (in the same pass when the rows are few
+enough for the GEMV, else in a pass of their own: each token is computed as it would be
+alone, so greedy answers do not depend on what else runs). Sequences join and leave between steps; a
 long prompt is prefilled a chunk per step, so it does not stall the others for its whole
 length; and a step waits briefly for every decoding sequence's next token (they sample in
 their own threads) so that they stay in one pass.
@@ -24,6 +26,7 @@ import time
 import numpy as np
 
 from kestrel_cli.core.errors import KestrelError
+from kestrel_cli.runtime.kernels import ROWS_MAX
 
 PREFILL_CHUNK = 256  # prompt tokens per step (llama.cpp's --ubatch-size is 512)
 GATHER_S = 0.02  # how long a step waits for the decoding sequences' next tokens
@@ -186,27 +189,39 @@ class Batcher:
         self._decode, self._prompts, self._solo = [], collections.deque(), collections.deque()
 
     def _step(self, decode: list[_Work], prompt: _Work | None) -> None:
-        """One pass: every decode request plus the next chunk of the first prompt."""
-        works = list(decode)
-        segs = [(w.engine.cache, w.ids, w.positions, "last") for w in decode]
+        """Every decode request plus the next chunk of the first prompt: one pass while
+        they are at most ROWS_MAX rows (all through the GEMV), else the decode rows and
+        the chunk in two passes, so that a token's arithmetic is the one it gets alone
+        (a lone token and a short prompt take the GEMV, a longer prompt the GEMM)."""
+        work = [((w.engine.cache, w.ids, w.positions, "last"), w) for w in decode]
         if prompt is not None:
-            a = prompt.sent
-            b = min(a + self.chunk, len(prompt.ids))
+            a, left = prompt.sent, len(prompt.ids) - prompt.sent
+            n = min(self.chunk, left)
+            if n < left and left - n <= ROWS_MAX:  # no short tail: as one prefill's rows
+                n = left
+            b = a + n
             pos = None if prompt.positions is None else prompt.positions[a:b]
             want = "all" if prompt.all_logits else ("last" if b == len(prompt.ids) else None)
-            segs.append((prompt.engine.cache, prompt.ids[a:b], pos, want))
-            works.append(prompt)
+            work.append(((prompt.engine.cache, prompt.ids[a:b], pos, want), prompt))
         # a sequence whose cache cannot take its tokens fails alone, before the pass
         keep = []
-        for s, w in zip(segs, works):
+        for s, w in work:
             try:
                 s[0].reserve(len(s[1]))
             except KestrelError as e:
                 self._fail(w, prompt, e)
                 continue
             keep.append((s, w))
-        if not keep:
-            return
+        if sum(len(s[1]) for s, _ in keep) <= ROWS_MAX or len(keep) == 1:
+            passes = [keep] if keep else []
+        else:
+            passes = [[k for k in keep if k[1] is not prompt], [k for k in keep if k[1] is prompt]]
+        for p in passes:
+            if p:
+                self._pass(p, prompt)
+
+    def _pass(self, keep: list, prompt: _Work | None) -> None:
+        """One model call over the sequences of `keep` ((segment, work) pairs)."""
         prof = self.model.prof
         a0, m0 = prof.snapshot()
         try:
