@@ -251,6 +251,14 @@ def test_server_field_and_default(eng, stay):
         msg = r.json()["choices"][0]["message"]
         assert (msg["reasoning_content"], msg["content"]) == (reasoning, content)
         assert r.json()["usage"]["completion_tokens"] == 10
+        r = ask(c, reasoning_budget=2, stream=True)
+        deltas = [
+            json.loads(line[6:])["choices"][0]["delta"]
+            for line in r.text.splitlines()
+            if line.startswith("data: {")
+        ]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == reasoning
+        assert "".join(d.get("content") or "" for d in deltas) == content
         # no field, null, -1: unlimited (the whole answer is thinking)
         for extra in ({}, {"reasoning_budget": None}, {"reasoning_budget": -1}):
             r = ask(c, **extra)
