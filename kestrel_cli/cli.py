@@ -325,6 +325,13 @@ class OutputOptions:
     ] = True
 
 
+def check_reasoning_budget(n: int) -> None:
+    if n < -1:
+        raise KestrelError(
+            f"--reasoning-budget must be >= -1 (-1 = unlimited, 0 = no thinking), got {n}"
+        )
+
+
 @dataclass
 class ThinkingOptions:
     """Hybrid-thinking models (Qwen3): the template's switch and how the thinking shows."""
@@ -346,9 +353,30 @@ class ThinkingOptions:
             rich_help_panel=_OUTPUT,
         ),
     ] = False
+    reasoning_budget: Annotated[
+        int,
+        typer.Option(
+            "--reasoning-budget",
+            metavar="N",
+            help="At most N tokens of thinking, then the <think> block is closed and the "
+            "answer follows (llama.cpp's flag): -1 = unlimited, 0 = no thinking.",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = -1
+
+    def check(self) -> None:
+        check_reasoning_budget(self.reasoning_budget)
+        if self.think and self.reasoning_budget == 0:
+            raise KestrelError("--think and --reasoning-budget 0 contradict each other")
 
     def template_kwargs(self) -> dict:
-        return {} if self.think is None else {"enable_thinking": self.think}
+        if self.think is None:  # budget 0: the template's empty think block
+            return {"enable_thinking": False} if self.reasoning_budget == 0 else {}
+        return {"enable_thinking": self.think}
+
+    def stream_kwargs(self) -> dict:
+        """Keyword arguments for `Engine.stream`."""
+        return {"reasoning_budget": self.reasoning_budget}
 
     def view(self, eng: Engine, ids, out=None):
         """The ThinkingView of an answer to the prompt `ids`."""
@@ -625,6 +653,7 @@ def run(
     """Generate the reply to one prompt and stream it to stdout."""
     engine.check()
     sampling.check()
+    thinking.check()
     if raw and system is not None:
         raise KestrelError("-s/--system needs the chat template; drop --raw")
     if raw and (thinking.think is not None or thinking.hide_thinking):
@@ -703,7 +732,7 @@ def run(
     if prompt_cache is not None:
         load_prompt_cache(eng, prompt_cache)
     try:
-        for chunk in eng.stream(ids, **kw, json_schema=schema):
+        for chunk in eng.stream(ids, **kw, **thinking.stream_kwargs(), json_schema=schema):
             tp.text(view.feed(chunk.text) if view else chunk.text, out)
             if not saved:  # the prompt is processed: saved now, as llama.cpp does
                 saved = True
@@ -782,6 +811,7 @@ def chat(
 
     engine.check()
     sampling.check()
+    thinking.check()
     check_prompt_cache(prompt_cache)
     eng = engine_from_options(engine)
     if prompt_cache is not None:
@@ -789,7 +819,7 @@ def chat(
     session = ChatSession(
         eng,
         system=system,
-        sampling=sampling.stream_kwargs(eng),
+        sampling={**sampling.stream_kwargs(eng), **thinking.stream_kwargs()},
         timing=TimingPrinter(output.timing),
         thinking=thinking,
         on_turn=None if prompt_cache is None else lambda: save_prompt_cache(eng, prompt_cache),
@@ -962,6 +992,17 @@ def serve(
             rich_help_panel="Server",
         ),
     ] = None,
+    reasoning_budget: Annotated[
+        int,
+        typer.Option(
+            "--reasoning-budget",
+            metavar="N",
+            help="At most N tokens of thinking per answer, then the <think> block is closed "
+            "(llama.cpp's flag): -1 = unlimited, 0 = no thinking. A request's "
+            "reasoning_budget overrides it.",
+            rich_help_panel="Server",
+        ),
+    ] = -1,
     engine: EngineOptions = None,
 ):
     """Serve the model over an OpenAI-compatible HTTP API.
@@ -976,6 +1017,7 @@ def serve(
         raise KestrelError(f"--parallel must be at most {MAX_PARALLEL}, got {parallel}")
     if queue_size < 0:
         raise KestrelError(f"--queue-size must be >= 0, got {queue_size}")
+    check_reasoning_budget(reasoning_budget)
     if max_connections < 1:
         raise KestrelError(f"--max-connections must be >= 1, got {max_connections}")
     for flag, v, zero_ok in (
@@ -1016,6 +1058,7 @@ def serve(
         queue_size=queue_size,
         limits=limits,
         slot_save_path=slot_save_path,
+        reasoning_budget=reasoning_budget,
     )
 
 

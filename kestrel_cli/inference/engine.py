@@ -19,6 +19,7 @@ from kestrel_cli.models.llama import ACT_MODES
 from kestrel_cli.models.loader import open_checkpoint
 from kestrel_cli.runtime.kv_cache import CacheSpec
 from kestrel_cli.runtime.sparse import SparseSpec
+from kestrel_cli.text import think_budget
 from kestrel_cli.text.tokenizer import TooManyTokens
 
 THREADS_PER_CORE = 4
@@ -663,14 +664,23 @@ class Engine:
         logprobs: int | None = None,
         json_schema: dict | None = None,
         json_then: str = "",
+        reasoning_budget: int | None = None,
     ) -> Iterator[Chunk]:
         """Chunks with text, per-token timing and, last, finish_reason and Stats
         (logprobs=k: each token's log-probability and the k likeliest, on its chunk;
-        json_schema: the answer is one JSON value matching it, enforced while sampling)."""
+        json_schema: the answer is one JSON value matching it, enforced while sampling;
+        reasoning_budget: at most that many tokens inside a <think> block, then it is
+        closed (text/think_budget.py); None or -1 unlimited, 0 no thinking (messages are
+        rendered with enable_thinking false unless template_kwargs say otherwise). With a
+        json_schema the budget is not used: the grammar rules the whole answer.)"""
         if max_tokens < 0:
             raise KestrelError(f"max_tokens must be >= 0, got {max_tokens}")
         check_params(temperature, top_k, top_p, min_p, repeat_penalty)
-        ids = self.encode_prompt(prompt, **(template_kwargs or {}))
+        think_budget.check_budget(reasoning_budget)
+        template_kwargs = dict(template_kwargs or {})
+        if reasoning_budget == 0:
+            template_kwargs.setdefault("enable_thinking", False)
+        ids = self.encode_prompt(prompt, **template_kwargs)
         sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if logit_bias and any(not 0 <= int(t) < self.config.vocab_size for t in logit_bias):
@@ -680,6 +690,13 @@ class Engine:
             from kestrel_cli.text.constrained import JsonConstraint
 
             constraint = JsonConstraint(self, json_schema, json_then)
+        # the grammar already decides every token (JSON from the first one): a budget
+        # forcing </think> inside it would leave no token allowed
+        budget = (
+            None
+            if constraint is not None
+            else think_budget.make(self.tokenizer, reasoning_budget, ids)
+        )
         return stream_generate(
             self,
             ids,
@@ -693,6 +710,7 @@ class Engine:
             frequency_penalty=frequency_penalty,
             logprobs=logprobs,
             constraint=constraint,
+            processors=[] if budget is None else [budget],
         )
 
     def generate(

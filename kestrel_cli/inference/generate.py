@@ -118,6 +118,7 @@ def stream_generate(
     frequency_penalty: float = 0.0,
     logprobs: int | None = None,
     constraint=None,
+    processors: Sequence = (),
 ) -> Iterator[Chunk]:
     """Prefill the prompt (reusing the engine's cached prefix), then sample token by token.
 
@@ -126,7 +127,10 @@ def stream_generate(
     token's chunk carries its log-probability and the k likeliest tokens', from the
     model's distribution (log-softmax of its logits, before penalties, bias and sampling).
     A `constraint` (constrained.JsonConstraint) masks the logits before each step and ends
-    the answer when its grammar is complete.
+    the answer when its grammar is complete. `processors` (e.g. think_budget.ThinkBudget)
+    do the same without ending it: each step every one `apply(row)`s its mask (after
+    penalties and bias, before the constraint's), and each token picked but EOS is
+    `advance`d through all of them; a token they force is an ordinary generated token.
     """
     prof = engine.model.prof
     eos = set(engine.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
@@ -142,6 +146,7 @@ def stream_generate(
     pending, finish, stopped, complete = "", "length", False, False
     timing = None  # the decode step that produced the current logits
     token = -1  # the token sampled last (fed from the second step on)
+    hooks = [*processors] + ([constraint] if constraint is not None else [])
     for i in range(max_tokens):
         if i > 0:  # feed the previous token (after its chunk went out)
             if engine.cache.offset >= engine.ctx_size:
@@ -168,16 +173,17 @@ def stream_generate(
         adjust_logits(
             row, logit_bias, presence_penalty, frequency_penalty, history[len(prompt_ids) :]
         )
-        if constraint is not None:
-            constraint.apply(row)
+        for h in hooks:
+            h.apply(row)
         token = sampler(row)
         stats.generated_tokens += 1
         history.append(token)
         if token in eos:
             finish = "stop"
             break
+        for h in hooks:
+            h.advance(token)
         if constraint is not None:
-            constraint.advance(token)
             complete = constraint.done  # nothing but EOS may follow
         step, timing = timing, None
         pending += detok.add(token)

@@ -202,10 +202,12 @@ def create_app(
     queue_size: int = 32,
     limits: Limits | None = None,
     slot_save_path: str | Path | None = None,
+    reasoning_budget: int = -1,
 ) -> FastAPI:
     """The FastAPI app serving `engines` (one per slot, sharing weights and tokenizer);
     with `slot_save_path`, POST /slots/{id}?action=save|restore|erase (llama-server's) save
-    a slot's KV cache to a file of that directory and load it back."""
+    a slot's KV cache to a file of that directory and load it back. `reasoning_budget` is
+    the thinking budget of a request that sets none (-1: unlimited)."""
     from contextlib import asynccontextmanager
 
     check_api_key(api_key)
@@ -685,6 +687,8 @@ def create_app(
                 ids = list(ids) + eng0.tokenizer.encode(prefix)
         default_max = eng0.ctx_size if kind == "chat" else COMPLETIONS_MAX_TOKENS
         params = opts.sampling(default_max)
+        if params.get("reasoning_budget") is None:
+            params["reasoning_budget"] = reasoning_budget
         suffix = ""
         if forced is not None:  # the call's JSON enforced while sampling
             params["json_schema"], params["json_then"] = forced_schema(kw["tools"], forced)
@@ -808,6 +812,8 @@ def create_app(
         tools, forced = parse_tools(body)
         opts = Options.parse(body)
         kwargs = opts.template_kwargs()
+        if (reasoning_budget if opts.reasoning_budget is None else opts.reasoning_budget) == 0:
+            kwargs.setdefault("enable_thinking", False)  # the template's empty think block
         schema = opts.json_schema
         # tools are rendered into the prompt too: their JSON counts against its size
         n_chars = sum(content_chars(m["content"]) for m in messages) + (
@@ -1134,6 +1140,7 @@ def serve(
     queue_size: int = 32,
     limits: Limits | None = None,
     slot_save_path: str | Path | None = None,
+    reasoning_budget: int = -1,
 ) -> None:
     """Serve until SIGINT/SIGTERM; then in-flight requests get `limits.shutdown_timeout`
     seconds to finish before they are ended with a 503 error, queued ones get 503 at once,
@@ -1146,6 +1153,7 @@ def serve(
         queue_size=queue_size,
         limits=limits,
         slot_save_path=slot_save_path,
+        reasoning_budget=reasoning_budget,
     )
     # uvicorn's own graceful timeout is a backstop after ours: the aborted replies are sent
     config = uvicorn.Config(

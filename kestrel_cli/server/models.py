@@ -136,6 +136,9 @@ class Options(_Fields):
     stream_options: StreamOptions | None = None
     chat_template_kwargs: dict | None = None
     reasoning_effort: str | None = None  # "none": thinking off; others: on (Qwen3)
+    # tokens of thinking before the <think> block is closed (-1 unlimited, 0 none; null:
+    # the server's --reasoning-budget)
+    reasoning_budget: int | None = Field(None, ge=-1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
@@ -191,6 +194,7 @@ class Options(_Fields):
             logit_bias=bias or None,
             logprobs=self.n_logprobs,
             json_schema=self.json_schema,
+            reasoning_budget=self.reasoning_budget,
         )
 
     @property
