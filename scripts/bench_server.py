@@ -70,21 +70,24 @@ def one_request(url: str, i: int, n: int, out: list) -> None:
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
-    first, tokens = None, 0
+    first, tokens, usage = None, 0, None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             ev = json.loads(line[6:])
-            ch = ev.get("choices") or []
-            if ch and ch[0].get("text"):
-                tokens += 1
+            usage = ev.get("usage") or usage
+            if ev.get("choices"):  # a token's event (its text may be empty: a partial
+                tokens += 1  # UTF-8 character of a random model)
                 if first is None:
                     first = time.perf_counter()
     t1 = time.perf_counter()
+    if usage and usage.get("completion_tokens"):  # the server's own count
+        tokens = usage["completion_tokens"]
     out.append(dict(ttft=(first or t1) - t0, tokens=tokens, dec_s=t1 - (first or t1)))
 
 
