@@ -38,19 +38,19 @@ from kestrel_cli.server.admission import (
     default_request_memory,
     prep_cost,
 )
+from kestrel_cli.server.events import Answer, Content, Finish, Reasoning, Token
 from kestrel_cli.server.models import (
     COMPLETIONS_MAX_TOKENS,
     APIError,
+    ChatRequest,
     Options,
     check_unsupported,
     content_chars,
     first_bad_string,
-    parse_messages,
     parse_prompt,
-    parse_tools,
 )
 from kestrel_cli.server.scheduler import Job, Scheduler, Ticket
-from kestrel_cli.text.reasoning import AnswerSplitter, prompt_opens_thinking
+from kestrel_cli.text.reasoning import prompt_opens_thinking
 from kestrel_cli.text.tokenizer import TooManyTokens
 
 log = logging.getLogger("kestrel.server")
@@ -408,39 +408,61 @@ def create_app(
             offset += len(s)
         return out
 
-    def split_parts(sp: AnswerSplitter, parts, calls: list) -> list[dict]:
-        """Splitter parts -> chat deltas (tool calls numbered and given ids)."""
-        deltas = []
-        for k, v in parts:
-            if k == "reasoning":
-                deltas.append({"reasoning_content": v})
-            elif k == "content":
-                deltas.append({"content": v})
-            else:
-                call = {
-                    "index": len(calls),
-                    "id": "call_" + secrets.token_hex(12),
-                    "type": "function",
-                    "function": dict(v),
-                }
-                calls.append(call)
-                deltas.append({"tool_calls": [call]})
-        return deltas
+    def chat_delta(ev, calls: list) -> dict:
+        """A text or tool call event -> OpenAI's chat delta (tool calls given ids)."""
+        if isinstance(ev, Reasoning):
+            return {"reasoning_content": ev.text}
+        if isinstance(ev, Content):
+            return {"content": ev.text}
+        call = {
+            "index": ev.index,
+            "id": "call_" + secrets.token_hex(12),
+            "type": "function",
+            "function": {"name": ev.name, "arguments": ev.arguments},
+        }
+        calls.append(call)
+        return {"tool_calls": [call]}
+
+    async def collect(request: Request, answer: Answer) -> tuple[list, Finish] | None:
+        """All of a non-streamed answer's events but the Finish, and the Finish; None when
+        the client went away first (its job is cancelled as soon as that is seen)."""
+        job = answer.job
+        watch = asyncio.create_task(_wait_disconnect(request.receive))
+        watch.add_done_callback(lambda t: t.cancelled() or sched.cancel(job))
+        evs, fin = [], None
+        try:
+            async for ev in answer.events():
+                if isinstance(ev, Finish):
+                    fin = ev
+                else:
+                    evs.append(ev)
+        finally:
+            watch.cancel()
+            if fin is None:  # client gone, error or shutdown
+                sched.cancel(job)
+        return None if fin is None else (evs, fin)
+
+    def stream_reply(request: Request, job: Job, body) -> _Stream:
+        """Server-sent events from the async generator `body`; the job is cancelled if the
+        stream ends before it does."""
+
+        def on_close():
+            if job.state != "done":
+                sched.cancel(job)
+                request.scope.setdefault("kestrel.log", (job, None, "cancelled"))
+
+        return _Stream(body, on_close)
 
     async def generate(
         request: Request,
-        job: Job,
+        answer: Answer,
         stream: bool,
         include_usage: bool,
         kind: str,
-        split: dict | None = None,
-        prefix: str = "",
-        suffix: str = "",
     ):
-        """The reply to an admitted job: one JSON object, or SSE chunks. Chat answers go
-        through an AnswerSplitter (`split`: its arguments): reasoning_content, content and
-        tool_calls; `prefix` is answer text the prompt already holds (a forced tool call)."""
-        sp = AnswerSplitter(**split) if split is not None else None
+        """The OpenAI reply to an admitted answer: one JSON object, or SSE chunks. A chat
+        answer's events become reasoning_content, content and tool_calls."""
+        job = answer.job
         calls: list[dict] = []
         want_lp = job.params.get("logprobs") is not None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
@@ -456,28 +478,15 @@ def create_app(
         }
 
         if not stream:
-            watch = asyncio.create_task(_wait_disconnect(request.receive))
-            watch.add_done_callback(lambda t: t.cancelled() or sched.cancel(job))
-            pieces, last, scored = [], None, []
-            try:
-                async for ch in job.chunks():
-                    if ch.text:
-                        pieces.append(ch.text)
-                    if ch.logprob is not None:
-                        scored.append(ch)
-                    last = ch if ch.finish_reason else last
-            finally:
-                watch.cancel()
-                if last is None:  # client gone, error or shutdown
-                    sched.cancel(job)
-            if last is None:  # cancelled: the client is gone
+            got = await collect(request, answer)
+            if got is None:  # cancelled: the client is gone
                 finish_log(request, job, None, "cancelled")
                 return JSONResponse({}, status_code=499)
-            text = "".join(pieces)
-            finish = last.finish_reason
-            if sp is not None:
-                parts = sp.feed(prefix + text + suffix) + sp.finish()
-                deltas = split_parts(sp, parts, calls)
+            evs, fin = got
+            scored = [e.chunk for e in evs if isinstance(e, Token) and e.chunk.logprob is not None]
+            finish = fin.reason
+            if answer.split is not None:
+                deltas = [chat_delta(e, calls) for e in evs if not isinstance(e, Token)]
                 msg = {
                     "role": "assistant",
                     "content": "".join(d.get("content", "") for d in deltas),
@@ -493,6 +502,7 @@ def create_app(
                     finish = "tool_calls"
                 choice = {"index": 0, "message": msg}
             else:
+                text = "".join(e.text for e in evs if isinstance(e, Content))
                 choice = (
                     {"index": 0, "message": {"role": "assistant", "content": text}}
                     if kind == "chat"
@@ -502,13 +512,13 @@ def create_app(
             if want_lp:
                 lps = chat_logprobs(scored) if kind == "chat" else completion_logprobs(scored, 0)
             choice.update(logprobs=lps, finish_reason=finish)
-            finish_log(request, job, last.stats, last.finish_reason)
+            finish_log(request, job, fin.stats, fin.reason)
             return JSONResponse(
                 {
                     **head,
                     "choices": [choice],
-                    "usage": _usage(last.stats),
-                    "timings": _timings(last.stats, job.gen_ms),
+                    "usage": _usage(fin.stats),
+                    "timings": _timings(fin.stats, job.gen_ms),
                 }
             )
 
@@ -538,40 +548,35 @@ def create_app(
             return out
 
         async def events():
-            last = None
+            fin = None
             if kind == "chat":
                 yield _sse(chunk({"role": "assistant", "content": ""}))
             try:
-                if sp is not None and prefix:
-                    for d in split_parts(sp, sp.feed(prefix), calls):
-                        yield _sse(chunk(d))
-                async for ch in job.chunks():
-                    if ch.logprob is not None:
-                        scored.append(ch)
-                    if ch.text and sp is not None:
-                        for d in split_parts(sp, sp.feed(ch.text), calls):
-                            yield _sse(chunk(d))
-                    elif ch.text:
-                        yield _sse(chunk({"content": ch.text} if kind == "chat" else ch.text))
-                    last = ch if ch.finish_reason else last
-                if last is not None and sp is not None:
-                    for d in split_parts(sp, sp.feed(suffix) + sp.finish(), calls):
-                        yield _sse(chunk(d))
+                async for ev in answer.events():
+                    if isinstance(ev, Token):
+                        if ev.chunk.logprob is not None:
+                            scored.append(ev.chunk)
+                    elif isinstance(ev, Finish):
+                        fin = ev
+                    elif kind == "chat":
+                        yield _sse(chunk(chat_delta(ev, calls)))
+                    else:
+                        yield _sse(chunk(ev.text))
             except APIError as e:  # an engine error, the time limit, shutdown
                 finish_log(request, job, None, "error")
                 request.scope["kestrel.error"] = e.message
                 yield _sse(e.body())
                 yield "data: [DONE]\n\n"
                 return
-            if last is None:
+            if fin is None:
                 finish_log(request, job, None, "cancelled")
                 return
-            finish_log(request, job, last.stats, last.finish_reason)
+            finish_log(request, job, fin.stats, fin.reason)
             yield _sse(
                 chunk(
                     {} if kind == "chat" else "",
-                    "tool_calls" if calls else last.finish_reason,
-                    timings=_timings(last.stats, job.gen_ms),
+                    "tool_calls" if calls else fin.reason,
+                    timings=_timings(fin.stats, job.gen_ms),
                 )
             )
             if include_usage:
@@ -579,18 +584,13 @@ def create_app(
                     {
                         **head,
                         "choices": [],
-                        "usage": _usage(last.stats),
-                        "timings": _timings(last.stats, job.gen_ms),
+                        "usage": _usage(fin.stats),
+                        "timings": _timings(fin.stats, job.gen_ms),
                     }
                 )
             yield "data: [DONE]\n\n"
 
-        def on_close():
-            if job.state != "done":
-                sched.cancel(job)
-                request.scope.setdefault("kestrel.log", (job, None, "cancelled"))
-
-        return _Stream(events(), on_close)
+        return stream_reply(request, job, events())
 
     # -- routes
     @app.get("/health")
@@ -650,7 +650,7 @@ def create_app(
             ]
         }, ""
 
-    async def answer(
+    async def start(
         request: Request,
         opts: Options,
         prompt,
@@ -659,7 +659,9 @@ def create_app(
         forced: str | None = None,
         ticket: Ticket | None = None,
         **kw,
-    ):
+    ) -> Answer:
+        """Template, tokenise and admit a request: its Answer (the job, and how to split
+        its text)."""
         ids = await encode(prompt, param, **kw)
         split, prefix = None, ""
         if kind == "chat":
@@ -686,9 +688,12 @@ def create_app(
             params["json_schema"], params["json_then"] = forced_schema(kw["tools"], forced)
             suffix = "\n</tool_call>"
         job = await admit(request, ids, params, param, opts.cache_prompt, ticket)
-        return await generate(
-            request, job, opts.stream, opts.include_usage, kind, split, prefix, suffix
-        )
+        return Answer(job, split, prefix, suffix, decode=eng0.tokenizer.decode)
+
+    async def answer(request: Request, opts: Options, prompt, param: str, kind: str, **kw):
+        """The OpenAI reply to a chat or completion request."""
+        ans = await start(request, opts, prompt, param, kind, **kw)
+        return await generate(request, ans, opts.stream, opts.include_usage, kind)
 
     async def size_images(parts: list[dict]) -> list[tuple[int, int]]:
         """(decode_cost, patch_bytes) of each image, from its header alone (base64 decoded,
@@ -796,15 +801,13 @@ def create_app(
             }
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await read_json(request)
-        check_unsupported(body)
-        messages = parse_messages(body)
-        tools, forced = parse_tools(body)
-        opts = Options.parse(body)
-        kwargs = opts.template_kwargs()
-        schema = opts.json_schema
+    async def chat_answer(request: Request, req: ChatRequest, count_only: bool = False):
+        """The chat pipeline every chat API shares: bound the prompt, reserve a place, size
+        the images, take the request's memory, check the schemas, then template, tokenise
+        and admit: the Answer. `count_only`: the prompt's token count instead (nothing is
+        admitted or generated)."""
+        messages, tools, forced, opts = req.messages, req.tools, req.forced, req.opts
+        kwargs, schema = dict(req.kwargs), req.schema
         # tools are rendered into the prompt too: their JSON counts against its size
         n_chars = sum(content_chars(m["content"]) for m in messages) + (
             len(json.dumps(tools)) if tools is not None else 0
@@ -834,14 +837,18 @@ def create_app(
                 "the request",
             )
             if schema is not None:
-                await check_schema(schema)
+                if not count_only:
+                    await check_schema(schema, req.schema_param)
                 if "enable_thinking" not in kwargs:
                     kwargs["enable_thinking"] = False  # the answer is JSON from its first token
             if tools is not None:
                 kwargs["tools"] = tools
+            if count_only:
+                ids = await encode(messages, "messages", max_chars=max_chars, **kwargs)
+                return len(ids)
             if forced is not None:
                 await check_schema(forced_schema(tools, forced)[0], "tools")
-            return await answer(
+            return await start(
                 request,
                 opts,
                 messages,
@@ -854,6 +861,12 @@ def create_app(
             )
         finally:
             ticket.release()  # not queued: the preparation failed
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = ChatRequest.parse(await read_json(request))
+        ans = await chat_answer(request, req)
+        return await generate(request, ans, req.opts.stream, req.opts.include_usage, "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
