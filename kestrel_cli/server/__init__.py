@@ -1,13 +1,16 @@
 """`kestrel serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the Engine.
 
-Three modules: `models` (requests: parsing, validation, the error shape), `scheduler` (the
-slots, their worker threads and the queue: --parallel, --queue-size) and `app` (the FastAPI
-routes, replies, logging and running uvicorn).
+Modules: `models` (requests: parsing, validation, the error shape), `scheduler` (the
+slots, their worker threads and the queue: --parallel, --queue-size), `events` (an answer
+as structured events: reasoning / content deltas, tool calls, finish), `anthropic` (that
+API's requests and replies over the same chat pipeline) and `app` (the FastAPI routes,
+replies, logging and running uvicorn).
 
     GET  /health                 {"status", "slots_idle", "slots_processing", "requests_queued"}
     GET  /v1/models              the one loaded model (id = the model file or directory name)
     POST /v1/chat/completions    messages -> chat template -> reply (or SSE chunks)
     POST /v1/completions         raw prompt text (or token ids) -> continuation
+    POST /v1/messages            Anthropic's Messages API (and /v1/messages/count_tokens)
 
 Concurrency: an Engine is not thread-safe and holds one KV cache, so each engine ("slot")
 is driven by its own worker thread; `--parallel N` makes N slots whose engines share the

@@ -30,6 +30,7 @@ from kestrel_cli.inference import kv_memory
 from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.generate import Stats
 from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, probe_image
+from kestrel_cli.server import anthropic
 from kestrel_cli.server.admission import (
     BODY_COPIES,
     Budget,
@@ -111,10 +112,14 @@ def _timings(stats: Stats, gen_ms: float) -> dict:
     }
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    """`err` as a reply; a 503 server_busy says when to retry (clients such as the OpenAI
-    SDKs wait that long before their next try)."""
-    resp = err.response()
+def _error_response(err: APIError, path: str = "") -> JSONResponse:
+    """`err` as a reply in the shape of the API whose route `path` is (Anthropic's under
+    /v1/messages, OpenAI's elsewhere); a 503 server_busy says when to retry (clients such as
+    the OpenAI and Anthropic SDKs wait that long before their next try)."""
+    if anthropic.is_anthropic(path):
+        resp = JSONResponse(anthropic.error_body(err), status_code=err.status)
+    else:
+        resp = err.response()
     if err.code == "server_busy":
         resp.headers["Retry-After"] = str(RETRY_AFTER_S)
     return resp
@@ -237,16 +242,17 @@ def create_app(
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         request.scope["kestrel.error"] = exc.message
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
-        return APIError(str(exc.detail), exc.status_code).response()
+        return _error_response(APIError(str(exc.detail), exc.status_code), request.url.path)
 
     @app.exception_handler(Exception)
     async def _crash(request, exc):
         log.exception("unhandled error")
-        return APIError(f"internal error: {type(exc).__name__}", 500).response()
+        err = APIError(f"internal error: {type(exc).__name__}", 500)
+        return _error_response(err, request.url.path)
 
     async def read_json(request: Request) -> dict:
         """The body as a JSON object; its bytes are taken from the request's lease as they
@@ -868,6 +874,42 @@ def create_app(
         ans = await chat_answer(request, req)
         return await generate(request, ans, req.opts.stream, req.opts.include_usage, "chat")
 
+    def stream_done(request: Request, job: Job):
+        """How a stream of another API's events reports its end to the request's log line:
+        done(finish, error); both None: cancelled."""
+
+        def done(fin: Finish | None, err: APIError | None) -> None:
+            if err is not None:
+                finish_log(request, job, None, "error")
+                request.scope["kestrel.error"] = err.message
+            elif fin is None:
+                finish_log(request, job, None, "cancelled")
+            else:
+                finish_log(request, job, fin.stats, fin.reason)
+
+        return done
+
+    # -- Anthropic's Messages API
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        req = anthropic.parse_request(await read_json(request))
+        ans = await chat_answer(request, req)
+        job = ans.job
+        if req.opts.stream:
+            return stream_reply(request, job, anthropic.stream(mid, ans, stream_done(request, job)))
+        got = await collect(request, ans)
+        if got is None:  # cancelled: the client is gone
+            finish_log(request, job, None, "cancelled")
+            return JSONResponse({}, status_code=499)
+        evs, fin = got
+        finish_log(request, job, fin.stats, fin.reason)
+        return JSONResponse(anthropic.message(mid, evs, fin))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        req = anthropic.parse_request(await read_json(request), count_only=True)
+        return JSONResponse({"input_tokens": await chat_answer(request, req, count_only=True)})
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_json(request)
@@ -924,20 +966,22 @@ class _FrontDoor:
         return receive_
 
     def _authorized(self, scope) -> bool:
-        """One Authorization header, `Bearer KEY`, with the key: a request carrying two
-        (a wrong one and a right one) is refused, whichever a proxy would have read."""
+        """One credential, with the key: an `Authorization: Bearer KEY` header (OpenAI's
+        clients) or an `x-api-key: KEY` header (Anthropic's). A request carrying two (a
+        wrong one and a right one) is refused, whichever a proxy would have read."""
         if self.api_key is None or not scope["path"].startswith("/v1/"):
             return True
-        auth = [v for k, v in scope.get("headers") or [] if k.lower() == b"authorization"]
-        if len(auth) != 1:
+        creds = []
+        for k, v in scope.get("headers") or []:
+            k = k.lower()
+            if k == b"authorization":
+                scheme, _, token = v.decode("latin-1").partition(" ")
+                creds.append(token.strip() if scheme.lower() == "bearer" else "")
+            elif k == b"x-api-key":
+                creds.append(v.decode("latin-1").strip())
+        if len(creds) != 1 or not creds[0]:
             return False
-        scheme, _, token = auth[0].decode("latin-1").partition(" ")
-        token = token.strip().encode("latin-1")
-        return (
-            scheme.lower() == "bearer"
-            and bool(token)
-            and hmac.compare_digest(token, self.api_key.encode())
-        )
+        return hmac.compare_digest(creds[0].encode("latin-1"), self.api_key.encode())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -955,11 +999,13 @@ class _FrontDoor:
             if self._authorized(scope):
                 await self.app(scope, self._deadline_receive(receive), send_)
             else:
-                await APIError(
-                    "invalid or missing API key (send one 'Authorization: Bearer KEY' header)",
+                err = APIError(
+                    "invalid or missing API key (send one 'Authorization: Bearer KEY' or "
+                    "'x-api-key: KEY' header)",
                     401,
                     code="invalid_api_key",
-                ).response()(scope, receive, send_)
+                )
+                await _error_response(err, scope["path"])(scope, receive, send_)
         finally:
             lease.release()
             self._line(scope, status[0], t0)
