@@ -30,7 +30,7 @@ from kestrel_cli.inference import kv_memory
 from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.generate import Stats
 from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, probe_image
-from kestrel_cli.server import anthropic
+from kestrel_cli.server import anthropic, responses
 from kestrel_cli.server.admission import (
     BODY_COPIES,
     Budget,
@@ -206,10 +206,12 @@ def create_app(
     queue_size: int = 32,
     limits: Limits | None = None,
     slot_save_path: str | Path | None = None,
+    response_store: responses.ResponseStore | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engines` (one per slot, sharing weights and tokenizer);
     with `slot_save_path`, POST /slots/{id}?action=save|restore|erase (llama-server's) save
-    a slot's KV cache to a file of that directory and load it back."""
+    a slot's KV cache to a file of that directory and load it back. `response_store` keeps
+    /v1/responses' stored responses (default: a ResponseStore with its default bounds)."""
     from contextlib import asynccontextmanager
 
     check_api_key(api_key)
@@ -237,6 +239,8 @@ def create_app(
     app.state.scheduler = sched
     app.state.limits = limits
     app.state.budget = budget
+    store = response_store if response_store is not None else responses.ResponseStore()
+    app.state.response_store = store
 
     # -- cross-cutting: errors, auth, one log line per request
     @app.exception_handler(APIError)
@@ -909,6 +913,47 @@ def create_app(
     async def count_tokens(request: Request):
         req = anthropic.parse_request(await read_json(request), count_only=True)
         return JSONResponse({"input_tokens": await chat_answer(request, req, count_only=True)})
+
+    # -- OpenAI's Responses API
+    def count_text(text: str) -> int:
+        return len(eng0.tokenizer.encode(text, add_special_tokens=False))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        req = responses.parse_request(await read_json(request), store)
+        ans = await chat_answer(request, req.chat)
+        job = ans.job
+        b = responses.Builder(mid, req, count_text)
+
+        def keep(resp: dict) -> None:
+            if req.echo["store"]:
+                store.put(b.id, resp, b.history())
+
+        if req.chat.opts.stream:
+            events = responses.stream(b, ans, stream_done(request, job), keep)
+            return stream_reply(request, job, events)
+        got = await collect(request, ans)
+        if got is None:  # cancelled: the client is gone
+            finish_log(request, job, None, "cancelled")
+            return JSONResponse({}, status_code=499)
+        evs, fin = got
+        finish_log(request, job, fin.stats, fin.reason)
+        resp = b.whole(evs, fin)
+        keep(resp)
+        return JSONResponse(resp)
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(rid: str):
+        got = store.get(rid)
+        if got is None:
+            raise responses.not_found(rid)
+        return JSONResponse(got[0])
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        if not store.delete(rid):
+            raise responses.not_found(rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
