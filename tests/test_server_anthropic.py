@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -16,7 +17,20 @@ import anthropic
 import httpx
 import pytest
 import uvicorn
+from hypothesis import given
+from hypothesis import strategies as st
 from test_reasoning import WEATHER, scripted, write_qwen3_tokenizer
+from test_server_fuzz import (
+    HEAP_ADDRESS,
+    JSON,
+    MAX_MESSAGE_CHARS,
+    ROOT,
+    SCALAR,
+    TEXT,
+    Harness,
+    dumps,
+    fuzz_settings,
+)
 
 from conftest import make_checkpoint
 from kestrel_cli import Engine
@@ -423,3 +437,205 @@ def test_errors_midway_end_the_stream_with_an_error_event(url, app, qwen3_engine
         "type": "error",
         "error": {"type": "invalid_request_error", "message": "the sampler broke"},
     }
+
+
+# ---------------------------------------------------------------------------- fuzzing
+
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image"),
+            "source": st.one_of(
+                JSON,
+                st.fixed_dictionaries(
+                    {
+                        "type": st.just("base64"),
+                        "media_type": st.sampled_from(["image/png", "x"]),
+                        "data": TEXT,
+                    }
+                ),
+            ),
+        }
+    ),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": TEXT, "name": TEXT, "input": JSON}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_result"),
+            "tool_use_id": TEXT,
+            "content": st.one_of(TEXT, st.lists(JSON, max_size=2)),
+        }
+    ),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": TEXT, "signature": TEXT}),
+    st.dictionaries(TEXT, JSON, max_size=3),
+    JSON,
+)
+MESSAGE = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system", "x"]),
+            "content": st.one_of(TEXT, st.lists(BLOCK, max_size=3)),
+        }
+    ),
+    JSON,
+)
+MAX_TOKENS = st.one_of(st.integers(1, 3), st.sampled_from([0, -1, "2", 2.5, True, None]))
+TOOL = st.one_of(
+    st.fixed_dictionaries(
+        {"name": TEXT, "input_schema": st.one_of(st.just({"type": "object"}), JSON)},
+        optional={"description": TEXT, "type": st.sampled_from(["custom", "bash_20250124"])},
+    ),
+    JSON,
+)
+MESSAGES_BODY = st.fixed_dictionaries(
+    {
+        "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), JSON),
+        "max_tokens": MAX_TOKENS,
+    },
+    optional={
+        "model": SCALAR,
+        "system": st.one_of(TEXT, st.lists(BLOCK, max_size=2)),
+        "tools": st.one_of(st.lists(TOOL, max_size=2), JSON),
+        "tool_choice": st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                optional={"name": TEXT},
+            ),
+            JSON,
+        ),
+        "thinking": st.one_of(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["enabled", "disabled", "adaptive", "x"])},
+                optional={"budget_tokens": SCALAR},
+            ),
+            JSON,
+        ),
+        "stop_sequences": st.one_of(st.lists(TEXT, max_size=3), JSON),
+        "temperature": SCALAR,
+        "top_p": SCALAR,
+        "top_k": SCALAR,
+        "stream": st.booleans(),
+        "metadata": JSON,
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def harness(qwen3_engine):
+    h = Harness(create_app([qwen3_engine], queue_size=2))
+    h.model_dir = qwen3_engine.path
+    yield h
+    h.close()
+    print(f"\nfuzzed messages by status: {dict(sorted(h.statuses.items()))}")
+
+
+def check_anthropic(h: Harness, r: httpx.Response, what) -> None:
+    """Any reply of /v1/messages: 2xx or 4xx in Anthropic's shape, events that end with
+    message_stop or an error, no traceback or local path, the request's memory given back."""
+    text = r.text
+    assert r.status_code < 500, (what, r.status_code, text[:500])
+    for leak in ("Traceback", str(ROOT), str(h.model_dir.parent), sys.prefix):
+        assert leak not in text, (what, leak, text[:500])
+    assert not HEAP_ADDRESS.search(text), (what, text[:500])
+    assert h.app.state.budget.used == 0, what
+    if r.status_code >= 400:
+        body = r.json()
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, what
+        msg = body["error"]["message"]
+        assert msg and "\n" not in msg and len(msg) <= MAX_MESSAGE_CHARS, (what, msg[:300])
+        assert body["error"]["type"] != "api_error", (what, body)
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        evs = sse(text)
+        assert evs[0][0] == "message_start" and evs[-1][0] in ("message_stop", "error"), what
+        assert all(d["type"] == e for e, d in evs), what
+    else:
+        body = r.json()
+        assert body.get("type") == "message" or set(body) == {"input_tokens"}, (what, body)
+
+
+@fuzz_settings(250)
+@given(
+    path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]),
+    body=MESSAGES_BODY,
+)
+def test_fuzz_messages(harness, path, body):
+    raw = dumps(body)
+    check_anthropic(harness, harness.request("POST", path, raw), (path, raw[:300]))
+
+
+# text without lone surrogates (those are refused before any API reads the body)
+VTEXT = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(["", "<think>", "</think>", "<tool_call>", "<|im_end|>", "{{ 7*7 }}", "a" * 300]),
+)
+SIMPLE = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), VTEXT)
+USER_BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": VTEXT}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_result"),
+            "tool_use_id": VTEXT,
+            "content": st.one_of(
+                VTEXT, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": VTEXT}))
+            ),
+        },
+        optional={"is_error": st.booleans()},
+    ),
+)
+ASSISTANT_BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": VTEXT}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": VTEXT, "signature": VTEXT}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": VTEXT,
+            "name": st.sampled_from(["pick_city", "f"]),
+            "input": st.dictionaries(VTEXT, SIMPLE, max_size=3),
+        }
+    ),
+)
+USER = st.fixed_dictionaries(
+    {"role": st.just("user"), "content": st.one_of(VTEXT, st.lists(USER_BLOCK, min_size=1))}
+)
+ASSISTANT = st.fixed_dictionaries(
+    {
+        "role": st.just("assistant"),
+        "content": st.one_of(VTEXT, st.lists(ASSISTANT_BLOCK, min_size=1, max_size=3)),
+    }
+)
+VALID_BODY = st.fixed_dictionaries(
+    {
+        "messages": st.builds(
+            lambda turns, last: [m for pair in turns for m in pair] + [last],
+            st.lists(st.tuples(USER, ASSISTANT), max_size=2),
+            USER,
+        ),
+        "max_tokens": st.integers(1, 3),
+    },
+    optional={
+        "system": st.one_of(VTEXT, st.lists(USER_BLOCK.filter(lambda b: b["type"] == "text"))),
+        "tools": st.lists(st.sampled_from([PICK, {**PICK, "name": "f"}]), max_size=2),
+        "tool_choice": st.sampled_from(
+            [{"type": "auto"}, {"type": "any"}, {"type": "none"}, {"type": "tool", "name": "f"}]
+        ),
+        "thinking": st.sampled_from(
+            [{"type": "disabled"}, {"type": "adaptive"}, {"type": "enabled", "budget_tokens": 1}]
+        ),
+        "stop_sequences": st.lists(VTEXT, max_size=2),
+        "temperature": st.floats(0, 1),
+        "top_k": st.integers(0, 5),
+        "stream": st.booleans(),
+        "metadata": st.fixed_dictionaries({"user_id": VTEXT}),
+    },
+)
+
+
+@fuzz_settings(150)
+@given(body=VALID_BODY)
+def test_fuzz_well_formed_messages(harness, body):
+    """Requests of the right shape (any text, blocks, tools and options): answers, or a 400
+    where the combination is refused (a forced call with thinking, a choice of a tool not
+    given, a budget not below max_tokens)."""
+    raw = dumps(body)
+    r = harness.request("POST", "/v1/messages", raw)
+    check_anthropic(harness, r, ("/v1/messages", raw[:300]))

@@ -7,17 +7,32 @@ random model under their grammar."""
 from __future__ import annotations
 
 import json
+import sys
+from urllib.parse import quote
 
 import httpx
 import openai
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_reasoning import scripted, write_qwen3_tokenizer
 from test_server_anthropic import running
+from test_server_fuzz import (
+    HEAP_ADDRESS,
+    JSON,
+    MAX_MESSAGE_CHARS,
+    ROOT,
+    SCALAR,
+    TEXT,
+    Harness,
+    dumps,
+    fuzz_settings,
+)
 
 from conftest import make_checkpoint
 from kestrel_cli import Engine
 from kestrel_cli.server.app import create_app
-from kestrel_cli.server.responses import ResponseStore
+from kestrel_cli.server.responses import EFFORTS, ResponseStore
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 PICK = {
@@ -151,16 +166,8 @@ def test_forced_function_call_round_trip(client, qwen3_engine, monkeypatch):
     assert "response.function_call_arguments.delta" in kinds
     assert "response.function_call_arguments.done" in kinds
     output = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}
-    explicit = [
-        {"role": "user", "content": ask},
-        {
-            "type": "function_call",
-            "call_id": call.call_id,
-            "name": call.name,
-            "arguments": call.arguments,
-        },
-        output,
-    ]
+    # the stateless way: the response's own output items sent back as input
+    explicit = [{"role": "user", "content": ask}, *[o.model_dump() for o in r.output], output]
     n = prompt_tokens(client, explicit, tools=[PICK])
     scripted(monkeypatch, qwen3_engine, "It is 21 degrees.")
     r2 = client.responses.create(
@@ -297,3 +304,236 @@ def test_bad_requests_have_openai_s_shape(client, url):
         assert set(r.json()["error"]) == ERROR_KEYS and r.json()["error"]["param"] == param, r.text
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model="m", input="Hi", tools=[{"type": "web_search"}])
+
+
+# ---------------------------------------------------------------------------- fuzzing
+
+PART = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]), "text": TEXT}),
+    st.fixed_dictionaries({"type": st.just("input_image"), "image_url": TEXT}),
+    st.fixed_dictionaries({"type": st.just("input_file"), "file_id": TEXT}),
+    st.dictionaries(TEXT, JSON, max_size=3),
+    JSON,
+)
+ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system", "developer", "x"]),
+            "content": st.one_of(TEXT, st.lists(PART, max_size=3)),
+        },
+        optional={"type": st.just("message")},
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": TEXT,
+            "name": TEXT,
+            "arguments": st.one_of(TEXT, st.just('{"city": "Oslo"}')),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call_output"),
+            "call_id": TEXT,
+            "output": st.one_of(TEXT, st.lists(PART, max_size=2)),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("reasoning"),
+            "summary": st.just([]),
+            "content": st.lists(
+                st.one_of(
+                    st.fixed_dictionaries({"type": st.just("reasoning_text"), "text": TEXT}),
+                    JSON,
+                ),
+                max_size=2,
+            ),
+        }
+    ),
+    st.dictionaries(TEXT, JSON, max_size=3),
+    JSON,
+)
+RESPONSES_BODY = st.fixed_dictionaries(
+    {
+        "input": st.one_of(TEXT, st.lists(ITEM, max_size=4), JSON),
+        "max_output_tokens": st.one_of(st.integers(1, 3), st.sampled_from([0, -1, "2", 2.5, True])),
+    },
+    optional={
+        "model": SCALAR,
+        "instructions": st.one_of(TEXT, JSON),
+        "tools": st.one_of(
+            st.lists(
+                st.one_of(
+                    st.fixed_dictionaries(
+                        {"type": st.sampled_from(["function", "web_search"]), "name": TEXT},
+                        optional={
+                            "parameters": st.one_of(st.just({"type": "object"}), JSON),
+                            "description": TEXT,
+                            "strict": st.booleans(),
+                        },
+                    ),
+                    JSON,
+                ),
+                max_size=2,
+            ),
+            JSON,
+        ),
+        "tool_choice": st.one_of(
+            st.sampled_from(["auto", "none", "required"]),
+            st.fixed_dictionaries({"type": st.sampled_from(["function", "x"]), "name": TEXT}),
+            JSON,
+        ),
+        "reasoning": st.one_of(
+            st.fixed_dictionaries({"effort": st.one_of(st.sampled_from(EFFORTS), SCALAR)}),
+            JSON,
+        ),
+        "text": st.one_of(
+            st.fixed_dictionaries(
+                {
+                    "format": st.one_of(
+                        st.fixed_dictionaries(
+                            {"type": st.sampled_from(["text", "json_object", "x"])}
+                        ),
+                        st.fixed_dictionaries(
+                            {"type": st.just("json_schema"), "name": TEXT, "schema": JSON}
+                        ),
+                        JSON,
+                    )
+                }
+            ),
+            JSON,
+        ),
+        "stream": st.booleans(),
+        "store": st.one_of(st.booleans(), SCALAR),
+        "previous_response_id": st.one_of(TEXT, SCALAR),
+        "metadata": JSON,
+        "temperature": SCALAR,
+        "top_p": SCALAR,
+        "background": SCALAR,
+        "truncation": SCALAR,
+    },
+)
+VTEXT = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(["", "<think>", "</think>", "<tool_call>", "<|im_end|>", "a" * 300]),
+)
+VALID_ITEMS = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "assistant", "developer"]),
+                "content": st.one_of(
+                    VTEXT,
+                    st.lists(
+                        st.fixed_dictionaries(
+                            {"type": st.sampled_from(["input_text", "output_text"]), "text": VTEXT}
+                        ),
+                        max_size=2,
+                    ),
+                ),
+            },
+            optional={"type": st.just("message")},
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function_call"),
+                "call_id": VTEXT,
+                "name": st.just("pick_city"),
+                "arguments": st.just('{"city": "Oslo"}'),
+            }
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("function_call_output"), "call_id": VTEXT, "output": VTEXT}
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("reasoning"),
+                "summary": st.just([]),
+                "content": st.lists(
+                    st.fixed_dictionaries({"type": st.just("reasoning_text"), "text": VTEXT}),
+                    max_size=1,
+                ),
+            }
+        ),
+    ),
+    max_size=4,
+).map(lambda items: items + [{"role": "user", "content": "Go."}])
+VALID_RESPONSES_BODY = st.fixed_dictionaries(
+    {"input": st.one_of(VTEXT, VALID_ITEMS), "max_output_tokens": st.integers(1, 3)},
+    optional={
+        "instructions": VTEXT,
+        "tools": st.lists(st.just(PICK), max_size=1),
+        "tool_choice": st.sampled_from(
+            ["auto", "none", "required", {"type": "function", "name": "pick_city"}]
+        ),
+        "reasoning": st.fixed_dictionaries({"effort": st.sampled_from(EFFORTS)}),
+        "text": st.sampled_from(
+            [{"format": {"type": "text"}}, {"format": {"type": "json_object"}}]
+        ),
+        "stream": st.booleans(),
+        "store": st.booleans(),
+        "metadata": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3),
+        "temperature": st.floats(0, 2),
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def harness(qwen3_engine):
+    h = Harness(create_app([qwen3_engine], queue_size=2))
+    h.model_dir = qwen3_engine.path
+    yield h
+    h.close()
+    print(f"\nfuzzed responses by status: {dict(sorted(h.statuses.items()))}")
+
+
+def check_responses(h: Harness, r: httpx.Response, what) -> None:
+    """Any reply of /v1/responses: 2xx or 4xx in OpenAI's shape, events numbered in order
+    that end with the response's last state, no traceback or local path, the request's
+    memory given back."""
+    text = r.text
+    assert r.status_code < 500, (what, r.status_code, text[:500])
+    for leak in ("Traceback", str(ROOT), str(h.model_dir.parent), sys.prefix):
+        assert leak not in text, (what, leak, text[:500])
+    assert not HEAP_ADDRESS.search(text), (what, text[:500])
+    assert h.app.state.budget.used == 0, what
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert set(err) == ERROR_KEYS and err["message"] and "\n" not in err["message"], what
+        assert len(err["message"]) <= MAX_MESSAGE_CHARS, (what, err["message"][:300])
+        assert err["type"] != "server_error", (what, err)
+    elif r.headers["content-type"].startswith("text/event-stream"):
+        evs = [json.loads(b.split("\ndata: ", 1)[1]) for b in text.strip().split("\n\n")]
+        assert [e["sequence_number"] for e in evs] == list(range(len(evs))), what
+        assert evs[0]["type"] == "response.created", what
+        assert evs[-1]["type"] in (
+            "response.completed",
+            "response.incomplete",
+            "response.failed",
+        ), what
+    else:
+        body = r.json()
+        assert body["object"] == "response" and body["status"] in ("completed", "incomplete")
+
+
+@fuzz_settings(250)
+@given(body=RESPONSES_BODY)
+def test_fuzz_responses(harness, body):
+    raw = dumps(body)
+    check_responses(harness, harness.request("POST", "/v1/responses", raw), raw[:300])
+
+
+@fuzz_settings(150)
+@given(body=VALID_RESPONSES_BODY, method=st.sampled_from(["GET", "DELETE"]), rid=VTEXT)
+def test_fuzz_well_formed_responses_and_ids(harness, body, method, rid):
+    """Requests of the right shape: answers (or a 400 for a refused combination); then a
+    stored id, or any text as one, read or deleted."""
+    raw = dumps(body)
+    r = harness.request("POST", "/v1/responses", raw)
+    check_responses(harness, r, raw[:300])
+    if r.status_code == 200 and not body.get("stream") and body.get("store", True):
+        rid = r.json()["id"]
+    r = harness.request(method, "/v1/responses/" + quote(rid, safe=""))
+    assert r.status_code in (200, 404), (rid, r.text)
+    assert r.json()["id"] == rid if r.status_code == 200 else set(r.json()["error"]) == ERROR_KEYS
