@@ -308,10 +308,20 @@ def test_tool_use_and_result_render_as_the_chat_endpoint_s(qwen3_engine):
     assert tmpl(req.messages, tools=req.tools) == tmpl(chat, tools=tools)
 
 
-def test_count_tokens_is_the_prompt_s_size(client, qwen3_engine, monkeypatch):
+def test_count_tokens_is_the_prompt_s_size(client, url, qwen3_engine, monkeypatch):
     scripted(monkeypatch, qwen3_engine, "Fine.")
     kw = dict(messages=HI, system="Be brief.", tools=[PICK])
     n = client.messages.count_tokens(model="m", **kw).input_tokens
+    # count_tokens reads no max_tokens (whatever it holds), but checks the rest
+    body = {**kw, "max_tokens": "x", "thinking": {"type": "disabled"}}
+    r = httpx.post(url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": KEY})
+    assert r.status_code == 200 and r.json()["input_tokens"] > n, r.text
+    body["thinking"] = {"type": "enabled", "budget_tokens": 5}
+    r = httpx.post(url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": KEY})
+    assert r.json() == {"input_tokens": n}, r.text
+    body["messages"] = [{"role": "user", "content": []}]
+    r = httpx.post(url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     m = client.messages.create(model="m", max_tokens=20, **kw)
     assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens
     assert n == len(
@@ -566,7 +576,9 @@ def test_fuzz_messages(harness, path, body):
 # text without lone surrogates (those are refused before any API reads the body)
 VTEXT = st.one_of(
     st.text(max_size=40),
-    st.sampled_from(["", "<think>", "</think>", "<tool_call>", "<|im_end|>", "{{ 7*7 }}", "a" * 300]),
+    st.sampled_from(
+        ["", "<think>", "</think>", "<tool_call>", "<|im_end|>", "{{ 7*7 }}", "a" * 300]
+    ),
 )
 SIMPLE = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), VTEXT)
 USER_BLOCK = st.one_of(

@@ -310,7 +310,7 @@ def parse_request(body: dict, count_only: bool = False) -> ChatRequest:
                     "'thinking.budget_tokens' must be an integer >= 1",
                     param="thinking.budget_tokens",
                 )
-            if max_tokens is not None and budget >= max_tokens:
+            if is_int(max_tokens) and budget >= max_tokens:
                 raise APIError(
                     "'thinking.budget_tokens' must be less than 'max_tokens'",
                     param="thinking.budget_tokens",

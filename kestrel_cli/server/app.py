@@ -840,11 +840,9 @@ def create_app(
         ticket = sched.reserve()
         try:
             images = await size_images(parts) if parts else []
+            grammars = 0 if count_only else (schema is not None) + (forced is not None)
             lease_of(request).add(
-                prep_cost(
-                    n_chars, eng0.ctx_size, images, (schema is not None) + (forced is not None)
-                ),
-                "the request",
+                prep_cost(n_chars, eng0.ctx_size, images, grammars), "the request"
             )
             if schema is not None:
                 if not count_only:
