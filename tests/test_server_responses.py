@@ -288,6 +288,7 @@ def test_bad_requests_have_openai_s_shape(client, url):
             "input[0].content[0].type",
         ),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "content": 5}]}, "input[0].content"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         (
             {"tools": [PICK], "tool_choice": {"type": "function", "name": "nope"}},
@@ -342,12 +343,15 @@ ITEM = st.one_of(
         {
             "type": st.just("reasoning"),
             "summary": st.just([]),
-            "content": st.lists(
-                st.one_of(
-                    st.fixed_dictionaries({"type": st.just("reasoning_text"), "text": TEXT}),
-                    JSON,
+            "content": st.one_of(
+                st.lists(
+                    st.one_of(
+                        st.fixed_dictionaries({"type": st.just("reasoning_text"), "text": TEXT}),
+                        JSON,
+                    ),
+                    max_size=2,
                 ),
-                max_size=2,
+                JSON,
             ),
         }
     ),

@@ -234,7 +234,10 @@ def input_messages(inp) -> list[dict]:
                 }
             )
         elif kind == "reasoning":
-            for j, c in enumerate(item.get("content") or []):
+            parts = item.get("content") or []
+            if not isinstance(parts, list):
+                raise APIError(f"'{p}.content' must be an array", param=f"{p}.content")
+            for j, c in enumerate(parts):
                 if isinstance(c, dict) and isinstance(c.get("text"), str):
                     reasoning.append(c["text"])
                 else:
