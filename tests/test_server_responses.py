@@ -154,6 +154,8 @@ def test_forced_function_call_round_trip(client, qwen3_engine, monkeypatch):
     (call,) = [o for o in r.output if o.type == "function_call"]
     assert r.status == "completed" and call.name == "pick_city"
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert r.tools[0].name == "pick_city" and r.tools[0].strict is True
+    assert r.tool_choice.type == "function" and r.tool_choice.name == "pick_city"
     assert json.loads(call.arguments)["city"] in ("Paris", "Oslo")
     with client.responses.stream(
         model="m", input=ask, tools=[PICK], tool_choice="required", max_output_tokens=120

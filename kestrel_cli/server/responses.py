@@ -256,7 +256,9 @@ def input_messages(inp) -> list[dict]:
     return parse_messages({"messages": out}) if out else []
 
 
-def _tools(body: dict) -> tuple[list[dict] | None, str | None]:
+def _tools(body: dict) -> tuple[list[dict], list[dict] | None, str | None]:
+    """tools and tool_choice -> (the tools as chat tools, those to render or None, the
+    function a tool_choice forces: "" any, None none)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     chat_tools = None
     if tools is not None:
@@ -291,7 +293,7 @@ def _tools(body: dict) -> tuple[list[dict] | None, str | None]:
                 param="tool_choice.name",
             )
         choice = {"type": "function", "function": {"name": choice["name"]}}
-    return parse_tools({"tools": chat_tools, "tool_choice": choice})
+    return (chat_tools or [], *parse_tools({"tools": chat_tools, "tool_choice": choice}))
 
 
 def _format(body: dict) -> dict | None:
@@ -316,6 +318,25 @@ def _format(body: dict) -> dict | None:
     raise APIError(
         "'text.format.type' must be text, json_object or json_schema", param="text.format.type"
     )
+
+
+def _format_echo(body: dict) -> dict:
+    """The response's text.format: the request's, its known fields only (checked by
+    _format already)."""
+    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+    if fmt.get("type") != "json_schema":
+        return {"type": fmt["type"]}
+    out = {"type": "json_schema", "schema": fmt["schema"]}
+    out["name"] = fmt["name"] if isinstance(fmt.get("name"), str) else "response"
+    out["strict"] = fmt["strict"] if isinstance(fmt.get("strict"), bool) else None
+    return out
+
+
+def _choice_echo(forced: str | None, choice):
+    """The response's tool_choice, from what the request forces."""
+    if forced is None:
+        return "none" if choice == "none" else "auto"
+    return {"type": "function", "name": forced} if forced else "required"
 
 
 class Request:
@@ -385,12 +406,11 @@ def parse_request(body: dict, store: ResponseStore) -> Request:
                     param="reasoning.effort",
                 )
             kwargs["enable_thinking"] = effort not in _NO_THINKING
-    tools, forced = _tools(body)
+    given, tools, forced = _tools(body)
     fields = {k: body.get(k) for k in ("temperature", "top_p", "stream")}
     fields.update(max_tokens=max_out, response_format=_format(body))
     opts = Options.parse(fields)
     chat = ChatRequest(messages, tools, forced, opts, kwargs, opts.json_schema, "text.format")
-    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
     echo = {
         "instructions": instructions,
         "max_output_tokens": max_out,
@@ -400,9 +420,18 @@ def parse_request(body: dict, store: ResponseStore) -> Request:
         "reasoning": {"effort": effort, "summary": None},
         "store": body.get("store") is not False,
         "temperature": opts.temperature,
-        "text": {"format": fmt},
-        "tool_choice": body.get("tool_choice") or "auto",
-        "tools": body.get("tools") or [],
+        "text": {"format": _format_echo(body)},
+        "tool_choice": _choice_echo(forced, body.get("tool_choice")),
+        "tools": [
+            {
+                "type": "function",
+                "name": t["function"]["name"],
+                "description": t["function"].get("description"),
+                "parameters": t["function"].get("parameters"),
+                "strict": s if isinstance(s := raw.get("strict"), bool) else None,
+            }
+            for t, raw in zip(given, body.get("tools") or [])
+        ],
         "top_p": opts.top_p,
         "truncation": "disabled",
     }
