@@ -651,3 +651,73 @@ def test_fuzz_well_formed_messages(harness, body):
     raw = dumps(body)
     r = harness.request("POST", "/v1/messages", raw)
     check_anthropic(harness, r, ("/v1/messages", raw[:300]))
+
+
+def test_images_reach_a_vision_model_as_the_chat_endpoint_s(tmp_path):
+    """A base64 image block (Anthropic) and an input_image data URL (Responses) make the
+    same prompt as the chat endpoint's image_url part, on a tiny Qwen3-VL."""
+    import base64
+    import io
+
+    import openai
+    from starlette.testclient import TestClient
+    from test_qwen3_vl import make_vl_checkpoint, picture
+
+    make_vl_checkpoint(tmp_path)
+    buf = io.BytesIO()
+    picture(100, 70, 1).save(buf, format="PNG")
+    data = base64.b64encode(buf.getvalue()).decode()
+    url = "data:image/png;base64," + data
+    eng = Engine.from_pretrained(tmp_path, threads=1, ctx_size=256)
+    with TestClient(create_app([eng], queue_size=2)) as c:
+        chat = c.post(
+            "/v1/chat/completions",
+            json={
+                "max_tokens": 1,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": url}},
+                            {"type": "text", "text": "What is it?"},
+                        ],
+                    }
+                ],
+            },
+        )
+        assert chat.status_code == 200, chat.text
+        n = chat.json()["usage"]["prompt_tokens"]
+        ac = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=c)
+        m = ac.messages.create(
+            model="m",
+            max_tokens=1,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": data},
+                        },
+                        {"type": "text", "text": "What is it?"},
+                    ],
+                }
+            ],
+        )
+        assert m.usage.input_tokens + m.usage.cache_read_input_tokens == n
+        oc = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=c)
+        r = oc.responses.create(
+            model="m",
+            max_output_tokens=1,
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": url, "detail": "auto"},
+                        {"type": "input_text", "text": "What is it?"},
+                    ],
+                }
+            ],
+        )
+        assert r.usage.input_tokens == n
+        assert n > len(eng.encode_prompt([{"role": "user", "content": "What is it?"}]))
