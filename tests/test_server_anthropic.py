@@ -306,6 +306,8 @@ def test_tool_use_and_result_render_as_the_chat_endpoint_s(qwen3_engine):
     assert req.tools == tools and req.forced is None
     tmpl = qwen3_engine.tokenizer.apply_chat_template
     assert tmpl(req.messages, tools=req.tools) == tmpl(chat, tools=tools)
+    bare = {"model": "m", "max_tokens": 5, "messages": HI}
+    assert parse_request({**bare, "system": []}).messages == parse_request(bare).messages == HI
 
 
 def test_count_tokens_is_the_prompt_s_size(client, url, qwen3_engine, monkeypatch):

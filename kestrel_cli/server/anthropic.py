@@ -116,8 +116,9 @@ def _messages(body: dict) -> list[dict]:
     user text and images; each tool_result a tool message, in place; assistant text, its
     thinking as reasoning_content, its tool_use blocks as tool_calls."""
     out = []
-    if body.get("system") is not None:
-        out.append({"role": "system", "content": _system(body["system"])})
+    system = _system(body["system"]) if body.get("system") is not None else ""
+    if system:  # an empty one renders no system turn
+        out.append({"role": "system", "content": system})
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise APIError("'messages' must be a non-empty array", param="messages")
