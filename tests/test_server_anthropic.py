@@ -200,7 +200,7 @@ def test_thinking_switch_and_budget(client, url, qwen3_engine, monkeypatch):
         assert "thinking" in r.json()["error"]["message"]
 
 
-def test_forced_tool_use_round_trip(client, qwen3_engine, monkeypatch):
+def test_forced_tool_use_round_trip(client, url, qwen3_engine, monkeypatch):
     """tool_choice forces a call of the tool (its input enforced while sampling, so even
     the random model makes a valid one); the tool_use and a tool_result go back; the next
     answer is text."""
@@ -223,6 +223,14 @@ def test_forced_tool_use_round_trip(client, qwen3_engine, monkeypatch):
         got = s.get_final_message()
     (streamed,) = [b for b in got.content if b.type == "tool_use"]
     assert got.stop_reason == "tool_use" and streamed.input["city"] in ("Paris", "Oslo")
+    body = {"model": "m", "max_tokens": 120, "messages": ask, "tools": [PICK], "stream": True}
+    evs = sse(post(url, {**body, "tool_choice": {"type": "any"}}).text)
+    (start,) = [d["content_block"] for e, d in evs if e == "content_block_start"]
+    assert start["type"] == "tool_use" and start["input"] == {} and start["name"] == "pick_city"
+    (delta,) = [d["delta"] for e, d in evs if e == "content_block_delta"]
+    assert delta["type"] == "input_json_delta"
+    assert json.loads(delta["partial_json"])["city"] in ("Paris", "Oslo")
+    assert [d for e, d in evs if e == "message_delta"][0]["delta"]["stop_reason"] == "tool_use"
     scripted(monkeypatch, qwen3_engine, "It is 21 degrees.")
     follow = ask + [
         {"role": "assistant", "content": [b.model_dump() for b in m.content]},

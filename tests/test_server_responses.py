@@ -543,3 +543,34 @@ def test_fuzz_well_formed_responses_and_ids(harness, body, method, rid):
     r = harness.request(method, "/v1/responses/" + quote(rid, safe=""))
     assert r.status_code in (200, 404), (rid, r.text)
     assert r.json()["id"] == rid if r.status_code == 200 else set(r.json()["error"]) == ERROR_KEYS
+
+
+def test_an_error_midway_is_an_error_event_then_response_failed(url, monkeypatch):
+    """The engine fails after the stream began (a KestrelError from the sampler): an
+    `error` event, then response.failed; nothing is stored."""
+    from kestrel_cli.core.errors import KestrelError
+    from kestrel_cli.inference import engine as engine_mod
+
+    def make_sampler(*a, **k):
+        def pick(row):
+            raise KestrelError("the sampler broke")
+
+        return pick
+
+    monkeypatch.setattr(engine_mod, "make_sampler", make_sampler)
+    body = {"model": "m", "input": "Hi", "max_output_tokens": 3, "stream": True}
+    r = httpx.post(url + "/v1/responses", json=body)
+    evs = [
+        (b.split("\n")[0], json.loads(b.split("\ndata: ", 1)[1]))
+        for b in r.text.strip().split("\n\n")
+    ]
+    assert [e for e, _ in evs] == [
+        "event: response.created",
+        "event: response.in_progress",
+        "event: error",
+        "event: response.failed",
+    ]
+    err, failed = evs[2][1], evs[3][1]["response"]
+    assert err["message"] == "the sampler broke" and err["sequence_number"] == 2
+    assert failed["status"] == "failed" and failed["error"]["message"] == "the sampler broke"
+    assert httpx.get(url + "/v1/responses/" + failed["id"]).status_code == 404
