@@ -75,8 +75,8 @@ setup(
                       "rich", "jinja2", "gguf>=0.10", "pillow", "llguidance>=1.0"],
     extras_require={
         "test": ["pytest", "cython>=3.0", "safetensors", "torch", "transformers>=4.51",
-                 "pexpect", "httpx", "openai", "fastapi", "uvicorn", "accelerate",
-                 "hypothesis>=6", "ruff>=0.17,<0.18"],
+                 "pexpect", "httpx", "openai", "anthropic", "fastapi", "uvicorn",
+                 "accelerate", "hypothesis>=6", "ruff>=0.17,<0.18"],
         "serve": ["fastapi", "uvicorn"],
     },
     entry_points={"console_scripts": ["kestrel=kestrel_cli.cli:main"]},

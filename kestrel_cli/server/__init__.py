@@ -1,13 +1,17 @@
 """`kestrel serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the Engine.
 
-Three modules: `models` (requests: parsing, validation, the error shape), `scheduler` (the
-slots, their worker threads and the queue: --parallel, --queue-size) and `app` (the FastAPI
-routes, replies, logging and running uvicorn).
+Modules: `models` (requests: parsing, validation, the error shape), `scheduler` (the
+slots, their worker threads and the queue: --parallel, --queue-size), `events` (an answer
+as structured events: reasoning / content deltas, tool calls, finish), `anthropic` and
+`responses` (those APIs' requests and replies over the same chat pipeline) and `app` (the
+FastAPI routes, replies, logging and running uvicorn).
 
     GET  /health                 {"status", "slots_idle", "slots_processing", "requests_queued"}
     GET  /v1/models              the one loaded model (id = the model file or directory name)
     POST /v1/chat/completions    messages -> chat template -> reply (or SSE chunks)
     POST /v1/completions         raw prompt text (or token ids) -> continuation
+    POST /v1/messages            Anthropic's Messages API (and /v1/messages/count_tokens)
+    POST /v1/responses           OpenAI's Responses API; GET / DELETE /v1/responses/{id}
 
 Concurrency: an Engine is not thread-safe and holds one KV cache, so each engine ("slot")
 is driven by its own worker thread; `--parallel N` makes N slots whose engines share the
@@ -47,12 +51,14 @@ from kestrel_cli.server.app import (  # noqa: E402
     serve,
 )
 from kestrel_cli.server.models import APIError  # noqa: E402
+from kestrel_cli.server.responses import ResponseStore  # noqa: E402
 from kestrel_cli.server.scheduler import Job, Scheduler, Slot  # noqa: E402
 
 __all__ = [
     "APIError",
     "Job",
     "Limits",
+    "ResponseStore",
     "Scheduler",
     "Slot",
     "check_api_key",

@@ -31,6 +31,7 @@ from kestrel_cli.inference.batch import Batcher
 from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.generate import Stats
 from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, probe_image
+from kestrel_cli.server import anthropic, responses
 from kestrel_cli.server.admission import (
     BODY_COPIES,
     Budget,
@@ -39,19 +40,19 @@ from kestrel_cli.server.admission import (
     default_request_memory,
     prep_cost,
 )
+from kestrel_cli.server.events import Answer, Content, Finish, Reasoning, Token
 from kestrel_cli.server.models import (
     COMPLETIONS_MAX_TOKENS,
     APIError,
+    ChatRequest,
     Options,
     check_unsupported,
     content_chars,
     first_bad_string,
-    parse_messages,
     parse_prompt,
-    parse_tools,
 )
 from kestrel_cli.server.scheduler import Job, Scheduler, Ticket
-from kestrel_cli.text.reasoning import AnswerSplitter, prompt_opens_thinking
+from kestrel_cli.text.reasoning import prompt_opens_thinking
 from kestrel_cli.text.tokenizer import TooManyTokens
 
 log = logging.getLogger("kestrel.server")
@@ -112,10 +113,14 @@ def _timings(stats: Stats, gen_ms: float) -> dict:
     }
 
 
-def _error_response(err: APIError) -> JSONResponse:
-    """`err` as a reply; a 503 server_busy says when to retry (clients such as the OpenAI
-    SDKs wait that long before their next try)."""
-    resp = err.response()
+def _error_response(err: APIError, path: str = "") -> JSONResponse:
+    """`err` as a reply in the shape of the API whose route `path` is (Anthropic's under
+    /v1/messages, OpenAI's elsewhere); a 503 server_busy says when to retry (clients such as
+    the OpenAI and Anthropic SDKs wait that long before their next try)."""
+    if anthropic.is_anthropic(path):
+        resp = JSONResponse(anthropic.error_body(err), status_code=err.status)
+    else:
+        resp = err.response()
     if err.code == "server_busy":
         resp.headers["Retry-After"] = str(RETRY_AFTER_S)
     return resp
@@ -203,11 +208,13 @@ def create_app(
     limits: Limits | None = None,
     slot_save_path: str | Path | None = None,
     reasoning_budget: int = -1,
+    response_store: responses.ResponseStore | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engines` (one per slot, sharing weights and tokenizer);
     with `slot_save_path`, POST /slots/{id}?action=save|restore|erase (llama-server's) save
     a slot's KV cache to a file of that directory and load it back. `reasoning_budget` is
-    the thinking budget of a request that sets none (-1: unlimited)."""
+    the thinking budget of a request that sets none (-1: unlimited). `response_store` keeps
+    /v1/responses' stored responses (default: a ResponseStore with its default bounds)."""
     from contextlib import asynccontextmanager
 
     check_api_key(api_key)
@@ -238,21 +245,24 @@ def create_app(
     app.state.scheduler = sched
     app.state.limits = limits
     app.state.budget = budget
+    store = response_store if response_store is not None else responses.ResponseStore()
+    app.state.response_store = store
 
     # -- cross-cutting: errors, auth, one log line per request
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         request.scope["kestrel.error"] = exc.message
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
-        return APIError(str(exc.detail), exc.status_code).response()
+        return _error_response(APIError(str(exc.detail), exc.status_code), request.url.path)
 
     @app.exception_handler(Exception)
     async def _crash(request, exc):
         log.exception("unhandled error")
-        return APIError(f"internal error: {type(exc).__name__}", 500).response()
+        err = APIError(f"internal error: {type(exc).__name__}", 500)
+        return _error_response(err, request.url.path)
 
     async def read_json(request: Request) -> dict:
         """The body as a JSON object; its bytes are taken from the request's lease as they
@@ -414,39 +424,61 @@ def create_app(
             offset += len(s)
         return out
 
-    def split_parts(sp: AnswerSplitter, parts, calls: list) -> list[dict]:
-        """Splitter parts -> chat deltas (tool calls numbered and given ids)."""
-        deltas = []
-        for k, v in parts:
-            if k == "reasoning":
-                deltas.append({"reasoning_content": v})
-            elif k == "content":
-                deltas.append({"content": v})
-            else:
-                call = {
-                    "index": len(calls),
-                    "id": "call_" + secrets.token_hex(12),
-                    "type": "function",
-                    "function": dict(v),
-                }
-                calls.append(call)
-                deltas.append({"tool_calls": [call]})
-        return deltas
+    def chat_delta(ev, calls: list) -> dict:
+        """A text or tool call event -> OpenAI's chat delta (tool calls given ids)."""
+        if isinstance(ev, Reasoning):
+            return {"reasoning_content": ev.text}
+        if isinstance(ev, Content):
+            return {"content": ev.text}
+        call = {
+            "index": ev.index,
+            "id": "call_" + secrets.token_hex(12),
+            "type": "function",
+            "function": {"name": ev.name, "arguments": ev.arguments},
+        }
+        calls.append(call)
+        return {"tool_calls": [call]}
+
+    async def collect(request: Request, answer: Answer) -> tuple[list, Finish] | None:
+        """All of a non-streamed answer's events but the Finish, and the Finish; None when
+        the client went away first (its job is cancelled as soon as that is seen)."""
+        job = answer.job
+        watch = asyncio.create_task(_wait_disconnect(request.receive))
+        watch.add_done_callback(lambda t: t.cancelled() or sched.cancel(job))
+        evs, fin = [], None
+        try:
+            async for ev in answer.events():
+                if isinstance(ev, Finish):
+                    fin = ev
+                else:
+                    evs.append(ev)
+        finally:
+            watch.cancel()
+            if fin is None:  # client gone, error or shutdown
+                sched.cancel(job)
+        return None if fin is None else (evs, fin)
+
+    def stream_reply(request: Request, job: Job, body) -> _Stream:
+        """Server-sent events from the async generator `body`; the job is cancelled if the
+        stream ends before it does."""
+
+        def on_close():
+            if job.state != "done":
+                sched.cancel(job)
+                request.scope.setdefault("kestrel.log", (job, None, "cancelled"))
+
+        return _Stream(body, on_close)
 
     async def generate(
         request: Request,
-        job: Job,
+        answer: Answer,
         stream: bool,
         include_usage: bool,
         kind: str,
-        split: dict | None = None,
-        prefix: str = "",
-        suffix: str = "",
     ):
-        """The reply to an admitted job: one JSON object, or SSE chunks. Chat answers go
-        through an AnswerSplitter (`split`: its arguments): reasoning_content, content and
-        tool_calls; `prefix` is answer text the prompt already holds (a forced tool call)."""
-        sp = AnswerSplitter(**split) if split is not None else None
+        """The OpenAI reply to an admitted answer: one JSON object, or SSE chunks. A chat
+        answer's events become reasoning_content, content and tool_calls."""
+        job = answer.job
         calls: list[dict] = []
         want_lp = job.params.get("logprobs") is not None
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
@@ -462,28 +494,15 @@ def create_app(
         }
 
         if not stream:
-            watch = asyncio.create_task(_wait_disconnect(request.receive))
-            watch.add_done_callback(lambda t: t.cancelled() or sched.cancel(job))
-            pieces, last, scored = [], None, []
-            try:
-                async for ch in job.chunks():
-                    if ch.text:
-                        pieces.append(ch.text)
-                    if ch.logprob is not None:
-                        scored.append(ch)
-                    last = ch if ch.finish_reason else last
-            finally:
-                watch.cancel()
-                if last is None:  # client gone, error or shutdown
-                    sched.cancel(job)
-            if last is None:  # cancelled: the client is gone
+            got = await collect(request, answer)
+            if got is None:  # cancelled: the client is gone
                 finish_log(request, job, None, "cancelled")
                 return JSONResponse({}, status_code=499)
-            text = "".join(pieces)
-            finish = last.finish_reason
-            if sp is not None:
-                parts = sp.feed(prefix + text + suffix) + sp.finish()
-                deltas = split_parts(sp, parts, calls)
+            evs, fin = got
+            scored = [e.chunk for e in evs if isinstance(e, Token) and e.chunk.logprob is not None]
+            finish = fin.reason
+            if answer.split is not None:
+                deltas = [chat_delta(e, calls) for e in evs if not isinstance(e, Token)]
                 msg = {
                     "role": "assistant",
                     "content": "".join(d.get("content", "") for d in deltas),
@@ -499,6 +518,7 @@ def create_app(
                     finish = "tool_calls"
                 choice = {"index": 0, "message": msg}
             else:
+                text = "".join(e.text for e in evs if isinstance(e, Content))
                 choice = (
                     {"index": 0, "message": {"role": "assistant", "content": text}}
                     if kind == "chat"
@@ -508,13 +528,13 @@ def create_app(
             if want_lp:
                 lps = chat_logprobs(scored) if kind == "chat" else completion_logprobs(scored, 0)
             choice.update(logprobs=lps, finish_reason=finish)
-            finish_log(request, job, last.stats, last.finish_reason)
+            finish_log(request, job, fin.stats, fin.reason)
             return JSONResponse(
                 {
                     **head,
                     "choices": [choice],
-                    "usage": _usage(last.stats),
-                    "timings": _timings(last.stats, job.gen_ms),
+                    "usage": _usage(fin.stats),
+                    "timings": _timings(fin.stats, job.gen_ms),
                 }
             )
 
@@ -544,40 +564,35 @@ def create_app(
             return out
 
         async def events():
-            last = None
+            fin = None
             if kind == "chat":
                 yield _sse(chunk({"role": "assistant", "content": ""}))
             try:
-                if sp is not None and prefix:
-                    for d in split_parts(sp, sp.feed(prefix), calls):
-                        yield _sse(chunk(d))
-                async for ch in job.chunks():
-                    if ch.logprob is not None:
-                        scored.append(ch)
-                    if ch.text and sp is not None:
-                        for d in split_parts(sp, sp.feed(ch.text), calls):
-                            yield _sse(chunk(d))
-                    elif ch.text:
-                        yield _sse(chunk({"content": ch.text} if kind == "chat" else ch.text))
-                    last = ch if ch.finish_reason else last
-                if last is not None and sp is not None:
-                    for d in split_parts(sp, sp.feed(suffix) + sp.finish(), calls):
-                        yield _sse(chunk(d))
+                async for ev in answer.events():
+                    if isinstance(ev, Token):
+                        if ev.chunk.logprob is not None:
+                            scored.append(ev.chunk)
+                    elif isinstance(ev, Finish):
+                        fin = ev
+                    elif kind == "chat":
+                        yield _sse(chunk(chat_delta(ev, calls)))
+                    else:
+                        yield _sse(chunk(ev.text))
             except APIError as e:  # an engine error, the time limit, shutdown
                 finish_log(request, job, None, "error")
                 request.scope["kestrel.error"] = e.message
                 yield _sse(e.body())
                 yield "data: [DONE]\n\n"
                 return
-            if last is None:
+            if fin is None:
                 finish_log(request, job, None, "cancelled")
                 return
-            finish_log(request, job, last.stats, last.finish_reason)
+            finish_log(request, job, fin.stats, fin.reason)
             yield _sse(
                 chunk(
                     {} if kind == "chat" else "",
-                    "tool_calls" if calls else last.finish_reason,
-                    timings=_timings(last.stats, job.gen_ms),
+                    "tool_calls" if calls else fin.reason,
+                    timings=_timings(fin.stats, job.gen_ms),
                 )
             )
             if include_usage:
@@ -585,18 +600,13 @@ def create_app(
                     {
                         **head,
                         "choices": [],
-                        "usage": _usage(last.stats),
-                        "timings": _timings(last.stats, job.gen_ms),
+                        "usage": _usage(fin.stats),
+                        "timings": _timings(fin.stats, job.gen_ms),
                     }
                 )
             yield "data: [DONE]\n\n"
 
-        def on_close():
-            if job.state != "done":
-                sched.cancel(job)
-                request.scope.setdefault("kestrel.log", (job, None, "cancelled"))
-
-        return _Stream(events(), on_close)
+        return stream_reply(request, job, events())
 
     # -- routes
     @app.get("/health")
@@ -656,7 +666,7 @@ def create_app(
             ]
         }, ""
 
-    async def answer(
+    async def start(
         request: Request,
         opts: Options,
         prompt,
@@ -665,7 +675,9 @@ def create_app(
         forced: str | None = None,
         ticket: Ticket | None = None,
         **kw,
-    ):
+    ) -> Answer:
+        """Template, tokenise and admit a request: its Answer (the job, and how to split
+        its text)."""
         ids = await encode(prompt, param, **kw)
         split, prefix = None, ""
         if kind == "chat":
@@ -694,9 +706,12 @@ def create_app(
             params["json_schema"], params["json_then"] = forced_schema(kw["tools"], forced)
             suffix = "\n</tool_call>"
         job = await admit(request, ids, params, param, opts.cache_prompt, ticket)
-        return await generate(
-            request, job, opts.stream, opts.include_usage, kind, split, prefix, suffix
-        )
+        return Answer(job, split, prefix, suffix, decode=eng0.tokenizer.decode)
+
+    async def answer(request: Request, opts: Options, prompt, param: str, kind: str, **kw):
+        """The OpenAI reply to a chat or completion request."""
+        ans = await start(request, opts, prompt, param, kind, **kw)
+        return await generate(request, ans, opts.stream, opts.include_usage, kind)
 
     async def size_images(parts: list[dict]) -> list[tuple[int, int]]:
         """(decode_cost, patch_bytes) of each image, from its header alone (base64 decoded,
@@ -804,17 +819,15 @@ def create_app(
             }
         )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await read_json(request)
-        check_unsupported(body)
-        messages = parse_messages(body)
-        tools, forced = parse_tools(body)
-        opts = Options.parse(body)
-        kwargs = opts.template_kwargs()
+    async def chat_answer(request: Request, req: ChatRequest, count_only: bool = False):
+        """The chat pipeline every chat API shares: bound the prompt, reserve a place, size
+        the images, take the request's memory, check the schemas, then template, tokenise
+        and admit: the Answer. `count_only`: the prompt's token count instead (nothing is
+        admitted or generated)."""
+        messages, tools, forced, opts = req.messages, req.tools, req.forced, req.opts
+        kwargs, schema = dict(req.kwargs), req.schema
         if (reasoning_budget if opts.reasoning_budget is None else opts.reasoning_budget) == 0:
             kwargs.setdefault("enable_thinking", False)  # the template's empty think block
-        schema = opts.json_schema
         # tools are rendered into the prompt too: their JSON counts against its size
         n_chars = sum(content_chars(m["content"]) for m in messages) + (
             len(json.dumps(tools)) if tools is not None else 0
@@ -837,21 +850,23 @@ def create_app(
         ticket = sched.reserve()
         try:
             images = await size_images(parts) if parts else []
+            grammars = 0 if count_only else (schema is not None) + (forced is not None)
             lease_of(request).add(
-                prep_cost(
-                    n_chars, eng0.ctx_size, images, (schema is not None) + (forced is not None)
-                ),
-                "the request",
+                prep_cost(n_chars, eng0.ctx_size, images, grammars), "the request"
             )
             if schema is not None:
-                await check_schema(schema)
+                if not count_only:
+                    await check_schema(schema, req.schema_param)
                 if "enable_thinking" not in kwargs:
                     kwargs["enable_thinking"] = False  # the answer is JSON from its first token
             if tools is not None:
                 kwargs["tools"] = tools
+            if count_only:
+                ids = await encode(messages, "messages", max_chars=max_chars, **kwargs)
+                return len(ids)
             if forced is not None:
                 await check_schema(forced_schema(tools, forced)[0], "tools")
-            return await answer(
+            return await start(
                 request,
                 opts,
                 messages,
@@ -864,6 +879,89 @@ def create_app(
             )
         finally:
             ticket.release()  # not queued: the preparation failed
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = ChatRequest.parse(await read_json(request))
+        ans = await chat_answer(request, req)
+        return await generate(request, ans, req.opts.stream, req.opts.include_usage, "chat")
+
+    def stream_done(request: Request, job: Job):
+        """How a stream of another API's events reports its end to the request's log line:
+        done(finish, error); both None: cancelled."""
+
+        def done(fin: Finish | None, err: APIError | None) -> None:
+            if err is not None:
+                finish_log(request, job, None, "error")
+                request.scope["kestrel.error"] = err.message
+            elif fin is None:
+                finish_log(request, job, None, "cancelled")
+            else:
+                finish_log(request, job, fin.stats, fin.reason)
+
+        return done
+
+    # -- Anthropic's Messages API
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        req = anthropic.parse_request(await read_json(request))
+        ans = await chat_answer(request, req)
+        job = ans.job
+        if req.opts.stream:
+            return stream_reply(request, job, anthropic.stream(mid, ans, stream_done(request, job)))
+        got = await collect(request, ans)
+        if got is None:  # cancelled: the client is gone
+            finish_log(request, job, None, "cancelled")
+            return JSONResponse({}, status_code=499)
+        evs, fin = got
+        finish_log(request, job, fin.stats, fin.reason)
+        return JSONResponse(anthropic.message(mid, evs, fin))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        req = anthropic.parse_request(await read_json(request), count_only=True)
+        return JSONResponse({"input_tokens": await chat_answer(request, req, count_only=True)})
+
+    # -- OpenAI's Responses API
+    def count_text(text: str) -> int:
+        return len(eng0.tokenizer.encode(text, add_special_tokens=False))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        req = responses.parse_request(await read_json(request), store)
+        ans = await chat_answer(request, req.chat)
+        job = ans.job
+        b = responses.Builder(mid, req, count_text)
+
+        def keep(resp: dict) -> None:
+            if req.echo["store"]:
+                store.put(b.id, resp, b.history())
+
+        if req.chat.opts.stream:
+            events = responses.stream(b, ans, stream_done(request, job), keep)
+            return stream_reply(request, job, events)
+        got = await collect(request, ans)
+        if got is None:  # cancelled: the client is gone
+            finish_log(request, job, None, "cancelled")
+            return JSONResponse({}, status_code=499)
+        evs, fin = got
+        finish_log(request, job, fin.stats, fin.reason)
+        resp = b.whole(evs, fin)
+        keep(resp)
+        return JSONResponse(resp)
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(rid: str):
+        got = store.get(rid)
+        if got is None:
+            raise responses.not_found(rid)
+        return JSONResponse(got[0])
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        if not store.delete(rid):
+            raise responses.not_found(rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -921,20 +1019,22 @@ class _FrontDoor:
         return receive_
 
     def _authorized(self, scope) -> bool:
-        """One Authorization header, `Bearer KEY`, with the key: a request carrying two
-        (a wrong one and a right one) is refused, whichever a proxy would have read."""
+        """One credential, with the key: an `Authorization: Bearer KEY` header (OpenAI's
+        clients) or an `x-api-key: KEY` header (Anthropic's). A request carrying two (a
+        wrong one and a right one) is refused, whichever a proxy would have read."""
         if self.api_key is None or not scope["path"].startswith("/v1/"):
             return True
-        auth = [v for k, v in scope.get("headers") or [] if k.lower() == b"authorization"]
-        if len(auth) != 1:
+        creds = []
+        for k, v in scope.get("headers") or []:
+            k = k.lower()
+            if k == b"authorization":
+                scheme, _, token = v.decode("latin-1").partition(" ")
+                creds.append(token.strip() if scheme.lower() == "bearer" else "")
+            elif k == b"x-api-key":
+                creds.append(v.decode("latin-1").strip())
+        if len(creds) != 1 or not creds[0]:
             return False
-        scheme, _, token = auth[0].decode("latin-1").partition(" ")
-        token = token.strip().encode("latin-1")
-        return (
-            scheme.lower() == "bearer"
-            and bool(token)
-            and hmac.compare_digest(token, self.api_key.encode())
-        )
+        return hmac.compare_digest(creds[0].encode("latin-1"), self.api_key.encode())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -952,11 +1052,13 @@ class _FrontDoor:
             if self._authorized(scope):
                 await self.app(scope, self._deadline_receive(receive), send_)
             else:
-                await APIError(
-                    "invalid or missing API key (send one 'Authorization: Bearer KEY' header)",
+                err = APIError(
+                    "invalid or missing API key (send one 'Authorization: Bearer KEY' or "
+                    "'x-api-key: KEY' header)",
                     401,
                     code="invalid_api_key",
-                ).response()(scope, receive, send_)
+                )
+                await _error_response(err, scope["path"])(scope, receive, send_)
         finally:
             lease.release()
             self._line(scope, status[0], t0)

@@ -577,3 +577,33 @@ def parse_prompt(body: dict) -> str | list[int]:
             param="prompt",
         )
     return prompt
+
+
+class ChatRequest:
+    """A chat request as the pipeline reads it, whichever API it came in: messages in the
+    chat template's form, the tools to render (or None), the function a tool_choice forces
+    ("" any, None none), the generation Options, the template's keyword arguments and the
+    JSON schema the answer must match (None: free text)."""
+
+    def __init__(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        forced: str | None,
+        opts: "Options",
+        kwargs: dict,
+        schema: dict | None,
+        schema_param: str = "response_format",
+    ):
+        self.messages, self.tools, self.forced = messages, tools, forced
+        self.opts, self.kwargs, self.schema = opts, kwargs, schema
+        self.schema_param = schema_param  # the field an error in the schema names
+
+    @classmethod
+    def parse(cls, body: dict) -> "ChatRequest":
+        """/v1/chat/completions' body (OpenAI's fields), checked in this order."""
+        check_unsupported(body)
+        messages = parse_messages(body)
+        tools, forced = parse_tools(body)
+        opts = Options.parse(body)
+        return cls(messages, tools, forced, opts, opts.template_kwargs(), opts.json_schema)
