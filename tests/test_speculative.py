@@ -429,7 +429,7 @@ def test_cli_chat_with_a_draft(dirs):
     [
         (["--draft", "{other}"], "another vocabulary"),
         (["--draft", "{draft}", "--draft-max", "0"], "--draft-max must be"),
-        (["--draft", "{draft}", "--draft-min", "9"], "--draft-min must be"),
+        (["--draft", "{draft}", "--draft-min", "17"], "--draft-min must be"),
         (["--draft", "{draft}", "--sparse-attn"], "sparse attention"),
         (["--draft", "{draft}", "--image", "{img}"], "does not take images"),
         (["--draft", "{missing}"], "missing"),
@@ -454,3 +454,19 @@ def test_help_lists_the_flags():
         r = CliRunner().invoke(app, [cmd, "--help"], env={"COLUMNS": "200"})
         out = re.sub(r"\s+", " ", re.sub(r"\x1b\[[0-9;]*m", "", r.stdout))
         assert all(f in out for f in ("--draft", "-md", "--draft-max", "--draft-min")), cmd
+
+
+def test_cli_notes_when_replies_can_differ(dirs):
+    """Quantised weights under --act q8: one note that the text may differ; --act f32 or
+    float weights: none."""
+    base = ["run", "-m", dirs / "target", "-p", "hi", "--raw", "--temp", "0", "-n", "4"]
+    base += ["-t", "1", "--draft", dirs / "near"]
+    for extra, noted in (
+        (["--quant", "q8"], True),
+        (["--quant", "q8", "--act", "f32"], False),
+        ([], False),
+    ):
+        r = invoke(*base, *extra)
+        assert r.exit_code == 0, r.output
+        notes = [x for x in r.stderr.splitlines() if x.startswith("note:")]
+        assert len(notes) == noted and (not noted or "--act f32" in notes[0]), r.stderr

@@ -24,12 +24,16 @@ import numpy as np
 
 from kestrel_cli.core.errors import KestrelError
 
-DRAFT_MAX = 8  # --draft-max: tokens proposed per step at most
+# the defaults (--help says why): on the bundled model's float32 target with its Q4_1 as the
+# draft, 16 decoded ~1.2x faster than 8 and ~1.4x faster than 4, and p_min 0.1 cut 2% of
+# 16's speed where llama.cpp's 0.75 cut most of the gain (docs/MEASUREMENTS.md)
+DRAFT_MAX = 16  # --draft-max: tokens proposed per step at most
 DRAFT_MIN = 0  # --draft-min: a shorter proposal is not verified (plain step instead)
-DRAFT_P_MIN = 0.75  # --draft-p-min: the draft stops at a top probability below this
-# the draft catches up this many tokens at most by decode steps, more in one prefill pass
-# (a whole proposal accepted leaves it 2 behind: the last draft token and the new one)
-CATCH_UP_STEPS = 2
+DRAFT_P_MIN = 0.1  # --draft-p-min: the draft stops at a top probability below this
+# the draft catches up this many tokens at most by decode steps, more in one prefill pass (a
+# whole proposal accepted leaves it 2 behind: the last draft token and the new one); the
+# prefill path's small-T GEMM costs several decode steps (docs/MEASUREMENTS.md)
+CATCH_UP_STEPS = 8
 DRAFT_MAX_CAP = 64  # --draft-max at most: one verify pass of that many rows
 # the verify pass attends exactly (a prefill block) where decode would attend sparsely, and
 # records prefill importance: not what plain decoding computes
@@ -63,6 +67,28 @@ def check_vocab(target, draft) -> None:
             f"{target.path.name} ({dt.vocab_size} and {tt.vocab_size} tokens, or other "
             f"tokens at the same ids): a draft must share the target's tokenizer"
         )
+
+
+FLOAT_FORMATS = ("f32", "f16", "bf16")
+
+
+def inexact_note(target) -> str | None:
+    """A note for the user when greedy replies with a draft can differ from plain decoding:
+    quantised weights under --act q8, where the verify pass's many-row GEMM rounds the
+    activations otherwise than the one-token GEMV (logits apart by tenths); else None."""
+    if target.model.act != "q8":
+        return None
+    store = target.store
+    entries = getattr(store, "entries", {})
+    if getattr(store, "quant", None) is None and all(
+        e[0] in FLOAT_FORMATS for e in entries.values()
+    ):
+        return None  # float weights multiply float32 activations: rows equal to decode's
+    return (
+        "with --act q8 on quantised weights the verify pass rounds activations otherwise than "
+        "one-token decoding: a reply with --draft can differ from one without (--act f32: "
+        "the same text)"
+    )
 
 
 class Speculator:
