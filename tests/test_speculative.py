@@ -358,6 +358,15 @@ def test_fork_and_reset(dirs):
     assert not eng.cached_ids and not eng.speculator.draft.cached_ids
 
 
+def test_kv_memory_counts_the_draft_cache(plain, near):
+    from kestrel_cli.inference.kv_memory import kv_cache_bytes
+
+    draft = near.speculator.draft
+    for n in (1, 100, 200):
+        assert kv_cache_bytes(near, n) == kv_cache_bytes(plain, n) + kv_cache_bytes(draft, n)
+        assert kv_cache_bytes(draft, n) > 0
+
+
 def test_perf_line_appends_the_draft_counts(near):
     *_, last = run(near, PROMPTS[0], max_tokens=12)
     line = format_perf(last.stats)
