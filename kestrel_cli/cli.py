@@ -39,6 +39,14 @@ from kestrel_cli.inference.engine import (
     Engine,
     LoadOptions,
 )
+from kestrel_cli.inference.speculative import (
+    DRAFT_MAX,
+    DRAFT_MIN,
+    DRAFT_P_MIN,
+    NO_SPARSE,
+    check_settings,
+    inexact_note,
+)
 from kestrel_cli.inference.timing import TimingPrinter
 from kestrel_cli.runtime.sparse import options_table
 from kestrel_cli.text.tokenizer import TooManyTokens
@@ -63,6 +71,7 @@ CHAT_LINE_BYTES = PROMPT_BYTES  # one chat line read from a pipe or file
 MAX_PARALLEL = 64  # serve --parallel: each slot a thread, a KV cache, -t threads
 
 _MODEL, _SAMPLING, _OUTPUT, _PROMPT = "Model", "Sampling", "Output", "Prompt"
+_DRAFT = "Speculative decoding"
 # --sparse's help: the presets and options, one table (kestrel_cli.runtime.sparse.OPTIONS); rich
 # keeps the lines when they are separated by blank ones
 _SPARSE_TABLE = "\n\n" + "\n\n".join(options_table().splitlines())
@@ -330,6 +339,82 @@ def check_reasoning_budget(n: int) -> None:
         raise KestrelError(
             f"--reasoning-budget must be >= -1 (-1 = unlimited, 0 = no thinking), got {n}"
         )
+
+
+@dataclass
+class DraftOptions:
+    """Speculative decoding: a small draft model proposes, the model checks in one pass."""
+
+    draft: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--draft",
+            "-md",
+            help="A draft model (checkpoint directory or .gguf file) with the same tokenizer: "
+            "it proposes the next tokens, the model checks them in one pass; the output is "
+            "the model's own (greedy: the same text), faster when the draft guesses well. "
+            "Loaded with the same thread, --act and KV cache flags; not with sparse "
+            "attention or images.",
+            show_default="none",
+            rich_help_panel=_DRAFT,
+        ),
+    ] = None
+    draft_max: Annotated[
+        int,
+        typer.Option(
+            "--draft-max",
+            help="Tokens the draft proposes per step at most (llama.cpp's is 16; 15 makes the "
+            "check pass 16 rows, each then computed as one-token decoding computes it; long "
+            "guesses pay while the draft keeps being right).",
+            rich_help_panel=_DRAFT,
+        ),
+    ] = DRAFT_MAX
+    draft_min: Annotated[
+        int,
+        typer.Option(
+            "--draft-min",
+            help="A proposal shorter than this is not checked (a plain step instead).",
+            rich_help_panel=_DRAFT,
+        ),
+    ] = DRAFT_MIN
+    draft_p_min: Annotated[
+        float,
+        typer.Option(
+            "--draft-p-min",
+            help="The draft stops proposing at a token it gives less than this "
+            "probability; 0: always --draft-max. Low, as a check pass costs nearly as "
+            "much for a few rows as for many (llama.cpp's 0.75 cuts most of the gain).",
+            rich_help_panel=_DRAFT,
+        ),
+    ] = DRAFT_P_MIN
+
+    def check(self, engine: EngineOptions, images=None) -> None:
+        """Fail fast, before any file is read."""
+        if self.draft is None:
+            return
+        check_settings(self.draft_max, self.draft_min, self.draft_p_min)
+        if engine.sparse_attn or engine.sparse is not None:
+            raise KestrelError(NO_SPARSE)
+        if images:
+            raise KestrelError("--draft does not take images (--image): the draft reads text only")
+
+    def attach(self, eng: Engine, engine: EngineOptions) -> None:
+        """Load the draft (the model's load options, its context size and threads) and
+        make `eng` decode with it."""
+        if self.draft is None:
+            return
+        load = dataclasses.replace(
+            engine.load_options(), ctx_size=eng.ctx_size, threads=eng.threads
+        )
+        eng.set_draft(
+            Engine.load(self.draft, load),
+            n_max=self.draft_max,
+            n_min=self.draft_min,
+            p_min=self.draft_p_min,
+        )
+        note = inexact_note(eng, self.draft_max)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
 
 
 @dataclass
@@ -649,11 +734,13 @@ def run(
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
     thinking: ThinkingOptions = None,
+    draft: DraftOptions = None,
 ):
     """Generate the reply to one prompt and stream it to stdout."""
     engine.check()
     sampling.check()
     thinking.check()
+    draft.check(engine, image)
     if raw and system is not None:
         raise KestrelError("-s/--system needs the chat template; drop --raw")
     if raw and (thinking.think is not None or thinking.hide_thinking):
@@ -692,6 +779,7 @@ def run(
     check_prompt_cache(prompt_cache)
     text = read_prompt(prompt, file)
     eng = engine_from_options(engine)
+    draft.attach(eng, engine)
     # a prompt longer than this cannot fit the context: refused before it is tokenised
     n_chars = len(text) + len(system or "")
     if n_chars > eng.tokenizer.max_text_chars(eng.ctx_size):
@@ -805,6 +893,7 @@ def chat(
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
     thinking: ThinkingOptions = None,
+    draft: DraftOptions = None,
 ):
     """Chat with the model, turn by turn; /help lists the commands, Ctrl-D leaves."""
     from kestrel_cli.apps.chat import ChatSession, repl
@@ -812,8 +901,10 @@ def chat(
     engine.check()
     sampling.check()
     thinking.check()
+    draft.check(engine)
     check_prompt_cache(prompt_cache)
     eng = engine_from_options(engine)
+    draft.attach(eng, engine)
     if prompt_cache is not None:
         load_prompt_cache(eng, prompt_cache)
     session = ChatSession(
@@ -1004,11 +1095,13 @@ def serve(
         ),
     ] = -1,
     engine: EngineOptions = None,
+    draft: DraftOptions = None,
 ):
     """Serve the model over an OpenAI-compatible HTTP API.
 
     The endpoints are /v1/chat/completions, /v1/completions and /v1/models."""
     engine.check()
+    draft.check(engine)
     if not 0 <= port <= 65535:
         raise KestrelError(f"--port must be in 0..65535, got {port}")
     if parallel < 1:
@@ -1050,6 +1143,7 @@ def serve(
     )
     # the slots' sequences run in one batch thread (inference/batch.py) on -t threads
     eng = engine_from_options(engine, slots=parallel)
+    draft.attach(eng, engine)  # before the forks: each slot gets its own draft cache
     server.serve(
         [eng] + [eng.fork() for _ in range(parallel - 1)],
         host=host,

@@ -247,6 +247,7 @@ class Engine:
         # calls then run in its one thread, batched (None: this thread runs them)
         self.batcher = None
         self._image_config = None
+        self.speculator = None  # speculative.Speculator: decode with a draft model (--draft)
 
     @property
     def threads(self) -> int:
@@ -334,7 +335,18 @@ class Engine:
             model, self.tokenizer, self.config, self.path, self.store, self.ctx_size, self.spec
         )
         eng._model_id = getattr(self, "_model_id", None)
+        if self.speculator is not None:  # the draft forked too: its own KV cache
+            eng.speculator = self.speculator.fork(eng)
         return eng
+
+    def set_draft(self, draft: "Engine | None", **settings) -> None:
+        """Decode speculatively with `draft` (an Engine of a smaller model with the same
+        token table; None: plain decoding again); settings: speculative.Speculator's
+        (n_max, n_min, p_min). KestrelError for a draft of another vocabulary, or with
+        options speculation cannot keep exact (sparse attention)."""
+        from kestrel_cli.inference.speculative import Speculator
+
+        self.speculator = None if draft is None else Speculator(self, draft, **settings)
 
     def make_cache(self, max_tokens: int | None = None):
         """An empty KV cache of this engine's spec (default: its context size)."""
@@ -398,11 +410,18 @@ class Engine:
         return len(tokens), cf.nbytes
 
     def reset(self) -> None:
-        """Forget the conversation: the cache is emptied."""
+        """Forget the conversation: the cache is emptied (the draft's too)."""
         self.cache.reset()
         self.cached_ids = []
         self.cached_keys = []
         self.rope_delta = 0
+        if self.speculator is not None:
+            self.speculator.draft.reset()
+
+    def trim(self, n: int) -> None:
+        """Keep the first `n` cached tokens (their K/V, ids and keys), drop the rest."""
+        self.cache.trim(n)
+        del self.cached_ids[n:], self.cached_keys[n:]
 
     def prefill(self, ids: list[int]) -> tuple[np.ndarray, int]:
         """Run a prompt, reusing the longest prefix the cache holds from the previous calls.
@@ -522,6 +541,22 @@ class Engine:
             logits = self.model([token], self.cache, positions=pos)
         self.cached_ids.append(int(token))
         self.cached_keys.append(int(token))
+        return logits
+
+    def verify(self, tokens) -> np.ndarray:
+        """Run `tokens` after the cached ones in ONE forward pass (the prefill path: each
+        weight is read once for all of them; one token takes decode's path); the logits of
+        every row, float32 (T, V). The cache, cached_ids and cached_keys grow by them as by
+        T decode_steps. Speculative decoding's verify pass (inference/speculative.py), and
+        its draft's catch-up; `trim` takes back the rows not accepted."""
+        ints = [int(t) for t in tokens]
+        if self.rope_delta:  # M-RoPE after an image: positions shifted, as decode_step's
+            pos = np.arange(len(ints), dtype=np.int64) + self.cache.offset + self.rope_delta
+            logits = self.model(ints, self.cache, all_logits=True, positions=pos)
+        else:
+            logits = self.model(ints, self.cache, all_logits=True)
+        self.cached_ids += ints
+        self.cached_keys += ints
         return logits
 
     # ------------------------------------------------------------------ public API
@@ -681,6 +716,9 @@ class Engine:
         if reasoning_budget == 0:
             template_kwargs.setdefault("enable_thinking", False)
         ids = self.encode_prompt(prompt, **template_kwargs)
+        steps = None
+        if self.speculator is not None:
+            steps = self.speculator.steps(ids)  # refuses what it cannot do (images)
         sampler = make_sampler(temperature, top_k, top_p, min_p, seed)
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         if logit_bias and any(not 0 <= int(t) < self.config.vocab_size for t in logit_bias):
@@ -711,6 +749,7 @@ class Engine:
             logprobs=logprobs,
             constraint=constraint,
             processors=[] if budget is None else [budget],
+            steps=steps,
         )
 
     def generate(

@@ -39,6 +39,13 @@ class Stats:
     kv_bytes: int = 0
     vision_ms: float = 0.0  # vision tower time within prefill_ms (prompts with images)
     image_tokens: int = 0  # image tokens in the prompt
+    draft_tokens: int = 0  # speculative decoding: tokens the draft model proposed
+    draft_accepted: int = 0  # of which the target sampled the same token
+
+    @property
+    def draft_rate(self) -> float:
+        """Percent of the drafted tokens accepted (0 without a draft)."""
+        return 100.0 * self.draft_accepted / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -104,6 +111,34 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[str, bool]:
     return text[: len(text) - hold], False
 
 
+class DecodeSteps:
+    """Where stream_generate's logits rows come from, one token at a time: the plain one
+    runs one `decode_step` per token. speculative.SpeculativeSteps is the other (rows of a
+    draft-and-verify pass). `offset` is the context's length as the loop sees it (the tokens
+    fed so far); `finish` leaves the engine's cache holding exactly those."""
+
+    drafted = accepted = 0  # draft tokens proposed / accepted (none here)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def prefill(self, ids, stop_ids) -> tuple[np.ndarray, int]:
+        """The prompt's last logits (1, V) and its tokens reused from the cache."""
+        return self.engine.prefill(ids)
+
+    @property
+    def offset(self) -> int:
+        return self.engine.cache.offset
+
+    def step(self, token: int, ahead: int) -> np.ndarray:
+        """Feed `token`; the logits (1, V) of the next one. `ahead`: rows the loop may still
+        ask for after this one (max_tokens)."""
+        return self.engine.decode_step(token)
+
+    def finish(self) -> None:
+        pass
+
+
 def stream_generate(
     engine,
     prompt_ids: list[int],
@@ -119,6 +154,7 @@ def stream_generate(
     logprobs: int | None = None,
     constraint=None,
     processors: Sequence = (),
+    steps=None,
 ) -> Iterator[Chunk]:
     """Prefill the prompt (reusing the engine's cached prefix), then sample token by token.
 
@@ -131,12 +167,16 @@ def stream_generate(
     do the same without ending it: each step every one `apply(row)`s its mask (after
     penalties and bias, before the constraint's), and each token picked but EOS is
     `advance`d through all of them; a token they force is an ordinary generated token.
+    `steps` gives the logits rows (DecodeSteps, the default, or
+    speculative.SpeculativeSteps); every row goes through the same logic here, whichever
+    made it.
     """
     prof = engine.model.prof
     eos = set(engine.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
+    steps = steps if steps is not None else DecodeSteps(engine)
     stats = Stats(prompt_tokens=len(prompt_ids))
     t0 = time.perf_counter()
-    logits, cached = engine.prefill(prompt_ids)
+    logits, cached = steps.prefill(prompt_ids, eos)
     stats.cached_tokens, stats.prefill_tokens = cached, len(prompt_ids) - cached
     stats.prefill_ms = (time.perf_counter() - t0) * 1e3
     stats.vision_ms = float(getattr(engine, "vision_ms", 0.0))
@@ -149,15 +189,15 @@ def stream_generate(
     hooks = [*processors] + ([constraint] if constraint is not None else [])
     for i in range(max_tokens):
         if i > 0:  # feed the previous token (after its chunk went out)
-            if engine.cache.offset >= engine.ctx_size:
+            if steps.offset >= engine.ctx_size:
                 break  # context full: finish "length"
             a0, m0 = prof.snapshot()
             s0 = time.perf_counter()
-            logits = engine.decode_step(token)
+            logits = steps.step(token, max_tokens - i - 1)
             ms = (time.perf_counter() - s0) * 1e3
             a1, m1 = prof.snapshot()
             timing = TokenTiming(
-                stats.decode_tokens, engine.cache.offset - 1, ms, (a1 - a0) * 1e3, (m1 - m0) * 1e3
+                stats.decode_tokens, steps.offset - 1, ms, (a1 - a0) * 1e3, (m1 - m0) * 1e3
             )
             stats.decode_tokens += 1
             stats.decode_ms += ms
@@ -204,6 +244,8 @@ def stream_generate(
         tail = pending + detok.flush()
         cut = [tail.find(s) for s in stop if s in tail]
         tail = tail[: min(cut)] if cut else tail
+    steps.finish()  # the cache holds the tokens fed, as after plain decoding
     stats.kv_bytes = engine.cache.nbytes
+    stats.draft_tokens, stats.draft_accepted = steps.drafted, steps.accepted
     # a decode step whose token was EOS is reported on the last chunk
     yield Chunk(tail, None, finish_reason=finish, timing=timing, stats=stats)

@@ -26,13 +26,17 @@ def kv_cache_bytes(eng, tokens: int) -> int:
     """Bytes one KV cache of `eng`'s spec holds once `tokens` tokens fill it: K and V blocks
     of every layer, the per-token importance, and the sparse probes' per-block bounds or
     sketches. The cache takes its memory as it fills (kv_cache.BlockPool), so this is its
-    size at `tokens`, not at start."""
+    size at `tokens`, not at start. With a draft model (--draft) its cache, which holds the
+    same tokens, is counted too."""
     c = eng.cache
     blocks = -(-tokens // KV_BLOCK)
     n = 2 * c.n_layers * blocks * c.block_bytes + 4 * c.n_layers * tokens
     for a in (c.bounds, c.bound_scales):  # sized by the cache's own blocks
         if a is not None:
             n += a.nbytes // max(1, c.k_ptrs.shape[1]) * blocks
+    spec = getattr(eng, "speculator", None)
+    if spec is not None:
+        n += kv_cache_bytes(spec.draft, tokens)
     return n
 
 

@@ -4,6 +4,7 @@ contract is docs/DESIGN.md §4 Timing lines.
     [DEC-SINGLE] tok=12 pos=2073 ms=56.2 attn=12.8 matmul=40.1 other=3.3
     [PERF] prefill_tokens=2061 prefill_ms=... prefill_tps=... decode_tokens=... decode_ms=...
            decode_tps=... attn_ms_per_tok=... kv_bytes=... [vision_ms=... image_tokens=...]
+           [draft_tokens=... draft_accepted=... draft_rate=...]
 
 Keys and their order are stable for scripts (scripts/*.sh parse them with awk). Times are
 milliseconds with one decimal, rates tokens/second with one decimal, counts integers.
@@ -34,6 +35,9 @@ PERF_KEYS = (
 # appended to [PERF] when the prompt had images (Qwen3-VL): vision tower time (part of
 # prefill_ms) and the prompt's image tokens
 PERF_VISION_KEYS = ("vision_ms", "image_tokens")
+# appended to [PERF] when a draft model ran (--draft): tokens it proposed, how many of them
+# the target accepted, and that as a percentage
+PERF_DRAFT_KEYS = ("draft_tokens", "draft_accepted", "draft_rate")
 TURN_KEYS = (
     "turn",
     "prompt_tokens",
@@ -88,6 +92,15 @@ def format_perf(s: Stats) -> str:
             **(
                 dict(vision_ms=float(s.vision_ms), image_tokens=int(s.image_tokens))
                 if s.image_tokens
+                else {}
+            ),
+            **(
+                dict(
+                    draft_tokens=int(s.draft_tokens),
+                    draft_accepted=int(s.draft_accepted),
+                    draft_rate=float(s.draft_rate),
+                )
+                if s.draft_tokens
                 else {}
             ),
         ),

@@ -98,7 +98,8 @@ def _usage(stats: Stats) -> dict:
 
 def _timings(stats: Stats, gen_ms: float) -> dict:
     """llama-server's `timings`: prompt_* count only the tokens prefilled (not cache_n);
-    predicted_* the tokens sampled, over the time from the end of prefill to the last."""
+    predicted_* the tokens sampled, over the time from the end of prefill to the last;
+    draft_n / draft_n_accepted the draft model's proposed and accepted tokens."""
     pn, pms, gn, gms = stats.prefill_tokens, stats.prefill_ms, stats.generated_tokens, gen_ms
     return {
         "cache_n": stats.cached_tokens,
@@ -110,6 +111,12 @@ def _timings(stats: Stats, gen_ms: float) -> dict:
         "predicted_ms": round(gms, 3),
         "predicted_per_token_ms": round(gms / gn, 3) if gn else 0.0,
         "predicted_per_second": round(gn / gms * 1e3, 3) if gms > 0 else 0.0,
+        # speculative decoding (--draft), as llama-server: only when a draft proposed tokens
+        **(
+            {"draft_n": stats.draft_tokens, "draft_n_accepted": stats.draft_accepted}
+            if stats.draft_tokens
+            else {}
+        ),
     }
 
 
@@ -1276,6 +1283,11 @@ def serve(
     log.info(
         f"model {model_id(eng)} ({eng.config.model_type}), context {eng.ctx_size}, "
         f"{len(engines)} slot(s) x {eng.threads} thread(s), queue {queue_size}"
+        + (
+            f", draft {eng.speculator.draft.path.name} (up to {eng.speculator.n_max} tokens)"
+            if eng.speculator is not None
+            else ""
+        )
         + (", API key required" if api_key else "")
     )
     log.info(
