@@ -466,16 +466,22 @@ def test_help_lists_the_flags():
 
 
 def test_cli_notes_when_replies_can_differ(dirs):
-    """Quantised weights under --act q8: one note that the text may differ; --act f32 or
-    float weights: none."""
-    base = ["run", "-m", dirs / "target", "-p", "hi", "--raw", "--temp", "0", "-n", "4"]
-    base += ["-t", "1", "--draft", dirs / "near"]
+    """Quantised weights under --act q8 with a verify pass past kernels.ROWS_MAX rows: one
+    note that the text may differ; up to it (the default --draft-max: the GEMV's rows, the
+    text is plain decoding's), --act f32 or float weights: none."""
+    plain = ["run", "-m", dirs / "target", "-p", "hi", "--raw", "--temp", "0", "-n", "12"]
+    plain += ["-t", "1"]
+    base = plain + ["--draft", dirs / "near"]
     for extra, noted in (
-        (["--quant", "q8"], True),
-        (["--quant", "q8", "--act", "f32"], False),
+        (["--quant", "q8"], False),
+        (["--quant", "q8", "--draft-max", "16"], True),
+        (["--quant", "q8", "--act", "f32", "--draft-max", "16"], False),
         ([], False),
     ):
         r = invoke(*base, *extra)
         assert r.exit_code == 0, r.output
         notes = [x for x in r.stderr.splitlines() if x.startswith("note:")]
         assert len(notes) == noted and (not noted or "--act f32" in notes[0]), r.stderr
+        if not noted:
+            ref = invoke(*plain, *extra)
+            assert r.stdout == ref.stdout

@@ -550,11 +550,13 @@ class Engine:
         T decode_steps. Speculative decoding's verify pass (inference/speculative.py), and
         its draft's catch-up; `trim` takes back the rows not accepted."""
         ints = [int(t) for t in tokens]
+        pos = None
         if self.rope_delta:  # M-RoPE after an image: positions shifted, as decode_step's
             pos = np.arange(len(ints), dtype=np.int64) + self.cache.offset + self.rope_delta
-            logits = self.model(ints, self.cache, all_logits=True, positions=pos)
+        if self.batcher is not None:  # a pass of the batch thread's, as a prompt's
+            logits = self.batcher.run(self, ints, pos, all_logits=True)
         else:
-            logits = self.model(ints, self.cache, all_logits=True)
+            logits = self.model(ints, self.cache, all_logits=True, positions=pos)
         self.cached_ids += ints
         self.cached_keys += ints
         return logits

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from kestrel_cli.core.errors import KestrelError
-from kestrel_cli.runtime.kernels import ROWS_MAX
+from kestrel_cli.runtime.kernels import FLOAT_FMTS, ROWS_MAX
 
 # the defaults (--help says why): on the bundled model's float32 target with its Q4_1 as the
 # draft, 16 decoded ~1.2x faster than 8 and ~1.4x faster than 4, and p_min 0.1 cut 2% of
@@ -72,9 +72,6 @@ def check_vocab(target, draft) -> None:
         )
 
 
-FLOAT_FORMATS = ("f32", "f16", "bf16")
-
-
 def inexact_note(target, n_max: int = DRAFT_MAX) -> str | None:
     """A note for the user when greedy replies with a draft can differ from plain decoding:
     quantised weights under --act q8 with a verify pass of more than kernels.ROWS_MAX rows
@@ -86,9 +83,7 @@ def inexact_note(target, n_max: int = DRAFT_MAX) -> str | None:
         return None  # the GEMV's rows: each verify row is decode's arithmetic
     store = target.store
     entries = getattr(store, "entries", {})
-    if getattr(store, "quant", None) is None and all(
-        e[0] in FLOAT_FORMATS for e in entries.values()
-    ):
+    if getattr(store, "quant", None) is None and all(e[0] in FLOAT_FMTS for e in entries.values()):
         return None  # float weights multiply float32 activations: rows equal to decode's
     return (
         "with --act q8 on quantised weights the verify pass rounds activations otherwise than "

@@ -1340,6 +1340,7 @@ class DecodeStack:
 
 
 ROWS_MAX = _lib.GemvPlan.ROWS_MAX  # most rows a Projection runs as GEMVs (one weight pass)
+FLOAT_FMTS = ("f32", "f16", "bf16")  # weight formats that are not quantised
 
 
 class Projection:
@@ -1347,9 +1348,10 @@ class Projection:
     row or many, optionally of RMSNorm(x), optionally SwiGLU of a (gate, up) pair, and
     optionally added into a residual.
 
-    Up to ROWS_MAX rows (decode; a batch's decode rows) run `GemvGroup`'s fused plan: one
-    kernel call, the RMSNorm, the SwiGLU and the residual add inside it, the weights read
-    once for the rows, each row's outputs those it gets alone. More rows (prefill) run
+    One row (decode), and up to ROWS_MAX rows of quantised weights (a batch's decode rows),
+    run `GemvGroup`'s fused plan: one kernel call, the RMSNorm, the SwiGLU and the residual
+    add inside it, the weights read once for the rows, each row's outputs those it gets
+    alone. More rows (prefill) run
     `rms_norm`, `matmul` per weight and `swiglu`, then the bias and residual adds. Both
     give what those entry points give one after the other (within float rounding: the
     GEMM sums a row's products in another order than the GEMV).
@@ -1390,6 +1392,10 @@ class Projection:
             _shape(norm, "norm", (n,))
         self.norm, self.eps = norm, float(eps)
         self._run = self.gemv._plan.run  # the one-row kernel call, bound once
+        # quantised weights take the GEMV plan for up to ROWS_MAX rows (the GEMM would pack
+        # their panels for a few rows); float ones the float GEMM from 2 rows on, which
+        # beats the GEMV's token passes there
+        self.rows_max = ROWS_MAX if all(w.fmt not in FLOAT_FMTS for w in self.weights) else 1
         # the outputs of one row are these column ranges of one (1, d) buffer
         self._slices = None if self.swiglu or len(self.weights) == 1 else self.gemv.slices
 
@@ -1407,7 +1413,7 @@ class Projection:
             one float32 (T, d_i) array per weight ([the SwiGLU output] with swiglu), or
             [residual] when given. One row: (1, d_i) views of one new buffer.
         """
-        if x.shape[0] <= ROWS_MAX:
+        if x.shape[0] <= self.rows_max:
             # decode: positional, no checks beyond the kernel's own (it runs per layer)
             if residual is not None and not self.has_bias:
                 self._run(x, residual, threads, act_q8, self.norm, self.eps, True)

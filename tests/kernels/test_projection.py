@@ -49,13 +49,19 @@ def test_grouped_with_norm_and_biases(T):
         for o, r in zip(outs, ref):
             # the one-row plan normalises inside the kernel: float32 round-off apart
             np.testing.assert_allclose(o, r, rtol=1e-5, atol=1e-5)
-    if T > kernels.ROWS_MAX:  # many rows: exactly the entry points
+    assert p.rows_max == 1  # float weights among them: the GEMM from 2 rows on
+    q = kernels.Projection(ws[:1], bs[:1], norm=nw, eps=1e-5)  # quantised alone
+    assert q.rows_max == kernels.ROWS_MAX
+    if T > 1:  # more rows than one: the float GEMM, exactly the entry points
         for o, r in zip(p(x, 2), ref):
             np.testing.assert_array_equal(o, r)
+    if T > kernels.ROWS_MAX:  # many rows: exactly the entry points
+        for o, r in zip(q(x, 2), ref[:1]):
+            np.testing.assert_array_equal(o, r)
     else:  # a few rows: each exactly what it gives alone
-        outs = p(x, 2)
+        outs = q(x, 2)
         for t in range(T):
-            for o, r in zip(outs, p(x[t : t + 1], 1)):
+            for o, r in zip(outs, q(x[t : t + 1], 1)):
                 np.testing.assert_array_equal(o[t], r[0])
 
 
