@@ -6,12 +6,12 @@ read every weight for each of their tokens, so N streams cost N times the memory
 one. With a Batcher the engines hand their model calls to its thread instead: each step
 runs one token of every decoding sequence in one pass (Model.forward_rows: the weights are
 read once for all rows, attention runs per sequence over its own cache), and the next
-`chunk` tokens of one prompt being prefilled (in the same pass when the rows are few
-enough for the GEMV, else in a pass of their own: each token is computed as it would be
-alone, so greedy answers do not depend on what else runs). Sequences join and leave between steps; a
-long prompt is prefilled a chunk per step, so it does not stall the others for its whole
-length; and a step waits briefly for every decoding sequence's next token (they sample in
-their own threads) so that they stay in one pass.
+`chunk` tokens of the waiting prompts, first come first (several prompts' chunks in one
+pass of their own; a short prompt with the decode rows when they fit the GEMV): each token
+is computed as it would be alone, so greedy answers do not depend on what else runs.
+Sequences join and leave between steps; a long prompt is prefilled a chunk per step, so it
+does not stall the others for its whole length; and a step waits briefly for every decoding
+sequence's next token (they sample in their own threads) so that they stay in one pass.
 
 Everything that runs kernels runs in the batch thread: the engines' threads only sample,
 detokenise and check stop strings. The model's `-t` threads are shared by all sequences.
@@ -47,6 +47,7 @@ class _Work:
         "err",
         "rows",
         "sent",
+        "is_prompt",
     )
 
     def __init__(self, engine, ids=None, positions=None, all_logits=False, solo=None):
@@ -56,6 +57,7 @@ class _Work:
         self.out = self.err = None
         self.rows: list[np.ndarray] = []  # logits of the chunks run so far (all_logits)
         self.sent = 0  # tokens of ids run so far (a prompt runs a chunk per step)
+        self.is_prompt = False  # queued as a prompt (chunked), not as a decode token
 
     def finish(self, out=None, err: BaseException | None = None) -> None:
         self.out, self.err = out, err
@@ -99,6 +101,7 @@ class Batcher:
             if len(ids) == 1 and not all_logits:
                 self._decode.append(w)
             else:
+                w.is_prompt = True
                 self._busy.add(id(engine))
                 self._prompts.append(w)
             self._cond.notify_all()
@@ -168,10 +171,10 @@ class Batcher:
                         timeout = max(0.0, since + self.gather_s - time.monotonic())
                     self._cond.wait(timeout)
                 solo = self._solo.popleft() if self._solo else None
-                decode, prompt = [], None
+                decode, prompts = [], []
                 if solo is None:
                     decode, self._decode = self._decode, []
-                    prompt = self._prompts[0] if self._prompts else None
+                    prompts = list(self._prompts)
                 since = None
             if solo is not None:
                 try:
@@ -181,46 +184,59 @@ class Batcher:
                 with self._cond:
                     self._busy.discard(id(solo.engine))
                 continue
-            self._step(decode, prompt)
+            self._step(decode, prompts)
 
     def _fail_all(self, err: BaseException) -> None:
         for w in [*self._decode, *self._prompts, *self._solo]:
             w.finish(err=err)
         self._decode, self._prompts, self._solo = [], collections.deque(), collections.deque()
 
-    def _step(self, decode: list[_Work], prompt: _Work | None) -> None:
-        """Every decode request plus the next chunk of the first prompt: one pass while
-        they are at most ROWS_MAX rows (all through the GEMV), else the decode rows and
-        the chunk in two passes, so that a token's arithmetic is the one it gets alone
-        (a lone token and a short prompt take the GEMV, a longer prompt the GEMM)."""
-        work = [((w.engine.cache, w.ids, w.positions, "last"), w) for w in decode]
-        if prompt is not None:
-            a, left = prompt.sent, len(prompt.ids) - prompt.sent
+    def _step(self, decode: list[_Work], prompts: list[_Work]) -> None:
+        """Every decode request, and the next chunks of the waiting prompts (first come
+        first, `chunk` tokens in all): the decode rows in one pass through the GEMV; a
+        prompt of at most ROWS_MAX tokens, which takes the GEMV alone too, with them while
+        the rows fit, else in a pass of its own; the longer prompts' chunks together in one
+        pass through the GEMM (the weights' panels packed once for all of them). A token is
+        computed as it would be alone, so greedy answers do not depend on what else runs."""
+        gemv = [((w.engine.cache, w.ids, w.positions, "last"), w) for w in decode]
+        short, gemm, budget = [], [], self.chunk
+        for w in prompts:
+            left = len(w.ids) - w.sent
             n = min(self.chunk, left)
             if n < left and left - n <= ROWS_MAX:  # no short tail: as one prefill's rows
                 n = left
-            b = a + n
-            pos = None if prompt.positions is None else prompt.positions[a:b]
-            want = "all" if prompt.all_logits else ("last" if b == len(prompt.ids) else None)
-            work.append(((prompt.engine.cache, prompt.ids[a:b], pos, want), prompt))
-        # a sequence whose cache cannot take its tokens fails alone, before the pass
-        keep = []
-        for s, w in work:
-            try:
-                s[0].reserve(len(s[1]))
-            except KestrelError as e:
-                self._fail(w, prompt, e)
-                continue
-            keep.append((s, w))
-        if sum(len(s[1]) for s, _ in keep) <= ROWS_MAX or len(keep) == 1:
-            passes = [keep] if keep else []
-        else:
-            passes = [[k for k in keep if k[1] is not prompt], [k for k in keep if k[1] is prompt]]
-        for p in passes:
-            if p:
-                self._pass(p, prompt)
+            if n <= ROWS_MAX:  # a whole short prompt: the GEMV's rows, as alone
+                if not gemm:  # (else its turn is the next step: first come first)
+                    fits = len(decode) + n <= ROWS_MAX
+                    (gemv if fits else short).append((self._seg(w, n), w))
+                break
+            if gemm and n > budget:
+                break
+            gemm.append((self._seg(w, n), w))
+            budget -= n
+            if budget <= 0:
+                break
+        for p in (gemv, short, gemm):
+            keep = []
+            for s, w in p:  # a sequence whose cache cannot take its tokens fails alone
+                try:
+                    s[0].reserve(len(s[1]))
+                except KestrelError as e:
+                    self._fail(w, e)
+                    continue
+                keep.append((s, w))
+            if keep:
+                self._pass(keep)
 
-    def _pass(self, keep: list, prompt: _Work | None) -> None:
+    @staticmethod
+    def _seg(w: _Work, n: int) -> tuple:
+        """The next n tokens of prompt w as a forward_rows segment."""
+        a, b = w.sent, w.sent + n
+        pos = None if w.positions is None else w.positions[a:b]
+        want = "all" if w.all_logits else ("last" if b == len(w.ids) else None)
+        return (w.engine.cache, w.ids[a:b], pos, want)
+
+    def _pass(self, keep: list) -> None:
         """One model call over the sequences of `keep` ((segment, work) pairs)."""
         prof = self.model.prof
         a0, m0 = prof.snapshot()
@@ -228,7 +244,7 @@ class Batcher:
             outs = self.model.forward_rows([s for s, _ in keep])
         except BaseException as e:  # every sequence of the pass sees the error
             for _, w in keep:
-                self._fail(w, prompt, e)
+                self._fail(w, e)
             return
         a1, m1 = prof.snapshot()
         self.steps += 1
@@ -238,7 +254,7 @@ class Batcher:
             if ep is not None and ep is not prof:  # the pass's time, as each engine's
                 ep.attn += a1 - a0
                 ep.matmul += m1 - m0
-            if w is not prompt:
+            if not w.is_prompt:
                 w.finish(out)
                 continue
             w.sent += len(s[1])
@@ -248,13 +264,15 @@ class Batcher:
                 self._end_prompt(w)
                 w.finish(np.concatenate(w.rows) if w.all_logits else w.rows[-1])
 
-    def _fail(self, w: _Work, prompt: _Work | None, err: BaseException) -> None:
-        if w is prompt:
+    def _fail(self, w: _Work, err: BaseException) -> None:
+        if w.is_prompt:
             self._end_prompt(w)
         w.finish(err=err)
 
     def _end_prompt(self, w: _Work) -> None:
         with self._cond:
-            if self._prompts and self._prompts[0] is w:
-                self._prompts.popleft()
+            try:
+                self._prompts.remove(w)
+            except ValueError:  # already taken off
+                pass
             self._busy.discard(id(w.engine))
