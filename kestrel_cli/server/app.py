@@ -909,6 +909,16 @@ def create_app(
         return done
 
     # -- Anthropic's Messages API
+    async def finished(request: Request, ans):
+        """A non-streamed answer whole, logged: (events, finish), or None when the client
+        went away (logged as cancelled)."""
+        got = await collect(request, ans)
+        if got is None:
+            finish_log(request, ans.job, None, "cancelled")
+            return None
+        finish_log(request, ans.job, got[1].stats, got[1].reason)
+        return got
+
     @app.post("/v1/messages")
     async def messages(request: Request):
         req = anthropic.parse_request(await read_json(request))
@@ -916,13 +926,10 @@ def create_app(
         job = ans.job
         if req.opts.stream:
             return stream_reply(request, job, anthropic.stream(mid, ans, stream_done(request, job)))
-        got = await collect(request, ans)
+        got = await finished(request, ans)
         if got is None:  # cancelled: the client is gone
-            finish_log(request, job, None, "cancelled")
             return JSONResponse({}, status_code=499)
-        evs, fin = got
-        finish_log(request, job, fin.stats, fin.reason)
-        return JSONResponse(anthropic.message(mid, evs, fin))
+        return JSONResponse(anthropic.message(mid, *got))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
@@ -947,13 +954,10 @@ def create_app(
         if req.chat.opts.stream:
             events = responses.stream(b, ans, stream_done(request, job), keep)
             return stream_reply(request, job, events)
-        got = await collect(request, ans)
+        got = await finished(request, ans)
         if got is None:  # cancelled: the client is gone
-            finish_log(request, job, None, "cancelled")
             return JSONResponse({}, status_code=499)
-        evs, fin = got
-        finish_log(request, job, fin.stats, fin.reason)
-        resp = b.whole(evs, fin)
+        resp = b.whole(*got)
         keep(resp)
         return JSONResponse(resp)
 
