@@ -329,3 +329,24 @@ def test_deep_arguments_in_the_models_answer_are_no_tool_call(depth):
         "name": "f",
         "arguments": ok,
     }
+
+
+def test_llguidance_tokenizer_cache_follows_the_tokenizer_object(tiny):
+    """One LLTokenizer per Tokenizer object, dropped with it: a cache keyed by id() handed a
+    new tokenizer at a freed one's address the old one's vocabulary."""
+    import copy
+    import gc
+
+    from kestrel_cli.text import constrained
+
+    first = constrained._ll_tokenizer(tiny)
+    assert constrained._ll_tokenizer(tiny) is first
+    other = copy.copy(tiny)
+    other.tokenizer = copy.copy(tiny.tokenizer)
+    n = len(constrained._TOKENIZERS)
+    assert constrained._ll_tokenizer(other) is not first
+    assert len(constrained._TOKENIZERS) == n + 1
+    del other
+    gc.collect()
+    assert len(constrained._TOKENIZERS) == n
+    assert constrained._ll_tokenizer(tiny) is first

@@ -8,13 +8,16 @@ a valid answer get -inf, EOS only once the JSON is complete) and follows the sam
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
 
 from kestrel_cli.core.errors import KestrelError
 
-_TOKENIZERS: dict[int, object] = {}  # LLTokenizer per Tokenizer (building one takes ~1 s)
+# LLTokenizer per Tokenizer and vocabulary size (building one takes ~1 s); weak keys: a
+# cache keyed by id() handed a new tokenizer at a freed one's address the old vocabulary
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # Levels of objects/arrays a JSON value from a user may nest (a schema, a tool's parameters, a
 # tool call's arguments, chat_template_kwargs; the value itself is level 1). What reads such a
@@ -76,15 +79,15 @@ def _import():
 def _ll_tokenizer(engine):
     llg = _import()
     tok = engine.tokenizer
-    key = id(tok)
-    if key not in _TOKENIZERS:
+    n_vocab = engine.config.vocab_size
+    hit = _TOKENIZERS.get(tok)
+    if hit is None or hit[0] != n_vocab:
         eos = sorted(tok.eos_token_ids)
-        _TOKENIZERS[key] = llg.LLTokenizer(
-            tok.backend.to_str(),
-            n_vocab=engine.config.vocab_size,
-            eos_token=eos if len(eos) > 1 else eos[0],
+        ll = llg.LLTokenizer(
+            tok.backend.to_str(), n_vocab=n_vocab, eos_token=eos if len(eos) > 1 else eos[0]
         )
-    return _TOKENIZERS[key]
+        hit = _TOKENIZERS[tok] = (n_vocab, ll)
+    return hit[1]
 
 
 class JsonConstraint:
