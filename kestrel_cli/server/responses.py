@@ -619,6 +619,12 @@ async def stream(
             )
         return out
 
+    def append_text(kind: str, text: str, **extra) -> str:
+        """text added to the open item's content part, and its delta event"""
+        cur["content"][0]["text"] += text
+        ids = dict(item_id=cur["id"], output_index=len(b.output) - 1, content_index=0)
+        return event(kind, **ids, delta=text, **extra)
+
     def close(status: str) -> list[str]:
         nonlocal cur
         if cur is None:
@@ -646,16 +652,7 @@ async def stream(
             if isinstance(ev, Reasoning):
                 if cur is None or cur["type"] != "reasoning":
                     out += open_item(b.reasoning_item())
-                cur["content"][0]["text"] += ev.text
-                out.append(
-                    event(
-                        "response.reasoning_text.delta",
-                        item_id=cur["id"],
-                        output_index=len(b.output) - 1,
-                        content_index=0,
-                        delta=ev.text,
-                    )
-                )
+                out.append(append_text("response.reasoning_text.delta", ev.text))
             elif isinstance(ev, Content):
                 text = ev.text
                 if cur is None or cur["type"] != "message":
@@ -664,17 +661,7 @@ async def stream(
                         continue
                     text, held = held + text, ""
                     out += open_item(b.message_item())
-                cur["content"][0]["text"] += text
-                out.append(
-                    event(
-                        "response.output_text.delta",
-                        item_id=cur["id"],
-                        output_index=len(b.output) - 1,
-                        content_index=0,
-                        delta=text,
-                        logprobs=[],
-                    )
-                )
+                out.append(append_text("response.output_text.delta", text, logprobs=[]))
             elif isinstance(ev, ToolCall):
                 held = ""
                 out += close("completed")
