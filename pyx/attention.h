@@ -41,9 +41,9 @@
 
 /* The decode units per variant: `base` with the build's flags (x86-64: SSE2) and `avx2`
  * (the faster decode). There is no avx512 decode: AVX-512 was not faster for
- * these short rows, so the avx512 variant runs the avx2 units. The prefill unit runs
- * `base` under every variant: its AVX2 build measured no faster (the score loop's 4 FMA
- * chains are latency-bound). Results differ between variants in the last bits (FMA),
+ * these short rows, so the avx512 variant runs the avx2 units. The prefill units (below)
+ * have a variant each: the register blocks of several queries need the wider registers.
+ * Results differ between variants in the last bits (FMA),
  * never between runs or thread counts on one of them. A float16 cache's rows are
  * converted exactly on every variant (F16C under avx2), so the conversion adds no
  * difference of its own. On aarch64 the `dotprod` slot compiles the decode units under
@@ -132,10 +132,45 @@ static inline void ka_decode_a_run(KA_DECODE_A_ARGS)
                             n_order, ws, tab, sel);
 }
 
+/* The prefill units per variant: `base` one query at a time (its SSE2 registers hold no
+ * register block), avx2 two exact queries at once, avx512 four (attn_prefill.h). The
+ * sparse rows' selection is the same code in each (x86v3 stays 0: probes from converted
+ * rows), so only the last bits of the float sums differ between variants (FMA), as in the
+ * decode. */
+#define KA_PREFILL_ENTRY(SUF, ATTR, F16C, QB)                                            \
+    ATTR static void ka_prefill_unit_##SUF(KA_PREFILL_ARGS)                              \
+    {                                                                                    \
+        ka_kv kv2 = *kv;                                                                 \
+        kv2.f16c = (F16C);                                                               \
+        kv2.qb = KA_BLOCKS ? (QB) : 1;                                                   \
+        ka_prefill_unit(&kv2, q, ldq, T, n_heads, pos0, scale, k, sp, imp_order, n_order,\
+                        u, ws, imp, sel, out, ldo);                                      \
+    }
+
+KA_PREFILL_ENTRY(base, , 0, 1)
+#if KF_X86_DISPATCH
+KA_PREFILL_ENTRY(avx2, KF_TARGET_AVX2, 1, 2)
+KA_PREFILL_ENTRY(avx512, KF_TARGET_AVX512, 1, 4)
+#elif KF_ARM_DISPATCH
+KA_PREFILL_ENTRY(dotprod, KF_TARGET_DOTPROD, 0, 2)
+#endif
+
+typedef void (*ka_prefill_fn)(KA_PREFILL_ARGS);
+#if KF_X86_DISPATCH
+static const ka_prefill_fn ka_prefill_tab[KF_N_ISA] = {
+    ka_prefill_unit_base, ka_prefill_unit_avx2, ka_prefill_unit_avx512};
+#elif KF_ARM_DISPATCH
+static const ka_prefill_fn ka_prefill_tab[KF_N_ISA] = {
+    ka_prefill_unit_base, ka_prefill_unit_dotprod, ka_prefill_unit_dotprod};
+#else
+static const ka_prefill_fn ka_prefill_tab[KF_N_ISA] = {
+    ka_prefill_unit_base, ka_prefill_unit_base, ka_prefill_unit_base};
+#endif
+
 static void ka_prefill_unit_run(KA_PREFILL_ARGS)
 {
-    ka_prefill_unit(kv, q, ldq, T, n_heads, pos0, scale, k, sp, imp_order, n_order, u, ws,
-                    imp, sel, out, ldo);
+    ka_prefill_tab[kf_isa](kv, q, ldq, T, n_heads, pos0, scale, k, sp, imp_order, n_order,
+                           u, ws, imp, sel, out, ldo);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)

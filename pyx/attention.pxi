@@ -30,6 +30,7 @@ cdef extern from "attention.h" nogil:
         Py_ssize_t n_kv
         Py_ssize_t hd
         Py_ssize_t bs
+        Py_ssize_t n_all
 
     ctypedef struct ka_ws:
         pass
@@ -218,7 +219,8 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
                                               #     probe): float32, int8 with kv_kind KV_Q8
               const float[::1] bound_scales=None,  # IN (n_kv, bound_cap) int8 bounds' scales
               Py_ssize_t bound_cap=0,
-              Py_ssize_t imp_from=0):         # rows at positions < imp_from record no importance
+              Py_ssize_t imp_from=0,          # rows at positions < imp_from record no importance
+              bint causal=True):              # False: every row sees j < pos0 + T (exact only)
     """out[i, h] := softmax_j(scale * q[i, h] . K[j, h // group]) @ V[:, h // group] over
     j <= pos0 + i (exact) or over the tokens of the blocks attn_select.h selects"""
     cdef Py_ssize_t T = q.shape[0], n_heads = q.shape[1] // head_dim
@@ -249,6 +251,10 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
         raise ValueError(f"attention: a float16 cache needs head_dim <= {KA_HDMAX}")
     ka_kv_init(&kv, &k_ptrs[0], &v_ptrs[0], kv_bs, n_kv_heads, head_dim, kv_kind)
     kv.imp_from = imp_from
+    if not causal:
+        if k > 0 or importance is not None:
+            raise ValueError("attention: non-causal attention is exact, without importance")
+        kv.n_all = n_ctx
     if bounds is not None:
         if kv_kind == KA_KV_Q8 and bound_scales is None:
             raise ValueError("attention: int8 bounds need bound_scales")
@@ -314,6 +320,11 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
             for slot in range(U if U < KA_SLOTS else KA_SLOTS):
                 acc = acc + slot_p[slot * ld_slot + j]
             imp_p[j] = imp_p[j] + acc
+
+
+def prefill_tile_rows(Py_ssize_t group):
+    """Query rows per prefill tile when `group` query heads share a kv head (attn_prefill.h)."""
+    return ka_tile_rows(group)
 
 
 def decode_tab_size(Py_ssize_t n_ctx, Py_ssize_t n_heads, Py_ssize_t head_dim,

@@ -48,6 +48,10 @@ typedef struct {
      * head, block) 2 * bs floats: the keys' scales, then the values' (ka_sketch_update) */
     int sketch;
     float sk_scale;           /* the attention's softmax scale (the block mass needs it) */
+    int qb;                   /* prefill: exact queries scored and weighted together, in
+                               * registers (1: one at a time; the entries set it) */
+    ptrdiff_t n_all;          /* prefill: > 0: every query sees tokens 0 .. n_all-1
+                               * (non-causal); 0: row i sees 0 .. pos0 + i */
     ptrdiff_t imp_from;       /* prefill: queries at positions below it record no
                                * importance (0: all do) */
 } ka_kv;
@@ -88,6 +92,8 @@ static inline void ka_kv_init(ka_kv *kv, const uint64_t *k_ptrs, const uint64_t 
     kv->sketch = 0;
     kv->sk_scale = 0.0f;
     kv->imp_from = 0;
+    kv->qb = 1;
+    kv->n_all = 0;
 }
 
 static inline void ka_kv_bounds(ka_kv *kv, const uint8_t *bnd, const float *bsc,

@@ -17,8 +17,8 @@
 
 #include "attn_select.h"
 
-#define KA_RT 8          /* query rows per prefill tile */
-#define KA_QMAX 32       /* most queries (rows x group heads) per tile */
+#define KA_RT 32         /* query rows per prefill tile */
+#define KA_QMAX 64       /* most queries (rows x group heads) per tile */
 
 /* ---------------------------------------------------------------- prefill tile */
 
@@ -66,6 +66,137 @@ KF_INLINE void ka_kt_scores(const float *restrict q, const float *restrict kt,
     for (int j = 0; j < KA_W; j++)
         s[j] = a[j];
 }
+
+
+/* ---------------------------------------------------------------- register blocks */
+
+/* Several exact queries of a tile at once (kv->qb of them, set by the variant's entry in
+ * attention.h), so that each value of the chunk's transposed keys and of its value rows is
+ * loaded once for all of them: scores of NQ queries kept in 2 NQ registers of 16 lanes,
+ * weighted sums of NQ queries over DB x 16 columns of head_dim. Each (query, key) score
+ * and each (query, column) sum takes the same operations in the same order as
+ * ka_kt_scores and ka_pv_f32 do for one query, so a query's bits do not depend on the
+ * queries it is grouped with (nor on whether it is grouped). GCC / Clang vector types;
+ * elsewhere every entry keeps qb = 1. */
+#if defined(__GNUC__) || defined(__clang__)
+#define KA_BLOCKS 1
+typedef float ka_v16 __attribute__((vector_size(16 * sizeof(float))));
+KF_INLINE ka_v16 ka_ld16(const float *p)
+{
+    ka_v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+KF_INLINE void ka_st16(float *p, ka_v16 v) { memcpy(p, &v, sizeof v); }
+
+/* s[r * KA_W + j] = sum_d q[r].q[d] * kt[d * KA_W + j], r < NQ, j < KA_W, each in d order
+ * (ka_kt_scores per query) */
+#define KA_KT_SCORES_N(NQ)                                                               \
+    KF_INLINE void ka_kt_scores_##NQ(const ka_q *q, const float *restrict kt,            \
+                                     ptrdiff_t hd, float *restrict s)                    \
+    {                                                                                    \
+        ka_v16 a[NQ][2];                                                                 \
+        for (int r = 0; r < NQ; r++)                                                     \
+            a[r][0] = a[r][1] = (ka_v16){0};                                             \
+        for (ptrdiff_t d = 0; d < hd; d++) {                                             \
+            const ka_v16 k0 = ka_ld16(kt + d * KA_W), k1 = ka_ld16(kt + d * KA_W + 16);  \
+            for (int r = 0; r < NQ; r++) {                                               \
+                const float qd = q[r].q[d];                                              \
+                a[r][0] += qd * k0;                                                      \
+                a[r][1] += qd * k1;                                                      \
+            }                                                                            \
+        }                                                                                \
+        for (int r = 0; r < NQ; r++) {                                                   \
+            ka_st16(s + r * KA_W, a[r][0]);                                              \
+            ka_st16(s + r * KA_W + 16, a[r][1]);                                         \
+        }                                                                                \
+    }
+KA_KT_SCORES_N(1)
+KA_KT_SCORES_N(2)
+KA_KT_SCORES_N(4)
+
+/* acc[r][d] += sum_{j < n} p[r * KA_W + j] * v[j * st + d] for d in [d0, d0 + 16 DB), in j
+ * order (ka_pv_f32 per query) */
+#define KA_PV_BLOCK_N(NQ, DB)                                                            \
+    KF_INLINE void ka_pv_block_##NQ##_##DB(const float *restrict p, const float *restrict v, \
+                                           ptrdiff_t st, ptrdiff_t n, float *const *acc,  \
+                                           ptrdiff_t d0)                                 \
+    {                                                                                    \
+        ka_v16 a[NQ][DB];                                                                \
+        for (int r = 0; r < NQ; r++)                                                     \
+            for (int x = 0; x < DB; x++)                                                 \
+                a[r][x] = ka_ld16(acc[r] + d0 + 16 * x);                                 \
+        for (ptrdiff_t j = 0; j < n; j++) {                                              \
+            ka_v16 vv[DB];                                                               \
+            for (int x = 0; x < DB; x++)                                                 \
+                vv[x] = ka_ld16(v + j * st + d0 + 16 * x);                               \
+            for (int r = 0; r < NQ; r++) {                                               \
+                const float pr = p[r * KA_W + j];                                        \
+                for (int x = 0; x < DB; x++)                                             \
+                    a[r][x] += pr * vv[x];                                               \
+            }                                                                            \
+        }                                                                                \
+        for (int r = 0; r < NQ; r++)                                                     \
+            for (int x = 0; x < DB; x++)                                                 \
+                ka_st16(acc[r] + d0 + 16 * x, a[r][x]);                                  \
+    }
+KA_PV_BLOCK_N(1, 4)
+KA_PV_BLOCK_N(1, 1)
+KA_PV_BLOCK_N(2, 2)
+KA_PV_BLOCK_N(2, 1)
+KA_PV_BLOCK_N(4, 4)
+KA_PV_BLOCK_N(4, 1)
+
+/* The columns past the last multiple of 16 (fewer than 16), one query: staged into 16
+ * lanes (zeros past them) and summed with the blocks' vector operation, so a column's
+ * bits are the same in every block and context (a scalar loop here was not: the
+ * compiler's choices for it varied with the caller). */
+KF_INLINE void ka_pv_tail(const float *restrict p, const float *restrict v, ptrdiff_t st,
+                          ptrdiff_t n, ptrdiff_t d0, ptrdiff_t hd, float *restrict acc)
+{
+    const ptrdiff_t m = hd - d0;
+    if (m <= 0)
+        return;
+    float vb[16], ab[16] = {0};
+    memcpy(ab, acc + d0, (size_t)m * sizeof(float));
+    ka_v16 a = ka_ld16(ab);
+    for (ptrdiff_t j = 0; j < n; j++) {
+        memset(vb + m, 0, (size_t)(16 - m) * sizeof(float));
+        memcpy(vb, v + j * st + d0, (size_t)m * sizeof(float));
+        a += p[j] * ka_ld16(vb);
+    }
+    ka_st16(ab, a);
+    memcpy(acc + d0, ab, (size_t)m * sizeof(float));
+}
+
+/* acc[r] (hd) += sum_{j < n} p[r * KA_W + j] * v[j * st], r < nq (1, 2 or 4): 16 DB columns
+ * at a time, then 16, then one */
+KF_INLINE void ka_pv_n(int nq, const float *restrict p, const float *restrict v, ptrdiff_t st,
+                       ptrdiff_t n, ptrdiff_t hd, float *const *acc)
+{
+    ptrdiff_t d0 = 0;
+    if (nq == 4) {
+        for (; d0 + 64 <= hd; d0 += 64)
+            ka_pv_block_4_4(p, v, st, n, acc, d0);
+        for (; d0 + 16 <= hd; d0 += 16)
+            ka_pv_block_4_1(p, v, st, n, acc, d0);
+    } else if (nq == 2) {
+        for (; d0 + 32 <= hd; d0 += 32)
+            ka_pv_block_2_2(p, v, st, n, acc, d0);
+        for (; d0 + 16 <= hd; d0 += 16)
+            ka_pv_block_2_1(p, v, st, n, acc, d0);
+    } else {
+        for (; d0 + 64 <= hd; d0 += 64)
+            ka_pv_block_1_4(p, v, st, n, acc, d0);
+        for (; d0 + 16 <= hd; d0 += 16)
+            ka_pv_block_1_1(p, v, st, n, acc, d0);
+    }
+    for (int r = 0; r < nq; r++)
+        ka_pv_tail(p + r * KA_W, v, st, n, d0, hd, acc[r]);
+}
+#else
+#define KA_BLOCKS 0
+#endif
 
 /* Causal attention of nq queries of kv head kh, query i seeing tokens t < q[i].n of the
  * blocks blk[0..nblk) (ascending; blk NULL: every block): the exact queries q[0..s0) every
@@ -122,6 +253,52 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, int s0, ptrdiff_t kh, f
                 ptrdiff_t nr = q[i].n - t0;
                 if (nr <= 0 || (i >= s0 && !mask[i * nbc + b]))
                     continue;
+#if KA_BLOCKS
+                if (kv->qb > 1 && i < s0) {      /* up to kv->qb exact ones at once */
+                    const int nb = i + kv->qb <= s0 ? kv->qb : (i + 2 <= s0 ? 2 : 1);
+                    float sc[4 * KA_W], pb[4 * KA_W];
+                    float *accs[4];
+                    if (nb == 4)
+                        ka_kt_scores_4(q + i, ws->kt, hd, sc);
+                    else if (nb == 2)
+                        ka_kt_scores_2(q + i, ws->kt, hd, sc);
+                    else
+                        ka_kt_scores_1(q + i, ws->kt, hd, sc);
+                    for (int r = 0; r < nb; r++) {
+                        const int ir = i + r;
+                        ptrdiff_t nrr = q[ir].n - t0;
+                        nrr = nrr < w ? nrr : w;
+                        float *sr = imp != NULL ? ws->e + ir * cap + t0 : pb + r * KA_W;
+                        float bmax = -INFINITY;
+                        for (ptrdiff_t j = 0; j < nrr; j++) {
+                            float v = ks != NULL ? sc[r * KA_W + j] * ks[j] : sc[r * KA_W + j];
+                            sr[j] = v * scale;
+                            bmax = sr[j] > bmax ? sr[j] : bmax;
+                        }
+                        float *acc = ws->acc + ir * hd;
+                        if (bmax > ws->m[ir]) {
+                            float corr = kf_expf(ws->m[ir] - bmax);
+                            ws->l[ir] *= corr;
+                            for (ptrdiff_t d = 0; d < hd; d++)
+                                acc[d] *= corr;
+                            ws->m[ir] = bmax;
+                        }
+                        ws->l[ir] += ka_exp_sum(sr, nrr, ws->m[ir]);
+                        /* the weights, int8 scales folded in as ka_pv_scaled does; keys
+                         * past the query's last weigh 0 (adding 0 * v leaves a sum as is) */
+                        for (ptrdiff_t j = 0; j < nrr; j++)
+                            pb[r * KA_W + j] = vs != NULL ? sr[j] * vs[j] : sr[j];
+                        for (ptrdiff_t j = nrr; j < w; j++)
+                            pb[r * KA_W + j] = 0.0f;
+                        accs[r] = acc;
+                        if (imp != NULL)
+                            ws->mb[ir * nch + c] = ws->m[ir];
+                    }
+                    ka_pv_n(nb, pb, vrows, vst, w, hd, accs);
+                    i += nb - 1;
+                    continue;
+                }
+#endif
                 nr = nr < w ? nr : w;
                 float *s = imp != NULL ? ws->e + i * cap + t0 : sbuf;
                 float sc[KA_W];
@@ -281,7 +458,7 @@ KF_INLINE void ka_prefill_unit(const ka_kv *kv, const float *q, ptrdiff_t ldq,
     const int kt = ka_ktot(k, sp);
     int nq = 0, s0 = -1;
     for (ptrdiff_t r = 0; r < nrow; r++) {
-        const ptrdiff_t n = pos0 + i0 + r + 1;
+        const ptrdiff_t n = kv->n_all > 0 ? kv->n_all : pos0 + i0 + r + 1;
         if (s0 < 0 && k > 0 && (n + bs - 1) / bs > kt)
             s0 = nq;                                     /* the first sparse row */
         for (ptrdiff_t g = 0; g < group; g++) {

@@ -651,6 +651,7 @@ def swiglu(
 
 KV_BLOCK = 32  # tokens per KV cache block, which is also one sparse-selection block
 SLOTS = _lib.SLOTS  # rows of the importance scratch (`imp_slots`)
+prefill_tile_rows = _lib.prefill_tile_rows  # query rows per prefill tile, by group size
 
 
 def attention(
@@ -678,6 +679,7 @@ def attention(
     bound_scales: np.ndarray | None = None,
     bound_cap: int = 0,
     imp_from: int = 0,
+    causal: bool = True,
 ) -> np.ndarray:
     """Causal GQA attention of T query rows over the block KV cache, exact or block-sparse.
 
@@ -725,6 +727,8 @@ def attention(
         bound_scales: float32 (n_kv_heads, bound_cap), the int8 bounds' scales.
         bound_cap: blocks per kv head in bounds.
         imp_from: with importance, only query rows at positions >= imp_from add to it.
+        causal: False: every row attends to all tokens 0..pos0+T-1 (bidirectional, as a
+            vision tower's attention over one image; exact only, no importance).
     Returns:
         out.
     """
@@ -813,6 +817,8 @@ def attention(
     if sel is not None:
         _array(sel, "sel", np.int32, 3, writable=True)
         _shape(sel, "sel", (T, n_heads, width))
+    if not causal and (sparse_k or importance is not None):
+        raise ValueError("attention: non-causal attention is exact, without importance")
     if T == 1:
         need = _lib.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs)
         if dec_tab is None:
@@ -843,6 +849,7 @@ def attention(
         bound_scales,
         int(bound_cap),
         int(imp_from),
+        bool(causal),
     )
     return out
 

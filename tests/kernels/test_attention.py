@@ -709,7 +709,7 @@ def test_sparse_prefill_tiles_every_variant(isa, dtype, case):
     )
     ktot = spec.sparse_width
     first_sparse = next(i for i in range(T) if -(-(pos0 + i + 1) // 32) > ktot)
-    rt = min(8, 32 // (n_heads // n_kv))  # rows per tile (attn_prefill.h)
+    rt = kernels.prefill_tile_rows(n_heads // n_kv)  # rows per tile (attn_prefill.h)
     assert first_sparse % rt and T - first_sparse > rt  # a mixed tile, then sparse ones
     exact = np.empty_like(out)  # rows within k blocks: exact bits
     kernels.attention(
@@ -793,3 +793,83 @@ def test_gqa_decode_is_mha_over_copied_kv_heads(isa, dtype, group, hd, sparse_k)
         np.testing.assert_array_equal(outs[0], outs[1])
     finally:
         kernels.set_isa(VARIANTS[-1])
+
+
+PREFILL_GEOM = [  # (n_heads, n_kv, hd): MHA (a vision tower's), GQA 2 and 4, MQA; hd 72 and
+    # 40 leave columns past the 64- and 16-wide register blocks
+    (4, 4, 64),
+    (4, 2, 128),
+    (8, 2, 72),
+    (3, 1, 40),
+]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q8", "f16"])
+@pytest.mark.parametrize("geom", PREFILL_GEOM)
+@pytest.mark.parametrize("causal", [True, False])
+def test_prefill_every_variant(isa, dtype, geom, causal):
+    """Exact prefill through the tiles, several exact queries at once (attn_prefill.h's
+    register blocks): against the float64 softmax, causal (row i sees pos0 + i + 1 tokens,
+    so a block's queries stop at different keys of a chunk) and not (every row sees all);
+    the same bits at 1 and 3 threads, and each row the bits it gets in a call that starts
+    at another row (other tiles, other blocks of queries)."""
+    n_heads, n_kv, hd = geom
+    rng = np.random.default_rng([len(dtype), n_heads, hd, causal])
+    pos0, T = 37, 83
+    n = pos0 + T
+    c = KVCache(1, n_kv, hd, n + 32, CacheSpec(dtype), threads=1)
+    c.reserve(n)
+    c.write(
+        0,
+        (rng.standard_normal((n, n_kv * hd)) * 2).astype(np.float32),
+        rng.standard_normal((n, n_kv * hd)).astype(np.float32),
+    )
+    c.commit(n)
+    Kd, Vd = c.keys(0).reshape(n, n_kv, hd), c.values(0).reshape(n, n_kv, hd)
+    kp, vp = c.views(0, n)
+    q = (rng.standard_normal((T, n_heads, hd)) * 2).astype(np.float32)
+    scale = hd**-0.5
+
+    def run(rows, threads):
+        out = np.full((len(rows), n_heads * hd), np.nan, np.float32)
+        kw = dict(kv_q8=dtype == "q8", kv_f16=dtype == "f16", causal=causal)
+        p0 = pos0 + rows.start
+        if not causal:  # every row sees all n tokens: the call covers 0..n-1
+            p0 = n - len(rows)
+        kernels.attention(
+            q[rows].reshape(len(rows), -1), kp, vp, 32, n_kv, hd, p0, scale, out, threads, **kw
+        )
+        return out
+
+    out = run(range(T), 1)
+    assert np.array_equal(out, run(range(T), 3))
+    # not causal: the reference's row i at position n - 1 + i sees all n tokens
+    ref = attention_ref(q, Kd, Vd, pos0 if causal else n - 1, scale)
+    np.testing.assert_allclose(out, ref.reshape(T, -1), rtol=0, atol=4e-6 * np.abs(Vd).max())
+    if causal:  # rows 5.. as a call of their own: other tiles and groupings, same bits
+        assert np.array_equal(run(range(5, T), 2), out[5:])
+
+
+def test_non_causal_refuses_sparse_and_importance():
+    K = np.zeros((32, 1, 16), np.float32)
+    kb, vb, kp, vp = build_cache(K, K, 32)
+    q = np.zeros((4, 16), np.float32)
+    out = np.empty_like(q)
+    with pytest.raises(ValueError, match="non-causal"):
+        kernels.attention(q, kp, vp, 32, 1, 16, 28, 0.25, out, 1, sparse_k=1, causal=False)
+    with pytest.raises(ValueError, match="non-causal"):
+        kernels.attention(
+            q,
+            kp,
+            vp,
+            32,
+            1,
+            16,
+            28,
+            0.25,
+            out,
+            1,
+            causal=False,
+            importance=np.zeros(32, np.float32),
+            imp_slots=np.zeros((kernels.SLOTS, 32), np.float32),
+        )
