@@ -25,7 +25,9 @@ config and k, and the recall per k.
 
 speed: decode tokens/s of each config at depth -d over one exact prefill of the text,
 the configs in turns (--rounds of them), median and ratio to the first config: ratios that
-a drifting machine moves together (separate `kestrel bench` runs swing 5-20% here).
+a drifting machine moves together (separate `kestrel bench` runs swing 5-20% here). It
+prints the depth's prefill time, and with --pp N first times N more prompt tokens at the
+depth (exact; llama-bench's pp<N> @ d<depth>), then trims them off.
 
 Configs (speed also takes exact; not sim:): what `kestrel --sparse` takes (SparseSpec.parse):
 a preset (seed: the plain selection, quality) or options joined by + (sink=in, probe=bound,
@@ -678,14 +680,31 @@ def cmd_speed(a) -> None:
     the text (KVCache.respec, trimmed back after each run): configs measured in turns in
     one process, so a drifting machine moves them together; the median of --rounds runs
     and its ratio to the first config."""
-    eng = Engine.load(a.model, LoadOptions(threads=a.threads, ctx_size=a.depth + a.n + 8))
+    extra = max(a.n, a.pp)
+    eng = Engine.load(a.model, LoadOptions(threads=a.threads, ctx_size=a.depth + extra + 8))
     model = eng.model
     ids = np.asarray(eng.tokenizer.encode(open(a.file, encoding="utf-8").read()), np.int64)
-    ids = np.resize(ids, a.depth + a.n + 1)  # the text repeated to the depth
+    ids = np.resize(ids, a.depth + extra + 1)  # the text repeated to the depth
     cache = model.make_cache(
-        a.depth + a.n + 8, CacheSpec(a.dtype, SparseSpec(k=1, probe="sketch", prefill="exact"))
+        a.depth + extra + 8, CacheSpec(a.dtype, SparseSpec(k=1, probe="sketch", prefill="exact"))
     )
+    t0 = time.perf_counter()
     model(ids[: a.depth], cache)
+    dt = time.perf_counter() - t0
+    print(f"# prefill of the depth: {a.depth} tokens in {dt:.1f} s ({a.depth / dt:.2f} t/s)")
+    if a.lock:  # the timed parts alone on the machine; the untimed prefill shared it
+        import fcntl
+
+        lock = open(a.lock, "a")  # noqa: SIM115 (held to the end of the process)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        print(f"# {a.lock} held from here", flush=True)
+    if a.pp:  # pp<N>@d<depth>: N more prompt tokens over the depth, exact, then trimmed back
+        cache.respec(CacheSpec(a.dtype))
+        t0 = time.perf_counter()
+        model(ids[a.depth : a.depth + a.pp], cache)
+        dt = time.perf_counter() - t0
+        print(f"pp{a.pp}@d{a.depth} {a.pp / dt:8.2f} t/s ({dt:.1f} s)", flush=True)
+        cache.trim(a.depth)
     configs = configs_of(a.configs)
     runs: dict[str, list[float]] = {c: [] for c in configs}
     for _ in range(a.rounds):
@@ -750,6 +769,15 @@ def main(argv=None) -> None:
     s.add_argument("-d", "--depth", type=int, default=4096)
     s.add_argument("-n", type=int, default=16, help="decode steps per run (+1 warm-up)")
     s.add_argument("--rounds", type=int, default=5)
+    s.add_argument(
+        "--pp", type=int, default=0, help="also time a prefill of this many tokens at the depth"
+    )
+    s.add_argument(
+        "--lock",
+        default=None,
+        help="a file to flock exclusively for the timed parts only (the depth's prefill, "
+        "untimed, runs while others hold it: its time is then not the engine's alone)",
+    )
     a = p.parse_args(argv)
     if a.cmd == "speed":
         if "," in a.k or not a.k.isdigit():

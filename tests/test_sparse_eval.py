@@ -213,3 +213,20 @@ def test_configs_are_sparse_specs():
     ]
     with pytest.raises(KestrelError, match="unknown option or preset 'kv-max'"):
         se.spec_of("kv-max", 8)
+
+
+def test_speed_times_the_prompt_at_depth(tmp_path, capsys):
+    """speed --pp N: the depth's prefill time, pp<N>@d<depth>, then each config's decode
+    over the depth (the N tokens trimmed back off)."""
+    text = tmp_path / "t.txt"
+    text.write_text("The kestrel hovers over the field, then dives. " * 40)
+    se.main(
+        ["speed", "-f", str(text), "-d", "96", "-n", "3", "--rounds", "1", "--pp", "20",
+         "--configs", "exact,seed", "-k", "1"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "# prefill of the depth: 96 tokens" in out
+    line = next(x for x in out.splitlines() if x.startswith("pp20@d96 "))
+    assert float(line.split()[1]) > 0
+    rows = [x.split() for x in out.splitlines() if x.split() and x.split()[0] in ("exact", "seed")]
+    assert [r[0] for r in rows] == ["exact", "seed"] and all(float(r[1]) > 0 for r in rows)
