@@ -655,11 +655,6 @@ def _frames(src, wanted: list[int], size: tuple[int, int] | None):
         container.close()
 
 
-def read_frames(src, indices: list[int]) -> np.ndarray:
-    """The frames at source `indices` as decoded (rgb24), uint8 (n, h, w, 3)."""
-    return _frames(src, list(indices), None)[1]
-
-
 def prepare_video(src, cfg: VideoConfig, plan: VideoPlan | None = None) -> VideoInput:
     """Probe, sample, decode, resize and patchify one video (see the module doc)."""
     if plan is None:
