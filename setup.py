@@ -72,7 +72,8 @@ setup(
     ),
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "tokenizers>=0.21.1", "typer>=0.9",
-                      "rich", "jinja2", "gguf>=0.10", "pillow", "llguidance>=1.0"],
+                      "rich", "jinja2", "gguf>=0.10", "pillow", "av>=12",
+                      "llguidance>=1.0"],
     extras_require={
         "test": ["pytest", "cython>=3.0", "safetensors", "torch", "transformers>=4.51",
                  "pexpect", "httpx", "openai", "anthropic", "fastapi", "uvicorn",

@@ -388,7 +388,7 @@ class DraftOptions:
         ),
     ] = DRAFT_P_MIN
 
-    def check(self, engine: EngineOptions, images=None) -> None:
+    def check(self, engine: EngineOptions, images=None, videos=None) -> None:
         """Fail fast, before any file is read."""
         if self.draft is None:
             return
@@ -397,6 +397,8 @@ class DraftOptions:
             raise KestrelError(NO_SPARSE)
         if images:
             raise KestrelError("--draft does not take images (--image): the draft reads text only")
+        if videos:
+            raise KestrelError("--draft does not take videos (--video): the draft reads text only")
 
     def attach(self, eng: Engine, engine: EngineOptions) -> None:
         """Load the draft (the model's load options, its context size and threads) and
@@ -710,6 +712,15 @@ def run(
             rich_help_panel=_PROMPT,
         ),
     ] = None,
+    video: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            "--video",
+            help="A video file (MP4, MOV, WebM, MKV, AVI) shown before the prompt, frames "
+            "sampled as the checkpoint's video processor says; repeat for several (Qwen3-VL).",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = None,
     json_schema: Annotated[
         Optional[Path],
         typer.Option(
@@ -740,16 +751,21 @@ def run(
     engine.check()
     sampling.check()
     thinking.check()
-    draft.check(engine, image)
+    draft.check(engine, image, video)
     if raw and system is not None:
         raise KestrelError("-s/--system needs the chat template; drop --raw")
     if raw and (thinking.think is not None or thinking.hide_thinking):
         raise KestrelError("--think/--no-think/--hide-thinking need the chat template; drop --raw")
     if raw and image:
         raise KestrelError("--image needs the chat template; drop --raw")
+    if raw and video:
+        raise KestrelError("--video needs the chat template; drop --raw")
     for f in image or []:
         if not Path(f).expanduser().is_file():
             raise KestrelError(f"image {f}: no such file")
+    for f in video or []:
+        if not Path(f).expanduser().is_file():
+            raise KestrelError(f"video {f}: no such file")
     schema = None
     if json_schema is not None:
         import json
@@ -792,8 +808,9 @@ def run(
     else:
         content = (
             text
-            if not image
-            else [{"type": "image", "image": str(f)} for f in image]
+            if not (image or video)
+            else [{"type": "image", "image": str(f)} for f in image or []]
+            + [{"type": "video", "video": str(f)} for f in video or []]
             + [{"type": "text", "text": text}]
         )
         request = ([{"role": "system", "content": system}] if system is not None else []) + [
@@ -889,6 +906,15 @@ def chat(
             rich_help_panel=_PROMPT,
         ),
     ] = None,
+    video: Annotated[
+        Optional[list[Path]],
+        typer.Option(
+            "--video",
+            help="A video file (MP4, MOV, WebM, MKV, AVI) attached to your first message; "
+            "repeat for several (Qwen3-VL). /video PATH attaches one to the next.",
+            rich_help_panel=_PROMPT,
+        ),
+    ] = None,
     engine: EngineOptions = None,
     sampling: SamplingOptions = None,
     output: OutputOptions = None,
@@ -901,8 +927,11 @@ def chat(
     engine.check()
     sampling.check()
     thinking.check()
-    draft.check(engine)
+    draft.check(engine, videos=video)
     check_prompt_cache(prompt_cache)
+    for f in video or []:
+        if not Path(f).expanduser().is_file():
+            raise KestrelError(f"video {f}: no such file")
     eng = engine_from_options(engine)
     draft.attach(eng, engine)
     if prompt_cache is not None:
@@ -915,6 +944,8 @@ def chat(
         thinking=thinking,
         on_turn=None if prompt_cache is None else lambda: save_prompt_cache(eng, prompt_cache),
     )
+    for f in video or []:  # checked as /video does: header, frames, size; none decoded
+        session.attach_video(str(f))
     repl(session, read=chat_reader(session))
 
 

@@ -21,6 +21,7 @@ HELP = """commands:
   /reset         forget the conversation (keeps the system message)
   /system TEXT   set the system message and start over; /system alone shows it
   /image PATH    attach an image to your next message (Qwen3-VL); repeat for several
+  /video PATH    attach a video to your next message (Qwen3-VL); repeat for several
   /stats         tokens in the context, cache reuse, speed so far
   /help          this list
   /exit          leave (or Ctrl-D); Ctrl-C stops an answer"""
@@ -48,6 +49,7 @@ class ChatSession:
         self.out = out or sys.stdout
         self.messages: list[dict] = []
         self.pending_images: list[str] = []  # /image files for the next user message
+        self.pending_videos: list[str] = []  # /video (--video) files for it
         self.turn = 0
         self.last_stats = None
         self.totals = dict(
@@ -62,6 +64,7 @@ class ChatSession:
     def reset(self) -> None:
         self.messages = []
         self.pending_images = []
+        self.pending_videos = []
         self.turn = 0
         self.engine.reset()
 
@@ -82,11 +85,14 @@ class ChatSession:
         not fit. Ctrl-C (KeyboardInterrupt) stops the answer and keeps what was said."""
         eng = self.engine
         content = text
-        if self.pending_images:
-            content = [{"type": "image", "image": f} for f in self.pending_images] + [
-                {"type": "text", "text": text}
-            ]
-            self.pending_images = []  # used by this turn, whatever comes of it
+        if self.pending_images or self.pending_videos:
+            content = (
+                [{"type": "image", "image": f} for f in self.pending_images]
+                + [{"type": "video", "video": f} for f in self.pending_videos]
+                + [{"type": "text", "text": text}]
+            )
+            # used by this turn, whatever comes of it
+            self.pending_images, self.pending_videos = [], []
         msgs = self.conversation() + [{"role": "user", "content": content}]
         try:  # counted up to the context, not further: a huge paste costs what fits
             ids = eng.encode_prompt(
@@ -171,6 +177,16 @@ class ChatSession:
             )
         return "\n".join(lines)
 
+    def attach_video(self, arg: str) -> None:
+        """Attach a video to the next user message, its header checked first (not a video,
+        too large, too many frames: one clear error, nothing kept)."""
+        from kestrel_cli.models.video import probe_video
+
+        path = str(Path(arg).expanduser())
+        head = probe_video(path)
+        self.engine.video_config().plan(head)  # the sampled frames fit the processor
+        self.pending_videos.append(path)
+
     # -------------------------------------------------------------- slash commands
     def command(self, line: str) -> bool:
         """Run a /command; False means leave."""
@@ -202,6 +218,15 @@ class ChatSession:
                 probe_image(path)  # not an image, too large: one clear error, nothing kept
                 self.pending_images.append(path)
                 self.say(f"[image {arg} attached to your next message]\n")
+        elif name == "/video":
+            if not arg:
+                self.say(
+                    f"[usage: /video PATH; {len(self.pending_videos)} video(s) attached "
+                    f"to your next message]\n"
+                )
+            else:
+                self.attach_video(arg)
+                self.say(f"[video {arg} attached to your next message]\n")
         elif name == "/stats":
             self.say(self.stats_text() + "\n")
         elif name in ("/help", "/?"):

@@ -54,6 +54,8 @@ class Config:
     vision_config: dict | None = None
     image_token_id: int | None = None
     vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    video_token_id: int | None = None
 
     @classmethod
     def from_hf(cls, raw: dict) -> "Config":
@@ -72,6 +74,8 @@ class Config:
                 "vision_config",
                 "image_token_id",
                 "vision_start_token_id",
+                "vision_end_token_id",
+                "video_token_id",
             ):
                 if k in raw:  # the wrapper's value is the one transformers uses
                     text[k] = raw[k]
@@ -165,6 +169,8 @@ class Config:
             "bos_token_id",
             "image_token_id",
             "vision_start_token_id",
+            "vision_end_token_id",
+            "video_token_id",
         ):
             integer(name, getattr(self, name), 0, optional=True)
         eos = self.eos_token_id

@@ -168,56 +168,80 @@ class LoadOptions:
 
 
 class VisionPrompt(list):
-    """Prompt token ids (a list, so everything that takes ids takes it) with the images
-    behind its image tokens: their preprocessed pixels, the (3, T) M-RoPE positions, the
-    rope delta after the prompt, and the keys the KV cache prefix is matched on (an image
-    token's key names its image, so two images of one size never share cached K/V)."""
+    """Prompt token ids (a list, so everything that takes ids takes it) with the images and
+    videos behind its image and video tokens: their preprocessed pixels (`images`, both
+    kinds in prompt order), the (3, T) M-RoPE positions, the rope delta after the prompt,
+    and the keys the KV cache prefix is matched on (an image or video token's key names its
+    input, so two of one size never share cached K/V)."""
 
-    def __init__(self, ids, images, positions, rope_delta, keys, image_token_id):
+    def __init__(
+        self, ids, images, positions, rope_delta, keys, image_token_id, video_token_id=None
+    ):
         super().__init__(ids)
         self.images, self.positions, self.rope_delta = images, positions, rope_delta
         self.keys, self.image_token_id = keys, image_token_id
+        self.video_token_id = video_token_id
 
     @property
     def image_tokens(self) -> int:
+        """Image and video tokens."""
         return sum(im.n_tokens for im in self.images)
 
     def spans(self):
-        """(start, end) token range of each image, in order."""
-        out, i, k = [], 0, 0
-        while k < len(self.images):
-            while self[i] != self.image_token_id:
-                i += 1
-            n = self.images[k].n_tokens
-            out.append((i, i + n))
-            i, k = i + n, k + 1
+        """Per image or video, in order, the (start, end) token ranges it fills: one for an
+        image, one per temporal patch for a video (its frames are apart, each after its
+        timestamp text)."""
+        out, i = [], 0
+        for im in self.images:
+            video = _is_video_input(im)
+            tok = self.video_token_id if video else self.image_token_id
+            n = im.frame_tokens if video else im.n_tokens
+            runs = []
+            for _ in range(im.grid[0] if video else 1):
+                while self[i] != tok:
+                    i += 1
+                runs.append((i, i + n))
+                i += n
+            out.append(runs)
         return out
 
 
+def _is_video_input(im) -> bool:
+    return getattr(im, "timestamps", None) is not None
+
+
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+VIDEO_PART_TYPES = ("video", "video_url")
+
+
+def _is_video_part(part: dict) -> bool:
+    return part.get("type") in VIDEO_PART_TYPES
 
 
 def _image_source(part: dict):
-    """The image a content part names: HF {"type": "image", "image"/"url"/"path": X} or
-    OpenAI {"type": "image_url", "image_url": {"url": X}}."""
-    for key in ("image", "url", "path"):
+    """The image or video a content part names: HF {"type": "image", "image"/"url"/"path":
+    X} ({"type": "video", "video": X}) or OpenAI {"type": "image_url", "image_url": {"url":
+    X}} ({"type": "video_url", "video_url": {"url": X}})."""
+    kind = "video" if _is_video_part(part) else "image"
+    for key in (kind, "url", "path"):
         if part.get(key) is not None:
             return part[key]
-    u = part.get("image_url")
+    u = part.get(f"{kind}_url")
     if isinstance(u, dict):
         u = u.get("url")
     if u is None:
-        raise KestrelError(f"image content part without an image: {sorted(part)}")
+        raise KestrelError(f"{kind} content part without an {kind}: {sorted(part)}")
     return u
 
 
 def _image_parts(messages) -> list:
-    """The image content parts of chat messages, in order."""
+    """The image and video content parts of chat messages, in order."""
+    kinds = IMAGE_PART_TYPES + VIDEO_PART_TYPES
     out = []
     for m in messages:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
-            out += [p for p in content if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES]
+            out += [p for p in content if isinstance(p, dict) and p.get("type") in kinds]
     return out
 
 
@@ -247,6 +271,7 @@ class Engine:
         # calls then run in its one thread, batched (None: this thread runs them)
         self.batcher = None
         self._image_config = None
+        self._video_config = None
         self.speculator = None  # speculative.Speculator: decode with a draft model (--draft)
 
     @property
@@ -456,7 +481,9 @@ class Engine:
         if len(ids) > self.ctx_size:
             extra = ""
             if isinstance(ids, VisionPrompt) and ids.images:
-                extra = f" ({ids.image_tokens} of them for {len(ids.images)} image(s))"
+                nv = sum(map(_is_video_input, ids.images))
+                what = f"{len(ids.images) - nv} image(s)" + (f", {nv} video(s)" if nv else "")
+                extra = f" ({ids.image_tokens} of them for {what})"
             raise KestrelError(
                 f"prompt has {len(ids)} tokens{extra}, more than the context "
                 f"size {self.ctx_size} (raise -c/--ctx-size)"
@@ -505,14 +532,15 @@ class Engine:
         from kestrel_cli.models.qwen3_vl import VisionInput
 
         rows, embeds, deep = [], [], []
-        for im, (s, e) in zip(ids.images, ids.spans()):
-            if e <= n:
+        for im, runs in zip(ids.images, ids.spans()):
+            if runs[-1][1] <= n:
                 continue
-            emb, ds = self._encode_image(im)
-            a = max(s, n)
-            rows.append(np.arange(a, e, dtype=np.int64) - n)
-            embeds.append(emb[a - s :])
-            deep.append([d[a - s :] for d in ds])
+            emb, ds = self._encode_image(im)  # a video's rows: its runs one after the other
+            at = np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in runs])
+            keep = at >= n
+            rows.append(at[keep] - n)
+            embeds.append(emb[keep])
+            deep.append([d[keep] for d in ds])
         if not rows:
             return None
         return VisionInput(
@@ -605,12 +633,16 @@ class Engine:
             parts = _image_parts(prompt)
             if parts:
                 self._check_vision()  # before a text-only template meets image parts
+            # videos sized from their headers: their timestamps are prompt text
+            plans = self._plan_videos([p for p in parts if _is_video_part(p)])
             text = self.tokenizer.apply_chat_template(
                 list(prompt), add_generation_prompt=True, tokenize=False, **template_kwargs
             )
+            if plans:
+                text = self._video_text(text, plans)
             # the template writes BOS itself when it wants one
             ids = self.tokenizer.encode(text, add_special_tokens=False, limit=limit)
-            return self._with_images(ids, parts) if parts else ids
+            return self._with_images(ids, parts, plans) if parts else ids
         ids = [int(t) for t in prompt]
         if limit is not None and len(ids) > limit:
             raise TooManyTokens(len(ids), limit, exact=True)
@@ -639,48 +671,138 @@ class Engine:
             )
         return self._image_config
 
-    def _with_images(self, ids: list[int], parts: list) -> VisionPrompt:
-        """The template's ids with each image token expanded to its image's tokens. All that
-        needs no pixels is checked first, for every image: their number, each one's header
-        (format, size, aspect ratio) and the prompt's length with their tokens against the
+    def video_config(self):
+        """The checkpoint's video.VideoConfig (video_preprocessor_config.json), read once."""
+        from kestrel_cli.models.video import VideoConfig
+
+        self._check_vision()
+        if self._video_config is None:
+            self._video_config = VideoConfig.from_dir(
+                self.path if self.path.is_dir() else None, self.config.vision_config
+            )
+        return self._video_config
+
+    def _plan_videos(self, parts: list) -> list:
+        """(source, video.VideoPlan) of each video part, from its header alone (the number
+        of videos, each file's size, container, frame size and count are checked here)."""
+        if not parts:
+            return []
+        from kestrel_cli.models.video import MAX_VIDEOS_PER_PROMPT, probe_video
+
+        if self.config.video_token_id is None:
+            raise KestrelError("this checkpoint's config.json has no video_token_id")
+        if len(parts) > MAX_VIDEOS_PER_PROMPT:
+            raise KestrelError(
+                f"{len(parts)} videos in one prompt, more than {MAX_VIDEOS_PER_PROMPT}"
+            )
+        cfg = self.video_config()
+        sources = [_image_source(p) for p in parts]
+        return [(src, cfg.plan(probe_video(src))) for src in sources]
+
+    def _token_text(self, token_id, default: str) -> str:
+        text = self.tokenizer.id_to_token(token_id) if token_id is not None else None
+        return text or default
+
+    def _video_text(self, text: str, plans: list) -> str:
+        """The rendered template with each video's `<|vision_start|><|video_pad|>
+        <|vision_end|>` (or a bare video token) replaced by its frames' text as
+        Qwen3VLProcessor writes it: per temporal patch `<t seconds>`, vision start, one
+        video token (expanded to the frame's tokens after tokenising), vision end."""
+        from kestrel_cli.models.video import placeholder
+
+        cfg = self.config
+        start = self._token_text(cfg.vision_start_token_id, "<|vision_start|>")
+        end = self._token_text(cfg.vision_end_token_id, "<|vision_end|>")
+        pad = self._token_text(cfg.video_token_id, "<|video_pad|>")
+        wrapper = start + pad + end
+        pieces, k, i = [], 0, 0
+        while (j := text.find(pad, i)) >= 0:
+            a, b = j, j + len(pad)
+            if j >= len(start) and text.startswith(wrapper, j - len(start)):
+                a, b = j - len(start), j - len(start) + len(wrapper)
+            if k < len(plans):
+                frames = "".join(placeholder(t, start, pad, end) for t in plans[k][1].timestamps)
+                pieces += [text[i:a], frames]
+            k, i = k + 1, b
+        if k != len(plans):
+            raise KestrelError(
+                f"the chat template wrote {k} video token(s) for {len(plans)} video(s)"
+            )
+        return "".join(pieces) + text[i:]
+
+    def _with_images(self, ids: list[int], parts: list, plans: list = ()) -> VisionPrompt:
+        """The template's ids with each image token expanded to its image's tokens and each
+        video token to its temporal patch's. All that needs no pixels is checked first, for
+        every image and video: their number, each one's header (format, size, aspect ratio;
+        a video's frame count) and the prompt's length with their tokens against the
         context; only then are they decoded and preprocessed, one at a time."""
         from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, prepare, probe_image
         from kestrel_cli.models.qwen3_vl import rope_index
 
         self._check_vision()
-        if len(parts) > MAX_IMAGES_PER_PROMPT:
+        image_parts = [p for p in parts if not _is_video_part(p)]
+        if len(image_parts) > MAX_IMAGES_PER_PROMPT:
             raise KestrelError(
-                f"{len(parts)} images in one prompt, more than {MAX_IMAGES_PER_PROMPT}"
+                f"{len(image_parts)} images in one prompt, more than {MAX_IMAGES_PER_PROMPT}"
             )
-        tok_id = self.config.image_token_id
+        tok_id, vid_id = self.config.image_token_id, self.config.video_token_id
         found = sum(1 for t in ids if t == tok_id)
-        if found != len(parts):
+        if found != len(image_parts):
             raise KestrelError(
-                f"the chat template wrote {found} image token(s) for {len(parts)} image(s)"
+                f"the chat template wrote {found} image token(s) for {len(image_parts)} image(s)"
             )
-        cfg = self.image_config()
-        sources = [_image_source(p) for p in parts]
-        n_image = sum(cfg.tokens_for(h.width, h.height) for h in map(probe_image, sources))
-        total = len(ids) - len(parts) + n_image
+        groups = sum(plan.grid[0] for _, plan in plans)
+        if plans and sum(1 for t in ids if t == vid_id) != groups:
+            raise KestrelError("the prompt's text holds video tokens of its own")
+        sources = [_image_source(p) for p in image_parts]
+        n_image = 0
+        if image_parts:
+            cfg = self.image_config()
+            n_image = sum(cfg.tokens_for(h.width, h.height) for h in map(probe_image, sources))
+        n_video = sum(plan.n_tokens for _, plan in plans)
+        total = len(ids) - len(image_parts) + n_image - groups + n_video
         if total > self.ctx_size:
+            what = [f"{n_image} of them for {len(image_parts)} image(s)"] if image_parts else []
+            what += [f"{n_video} for {len(plans)} video(s)"] if plans else []
             raise KestrelError(
-                f"prompt has {total} tokens ({n_image} of them for "
-                f"{len(parts)} image(s)), more than the context size "
+                f"prompt has {total} tokens ({', '.join(what)}), more than the context size "
                 f"{self.ctx_size} (raise -c/--ctx-size)"
             )
         images = [prepare(src, cfg) for src in sources]
-        out, keys, k = [], [], 0
+        if plans:
+            from kestrel_cli.models.video import prepare_video
+
+            vcfg = self.video_config()
+            videos = [prepare_video(src, vcfg, plan) for src, plan in plans]
+        out, keys, grids, media = [], [], [], []
+        k = v = g = 0  # next image, next video, temporal patch of that video
         for t in ids:
             if t == tok_id:
                 im = images[k]
                 out += [tok_id] * im.n_tokens
                 keys += [(im.digest, j) for j in range(im.n_tokens)]
+                _, gh, gw = im.grid
+                grids.append((1, gh // im.merge, gw // im.merge))
+                media.append(im)
                 k += 1
+            elif plans and t == vid_id:
+                vi = videos[v]
+                n = vi.frame_tokens
+                out += [vid_id] * n
+                keys += [(vi.digest, g * n + j) for j in range(n)]
+                _, gh, gw = vi.grid
+                grids.append((1, gh // vi.merge, gw // vi.merge))
+                if g == 0:
+                    media.append(vi)
+                g += 1
+                if g == vi.grid[0]:
+                    v, g = v + 1, 0
             else:
                 out.append(t)
                 keys.append(t)
-        positions, delta = rope_index(out, tok_id, images, self._image_config.merge_size)
-        return VisionPrompt(out, images, positions, delta, keys, tok_id)
+        vision_ids = {tok_id} | ({vid_id} if plans else set())
+        positions, delta = rope_index(out, vision_ids, grids)
+        return VisionPrompt(out, media, positions, delta, keys, tok_id, vid_id)
 
     def stream(
         self,

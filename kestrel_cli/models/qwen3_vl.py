@@ -12,7 +12,9 @@ exactly nothing, so every value is rotated once, by its own angle).
 
 Positions (transformers' get_rope_index): text continues from the previous position; an
 image of (gh, gw) patches, merged m x m, takes t = p, h = p + row, w = p + col over its
-gh/m x gw/m tokens, and the text after it resumes at p + max(gh, gw) / m. After the
+gh/m x gw/m tokens, and the text after it resumes at p + max(gh, gw) / m. A video is
+positioned as one such image per temporal patch (each after its timestamp text: Qwen3-VL
+has no temporal position within a video, its time is in the text). After the
 prompt the position runs `rope_delta` = (last position + 1 - tokens) ahead of the token
 count, which the engine keeps for the decode steps and later turns.
 
@@ -42,19 +44,22 @@ def mrope_axes(cfg) -> np.ndarray:
     return axes
 
 
-def rope_index(ids, image_token_id: int, images, merge: int) -> tuple[np.ndarray, int]:
-    """(positions int64 (3, T), rope_delta) for a prompt whose image tokens are the runs
-    of `image_token_id`, `images[k].n_tokens` of them per image in order."""
+def rope_index(ids, vision_ids, grids) -> tuple[np.ndarray, int]:
+    """(positions int64 (3, T), rope_delta) for a prompt whose vision tokens (ids in
+    `vision_ids`, an int or a set) come in runs, one per entry of `grids`, in order: (t,
+    lh, lw) in merged tokens, t * lh * lw tokens (an image: (1, gh/m, gw/m); a video: one
+    (1, gh/m, gw/m) run per temporal patch, as transformers splits video_grid_thw)."""
+    vision = {vision_ids} if isinstance(vision_ids, int) else set(vision_ids)
     ids = np.asarray(ids, dtype=np.int64)
     T = ids.shape[0]
+    is_vision = np.isin(ids, list(vision))
     pos = np.empty((3, T), dtype=np.int64)
     cur, i, k = 0, 0, 0
     while i < T:
-        if ids[i] == image_token_id:
-            if k >= len(images):
-                raise KestrelError("more image tokens in the prompt than images")
-            t, gh, gw = images[k].grid
-            lh, lw = gh // merge, gw // merge
+        if is_vision[i]:
+            if k >= len(grids):
+                raise KestrelError("more image or video tokens in the prompt than inputs")
+            t, lh, lw = grids[k]
             n = t * lh * lw
             tt, hh, ww = np.meshgrid(np.arange(t), np.arange(lh), np.arange(lw), indexing="ij")
             pos[0, i : i + n] = tt.reshape(-1) + cur
@@ -65,7 +70,7 @@ def rope_index(ids, image_token_id: int, images, merge: int) -> tuple[np.ndarray
             k += 1
         else:
             j = i
-            while j < T and ids[j] != image_token_id:
+            while j < T and not is_vision[j]:
                 j += 1
             pos[:, i:j] = np.arange(cur, cur + j - i)
             cur += j - i

@@ -31,6 +31,7 @@ from kestrel_cli.inference.batch import Batcher
 from kestrel_cli.inference.engine import Engine
 from kestrel_cli.inference.generate import Stats
 from kestrel_cli.models.images import MAX_IMAGES_PER_PROMPT, probe_image
+from kestrel_cli.models.video import MAX_VIDEOS_PER_PROMPT
 from kestrel_cli.server import anthropic, responses
 from kestrel_cli.server.admission import (
     BODY_COPIES,
@@ -720,25 +721,34 @@ def create_app(
         ans = await start(request, opts, prompt, param, kind, **kw)
         return await generate(request, ans, opts.stream, opts.include_usage, kind)
 
-    async def size_images(parts: list[dict]) -> list[tuple[int, int]]:
-        """(decode_cost, patch_bytes) of each image, from its header alone (base64 decoded,
-        no pixel): a bad or oversized image, or images whose tokens leave no room in the
-        context, are refused here, before the template runs or any image is decoded."""
+    async def size_images(parts: list[dict], videos: list[dict] = ()) -> list[tuple[int, int]]:
+        """(decode_cost, patch_bytes) of each image and video, from its header alone (base64
+        decoded, no pixel, no frame): a bad or oversized image or video, or ones whose tokens
+        leave no room in the context, are refused here, before the template runs or any of
+        them is decoded."""
+        from kestrel_cli.models.video import probe_video
 
         def probe():
             cfg = eng0.image_config()  # KestrelError: no vision tower
-            return cfg, [probe_image(q["image"]) for q in parts]
+            heads = [probe_image(q["image"]) for q in parts]
+            vcfg = eng0.video_config() if videos else None
+            vheads = [probe_video(q["video"]) for q in videos]
+            return cfg, heads, vcfg, [(h, vcfg.plan(h)) for h in vheads]
 
         try:
-            cfg, heads = await asyncio.to_thread(probe)
+            cfg, heads, vcfg, plans = await asyncio.to_thread(probe)
         except KestrelError as e:
             raise APIError(str(e), 400, param="messages") from None
         n = sum(cfg.tokens_for(h.width, h.height) for h in heads)
+        n += sum(plan.n_tokens for _, plan in plans)
         if n >= eng0.ctx_size:
+            what = " and ".join(
+                [f"{len(heads)} image(s)"] * bool(heads) + [f"{len(plans)} video(s)"] * bool(plans)
+            )
             raise APIError(
-                f"the prompt's {len(heads)} image(s) take {n} tokens, and the "
+                f"the prompt's {what} take {n} tokens, and the "
                 f"context size is {eng0.ctx_size}: no room for an answer (start the "
-                f"server with a larger -c/--ctx-size, or send smaller images)",
+                f"server with a larger -c/--ctx-size, or send smaller images or shorter videos)",
                 400,
                 param="messages",
                 code="context_length_exceeded",
@@ -746,7 +756,7 @@ def create_app(
         return [
             (cfg.decode_cost(h.width, h.height, h.format), cfg.patch_bytes(h.width, h.height))
             for h in heads
-        ]
+        ] + [(vcfg.decode_cost(h, plan), vcfg.patch_bytes(plan)) for h, plan in plans]
 
     async def check_schema(schema: dict, param: str = "response_format") -> None:
         """A schema llguidance cannot compile (or not within limits.schema_timeout) is the
@@ -853,10 +863,23 @@ def create_app(
                 400,
                 param="messages",
             )
+        videos = [
+            q
+            for m in messages
+            if isinstance(m["content"], list)
+            for q in m["content"]
+            if q["type"] == "video"
+        ]
+        if len(videos) > MAX_VIDEOS_PER_PROMPT:
+            raise APIError(
+                f"{len(videos)} videos in one request, more than {MAX_VIDEOS_PER_PROMPT}",
+                400,
+                param="messages",
+            )
         # admitted (a place, then memory) before any template, tokeniser, image or grammar work
         ticket = sched.reserve()
         try:
-            images = await size_images(parts) if parts else []
+            images = await size_images(parts, videos) if parts or videos else []
             grammars = 0 if count_only else (schema is not None) + (forced is not None)
             lease_of(request).add(
                 prep_cost(n_chars, eng0.ctx_size, images, grammars), "the request"

@@ -344,9 +344,10 @@ def check_unsupported(body: dict) -> None:
 
 def text_content(content, param: str):
     """A message's content: a string, or an array of content parts. Text parts only: their
-    texts joined with newlines; with image parts (OpenAI `image_url`, a base64 data: URL;
-    remote URLs are refused, nothing is fetched): Hugging Face content parts, images as
-    {"type": "image", "image": data URL}, for the engine to decode."""
+    texts joined with newlines; with image or video parts (OpenAI `image_url`, `video_url`:
+    a base64 data: URL; remote URLs are refused, nothing is fetched): Hugging Face content
+    parts, images as {"type": "image", "image": data URL}, videos as {"type": "video",
+    "video": data URL}, for the engine to decode."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -357,24 +358,26 @@ def text_content(content, param: str):
         if not isinstance(part, dict):
             raise APIError(f"'{p}' must be an object", param=p)
         kind = part.get("type")
-        if kind == "image_url":
-            url = part.get("image_url")
+        if kind in ("image_url", "video_url"):
+            media = kind[: -len("_url")]
+            url = part.get(kind)
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str):
-                raise APIError(f"'{p}.image_url.url' must be a string", param=f"{p}.image_url.url")
+                raise APIError(f"'{p}.{kind}.url' must be a string", param=f"{p}.{kind}.url")
             if not url.startswith("data:"):
                 raise APIError(
-                    f"'{p}.image_url.url': remote image URLs are not fetched; send "
-                    f"the image inline as a base64 data: URL",
-                    param=f"{p}.image_url.url",
+                    f"'{p}.{kind}.url': remote {media} URLs are not fetched; send "
+                    f"the {media} inline as a base64 data: URL",
+                    param=f"{p}.{kind}.url",
                 )
-            parts.append({"type": "image", "image": url})
+            parts.append({"type": media, media: url})
             has_image = True
             continue
         if kind != "text":
             if isinstance(kind, str):
                 raise unsupported(
-                    f"{p}.type", f": only text and image_url parts (got {_short(kind)})"
+                    f"{p}.type",
+                    f": only text, image_url and video_url parts (got {_short(kind)})",
                 )
             raise APIError(f"'{p}.type' must be a string", param=f"{p}.type")
         if not isinstance(part.get("text"), str):
@@ -386,7 +389,7 @@ def text_content(content, param: str):
 
 
 def content_chars(content) -> int:
-    """Characters of text in a parsed message content (images not counted)."""
+    """Characters of text in a parsed message content (images and videos not counted)."""
     if isinstance(content, str):
         return len(content)
     return sum(len(q["text"]) for q in content if q["type"] == "text")
