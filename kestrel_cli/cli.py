@@ -97,6 +97,13 @@ class GGUFType(str, Enum):
     q6_k = "q6_k"
 
 
+class MmprojType(str, Enum):
+    f32 = "f32"
+    f16 = "f16"
+    bf16 = "bf16"
+    q8_0 = "q8_0"
+
+
 # ---------------------------------------------------------------------------- shared flags
 
 
@@ -111,6 +118,18 @@ class EngineOptions:
             "--model",
             help="Checkpoint directory or .gguf file.",
             show_default="bundled SmolLM2-135M-Instruct",
+            rich_help_panel=_MODEL,
+        ),
+    ] = None
+    mmproj: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--mmproj",
+            metavar="FILE",
+            help="Qwen3-VL's vision tower for a GGUF model: llama.cpp's mmproj GGUF (f32, "
+            "f16, bf16 or q8_0). Without it, the one mmproj*.gguf beside a Qwen3-VL GGUF is "
+            "used (several: none is guessed).",
+            show_default=False,
             rich_help_panel=_MODEL,
         ),
     ] = None
@@ -222,6 +241,7 @@ class EngineOptions:
             kv_f16=self.kv_f16,
             repack=self.repack,
             sparse=self.sparse,
+            mmproj=self.mmproj,
         )
 
     def check(self) -> None:
@@ -405,8 +425,8 @@ class DraftOptions:
         make `eng` decode with it."""
         if self.draft is None:
             return
-        load = dataclasses.replace(
-            engine.load_options(), ctx_size=eng.ctx_size, threads=eng.threads
+        load = dataclasses.replace(  # the draft reads text: no vision tower
+            engine.load_options(), ctx_size=eng.ctx_size, threads=eng.threads, mmproj=None
         )
         eng.set_draft(
             Engine.load(self.draft, load),
@@ -1452,14 +1472,35 @@ def quantize(
             show_default="all available cores",
         ),
     ] = None,
+    mmproj: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--mmproj",
+            metavar="FILE",
+            help="Also write a Qwen3-VL checkpoint's vision tower to FILE, as llama.cpp's "
+            "mmproj GGUF (convert_hf_to_gguf.py --mmproj); run them with -m OUT --mmproj FILE.",
+            show_default=False,
+        ),
+    ] = None,
+    mmproj_type: Annotated[
+        MmprojType,
+        typer.Option("--mmproj-type", help="Type of the --mmproj file's matrices."),
+    ] = MmprojType.f16,
 ):
     """Write a checkpoint as a GGUF file, in llama.cpp's layout.
 
     The tensors are written one by one, in bounded memory.
     OUT appears only once it is complete (it is OUT.part while being written)."""
     from kestrel_cli.apps.gguf_export import Terminated, quantize_checkpoint
+    from kestrel_cli.apps.mmproj_export import check_source, write_mmproj
 
     LoadOptions(threads=threads).validate()  # -t within what this machine can start
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    if mmproj is not None:  # refused before OUT is written
+        if Path(mmproj).expanduser().resolve() == out.expanduser().resolve():
+            raise KestrelError("--mmproj and OUT name the same file")
+        check_source(src, mmproj, MmprojType(mmproj_type).value)
+    writing = out
     try:
         quantize_checkpoint(
             src,
@@ -1467,11 +1508,14 @@ def quantize(
             GGUFType(type_).value,
             pure=pure,
             progress=sys.stderr.isatty(),
-            log=lambda s: print(s, file=sys.stderr, flush=True),
+            log=log,
             threads=threads,
         )
+        if mmproj is not None:
+            writing = mmproj
+            write_mmproj(src, mmproj, MmprojType(mmproj_type).value, log=log, threads=threads)
     except KeyboardInterrupt:
-        print(f"interrupted: {out} not written", file=sys.stderr)
+        print(f"interrupted: {writing} not written", file=sys.stderr)
         raise typer.Exit(130)
     except Terminated as e:  # the status a process ended by SIGTERM would have
         print(f"error: {e}", file=sys.stderr)

@@ -27,10 +27,10 @@ def parse_model_once():
 
     memo = {}
 
-    def once(path):
-        if path not in memo:
-            memo[path] = real(path)
-        return memo[path]
+    def once(path, mmproj=None):
+        if (path, mmproj) not in memo:
+            memo[path, mmproj] = real(path, mmproj)
+        return memo[path, mmproj]
 
     real = engine_mod.open_checkpoint
     with pytest.MonkeyPatch.context() as mp:

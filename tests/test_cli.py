@@ -50,9 +50,9 @@ def parse_model_once():
 
     real, memo = loader_mod.open_checkpoint, {}
 
-    def once(path):
-        if path is not None:
-            return real(path)
+    def once(path, mmproj=None):
+        if path is not None or mmproj is not None:
+            return real(path, mmproj)
         if "bundled" not in memo:
             memo["bundled"] = real(None)
         return memo["bundled"]
@@ -208,8 +208,8 @@ def test_default_context_is_the_model_s():
 
     real = engine_mod.open_checkpoint
 
-    def short(path):
-        cfg, *rest = real(path)
+    def short(path, mmproj=None):
+        cfg, *rest = real(path, mmproj)
         return (dataclasses.replace(cfg, max_position_embeddings=1000), *rest)
 
     with pytest.MonkeyPatch.context() as mp:

@@ -540,20 +540,22 @@ def write_gguf(
     add_metadata: Callable,
     progress: Callable[[PlanTensor, int], None] | None = None,
     threads: int = 1,
+    arch: str | None = None,
 ) -> int:
     """Write one GGUF file: metadata (`add_metadata(writer)`), the tensor infos of `plan`,
     then each tensor's data, quantised a chunk of rows at a time. `rows(name, shape, order)`
     yields a checkpoint tensor's float32 rows in chunks (`order`: the rows' order, or None).
     With threads > 1 up to 2*threads chunks are quantised at once (NumPy releases the GIL),
     written in order. `path`: a file name, or a binary file open for writing (closed at
-    the end); the file is fsynced once complete. Returns the bytes of tensor data written."""
+    the end); the file is fsynced once complete. `arch`: general.architecture (default:
+    the model's, gguf_arch; "clip" for an mmproj). Returns the bytes of tensor data written."""
     import collections
     from concurrent.futures import ThreadPoolExecutor
 
     import gguf
 
     given = None if isinstance(path, (str, os.PathLike)) else path  # an open file
-    w = gguf.GGUFWriter(path if given is None else None, gguf_arch(cfg))
+    w = gguf.GGUFWriter(path if given is None else None, arch or gguf_arch(cfg))
     pool = ThreadPoolExecutor(threads) if threads > 1 else None
     try:
         add_metadata(w)

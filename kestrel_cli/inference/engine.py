@@ -93,6 +93,8 @@ class LoadOptions:
         sparse: the sparse options (implies sparse_attn): a `sparse.SparseSpec`, or its
             text (--sparse: a preset name or opt+opt+..., `SparseSpec.parse`, over
             sparse_k and sparse_probes).
+        mmproj: a Qwen3-VL GGUF's vision tower, llama.cpp's mmproj GGUF (--mmproj); None:
+            the one mmproj*.gguf beside a qwen3vl GGUF, if there is one (models/mmproj.py).
     """
 
     kv_q8: bool = False
@@ -107,6 +109,7 @@ class LoadOptions:
     kv_f16: bool = False
     repack: bool = True
     sparse: str | SparseSpec | None = None
+    mmproj: str | os.PathLike | None = None
 
     def sparse_spec(self) -> SparseSpec | None:
         """The sparse options these give; None: exact attention."""
@@ -295,6 +298,7 @@ class Engine:
         kv_f16: bool = False,
         repack: bool = True,
         sparse: str | SparseSpec | None = None,
+        mmproj: str | os.PathLike | None = None,
     ) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 
@@ -315,6 +319,7 @@ class Engine:
                 kv_f16,
                 repack,
                 sparse,
+                mmproj,
             ),
         )
 
@@ -326,10 +331,13 @@ class Engine:
         plan = cpus.plan(options.threads)
         cpus.apply(plan)
         threads = plan.threads
-        cfg, store, tok, p = open_checkpoint(path)
+        cfg, store, tok, p = open_checkpoint(path, options.mmproj)
         store.quantize_to(QUANT_FORMATS.get(options.quant), threads)  # --quant: at load
         store.repack_x16 = options.repack
         notices = []
+        vision_file = getattr(store, "vision_file", None)
+        if vision_file is not None and vision_file.note:  # which mmproj, or why none
+            notices.append(vision_file.note)
         if options.repack and store.expert_nbytes:
             store.experts_at_load, why = experts_fit(store)
             if not store.experts_at_load:
@@ -651,6 +659,9 @@ class Engine:
         return ids
 
     def _check_vision(self) -> None:
+        vision_file = getattr(self.store, "vision_file", None)
+        if vision_file is not None and vision_file.refusal:  # a GGUF without its mmproj
+            raise KestrelError(vision_file.refusal)
         if not getattr(self.model, "has_vision", False):
             raise KestrelError(
                 f"{self.config.model_type} model {self.path.name} has no vision "
@@ -659,16 +670,24 @@ class Engine:
             )
 
     def image_config(self):
-        """The checkpoint's images.ImageConfig (preprocessor_config.json), read once: with
+        """The checkpoint's images.ImageConfig (preprocessor_config.json; a GGUF's: the
+        Qwen3-VL processor's with its mmproj's patch sizes, mean and std), read once: with
         images.probe_image, what a caller sizes an image with (tokens_for, decode_cost,
         patch_bytes) before sending it."""
+        import dataclasses
+
         from kestrel_cli.models.images import ImageConfig
 
         self._check_vision()
         if self._image_config is None:
-            self._image_config = ImageConfig.from_dir(
+            cfg = ImageConfig.from_dir(
                 self.path if self.path.is_dir() else None, self.config.vision_config
             )
+            vision_file = getattr(self.store, "vision_file", None)
+            if vision_file is not None and vision_file.path is not None:
+                cfg = dataclasses.replace(cfg, **vision_file.image)
+                cfg.check(vision_file.path.name)
+            self._image_config = cfg
         return self._image_config
 
     def video_config(self):

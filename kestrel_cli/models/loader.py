@@ -61,6 +61,8 @@ class TensorStore:
         self.repack_x16 = False  # q4_0 / q4_1 / q4_k / q6_k -> the x16 layout
         self.experts_at_load = False  # with it, MoE experts too, at load
         self.source = "the checkpoint"  # its file or directory, as errors name it
+        # a GGUF model's vision tower file (models/mmproj.VisionFile), None for the others
+        self.vision_file = None
         self._quantised: dict[str, Weight] = {}
 
     def quantize_to(self, fmt: str | None, threads: int | None = None) -> None:
@@ -405,8 +407,9 @@ def shard_files(path: Path) -> list[Path]:
 
 # GGUF architecture -> model_type. qwen3vl is Qwen3-VL's text decoder: Qwen3 with interleaved
 # M-RoPE sections (qwen3vl.rope.dimension_sections); for text, transformers gives the t/h/w
-# position streams one value per token, so it is plain RoPE and runs as qwen3 (the vision
-# tower is a separate mmproj file). qwen3vlmoe likewise runs as qwen3_moe.
+# position streams one value per token, so it is plain RoPE and runs as qwen3. With its
+# vision tower (a separate mmproj file, `_gguf_vision`) it runs as qwen3_vl. qwen3vlmoe
+# runs as qwen3_moe (text only).
 _GGUF_ARCH = {
     "llama": "llama",
     "qwen2": "qwen2",
@@ -679,7 +682,7 @@ def _gguf_reader(path: Path):
     return Reader(str(path))
 
 
-def _load_gguf(path: Path):
+def _load_gguf(path: Path, mmproj=None):
     from kestrel_cli.formats.gguf_check import check_gguf
 
     check_gguf(path)  # every count, length and extent, before the gguf package
@@ -827,7 +830,79 @@ def _load_gguf(path: Path):
     except KestrelError as e:
         raise KestrelError(f"{path.name}: {e}") from None
     raw["eos_token_id"] = sorted(tok.eos_token_ids)
+    _gguf_vision(path, arch, mmproj, raw, store, tok, field, number)
     return raw, store, tok
+
+
+def _gguf_vision(path: Path, arch: str, mmproj, raw, store, tok, field, number) -> None:
+    """A qwen3vl text GGUF with its vision tower from an mmproj GGUF (models/mmproj.py):
+    `mmproj` when given, else the one mmproj*.gguf beside the model. Several there: none
+    is guessed, and images are refused naming them. The decoder then runs as Qwen3-VL
+    (M-RoPE) under model.language_model.*, the tower's tensors join the store as
+    model.visual.*, and store.vision_file says where they came from."""
+    from kestrel_cli.models import mmproj as M
+
+    if mmproj is not None and arch != "qwen3vl":
+        kind = (
+            "Qwen3-VL MoE (qwen3vlmoe) with images is not supported"
+            if arch == "qwen3vlmoe"
+            else ("a text-only model takes no vision tower")
+        )
+        raise KestrelError(
+            f"--mmproj: {path.name} is a GGUF of arch {arch}, not Qwen3-VL's text model "
+            f"(qwen3vl): {kind}"
+        )
+    if arch != "qwen3vl":
+        return
+    if mmproj is None:
+        found = M.candidates(path)
+        if not found:
+            store.vision_file = M.VisionFile(
+                refusal=f"{path.name} is Qwen3-VL's text model: images need its vision tower, "
+                f"llama.cpp's mmproj GGUF (--mmproj FILE, or one mmproj*.gguf beside the model)"
+            )
+            return
+        if len(found) > 1:
+            names = ", ".join(f.name for f in found[:6]) + (" ..." if len(found) > 6 else "")
+            why = f"{len(found)} mmproj files beside {path.name} ({names})"
+            store.vision_file = M.VisionFile(
+                note=f"{why}: none is guessed; images need --mmproj FILE",
+                refusal=f"{why}: choose the vision tower with --mmproj FILE",
+            )
+            return
+        mm, note = found[0], f"vision tower: {found[0].name} (found beside the model)"
+    else:
+        mm = Path(mmproj).expanduser()
+        note = f"vision tower: {mm.name}"
+        if not mm.is_file():
+            raise KestrelError(f"--mmproj {mm}: no such file")
+    from kestrel_cli.formats.gguf_check import check_gguf
+
+    try:
+        check_gguf(mm)
+        try:
+            reader = _gguf_reader(mm)
+        except Exception as e:  # the gguf package raises bare ValueError/struct errors
+            raise KestrelError(f"{mm.name}: not a readable GGUF file ({e})") from None
+        deepstack = number(f"{arch}.n_deepstack_layers")
+        vision, tensors, image = M.read_tower(mm, reader, raw["hidden_size"], deepstack)
+        M.decoder_for_vision(raw, field(f"{arch}.rope.dimension_sections"), tok, path.name)
+    except KestrelError as e:
+        if mmproj is not None:
+            raise
+        # a file found, not asked for: the text model still runs, images say why not
+        why = f"{e} (found beside the model; --mmproj FILE names another)"
+        store.vision_file = M.VisionFile(note=why, refusal=why)
+        return
+    raw["vision_config"] = vision
+    # the decoder's tensors under Qwen3-VL's names (qwen3_vl.Model.prefix)
+    store.entries = {
+        (f"model.language_model.{n[len('model.') :]}" if n.startswith("model.") else n): e
+        for n, e in store.entries.items()
+    }
+    for name, fmt, data, shape in tensors:
+        store.add(name, fmt, data, shape, mm.name)
+    store.vision_file = M.VisionFile(path=mm, note=note, image=image)
 
 
 def _short(v) -> str:
@@ -846,15 +921,25 @@ def _has_gguf_magic(p: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def open_checkpoint(path) -> tuple[Config, TensorStore, "object", Path]:
-    """(config, tensors, tokenizer, resolved path) for an HF dir, a GGUF file, or None (bundled)."""
+def open_checkpoint(path, mmproj=None) -> tuple[Config, TensorStore, "object", Path]:
+    """(config, tensors, tokenizer, resolved path) for an HF dir, a GGUF file, or None (bundled);
+    `mmproj`: a Qwen3-VL GGUF's vision tower file (llama.cpp's mmproj GGUF, `_gguf_vision`)."""
     p = default_model_path() if path is None else Path(path).expanduser()
     if not p.exists():
         raise KestrelError(f"model path {p} does not exist")
     if p.is_dir():
         raw, store, tok = _load_hf_dir(p)
+        if mmproj is not None:
+            from kestrel_cli.models.qwen3_vl_vision import VisionTower
+
+            why = (
+                "it has its vision tower (model.visual.*) already"
+                if VisionTower.check_tensors(store)
+                else "--mmproj goes with a Qwen3-VL GGUF text model (llama.cpp's two files)"
+            )
+            raise KestrelError(f"--mmproj: {p} is a checkpoint directory: {why}")
     elif p.suffix == ".gguf" or _has_gguf_magic(p):
-        raw, store, tok = _load_gguf(p)
+        raw, store, tok = _load_gguf(p, mmproj)
     else:
         raise KestrelError(f"{p}: expected a checkpoint directory or a .gguf file")
     source = p / "config.json" if p.is_dir() else p

@@ -163,12 +163,13 @@ class Linear:
 
 
 def _matrix(store, name: str, shape) -> Weight:
-    """A weight as stored (never quantised: the vision tower stays in its float format);
-    n-D (conv) weights as their (d, prod(rest)) rows."""
+    """A weight as stored (never quantised here: the vision tower stays in its file's
+    format, float or an mmproj GGUF's Q8_0); n-D (conv) weights as their (d, prod(rest))
+    rows (a block format's raw rows are bytes: reshaped to d rows, not n columns)."""
     fmt, raw, actual = store._get(name, shape)
     d = actual[0]
     n = int(np.prod(actual[1:]))
-    return Weight(fmt, raw.reshape(d, n), (d, n))
+    return Weight(fmt, raw.reshape(d, -1), (d, n))
 
 
 def _linear(store, p: str, d: int, n: int) -> Linear:
