@@ -27,6 +27,7 @@ The weights are used as stored (--quant does not touch the vision tower).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -146,6 +147,29 @@ def gelu_erf(x: np.ndarray) -> np.ndarray:
     y = 0.5 * x.astype(np.float64) * _erfc64(-x.astype(np.float64) * (1.0 / math.sqrt(2.0)))
     x[...] = y
     return x
+
+
+class PartClock:
+    """Wall time per part of `VisionTower.encode` (scripts/bench_vision.py --parts): each
+    lap(part) adds the time since the previous lap to that part. The kernels return only
+    when their threads are done, so the laps split the wall time exactly."""
+
+    def __init__(self):
+        self.parts: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self._t
+        self._t = now
+
+
+class _NoClock:
+    def lap(self, part: str) -> None:
+        pass
+
+
+_NO_CLOCK = _NoClock()
 
 
 class Linear:
@@ -287,23 +311,34 @@ class Block:
         self.fc2 = _linear(store, f"{p}.mlp.linear_fc2", H, I)
         self.n_heads, self.head_dim = cfg.num_heads, cfg.head_dim
 
-    def __call__(self, h: np.ndarray, rope, segments, threads: int) -> None:
+    def __call__(self, h: np.ndarray, rope, segments, threads: int, clock=_NO_CLOCK) -> None:
         """h (N, H) updated in place; rope: [(positions, inv_freq)] per call of the rope
         kernel; segments: (start, end) row ranges attending among themselves (images)."""
         N = h.shape[0]
         x = layer_norm(h, *self.norm1)
+        clock.lap("layernorm")
         q, k, v = (lin(x, threads) for lin in self.qkv)
+        clock.lap("qkv")
         q3 = q.reshape(N, self.n_heads, self.head_dim)
         k3 = k.reshape(N, self.n_heads, self.head_dim)
         for pos, inv in rope:
             K.rope(q3, pos, inv, 1.0, threads)
             K.rope(k3, pos, inv, 1.0, threads)
+        clock.lap("rope")
         att = np.empty_like(q)
         for a, b in segments:
             att[a:b] = full_attention(q[a:b], k[a:b], v[a:b], self.n_heads, self.head_dim, threads)
+        clock.lap("attention")
         h += self.proj(att, threads)
+        clock.lap("proj")
         x = layer_norm(h, *self.norm2)
-        h += self.fc2(gelu_tanh(self.fc1(x, threads)), threads)
+        clock.lap("layernorm")
+        y = self.fc1(x, threads)
+        clock.lap("fc1")
+        gelu_tanh(y)
+        clock.lap("gelu")
+        h += self.fc2(y, threads)
+        clock.lap("fc2")
 
 
 class Merger:
@@ -363,19 +398,24 @@ class VisionTower:
         """Whether the checkpoint has a vision tower."""
         return f"{PREFIX}.patch_embed.proj.weight" in store
 
-    def encode(self, patches: np.ndarray, grids) -> tuple[np.ndarray, list[np.ndarray]]:
+    def encode(
+        self, patches: np.ndarray, grids, clock: PartClock | None = None
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
         """Image embeddings of one or more images.
 
         Args:
             patches: float32 (sum of gh*gw, patch_dim), the images' patches one after the
                 other (images.py's order).
             grids: [(t, gh, gw)] per image (t == 1: still images).
+            clock: adds the wall time of each part to clock.parts (None: not timed).
         Returns:
             (embeds (sum of gh*gw/4, out_hidden), [deepstack features, same shape]).
         """
         cfg, threads = self.cfg, self.threads
+        clock = clock if clock is not None else _NO_CLOCK
         m = cfg.spatial_merge_size
         h = self.patch_embed(np.ascontiguousarray(patches, dtype=np.float32), threads)
+        clock.lap("patch_embed")
         rows, cols, segs, start = [], [], [], 0
         pos = []
         for t, gh, gw in grids:
@@ -390,14 +430,18 @@ class VisionTower:
                 segs.append((start, start + gh * gw))
                 start += gh * gw
         h += np.concatenate(pos)
+        clock.lap("pos_embed")
         rope = [
             (np.ascontiguousarray(np.concatenate(rows)), self.inv_rows),
             (np.ascontiguousarray(np.concatenate(cols)), self.inv_cols),
         ]
         feats = []
         for i, blk in enumerate(self.blocks):
-            blk(h, rope, segs, threads)
+            blk(h, rope, segs, threads, clock)
             if i in cfg.deepstack_visual_indexes:
                 j = cfg.deepstack_visual_indexes.index(i)
                 feats.append(self.deepstack[j](h, threads))
-        return self.merger(h, threads), feats
+                clock.lap("mergers")
+        emb = self.merger(h, threads)
+        clock.lap("mergers")
+        return emb, feats
