@@ -20,13 +20,13 @@ transformers' Qwen3VLVisionModel is the numerical reference (fp32):
 Kernels: the matmuls are `kernels.matmul` (any weight format), the rotary embedding is
 `kernels.rope` (two calls, rows then columns, each with the other half's frequencies zeroed:
 a zero angle rotates by exactly nothing), attention is `kernels.attention` (see
-`full_attention`). LayerNorm, the GELUs and the bias adds are NumPy (no kernel has them).
+`full_attention`); LayerNorm, bias + GELU and bias + residual add are `kernels.layer_norm`,
+`bias_act` and `residual_add` (pyx/vision_ops.h), each one threaded pass.
 The weights are used as stored (--quant does not touch the vision tower).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field, fields
 
@@ -85,68 +85,12 @@ class VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
-# ------------------------------------------------------------------------ NumPy pieces
+# ------------------------------------------------------------------------ pieces
 
 
-def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """LayerNorm over the last axis, float32 (a new array)."""
-    mu = x.mean(axis=-1, keepdims=True, dtype=np.float32)
-    xc = x - mu
-    var = np.mean(xc * xc, axis=-1, keepdims=True, dtype=np.float32)
-    xc *= np.float32(1.0) / np.sqrt(var + np.float32(eps))
-    xc *= w
-    xc += b
-    return xc
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU, tanh approximation (gelu_pytorch_tanh), in place."""
-    inner = x * x
-    inner *= np.float32(0.044715)
-    inner += np.float32(1.0)
-    inner *= x
-    inner *= np.float32(math.sqrt(2.0 / math.pi))
-    np.tanh(inner, out=inner)
-    inner += np.float32(1.0)
-    x *= np.float32(0.5)
-    x *= inner
-    return x
-
-
-def _erfc64(z: np.ndarray) -> np.ndarray:
-    """erfc in float64, relative error < 1.2e-7 everywhere (Chebyshev fit, Numerical
-    Recipes' erfcc): well under float32's resolution of the GELU that uses it."""
-    a = np.abs(z)
-    t = 1.0 / (1.0 + 0.5 * a)
-    poly = -1.26551223 + t * (
-        1.00002368
-        + t
-        * (
-            0.37409196
-            + t
-            * (
-                0.09678418
-                + t
-                * (
-                    -0.18628806
-                    + t
-                    * (
-                        0.27886807
-                        + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))
-                    )
-                )
-            )
-        )
-    )
-    r = t * np.exp(-a * a + poly)
-    return np.where(z >= 0, r, 2.0 - r)
-
-
-def gelu_erf(x: np.ndarray) -> np.ndarray:
-    """Exact GELU x * Phi(x) (torch.nn.GELU()), in place: 0.5 * x * erfc(-x / sqrt 2)."""
-    y = 0.5 * x.astype(np.float64) * _erfc64(-x.astype(np.float64) * (1.0 / math.sqrt(2.0)))
-    x[...] = y
-    return x
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, threads: int) -> np.ndarray:
+    """LayerNorm over the last axis (eps 1e-6), float32 (a new array)."""
+    return K.layer_norm(x, w, b, 1e-6, np.empty_like(x), threads)
 
 
 class PartClock:
@@ -173,16 +117,26 @@ _NO_CLOCK = _NoClock()
 
 
 class Linear:
-    """y = x @ W.T + b with the matmul kernel (b: NumPy add)."""
+    """y = act(x @ W.T + b): the matmul kernel, then the bias and the activation in one
+    pass (`kernels.bias_act`). With `bf16` set (VisionTower.use_bf16), a bf16 weight
+    multiplies bf16-rounded activations (`kernels.matmul_bf16`)."""
 
     def __init__(self, w: Weight, b: np.ndarray | None):
         self.w, self.b = w, b
+        self.bf16 = False
 
-    def __call__(self, x: np.ndarray, threads: int) -> np.ndarray:
+    def matmul(self, x: np.ndarray, threads: int) -> np.ndarray:
+        """x @ W.T alone (the caller adds the bias: `kernels.residual_add`)."""
         out = np.empty((x.shape[0], self.w.shape[0]), dtype=np.float32)
-        K.matmul(np.ascontiguousarray(x), self.w, out, threads)
-        if self.b is not None:
-            out += self.b
+        x = np.ascontiguousarray(x)
+        if self.bf16:
+            return K.matmul_bf16(x, self.w, out, threads)
+        return K.matmul(x, self.w, out, threads)
+
+    def __call__(self, x: np.ndarray, threads: int, act: str | None = None) -> np.ndarray:
+        out = self.matmul(x, threads)
+        if self.b is not None or act is not None:
+            K.bias_act(out, self.b, act, threads)
         return out
 
 
@@ -315,7 +269,7 @@ class Block:
         """h (N, H) updated in place; rope: [(positions, inv_freq)] per call of the rope
         kernel; segments: (start, end) row ranges attending among themselves (images)."""
         N = h.shape[0]
-        x = layer_norm(h, *self.norm1)
+        x = layer_norm(h, *self.norm1, threads)
         clock.lap("layernorm")
         q, k, v = (lin(x, threads) for lin in self.qkv)
         clock.lap("qkv")
@@ -329,15 +283,15 @@ class Block:
         for a, b in segments:
             att[a:b] = full_attention(q[a:b], k[a:b], v[a:b], self.n_heads, self.head_dim, threads)
         clock.lap("attention")
-        h += self.proj(att, threads)
+        K.residual_add(h, self.proj.matmul(att, threads), self.proj.b, threads)
         clock.lap("proj")
-        x = layer_norm(h, *self.norm2)
+        x = layer_norm(h, *self.norm2, threads)
         clock.lap("layernorm")
-        y = self.fc1(x, threads)
+        y = self.fc1.matmul(x, threads)
         clock.lap("fc1")
-        gelu_tanh(y)
+        K.bias_act(y, self.fc1.b, "gelu_tanh", threads)
         clock.lap("gelu")
-        h += self.fc2(y, threads)
+        K.residual_add(h, self.fc2.matmul(y, threads), self.fc2.b, threads)
         clock.lap("fc2")
 
 
@@ -355,10 +309,10 @@ class Merger:
 
     def __call__(self, h: np.ndarray, threads: int) -> np.ndarray:
         if self.postshuffle:
-            x = layer_norm(h.reshape(-1, self.M), *self.norm)
+            x = layer_norm(h.reshape(-1, self.M), *self.norm, threads)
         else:
-            x = layer_norm(h, *self.norm).reshape(-1, self.M)
-        return self.fc2(gelu_erf(self.fc1(x, threads)), threads)
+            x = layer_norm(h, *self.norm, threads).reshape(-1, self.M)
+        return self.fc2(self.fc1(x, threads, "gelu_erf"), threads)
 
 
 class VisionTower:
@@ -392,6 +346,26 @@ class VisionTower:
         zero = np.zeros_like(inv)
         self.inv_rows = np.concatenate([inv, zero])  # (hd / 2,)
         self.inv_cols = np.concatenate([zero, inv])
+
+    def linears(self) -> list[Linear]:
+        """Every matmul of the tower."""
+        out = [self.patch_embed]
+        for blk in self.blocks:
+            out += [*blk.qkv, blk.proj, blk.fc1, blk.fc2]
+        for mg in [self.merger, *self.deepstack]:
+            out += [mg.fc1, mg.fc2]
+        return out
+
+    def use_bf16(self, on: bool) -> int:
+        """With on, the bf16 weights multiply bf16-rounded activations on AVX512-BF16
+        (`kernels.matmul_bf16`: about twice the float rate, ~1e-3 relative error per
+        matmul output) where the CPU has it; off: the exact float path (the default).
+        Returns how many matmuls take the bf16 path."""
+        n = 0
+        for lin in self.linears():
+            lin.bf16 = bool(on) and K.HAVE_BF16_DOT and lin.w.fmt == "bf16"
+            n += lin.bf16
+        return n
 
     @staticmethod
     def check_tensors(store) -> bool:
