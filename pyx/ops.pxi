@@ -107,6 +107,8 @@ cdef extern from "vision_ops.h" nogil:
                          Py_ssize_t r1) noexcept
     void kf_vis_residual(float *h, const float *y, const float *b, Py_ssize_t n,
                          Py_ssize_t r0, Py_ssize_t r1) noexcept
+    void kf_vis_softmax(float *s, float scale, Py_ssize_t n, Py_ssize_t r0,
+                        Py_ssize_t r1) noexcept
 
 
 def layer_norm(const float[:, ::1] x,      # IN  (R, n)
@@ -171,3 +173,20 @@ def residual_add(float[:, ::1] h,          # IN/OUT (R, n)
         for c in prange(nt, schedule="static", chunksize=1):
             kf_vis_residual(&h[0, 0], &y[0, 0], bp, n, kf_split(R, c, nt),
                             kf_split(R, c + 1, nt))
+
+
+def softmax_rows(float[:, ::1] s,          # IN/OUT (R, n)
+                 float scale,              # IN  > 0
+                 int n_threads):
+    """s := softmax(scale * s), per row"""
+    cdef Py_ssize_t R = s.shape[0], n = s.shape[1], c
+    cdef int nt = team_size(n_threads, R * n, 32768)
+    if R == 0 or n == 0:
+        return
+    if nt == 1:
+        with nogil:
+            kf_vis_softmax(&s[0, 0], scale, n, 0, R)
+        return
+    with nogil, parallel(num_threads=nt):
+        for c in prange(nt, schedule="static", chunksize=1):
+            kf_vis_softmax(&s[0, 0], scale, n, kf_split(R, c, nt), kf_split(R, c + 1, nt))

@@ -1,6 +1,6 @@
 /* Row and elementwise kernels of the vision tower (kestrel_cli/models/qwen3_vl_vision.py):
  * LayerNorm, bias + GELU (tanh form in the blocks, exact erf form in the mergers), bias +
- * residual add. ops.pxi runs them over rows on OpenMP threads.
+ * residual add, and the row softmax of its attention scores. ops.pxi runs them over rows on OpenMP threads.
  *
  * Portable C like simd.h (no intrinsics, sums in a fixed order written in the source),
  * compiled once per x86 variant of isa.h under its target attribute, so that the loops
@@ -120,6 +120,29 @@ KF_INLINE void kf_vis_residual_body(float *restrict h, const float *restrict y,
     }
 }
 
+/* softmax(scale * s) of one row in place: m = max(s), e_j = exp(scale * (s_j - m)), then
+ * e_j / sum(e) (the sum with KF_L partial sums). scale > 0. */
+KF_INLINE void kf_vis_softmax_body(float *restrict s, float scale, ptrdiff_t n)
+{
+    float mx[KF_L];
+    for (int k = 0; k < KF_L; k++)
+        mx[k] = -INFINITY;
+    ptrdiff_t nv = n - n % KF_L, j;
+    for (j = 0; j < nv; j += KF_L)
+        for (int k = 0; k < KF_L; k++)
+            mx[k] = s[j + k] > mx[k] ? s[j + k] : mx[k];
+    float m = -INFINITY;
+    for (int k = 0; k < KF_L; k++)
+        m = mx[k] > m ? mx[k] : m;
+    for (j = nv; j < n; j++)
+        m = s[j] > m ? s[j] : m;
+    for (j = 0; j < n; j++)
+        s[j] = kf_expf(scale * (s[j] - m));
+    const float inv = 1.0f / kf_vis_sum(s, n);
+    for (j = 0; j < n; j++)
+        s[j] *= inv;
+}
+
 /* The variants: rows r0 <= r < r1 of (R, n) arrays, rows n floats apart. */
 #define KF_VIS_VARIANT(PFX, ATTR)                                                         \
 ATTR static void PFX##_ln(const float *x, const float *w, const float *b, float eps,      \
@@ -133,6 +156,12 @@ ATTR static void PFX##_bias_act(float *x, const float *b, int act, ptrdiff_t n, 
 {                                                                                         \
     for (ptrdiff_t r = r0; r < r1; r++)                                                   \
         kf_vis_bias_act_body(x + r * n, b, act, n);                                       \
+}                                                                                         \
+ATTR static void PFX##_softmax(float *s, float scale, ptrdiff_t n, ptrdiff_t r0,          \
+                               ptrdiff_t r1)                                              \
+{                                                                                         \
+    for (ptrdiff_t r = r0; r < r1; r++)                                                   \
+        kf_vis_softmax_body(s + r * n, scale, n);                                         \
 }                                                                                         \
 ATTR static void PFX##_residual(float *h, const float *y, const float *b, ptrdiff_t n,     \
                                 ptrdiff_t r0, ptrdiff_t r1)                               \
@@ -183,6 +212,22 @@ static inline void kf_vis_bias_act(float *x, const float *b, int act, ptrdiff_t 
     }
 #endif
     kf_vis_base_bias_act(x, b, act, n, r0, r1);
+}
+
+static inline void kf_vis_softmax(float *s, float scale, ptrdiff_t n, ptrdiff_t r0,
+                                  ptrdiff_t r1)
+{
+#if KF_X86_DISPATCH
+    if (kf_isa == KF_ISA_AVX512) {
+        kf_vis_avx512_softmax(s, scale, n, r0, r1);
+        return;
+    }
+    if (kf_isa == KF_ISA_AVX2) {
+        kf_vis_avx2_softmax(s, scale, n, r0, r1);
+        return;
+    }
+#endif
+    kf_vis_base_softmax(s, scale, n, r0, r1);
 }
 
 static inline void kf_vis_residual(float *h, const float *y, const float *b, ptrdiff_t n,

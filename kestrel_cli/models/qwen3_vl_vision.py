@@ -19,8 +19,8 @@ transformers' Qwen3VLVisionModel is the numerical reference (fp32):
 
 Kernels: the matmuls are `kernels.matmul` (any weight format), the rotary embedding is
 `kernels.rope` (two calls, rows then columns, each with the other half's frequencies zeroed:
-a zero angle rotates by exactly nothing), attention is `kernels.attention` (see
-`full_attention`); LayerNorm, bias + GELU and bias + residual add are `kernels.layer_norm`,
+a zero angle rotates by exactly nothing), attention is two float GEMMs per head around a
+row softmax (see `full_attention`); LayerNorm, bias + GELU and bias + residual add are `kernels.layer_norm`,
 `bias_act` and `residual_add` (pyx/vision_ops.h), each one threaded pass.
 The weights are used as stored (--quant does not touch the vision tower).
 """
@@ -155,9 +155,6 @@ def _linear(store, p: str, d: int, n: int) -> Linear:
 
 # ------------------------------------------------------------------------ attention
 
-ATTN_BS = 32  # keys per block handed to the attention kernel
-ATTN_GROUP = 64  # query rows per kernel call (the kernel's most heads per kv head)
-
 
 def full_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, head_dim: int, threads: int
@@ -165,40 +162,24 @@ def full_attention(
     """Non-causal attention of every row of q over all rows of k / v (one image):
     out[i, h] = softmax(q[i, h] . k[:, h] / sqrt(hd)) @ v[:, h]. q, k, v float32 (N, nh*hd).
 
-    Runs `kernels.attention`'s decode path (a query at position N - 1 sees all N keys):
-    up to ATTN_GROUP query rows per call, laid out as that many query heads per kv head
-    (head j*g + i is row i of head j, which reads kv head j), so each call is exact full
-    attention for its rows over the token-major (N, nh*hd) K and V, read in place as
-    blocks of ATTN_BS rows.
+    One head at a time on the float GEMM: the scores S = q_h @ k_h.T (k_h as an f32
+    weight of N rows), softmax of each row of S in place (`kernels.softmax_rows`), then
+    S @ v_h (v_h.T as an f32 weight of hd rows). The (N, N) scores are materialised: one
+    head's at a time.
     """
     N = q.shape[0]
-    nb = -(-N // ATTN_BS)
-    width = n_heads * head_dim
-    if nb * ATTN_BS != N:  # whole blocks: the kernel may read a block's tail
-        kp = np.zeros((nb * ATTN_BS, width), np.float32)
-        vp = np.zeros((nb * ATTN_BS, width), np.float32)
-        kp[:N], vp[:N] = k, v
-        k, v = kp, vp
-    step = np.uint64(ATTN_BS * width * 4)
-    idx = np.arange(nb, dtype=np.uint64)
-    k_ptrs = np.uint64(k.ctypes.data) + idx * step
-    v_ptrs = np.uint64(v.ctypes.data) + idx * step
-    G = min(ATTN_GROUP, N)
-    tab = np.empty(K.decode_tab_size(N, n_heads * G, head_dim, ATTN_BS), np.float32)
+    out = np.empty((N, n_heads * head_dim), np.float32)
+    s = np.empty((N, N), np.float32)
+    oh = np.empty((N, head_dim), np.float32)
     scale = float(head_dim) ** -0.5
-    qh = q.reshape(N, n_heads, head_dim)
-    out = np.empty((N, n_heads, head_dim), np.float32)
-    for s in range(0, N, G):
-        g = min(G, N - s)
-        qc = np.ascontiguousarray(qh[s : s + g].transpose(1, 0, 2)).reshape(
-            1, n_heads * g * head_dim
-        )
-        oc = np.empty_like(qc)
-        K.attention(
-            qc, k_ptrs, v_ptrs, ATTN_BS, n_heads, head_dim, N - 1, scale, oc, threads, dec_tab=tab
-        )
-        out[s : s + g] = oc.reshape(n_heads, g, head_dim).transpose(1, 0, 2)
-    return out.reshape(N, width)
+    for h in range(n_heads):
+        cols = slice(h * head_dim, (h + 1) * head_dim)
+        kh = Weight("f32", np.ascontiguousarray(k[:, cols]), (N, head_dim))
+        K.matmul(np.ascontiguousarray(q[:, cols]), kh, s, threads)
+        K.softmax_rows(s, scale, threads)
+        vt = Weight("f32", np.ascontiguousarray(v[:, cols].T), (head_dim, N))
+        out[:, cols] = K.matmul(s, vt, oh, threads)
+    return out
 
 
 # ------------------------------------------------------------------------ grid helpers

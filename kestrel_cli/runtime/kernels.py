@@ -769,6 +769,24 @@ def residual_add(
     return h
 
 
+def softmax_rows(s: np.ndarray, scale: float, threads: int | None = None) -> np.ndarray:
+    """s = softmax(scale * s) over each row, in place, float32: e = exp(scale * (s - max)),
+    then e / sum(e).
+
+    Args:
+        s: float32 (R, n), C-contiguous, written.
+        scale: > 0.
+        threads: OpenMP threads (None/0: default).
+    Returns:
+        s.
+    """
+    _array(s, "s", np.float32, 2, writable=True)
+    if not scale > 0:
+        raise ValueError(f"scale: must be > 0, got {scale}")
+    _lib.softmax_rows(s, float(scale), _threads(threads))
+    return s
+
+
 KV_BLOCK = 32  # tokens per KV cache block, which is also one sparse-selection block
 SLOTS = _lib.SLOTS  # rows of the importance scratch (`imp_slots`)
 

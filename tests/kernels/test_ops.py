@@ -6,7 +6,8 @@ same float32 angle; scatter_add 1e-6 relative to float64 np.add.at. The vision t
 ops (vision_ops.h, under each variant: the `isa` fixture): layer_norm 1e-5 of the largest
 output against float64 (rows of mean 40 and spread 3: a one-pass variance would fail it);
 the GELUs 1e-6 relative (+1e-7) against float64 tanh / math.erf; residual_add bit for bit
-against NumPy's float32 h + (y + b).
+against NumPy's float32 h + (y + b); softmax_rows 5e-6 relative against float64 (scores
+spread over ~140: the float32 exponent carries ~1e-6).
 """
 
 import math
@@ -252,3 +253,18 @@ def test_residual_add(isa, bias, threads):
     np.testing.assert_array_equal(got, ref)
     with pytest.raises(ValueError, match="y: expected shape"):
         kernels.residual_add(got, y[:4].copy(), b, threads)
+
+
+@pytest.mark.parametrize("R,n", [(1, 1), (5, 31), (64, 784), (3, 3136)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_softmax_rows(isa, R, n, threads):
+    rng = np.random.default_rng([R, n, threads])
+    s = (rng.standard_normal((R, n)) * 20).astype(np.float32)
+    z = s.astype(np.float64) * 0.125
+    ref = np.exp(z - z.max(axis=1, keepdims=True))
+    ref /= ref.sum(axis=1, keepdims=True)
+    got = s.copy()
+    assert kernels.softmax_rows(got, 0.125, threads) is got
+    np.testing.assert_allclose(got, ref, rtol=5e-6, atol=1e-12)
+    with pytest.raises(ValueError, match="scale: must be > 0"):
+        kernels.softmax_rows(got, 0.0)
