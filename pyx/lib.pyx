@@ -4,11 +4,12 @@
 # its only importer. By concept:
 #   matmul.pxi     weight matmuls (GEMV, GEMM, grouped GEMV), embedding rows, quantisation
 #   attention.pxi  exact and block-sparse attention over the block KV cache, its int8 form
-#   ops.pxi        row-wise and elementwise kernels (RMSNorm, RoPE, SwiGLU, MoE combine)
+#   ops.pxi        row-wise and elementwise kernels (RMSNorm, RoPE, SwiGLU, MoE combine,
+#                  the vision tower's LayerNorm / GELU / residual add)
 # The C under them: simd.h (portable helpers), isa.h (the dispatcher), formats.h,
-# matmul*.h, attention.h and attn_*.h.
+# matmul*.h, attention.h, attn_*.h and vision_ops.h.
 from cython.parallel cimport parallel, prange
-from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 

@@ -665,3 +665,60 @@ def moe_prefill(const float[:, ::1] x,       # IN  (T, H) the experts' input
                 kf_moep_thread(pp)
     finally:
         free(mem)
+
+
+cdef extern from "gemm_bf16.h" nogil:
+    enum:
+        KB_NT
+        KB_ROWS
+    int kb_cpu_has_bf16() noexcept
+    void kb_pack_xtile(const float *x, Py_ssize_t ldx, Py_ssize_t n, Py_ssize_t T,
+                       Py_ssize_t tile, uint32_t *xp) noexcept
+    void kb_gemm_rows(const uint16_t *w, Py_ssize_t n, Py_ssize_t i0, Py_ssize_t nr,
+                      Py_ssize_t T, const uint32_t *xp, float *out, Py_ssize_t ldo,
+                      uint32_t *panels) noexcept
+
+
+# whether matmul_bf16 runs here (AVX512-BF16), asked once at import
+HAVE_BF16_DOT = bool(kb_cpu_has_bf16())
+
+
+def matmul_bf16(const float[:, ::1] x,     # IN  (T, n) activations, rounded to bf16
+                const uint16_t[:, ::1] w,  # IN  (d, n) bf16 weight rows
+                float[:, ::1] out,         # OUT (T, d)
+                int n_threads):
+    """out := bf16(x) @ w.T on vdpbf16ps (gemm_bf16.h); HAVE_BF16_DOT must hold"""
+    cdef Py_ssize_t T = x.shape[0], n = x.shape[1], d = w.shape[0]
+    cdef Py_ssize_t np2 = (n + 1) // 2, b, nb, rb, i0, nr, tile, ntiles
+    cdef uint32_t *xp
+    cdef uint32_t *panels
+    cdef int failed = 0, nt
+    cdef int *p_failed = &failed
+    if not HAVE_BF16_DOT:
+        raise RuntimeError("matmul_bf16: this CPU has no AVX512-BF16")
+    if T == 0 or d == 0:
+        return
+    if n == 0:
+        out[:, :] = 0
+        return
+    nt = team_size(n_threads, d, 16)
+    rb = rows_per_block(np2, d, nt, 16, KB_ROWS)
+    nb = (d + rb - 1) // rb
+    ntiles = (T + KB_NT - 1) // KB_NT
+    xp = <uint32_t *> kf_scratch_x(T * np2 * sizeof(uint32_t))
+    if xp == NULL:
+        raise MemoryError("matmul_bf16: could not allocate scratch")
+    with nogil, parallel(num_threads=nt):
+        panels = <uint32_t *> kf_scratch(((rb + 15) // 16) * 16 * np2 * sizeof(uint32_t))
+        if panels == NULL:
+            p_failed[0] = 1
+        for tile in prange(ntiles, schedule="static"):
+            kb_pack_xtile(&x[0, 0], n, n, T, tile, xp)
+        for b in prange(nb, schedule="static"):
+            if panels == NULL:
+                continue
+            i0 = b * rb
+            nr = d - i0 if d - i0 < rb else rb
+            kb_gemm_rows(&w[0, 0], n, i0, nr, T, xp, &out[0, 0], d, panels)
+    if failed:
+        raise MemoryError("matmul_bf16: could not allocate thread scratch")

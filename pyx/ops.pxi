@@ -1,4 +1,5 @@
-# Row-wise and elementwise kernels: RMSNorm, rotary embedding, SwiGLU, MoE combine
+# Row-wise and elementwise kernels: RMSNorm, rotary embedding, SwiGLU, MoE combine, and the
+# vision tower's LayerNorm, bias + GELU and residual add (vision_ops.h)
 # (included by lib.pyx). All float32 arithmetic in the order Hugging Face's torch code uses.
 from libc.math cimport cos, expf, sin, sqrtf
 
@@ -97,3 +98,95 @@ def scatter_add(float[:, ::1] out,         # IN/OUT (T, H)
             a = weights[m]
             for j in range(j0, j1):
                 out[r, j] += a * src[m, j]
+
+
+cdef extern from "vision_ops.h" nogil:
+    void kf_vis_ln(const float *x, const float *w, const float *b, float eps, Py_ssize_t n,
+                   float *out, Py_ssize_t r0, Py_ssize_t r1) noexcept
+    void kf_vis_bias_act(float *x, const float *b, int act, Py_ssize_t n, Py_ssize_t r0,
+                         Py_ssize_t r1) noexcept
+    void kf_vis_residual(float *h, const float *y, const float *b, Py_ssize_t n,
+                         Py_ssize_t r0, Py_ssize_t r1) noexcept
+    void kf_vis_softmax(float *s, float scale, Py_ssize_t n, Py_ssize_t r0,
+                        Py_ssize_t r1) noexcept
+
+
+def layer_norm(const float[:, ::1] x,      # IN  (R, n)
+               const float[::1] weight,    # IN  (n,)
+               const float[::1] bias,      # IN  (n,)
+               float eps,
+               float[:, ::1] out,          # OUT (R, n), may be x itself
+               int n_threads):
+    """out := (x - mean(x)) / sqrt(var(x) + eps) * weight + bias, per row"""
+    cdef Py_ssize_t R = x.shape[0], n = x.shape[1], c
+    cdef int nt = team_size(n_threads, R * n, 32768)
+    if R == 0 or n == 0:
+        return
+    if nt == 1:
+        with nogil:
+            kf_vis_ln(&x[0, 0], &weight[0], &bias[0], eps, n, &out[0, 0], 0, R)
+        return
+    with nogil, parallel(num_threads=nt):
+        for c in prange(nt, schedule="static", chunksize=1):
+            kf_vis_ln(&x[0, 0], &weight[0], &bias[0], eps, n, &out[0, 0], kf_split(R, c, nt),
+                      kf_split(R, c + 1, nt))
+
+
+def bias_act(float[:, ::1] x,              # IN/OUT (R, n)
+             const float[::1] bias,        # IN  (n,) or None
+             int act,                      # IN  0 none, 1 GELU tanh form, 2 GELU exact
+             int n_threads):
+    """x := act(x + bias), per element"""
+    cdef Py_ssize_t R = x.shape[0], n = x.shape[1], c
+    cdef const float *bp = NULL
+    cdef int nt = team_size(n_threads, R * n, 32768)
+    if R == 0 or n == 0:
+        return
+    if bias is not None:
+        bp = &bias[0]
+    if nt == 1:
+        with nogil:
+            kf_vis_bias_act(&x[0, 0], bp, act, n, 0, R)
+        return
+    with nogil, parallel(num_threads=nt):
+        for c in prange(nt, schedule="static", chunksize=1):
+            kf_vis_bias_act(&x[0, 0], bp, act, n, kf_split(R, c, nt), kf_split(R, c + 1, nt))
+
+
+def residual_add(float[:, ::1] h,          # IN/OUT (R, n)
+                 const float[:, ::1] y,    # IN  (R, n)
+                 const float[::1] bias,    # IN  (n,) or None
+                 int n_threads):
+    """h := h + (y + bias), per element"""
+    cdef Py_ssize_t R = h.shape[0], n = h.shape[1], c
+    cdef const float *bp = NULL
+    cdef int nt = team_size(n_threads, R * n, 32768)
+    if R == 0 or n == 0:
+        return
+    if bias is not None:
+        bp = &bias[0]
+    if nt == 1:
+        with nogil:
+            kf_vis_residual(&h[0, 0], &y[0, 0], bp, n, 0, R)
+        return
+    with nogil, parallel(num_threads=nt):
+        for c in prange(nt, schedule="static", chunksize=1):
+            kf_vis_residual(&h[0, 0], &y[0, 0], bp, n, kf_split(R, c, nt),
+                            kf_split(R, c + 1, nt))
+
+
+def softmax_rows(float[:, ::1] s,          # IN/OUT (R, n)
+                 float scale,              # IN  > 0
+                 int n_threads):
+    """s := softmax(scale * s), per row"""
+    cdef Py_ssize_t R = s.shape[0], n = s.shape[1], c
+    cdef int nt = team_size(n_threads, R * n, 32768)
+    if R == 0 or n == 0:
+        return
+    if nt == 1:
+        with nogil:
+            kf_vis_softmax(&s[0, 0], scale, n, 0, R)
+        return
+    with nogil, parallel(num_threads=nt):
+        for c in prange(nt, schedule="static", chunksize=1):
+            kf_vis_softmax(&s[0, 0], scale, n, kf_split(R, c, nt), kf_split(R, c + 1, nt))

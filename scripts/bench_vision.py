@@ -1,11 +1,16 @@
 """Vision tower time per image: Kestrel against transformers fp32, same process, same threads.
 
     python scripts/bench_vision.py CHECKPOINT_DIR [-t THREADS] [--sizes 448x448,1024x768] [-r 2]
+        [--no-torch] [--parts] [--bf16]
 
 CHECKPOINT_DIR: a Qwen3-VL checkpoint with its vision tower (e.g. make_random_checkpoint.py
 --shape qwen3-vl-2b --with-vision). Each image (random pixels of the given size) is
 preprocessed once; the vision towers' forward passes are timed (best of -r runs after one
-untimed run), and the outputs compared. Prints one line per size and the peak RSS.
+untimed run), and the outputs compared. Prints one line per size and the peak RSS; with
+--parts, one more Kestrel run per size split into its parts (patch embedding, LayerNorm,
+QKV, RoPE, attention, proj, fc1, GELU, fc2, mergers: VisionTower.encode's PartClock).
+--bf16 times Kestrel's bf16 matmuls (VisionTower.use_bf16: bf16-rounded activations on
+AVX512-BF16, not exact; the max abs diff shows what it costs).
 """
 
 from __future__ import annotations
@@ -24,15 +29,21 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="448x448,1024x768")
     ap.add_argument("-r", "--repeat", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true", help="time Kestrel only")
+    ap.add_argument("--parts", action="store_true", help="Kestrel's time split by part")
+    ap.add_argument("--bf16", action="store_true", help="Kestrel's bf16 matmuls (not exact)")
     a = ap.parse_args(argv)
 
     from PIL import Image
 
     from kestrel_cli import Engine
     from kestrel_cli.models.images import ImageConfig, preprocess
+    from kestrel_cli.models.qwen3_vl_vision import PartClock
 
     eng = Engine.from_pretrained(a.model, threads=a.threads)
     tower = eng.model.vision
+    if a.bf16:
+        n = tower.use_bf16(True)
+        print(f"bf16 matmuls: {n} of {len(tower.linears())}", flush=True)
     icfg = ImageConfig.from_dir(eng.path, eng.config.vision_config)
     ref = None
     if not a.no_torch:
@@ -74,6 +85,15 @@ def main(argv=None) -> int:
                 f"(x{min(rt[1:]) / min(times[1:]):.2f}), max abs diff {diff:.1e}"
             )
         print(line, flush=True)
+        if a.parts:
+            clock = PartClock()
+            tower.encode(im.patches, [im.grid], clock)
+            total = sum(clock.parts.values())
+            split = ", ".join(
+                f"{k} {v * 1e3:.0f} ({v / total:.0%})"
+                for k, v in sorted(clock.parts.items(), key=lambda kv: -kv[1])
+            )
+            print(f"  parts (ms): {split}; total {total * 1e3:.0f}", flush=True)
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB")
     return 0
 

@@ -19,14 +19,15 @@ transformers' Qwen3VLVisionModel is the numerical reference (fp32):
 
 Kernels: the matmuls are `kernels.matmul` (any weight format), the rotary embedding is
 `kernels.rope` (two calls, rows then columns, each with the other half's frequencies zeroed:
-a zero angle rotates by exactly nothing), attention is `kernels.attention` (see
-`full_attention`). LayerNorm, the GELUs and the bias adds are NumPy (no kernel has them).
+a zero angle rotates by exactly nothing), attention is two float GEMMs per head around a
+row softmax (see `full_attention`); LayerNorm, bias + GELU and bias + residual add are `kernels.layer_norm`,
+`bias_act` and `residual_add` (pyx/vision_ops.h), each one threaded pass.
 The weights are used as stored (--quant does not touch the vision tower).
 """
 
 from __future__ import annotations
 
-import math
+import time
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -84,81 +85,58 @@ class VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
-# ------------------------------------------------------------------------ NumPy pieces
+# ------------------------------------------------------------------------ pieces
 
 
-def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """LayerNorm over the last axis, float32 (a new array)."""
-    mu = x.mean(axis=-1, keepdims=True, dtype=np.float32)
-    xc = x - mu
-    var = np.mean(xc * xc, axis=-1, keepdims=True, dtype=np.float32)
-    xc *= np.float32(1.0) / np.sqrt(var + np.float32(eps))
-    xc *= w
-    xc += b
-    return xc
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, threads: int) -> np.ndarray:
+    """LayerNorm over the last axis (eps 1e-6), float32 (a new array)."""
+    return K.layer_norm(x, w, b, 1e-6, np.empty_like(x), threads)
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU, tanh approximation (gelu_pytorch_tanh), in place."""
-    inner = x * x
-    inner *= np.float32(0.044715)
-    inner += np.float32(1.0)
-    inner *= x
-    inner *= np.float32(math.sqrt(2.0 / math.pi))
-    np.tanh(inner, out=inner)
-    inner += np.float32(1.0)
-    x *= np.float32(0.5)
-    x *= inner
-    return x
+class PartClock:
+    """Wall time per part of `VisionTower.encode` (scripts/bench_vision.py --parts): each
+    lap(part) adds the time since the previous lap to that part. The kernels return only
+    when their threads are done, so the laps split the wall time exactly."""
+
+    def __init__(self):
+        self.parts: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[part] = self.parts.get(part, 0.0) + now - self._t
+        self._t = now
 
 
-def _erfc64(z: np.ndarray) -> np.ndarray:
-    """erfc in float64, relative error < 1.2e-7 everywhere (Chebyshev fit, Numerical
-    Recipes' erfcc): well under float32's resolution of the GELU that uses it."""
-    a = np.abs(z)
-    t = 1.0 / (1.0 + 0.5 * a)
-    poly = -1.26551223 + t * (
-        1.00002368
-        + t
-        * (
-            0.37409196
-            + t
-            * (
-                0.09678418
-                + t
-                * (
-                    -0.18628806
-                    + t
-                    * (
-                        0.27886807
-                        + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277)))
-                    )
-                )
-            )
-        )
-    )
-    r = t * np.exp(-a * a + poly)
-    return np.where(z >= 0, r, 2.0 - r)
+class _NoClock:
+    def lap(self, part: str) -> None:
+        pass
 
 
-def gelu_erf(x: np.ndarray) -> np.ndarray:
-    """Exact GELU x * Phi(x) (torch.nn.GELU()), in place: 0.5 * x * erfc(-x / sqrt 2)."""
-    y = 0.5 * x.astype(np.float64) * _erfc64(-x.astype(np.float64) * (1.0 / math.sqrt(2.0)))
-    x[...] = y
-    return x
+_NO_CLOCK = _NoClock()
 
 
 class Linear:
-    """y = x @ W.T + b with the matmul kernel (b: NumPy add)."""
+    """y = act(x @ W.T + b): the matmul kernel, then the bias and the activation in one
+    pass (`kernels.bias_act`). With `bf16` set (VisionTower.use_bf16), a bf16 weight
+    multiplies bf16-rounded activations (`kernels.matmul_bf16`)."""
 
     def __init__(self, w: Weight, b: np.ndarray | None):
         self.w, self.b = w, b
+        self.bf16 = False
 
-    def __call__(self, x: np.ndarray, threads: int) -> np.ndarray:
+    def matmul(self, x: np.ndarray, threads: int) -> np.ndarray:
+        """x @ W.T alone (the caller adds the bias: `kernels.residual_add`)."""
         out = np.empty((x.shape[0], self.w.shape[0]), dtype=np.float32)
-        K.matmul(np.ascontiguousarray(x), self.w, out, threads)
-        if self.b is not None:
-            out += self.b
+        x = np.ascontiguousarray(x)
+        if self.bf16:
+            return K.matmul_bf16(x, self.w, out, threads)
+        return K.matmul(x, self.w, out, threads)
+
+    def __call__(self, x: np.ndarray, threads: int, act: str | None = None) -> np.ndarray:
+        out = self.matmul(x, threads)
+        if self.b is not None or act is not None:
+            K.bias_act(out, self.b, act, threads)
         return out
 
 
@@ -178,9 +156,6 @@ def _linear(store, p: str, d: int, n: int) -> Linear:
 
 # ------------------------------------------------------------------------ attention
 
-ATTN_BS = 32  # keys per block handed to the attention kernel
-ATTN_GROUP = 64  # query rows per kernel call (the kernel's most heads per kv head)
-
 
 def full_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, head_dim: int, threads: int
@@ -188,40 +163,24 @@ def full_attention(
     """Non-causal attention of every row of q over all rows of k / v (one image):
     out[i, h] = softmax(q[i, h] . k[:, h] / sqrt(hd)) @ v[:, h]. q, k, v float32 (N, nh*hd).
 
-    Runs `kernels.attention`'s decode path (a query at position N - 1 sees all N keys):
-    up to ATTN_GROUP query rows per call, laid out as that many query heads per kv head
-    (head j*g + i is row i of head j, which reads kv head j), so each call is exact full
-    attention for its rows over the token-major (N, nh*hd) K and V, read in place as
-    blocks of ATTN_BS rows.
+    One head at a time on the float GEMM: the scores S = q_h @ k_h.T (k_h as an f32
+    weight of N rows), softmax of each row of S in place (`kernels.softmax_rows`), then
+    S @ v_h (v_h.T as an f32 weight of hd rows). The (N, N) scores are materialised: one
+    head's at a time.
     """
     N = q.shape[0]
-    nb = -(-N // ATTN_BS)
-    width = n_heads * head_dim
-    if nb * ATTN_BS != N:  # whole blocks: the kernel may read a block's tail
-        kp = np.zeros((nb * ATTN_BS, width), np.float32)
-        vp = np.zeros((nb * ATTN_BS, width), np.float32)
-        kp[:N], vp[:N] = k, v
-        k, v = kp, vp
-    step = np.uint64(ATTN_BS * width * 4)
-    idx = np.arange(nb, dtype=np.uint64)
-    k_ptrs = np.uint64(k.ctypes.data) + idx * step
-    v_ptrs = np.uint64(v.ctypes.data) + idx * step
-    G = min(ATTN_GROUP, N)
-    tab = np.empty(K.decode_tab_size(N, n_heads * G, head_dim, ATTN_BS), np.float32)
+    out = np.empty((N, n_heads * head_dim), np.float32)
+    s = np.empty((N, N), np.float32)
+    oh = np.empty((N, head_dim), np.float32)
     scale = float(head_dim) ** -0.5
-    qh = q.reshape(N, n_heads, head_dim)
-    out = np.empty((N, n_heads, head_dim), np.float32)
-    for s in range(0, N, G):
-        g = min(G, N - s)
-        qc = np.ascontiguousarray(qh[s : s + g].transpose(1, 0, 2)).reshape(
-            1, n_heads * g * head_dim
-        )
-        oc = np.empty_like(qc)
-        K.attention(
-            qc, k_ptrs, v_ptrs, ATTN_BS, n_heads, head_dim, N - 1, scale, oc, threads, dec_tab=tab
-        )
-        out[s : s + g] = oc.reshape(n_heads, g, head_dim).transpose(1, 0, 2)
-    return out.reshape(N, width)
+    for h in range(n_heads):
+        cols = slice(h * head_dim, (h + 1) * head_dim)
+        kh = Weight("f32", np.ascontiguousarray(k[:, cols]), (N, head_dim))
+        K.matmul(np.ascontiguousarray(q[:, cols]), kh, s, threads)
+        K.softmax_rows(s, scale, threads)
+        vt = Weight("f32", np.ascontiguousarray(v[:, cols].T), (head_dim, N))
+        out[:, cols] = K.matmul(s, vt, oh, threads)
+    return out
 
 
 # ------------------------------------------------------------------------ grid helpers
@@ -288,23 +247,34 @@ class Block:
         self.fc2 = _linear(store, f"{p}.mlp.linear_fc2", H, I)
         self.n_heads, self.head_dim = cfg.num_heads, cfg.head_dim
 
-    def __call__(self, h: np.ndarray, rope, segments, threads: int) -> None:
+    def __call__(self, h: np.ndarray, rope, segments, threads: int, clock=_NO_CLOCK) -> None:
         """h (N, H) updated in place; rope: [(positions, inv_freq)] per call of the rope
         kernel; segments: (start, end) row ranges attending among themselves (images)."""
         N = h.shape[0]
-        x = layer_norm(h, *self.norm1)
+        x = layer_norm(h, *self.norm1, threads)
+        clock.lap("layernorm")
         q, k, v = (lin(x, threads) for lin in self.qkv)
+        clock.lap("qkv")
         q3 = q.reshape(N, self.n_heads, self.head_dim)
         k3 = k.reshape(N, self.n_heads, self.head_dim)
         for pos, inv in rope:
             K.rope(q3, pos, inv, 1.0, threads)
             K.rope(k3, pos, inv, 1.0, threads)
+        clock.lap("rope")
         att = np.empty_like(q)
         for a, b in segments:
             att[a:b] = full_attention(q[a:b], k[a:b], v[a:b], self.n_heads, self.head_dim, threads)
-        h += self.proj(att, threads)
-        x = layer_norm(h, *self.norm2)
-        h += self.fc2(gelu_tanh(self.fc1(x, threads)), threads)
+        clock.lap("attention")
+        K.residual_add(h, self.proj.matmul(att, threads), self.proj.b, threads)
+        clock.lap("proj")
+        x = layer_norm(h, *self.norm2, threads)
+        clock.lap("layernorm")
+        y = self.fc1.matmul(x, threads)
+        clock.lap("fc1")
+        K.bias_act(y, self.fc1.b, "gelu_tanh", threads)
+        clock.lap("gelu")
+        K.residual_add(h, self.fc2.matmul(y, threads), self.fc2.b, threads)
+        clock.lap("fc2")
 
 
 class Merger:
@@ -321,10 +291,10 @@ class Merger:
 
     def __call__(self, h: np.ndarray, threads: int) -> np.ndarray:
         if self.postshuffle:
-            x = layer_norm(h.reshape(-1, self.M), *self.norm)
+            x = layer_norm(h.reshape(-1, self.M), *self.norm, threads)
         else:
-            x = layer_norm(h, *self.norm).reshape(-1, self.M)
-        return self.fc2(gelu_erf(self.fc1(x, threads)), threads)
+            x = layer_norm(h, *self.norm, threads).reshape(-1, self.M)
+        return self.fc2(self.fc1(x, threads, "gelu_erf"), threads)
 
 
 class VisionTower:
@@ -359,24 +329,49 @@ class VisionTower:
         self.inv_rows = np.concatenate([inv, zero])  # (hd / 2,)
         self.inv_cols = np.concatenate([zero, inv])
 
+    def linears(self) -> list[Linear]:
+        """Every matmul of the tower."""
+        out = [self.patch_embed]
+        for blk in self.blocks:
+            out += [*blk.qkv, blk.proj, blk.fc1, blk.fc2]
+        for mg in [self.merger, *self.deepstack]:
+            out += [mg.fc1, mg.fc2]
+        return out
+
+    def use_bf16(self, on: bool) -> int:
+        """With on, the bf16 weights multiply bf16-rounded activations on AVX512-BF16
+        (`kernels.matmul_bf16`: about twice the float rate, ~1e-3 relative error per
+        matmul output) where the CPU has it; off: the exact float path (the default).
+        Returns how many matmuls take the bf16 path."""
+        n = 0
+        for lin in self.linears():
+            lin.bf16 = bool(on) and K.HAVE_BF16_DOT and lin.w.fmt == "bf16"
+            n += lin.bf16
+        return n
+
     @staticmethod
     def check_tensors(store) -> bool:
         """Whether the checkpoint has a vision tower."""
         return f"{PREFIX}.patch_embed.proj.weight" in store
 
-    def encode(self, patches: np.ndarray, grids) -> tuple[np.ndarray, list[np.ndarray]]:
+    def encode(
+        self, patches: np.ndarray, grids, clock: PartClock | None = None
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
         """Image embeddings of one or more images.
 
         Args:
             patches: float32 (sum of gh*gw, patch_dim), the images' patches one after the
                 other (images.py's order).
             grids: [(t, gh, gw)] per image (t == 1: still images).
+            clock: adds the wall time of each part to clock.parts (None: not timed).
         Returns:
             (embeds (sum of gh*gw/4, out_hidden), [deepstack features, same shape]).
         """
         cfg, threads = self.cfg, self.threads
+        clock = clock if clock is not None else _NO_CLOCK
         m = cfg.spatial_merge_size
         h = self.patch_embed(np.ascontiguousarray(patches, dtype=np.float32), threads)
+        clock.lap("patch_embed")
         rows, cols, segs, start = [], [], [], 0
         pos = []
         for t, gh, gw in grids:
@@ -391,14 +386,18 @@ class VisionTower:
                 segs.append((start, start + gh * gw))
                 start += gh * gw
         h += np.concatenate(pos)
+        clock.lap("pos_embed")
         rope = [
             (np.ascontiguousarray(np.concatenate(rows)), self.inv_rows),
             (np.ascontiguousarray(np.concatenate(cols)), self.inv_cols),
         ]
         feats = []
         for i, blk in enumerate(self.blocks):
-            blk(h, rope, segs, threads)
+            blk(h, rope, segs, threads, clock)
             if i in cfg.deepstack_visual_indexes:
                 j = cfg.deepstack_visual_indexes.index(i)
                 feats.append(self.deepstack[j](h, threads))
-        return self.merger(h, threads), feats
+                clock.lap("mergers")
+        emb = self.merger(h, threads)
+        clock.lap("mergers")
+        return emb, feats

@@ -165,6 +165,40 @@ def matmul(
     return out
 
 
+HAVE_BF16_DOT = _lib.HAVE_BF16_DOT  # whether matmul_bf16 runs here (AVX512-BF16)
+
+
+def matmul_bf16(x: np.ndarray, w: Weight, out: np.ndarray, threads: int | None) -> np.ndarray:
+    """out = bf16(x) @ W.T for a bf16 weight on AVX512-BF16's vdpbf16ps (pyx/gemm_bf16.h):
+    x rounded to bf16 (nearest even), the products exact, summed in float32 by pairs of k.
+    Not the exact float result: ~1e-3 relative per output (the rounding of x). Needs
+    HAVE_BF16_DOT.
+
+    Args:
+        x: float32 (T, n), C-contiguous.
+        w: Weight of format "bf16", logical shape (d, n).
+        out: float32 (T, d), C-contiguous, written.
+        threads: OpenMP threads (None/0: default).
+    Returns:
+        out.
+    """
+    if not HAVE_BF16_DOT:
+        raise ValueError("matmul_bf16: this CPU has no AVX512-BF16 (HAVE_BF16_DOT is False)")
+    if not isinstance(w, Weight) or w.fmt != "bf16":
+        raise ValueError(f"w: expected a bf16 Weight, got {getattr(w, 'fmt', type(w).__name__)}")
+    data = _weight_bytes(w).view(np.uint16)
+    d, n = w.shape
+    if data.shape != (d, n):
+        raise ValueError(f"w.data: expected ({d}, {n}) bf16 values, got {data.shape}")
+    _array(x, "x", np.float32, 2)
+    if x.shape[1] != n:
+        raise ValueError(f"x: expected (T, {n}) for a weight of shape {w.shape}, got {x.shape}")
+    _array(out, "out", np.float32, 2, writable=True)
+    _shape(out, "out", (x.shape[0], d))
+    _lib.matmul_bf16(x, data, out, _threads(threads))
+    return out
+
+
 class GemvGroup:
     """Weights that multiply the same one-token input, run as one kernel call.
 
@@ -647,6 +681,110 @@ def swiglu(
     g2 = _rows2d(gate, "gate")
     _lib.swiglu(g2, up.reshape(g2.shape), out.reshape(g2.shape), _threads(threads))
     return out
+
+
+ACTS = {None: 0, "gelu_tanh": 1, "gelu_erf": 2}  # bias_act's activations (vision_ops.h)
+
+
+def layer_norm(
+    x: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray,
+    eps: float,
+    out: np.ndarray,
+    threads: int | None = None,
+) -> np.ndarray:
+    """LayerNorm over the last axis (torch.nn.LayerNorm): out = (x - mu) / sqrt(var + eps)
+    * weight + bias, mu and var (biased) of each row, float32.
+
+    Args:
+        x: float32 (R, n) (or any (..., n)), C-contiguous.
+        weight, bias: float32 (n,).
+        eps: added to the variance.
+        out: float32, x's shape; may be x itself.
+        threads: OpenMP threads (None/0: default).
+    Returns:
+        out.
+    """
+    _array(x, "x", np.float32)
+    _array(weight, "weight", np.float32, 1)
+    _array(bias, "bias", np.float32, 1)
+    _array(out, "out", np.float32, writable=True)
+    _shape(out, "out", x.shape)
+    x2 = _rows2d(x, "x")
+    _shape(weight, "weight", (x2.shape[1],))
+    _shape(bias, "bias", (x2.shape[1],))
+    _lib.layer_norm(x2, weight, bias, float(eps), out.reshape(x2.shape), _threads(threads))
+    return out
+
+
+def bias_act(
+    x: np.ndarray, bias: np.ndarray | None, act: str | None, threads: int | None = None
+) -> np.ndarray:
+    """x = act(x + bias) in place, float32: act None (the bias add alone), "gelu_tanh"
+    (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), gelu_pytorch_tanh) or "gelu_erf"
+    (x Phi(x), torch.nn.GELU(); erfc within a few 1e-7 relative).
+
+    Args:
+        x: float32 (R, n) (or any (..., n)), C-contiguous, written.
+        bias: float32 (n,), or None (no bias).
+        act: one of ACTS' keys.
+        threads: OpenMP threads (None/0: default).
+    Returns:
+        x.
+    """
+    if act not in ACTS:
+        raise ValueError(f"act: expected one of {list(ACTS)}, got {act!r}")
+    _array(x, "x", np.float32, writable=True)
+    x2 = _rows2d(x, "x")
+    if bias is not None:
+        _array(bias, "bias", np.float32, 1)
+        _shape(bias, "bias", (x2.shape[1],))
+    _lib.bias_act(x2, bias, ACTS[act], _threads(threads))
+    return x
+
+
+def residual_add(
+    h: np.ndarray, y: np.ndarray, bias: np.ndarray | None, threads: int | None = None
+) -> np.ndarray:
+    """h = h + (y + bias) in place (a residual branch's matmul output and its bias, in the
+    order of torch's h + linear(x)), float32.
+
+    Args:
+        h: float32 (R, n) (or any (..., n)), C-contiguous, written.
+        y: float32, h's shape.
+        bias: float32 (n,), or None (h + y).
+        threads: OpenMP threads (None/0: default).
+    Returns:
+        h.
+    """
+    _array(h, "h", np.float32, writable=True)
+    _array(y, "y", np.float32)
+    _shape(y, "y", h.shape)
+    h2 = _rows2d(h, "h")
+    if bias is not None:
+        _array(bias, "bias", np.float32, 1)
+        _shape(bias, "bias", (h2.shape[1],))
+    _lib.residual_add(h2, y.reshape(h2.shape), bias, _threads(threads))
+    return h
+
+
+def softmax_rows(s: np.ndarray, scale: float, threads: int | None = None) -> np.ndarray:
+    """s = softmax(scale * s) over each row, in place, float32: e = exp(scale * (s - max)),
+    then e / sum(e).
+
+    Args:
+        s: float32 (R, n), C-contiguous, written.
+        scale: > 0.
+        threads: OpenMP threads (None/0: default).
+    Returns:
+        s.
+    """
+    _array(s, "s", np.float32, 2, writable=True)
+    if not scale > 0:
+        raise ValueError(f"scale: must be > 0, got {scale}")
+    _lib.softmax_rows(s, float(scale), _threads(threads))
+    return s
 
 
 KV_BLOCK = 32  # tokens per KV cache block, which is also one sparse-selection block

@@ -2,8 +2,15 @@
 
 Tolerances: rms_norm and swiglu 2e-6 relative to float64 references (a few float32
 roundings); rope 2e-6 * |x| against a NumPy transcription of HF's rotate_half with the
-same float32 angle; scatter_add 1e-6 relative to float64 np.add.at.
+same float32 angle; scatter_add 1e-6 relative to float64 np.add.at. The vision tower's
+ops (vision_ops.h, under each variant: the `isa` fixture): layer_norm 1e-5 of the largest
+output against float64 (rows of mean 40 and spread 3: a one-pass variance would fail it);
+the GELUs 1e-6 relative (+1e-7) against float64 tanh / math.erf; residual_add bit for bit
+against NumPy's float32 h + (y + b); softmax_rows 5e-6 relative against float64 (scores
+spread over ~140: the float32 exponent carries ~1e-6).
 """
+
+import math
 
 import numpy as np
 import pytest
@@ -158,3 +165,106 @@ def test_scatter_add_rejects_bad_input():
         kernels.scatter_add(
             out, np.ones((3, 16), dtype=np.float32)[:, ::2], np.array([0, 1, 1], dtype=np.int64), w
         )
+
+
+# ---------------------------------------------------------------- vision tower ops
+
+
+def layer_norm_ref(x, w, b, eps):
+    x64 = x.astype(np.float64)
+    mu = x64.mean(axis=-1, keepdims=True)
+    var = ((x64 - mu) ** 2).mean(axis=-1, keepdims=True)
+    return (x64 - mu) / np.sqrt(var + eps) * w + b
+
+
+def gelu_tanh_ref(x):
+    x64 = x.astype(np.float64)
+    return 0.5 * x64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64**3)))
+
+
+def gelu_erf_ref(x):
+    x64 = x.astype(np.float64)
+    return 0.5 * x64 * (1 + np.vectorize(math.erf)(x64 / math.sqrt(2)))
+
+
+@pytest.mark.parametrize("R,n", [(1, 16), (3, 71), (37, 1152), (130, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_norm(isa, R, n, threads):
+    rng = np.random.default_rng([R, n])
+    # an offset far larger than the spread: a one-pass variance would lose it
+    x = (rng.standard_normal((R, n)) * 3 + 40).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    out = np.empty_like(x)
+    assert kernels.layer_norm(x, w, b, 1e-6, out, threads) is out
+    ref = layer_norm_ref(x, w, b, 1e-6)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    kernels.layer_norm(x, w, b, 1e-6, x, threads)  # in place
+    np.testing.assert_array_equal(x, out)
+
+
+def test_layer_norm_constant_row_is_bias():
+    x = np.full((2, 32), 7.0, np.float32)
+    b = np.arange(32, dtype=np.float32)
+    out = kernels.layer_norm(x, np.ones(32, np.float32), b, 1e-6, np.empty_like(x))
+    np.testing.assert_array_equal(out, np.broadcast_to(b, x.shape))
+
+
+@pytest.mark.parametrize("act", ["gelu_tanh", "gelu_erf"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bias_act_gelu(isa, act, bias, threads):
+    rng = np.random.default_rng([len(act), bias, threads])
+    x = (rng.standard_normal((67, 301)) * 4).astype(np.float32)
+    x[0, :9] = [0.0, -0.0, 1e-30, -1e-30, 12.0, -12.0, 60.0, -60.0, -200.0]  # tails
+    b = (rng.standard_normal(301) * 0.5).astype(np.float32) if bias else None
+    xb = x if b is None else (x.astype(np.float64) + b).astype(np.float32)
+    ref = (gelu_tanh_ref if act == "gelu_tanh" else gelu_erf_ref)(xb)
+    got = x.copy()
+    assert kernels.bias_act(got, b, act, threads) is got
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    assert np.all(np.isfinite(got))
+
+
+def test_bias_act_bias_alone_and_bad_input():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    b = np.array([1, -1, 0.5, 0], np.float32)
+    np.testing.assert_array_equal(kernels.bias_act(x.copy(), b, None), x + b)
+    with pytest.raises(ValueError, match="act: expected one of"):
+        kernels.bias_act(x, b, "relu")
+    with pytest.raises(ValueError, match="bias: expected shape"):
+        kernels.bias_act(x, b[:3].copy(), "gelu_tanh")
+    with pytest.raises(ValueError, match="x: must be writable"):
+        ro = x.copy()
+        ro.flags.writeable = False
+        kernels.bias_act(ro, b, None)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_residual_add(isa, bias, threads):
+    rng = np.random.default_rng([bias, threads, 7])
+    h = rng.standard_normal((45, 200)).astype(np.float32)
+    y = rng.standard_normal((45, 200)).astype(np.float32)
+    b = rng.standard_normal(200).astype(np.float32) if bias else None
+    ref = h + (y + b) if bias else h + y  # float32, torch's h + linear(x) order
+    got = h.copy()
+    assert kernels.residual_add(got, y, b, threads) is got
+    np.testing.assert_array_equal(got, ref)
+    with pytest.raises(ValueError, match="y: expected shape"):
+        kernels.residual_add(got, y[:4].copy(), b, threads)
+
+
+@pytest.mark.parametrize("R,n", [(1, 1), (5, 31), (64, 784), (3, 3136)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_softmax_rows(isa, R, n, threads):
+    rng = np.random.default_rng([R, n, threads])
+    s = (rng.standard_normal((R, n)) * 20).astype(np.float32)
+    z = s.astype(np.float64) * 0.125
+    ref = np.exp(z - z.max(axis=1, keepdims=True))
+    ref /= ref.sum(axis=1, keepdims=True)
+    got = s.copy()
+    assert kernels.softmax_rows(got, 0.125, threads) is got
+    np.testing.assert_allclose(got, ref, rtol=5e-6, atol=1e-12)
+    with pytest.raises(ValueError, match="scale: must be > 0"):
+        kernels.softmax_rows(got, 0.0)
