@@ -19,8 +19,8 @@ transformers' Qwen3VLVisionModel is the numerical reference (fp32):
 
 Kernels: the matmuls are `kernels.matmul` (any weight format), the rotary embedding is
 `kernels.rope` (two calls, rows then columns, each with the other half's frequencies zeroed:
-a zero angle rotates by exactly nothing), attention is two float GEMMs per head around a
-row softmax (see `full_attention`); LayerNorm, bias + GELU and bias + residual add are `kernels.layer_norm`,
+a zero angle rotates by exactly nothing), attention is the prefill attention's tiles, not
+causal (see `full_attention`); LayerNorm, bias + GELU and bias + residual add are `kernels.layer_norm`,
 `bias_act` and `residual_add` (pyx/vision_ops.h), each one threaded pass.
 The weights are used as stored (--quant does not touch the vision tower).
 """
@@ -157,29 +157,42 @@ def _linear(store, p: str, d: int, n: int) -> Linear:
 # ------------------------------------------------------------------------ attention
 
 
+ATTN_BS = 32  # rows per block handed to the attention kernel
+
+
 def full_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, head_dim: int, threads: int
 ) -> np.ndarray:
     """Non-causal attention of every row of q over all rows of k / v (one image):
     out[i, h] = softmax(q[i, h] . k[:, h] / sqrt(hd)) @ v[:, h]. q, k, v float32 (N, nh*hd).
 
-    One head at a time on the float GEMM: the scores S = q_h @ k_h.T (k_h as an f32
-    weight of N rows), softmax of each row of S in place (`kernels.softmax_rows`), then
-    S @ v_h (v_h.T as an f32 weight of hd rows). The (N, N) scores are materialised: one
-    head's at a time.
-    """
+    The prefill attention's tiles with `causal=False` (every row sees all N keys): the
+    token-major (N, nh*hd) K and V are a float32 block cache as they lie (blocks of
+    ATTN_BS rows, n_kv = n_heads), each tile of query rows reads each key and value once
+    for all its queries, the online softmax never materialises the (N, N) scores."""
     N = q.shape[0]
-    out = np.empty((N, n_heads * head_dim), np.float32)
-    s = np.empty((N, N), np.float32)
-    oh = np.empty((N, head_dim), np.float32)
-    scale = float(head_dim) ** -0.5
-    for h in range(n_heads):
-        cols = slice(h * head_dim, (h + 1) * head_dim)
-        kh = Weight("f32", np.ascontiguousarray(k[:, cols]), (N, head_dim))
-        K.matmul(np.ascontiguousarray(q[:, cols]), kh, s, threads)
-        K.softmax_rows(s, scale, threads)
-        vt = Weight("f32", np.ascontiguousarray(v[:, cols].T), (head_dim, N))
-        out[:, cols] = K.matmul(s, vt, oh, threads)
+    nb = -(-N // ATTN_BS)
+    width = n_heads * head_dim
+    k = np.ascontiguousarray(k, np.float32)
+    v = np.ascontiguousarray(v, np.float32)
+    step = np.uint64(ATTN_BS * width * 4)
+    idx = np.arange(nb, dtype=np.uint64)
+    k_ptrs = np.uint64(k.ctypes.data) + idx * step  # the last block partial: rows < N read
+    v_ptrs = np.uint64(v.ctypes.data) + idx * step
+    out = np.empty((N, width), np.float32)
+    K.attention(
+        np.ascontiguousarray(q, np.float32),
+        k_ptrs,
+        v_ptrs,
+        ATTN_BS,
+        n_heads,
+        head_dim,
+        0,
+        float(head_dim) ** -0.5,
+        out,
+        threads,
+        causal=False,
+    )
     return out
 
 
