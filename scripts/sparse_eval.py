@@ -42,6 +42,7 @@ run it under nice.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -675,6 +676,17 @@ def cmd_needle(a) -> None:
         )
 
 
+def _normal_priority() -> None:
+    """Every thread of this process (OpenMP's workers too: Linux keeps a nice value per
+    thread) back to nice 0, for a run started under `nice` so that its untimed prefill
+    yields the machine; left as it is without the privilege to lower a nice value."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+        except OSError:
+            pass
+
+
 def cmd_speed(a) -> None:
     """Decode tokens/s of each config at one depth, round-robin over ONE exact prefill of
     the text (KVCache.respec, trimmed back after each run): configs measured in turns in
@@ -697,6 +709,7 @@ def cmd_speed(a) -> None:
 
         lock = open(a.lock, "a")  # noqa: SIM115 (held to the end of the process)
         fcntl.flock(lock, fcntl.LOCK_EX)
+        _normal_priority()
         print(f"# {a.lock} held from here", flush=True)
     if a.pp:  # pp<N>@d<depth>: N more prompt tokens over the depth, exact, then trimmed back
         cache.respec(CacheSpec(a.dtype))
@@ -776,7 +789,8 @@ def main(argv=None) -> None:
         "--lock",
         default=None,
         help="a file to flock exclusively for the timed parts only (the depth's prefill, "
-        "untimed, runs while others hold it: its time is then not the engine's alone)",
+        "untimed, runs while others hold it: its time is then not the engine's alone; started "
+        "under `nice`, the timed parts return to nice 0 where allowed)",
     )
     a = p.parse_args(argv)
     if a.cmd == "speed":
