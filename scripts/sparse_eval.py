@@ -685,6 +685,11 @@ def _normal_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, int(tid), 0)
         except OSError:
             pass
+    try:  # with autogroups a nice value also weighs the session against other sessions
+        with open("/proc/self/autogroup", "w") as f:
+            f.write("0")
+    except OSError:
+        pass
 
 
 def cmd_speed(a) -> None:
