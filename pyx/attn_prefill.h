@@ -22,6 +22,82 @@
 
 /* ---------------------------------------------------------------- prefill tile */
 
+/* The chunk's keys transposed 16 x 16 values at a time in registers (generic vector
+ * shuffles: unpack pairs of rows, then pairs of pairs, then 128-bit lanes, as an AVX-512
+ * transpose does) instead of one scalar store per value. */
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector) && __has_builtin(__builtin_convertvector)
+#define KA_TR16 1
+#endif
+#endif
+#ifndef KA_TR16
+#define KA_TR16 0
+#endif
+
+#if KA_TR16
+typedef float ka_t16 __attribute__((vector_size(16 * sizeof(float))));
+typedef int8_t ka_i16 __attribute__((vector_size(16)));
+#define KA_UNLO(a, b) __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29)
+#define KA_UNHI(a, b) __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31)
+#define KA_LO2(a, b) __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+#define KA_HI2(a, b) __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31)
+#define KA_EVN(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+#define KA_ODD(a, b) __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)
+
+/* r[k] = column k of the 16 x 16 values whose row i is r[i] */
+KF_INLINE void ka_tr16(ka_t16 r[16])
+{
+    ka_t16 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = KA_UNLO(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = KA_UNHI(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = KA_LO2(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = KA_HI2(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = KA_LO2(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = KA_HI2(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = KA_EVN(r[i], r[4 + i]);
+        t[4 + i] = KA_ODD(r[i], r[4 + i]);
+        t[8 + i] = KA_EVN(r[8 + i], r[12 + i]);
+        t[12 + i] = KA_ODD(r[8 + i], r[12 + i]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = KA_EVN(t[i], t[8 + i]);
+        r[4 + i] = KA_EVN(t[4 + i], t[12 + i]);
+        r[8 + i] = KA_ODD(t[i], t[8 + i]);
+        r[12 + i] = KA_ODD(t[4 + i], t[12 + i]);
+    }
+}
+
+/* ka_load_kt for float32 / int8 rows and hd a multiple of 16: 16 keys x 16 dims a step */
+KF_INLINE void ka_load_kt16(const ka_kv *kv, const uint8_t *k, ptrdiff_t n, float *restrict kt)
+{
+    const ptrdiff_t hd = kv->hd, ld = kv->ld;
+    ka_t16 r[16];
+    for (ptrdiff_t j0 = 0; j0 < KA_W; j0 += 16)
+        for (ptrdiff_t d0 = 0; d0 < hd; d0 += 16) {
+            for (ptrdiff_t i = 0; i < 16; i++) {
+                const ptrdiff_t j = j0 + i;
+                if (j >= n) {
+                    r[i] = (ka_t16){0};
+                } else if (kv->q8) {
+                    ka_i16 x;
+                    memcpy(&x, (const int8_t *)k + j * ld + d0, sizeof x);
+                    r[i] = __builtin_convertvector(x, ka_t16);
+                } else {
+                    memcpy(&r[i], (const float *)k + j * ld + d0, sizeof r[i]);
+                }
+            }
+            ka_tr16(r);
+            for (ptrdiff_t i = 0; i < 16; i++)
+                memcpy(kt + (d0 + i) * KA_W + j0, &r[i], sizeof r[i]);
+        }
+}
+#endif
+
 /* kt[d * KA_W + j] = K[t0 + j][d] of kv head kh for j < n (int8: the integer values as
  * floats; the scale multiplies the score; float16: the values), 0 for n <= j < KA_W.
  */
@@ -30,6 +106,13 @@ KF_INLINE void ka_load_kt(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t 
 {
     const uint8_t *blk = ka_blk(kv->k_ptrs, b);
     const ptrdiff_t hd = kv->hd, ld = kv->ld;
+#if KA_TR16
+    if (!kv->f16 && hd % 16 == 0) {
+        const ptrdiff_t es = kv->q8 ? 1 : 4;
+        ka_load_kt16(kv, blk + (j0 * ld + kh * hd) * es, n, kt);
+        return;
+    }
+#endif
     if (n < KA_W)
         memset(kt, 0, (size_t)(hd * KA_W) * sizeof(float));
     if (kv->f16) {
