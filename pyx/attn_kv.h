@@ -996,14 +996,16 @@ KF_INLINE float ka_sketch(const ka_kv *kv, const int8_t *restrict qi, float qs, 
 }
 
 /* Prefetch hint for rows 0, step, .. (n of them) of kv head kh in block b of `ptrs`
- * (K or V), and their scales: the probe loop asks for the block KA_PF ahead of the one it
- * reads, the sparse attention for the next picked block. */
+ * (K or V), and their scales, into L1 (l2: into L2): the probe loop asks for the block
+ * KA_PF ahead of the one it reads, the sparse attention for the next picked block, the
+ * prefill tile for the next block (l2). */
+#define KA_PREFETCH(p, l2) ((l2) ? __builtin_prefetch((p), 0, 1) : __builtin_prefetch((p), 0, 3))
 #define KA_PF 4
 #ifndef KA_PFD
 #define KA_PFD 2     /* exact decode: blocks of keys (values) fetched ahead */
 #endif
 KF_INLINE void ka_prefetch_blk(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
-                               ptrdiff_t b, ptrdiff_t step, ptrdiff_t n)
+                               ptrdiff_t b, ptrdiff_t step, ptrdiff_t n, int l2)
 {
 #if defined(__GNUC__) || defined(__clang__)
     const uint8_t *blk = ka_blk(ptrs, b);
@@ -1011,19 +1013,19 @@ KF_INLINE void ka_prefetch_blk(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t 
     const uint8_t *k = blk + kh * len;
     for (ptrdiff_t i = 0; i < n; i++)
         for (ptrdiff_t c = 0; c < len; c += 64)
-            __builtin_prefetch(k + i * step * row + c, 0, 3);
+            KA_PREFETCH(k + i * step * row + c, l2);
     if (kv->q8)
         for (ptrdiff_t c = 0; c < kv->bs * 4; c += 64)
-            __builtin_prefetch(blk + kv->soff + kh * kv->bs * 4 + c, 0, 3);
+            KA_PREFETCH(blk + kv->soff + kh * kv->bs * 4 + c, l2);
 #else
-    (void)kv; (void)ptrs; (void)kh; (void)b; (void)step; (void)n;
+    (void)kv; (void)ptrs; (void)kh; (void)b; (void)step; (void)n; (void)l2;
 #endif
 }
 
 KF_INLINE void ka_prefetch_rows(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b,
                                 ptrdiff_t step, ptrdiff_t n)
 {
-    ka_prefetch_blk(kv, kv->k_ptrs, kh, b, step, n);
+    ka_prefetch_blk(kv, kv->k_ptrs, kh, b, step, n, 0);
 }
 
 /* n rows of one kv head starting at x (its first value), ldx values apart, as floats:

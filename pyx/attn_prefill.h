@@ -136,27 +136,6 @@ KF_INLINE void ka_load_kt(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b, ptrdiff_t 
     }
 }
 
-/* Block b's n rows of kv head kh (and their int8 scales) towards L2: a tile streams its
- * kv head's prefix block after block, the next one fetched while the current is scored
- * (into L2, not L1: the current chunk's transposed keys and values fill L1). */
-KF_INLINE void ka_prefetch_l2(const ka_kv *kv, const uint64_t *ptrs, ptrdiff_t kh,
-                              ptrdiff_t b, ptrdiff_t n)
-{
-#if defined(__GNUC__) || defined(__clang__)
-    const uint8_t *blk = ka_blk(ptrs, b);
-    const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4), row = kv->ld * es, len = kv->hd * es;
-    const uint8_t *k = blk + kh * len;
-    for (ptrdiff_t i = 0; i < n; i++)
-        for (ptrdiff_t c = 0; c < len; c += 64)
-            __builtin_prefetch(k + i * row + c, 0, 1);
-    if (kv->q8)
-        for (ptrdiff_t c = 0; c < kv->bs * 4; c += 64)
-            __builtin_prefetch(blk + kv->soff + kh * kv->bs * 4 + c, 0, 1);
-#else
-    (void)kv; (void)ptrs; (void)kh; (void)b; (void)n;
-#endif
-}
-
 /* s[j] = sum_d q[d] * kt[d * KA_W + j] for all j < KA_W, each in d order */
 KF_INLINE void ka_kt_scores(const float *restrict q, const float *restrict kt,
                             ptrdiff_t hd, float *restrict s)
@@ -338,8 +317,9 @@ KF_INLINE void ka_tile(const ka_kv *kv, ka_q *q, int nq, int s0, ptrdiff_t kh, f
         if (x + 1 < nblk) {            /* the next block's keys and values: fetch ahead */
             const ptrdiff_t b1 = blk != NULL ? blk[x + 1] : x + 1;
             const ptrdiff_t n1 = n_max - b1 * bs < bs ? n_max - b1 * bs : bs;
-            ka_prefetch_l2(kv, kv->k_ptrs, kh, b1, n1);
-            ka_prefetch_l2(kv, kv->v_ptrs, kh, b1, n1);
+            /* into L2, not L1: the chunk being scored fills L1 */
+            ka_prefetch_blk(kv, kv->k_ptrs, kh, b1, 1, n1, 1);
+            ka_prefetch_blk(kv, kv->v_ptrs, kh, b1, 1, n1, 1);
         }
         for (ptrdiff_t j0 = 0; j0 < bs && b * bs + j0 < n_max; j0 += KA_W) {
             const ptrdiff_t t0 = b * bs + j0, c = b * cpb + j0 / KA_W;
