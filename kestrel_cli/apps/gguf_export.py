@@ -800,12 +800,19 @@ def quantize_checkpoint(
             update,
             threads,
         )
+    return export_summary(out, plan, ftype, total, gguf_arch(cfg), log, arch=gguf_arch(cfg))
+
+
+def export_summary(out: Path, plan, ftype: str, total: int, what: str, log, **extra) -> dict:
+    """The summary `kestrel quantize` prints and returns for a written file: its tensor types
+    counted, its size; `what` names the file's kind in the log line, extra keys go after
+    "path"."""
     types: dict[str, int] = {}
     for t in plan:
         types[t.qtype] = types.get(t.qtype, 0) + 1
     summary = {
         "path": str(out),
-        "arch": gguf_arch(cfg),
+        **extra,
         "ftype": ftype,
         "tensors": len(plan),
         "types": types,
@@ -814,7 +821,7 @@ def quantize_checkpoint(
     }
     if log is not None:
         log(
-            f"{out}: {summary['arch']} {ftype}, {len(plan)} tensors "
+            f"{out}: {what} {ftype}, {len(plan)} tensors "
             f"({', '.join(f'{k} x{v}' for k, v in sorted(types.items()))}), "
             f"{summary['bytes'] / 2**20:.1f} MiB"
         )

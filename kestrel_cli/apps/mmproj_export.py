@@ -27,6 +27,7 @@ from kestrel_cli.apps.gguf_export import (
     _sigterm_raises,
     _store_rows,
     chunk_values,
+    export_summary,
     write_gguf,
 )
 from kestrel_cli.core.atomic import atomic_write
@@ -203,21 +204,4 @@ def write_mmproj(
         total = write_gguf(
             f, cfg, plan, _rows(store, threads), metadata, None, threads, arch="clip"
         )
-    types: dict[str, int] = {}
-    for t in plan:
-        types[t.qtype] = types.get(t.qtype, 0) + 1
-    summary = {
-        "path": str(out),
-        "ftype": ftype,
-        "tensors": len(plan),
-        "types": types,
-        "bytes": out.stat().st_size,
-        "tensor_bytes": total,
-    }
-    if log is not None:
-        log(
-            f"{out}: mmproj {ftype}, {len(plan)} tensors "
-            f"({', '.join(f'{k} x{v}' for k, v in sorted(types.items()))}), "
-            f"{summary['bytes'] / 2**20:.1f} MiB"
-        )
-    return summary
+    return export_summary(out, plan, ftype, total, "mmproj", log)

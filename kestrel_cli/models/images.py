@@ -77,6 +77,49 @@ class ImageHeader:
     height: int
 
 
+_SHARED_KEYS = (
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+    "rescale_factor",
+    "do_resize",
+    "do_rescale",
+    "do_normalize",
+)
+
+
+def read_processor_config(cfg, path, vision: dict | None, name: str):
+    """What Qwen3-VL's image and video processor configs share, into cfg (an ImageConfig or
+    video.VideoConfig): the vision config's patch sizes, then from the JSON object
+    path/name its patch sizes, mean / std, rescale and do_* flags. Returns (the object, its
+    `size` object, the file) for the caller's own fields, or None without such a file; a
+    `size` that is not an object or a resample other than bicubic is refused in one line."""
+    vision = vision or {}
+    cfg.patch_size = vision.get("patch_size", cfg.patch_size)
+    cfg.temporal_patch_size = vision.get("temporal_patch_size", cfg.temporal_patch_size)
+    cfg.merge_size = vision.get("spatial_merge_size", cfg.merge_size)
+    f = Path(path) / name if path is not None else None
+    if f is None or not f.is_file():
+        return None
+    from kestrel_cli.models.loader import read_json_object
+
+    raw = read_json_object(f, 1 << 20)
+    size = raw.get("size") or {}
+    if not isinstance(size, dict):
+        raise KestrelError(f"{f}: size={str(size)[:40]} is invalid (expected an object)")
+    for k in _SHARED_KEYS:
+        if k in raw:
+            setattr(cfg, k, raw[k])
+    for k in ("image_mean", "image_std"):
+        if k in raw:
+            v = raw[k]
+            setattr(cfg, k, tuple(v) if isinstance(v, list) else (v,) * 3)
+    resample = raw.get("resample", 3)
+    if resample != 3:
+        raise KestrelError(f"{f}: resample={resample} is not supported (only 3, bicubic)")
+    return raw, size, f
+
+
 @dataclass
 class ImageConfig:
     """preprocessor_config.json (Qwen3-VL's published values as defaults)."""
@@ -98,35 +141,13 @@ class ImageConfig:
         """From a checkpoint directory's preprocessor_config.json; without one, the
         published Qwen3-VL values with the patch sizes of the vision config."""
         cfg = cls()
-        vision = vision or {}
-        cfg.patch_size = vision.get("patch_size", cfg.patch_size)
-        cfg.temporal_patch_size = vision.get("temporal_patch_size", cfg.temporal_patch_size)
-        cfg.merge_size = vision.get("spatial_merge_size", cfg.merge_size)
-        f = Path(path) / "preprocessor_config.json" if path is not None else None
-        if f is None or not f.is_file():
+        got = read_processor_config(cfg, path, vision, "preprocessor_config.json")
+        if got is None:
             cfg.check("vision_config")
             return cfg
-        from kestrel_cli.models.loader import read_json_object
-
-        raw = read_json_object(f, 1 << 20)
-        size = raw.get("size") or {}
-        if not isinstance(size, dict):
-            raise KestrelError(f"{f}: size={str(size)[:40]} is invalid (expected an object)")
+        raw, size, f = got
         cfg.min_pixels = raw.get("min_pixels", size.get("shortest_edge", cfg.min_pixels))
         cfg.max_pixels = raw.get("max_pixels", size.get("longest_edge", cfg.max_pixels))
-        for k in ("patch_size", "temporal_patch_size", "merge_size"):
-            if k in raw:
-                setattr(cfg, k, raw[k])
-        for k in ("image_mean", "image_std"):
-            if k in raw:
-                v = raw[k]
-                setattr(cfg, k, tuple(v) if isinstance(v, list) else (v,) * 3)
-        for k in ("rescale_factor", "do_resize", "do_rescale", "do_normalize"):
-            if k in raw:
-                setattr(cfg, k, raw[k])
-        resample = raw.get("resample", 3)
-        if resample != 3:
-            raise KestrelError(f"{f}: resample={resample} is not supported (only 3, bicubic)")
         cfg.check(f)
         return cfg
 

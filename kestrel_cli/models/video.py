@@ -50,7 +50,7 @@ import numpy as np
 
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.core.osmem import return_freed_memory
-from kestrel_cli.models.images import MAX_PATCH, _reason
+from kestrel_cli.models.images import MAX_PATCH, _reason, read_processor_config
 
 # Files larger than this are refused before they are opened (the server's request body is
 # bounded lower anyway, 32 MiB of JSON)
@@ -96,8 +96,23 @@ class VideoHeader:
     fps: float
 
 
+class _GridTokens:
+    """The tokens of a (t, gh, gw) patch grid whose patches merge `merge` x `merge`."""
+
+    grid: tuple
+    merge: int
+
+    @property
+    def frame_tokens(self) -> int:
+        return self.grid[1] * self.grid[2] // (self.merge * self.merge)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.grid[0] * self.frame_tokens
+
+
 @dataclass
-class VideoPlan:
+class VideoPlan(_GridTokens):
     """A video as it will be sampled and preprocessed, from its header alone."""
 
     indices: list  # source frame indices, in order (before the temporal padding)
@@ -107,17 +122,9 @@ class VideoPlan:
     timestamps: list  # seconds, one per temporal pair
     merge: int
 
-    @property
-    def frame_tokens(self) -> int:
-        return self.grid[1] * self.grid[2] // (self.merge * self.merge)
-
-    @property
-    def n_tokens(self) -> int:
-        return self.grid[0] * self.frame_tokens
-
 
 @dataclass
-class VideoInput:
+class VideoInput(_GridTokens):
     """One preprocessed video: the vision tower's input and its prompt layout."""
 
     patches: np.ndarray  # float32 (t * gh * gw, patch_dim)
@@ -125,14 +132,6 @@ class VideoInput:
     digest: str  # of the pixel values (cache keys)
     merge: int
     timestamps: list
-
-    @property
-    def frame_tokens(self) -> int:
-        return self.grid[1] * self.grid[2] // (self.merge * self.merge)
-
-    @property
-    def n_tokens(self) -> int:
-        return self.grid[0] * self.frame_tokens
 
 
 @dataclass
@@ -163,30 +162,14 @@ class VideoConfig:
         """From a checkpoint directory's video_preprocessor_config.json; without one, the
         processor's defaults with the patch sizes of the vision config."""
         cfg = cls()
-        vision = vision or {}
-        cfg.patch_size = vision.get("patch_size", cfg.patch_size)
-        cfg.temporal_patch_size = vision.get("temporal_patch_size", cfg.temporal_patch_size)
-        cfg.merge_size = vision.get("spatial_merge_size", cfg.merge_size)
-        f = Path(path) / "video_preprocessor_config.json" if path is not None else None
-        if f is None or not f.is_file():
+        got = read_processor_config(cfg, path, vision, "video_preprocessor_config.json")
+        if got is None:
             cfg.check("vision_config")
             return cfg
-        from kestrel_cli.models.loader import read_json_object
-
-        raw = read_json_object(f, 1 << 20)
-        size = raw.get("size") or {}
-        if not isinstance(size, dict):
-            raise KestrelError(f"{f}: size={str(size)[:40]} is invalid (expected an object)")
+        raw, size, f = got
         cfg.min_pixels = size.get("shortest_edge", cfg.min_pixels)
         cfg.max_pixels = size.get("longest_edge", cfg.max_pixels)
         for k in (
-            "patch_size",
-            "temporal_patch_size",
-            "merge_size",
-            "rescale_factor",
-            "do_resize",
-            "do_rescale",
-            "do_normalize",
             "do_sample_frames",
             "fps",
             "num_frames",
@@ -198,13 +181,6 @@ class VideoConfig:
             if k in raw:
                 setattr(cfg, k, raw[k])
         cfg.cap_pixels_per_frame = bool(cfg.cap_pixels_per_frame)
-        for k in ("image_mean", "image_std"):
-            if k in raw:
-                v = raw[k]
-                setattr(cfg, k, tuple(v) if isinstance(v, list) else (v,) * 3)
-        resample = raw.get("resample", 3)
-        if resample != 3:
-            raise KestrelError(f"{f}: resample={resample} is not supported (only 3, bicubic)")
         if cfg.num_frames is not None and raw.get("fps") is not None:
             raise KestrelError(f"{f}: num_frames and fps both set (the processor takes one)")
         if cfg.num_frames is not None:
