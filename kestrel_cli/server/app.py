@@ -836,6 +836,22 @@ def create_app(
             }
         )
 
+    def media_parts(messages: list, kind: str, most: int, noun: str) -> list:
+        """The content parts of one kind ("image", "video") in the messages, at most `most`
+        (more: a 400)."""
+        found = [
+            q
+            for m in messages
+            if isinstance(m["content"], list)
+            for q in m["content"]
+            if q["type"] == kind
+        ]
+        if len(found) > most:
+            raise APIError(
+                f"{len(found)} {noun} in one request, more than {most}", 400, param="messages"
+            )
+        return found
+
     async def chat_answer(request: Request, req: ChatRequest, count_only: bool = False):
         """The chat pipeline every chat API shares: bound the prompt, reserve a place, size
         the images, take the request's memory, check the schemas, then template, tokenise
@@ -850,32 +866,8 @@ def create_app(
             len(json.dumps(tools)) if tools is not None else 0
         )
         bound_prompt(n_chars, "messages")
-        parts = [
-            q
-            for m in messages
-            if isinstance(m["content"], list)
-            for q in m["content"]
-            if q["type"] == "image"
-        ]
-        if len(parts) > MAX_IMAGES_PER_PROMPT:
-            raise APIError(
-                f"{len(parts)} images in one request, more than {MAX_IMAGES_PER_PROMPT}",
-                400,
-                param="messages",
-            )
-        videos = [
-            q
-            for m in messages
-            if isinstance(m["content"], list)
-            for q in m["content"]
-            if q["type"] == "video"
-        ]
-        if len(videos) > MAX_VIDEOS_PER_PROMPT:
-            raise APIError(
-                f"{len(videos)} videos in one request, more than {MAX_VIDEOS_PER_PROMPT}",
-                400,
-                param="messages",
-            )
+        parts = media_parts(messages, "image", MAX_IMAGES_PER_PROMPT, "images")
+        videos = media_parts(messages, "video", MAX_VIDEOS_PER_PROMPT, "videos")
         # admitted (a place, then memory) before any template, tokeniser, image or grammar work
         ticket = sched.reserve()
         try:
