@@ -51,6 +51,7 @@ import numpy as np
 
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.inference.engine import Engine, LoadOptions
+from kestrel_cli.runtime import cache_file
 from kestrel_cli.runtime.kv_cache import CacheSpec
 from kestrel_cli.runtime.sparse import SparseSpec, importance_order
 
@@ -705,10 +706,21 @@ def cmd_speed(a) -> None:
     cache = model.make_cache(
         a.depth + extra + 8, CacheSpec(a.dtype, SparseSpec(k=1, probe="sketch", prefill="exact"))
     )
-    t0 = time.perf_counter()
-    model(ids[: a.depth], cache)
-    dt = time.perf_counter() - t0
-    print(f"# prefill of the depth: {a.depth} tokens in {dt:.1f} s ({a.depth / dt:.2f} t/s)")
+    if a.depth_cache and os.path.exists(a.depth_cache):  # the depth as a prompt cache file
+        t0 = time.perf_counter()
+        got = cache_file.load_into(cache_file.open_file(a.depth_cache, cache, eng.model_id), cache)
+        if got != ids[: a.depth].tolist():
+            raise KestrelError(f"{a.depth_cache}: not the depth's tokens of {a.file}")
+        dt = time.perf_counter() - t0
+        print(f"# the depth's {a.depth} tokens loaded from {a.depth_cache} in {dt:.1f} s")
+    else:
+        t0 = time.perf_counter()
+        model(ids[: a.depth], cache)
+        dt = time.perf_counter() - t0
+        print(f"# prefill of the depth: {a.depth} tokens in {dt:.1f} s ({a.depth / dt:.2f} t/s)")
+        if a.depth_cache:
+            nbytes = cache_file.save(cache, ids[: a.depth].tolist(), eng.model_id, a.depth_cache)
+            print(f"# saved to {a.depth_cache} ({nbytes / 2**30:.2f} GiB)", flush=True)
     if a.lock:  # the timed parts alone on the machine; the untimed prefill shared it
         import fcntl
 
@@ -789,6 +801,12 @@ def main(argv=None) -> None:
     s.add_argument("--rounds", type=int, default=5)
     s.add_argument(
         "--pp", type=int, default=0, help="also time a prefill of this many tokens at the depth"
+    )
+    s.add_argument(
+        "--depth-cache",
+        default=None,
+        help="a prompt cache file of the depth's prefill: written after the prefill when "
+        "missing, else loaded instead of it (the same model, text, depth and --dtype)",
     )
     s.add_argument(
         "--lock",

@@ -230,3 +230,25 @@ def test_speed_times_the_prompt_at_depth(tmp_path, capsys):
     assert float(line.split()[1]) > 0
     rows = [x.split() for x in out.splitlines() if x.split() and x.split()[0] in ("exact", "seed")]
     assert [r[0] for r in rows] == ["exact", "seed"] and all(float(r[1]) > 0 for r in rows)
+
+
+def test_speed_depth_cache_written_then_loaded(tmp_path, capsys):
+    """speed --depth-cache FILE: the depth's prefill saved as a prompt cache file, then
+    loaded instead of recomputed (same timings printed after it); a text whose tokens are
+    not the file's is refused in one line."""
+    text, other, f = tmp_path / "t.txt", tmp_path / "o.txt", tmp_path / "depth.kv"
+    text.write_text("The kestrel hovers over the field, then dives. " * 40)
+    other.write_text("A falcon stoops from a great height onto its prey. " * 40)
+    args = ["speed", "-d", "64", "-n", "2", "--rounds", "1", "--configs", "exact",
+            "--dtype", "q8", "--depth-cache", str(f)]  # fmt: skip
+    se.main([*args, "-f", str(text)])
+    out = capsys.readouterr().out
+    assert "# prefill of the depth: 64 tokens" in out and f"# saved to {f}" in out
+    size = f.stat().st_size
+    se.main([*args, "-f", str(text)])
+    out = capsys.readouterr().out
+    assert f"# the depth's 64 tokens loaded from {f}" in out and "prefill of the depth" not in out
+    assert float(next(x for x in out.splitlines() if x.startswith("exact")).split()[1]) > 0
+    assert f.stat().st_size == size
+    with pytest.raises(SystemExit, match="not the depth's tokens"):
+        se.main([*args, "-f", str(other)])
