@@ -23,13 +23,19 @@
 #ifndef KESTREL_GEMV_ROWS_X86_H
 #define KESTREL_GEMV_ROWS_X86_H
 
+/* Each block asks for the same place KF_Q8T_AHEAD rows on into L2 (as the one-token
+ * kernel's far prefetch): the rows come from memory once, as a stream per row the hardware
+ * prefetcher alone keeps losing. */
+#define KF_Q8T_AHEAD 16
+
 /* ---------------------------------------------------------------- avx512 */
 
 /* Row pairs (RP of them: rows wr[0..2 RP - 1]) x NT tokens: res[row * NT + t]. */
 #define KF_Q8T512(NT, RP)                                                                   \
 KF_TARGET_AVX512 static void kf_avx512_q8t_##NT##_##RP(const kf_act *a,                    \
                                                       const uint8_t *const *wr,            \
-                                                      ptrdiff_t nb, float *res)            \
+                                                      ptrdiff_t ldw, ptrdiff_t nb,         \
+                                                      float *res)                          \
 {                                                                                           \
     const __m512i c128 = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();       \
     const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1); \
@@ -50,8 +56,8 @@ KF_TARGET_AVX512 static void kf_avx512_q8t_##NT##_##RP(const kf_act *a,         
         KF_UNROLL_ALL                                                                       \
         for (int p = 0; p < (RP); p++) {                                                    \
             const uint8_t *b0 = wr[2 * p] + b * 34, *b1 = wr[2 * p + 1] + b * 34;           \
-            KF_PREFETCH(b0 + 2 * 34 * 8);                                                   \
-            KF_PREFETCH(b1 + 2 * 34 * 8);                                                   \
+            KF_PREFETCH_FAR(b0 + KF_Q8T_AHEAD * ldw);                                       \
+            KF_PREFETCH_FAR(b1 + KF_Q8T_AHEAD * ldw);                                       \
             wv[p] = _mm512_inserti64x4(                                                     \
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),      \
                 _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);                          \
@@ -90,7 +96,8 @@ KF_Q8T512_RP(2)
 #undef KF_Q8T512_RP
 #undef KF_Q8T512
 
-typedef void (*kf_q8t512_fn)(const kf_act *, const uint8_t *const *, ptrdiff_t, float *);
+typedef void (*kf_q8t512_fn)(const kf_act *, const uint8_t *const *, ptrdiff_t, ptrdiff_t,
+                             float *);
 static const kf_q8t512_fn kf_avx512_q8t[2][KF_NT_MAX + 1] = {
     {NULL, kf_avx512_q8t_1_1, kf_avx512_q8t_2_1, kf_avx512_q8t_3_1, kf_avx512_q8t_4_1,
      kf_avx512_q8t_5_1, kf_avx512_q8t_6_1, kf_avx512_q8t_7_1, kf_avx512_q8t_8_1},
@@ -111,7 +118,7 @@ KF_TARGET_AVX512 static void kf_avx512_q8_rows_t(const kf_act *a, int nt, const 
         const uint8_t *wr[4];
         for (int j = 0; j < 4; j++)
             wr[j] = w + (i + (j < m ? j : m - 1)) * ldw;
-        kf_avx512_q8t[m > 2][nt](a, wr, nb, res);
+        kf_avx512_q8t[m > 2][nt](a, wr, ldw, nb, res);
         for (int j = 0; j < m; j++)
             for (int t = 0; t < nt; t++)
                 out[t * ldo + i + j] = res[j * nt + t];
@@ -120,59 +127,81 @@ KF_TARGET_AVX512 static void kf_avx512_q8_rows_t(const kf_act *a, int nt, const 
 
 /* ---------------------------------------------------------------- avx2 */
 
-/* One row x NT tokens: res[t]. */
-#define KF_Q8T256(NT)                                                                       \
-KF_TARGET_AVX2 static void kf_avx2_q8t_##NT(const kf_act *a, const uint8_t *w, ptrdiff_t nb, \
-                                            float *res)                                     \
+/* R rows (wr[0..R-1]) x NT tokens: res[row * NT + t]. Two rows for up to 3 tokens (more
+ * independent FMA chains than NT alone), one beyond (the 16 ymm registers). */
+#define KF_Q8T256(NT, R)                                                                    \
+KF_TARGET_AVX2 static void kf_avx2_q8t_##NT(const kf_act *a, const uint8_t *const *wr,     \
+                                            ptrdiff_t ldw, ptrdiff_t nb, float *res)        \
 {                                                                                           \
     const __m256i ones = _mm256_set1_epi16(1);                                              \
     const int8_t *xq[NT];                                                                   \
     const float *xd[NT];                                                                    \
-    __m256 acc[NT];                                                                         \
+    __m256 acc[R][NT];                                                                      \
     KF_UNROLL_ALL                                                                           \
     for (int t = 0; t < (NT); t++) {                                                        \
         xq[t] = a[t].xq;                                                                    \
         xd[t] = a[t].xd;                                                                    \
-        acc[t] = _mm256_setzero_ps();                                                       \
+        KF_UNROLL_ALL                                                                       \
+        for (int r = 0; r < (R); r++)                                                       \
+            acc[r][t] = _mm256_setzero_ps();                                                \
     }                                                                                       \
     for (ptrdiff_t b = 0; b < nb; b++) {                                                    \
-        const uint8_t *blk = w + b * 34;                                                    \
-        KF_PREFETCH(blk + 4 * 34 * 8);                                                      \
-        const __m256i wv = _mm256_loadu_si256((const __m256i *)(blk + 2));                  \
-        const __m256i aw = _mm256_abs_epi8(wv);                                             \
-        const __m256 dw = _mm256_set1_ps(KF_X86_F16(blk));                                  \
+        __m256i wv[R], aw[R];                                                               \
+        __m256 dw[R];                                                                       \
+        KF_UNROLL_ALL                                                                       \
+        for (int r = 0; r < (R); r++) {                                                     \
+            const uint8_t *blk = wr[r] + b * 34;                                            \
+            KF_PREFETCH_FAR(blk + KF_Q8T_AHEAD * ldw);                                      \
+            wv[r] = _mm256_loadu_si256((const __m256i *)(blk + 2));                         \
+            aw[r] = _mm256_abs_epi8(wv[r]);                                                 \
+            dw[r] = _mm256_set1_ps(KF_X86_F16(blk));                                        \
+        }                                                                                   \
         KF_UNROLL_ALL                                                                       \
         for (int t = 0; t < (NT); t++) {                                                    \
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[t] + b * KF_QK));    \
-            const __m256 s = _mm256_cvtepi32_ps(                                            \
-                _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones)); \
-            acc[t] = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, _mm256_set1_ps(xd[t][b])), acc[t]); \
+            const __m256 dx = _mm256_set1_ps(xd[t][b]);                                     \
+            KF_UNROLL_ALL                                                                   \
+            for (int r = 0; r < (R); r++) {                                                 \
+                const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(                      \
+                    _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wv[r])), ones));       \
+                acc[r][t] = _mm256_fmadd_ps(s, _mm256_mul_ps(dw[r], dx), acc[r][t]);        \
+            }                                                                               \
         }                                                                                   \
     }                                                                                       \
     KF_UNROLL_ALL                                                                           \
-    for (int t = 0; t < (NT); t++)                                                          \
-        res[t] = kv8_hsum(acc[t]);                                                          \
+    for (int r = 0; r < (R); r++)                                                           \
+        KF_UNROLL_ALL                                                                       \
+        for (int t = 0; t < (NT); t++)                                                      \
+            res[r * (NT) + t] = kv8_hsum(acc[r][t]);                                        \
 }
-KF_Q8T256(1) KF_Q8T256(2) KF_Q8T256(3) KF_Q8T256(4)
-KF_Q8T256(5) KF_Q8T256(6) KF_Q8T256(7) KF_Q8T256(8)
+KF_Q8T256(1, 2) KF_Q8T256(2, 2) KF_Q8T256(3, 2) KF_Q8T256(4, 1)
+KF_Q8T256(5, 1) KF_Q8T256(6, 1) KF_Q8T256(7, 1) KF_Q8T256(8, 1)
 #undef KF_Q8T256
 
-typedef void (*kf_q8t256_fn)(const kf_act *, const uint8_t *, ptrdiff_t, float *);
+typedef void (*kf_q8t256_fn)(const kf_act *, const uint8_t *const *, ptrdiff_t, ptrdiff_t,
+                             float *);
 static const kf_q8t256_fn kf_avx2_q8t[KF_NT_MAX + 1] = {
     NULL, kf_avx2_q8t_1, kf_avx2_q8t_2, kf_avx2_q8t_3, kf_avx2_q8t_4,
     kf_avx2_q8t_5, kf_avx2_q8t_6, kf_avx2_q8t_7, kf_avx2_q8t_8};
 
-/* as kf_avx512_q8_rows_t, a row at a time */
+/* as kf_avx512_q8_rows_t, 2 rows at a time for up to 3 tokens (a last odd row repeated,
+ * its copy dropped), else one */
 KF_TARGET_AVX2 static void kf_avx2_q8_rows_t(const kf_act *a, int nt, const uint8_t *w,
                                              ptrdiff_t ldw, ptrdiff_t nb, ptrdiff_t r0,
                                              ptrdiff_t r1, float *out, ptrdiff_t ldo)
 {
-    float res[KF_NT_MAX];
-    for (ptrdiff_t i = r0; i < r1; i++) {
-        kf_avx2_q8t[nt](a, w + i * ldw, nb, res);
-        for (int t = 0; t < nt; t++)
-            out[t * ldo + i] = res[t];
+    float res[2 * KF_NT_MAX];
+    const int R = nt <= 3 ? 2 : 1;
+    for (ptrdiff_t i = r0; i < r1; i += R) {
+        const int m = r1 - i < R ? (int)(r1 - i) : R;
+        const uint8_t *wr[2] = {w + i * ldw, w + (i + m - 1) * ldw};
+        kf_avx2_q8t[nt](a, wr, ldw, nb, res);
+        for (int j = 0; j < m; j++)
+            for (int t = 0; t < nt; t++)
+                out[t * ldo + i + j] = res[j * nt + t];
     }
 }
+
+#undef KF_Q8T_AHEAD
 
 #endif /* KESTREL_GEMV_ROWS_X86_H */
