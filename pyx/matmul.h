@@ -73,6 +73,8 @@ typedef struct {
 #define KF_VIDOT_ROWS_DOT kf_avx2_idot4
 #define KF_VIDOT_ONE kf_avx2_idot1
 #define KF_VIDOT_T kf_avx2_q8_rows_t
+#define KF_VFAST_T kf_avx2_xdot_rows_t_q8_0
+#define KF_VFAST_T_MIN 2               /* tokens from which KF_VFAST_T beats 1 at a time */
 #define KF_VKFAST(name) kf_avx2_kx_##name
 #define KF_VSG_NT KF_AVX2_SGNT
 #define KF_VSG_ROWS 16
@@ -105,6 +107,8 @@ typedef struct {
 #define KF_VIDOT_ROWS_DOT kf_avx512_idot4
 #define KF_VIDOT_ONE kf_avx512_idot1
 #define KF_VIDOT_T kf_avx512_q8_rows_t
+#define KF_VFAST_T kf_avx512_xdot_rows_t_q8_0
+#define KF_VFAST_T_MIN 3
 #define KF_VKFAST(name) kf_avx512_kx_##name
 #define KF_VSG_NT KF_AVX512_SGNT
 #define KF_VSG_ROWS 32

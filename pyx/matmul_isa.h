@@ -18,6 +18,9 @@
  *   KF_VFAST(name)                  float dots kf_NAME_xdot_f32 / _f16 / _bf16
  *   KF_VFAST_ROWS, _ROWS_DOT(f)     q8_0 / q4 float dots, that many rows per call
  *   KF_VIDOT_ROWS, _ROWS_DOT, _ONE  int8-activation dots, rows per call
+ *   KF_VIDOT_T                      q8_0 . int8 x rows of several tokens (gemv_rows_x86.h)
+ *   KF_VFAST_T, _T_MIN              q8_0 . float x rows of several tokens (matmul_vec.h),
+ *                                   taken from _T_MIN tokens on
  * It undefines all of these at its end, ready for the next variant.
  * The portable code is plain C, no intrinsics and no -ffast-math: loops the vectoriser
  * maps onto lanes without reassociating, so every float sum has an order fixed by the
@@ -622,6 +625,52 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
 
 /* ---------------------------------------------------------------- GEMV of several tokens */
 
+#ifndef KF_VFAST_T
+/* One q8_0 row . float x for nt <= KF_NT_MAX tokens a[t]: the block's quants converted
+ * once for all the tokens, each token's sums dot_q8_0's, in its order (out[t * ldo] is
+ * what gemv_rows gives token t alone, bit for bit). */
+KF_TARGET static void KF_V(dot_q8_0_t)(const kf_act *a, const int nt,
+                                       const uint8_t *restrict w, ptrdiff_t nb,
+                                       float *restrict out, ptrdiff_t ldo)
+{
+    float acc[KF_NT_MAX][KF_VG][KF_QK] = {{{0}}};
+    ptrdiff_t b = 0;
+    for (; b + KF_VG <= nb; b += KF_VG)
+        for (int g = 0; g < KF_VG; g++) {
+            const uint8_t *blk = w + (b + g) * 34;
+            const int8_t *q = (const int8_t *)(blk + 2);
+            const float d = KF_VF16(blk);
+            float qf[KF_QK];
+            for (int k = 0; k < KF_QK; k++)
+                qf[k] = (float)q[k];
+            for (int t = 0; t < nt; t++) {
+                const float *xb = a[t].x + (b + g) * KF_QK;
+                for (int k = 0; k < KF_QK; k++)
+                    acc[t][g][k] += d * (qf[k] * xb[k]);
+            }
+        }
+    for (; b < nb; b++) {
+        const uint8_t *blk = w + b * 34;
+        const int8_t *q = (const int8_t *)(blk + 2);
+        const float d = KF_VF16(blk);
+        float qf[KF_QK];
+        for (int k = 0; k < KF_QK; k++)
+            qf[k] = (float)q[k];
+        for (int t = 0; t < nt; t++) {
+            const float *xb = a[t].x + b * KF_QK;
+            for (int k = 0; k < KF_QK; k++)
+                acc[t][0][k] += d * (qf[k] * xb[k]);
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        for (int g = 1; g < KF_VG; g++)
+            for (int k = 0; k < KF_QK; k++)
+                acc[t][0][k] += acc[t][g][k];
+        out[t * ldo] = kf_hsum(acc[t][0], KF_QK);
+    }
+}
+#endif
+
 #ifndef KF_VIDOT_T
 /* One row of q8_0 / q4_0 / q4_1 (fmt) . int8 x for nt <= KF_NT_MAX tokens a[t] (a batch's
  * decode rows): each block's quants unpacked once, then dotted with every token's block.
@@ -681,8 +730,19 @@ KF_TARGET static int KF_V(gemv_rows_t)(int fmt, const kf_act *a, int nt, ptrdiff
                                        ptrdiff_t r1, float *out, ptrdiff_t ldo)
 {
     const ptrdiff_t nb = n / KF_QK;
-    if (a->xq == NULL)
-        return 0;
+    if (a->xq == NULL) {
+        if (fmt != KF_Q8_0)
+            return 0;
+#ifdef KF_VFAST_T
+        if (nt < KF_VFAST_T_MIN)       /* the one-token kernel's row tiles are faster */
+            return 0;
+        KF_VFAST_T(a, nt, w, ldw, nb, r0, r1, out, ldo);
+#else
+        for (ptrdiff_t i = r0; i < r1; i++)
+            KF_V(dot_q8_0_t)(a, nt, w + i * ldw, nb, out + i, ldo);
+#endif
+        return 1;
+    }
 #ifdef KF_VIDOT_T
     /* the variant's own q8_0 kernel (its q4 row dots keep theirs) */
     if (fmt != KF_Q8_0)
@@ -877,6 +937,8 @@ KF_TARGET KF_NO_CONTRACT static void KF_V(quantize_q4_0)(const float *restrict x
 #undef KF_IW
 #undef KF_IQ8_C
 #undef KF_VIDOT_T
+#undef KF_VFAST_T
+#undef KF_VFAST_T_MIN
 #undef KF_VDOT
 #undef KF_VDOTK
 #undef KF_VIDOTK
