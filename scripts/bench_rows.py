@@ -3,7 +3,7 @@
 
 usage:
   python scripts/bench_rows.py -m MODEL.gguf [-t 2] [-b 1,2,4,8] [-c 32] [-r 5] [-w 1]
-                               [--act q8|f32]
+                               [--act q8|f32] [--quant q8|q4]
 
 Loads MODEL (a GGUF file or checkpoint directory) as `kestrel` does, gives max(B) sequences
 each a cache of `-c` prompt tokens (one prefill pass for all of them), then for each B times
@@ -11,7 +11,8 @@ each a cache of `-c` prompt tokens (one prefill pass for all of them), then for 
 prints, per B, the median ms a pass, the tokens a second (B / pass), that rate over B = 1's,
 and the pass's matmul / attention ms (the model's profile). B = 1 is the plain one-token call
 (the native decode), as the batcher runs a lone sequence. KESTREL_ISA picks the kernels'
-variant as for `kestrel`. Run it under the CPU lock on a shared machine.
+variant as for `kestrel`; `--quant` quantises a float checkpoint at load (as `kestrel
+--quant`). Run it under the CPU lock on a shared machine.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("-r", "--reps", type=int, default=5, help="timed passes per B (median)")
     p.add_argument("-w", "--warmup", type=int, default=1, help="untimed passes per B")
     p.add_argument("--act", default="q8", choices=["q8", "f32"])
+    p.add_argument("--quant", default=None, choices=["q8", "q4"], help="quantise at load")
     a = p.parse_args(argv)
     if a.threads < 1 or a.ctx < 1 or a.reps < 1 or a.warmup < 0:
         p.error("threads, ctx and reps must be >= 1, warmup >= 0")
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
             a.model,
             threads=a.threads,
             act=a.act,
+            quant=a.quant,
             ctx_size=cache_tokens(a.ctx, a.batch, a.reps, a.warmup),
         )
     except (KestrelError, OSError, ValueError) as e:  # a bad file: one line, no traceback
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
     print(f"{'B':>2} {'ms/pass':>9} {'tok/s':>8} {'x B=1':>6} {'matmul_ms':>10} {'attn_ms':>8}")
     for r in rows:
         print(
-            f"{r['B']:>2} {r['ms']:>9.1f} {r['tps']:>8.2f} {r['x']:>6.2f} "
+            f"{r['B']:>2} {r['ms']:>9.3f} {r['tps']:>8.2f} {r['x']:>6.2f} "
             f"{r['matmul_ms']:>10.1f} {r['attn_ms']:>8.1f}"
         )
     return 0
