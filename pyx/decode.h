@@ -52,16 +52,72 @@ static inline void kf_gemv_spec_rows(const kf_gemv_spec *s, const kf_act *a, ptr
                           accumulate);
 }
 
+/* Rows r0 <= r < r1 of row-major weight i of s (r, its outputs' index) for nt <= KX_NT
+ * tokens as kf_gemv_multi_acc gives each alone (out + t * ldo), through the multi-token
+ * kernels (kf_gemv_rows_t: each weight block read once for the tokens) where the variant
+ * has one for the format; 0 where it has none (nothing written). */
+static inline int kf_rows_t_weight(const kf_gemv_spec *s, int i, const kf_act *a, int nt,
+                                   ptrdiff_t r0, ptrdiff_t r1, float *out, ptrdiff_t ldo,
+                                   int accumulate)
+{
+    const uint8_t *w = (const uint8_t *)(uintptr_t)s->ptrs[i] + (r0 - s->offs[i]) * s->ldws[i];
+    if (!accumulate)
+        return kf_gemv_rows_t(s->fmts[i], a, nt, s->n, w, s->ldws[i], 0, r1 - r0, out + r0, ldo);
+    float tmp[KX_NT * KF_ROWS_TMP];
+    for (ptrdiff_t r = r0; r < r1; r += KF_ROWS_TMP) {
+        const ptrdiff_t m = r1 - r < KF_ROWS_TMP ? r1 - r : KF_ROWS_TMP;
+        if (!kf_gemv_rows_t(s->fmts[i], a, nt, s->n, w + (r - r0) * s->ldws[i], s->ldws[i], 0,
+                            m, tmp, KF_ROWS_TMP))
+            return 0;                  /* the format's, so the first chunk: nothing added */
+        for (int t = 0; t < nt; t++)
+            for (ptrdiff_t j = 0; j < m; j++)
+                out[t * ldo + r + j] += tmp[t * KF_ROWS_TMP + j];
+    }
+    return 1;
+}
+
+/* Rows r0 <= r < r1 of the SwiGLU pair of row-major weights of s for nt <= KX_NT tokens,
+ * as kf_gemv_swiglu gives each alone, through kf_gemv_rows_t; 0 where the variant has no
+ * such kernel for the formats (nothing written). */
+static inline int kf_rows_t_swiglu(const kf_gemv_spec *s, const kf_act *a, int nt,
+                                   ptrdiff_t r0, ptrdiff_t r1, float *out, ptrdiff_t ldo,
+                                   int accumulate)
+{
+    float g[KX_NT * KF_ROWS_TMP], u[KX_NT * KF_ROWS_TMP];
+    for (ptrdiff_t r = r0; r < r1; r += KF_ROWS_TMP) {
+        const ptrdiff_t m = r1 - r < KF_ROWS_TMP ? r1 - r : KF_ROWS_TMP;
+        if (!kf_gemv_rows_t(s->fmts[0], a, nt, s->n,
+                            (const uint8_t *)(uintptr_t)s->ptrs[0] + r * s->ldws[0],
+                            s->ldws[0], 0, m, g, KF_ROWS_TMP))
+            return 0;                  /* the formats', so the first chunk: nothing written */
+        if (!kf_gemv_rows_t(s->fmts[1], a, nt, s->n,
+                            (const uint8_t *)(uintptr_t)s->ptrs[1] + r * s->ldws[1],
+                            s->ldws[1], 0, m, u, KF_ROWS_TMP))
+            return 0;
+        for (int t = 0; t < nt; t++)
+            for (ptrdiff_t j = 0; j < m; j++) {
+                const float gv = g[t * KF_ROWS_TMP + j];
+                const float v = gv / (1.0f + expf(-gv)) * u[t * KF_ROWS_TMP + j];
+                float *o = out + t * ldo + r + j;
+                *o = accumulate ? *o + v : v;
+            }
+    }
+    return 1;
+}
+
 /* Rows r0 <= r < r1 (r0 a multiple of 16) of s for nt <= KX_NT tokens, token t's
  * activation a[t] and outputs out + t * ldo: each token's outputs are what
  * kf_gemv_spec_rows gives it alone. x16 weights take the multi-token group kernels
  * (kx_group_tokens: a group's quants unpacked once for all the tokens, each token the
- * one-token kernel's bits); other formats one token after another over the rows, which
- * stay in cache meanwhile. */
+ * one-token kernel's bits), row-major ones the multi-token row kernels where the variant
+ * has them for the format (kf_gemv_rows_t: row-major q8_0 with int8 x on every variant,
+ * q4_0 / q4_1 on the portable one); other formats one token after another over the rows,
+ * which stay in cache meanwhile. */
 static inline void kf_gemv_spec_rows_t(const kf_gemv_spec *s, const kf_act *a, int nt,
                                        ptrdiff_t r0, ptrdiff_t r1, float *out, ptrdiff_t ldo,
                                        int accumulate)
 {
+    _Static_assert(KX_NT <= KF_NT_MAX, "kf_gemv_rows_t takes KX_NT tokens");
     const int x16 = s->mode == 1 ? kx_is_x16(s->fmts[0]) && kx_is_x16(s->fmts[1]) : 0;
     float g[KX_NT * KX_G], u[KX_NT * KX_G];
     if (s->mode == 1 && x16) {                       /* SwiGLU, as kf_gemv_swiglu */
@@ -81,6 +137,8 @@ static inline void kf_gemv_spec_rows_t(const kf_gemv_spec *s, const kf_act *a, i
         return;
     }
     if (s->mode == 1) {
+        if (kf_rows_t_swiglu(s, a, nt, r0, r1, out, ldo, accumulate))
+            return;
         for (int t = 0; t < nt; t++)
             kf_gemv_spec_rows(s, a + t, r0, r1, out + t * ldo, accumulate);
         return;
@@ -92,8 +150,10 @@ static inline void kf_gemv_spec_rows_t(const kf_gemv_spec *s, const kf_act *a, i
             continue;
         const uint8_t *w = (const uint8_t *)(uintptr_t)s->ptrs[i];
         if (!kx_is_x16(s->fmts[i]) || (lo - s->offs[i]) % KX_G) {
-            for (int t = 0; t < nt; t++)             /* this weight's rows, token by token */
-                kf_gemv_spec_rows(s, a + t, lo, hi, out + t * ldo, accumulate);
+            if (kx_is_x16(s->fmts[i])
+                || !kf_rows_t_weight(s, i, a, nt, lo, hi, out, ldo, accumulate))
+                for (int t = 0; t < nt; t++)         /* this weight's rows, token by token */
+                    kf_gemv_spec_rows(s, a + t, lo, hi, out + t * ldo, accumulate);
             continue;
         }
         for (ptrdiff_t r = lo; r < hi; r += KX_G) {

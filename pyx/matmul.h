@@ -24,6 +24,8 @@ typedef struct {
     const int32_t *xh;         /* (n/32,) sum of the first 16 of each block of xq (q6_kx16) */
 } kf_act;
 
+#define KF_NT_MAX 8                    /* tokens a multi-token GEMV call takes (gemv_rows_t) */
+
 /* ---------------------------------------------------------------- base variant */
 #define KF_V(name) kf_base_##name
 #define KF_TARGET
@@ -70,6 +72,9 @@ typedef struct {
 #define KF_VIDOT_ROWS KF_AVX2_IROWS
 #define KF_VIDOT_ROWS_DOT kf_avx2_idot4
 #define KF_VIDOT_ONE kf_avx2_idot1
+#define KF_VIDOT_T kf_avx2_q8_rows_t
+#define KF_VFAST_T kf_avx2_xdot_rows_t_q8_0
+#define KF_VFAST_T_MIN 2               /* tokens from which KF_VFAST_T beats 1 at a time */
 #define KF_VKFAST(name) kf_avx2_kx_##name
 #define KF_VSG_NT KF_AVX2_SGNT
 #define KF_VSG_ROWS 16
@@ -101,6 +106,9 @@ typedef struct {
 #define KF_VIDOT_ROWS 4
 #define KF_VIDOT_ROWS_DOT kf_avx512_idot4
 #define KF_VIDOT_ONE kf_avx512_idot1
+#define KF_VIDOT_T kf_avx512_q8_rows_t
+#define KF_VFAST_T kf_avx512_xdot_rows_t_q8_0
+#define KF_VFAST_T_MIN 3
 #define KF_VKFAST(name) kf_avx512_kx_##name
 #define KF_VSG_NT KF_AVX512_SGNT
 #define KF_VSG_ROWS 32
@@ -136,10 +144,14 @@ typedef void (*kf_gemm_fn)(int, const uint8_t *, ptrdiff_t, ptrdiff_t, ptrdiff_t
                            const float *, ptrdiff_t, ptrdiff_t, float *, ptrdiff_t, float *,
                            const float *);
 typedef void (*kf_quant_fn)(const float *, uint8_t *, ptrdiff_t);
+typedef int (*kf_gemv_t_fn)(int, const kf_act *, int, ptrdiff_t, const uint8_t *, ptrdiff_t,
+                            ptrdiff_t, ptrdiff_t, float *, ptrdiff_t);
 
 #if KF_X86_DISPATCH
 static const kf_gemv_fn kf_gemv_tab[KF_N_ISA] = {
     kf_base_gemv_rows, kf_avx2_gemv_rows, kf_avx512_gemv_rows};
+static const kf_gemv_t_fn kf_gemv_t_tab[KF_N_ISA] = {
+    kf_base_gemv_rows_t, kf_avx2_gemv_rows_t, kf_avx512_gemv_rows_t};
 static const kf_gemm_fn kf_gemm_tab[KF_N_ISA] = {
     kf_base_gemm_rows, kf_avx2_gemm_rows, kf_avx512_gemm_rows};
 static const kf_quant_fn kf_q8_tab[KF_N_ISA] = {
@@ -152,6 +164,8 @@ static const int kf_sgrows_tab[KF_N_ISA] = {8, 16, 32};
 #elif KF_ARM_DISPATCH
 static const kf_gemv_fn kf_gemv_tab[KF_N_ISA] = {
     kf_base_gemv_rows, kf_dotprod_gemv_rows, kf_dotprod_gemv_rows};
+static const kf_gemv_t_fn kf_gemv_t_tab[KF_N_ISA] = {
+    kf_base_gemv_rows_t, kf_dotprod_gemv_rows_t, kf_dotprod_gemv_rows_t};
 static const kf_gemm_fn kf_gemm_tab[KF_N_ISA] = {
     kf_base_gemm_rows, kf_dotprod_gemm_rows, kf_dotprod_gemm_rows};
 static const kf_quant_fn kf_q8_tab[KF_N_ISA] = {
@@ -164,6 +178,8 @@ static const int kf_sgrows_tab[KF_N_ISA] = {8, 8, 8};
 #else
 static const kf_gemv_fn kf_gemv_tab[KF_N_ISA] = {
     kf_base_gemv_rows, kf_base_gemv_rows, kf_base_gemv_rows};
+static const kf_gemv_t_fn kf_gemv_t_tab[KF_N_ISA] = {
+    kf_base_gemv_rows_t, kf_base_gemv_rows_t, kf_base_gemv_rows_t};
 static const kf_gemm_fn kf_gemm_tab[KF_N_ISA] = {
     kf_base_gemm_rows, kf_base_gemm_rows, kf_base_gemm_rows};
 static const kf_quant_fn kf_q8_tab[KF_N_ISA] = {
@@ -216,6 +232,19 @@ static inline void kf_gemv_rows(int fmt, const kf_act *a, ptrdiff_t n, const uin
         return;
     }
     kf_gemv_tab[kf_isa](fmt, a, n, w, ldw, r0, r1, out);
+}
+
+/* Rows r0 <= i < r1 of a row-major weight for nt <= KF_NT_MAX tokens a[t] (one form, int8
+ * or float, for all): out[t * ldo + i] = kf_gemv_rows' out[i] for a[t] alone, bit for bit,
+ * each weight block read once for the tokens (matmul_isa.h gemv_rows_t). 1, or 0 where
+ * the variant has no such kernel for fmt (nothing written). */
+static inline int kf_gemv_rows_t(int fmt, const kf_act *a, int nt, ptrdiff_t n,
+                                 const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1,
+                                 float *out, ptrdiff_t ldo)
+{
+    if (kx_is_x16(fmt) || nt < 1 || nt > KF_NT_MAX)
+        return 0;
+    return kf_gemv_t_tab[kf_isa](fmt, a, nt, n, w, ldw, r0, r1, out, ldo);
 }
 
 /* xp: x packed by kf_pack_xtile in tiles of kf_gemm_xnt() tokens, or NULL (the

@@ -18,6 +18,9 @@
  *   KF_VFAST(name)                  float dots kf_NAME_xdot_f32 / _f16 / _bf16
  *   KF_VFAST_ROWS, _ROWS_DOT(f)     q8_0 / q4 float dots, that many rows per call
  *   KF_VIDOT_ROWS, _ROWS_DOT, _ONE  int8-activation dots, rows per call
+ *   KF_VIDOT_T                      q8_0 . int8 x rows of several tokens (gemv_rows_x86.h)
+ *   KF_VFAST_T, _T_MIN              q8_0 . float x rows of several tokens (matmul_vec.h),
+ *                                   taken from _T_MIN tokens on
  * It undefines all of these at its end, ready for the next variant.
  * The portable code is plain C, no intrinsics and no -ffast-math: loops the vectoriser
  * maps onto lanes without reassociating, so every float sum has an order fixed by the
@@ -489,8 +492,6 @@ KF_TARGET static float KF_V(idot_iq4)(int xs, const int8_t *restrict xq,
 }
 #endif /* KF_VKFAST */
 
-#undef KF_IW
-#undef KF_IQ8_C
 
 /* ---------------------------------------------------------------- GEMV rows */
 
@@ -620,6 +621,153 @@ KF_TARGET static void KF_V(gemv_rows)(int fmt, const kf_act *a, ptrdiff_t n,
             out[i] = KF_V(dot_deq)(fmt, a->x, w + i * ldw, n);
         break;
     }
+}
+
+/* ---------------------------------------------------------------- GEMV of several tokens */
+
+#ifndef KF_VFAST_T
+/* One q8_0 row . float x for nt <= KF_NT_MAX tokens a[t]: the block's quants converted
+ * once for all the tokens, each token's sums dot_q8_0's, in its order (out[t * ldo] is
+ * what gemv_rows gives token t alone, bit for bit). */
+KF_TARGET static void KF_V(dot_q8_0_t)(const kf_act *a, const int nt,
+                                       const uint8_t *restrict w, ptrdiff_t nb,
+                                       float *restrict out, ptrdiff_t ldo)
+{
+    float acc[KF_NT_MAX][KF_VG][KF_QK] = {{{0}}};
+    ptrdiff_t b = 0;
+    for (; b + KF_VG <= nb; b += KF_VG)
+        for (int g = 0; g < KF_VG; g++) {
+            const uint8_t *blk = w + (b + g) * 34;
+            const int8_t *q = (const int8_t *)(blk + 2);
+            const float d = KF_VF16(blk);
+            float qf[KF_QK];
+            for (int k = 0; k < KF_QK; k++)
+                qf[k] = (float)q[k];
+            for (int t = 0; t < nt; t++) {
+                const float *xb = a[t].x + (b + g) * KF_QK;
+                for (int k = 0; k < KF_QK; k++)
+                    acc[t][g][k] += d * (qf[k] * xb[k]);
+            }
+        }
+    for (; b < nb; b++) {
+        const uint8_t *blk = w + b * 34;
+        const int8_t *q = (const int8_t *)(blk + 2);
+        const float d = KF_VF16(blk);
+        float qf[KF_QK];
+        for (int k = 0; k < KF_QK; k++)
+            qf[k] = (float)q[k];
+        for (int t = 0; t < nt; t++) {
+            const float *xb = a[t].x + b * KF_QK;
+            for (int k = 0; k < KF_QK; k++)
+                acc[t][0][k] += d * (qf[k] * xb[k]);
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        for (int g = 1; g < KF_VG; g++)
+            for (int k = 0; k < KF_QK; k++)
+                acc[t][0][k] += acc[t][g][k];
+        out[t * ldo] = kf_hsum(acc[t][0], KF_QK);
+    }
+}
+#endif
+
+#ifndef KF_VIDOT_T
+/* One row of q8_0 / q4_0 / q4_1 (fmt) . int8 x for nt <= KF_NT_MAX tokens a[t] (a batch's
+ * decode rows): each block's quants unpacked once, then dotted with every token's block.
+ * Each token's integer sums and float steps are idot_q's, in its order, so out[t * ldo]
+ * is what gemv_rows gives token t alone, bit for bit. */
+KF_TARGET KF_INLINE void KF_V(idot_q_t)(const int fmt, const kf_act *a, const int nt,
+                                        const uint8_t *restrict w, ptrdiff_t nb,
+                                        float *restrict out, ptrdiff_t ldo)
+{
+    const int q41 = fmt == KF_Q4_1;
+    const ptrdiff_t bb = fmt == KF_Q8_0 ? 34 : (q41 ? 20 : 18);
+    const int c = fmt == KF_Q8_0 ? KF_IQ8_C : (q41 ? 0 : 8);
+    float acc[KF_NT_MAX][KF_VG] = {{0}}, macc[KF_NT_MAX][KF_VG] = {{0}};
+    ptrdiff_t b = 0;
+    for (; b < nb; b += KF_VG) {
+        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *blk = w + (b + g) * bb;
+            KF_IW ub[KF_QK];
+            const KF_IW *u = ub;
+            if (fmt == KF_Q8_0) {
+#if KF_VSIGNED
+                u = (const int8_t *)(blk + 2);
+#else
+                for (int k = 0; k < KF_QK; k++)
+                    ub[k] = (uint8_t)(blk[2 + k] ^ 0x80u);
+#endif
+            } else {
+                KF_V(nibbles)(blk + 2 + 2 * q41, ub);
+            }
+            const float d = KF_VF16(blk), m = q41 ? KF_VF16(blk + 2) : 0.0f;
+            for (int t = 0; t < nt; t++) {
+                const kf_act *x = a + t;
+                const int s = KF_V(idot_block)(u, x->xq + (b + g) * KF_QK) - c * x->xs[b + g];
+                acc[t][g] += (d * x->xd[b + g]) * (float)s;
+                if (q41)
+                    macc[t][g] += m * x->sx[b + g];
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        for (int g = 1; g < KF_VG; g++) {
+            acc[t][0] += acc[t][g];
+            macc[t][0] += macc[t][g];
+        }
+        out[t * ldo] = q41 ? acc[t][0] + macc[t][0] : acc[t][0];
+    }
+}
+#endif
+
+/* out[t * ldo + i] = gemv_rows' out[i] for token a[t] alone (t < nt <= KF_NT_MAX), rows
+ * r0 <= i < r1, bit for bit, where the variant has a multi-token kernel for fmt and the
+ * activations' form: 1; else 0 and nothing written (the caller runs gemv_rows a token at
+ * a time). The multi-token kernels read a weight block once for all the tokens. */
+KF_TARGET static int KF_V(gemv_rows_t)(int fmt, const kf_act *a, int nt, ptrdiff_t n,
+                                       const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r0,
+                                       ptrdiff_t r1, float *out, ptrdiff_t ldo)
+{
+    const ptrdiff_t nb = n / KF_QK;
+    if (a->xq == NULL) {
+        if (fmt != KF_Q8_0)
+            return 0;
+#ifdef KF_VFAST_T
+        if (nt < KF_VFAST_T_MIN)       /* the one-token kernel's row tiles are faster */
+            return 0;
+        KF_VFAST_T(a, nt, w, ldw, nb, r0, r1, out, ldo);
+#else
+        for (ptrdiff_t i = r0; i < r1; i++)
+            KF_V(dot_q8_0_t)(a, nt, w + i * ldw, nb, out + i, ldo);
+#endif
+        return 1;
+    }
+#ifdef KF_VIDOT_T
+    /* the variant's own q8_0 kernel (its q4 row dots keep theirs) */
+    if (fmt != KF_Q8_0)
+        return 0;
+    KF_VIDOT_T(a, nt, w, ldw, nb, r0, r1, out, ldo);
+    return 1;
+#else
+    ptrdiff_t i;
+    switch (fmt) {
+    case KF_Q8_0:
+        for (i = r0; i < r1; i++)
+            KF_V(idot_q_t)(KF_Q8_0, a, nt, w + i * ldw, nb, out + i, ldo);
+        return 1;
+    case KF_Q4_0:
+        for (i = r0; i < r1; i++)
+            KF_V(idot_q_t)(KF_Q4_0, a, nt, w + i * ldw, nb, out + i, ldo);
+        return 1;
+    case KF_Q4_1:
+        for (i = r0; i < r1; i++)
+            KF_V(idot_q_t)(KF_Q4_1, a, nt, w + i * ldw, nb, out + i, ldo);
+        return 1;
+    default:
+        return 0;
+    }
+#endif
 }
 
 /* ---------------------------------------------------------------- GEMM (many tokens) */
@@ -786,6 +934,11 @@ KF_TARGET KF_NO_CONTRACT static void KF_V(quantize_q4_0)(const float *restrict x
     }
 }
 
+#undef KF_IW
+#undef KF_IQ8_C
+#undef KF_VIDOT_T
+#undef KF_VFAST_T
+#undef KF_VFAST_T_MIN
 #undef KF_VDOT
 #undef KF_VDOTK
 #undef KF_VIDOTK

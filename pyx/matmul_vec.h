@@ -146,6 +146,65 @@ KV_BLOCK_ROWS_N(KV_ROWS)
 #undef KV_BLOCK_ROWS_N
 #undef KV_BLOCK_ROWS
 
+/* One q8_0 row . float x for NT tokens (a batch's decode rows): the block's quants
+ * converted once, then each token's chains as xdotR_q8_0's, in its order: res[t] is what
+ * xdotR_q8_0 gives token t alone, bit for bit. */
+#define KV_XDOT_T(NT)                                                                       \
+KV_T static void KV_V(xdot_t##NT##_q8_0)(const kf_act *a, const uint8_t *restrict w,       \
+                                         ptrdiff_t ldw, ptrdiff_t nb, float *restrict res)  \
+{                                                                                           \
+    KV_F acc[NT][KV_C / 2];                                                                 \
+    KF_UNROLL_ALL                                                                           \
+    for (int t = 0; t < (NT); t++)                                                          \
+        KF_UNROLL_ALL                                                                       \
+        for (int c = 0; c < KV_C / 2; c++)                                                  \
+            acc[t][c] = KV(zero)();                                                         \
+    for (ptrdiff_t b = 0; b < nb; b++) {                                                    \
+        const uint8_t *blk = w + b * 34;                                                    \
+        KF_PREFETCH_FAR(blk + 16 * ldw);                                                    \
+        KV_F f[KV_C];                                                                       \
+        KV(s8x32)(blk + 2, f);                                                              \
+        const KV_F d = KV(set1)(KF_X86_F16(blk));                                           \
+        KF_UNROLL_ALL                                                                       \
+        for (int t = 0; t < (NT); t++) {                                                    \
+            KV_F xv[KV_C];                                                                  \
+            KV_V(load32)(a[t].x + b * KF_QK, xv);                                           \
+            KF_UNROLL_ALL                                                                   \
+            for (int c = 0; c < KV_C / 2; c++)                                              \
+                acc[t][c] = KV(fma)(d, KV_V(chain)(f, xv, 2 * c, 2, 1), acc[t][c]);         \
+        }                                                                                   \
+    }                                                                                       \
+    KF_UNROLL_ALL                                                                           \
+    for (int t = 0; t < (NT); t++)                                                          \
+        res[t] = KV(hsum)(KV_V(accsum)(acc[t]));                                            \
+}
+KV_XDOT_T(1) KV_XDOT_T(2) KV_XDOT_T(3) KV_XDOT_T(4)
+#undef KV_XDOT_T
+
+/* rows r0 <= i < r1 of a q8_0 weight . the nt float tokens a[t]: out[t * ldo + i]
+ * (matmul_isa.h's KF_VFAST_T), up to 4 tokens a pass over a row */
+KV_T static void KV_V(xdot_rows_t_q8_0)(const kf_act *a, int nt, const uint8_t *w,
+                                         ptrdiff_t ldw, ptrdiff_t nb, ptrdiff_t r0,
+                                         ptrdiff_t r1, float *out, ptrdiff_t ldo)
+{
+    float res[4];
+    for (ptrdiff_t i = r0; i < r1; i++)
+        for (int t0 = 0; t0 < nt; t0 += 4) {
+            const int m = nt - t0 < 4 ? nt - t0 : 4;
+            const uint8_t *row = w + i * ldw;
+            if (m == 4)
+                KV_V(xdot_t4_q8_0)(a + t0, row, ldw, nb, res);
+            else if (m == 3)
+                KV_V(xdot_t3_q8_0)(a + t0, row, ldw, nb, res);
+            else if (m == 2)
+                KV_V(xdot_t2_q8_0)(a + t0, row, ldw, nb, res);
+            else
+                KV_V(xdot_t1_q8_0)(a + t0, row, ldw, nb, res);
+            for (int t = 0; t < m; t++)
+                out[(t0 + t) * ldo + i] = res[t];
+        }
+}
+
 /* ---------------------------------------------------------------- int8 x: q8_0 rows */
 
 /* R rows of format fmt (matmul_isa.h's KF_VIDOT_ROWS_DOT / _ONE): q8_0 here, each block's

@@ -318,4 +318,7 @@ typedef void (*kf_sg_fn)(const float *, ptrdiff_t, const float *, ptrdiff_t, flo
 #define KV_SGNT KF_AVX512_SGNT
 #include "matmul_vec.h"
 
+/* q8_0 rows . int8 x of several tokens at once (matmul_isa.h's KF_VIDOT_T) */
+#include "gemv_rows_x86.h"
+
 #endif /* KESTREL_MATMUL_X86_H */
