@@ -334,6 +334,23 @@ KF_TARGET KF_INLINE void KF_V(nibbles)(const uint8_t *restrict q, KF_IW *restric
     }
 }
 
+/* The 32 quants of a q8_0 / q4_0 / q4_1 (fmt) block as idot_block takes them: q8_0's in
+ * place (signed dot) or offset by 128 into ub, q4's nibbles unpacked into ub. */
+KF_TARGET KF_INLINE const KF_IW *KF_V(quants_q)(const int fmt, const uint8_t *blk, KF_IW *ub)
+{
+    if (fmt == KF_Q8_0) {
+#if KF_VSIGNED
+        return (const int8_t *)(blk + 2);
+#else
+        for (int k = 0; k < KF_QK; k++)
+            ub[k] = (uint8_t)(blk[2 + k] ^ 0x80u);
+        return ub;
+#endif
+    }
+    KF_V(nibbles)(blk + 2 + 2 * (fmt == KF_Q4_1), ub);
+    return ub;
+}
+
 /* q8_0 / q4_0 / q4_1 weights (fmt, a constant where inlined) . int8 x:
  * sum_b d_b xd_b (sum_k q_bk xq_bk - c xs_b), c = KF_IQ8_C (q8_0) or 8 (q4_0), and for
  * q4_1 (c = 0) plus sum_b m_b sx_b (sx = xd xs) in a sum of its own */
@@ -352,17 +369,7 @@ KF_TARGET KF_INLINE float KF_V(idot_q)(const int fmt, const int8_t *restrict xq,
         for (int g = 0; g < ng; g++) {
             const uint8_t *blk = w + (b + g) * bb;
             KF_IW ub[KF_QK];
-            const KF_IW *u = ub;
-            if (fmt == KF_Q8_0) {
-#if KF_VSIGNED
-                u = (const int8_t *)(blk + 2);
-#else
-                for (int k = 0; k < KF_QK; k++)
-                    ub[k] = (uint8_t)(blk[2 + k] ^ 0x80u);
-#endif
-            } else {
-                KF_V(nibbles)(blk + 2 + 2 * q41, ub);
-            }
+            const KF_IW *u = KF_V(quants_q)(fmt, blk, ub);
             const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - c * xs[b + g];
             acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
             if (q41)
@@ -690,17 +697,7 @@ KF_TARGET KF_INLINE void KF_V(idot_q_t)(const int fmt, const kf_act *a, const in
         for (int g = 0; g < ng; g++) {
             const uint8_t *blk = w + (b + g) * bb;
             KF_IW ub[KF_QK];
-            const KF_IW *u = ub;
-            if (fmt == KF_Q8_0) {
-#if KF_VSIGNED
-                u = (const int8_t *)(blk + 2);
-#else
-                for (int k = 0; k < KF_QK; k++)
-                    ub[k] = (uint8_t)(blk[2 + k] ^ 0x80u);
-#endif
-            } else {
-                KF_V(nibbles)(blk + 2 + 2 * q41, ub);
-            }
+            const KF_IW *u = KF_V(quants_q)(fmt, blk, ub);
             const float d = KF_VF16(blk), m = q41 ? KF_VF16(blk + 2) : 0.0f;
             for (int t = 0; t < nt; t++) {
                 const kf_act *x = a + t;
