@@ -116,6 +116,9 @@ class Model(qwen3.Model):
         super().__init__(cfg, store, threads, act)
         self.store = store
         self._vision = [None]  # shared by Engine.fork's shallow copies
+        # the vision tower's dtype (qwen3_vl_vision.DTYPES; Engine.load sets it from
+        # --vision-dtype before the tower loads): f32 exact, bf16 on AVX512-BF16
+        self.vision_dtype = "f32"
 
     @property
     def has_vision(self) -> bool:
@@ -135,7 +138,10 @@ class Model(qwen3.Model):
                     "images need a full Qwen3-VL checkpoint"
                 )
             self._vision[0] = VisionTower(
-                VisionConfig.from_hf(self.cfg.vision_config), self.store, self.threads
+                VisionConfig.from_hf(self.cfg.vision_config),
+                self.store,
+                self.threads,
+                self.vision_dtype,
             )
         return self._vision[0]
 
