@@ -130,9 +130,9 @@ def vlb(tmp_path_factory):
 
 
 def _patches(eng, img):
-    from kestrel_cli.models.images import ImageConfig, preprocess
-
     from PIL import Image
+
+    from kestrel_cli.models.images import ImageConfig, preprocess
 
     im = preprocess(Image.open(img), ImageConfig.from_dir(eng.path, eng.config.vision_config))
     return im.patches, [im.grid]
@@ -159,9 +159,8 @@ def test_bf16_tower_within_bound_of_f32(vlb):
     np.testing.assert_array_equal(tower.encode(patches, grids)[0], emb32)
 
 
-@needs_bf16
-def test_f32_weights_converted_to_bf16_at_set_dtype():
-    from kestrel_cli.formats.weights import Weight
+def test_weights_rounded_to_bf16():
+    from kestrel_cli.formats.weights import Weight, quantize_q8_0
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((5, 7)).astype(np.float32)
@@ -173,6 +172,12 @@ def test_f32_weights_converted_to_bf16_at_set_dtype():
     assert back[0, 0] == 1.0 and back[0, 1] == np.float32(1.0 + 2**-6)
     assert np.abs(back - w).max() <= np.abs(w).max() * 2**-8
     assert V.to_bf16(b) is b
+    # a block format (an mmproj GGUF's Q8_0): dequantised, then rounded
+    q = Weight("q8_0", quantize_q8_0(rng.standard_normal((3, 64)).astype(np.float32)), (3, 64))
+    qb = V.to_bf16(q)
+    deq = q.dequantize()
+    got = (qb.data.astype(np.uint32) << 16).view(np.float32)
+    assert qb.fmt == "bf16" and np.abs(got - deq).max() <= np.abs(deq).max() * 2**-8
 
 
 @needs_bf16
