@@ -189,7 +189,7 @@ def test_engine_auto_and_perf_line(vlb):
 
     d, img = vlb
     eng = Engine.from_pretrained(d, threads=1, vision_dtype="auto")
-    assert eng.model.vision_dtype == "bf16" and eng.model.vision.dtype == "bf16"
+    assert eng.model.vision.dtype == "bf16" and eng.model.vision_bits == 16
     args = ["run", "-m", str(d), "--image", str(img), "-p", "Hi.", "-n", "2", "-t", "1"]
     for flag, bits in [([], 16), (["--vision-dtype", "f32"], 32), (["--vision-dtype", "bf16"], 16)]:
         r = CliRunner().invoke(app, args + flag)
@@ -207,3 +207,15 @@ def test_perf_line_vision_keys():
         tag, kv = parse_line(format_perf(Stats(image_tokens=4, vision_ms=2.0, vision_bits=bits)))
         assert tag == "PERF" and list(kv)[-3:] == ["vision_ms", "image_tokens", "vision_bits"]
         assert kv["vision_bits"] == bits and kv["image_tokens"] == 4
+
+
+@needs_bf16
+def test_heads_over_128_stay_float(vlb):
+    import dataclasses
+
+    d, img = vlb
+    tower = Engine.from_pretrained(d, threads=1).model.vision
+    tower.cfg = dataclasses.replace(tower.cfg, hidden_size=256, num_heads=1)  # head 256
+    assert tower.set_dtype("auto") == "f32" and tower.dtype == "f32"
+    with pytest.raises(KestrelError, match="head size 256"):
+        tower.set_dtype("bf16")

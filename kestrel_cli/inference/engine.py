@@ -359,7 +359,7 @@ class Engine:
                 notices.append(why)
         model = resolve(cfg.model_type).Model(cfg, store, threads, act=options.act)
         if hasattr(model, "vision_dtype"):  # Qwen3-VL: its vision tower's dtype
-            model.vision_dtype = options.resolved_vision_dtype()
+            model.vision_dtype = options.vision_dtype
         eng = cls(
             model,
             tok,

@@ -182,7 +182,7 @@ def stream_generate(
     stats.prefill_ms = (time.perf_counter() - t0) * 1e3
     stats.vision_ms = float(getattr(engine, "vision_ms", 0.0))
     stats.image_tokens = int(getattr(engine, "image_tokens", 0))
-    stats.vision_bits = 16 if getattr(engine.model, "vision_dtype", "f32") == "bf16" else 32
+    stats.vision_bits = int(getattr(engine.model, "vision_bits", 32))
     history = list(prompt_ids)
     detok = engine.tokenizer.detokenizer()
     pending, finish, stopped, complete = "", "length", False, False

@@ -434,8 +434,16 @@ class VisionTower:
     def set_dtype(self, dtype: str) -> str:
         """Run in `dtype` from now on ("auto", "f32" or "bf16", `resolve_dtype`); returns the
         resolved one. bf16: every weight converted to bf16 (kept; a bf16 file's weights are
-        used as they lie), ~1e-2 relative error in the embeddings; f32: exact."""
-        dtype = resolve_dtype(dtype)
+        used as they lie), ~1e-2 relative error in the embeddings; f32: exact. The bf16
+        attention takes heads of at most 128: larger ones make auto f32, bf16 an error."""
+        asked, dtype = dtype, resolve_dtype(dtype)
+        if dtype == "bf16" and self.cfg.head_dim > 128:
+            if asked != "auto":
+                raise KestrelError(
+                    f"--vision-dtype bf16: head size {self.cfg.head_dim} is over the bf16 "
+                    f"attention's 128; use --vision-dtype f32"
+                )
+            dtype = "f32"
         for blk in self.blocks:
             for lin in [*blk.linears(True), *blk.qkv]:
                 lin.w16 = None
