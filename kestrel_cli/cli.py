@@ -97,6 +97,12 @@ class GGUFType(str, Enum):
     q6_k = "q6_k"
 
 
+class VisionDtype(str, Enum):
+    auto = "auto"
+    f32 = "f32"
+    bf16 = "bf16"
+
+
 class MmprojType(str, Enum):
     f32 = "f32"
     f16 = "f16"
@@ -133,6 +139,17 @@ class EngineOptions:
             rich_help_panel=_MODEL,
         ),
     ] = None
+    vision_dtype: Annotated[
+        VisionDtype,
+        typer.Option(
+            "--vision-dtype",
+            help="Qwen3-VL's vision tower: bf16 = bf16 matmuls and attention (AVX512-BF16 "
+            "only; faster, ~1e-2 relative error in the image embeddings); f32 = "
+            "exact float32; auto = bf16 where the CPU has it, else f32. The text model stays "
+            "exact.",
+            rich_help_panel=_MODEL,
+        ),
+    ] = VisionDtype.auto
     ctx_size: Annotated[
         Optional[int],
         typer.Option(
@@ -242,6 +259,7 @@ class EngineOptions:
             repack=self.repack,
             sparse=self.sparse,
             mmproj=self.mmproj,
+            vision_dtype=VisionDtype(self.vision_dtype).value,
         )
 
     def check(self) -> None:

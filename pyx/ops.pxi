@@ -190,3 +190,86 @@ def softmax_rows(float[:, ::1] s,          # IN/OUT (R, n)
     with nogil, parallel(num_threads=nt):
         for c in prange(nt, schedule="static", chunksize=1):
             kf_vis_softmax(&s[0, 0], scale, n, kf_split(R, c, nt), kf_split(R, c + 1, nt))
+
+
+cdef extern from "attn_bf16.h" nogil:
+    enum:
+        KA16_KB
+    Py_ssize_t ka16_hz(Py_ssize_t hd) noexcept
+    int ka16_qb(Py_ssize_t hd) noexcept
+    void ka16_pack_q(const float *x, Py_ssize_t ldx, Py_ssize_t N, Py_ssize_t h, Py_ssize_t hd,
+                     const float *bias, const float *cs, const float *sn, Py_ssize_t r0,
+                     Py_ssize_t r1, uint32_t *qp) noexcept
+    void ka16_pack_k(const float *x, Py_ssize_t ldx, Py_ssize_t N, Py_ssize_t h, Py_ssize_t hd,
+                     const float *bias, const float *cs, const float *sn, Py_ssize_t r0,
+                     Py_ssize_t r1, uint32_t *kp) noexcept
+    void ka16_pack_v(const float *x, Py_ssize_t ldx, Py_ssize_t N, Py_ssize_t h, Py_ssize_t hd,
+                     const float *bias, Py_ssize_t r0, Py_ssize_t r1, uint32_t *vp) noexcept
+    void ka16_run(Py_ssize_t h, Py_ssize_t tile, const uint32_t *qp, const uint32_t *kp,
+                  const uint32_t *vp, Py_ssize_t hd, Py_ssize_t N, float c, float *out,
+                  Py_ssize_t ldo) noexcept
+
+
+def attention_bf16(const float[:, ::1] qkv,   # IN  (N, 3 * n_heads * head_dim): q | k | v
+                   const float[::1] bias,     # IN  (3 * n_heads * head_dim,) or None
+                   const float[:, ::1] cos_t, # IN  (N, head_dim / 2) or None: no rotation
+                   const float[:, ::1] sin_t, # IN  (N, head_dim / 2) or None
+                   int n_heads, int head_dim,
+                   float scale,               # IN  > 0, multiplies q . k
+                   float[:, ::1] out,         # OUT (N, n_heads * head_dim)
+                   int n_threads):
+    """out := softmax(scale * q k^T) v per head, every row over all N rows (not causal),
+    q, k, v = rotate(qkv + bias) rounded to bf16 (attn_bf16.h); HAVE_BF16_DOT must hold"""
+    cdef Py_ssize_t N = qkv.shape[0], W = n_heads * head_dim, hd = head_dim
+    cdef Py_ssize_t hp = head_dim // 2, hz = ka16_hz(head_dim)
+    cdef int qb = ka16_qb(head_dim), nt
+    cdef Py_ssize_t ntiles = (N + qb - 1) // qb
+    cdef Py_ssize_t nq = ntiles * qb, nk = (N + KA16_KB - 1) // KA16_KB * KA16_KB
+    cdef Py_ssize_t qsz = nq * hp, ksz = nk * hp, vsz = nk // 2 * hz, h, item
+    cdef const float *bp = NULL
+    cdef const float *cp = NULL
+    cdef const float *sp = NULL
+    cdef uint32_t *mem
+    cdef float c = scale * <float> 1.4426950408889634
+    if not HAVE_BF16_DOT:
+        raise RuntimeError("attention_bf16: this CPU has no AVX512-BF16")
+    if head_dim < 2 or head_dim % 2 or head_dim > 128:
+        raise ValueError(f"attention_bf16: head_dim must be even and at most 128, got {head_dim}")
+    if N == 0 or n_heads == 0:
+        return
+    if qkv.shape[1] != 3 * W or out.shape[0] != N or out.shape[1] != W:
+        raise ValueError("attention_bf16: qkv / out shapes do not match n_heads * head_dim")
+    if bias is not None:
+        if bias.shape[0] != 3 * W:
+            raise ValueError("attention_bf16: bias must be (3 * n_heads * head_dim,)")
+        bp = &bias[0]
+    if (cos_t is None) != (sin_t is None):
+        raise ValueError("attention_bf16: cos and sin come together")
+    if cos_t is not None:
+        if cos_t.shape[0] != N or cos_t.shape[1] != hp or sin_t.shape[0] != N \
+                or sin_t.shape[1] != hp:
+            raise ValueError("attention_bf16: cos / sin must be (N, head_dim / 2)")
+        cp = &cos_t[0, 0]
+        sp = &sin_t[0, 0]
+    mem = <uint32_t *> malloc(n_heads * (qsz + ksz + vsz) * sizeof(uint32_t))
+    if mem == NULL:
+        raise MemoryError("attention_bf16: could not allocate the packs")
+    try:
+        nt = team_size(n_threads, n_heads, 1)
+        with nogil, parallel(num_threads=nt):
+            for h in prange(n_heads, schedule="static"):
+                ka16_pack_q(&qkv[0, 0], 3 * W, N, h, hd, bp, cp, sp, 0, nq, mem + h * qsz)
+                ka16_pack_k(&qkv[0, W], 3 * W, N, h, hd, bp + W if bp != NULL else NULL,
+                            cp, sp, 0, nk, mem + n_heads * qsz + h * ksz)
+                ka16_pack_v(&qkv[0, 2 * W], 3 * W, N, h, hd,
+                            bp + 2 * W if bp != NULL else NULL, 0, nk,
+                            mem + n_heads * (qsz + ksz) + h * vsz)
+        nt = team_size(n_threads, n_heads * ntiles, 1)
+        with nogil, parallel(num_threads=nt):
+            for item in prange(n_heads * ntiles, schedule="static"):
+                ka16_run(item // ntiles, item % ntiles, mem + (item // ntiles) * qsz,
+                         mem + n_heads * qsz + (item // ntiles) * ksz,
+                         mem + n_heads * (qsz + ksz) + (item // ntiles) * vsz,
+                         hd, N, c, &out[0, 0], W)
+    finally:
+        free(mem)

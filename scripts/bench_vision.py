@@ -1,7 +1,7 @@
 """Vision tower time per image: Kestrel against transformers fp32, same process, same threads.
 
     python scripts/bench_vision.py CHECKPOINT_DIR [-t THREADS] [--sizes 448x448,1024x768] [-r 2]
-        [--no-torch] [--parts] [--bf16]
+        [--no-torch] [--parts] [--vision-dtype auto|f32|bf16]
 
 CHECKPOINT_DIR: a Qwen3-VL checkpoint with its vision tower (e.g. make_random_checkpoint.py
 --shape qwen3-vl-2b --with-vision). Each image (random pixels of the given size) is
@@ -9,8 +9,9 @@ preprocessed once; the vision towers' forward passes are timed (best of -r runs 
 untimed run), and the outputs compared. Prints one line per size and the peak RSS; with
 --parts, one more Kestrel run per size split into its parts (patch embedding, LayerNorm,
 QKV, RoPE, attention, proj, fc1, GELU, fc2, mergers: VisionTower.encode's PartClock).
---bf16 times Kestrel's bf16 matmuls (VisionTower.use_bf16: bf16-rounded activations on
-AVX512-BF16, not exact; the max abs diff shows what it costs).
+--vision-dtype picks Kestrel's tower dtype as `kestrel run` does (default auto: bf16
+matmuls and attention on AVX512-BF16, not exact, the max abs diff shows what it costs;
+f32: the exact float path).
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ def main(argv=None) -> int:
     ap.add_argument("-r", "--repeat", type=int, default=2)
     ap.add_argument("--no-torch", action="store_true", help="time Kestrel only")
     ap.add_argument("--parts", action="store_true", help="Kestrel's time split by part")
-    ap.add_argument("--bf16", action="store_true", help="Kestrel's bf16 matmuls (not exact)")
+    ap.add_argument(
+        "--vision-dtype",
+        choices=("auto", "f32", "bf16"),
+        default="auto",
+        help="Kestrel's vision tower dtype (bf16: not exact)",
+    )
     a = ap.parse_args(argv)
 
     from PIL import Image
@@ -39,11 +45,10 @@ def main(argv=None) -> int:
     from kestrel_cli.models.images import ImageConfig, preprocess
     from kestrel_cli.models.qwen3_vl_vision import PartClock
 
-    eng = Engine.from_pretrained(a.model, threads=a.threads)
+    eng = Engine.from_pretrained(a.model, threads=a.threads, vision_dtype=a.vision_dtype)
     tower = eng.model.vision
-    if a.bf16:
-        n = tower.use_bf16(True)
-        print(f"bf16 matmuls: {n} of {len(tower.linears())}", flush=True)
+    n16 = sum(lin.bf16 for lin in tower.linears())
+    print(f"vision dtype {tower.dtype}: {n16} of {len(tower.linears())} matmuls bf16", flush=True)
     icfg = ImageConfig.from_dir(eng.path, eng.config.vision_config)
     ref = None
     if not a.no_torch:

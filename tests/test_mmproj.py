@@ -283,7 +283,7 @@ def test_cli_run_with_mmproj_and_discovery(mm, engines, tmp_path):
     assert greedy_ids(engines["f32"], msgs, 5) == greedy_ids(ref, msgs, 5)
     want = greedy_text(engines["f32"], msgs, 5)
     common = ["--image", str(imgs["a"]), "-p", "Describe it.", "-n", "5", "--temp", "0"]
-    common += ["--ignore-eos", "-t", "1"]
+    common += ["--ignore-eos", "-t", "1", "--vision-dtype", "f32"]  # exact, as engines[]
     r = _run(["run", "-m", str(text), "--mmproj", str(files["f32"]), *common])
     assert r.exit_code == 0, r.output
     assert r.stdout.rstrip("\n") == want

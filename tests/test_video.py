@@ -587,6 +587,7 @@ def test_cli_run_with_a_video(vv):
 
     d, model, eng, proc, vids, img = vv
     args = ["run", "-m", str(d), "--video", str(vids["a"]), "-p", "What happens?"]
+    args += ["--vision-dtype", "f32"]  # the engine compared with is exact
     r = CliRunner().invoke(app, args + ["-n", "6", "--temp", "0", "--ignore-eos", "-t", "1"])
     assert r.exit_code == 0, r.output
     assert r.stdout.rstrip("\n") == greedy_text(eng, one_video(vids["a"]), 6)
@@ -655,6 +656,7 @@ def test_chat_video_option_and_command(vv, tmp_path):
     assert s.messages[3]["content"] == greedy_text(eng, s.messages[:3], 3)
     # kestrel chat --video: the first message carries it; a bad one: one line, exit 1
     args = ["chat", "-m", str(d), "--temp", "0", "-n", "3", "-t", "1", "--ignore-eos"]
+    args += ["--vision-dtype", "f32"]  # the engine compared with is exact
     r = CliRunner().invoke(app, args + ["--video", str(vids["c"])], input="What is it?\n")
     assert r.exit_code == 0, r.output
     assert greedy_text(eng, one_video(vids["c"], "What is it?"), 3) in r.stdout

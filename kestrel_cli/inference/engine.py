@@ -95,6 +95,10 @@ class LoadOptions:
             sparse_k and sparse_probes).
         mmproj: a Qwen3-VL GGUF's vision tower, llama.cpp's mmproj GGUF (--mmproj); None:
             the one mmproj*.gguf beside a qwen3vl GGUF, if there is one (models/mmproj.py).
+        vision_dtype: the Qwen3-VL vision tower's dtype (--vision-dtype): "f32" exact (the
+            library's default), "bf16" bf16 matmuls and attention on AVX512-BF16 (refused
+            on a CPU without it), "auto" bf16 where the CPU has it, else f32 (the CLI's
+            default). The text model is not affected.
     """
 
     kv_q8: bool = False
@@ -110,6 +114,7 @@ class LoadOptions:
     repack: bool = True
     sparse: str | SparseSpec | None = None
     mmproj: str | os.PathLike | None = None
+    vision_dtype: str = "f32"
 
     def sparse_spec(self) -> SparseSpec | None:
         """The sparse options these give; None: exact attention."""
@@ -152,7 +157,15 @@ class LoadOptions:
                 f"sparse options must be a SparseSpec or its text, got {type(self.sparse).__name__}"
             )
         self.sparse_spec()
+        self.resolved_vision_dtype()
         return self
+
+    def resolved_vision_dtype(self) -> str:
+        """ "f32" or "bf16": vision_dtype with "auto" resolved for this CPU (KestrelError
+        for an unknown value, or bf16 on a CPU without bf16 dot products)."""
+        from kestrel_cli.models.qwen3_vl_vision import resolve_dtype
+
+        return resolve_dtype(self.vision_dtype)
 
     @property
     def cache_spec(self) -> CacheSpec:
@@ -299,6 +312,7 @@ class Engine:
         repack: bool = True,
         sparse: str | SparseSpec | None = None,
         mmproj: str | os.PathLike | None = None,
+        vision_dtype: str = "f32",
     ) -> "Engine":
         """Load a checkpoint directory or GGUF file; None loads the bundled SmolLM2.
 
@@ -320,6 +334,7 @@ class Engine:
                 repack,
                 sparse,
                 mmproj,
+                vision_dtype,
             ),
         )
 
@@ -343,6 +358,8 @@ class Engine:
             if not store.experts_at_load:
                 notices.append(why)
         model = resolve(cfg.model_type).Model(cfg, store, threads, act=options.act)
+        if hasattr(model, "vision_dtype"):  # Qwen3-VL: its vision tower's dtype
+            model.vision_dtype = options.vision_dtype
         eng = cls(
             model,
             tok,

@@ -39,6 +39,7 @@ class Stats:
     kv_bytes: int = 0
     vision_ms: float = 0.0  # vision tower time within prefill_ms (prompts with images)
     image_tokens: int = 0  # image tokens in the prompt
+    vision_bits: int = 32  # the vision tower's operands: 16 bf16, 32 float32 (--vision-dtype)
     draft_tokens: int = 0  # speculative decoding: tokens the draft model proposed
     draft_accepted: int = 0  # of which the target sampled the same token
 
@@ -181,6 +182,7 @@ def stream_generate(
     stats.prefill_ms = (time.perf_counter() - t0) * 1e3
     stats.vision_ms = float(getattr(engine, "vision_ms", 0.0))
     stats.image_tokens = int(getattr(engine, "image_tokens", 0))
+    stats.vision_bits = int(getattr(engine.model, "vision_bits", 32))
     history = list(prompt_ids)
     detok = engine.tokenizer.detokenizer()
     pending, finish, stopped, complete = "", "length", False, False

@@ -3,7 +3,8 @@ contract is docs/DESIGN.md §4 Timing lines.
 
     [DEC-SINGLE] tok=12 pos=2073 ms=56.2 attn=12.8 matmul=40.1 other=3.3
     [PERF] prefill_tokens=2061 prefill_ms=... prefill_tps=... decode_tokens=... decode_ms=...
-           decode_tps=... attn_ms_per_tok=... kv_bytes=... [vision_ms=... image_tokens=...]
+           decode_tps=... attn_ms_per_tok=... kv_bytes=...
+           [vision_ms=... image_tokens=... vision_bits=...]
            [draft_tokens=... draft_accepted=... draft_rate=...]
 
 Keys and their order are stable for scripts (scripts/*.sh parse them with awk). Times are
@@ -33,8 +34,9 @@ PERF_KEYS = (
     "kv_bytes",
 )
 # appended to [PERF] when the prompt had images (Qwen3-VL): vision tower time (part of
-# prefill_ms) and the prompt's image tokens
-PERF_VISION_KEYS = ("vision_ms", "image_tokens")
+# prefill_ms), the prompt's image tokens, and the width of the tower's matmul and attention
+# operands: 16 (bf16, --vision-dtype) or 32 (float32)
+PERF_VISION_KEYS = ("vision_ms", "image_tokens", "vision_bits")
 # appended to [PERF] when a draft model ran (--draft): tokens it proposed, how many of them
 # the target accepted, and that as a percentage
 PERF_DRAFT_KEYS = ("draft_tokens", "draft_accepted", "draft_rate")
@@ -90,7 +92,11 @@ def format_perf(s: Stats) -> str:
             attn_ms_per_tok=float(s.attn_ms_per_tok),
             kv_bytes=int(s.kv_bytes),
             **(
-                dict(vision_ms=float(s.vision_ms), image_tokens=int(s.image_tokens))
+                dict(
+                    vision_ms=float(s.vision_ms),
+                    image_tokens=int(s.image_tokens),
+                    vision_bits=int(s.vision_bits),
+                )
                 if s.image_tokens
                 else {}
             ),

@@ -116,12 +116,21 @@ class Model(qwen3.Model):
         super().__init__(cfg, store, threads, act)
         self.store = store
         self._vision = [None]  # shared by Engine.fork's shallow copies
+        # the vision tower's dtype as asked (qwen3_vl_vision.DTYPES; Engine.load sets it
+        # from --vision-dtype before the tower loads, which resolves "auto")
+        self.vision_dtype = "f32"
 
     @property
     def has_vision(self) -> bool:
         from kestrel_cli.models.qwen3_vl_vision import VisionTower
 
         return self.cfg.vision_config is not None and VisionTower.check_tensors(self.store)
+
+    @property
+    def vision_bits(self) -> int:
+        """Width of the vision tower's matmul and attention operands: 16 (bf16) or 32."""
+        tower = self._vision[0]
+        return 16 if tower is not None and tower.dtype == "bf16" else 32
 
     @property
     def vision(self):
@@ -135,7 +144,10 @@ class Model(qwen3.Model):
                     "images need a full Qwen3-VL checkpoint"
                 )
             self._vision[0] = VisionTower(
-                VisionConfig.from_hf(self.cfg.vision_config), self.store, self.threads
+                VisionConfig.from_hf(self.cfg.vision_config),
+                self.store,
+                self.threads,
+                self.vision_dtype,
             )
         return self._vision[0]
 

@@ -23,6 +23,14 @@ a zero angle rotates by exactly nothing), attention is the prefill attention's t
 causal (see `full_attention`); LayerNorm, bias + GELU and bias + residual add are `kernels.layer_norm`,
 `bias_act` and `residual_add` (pyx/vision_ops.h), each one threaded pass.
 The weights are used as stored (--quant does not touch the vision tower).
+
+Two dtypes (`VisionTower.set_dtype`, `--vision-dtype`): "f32", the exact float path above,
+and "bf16" (AVX512-BF16 only): every matmul on `kernels.matmul_bf16` (the weights converted
+to bf16 once, the activations rounded per call), q, k and v from one fused matmul, and
+attention on `kernels.attention_bf16` (bias, 2-D RoPE and the bf16 rounding of q, k, v in
+its packing pass, vdpbf16ps for QK^T and PV, float32 softmax); LayerNorm, GELU and the
+residual stream stay float32. "auto" (`resolve_dtype`) is bf16 where the CPU has
+AVX512-BF16, else f32.
 """
 
 from __future__ import annotations
@@ -37,6 +45,23 @@ from kestrel_cli.formats.weights import Weight
 from kestrel_cli.runtime import kernels as K
 
 PREFIX = "model.visual"
+DTYPES = ("auto", "f32", "bf16")  # --vision-dtype
+
+
+def resolve_dtype(dtype: str) -> str:
+    """The dtype the tower runs in for a --vision-dtype value: "auto" is "bf16" where the
+    CPU has native bf16 dot products (`kernels.HAVE_BF16_DOT`: AVX512-BF16), else "f32";
+    "bf16" asked where it has none is refused (KestrelError), never silently exact."""
+    if dtype not in DTYPES:
+        raise KestrelError(f"--vision-dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype == "auto":
+        return "bf16" if K.HAVE_BF16_DOT else "f32"
+    if dtype == "bf16" and not K.HAVE_BF16_DOT:
+        raise KestrelError(
+            "--vision-dtype bf16 needs a CPU with AVX512-BF16 (bf16 dot products); this one "
+            "has none: use --vision-dtype auto or f32"
+        )
+    return dtype
 
 
 @dataclass
@@ -116,21 +141,37 @@ class _NoClock:
 _NO_CLOCK = _NoClock()
 
 
+def to_bf16(w: Weight) -> Weight:
+    """w as a bf16 Weight (itself when it is one): its float32 values rounded to nearest
+    even (a block format dequantised first)."""
+    if w.fmt == "bf16":
+        return w
+    u = np.ascontiguousarray(w.dequantize(), dtype=np.float32).view(np.uint32)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    r[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return Weight("bf16", r, w.shape)
+
+
 class Linear:
     """y = act(x @ W.T + b): the matmul kernel, then the bias and the activation in one
-    pass (`kernels.bias_act`). With `bf16` set (VisionTower.use_bf16), a bf16 weight
-    multiplies bf16-rounded activations (`kernels.matmul_bf16`)."""
+    pass (`kernels.bias_act`). With `w16` set (VisionTower.set_dtype("bf16")), that bf16
+    weight multiplies bf16-rounded activations (`kernels.matmul_bf16`)."""
 
     def __init__(self, w: Weight, b: np.ndarray | None):
         self.w, self.b = w, b
-        self.bf16 = False
+        self.w16: Weight | None = None
+
+    @property
+    def bf16(self) -> bool:
+        return self.w16 is not None
 
     def matmul(self, x: np.ndarray, threads: int) -> np.ndarray:
         """x @ W.T alone (the caller adds the bias: `kernels.residual_add`)."""
         out = np.empty((x.shape[0], self.w.shape[0]), dtype=np.float32)
         x = np.ascontiguousarray(x)
-        if self.bf16:
-            return K.matmul_bf16(x, self.w, out, threads)
+        if self.w16 is not None:
+            return K.matmul_bf16(x, self.w16, out, threads)
         return K.matmul(x, self.w, out, threads)
 
     def __call__(self, x: np.ndarray, threads: int, act: str | None = None) -> np.ndarray:
@@ -247,6 +288,8 @@ class Block:
         )
         qkv = _matrix(store, f"{p}.attn.qkv.weight", (3 * H, H))
         qkv_b = store.vector(f"{p}.attn.qkv.bias", (3 * H,))
+        # bf16: one matmul for q | k | v, the bias added by the attention's packing
+        self.qkv_fused = Linear(qkv, np.ascontiguousarray(qkv_b, dtype=np.float32))
         # q, k and v as three row ranges of the fused weight: three contiguous outputs
         self.qkv = [
             Linear(
@@ -260,12 +303,56 @@ class Block:
         self.fc2 = _linear(store, f"{p}.mlp.linear_fc2", H, I)
         self.n_heads, self.head_dim = cfg.num_heads, cfg.head_dim
 
+    def linears(self, bf16: bool) -> list[Linear]:
+        """The block's matmuls in one dtype's form (bf16: q, k, v fused)."""
+        return [*([self.qkv_fused] if bf16 else self.qkv), self.proj, self.fc1, self.fc2]
+
     def __call__(self, h: np.ndarray, rope, segments, threads: int, clock=_NO_CLOCK) -> None:
         """h (N, H) updated in place; rope: [(positions, inv_freq)] per call of the rope
-        kernel; segments: (start, end) row ranges attending among themselves (images)."""
-        N = h.shape[0]
+        kernel (f32), or (cos, sin) tables (N, head_dim / 2) (bf16: the fused qkv set);
+        segments: (start, end) row ranges attending among themselves (images)."""
         x = layer_norm(h, *self.norm1, threads)
         clock.lap("layernorm")
+        if self.qkv_fused.bf16:
+            att = self._attention_bf16(x, rope, segments, threads, clock)
+        else:
+            att = self._attention_f32(x, rope, segments, threads, clock)
+        K.residual_add(h, self.proj.matmul(att, threads), self.proj.b, threads)
+        clock.lap("proj")
+        x = layer_norm(h, *self.norm2, threads)
+        clock.lap("layernorm")
+        y = self.fc1.matmul(x, threads)
+        clock.lap("fc1")
+        K.bias_act(y, self.fc1.b, "gelu_tanh", threads)
+        clock.lap("gelu")
+        K.residual_add(h, self.fc2.matmul(y, threads), self.fc2.b, threads)
+        clock.lap("fc2")
+
+    def _attention_bf16(self, x, rope, segments, threads, clock) -> np.ndarray:
+        """attn(x) before proj: one fused qkv matmul, then per segment the bf16 attention
+        kernel (bias and rotation applied in its packing)."""
+        qkv = self.qkv_fused.matmul(x, threads)
+        clock.lap("qkv")
+        cos, sin = rope
+        att = np.empty((x.shape[0], self.n_heads * self.head_dim), np.float32)
+        for a, b in segments:
+            K.attention_bf16(
+                qkv[a:b],
+                self.qkv_fused.b,
+                cos[a:b],
+                sin[a:b],
+                self.n_heads,
+                self.head_dim,
+                float(self.head_dim) ** -0.5,
+                att[a:b],
+                threads,
+            )
+        clock.lap("attention")
+        return att
+
+    def _attention_f32(self, x, rope, segments, threads, clock) -> np.ndarray:
+        """attn(x) before proj, the exact float path."""
+        N = x.shape[0]
         q, k, v = (lin(x, threads) for lin in self.qkv)
         clock.lap("qkv")
         q3 = q.reshape(N, self.n_heads, self.head_dim)
@@ -278,16 +365,7 @@ class Block:
         for a, b in segments:
             att[a:b] = full_attention(q[a:b], k[a:b], v[a:b], self.n_heads, self.head_dim, threads)
         clock.lap("attention")
-        K.residual_add(h, self.proj.matmul(att, threads), self.proj.b, threads)
-        clock.lap("proj")
-        x = layer_norm(h, *self.norm2, threads)
-        clock.lap("layernorm")
-        y = self.fc1.matmul(x, threads)
-        clock.lap("fc1")
-        K.bias_act(y, self.fc1.b, "gelu_tanh", threads)
-        clock.lap("gelu")
-        K.residual_add(h, self.fc2.matmul(y, threads), self.fc2.b, threads)
-        clock.lap("fc2")
+        return att
 
 
 class Merger:
@@ -314,8 +392,9 @@ class VisionTower:
     """The vision encoder of a Qwen3-VL checkpoint; `encode` runs it on preprocessed
     images."""
 
-    def __init__(self, cfg: VisionConfig, store, threads: int):
+    def __init__(self, cfg: VisionConfig, store, threads: int, dtype: str = "f32"):
         self.cfg, self.threads = cfg, int(threads or 0)
+        self.dtype = "f32"
         H = cfg.hidden_size
         p = PREFIX
         pe = _matrix(
@@ -341,26 +420,46 @@ class VisionTower:
         zero = np.zeros_like(inv)
         self.inv_rows = np.concatenate([inv, zero])  # (hd / 2,)
         self.inv_cols = np.concatenate([zero, inv])
+        self.set_dtype(dtype)
 
     def linears(self) -> list[Linear]:
-        """Every matmul of the tower."""
+        """Every matmul of the tower in its current dtype's form (bf16: q, k, v fused)."""
         out = [self.patch_embed]
         for blk in self.blocks:
-            out += [*blk.qkv, blk.proj, blk.fc1, blk.fc2]
+            out += blk.linears(self.dtype == "bf16")
         for mg in [self.merger, *self.deepstack]:
             out += [mg.fc1, mg.fc2]
         return out
 
-    def use_bf16(self, on: bool) -> int:
-        """With on, the bf16 weights multiply bf16-rounded activations on AVX512-BF16
-        (`kernels.matmul_bf16`: about twice the float rate, ~1e-3 relative error per
-        matmul output) where the CPU has it; off: the exact float path (the default).
-        Returns how many matmuls take the bf16 path."""
-        n = 0
+    def set_dtype(self, dtype: str) -> str:
+        """Run in `dtype` from now on ("auto", "f32" or "bf16", `resolve_dtype`); returns the
+        resolved one. bf16: every weight converted to bf16 (kept; a bf16 file's weights are
+        used as they lie), ~1e-2 relative error in the embeddings; f32: exact. The bf16
+        attention takes heads of at most 128: larger ones make auto f32, bf16 an error."""
+        asked, dtype = dtype, resolve_dtype(dtype)
+        if dtype == "bf16" and self.cfg.head_dim > 128:
+            if asked != "auto":
+                raise KestrelError(
+                    f"--vision-dtype bf16: head size {self.cfg.head_dim} is over the bf16 "
+                    f"attention's 128; use --vision-dtype f32"
+                )
+            dtype = "f32"
+        for blk in self.blocks:
+            for lin in [*blk.linears(True), *blk.qkv]:
+                lin.w16 = None
+        self.dtype = dtype
         for lin in self.linears():
-            lin.bf16 = bool(on) and K.HAVE_BF16_DOT and lin.w.fmt == "bf16"
-            n += lin.bf16
-        return n
+            lin.w16 = to_bf16(lin.w) if dtype == "bf16" else None
+        return dtype
+
+    def _rope_tables(self, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin (N, head_dim / 2) of the 2-D rotary angles, float32: the first
+        quarter of the dims by the patch row, the rest by its column (the same angles
+        as the two rope kernel calls of the float path)."""
+        ang = rows.astype(np.float32)[:, None] * self.inv_rows[None, :]
+        ang += cols.astype(np.float32)[:, None] * self.inv_cols[None, :]
+        ang = ang.astype(np.float64)
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
     @staticmethod
     def check_tensors(store) -> bool:
@@ -389,8 +488,10 @@ class VisionTower:
         pos = []
         for t, gh, gw in grids:
             idx, wts = pos_embed_taps(gh, gw, self.side, m)
-            tab = self.pos_embed.rows(idx.reshape(-1)).reshape(-1, 4, cfg.hidden_size)
-            pe = (tab * wts[:, :, None]).sum(axis=1, dtype=np.float32)
+            # the 4 taps' weighted rows summed in tap order, one (N, H) table at a time
+            pe = self.pos_embed.rows(idx[:, 0]) * wts[:, 0:1]
+            for j in range(1, 4):
+                pe += self.pos_embed.rows(idx[:, j]) * wts[:, j : j + 1]
             r, c = merge_order_coords(gh, gw, m)
             for _ in range(t):
                 pos.append(pe)
@@ -400,10 +501,14 @@ class VisionTower:
                 start += gh * gw
         h += np.concatenate(pos)
         clock.lap("pos_embed")
-        rope = [
-            (np.ascontiguousarray(np.concatenate(rows)), self.inv_rows),
-            (np.ascontiguousarray(np.concatenate(cols)), self.inv_cols),
-        ]
+        rows, cols = np.concatenate(rows), np.concatenate(cols)
+        if self.dtype == "bf16":
+            rope = self._rope_tables(rows, cols)
+        else:
+            rope = [
+                (np.ascontiguousarray(rows), self.inv_rows),
+                (np.ascontiguousarray(cols), self.inv_cols),
+            ]
         feats = []
         for i, blk in enumerate(self.blocks):
             blk(h, rope, segs, threads, clock)

@@ -787,6 +787,66 @@ def softmax_rows(s: np.ndarray, scale: float, threads: int | None = None) -> np.
     return s
 
 
+def attention_bf16(
+    qkv: np.ndarray,
+    bias: np.ndarray | None,
+    cos: np.ndarray | None,
+    sin: np.ndarray | None,
+    n_heads: int,
+    head_dim: int,
+    scale: float,
+    out: np.ndarray,
+    threads: int | None = None,
+) -> np.ndarray:
+    """Bidirectional attention in bf16 on AVX512-BF16 (pyx/attn_bf16.h): every row of q
+    over all N rows of k and v, per head, out[i, h] = softmax(scale * q[i, h] . k[:, h]) @
+    v[:, h], where q, k, v = the three column thirds of qkv + bias, q and k rotated
+    (rotate-half form, angle per token and pair of dims i, i + head_dim / 2 given by its
+    cos and sin), each rounded to bf16; the scores, softmax and sums float32. Not exact:
+    ~1e-2 relative per output (the rounding of q, k, v and of the probabilities). Needs
+    HAVE_BF16_DOT.
+
+    Args:
+        qkv: float32 (N, 3 * n_heads * head_dim), C-contiguous: q | k | v.
+        bias: float32 (3 * n_heads * head_dim,), or None.
+        cos, sin: float32 (N, head_dim / 2) each, or both None (no rotation).
+        n_heads, head_dim: head_dim even, at most 128.
+        scale: > 0 (usually head_dim ** -0.5).
+        out: float32 (N, n_heads * head_dim), C-contiguous, written.
+        threads: OpenMP threads (None/0: default).
+    Returns:
+        out.
+    """
+    if not HAVE_BF16_DOT:
+        raise ValueError("attention_bf16: this CPU has no AVX512-BF16 (HAVE_BF16_DOT is False)")
+    if head_dim < 2 or head_dim % 2 or head_dim > 128:
+        raise ValueError(f"head_dim: must be even and at most 128, got {head_dim}")
+    if n_heads < 1:
+        raise ValueError(f"n_heads: must be >= 1, got {n_heads}")
+    if not scale > 0:
+        raise ValueError(f"scale: must be > 0, got {scale}")
+    W = n_heads * head_dim
+    _array(qkv, "qkv", np.float32, 2)
+    N = qkv.shape[0]
+    _shape(qkv, "qkv", (N, 3 * W))
+    if bias is not None:
+        _array(bias, "bias", np.float32, 1)
+        _shape(bias, "bias", (3 * W,))
+    if (cos is None) != (sin is None):
+        raise ValueError("cos, sin: give both or neither")
+    if cos is not None:
+        _array(cos, "cos", np.float32, 2)
+        _shape(cos, "cos", (N, head_dim // 2))
+        _array(sin, "sin", np.float32, 2)
+        _shape(sin, "sin", (N, head_dim // 2))
+    _array(out, "out", np.float32, 2, writable=True)
+    _shape(out, "out", (N, W))
+    _lib.attention_bf16(
+        qkv, bias, cos, sin, int(n_heads), int(head_dim), float(scale), out, _threads(threads)
+    )
+    return out
+
+
 KV_BLOCK = 32  # tokens per KV cache block, which is also one sparse-selection block
 SLOTS = _lib.SLOTS  # rows of the importance scratch (`imp_slots`)
 prefill_tile_rows = _lib.prefill_tile_rows  # query rows per prefill tile, by group size
