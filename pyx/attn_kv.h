@@ -497,6 +497,26 @@ KF_TARGET_AVX2 static inline void ka_sketch_dots_avx2(const uint8_t *restrict x,
             _mm256_storeu_si256((__m256i *)(acc[g] + 8 * i), s[i]);
     }
 }
+
+/* Rows j and j + 1 of a sketched block (x) as one dword per token of its four nibbles
+ * (dims j, j + hd/2, j + 1, j + 1 + hd/2): tokens {0-3, 8-11, ..} into *ua, {4-7, 12-15,
+ * ..} into *ub (the in-lane unpacks). m1, m2: 0x000F000F, 0x0F000F00 in every dword. */
+KF_TARGET_AVX512 static inline void ka_sk_quads(const uint8_t *restrict x, ptrdiff_t j,
+                                                __m512i m1, __m512i m2, __m512i *ua,
+                                                __m512i *ub)
+{
+    const __m512i w0 = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256((const __m256i *)(x + j * KA_SKBS)));
+    const __m512i w1 = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256((const __m256i *)(x + (j + 1) * KA_SKBS)));
+    const __m512i a = _mm512_unpacklo_epi16(w0, w1), b = _mm512_unpackhi_epi16(w0, w1);
+    /* (a & m1) | ((a << 4) & m2): imm 0xF8 = A | (B & C) over (a & m1, a << 4, m2) */
+    *ua = _mm512_ternarylogic_epi32(_mm512_and_si512(a, m1), _mm512_slli_epi32(a, 4), m2,
+                                    0xF8);
+    *ub = _mm512_ternarylogic_epi32(_mm512_and_si512(b, m1), _mm512_slli_epi32(b, 4), m2,
+                                    0xF8);
+}
+
 /* ka_sketch_dots with AVX-512 VNNI (the avx2 entries on a CPU that has it: kf_isa;
  * hd/2 even): rows j and j + 1 become, per token, one dword of its four nibbles (dims j,
  * j + hd/2, j + 1, j + 1 + hd/2: the order ka_sketch_query lays the query out in), once
@@ -516,20 +536,46 @@ KF_TARGET_AVX512 static void ka_sketch_dots_avx512(const uint8_t *restrict x, pt
      * rows unpacked as they are read (kept for the next queries, they were spilled) */
     for (ptrdiff_t g0 = 0; g0 < ng; g0 += 4) {
         const ptrdiff_t gn = ng - g0 < 4 ? ng - g0 : 4;
+        if (gn <= 2 && h2 % 4 == 0) {
+            /* one or two queries: each one's sums in two chains more (row pairs j and
+             * j + 2 apart), added at the end (integers: the same sums); their latency
+             * was what the pass waited on */
+            __m512i a0[2], b0[2], a1[2], b1[2];
+            for (int i = 0; i < 2; i++)
+                a0[i] = b0[i] = a1[i] = b1[i] = _mm512_setzero_si512();
+            for (ptrdiff_t j = 0; j < h2; j += 4) {
+                __m512i ua0, ub0, ua1, ub1;
+                ka_sk_quads(x, j, m1, m2, &ua0, &ub0);
+                ka_sk_quads(x, j + 2, m1, m2, &ua1, &ub1);
+                KF_UNROLL_ALL
+                for (int i = 0; i < 2; i++) {
+                    if (i >= gn)
+                        break;
+                    int32_t q0, q1;
+                    memcpy(&q0, qi + (g0 + i) * 2 * h2 + 2 * j, 4);
+                    memcpy(&q1, qi + (g0 + i) * 2 * h2 + 2 * j + 4, 4);
+                    const __m512i w0 = _mm512_set1_epi32(q0), w1 = _mm512_set1_epi32(q1);
+                    a0[i] = _mm512_dpbusd_epi32(a0[i], ua0, w0);
+                    b0[i] = _mm512_dpbusd_epi32(b0[i], ub0, w0);
+                    a1[i] = _mm512_dpbusd_epi32(a1[i], ua1, w1);
+                    b1[i] = _mm512_dpbusd_epi32(b1[i], ub1, w1);
+                }
+            }
+            for (int i = 0; i < gn; i++) {
+                const __m512i sa = _mm512_add_epi32(a0[i], a1[i]);
+                const __m512i sb = _mm512_add_epi32(b0[i], b1[i]);
+                _mm512_storeu_si512((void *)acc[g0 + i], _mm512_permutex2var_epi32(sa, lo, sb));
+                _mm512_storeu_si512((void *)(acc[g0 + i] + 16),
+                                    _mm512_permutex2var_epi32(sa, hi, sb));
+            }
+            continue;
+        }
         __m512i sa[4], sb[4];
         for (int i = 0; i < 4; i++)
             sa[i] = sb[i] = _mm512_setzero_si512();
         for (ptrdiff_t j = 0; j < h2; j += 2) {
-            const __m512i w0 = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256((const __m256i *)(x + j * KA_SKBS)));
-            const __m512i w1 = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256((const __m256i *)(x + (j + 1) * KA_SKBS)));
-            const __m512i a = _mm512_unpacklo_epi16(w0, w1), b = _mm512_unpackhi_epi16(w0, w1);
-            /* (a & m1) | ((a << 4) & m2): imm 0xF8 = A | (B & C) over (a & m1, a << 4, m2) */
-            const __m512i ua = _mm512_ternarylogic_epi32(_mm512_and_si512(a, m1),
-                                                         _mm512_slli_epi32(a, 4), m2, 0xF8);
-            const __m512i ub = _mm512_ternarylogic_epi32(_mm512_and_si512(b, m1),
-                                                         _mm512_slli_epi32(b, 4), m2, 0xF8);
+            __m512i ua, ub;
+            ka_sk_quads(x, j, m1, m2, &ua, &ub);
             KF_UNROLL_ALL
             for (int i = 0; i < 4; i++) {
                 if (i >= gn)
