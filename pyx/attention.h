@@ -113,6 +113,41 @@ static inline void ka_decode_heads_run(KA_DECODE_H_ARGS)
     ka_decode_h_tab[kf_isa](kv, q, p, kh0, kh1, n_heads, n_ctx, scale, picked, sp, ws, tab);
 }
 
+/* Phase R (the rest, attn_decode.h ka_decode_rest) per variant, as A2's. */
+#define KA_DECODE_R_ARGS const ka_kv *kv, ptrdiff_t kh, ptrdiff_t p0, ptrdiff_t p1, \
+    ptrdiff_t n_heads, ptrdiff_t nb, const ka_sparse *sp, float *tab
+#define KA_DECODE_R_ENTRY(SUF, ATTR, F16C)                                               \
+    ATTR static void ka_decode_rest_##SUF(KA_DECODE_R_ARGS)                              \
+    {                                                                                    \
+        ka_kv kv2 = *kv;                                                                 \
+        kv2.f16c = kv2.x86v3 = (F16C);                                                   \
+        ka_decode_rest(&kv2, kh, p0, p1, n_heads, nb, sp, tab);                          \
+    }
+
+KA_DECODE_R_ENTRY(base, , 0)
+#if KF_X86_DISPATCH
+KA_DECODE_R_ENTRY(avx2, KF_TARGET_AVX2, 1)
+#elif KF_ARM_DISPATCH
+KA_DECODE_R_ENTRY(dotprod, KF_TARGET_DOTPROD, 0)
+#endif
+
+typedef void (*ka_decode_r_fn)(KA_DECODE_R_ARGS);
+#if KF_X86_DISPATCH
+static const ka_decode_r_fn ka_decode_r_tab[KF_N_ISA] = {
+    ka_decode_rest_base, ka_decode_rest_avx2, ka_decode_rest_avx2};
+#elif KF_ARM_DISPATCH
+static const ka_decode_r_fn ka_decode_r_tab[KF_N_ISA] = {
+    ka_decode_rest_base, ka_decode_rest_dotprod, ka_decode_rest_dotprod};
+#else
+static const ka_decode_r_fn ka_decode_r_tab[KF_N_ISA] = {
+    ka_decode_rest_base, ka_decode_rest_base, ka_decode_rest_base};
+#endif
+
+static inline void ka_decode_rest_run(KA_DECODE_R_ARGS)
+{
+    ka_decode_r_tab[kf_isa](kv, kh, p0, p1, n_heads, nb, sp, tab);
+}
+
 typedef void (*ka_decode_a_fn)(KA_DECODE_A_ARGS);
 
 #if KF_X86_DISPATCH

@@ -18,8 +18,9 @@
  *   M.  as above.
  * Every float sum runs in an order fixed by the block and part indices (KA_PB is a
  * constant), so no result depends on the thread count.
- * With --sparse-rest (the sketch probe), A2 also folds each block a head does not attend
- * into the part's state as one pseudo-token (ka_decode_rest).
+ * With --sparse-rest (the sketch probe), a phase R after A2 folds each block a head does
+ * not attend into its part's state as one pseudo-token (ka_decode_rest; unit: a run of
+ * parts of one kv head).
  * tab: part states (n_parts, n_heads, hd + 2), then the probes (n_heads, nb), then the
  * picked-block masks (n_heads, nb) bytes, then (--sparse-rest) each block's rest weights
  * (n_heads, nb, KA_RESTW floats: ka_rest_weights), then each head's rest floor
@@ -42,6 +43,9 @@
 
 #define KA_PB 4       /* blocks per decode part: small parts balance the threads better than 16 */
 #define KA_GMAX 64    /* most query heads per kv head in a decode unit */
+#ifndef KA_RPARTS
+#define KA_RPARTS 16  /* parts of one kv head in a unit of phase R (the rest) */
+#endif
 
 enum { KA_DEC_STATES = 0, KA_DEC_PROBES = 1, KA_DEC_PICKED = 2 };
 
@@ -322,8 +326,8 @@ KF_INLINE void ka_decode_a(const ka_kv *kv, const float *q, ptrdiff_t u, ptrdiff
  * least h's floor: score the probe (the block's log-mass), value the block's sketched
  * values weighted by its tokens' sketched shares (ka_rest_weights, kept by A1 at 7 bits):
  * out[8] * (sum_t w8_t u_t - 8 sum_t w8_t). The picks stay exact; the rest, which the
- * picks alone drop, is attention at 4 bits (scripts/sparse_eval.py sim rest=v4s). A2's
- * unit folds its part's rest blocks into the part's state, so phase M merges as exact. */
+ * picks alone drop, is attention at 4 bits (scripts/sparse_eval.py sim rest=v4s). Phase
+ * R folds each part's rest blocks into the part's state, so phase M merges as exact. */
 KF_INLINE int ka_is_rest(const uint8_t *mask, const float *probe, const float *floor,
                          ptrdiff_t h, ptrdiff_t group, ptrdiff_t nb, ptrdiff_t b, int own)
 {
@@ -331,61 +335,103 @@ KF_INLINE int ka_is_rest(const uint8_t *mask, const float *probe, const float *f
     return !att && probe[h * nb + b] >= floor[h];
 }
 
-/* After A2's value pass: part p's rest blocks into the states of the unit's heads (a
- * block above a state's max rescales it first), a block's value dots once for all the
- * heads of its kv head that count it. */
-KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t p, ptrdiff_t kh0, ptrdiff_t kh1,
+/* Whether block b counts in the rest of some query head of kv head kh. */
+KF_INLINE int ka_rest_any(const uint8_t *mask, const float *probe, const float *floor,
+                          ptrdiff_t kh, ptrdiff_t group, ptrdiff_t nb, ptrdiff_t b, int own)
+{
+    for (ptrdiff_t h = kh * group; h < (kh + 1) * group; h++)
+        if (ka_is_rest(mask, probe, floor, h, group, nb, b, own))
+            return 1;
+    return 0;
+}
+
+/* Phase R (after every A2 unit: their states are final), kv head kh, parts p0 <= p < p1:
+ * each part's rest blocks into the part's states of the kv head's query heads, block by
+ * block (a block above a state's max rescales it first), a block's value dots once for
+ * all the heads that count it. Each state takes its part's rest blocks in block order
+ * after the part's picks, whoever runs the phase: the same operations in the same order
+ * as when A2's unit folded them in itself. The phase has units of its own, a run of parts
+ * of one kv head (decode.h ka_decode_team, kv-head-major): the value sketches of a kv head
+ * are one array, block after block, so a unit reads one stream front to back and asks
+ * for the rest blocks KA_RPF ahead of the one it folds in (inside A2's units, a part of 4
+ * blocks a kv head at a time, it read 8 KiB here and there, each on a demand miss). */
+#ifndef KA_RPF
+#define KA_RPF 4      /* rest blocks fetched ahead of the one folded in */
+#endif
+KF_INLINE void ka_rest_prefetch(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t b)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    const uint8_t *x = kv->bnd + ka_sk_vals(kh, b, kv->bcap, kv->hd);
+    for (ptrdiff_t c = 0; c < KA_SKBS * (kv->hd / 2); c += 64)
+        __builtin_prefetch(x + c, 0, 3);
+#else
+    (void)kv; (void)kh; (void)b;
+#endif
+}
+
+KF_INLINE void ka_decode_rest(const ka_kv *kv, ptrdiff_t kh, ptrdiff_t p0, ptrdiff_t p1,
                               ptrdiff_t n_heads, ptrdiff_t nb, const ka_sparse *sp, float *tab)
 {
     enum { B = KA_SKBS };
-    const ptrdiff_t hd = kv->hd, h2 = hd / 2, group = n_heads / kv->n_kv;
-    const ptrdiff_t b0 = p * KA_PB, b1 = b0 + KA_PB < nb ? b0 + KA_PB : nb;
+    const ptrdiff_t hd = kv->hd, group = n_heads / kv->n_kv;
+    const ptrdiff_t b0 = p0 * KA_PB, b1 = p1 * KA_PB < nb ? p1 * KA_PB : nb;
     const int own = sp->pool != KA_POOL_UNION;
     const uint8_t *mask = ka_tab_masks(tab, nb, n_heads, hd);
     const float *probe = ka_tab_probes(tab, nb, n_heads, hd);
     const float *floor = ka_tab_floor(tab, nb, n_heads, hd);
     const float *wt = ka_tab_rest(tab, nb, n_heads, hd);
     int32_t dots[KA_GMAX * KA_SKHDMAX];
-    for (ptrdiff_t kh = kh0; kh < kh1; kh++)
-        for (ptrdiff_t b = b0; b < b1; b++) {
-            ptrdiff_t hs[KA_GMAX], ng = 0;
-            const int8_t *w8[KA_GMAX];
-            for (ptrdiff_t h = kh * group; h < (kh + 1) * group; h++)
-                if (ka_is_rest(mask, probe, floor, h, group, nb, b, own)) {
-                    w8[ng] = (const int8_t *)(wt + (h * nb + b) * KA_RESTW);
-                    hs[ng++] = h;
-                }
-            if (!ng)
+    ptrdiff_t ahead = b0, pf = -1;       /* blocks below ahead, states of part pf: asked for */
+    for (ptrdiff_t b = b0; b < b1; b++) {
+        for (; ahead < b1 && ahead <= b + KA_RPF; ahead++) {
+            if (!ka_rest_any(mask, probe, floor, kh, group, nb, ahead, own))
                 continue;
-            const uint8_t *x = kv->bnd + ka_sk_vals(kh, b, kv->bcap, hd);
+            ka_rest_prefetch(kv, kh, ahead);
 #if defined(__GNUC__) || defined(__clang__)
-            if (b + 1 < b1)                  /* the next block's value sketch */
-                for (ptrdiff_t c = 0; c < B * h2; c += 64)
-                    __builtin_prefetch(x + B * h2 + c, 0, 3);
+            /* the part's states of the kv head's heads: A2 left them in the cache of
+             * whichever thread ran its unit */
+            if (ahead / KA_PB != pf)
+                for (ptrdiff_t c = 0; c < group * (hd + 2) * (ptrdiff_t)sizeof(float); c += 64)
+                    __builtin_prefetch((const char *)(tab + (ahead / KA_PB * n_heads
+                                                             + kh * group) * (hd + 2)) + c,
+                                       1, 3);
+            pf = ahead / KA_PB;
 #endif
-            ka_rest_dots_any(kv->x86v3, x, hd, ng, w8, dots);
-            for (ptrdiff_t g = 0; g < ng; g++) {
-                const ptrdiff_t h = hs[g];
-                float *st = tab + (p * n_heads + h) * (hd + 2);
-                const float pb = probe[h * nb + b];
-                if (pb > st[0]) {                /* the new max (exp(-inf) = 0: no picks) */
-                    const float r = kf_expf(st[0] - pb);
-                    st[1] *= r;
-                    for (ptrdiff_t d = 0; d < hd; d++)
-                        st[2 + d] *= r;
-                    st[0] = pb;
-                }
-                int32_t sw = 0;
-                for (int t = 0; t < B; t++)
-                    sw += w8[g][t];
-                const float f = kf_expf(pb - st[0]);
-                const float fs = f * wt[(h * nb + b) * KA_RESTW + 8];
-                const int32_t *dg = dots + g * hd;
-                st[1] += f;
-                for (ptrdiff_t d = 0; d < hd; d++)
-                    st[2 + d] += (float)(dg[d] - 8 * sw) * fs;
-            }
         }
+        ptrdiff_t hs[KA_GMAX], ng = 0;
+        const int8_t *w8[KA_GMAX];
+        for (ptrdiff_t h = kh * group; h < (kh + 1) * group; h++)
+            if (ka_is_rest(mask, probe, floor, h, group, nb, b, own)) {
+                w8[ng] = (const int8_t *)(wt + (h * nb + b) * KA_RESTW);
+                hs[ng++] = h;
+            }
+        if (!ng)
+            continue;
+        const ptrdiff_t p = b / KA_PB;
+        const uint8_t *x = kv->bnd + ka_sk_vals(kh, b, kv->bcap, hd);
+        ka_rest_dots_any(kv->x86v3, x, hd, ng, w8, dots);
+        for (ptrdiff_t g = 0; g < ng; g++) {
+            const ptrdiff_t h = hs[g];
+            float *st = tab + (p * n_heads + h) * (hd + 2);
+            const float pb = probe[h * nb + b];
+            if (pb > st[0]) {                /* the new max (exp(-inf) = 0: no picks) */
+                const float r = kf_expf(st[0] - pb);
+                st[1] *= r;
+                for (ptrdiff_t d = 0; d < hd; d++)
+                    st[2 + d] *= r;
+                st[0] = pb;
+            }
+            int32_t sw = 0;
+            for (int t = 0; t < B; t++)
+                sw += w8[g][t];
+            const float f = kf_expf(pb - st[0]);
+            const float fs = f * wt[(h * nb + b) * KA_RESTW + 8];
+            const int32_t *dg = dots + g * hd;
+            st[1] += f;
+            for (ptrdiff_t d = 0; d < hd; d++)
+                st[2 + d] += (float)(dg[d] - 8 * sw) * fs;
+        }
+    }
 }
 
 /* Phase A / A2, token-major: unit = (part p, kv heads kh0 <= kh < kh1). The cache is
@@ -483,7 +529,6 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
     const ptrdiff_t es = kv->q8 ? 1 : (kv->f16 ? 2 : 4);  /* bytes a cache value */
     /* mask[h * nb + b]: query head h attends block b (phase P's table) */
     const uint8_t *mask = !picked ? NULL : ka_tab_masks(tab, nb, n_heads, hd);
-    const int rest = picked && sp->rest && kv->sketch;
     float *buf = ws->kt;                                 /* (KA_W, hd) converted rows */
     ptrdiff_t cnt[KA_HMAX], bl[KA_PB], nbl = 0;
     float mx[KA_HMAX];
@@ -634,8 +679,6 @@ KF_INLINE void ka_decode_heads(const ka_kv *kv, const float *q, ptrdiff_t p, ptr
             }
         }
     }
-    if (rest)
-        ka_decode_rest(kv, p, kh0, kh1, n_heads, nb, sp, tab);
 }
 
 /* Phase M for query head h: out[h] = the merge of the parts' states. */

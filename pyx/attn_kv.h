@@ -497,6 +497,26 @@ KF_TARGET_AVX2 static inline void ka_sketch_dots_avx2(const uint8_t *restrict x,
             _mm256_storeu_si256((__m256i *)(acc[g] + 8 * i), s[i]);
     }
 }
+
+/* Rows j and j + 1 of a sketched block (x) as one dword per token of its four nibbles
+ * (dims j, j + hd/2, j + 1, j + 1 + hd/2): tokens {0-3, 8-11, ..} into *ua, {4-7, 12-15,
+ * ..} into *ub (the in-lane unpacks). m1, m2: 0x000F000F, 0x0F000F00 in every dword. */
+KF_TARGET_AVX512 static inline void ka_sk_quads(const uint8_t *restrict x, ptrdiff_t j,
+                                                __m512i m1, __m512i m2, __m512i *ua,
+                                                __m512i *ub)
+{
+    const __m512i w0 = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256((const __m256i *)(x + j * KA_SKBS)));
+    const __m512i w1 = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256((const __m256i *)(x + (j + 1) * KA_SKBS)));
+    const __m512i a = _mm512_unpacklo_epi16(w0, w1), b = _mm512_unpackhi_epi16(w0, w1);
+    /* (a & m1) | ((a << 4) & m2): imm 0xF8 = A | (B & C) over (a & m1, a << 4, m2) */
+    *ua = _mm512_ternarylogic_epi32(_mm512_and_si512(a, m1), _mm512_slli_epi32(a, 4), m2,
+                                    0xF8);
+    *ub = _mm512_ternarylogic_epi32(_mm512_and_si512(b, m1), _mm512_slli_epi32(b, 4), m2,
+                                    0xF8);
+}
+
 /* ka_sketch_dots with AVX-512 VNNI (the avx2 entries on a CPU that has it: kf_isa;
  * hd/2 even): rows j and j + 1 become, per token, one dword of its four nibbles (dims j,
  * j + hd/2, j + 1, j + 1 + hd/2: the order ka_sketch_query lays the query out in), once
@@ -516,20 +536,46 @@ KF_TARGET_AVX512 static void ka_sketch_dots_avx512(const uint8_t *restrict x, pt
      * rows unpacked as they are read (kept for the next queries, they were spilled) */
     for (ptrdiff_t g0 = 0; g0 < ng; g0 += 4) {
         const ptrdiff_t gn = ng - g0 < 4 ? ng - g0 : 4;
+        if (gn <= 2 && h2 % 4 == 0) {
+            /* one or two queries: each one's sums in two chains more (row pairs j and
+             * j + 2 apart), added at the end (integers: the same sums); their latency
+             * was what the pass waited on */
+            __m512i a0[2], b0[2], a1[2], b1[2];
+            for (int i = 0; i < 2; i++)
+                a0[i] = b0[i] = a1[i] = b1[i] = _mm512_setzero_si512();
+            for (ptrdiff_t j = 0; j < h2; j += 4) {
+                __m512i ua0, ub0, ua1, ub1;
+                ka_sk_quads(x, j, m1, m2, &ua0, &ub0);
+                ka_sk_quads(x, j + 2, m1, m2, &ua1, &ub1);
+                KF_UNROLL_ALL
+                for (int i = 0; i < 2; i++) {
+                    if (i >= gn)
+                        break;
+                    int32_t q0, q1;
+                    memcpy(&q0, qi + (g0 + i) * 2 * h2 + 2 * j, 4);
+                    memcpy(&q1, qi + (g0 + i) * 2 * h2 + 2 * j + 4, 4);
+                    const __m512i w0 = _mm512_set1_epi32(q0), w1 = _mm512_set1_epi32(q1);
+                    a0[i] = _mm512_dpbusd_epi32(a0[i], ua0, w0);
+                    b0[i] = _mm512_dpbusd_epi32(b0[i], ub0, w0);
+                    a1[i] = _mm512_dpbusd_epi32(a1[i], ua1, w1);
+                    b1[i] = _mm512_dpbusd_epi32(b1[i], ub1, w1);
+                }
+            }
+            for (int i = 0; i < gn; i++) {
+                const __m512i sa = _mm512_add_epi32(a0[i], a1[i]);
+                const __m512i sb = _mm512_add_epi32(b0[i], b1[i]);
+                _mm512_storeu_si512((void *)acc[g0 + i], _mm512_permutex2var_epi32(sa, lo, sb));
+                _mm512_storeu_si512((void *)(acc[g0 + i] + 16),
+                                    _mm512_permutex2var_epi32(sa, hi, sb));
+            }
+            continue;
+        }
         __m512i sa[4], sb[4];
         for (int i = 0; i < 4; i++)
             sa[i] = sb[i] = _mm512_setzero_si512();
         for (ptrdiff_t j = 0; j < h2; j += 2) {
-            const __m512i w0 = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256((const __m256i *)(x + j * KA_SKBS)));
-            const __m512i w1 = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256((const __m256i *)(x + (j + 1) * KA_SKBS)));
-            const __m512i a = _mm512_unpacklo_epi16(w0, w1), b = _mm512_unpackhi_epi16(w0, w1);
-            /* (a & m1) | ((a << 4) & m2): imm 0xF8 = A | (B & C) over (a & m1, a << 4, m2) */
-            const __m512i ua = _mm512_ternarylogic_epi32(_mm512_and_si512(a, m1),
-                                                         _mm512_slli_epi32(a, 4), m2, 0xF8);
-            const __m512i ub = _mm512_ternarylogic_epi32(_mm512_and_si512(b, m1),
-                                                         _mm512_slli_epi32(b, 4), m2, 0xF8);
+            __m512i ua, ub;
+            ka_sk_quads(x, j, m1, m2, &ua, &ub);
             KF_UNROLL_ALL
             for (int i = 0; i < 4; i++) {
                 if (i >= gn)
@@ -690,30 +736,47 @@ KF_TARGET_AVX2 static void ka_rest_dots_avx2(const uint8_t *restrict x, ptrdiff_
 }
 
 /* ka_rest_dots with AVX-512 VNNI (hd % 16 == 0): per 16 dims and token quad one vpdpbusd
- * per nibble plane. */
+ * per nibble plane. Two queries a pass over the block, their weights broadcast once for
+ * it (per 16 dims a query's 8 broadcasts were as many instructions as its dots), the
+ * low and high planes in two chains (one chain of 8 dependent vpdpbusd a query waited on
+ * their latency): integer sums, the same in any order. */
 KF_TARGET_AVX512 static void ka_rest_dots_avx512(const uint8_t *restrict x, ptrdiff_t hd,
                                                  ptrdiff_t ng, const int8_t *const *w8,
                                                  int32_t *restrict out)
 {
     enum { NP = KA_SKBS / 8 };
     const __m512i m15 = _mm512_set1_epi8(15);
-    for (ptrdiff_t d0 = 0; d0 < hd; d0 += 16) {
-        __m512i lo[NP], hi[NP];
-        for (int p = 0; p < NP; p++) {
-            const __m512i b = _mm512_loadu_si512((const void *)(x + (p * hd + d0) * 4));
-            lo[p] = _mm512_and_si512(b, m15);
-            hi[p] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m15);
-        }
-        for (ptrdiff_t g = 0; g < ng; g++) {
-            __m512i acc = _mm512_setzero_si512();
+    for (ptrdiff_t g0 = 0; g0 < ng; g0 += 2) {
+        const int gn = ng - g0 < 2 ? 1 : 2;
+        __m512i wl[2][NP], wh[2][NP];
+        KF_UNROLL_ALL
+        for (int i = 0; i < 2; i++)
             for (int p = 0; p < NP; p++) {
-                int32_t wl, wh;
-                memcpy(&wl, w8[g] + 8 * p, 4);
-                memcpy(&wh, w8[g] + 8 * p + 4, 4);
-                acc = _mm512_dpbusd_epi32(acc, lo[p], _mm512_set1_epi32(wl));
-                acc = _mm512_dpbusd_epi32(acc, hi[p], _mm512_set1_epi32(wh));
+                int32_t a, c;
+                memcpy(&a, w8[g0 + (i < gn ? i : 0)] + 8 * p, 4);
+                memcpy(&c, w8[g0 + (i < gn ? i : 0)] + 8 * p + 4, 4);
+                wl[i][p] = _mm512_set1_epi32(a);
+                wh[i][p] = _mm512_set1_epi32(c);
             }
-            _mm512_storeu_si512((void *)(out + g * hd + d0), acc);
+        for (ptrdiff_t d0 = 0; d0 < hd; d0 += 16) {
+            __m512i lo[NP], hi[NP];
+            for (int p = 0; p < NP; p++) {
+                const __m512i b = _mm512_loadu_si512((const void *)(x + (p * hd + d0) * 4));
+                lo[p] = _mm512_and_si512(b, m15);
+                hi[p] = _mm512_and_si512(_mm512_srli_epi16(b, 4), m15);
+            }
+            KF_UNROLL_ALL
+            for (int i = 0; i < 2; i++) {
+                if (i >= gn)
+                    break;
+                __m512i al = _mm512_setzero_si512(), ah = _mm512_setzero_si512();
+                for (int p = 0; p < NP; p++) {
+                    al = _mm512_dpbusd_epi32(al, lo[p], wl[i][p]);
+                    ah = _mm512_dpbusd_epi32(ah, hi[p], wh[i][p]);
+                }
+                _mm512_storeu_si512((void *)(out + (g0 + i) * hd + d0),
+                                    _mm512_add_epi32(al, ah));
+            }
         }
     }
 }

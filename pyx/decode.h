@@ -219,7 +219,7 @@ static inline ka_ws *ka_decode_ws(const ka_kv *kv, ptrdiff_t n_heads, ptrdiff_t 
                      KA_DW * kv->n_kv * kv->hd * (ptrdiff_t)sizeof(float));
 }
 
-/* One decode row of attention (attn_decode.h's phases A1, P, A / A2, M as worksharing
+/* One decode row of attention (attn_decode.h's phases A1, P, A / A2, R, M as worksharing
  * loops): every thread of the enclosing parallel region calls it, with its workspace
  * (ka_decode_ws; a NULL ws skips its units, the caller reports the failure). q, out:
  * (n_heads * hd,); tab: ka_decode_tab floats. */
@@ -275,6 +275,20 @@ static void ka_decode_team(const ka_kv *kv, const float *q, ptrdiff_t n_heads,
             ka_decode_heads_run(kv, q, p, n_kv * c / nc, n_kv * (c + 1) / nc, n_heads, n_ctx,
                                 scale, sparse, sp, ws, tab);
         }
+    if (sparse && sp->rest && kv->bnd != NULL && kv->sketch) {
+        /* R, the rest: units of KA_RPARTS parts of one kv head, kv-head-major, so that a
+         * unit streams a run of the kv head's value sketches (attn_decode.h
+         * ka_decode_rest); handed out one at a time: how many blocks a unit counts
+         * varies with the heads' masses */
+        const ptrdiff_t nr = (n_parts + KA_RPARTS - 1) / KA_RPARTS;
+#pragma omp for schedule(dynamic, 1)
+        for (i = 0; i < n_kv * nr; i++)
+            if (ws != NULL) {
+                const ptrdiff_t kh = i / nr, p0 = i % nr * KA_RPARTS;
+                ka_decode_rest_run(kv, kh, p0, p0 + KA_RPARTS < n_parts ? p0 + KA_RPARTS
+                                   : n_parts, n_heads, nb, sp, tab);
+            }
+    }
 #pragma omp for schedule(static)
     for (i = 0; i < n_heads; i++)                                     /* M */
         if (ws != NULL)

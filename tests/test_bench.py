@@ -175,6 +175,38 @@ def test_attn_bench_reports(tmp_path, dtype, k):
     assert huge.returncode == 2 and "GiB is free" in huge.stderr, huge.stderr
 
 
+@pytest.mark.parametrize("spec", ["quality", "seed+k=4", "quality+dense=0"])
+def test_attn_bench_sparse_spec(spec):
+    """scripts/attn_bench.py --sparse SPEC: the spec's canonical spelling in the report and
+    a time a step (the quality preset: the cache keeps the key / value sketches its probe
+    and rest read); a bad spec is one usage error naming it."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts/attn_bench.py"),
+        "-d",
+        "300",
+        "-L",
+        "2",
+        "-r",
+        "2",
+        "--dtype",
+        "q8",
+        "-k",
+        "2",
+    ]
+    r = subprocess.run(cmd + ["--sparse", spec], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    want = {"quality": "quality+k=2", "seed+k=4": "k=4", "quality+dense=0": "quality+dense=0+k=2"}
+    m = re.search(
+        r"\[ATTN\] shape=qwen3-1.7b layers=2 heads=16/8x128 depth=300 "
+        rf"dtype=q8 sparse {re.escape(want[spec])} threads=2: ([0-9.]+) ms/step",
+        r.stdout,
+    )
+    assert m and float(m.group(1)) > 0, r.stdout
+    bad = subprocess.run(cmd + ["--sparse", "quality+nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_make_random_checkpoint_loads(tmp_path):
     """The Qwen3-VL-2B text config (one layer here), loadable, tokenizer included."""
     out = tmp_path / "ckpt"
