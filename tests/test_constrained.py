@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kestrel_cli.core.errors import KestrelError
@@ -350,3 +351,20 @@ def test_llguidance_tokenizer_cache_follows_the_tokenizer_object(tiny):
     gc.collect()
     assert len(constrained._TOKENIZERS) == n
     assert constrained._ll_tokenizer(tiny) is first
+
+
+@pytest.mark.parametrize("then", ["", "}"])
+def test_no_run_of_blanks_inside_the_json(tiny, then):
+    """The JSON's whitespace is fixed, a forced tool call's (`then`) as a response_format's:
+    a flexible one let a weak model spend its tokens on blanks and never close the call."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}}
+    c = JsonConstraint(tiny, schema, then=then)
+    for t in tiny.tokenizer.encode("{"):
+        c.advance(t)
+    blanks = tiny.tokenizer.encode("   \n  \n ")
+    row = np.zeros(tiny.config.vocab_size, np.float32)
+    c.apply(row)
+    assert np.isinf(row[blanks[0]])
+    with pytest.raises(KestrelError, match="rejected"):
+        for t in blanks:
+            c.advance(t)

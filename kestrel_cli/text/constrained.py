@@ -103,8 +103,11 @@ class JsonConstraint:
         check_json_depth(schema, "JSON schema not supported: the schema")
         try:
             if then:
+                # whitespace between tokens fixed, as in the plain case: a flexible one lets a
+                # weak model fill its tokens with blanks and never close the call
+                fixed = {"x-guidance": {"whitespace_flexible": False}, **schema}
                 grammar = llg.LLMatcher.grammar_from_lark(
-                    f"start: value {json.dumps(then)}\nvalue: %json {json.dumps(schema)}"
+                    f"start: value {json.dumps(then)}\nvalue: %json {json.dumps(fixed)}"
                 )
             else:
                 grammar = llg.LLMatcher.grammar_from_json_schema(
