@@ -103,9 +103,17 @@ class JsonConstraint:
         check_json_depth(schema, "JSON schema not supported: the schema")
         try:
             if then:
-                # whitespace between tokens fixed, as in the plain case: a flexible one lets a
-                # weak model fill its tokens with blanks and never close the call
-                fixed = {"x-guidance": {"whitespace_flexible": False}, **schema}
+                # a tool call's arguments with fixed separators, json.dumps' (the template's
+                # tojson): flexible whitespace lets a weak model fill its tokens with blanks
+                # and never close the call
+                fixed = {
+                    "x-guidance": {
+                        "whitespace_flexible": False,
+                        "item_separator": ", ",
+                        "key_separator": ": ",
+                    },
+                    **schema,
+                }
                 grammar = llg.LLMatcher.grammar_from_lark(
                     f"start: value {json.dumps(then)}\nvalue: %json {json.dumps(fixed)}"
                 )
