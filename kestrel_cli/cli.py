@@ -235,7 +235,7 @@ class EngineOptions:
         bool,
         typer.Option(
             "--repack/--no-repack",
-            help="At load, interleave q4_0/q4_1/q4_k/q6_k weights by 16 "
+            help="At load, interleave q4_0/q4_1/q4_k/q6_k/q8_0 weights by 16 "
             "rows (the decode GEMV's layout) and copy the other weights decode reads, but an "
             "untied embedding, into memory on huge pages; the results are the same. MoE experts "
             "are repacked too when the weights fit the free memory, else they stay mapped, with "

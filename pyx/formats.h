@@ -17,12 +17,13 @@
 enum { KF_F32 = 0, KF_F16 = 1, KF_BF16 = 2, KF_Q8_0 = 3, KF_Q4_0 = 4, KF_Q4_1 = 5,
        KF_Q5_0 = 6, KF_Q5_1 = 7, KF_Q2_K = 8, KF_Q3_K = 9, KF_Q4_K = 10, KF_Q5_K = 11,
        KF_Q6_K = 12, KF_IQ4_NL = 13, KF_IQ4_XS = 14,
-       /* q4_0 / q4_1 / q4_k / q6_k interleaved by 16 rows for decode (gemv_x16.h) */
-       KF_Q4_0X16 = 15, KF_Q4_1X16 = 16, KF_Q4_KX16 = 17, KF_Q6_KX16 = 18, KF_N_FMT = 19 };
+       /* q4_0 / q4_1 / q4_k / q6_k / q8_0 interleaved by 16 rows for decode (gemv_x16.h) */
+       KF_Q4_0X16 = 15, KF_Q4_1X16 = 16, KF_Q4_KX16 = 17, KF_Q6_KX16 = 18, KF_Q8_0X16 = 19,
+       KF_N_FMT = 20 };
 
 /* Bytes of one block (elements kf_block_elems) of each format; 0 for the float ones. */
 static const int kf_block_bytes[KF_N_FMT] = {0, 0, 0, 34, 18, 20, 22, 24, 84, 110, 144, 176,
-                                             210, 18, 136, 18, 20, 144, 210};
+                                             210, 18, 136, 18, 20, 144, 210, 34};
 
 static inline int kf_is_k(int fmt)
 {

@@ -281,6 +281,26 @@ KF_INLINE void kq_pack_x16_w(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t
         }
         return;
     }
+    if (fmt == KF_Q8_0X16) {          /* as kq_pack's q8_0: s8 q ^ xor8, one scale */
+        const uint32_t x4 = 0x01010101u * xor8;
+        for (ptrdiff_t b = 0; b < nb; b++) {
+            uint8_t *restrict dst = p + b * bs;
+            float *restrict dw = (float *)(dst + (ptrdiff_t)gr * KF_QK);
+            const uint8_t *q = KX8_Q(G, b), *D = KX8_D(G, b);
+            for (int g = 0; g < 8; g++)
+                for (int r = 0; r < gr; r++) {       /* 4 quants of a row: one word */
+                    uint32_t u = 0;
+                    if (r < nr) {
+                        memcpy(&u, q + 64 * g + 4 * (l0 + r), 4);
+                        u ^= x4;
+                    }
+                    memcpy(dst + kq_word(g, r, gr, w8), &u, 4);
+                }
+            for (int r = 0; r < gr; r++)
+                dw[r] = r < nr ? kf_f16_at(D + 2 * (l0 + r)) : 0.0f;
+        }
+        return;
+    }
     if (fmt == KF_Q4_KX16) {          /* as kq_pack's q4_k: q4_1 blocks of 32 */
         for (ptrdiff_t sb = 0; sb < nb / 8; sb++) {
             const uint8_t *Q = KX_KQA(G, sb), *M = KX_KMA(G, sb);

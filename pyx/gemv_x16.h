@@ -51,12 +51,16 @@ KF_INLINE int32_t kx_ld32(const int8_t *p)
 
 static inline int kx_is_x16(int fmt)
 {
-    return fmt == KF_Q4_0X16 || fmt == KF_Q4_1X16 || fmt == KF_Q4_KX16 || fmt == KF_Q6_KX16;
+    return fmt == KF_Q4_0X16 || fmt == KF_Q4_1X16 || fmt == KF_Q4_KX16 || fmt == KF_Q6_KX16
+           || fmt == KF_Q8_0X16;
 }
 static inline int kx_base_fmt(int fmt)
 {
-    return fmt == KF_Q4_0X16 ? KF_Q4_0
-           : (fmt == KF_Q4_1X16 ? KF_Q4_1 : (fmt == KF_Q4_KX16 ? KF_Q4_K : KF_Q6_K));
+    return fmt == KF_Q4_0X16   ? KF_Q4_0
+           : fmt == KF_Q4_1X16 ? KF_Q4_1
+           : fmt == KF_Q4_KX16 ? KF_Q4_K
+           : fmt == KF_Q8_0X16 ? KF_Q8_0
+                               : KF_Q6_K;
 }
 
 /* One group (16 rows of ldw bytes, rows ldw apart in src; rows >= nr are zero) -> the
@@ -161,6 +165,94 @@ static void kx_base_group(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t 
     memcpy(out, acc, sizeof acc);
 }
 
+
+
+/* ---------------------------------------------------------------- q8_0 x16
+ * Rows of nb blocks of 32 (34 bytes: f16 d, 32 s8 q; formats.h), nb even; a group of 16
+ * rows in the same 16 x 34 nb bytes, per pair of blocks b, b + 1 (1088 bytes, one stream,
+ * every part 64-byte aligned):
+ *   D, 64 bytes: the 16 rows' f16 d of block b, then of block b + 1;
+ *   Q, 2 x 512 bytes: per block 8 vectors of 64 bytes, vector g lane r (bytes 4r..4r+3) =
+ *      row r's quants 4g..4g+3, s8 as stored.
+ * Why: a row-major q8_0 dot spends its vector operations per row and block (a conversion,
+ * a scale product and an FMA for each 32 products, then a horizontal sum per row); with
+ * the rows in the lanes one vpdpbusd does 64 products of 16 rows, the block's float step
+ * is shared by 16 rows, and a batch's tokens each add one broadcast dot per vector
+ * (the decode rows of continuous batching: compute bound, not memory bound).
+ * int8 activations are the GEMM's arithmetic exactly (gemm_q8.h, q8_0: per row and block
+ * I = sum q xq in int32, acc = fma(d_w * xd, I, acc) in block order), so a token decodes to
+ * the bits prefill gives it, alone or among a batch's tokens; float activations sum q x per
+ * block in float and add d S. */
+#define KX8_PAIR 1088
+#define KX8_D(G, b) ((G) + (b) / 2 * KX8_PAIR + (b) % 2 * 32)
+#define KX8_Q(G, b) ((G) + (b) / 2 * KX8_PAIR + 64 + (b) % 2 * 512)
+
+/* One group (16 rows of nb = ldw / 34 blocks, rows ldw apart in src; rows >= nr zero) ->
+ * the x16 group at dst (16 ldw bytes). */
+static void kx_pack_group_8(const uint8_t *src, ptrdiff_t ldw, int nr, uint8_t *dst)
+{
+    const ptrdiff_t nb = ldw / 34;
+    for (ptrdiff_t b = 0; b < nb; b++)
+        for (int r = 0; r < KX_G; r++) {
+            uint8_t *Q = (uint8_t *)KX8_Q(dst, b), *D = (uint8_t *)KX8_D(dst, b);
+            if (r >= nr) {
+                for (int g = 0; g < 8; g++)
+                    memset(Q + 64 * g + 4 * r, 0, 4);
+                memset(D + 2 * r, 0, 2);
+                continue;
+            }
+            const uint8_t *blk = src + r * ldw + b * 34;
+            for (int g = 0; g < 8; g++)
+                memcpy(Q + 64 * g + 4 * r, blk + 2 + 4 * g, 4);
+            memcpy(D + 2 * r, blk, 2);
+        }
+}
+
+/* Row `row` of a q8_0x16 weight (base: group 0, rows of ldw bytes) -> its row-major bytes. */
+static void kx_unpack_row_8(const uint8_t *base, ptrdiff_t ldw, ptrdiff_t row,
+                            uint8_t *restrict dst)
+{
+    const ptrdiff_t nb = ldw / 34;
+    const int r = (int)(row % KX_G);
+    const uint8_t *G = base + row / KX_G * KX_G * ldw;
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        uint8_t *blk = dst + b * 34;
+        memcpy(blk, KX8_D(G, b) + 2 * r, 2);
+        for (int g = 0; g < 8; g++)
+            memcpy(blk + 2 + 4 * g, KX8_Q(G, b) + 64 * g + 4 * r, 4);
+    }
+}
+
+/* out[0..15] = the 16 rows of q8_0x16 group G . activation a (nb blocks): the base
+ * variant's arithmetic, gemm_q8.h's portable tile for int8 activations. */
+static void kx_base_group_8(int unused, const kf_act *a, ptrdiff_t nb, const uint8_t *G,
+                            float *out)
+{
+    (void)unused;
+    float acc[KX_G] = {0};
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const int8_t *q = (const int8_t *)KX8_Q(G, b);
+        for (int r = 0; r < KX_G; r++) {
+            const float d = kf_f16_at(KX8_D(G, b) + 2 * r);
+            if (a->xq != NULL) {
+                const int8_t *x = a->xq + b * KF_QK;
+                int32_t is = 0;
+                for (int g = 0; g < 8; g++)
+                    for (int j = 0; j < 4; j++)
+                        is += q[64 * g + 4 * r + j] * x[4 * g + j];
+                acc[r] = KF_FMAF(d * a->xd[b], (float)is, acc[r]);
+            } else {
+                const float *x = a->x + b * KF_QK;
+                float s = 0.0f;
+                for (int g = 0; g < 8; g++)
+                    for (int j = 0; j < 4; j++)
+                        s += (float)q[64 * g + 4 * r + j] * x[4 * g + j];
+                acc[r] += d * s;
+            }
+        }
+    }
+    memcpy(out, acc, sizeof acc);
+}
 
 
 /* ---------------------------------------------------------------- q4_k x16
@@ -566,7 +658,7 @@ static void kx_base_group_6(int unused, const kf_act *a, ptrdiff_t nsb, const ui
 #define KV_N kv16_N
 #define KV_V(name) kx_avx512_##name
 #define KV_T KF_TARGET_AVX512
-#define KV_GNT 4
+#define KV_GNT 8
 #define KV_PANEL 1
 #define KV_Q6_SUM 0
 #include "gemv_x16_vec.h"
@@ -603,6 +695,8 @@ static const kx_group_fn kx_group_k_tab[KF_N_ISA] = {kx_base_group_k, kx_avx2_gr
                                                      kx_avx512_group_k};
 static const kx_group_fn kx_group_6_tab[KF_N_ISA] = {kx_base_group_6, kx_avx2_group_6,
                                                      kx_avx512_group_6};
+static const kx_group_fn kx_group_8_tab[KF_N_ISA] = {kx_base_group_8, kx_avx2_group_8,
+                                                     kx_avx512_group_8};
 #elif KF_ARM_DISPATCH
 static const kx_group_fn kx_group_tab[KF_N_ISA] = {kx_base_group, kx_dotprod_group,
                                                    kx_dotprod_group};
@@ -610,6 +704,8 @@ static const kx_group_fn kx_group_k_tab[KF_N_ISA] = {kx_base_group_k, kx_dotprod
                                                      kx_dotprod_group_k};
 static const kx_group_fn kx_group_6_tab[KF_N_ISA] = {kx_base_group_6, kx_dotprod_group_6,
                                                      kx_dotprod_group_6};
+static const kx_group_fn kx_group_8_tab[KF_N_ISA] = {kx_base_group_8, kx_dotprod_group_8,
+                                                     kx_dotprod_group_8};
 #else
 static const kx_group_fn kx_group_tab[KF_N_ISA] = {kx_base_group, kx_base_group,
                                                    kx_base_group};
@@ -617,7 +713,20 @@ static const kx_group_fn kx_group_k_tab[KF_N_ISA] = {kx_base_group_k, kx_base_gr
                                                      kx_base_group_k};
 static const kx_group_fn kx_group_6_tab[KF_N_ISA] = {kx_base_group_6, kx_base_group_6,
                                                      kx_base_group_6};
+static const kx_group_fn kx_group_8_tab[KF_N_ISA] = {kx_base_group_8, kx_base_group_8,
+                                                     kx_base_group_8};
 #endif
+
+/* The one-token group kernel of x16 format fmt under the variant in use (the first
+ * argument it takes: q41, whether fmt is q4_1x16). */
+static inline kx_group_fn kx_group_of(int fmt)
+{
+    return fmt == KF_Q4_KX16   ? kx_group_k_tab[kf_isa]
+           : fmt == KF_Q6_KX16 ? kx_group_6_tab[kf_isa]
+           : fmt == KF_Q8_0X16 ? kx_group_8_tab[kf_isa]
+                               : kx_group_tab[kf_isa];
+}
+
 
 /* out[i - ob] = a . row i of the x16 weight w (rows ldw bytes, group 0 at w), r0 <= i < r1;
  * rows r0, r1 need not be on a group boundary (the group is computed whole). */
@@ -625,8 +734,7 @@ static void kx_gemv_rows_to(int fmt, const kf_act *a, ptrdiff_t n, const uint8_t
                             ptrdiff_t ldw, ptrdiff_t r0, ptrdiff_t r1, float *out)
 {
     const int q41 = fmt == KF_Q4_1X16;
-    const kx_group_fn fn = fmt == KF_Q4_KX16 ? kx_group_k_tab[kf_isa]
-                           : (fmt == KF_Q6_KX16 ? kx_group_6_tab[kf_isa] : kx_group_tab[kf_isa]);
+    const kx_group_fn fn = kx_group_of(fmt);
     const ptrdiff_t nb = kf_is_k(fmt) ? n / KF_QK_K : n / KF_QK;
     for (ptrdiff_t g = r0 / KX_G; g * KX_G < r1; g++) {
         const ptrdiff_t lo = g * KX_G > r0 ? g * KX_G : r0;
@@ -657,6 +765,8 @@ static void kx_unpack_rows(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t r
             kx_unpack_row_k(w, ldw, r0 + r, dst + r * ldw);
         else if (fmt == KF_Q6_KX16)
             kx_unpack_row_6(w, ldw, r0 + r, dst + r * ldw);
+        else if (fmt == KF_Q8_0X16)
+            kx_unpack_row_8(w, ldw, r0 + r, dst + r * ldw);
         else
             kx_unpack_row(fmt == KF_Q4_1X16, w, ldw, r0 + r, dst + r * ldw);
     }

@@ -4,7 +4,8 @@
  *   KV(op), KV_F, KV_I, KV_N   the variant's vec.h operations, float and 32-bit vectors,
  *                              lanes (8: AVX2, 16: AVX-512, 4: aarch64 NEON + DotProd)
  *   KV_V(name), KV_T           the variant's name for `name` (kx_avx2_name, ...), target
- *   KV_GNT                     tokens a multi-token kernel takes at most (1, or 4: t2, t4)
+ *   KV_GNT                     tokens a multi-token kernel takes at most (1; 4: t2, t4; 8: and
+ *                              q8_0's t8)
  *   KV_PANEL                   1: also the float panels (kx_*_panel; x86's GEMM takes them)
  *   KV_Q6_SUM                  q6_k's int8 float step: 0 two FMAs into acc (x86's GEMM
  *                              tiles), 1 acc += fma(d_w0 xd, I0, (d_w1 xd) I1) (the
@@ -304,6 +305,91 @@ KV_GROUP_K_T(4)
 KV_GROUP_6_T(2)
 KV_GROUP_6_T(4)
 #endif
+
+/* q8_0 (KX8_*), int8 x, NT tokens a[t]: per vector of rows, each of a block's 8 quant
+ * vectors loaded once (VNNI: as q + 128, u8) and dotted with every token's 4 bytes
+ * (V_dot_i32: AVX2 |q| x sign(x, q), widened each vector), the sum started at -V_SB xs;
+ * then the GEMM's float step. Per token the same operations in the same order whatever NT:
+ * each token gets group_8_t1's bits, which are the GEMM's. */
+#define KV_GROUP_8_T(NT)                                                                   \
+KV_T static void KV_V(group_8_t##NT)(int unused, const kf_act *a, ptrdiff_t nb,            \
+                                     const uint8_t *G, float *out, ptrdiff_t ldo)          \
+{                                                                                          \
+    (void)unused;                                                                          \
+    KV_F acc[NT][KV_NH];                                                                   \
+    KV_V(zero_t)(NT, acc);                                                                 \
+    const KV_I o80 = KV(set8)(0x80);                                                       \
+    for (ptrdiff_t b = 0; b < nb; b++) {                                                   \
+        const uint8_t *q = KX8_Q(G, b);                                                    \
+        for (int k = 0; k < 512; k += 64)                                                  \
+            KF_PREFETCH(q + KX_PF + k);                                                    \
+        for (int hh = 0; hh < KV_NH; hh++) {                                               \
+            KV_I s[NT];                                                                    \
+            for (int t = 0; t < (NT); t++)                                                 \
+                s[t] = KV(seti)(-KV(SB) * a[t].xs[b]);                                     \
+            for (int g = 0; g < 8; g++) {                                                  \
+                KV_I u = KV(loadi)(q + 64 * g + 4 * KV_N * hh);                            \
+                if (KV(SB))                                                                \
+                    u = KV(sub8)(u, o80);                                                  \
+                const KV_I au = KV(sw)(u);                                                 \
+                for (int t = 0; t < (NT); t++) {                                           \
+                    const KV_I x = KV(seti)(kx_ld32(a[t].xq + b * KF_QK + 4 * g));         \
+                    s[t] = KV(dot_i32)(s[t], au, KV(sx)(x, u));                            \
+                }                                                                          \
+            }                                                                              \
+            const KV_F dw = KV(f16b)(KX8_D(G, b) + 2 * KV_N * hh);                         \
+            for (int t = 0; t < (NT); t++)                                                 \
+                acc[t][hh] = KV(fma)(KV(mul)(dw, KV(set1)(a[t].xd[b])), KV(tof)(s[t]),     \
+                                     acc[t][hh]);                                          \
+        }                                                                                  \
+    }                                                                                      \
+    KV_V(store_t)(NT, acc, out, ldo);                                                      \
+}
+KV_GROUP_8_T(1)
+#if KV_GNT >= 2
+KV_GROUP_8_T(2)
+KV_GROUP_8_T(4)
+#endif
+#if KV_GNT >= 8
+KV_GROUP_8_T(8)
+#endif
+
+/* q8_0: out[0..15] = the group's 16 rows . a. float x: byte j of each lane (an s8 q) to
+ * the lane's top byte, q 2^24 exactly, times x, in 4 chains (j) a block; d 2^-24 scales
+ * the sum (exact). */
+KV_T static void KV_V(group_8)(int unused, const kf_act *a, ptrdiff_t nb, const uint8_t *G,
+                               float *out)
+{
+    if (a->xq != NULL) {
+        KV_V(group_8_t1)(unused, a, nb, G, out, 0);
+        return;
+    }
+    KV_F acc[KV_NH];
+    KV_I top[4];
+    for (int hh = 0; hh < KV_NH; hh++)
+        acc[hh] = KV(zero)();
+    for (int j = 0; j < 4; j++)
+        top[j] = KV(top)(j);
+    for (ptrdiff_t b = 0; b < nb; b++) {
+        const uint8_t *q = KX8_Q(G, b);
+        for (int k = 0; k < 512; k += 64)
+            KF_PREFETCH(q + KX_PF + k);
+        const float *x = a->x + b * KF_QK;
+        for (int hh = 0; hh < KV_NH; hh++) {
+            KV_F s[4] = {KV(zero)(), KV(zero)(), KV(zero)(), KV(zero)()};
+            for (int g = 0; g < 8; g++) {
+                const KV_I v = KV(loadi)(q + 64 * g + 4 * KV_N * hh);
+                for (int j = 0; j < 4; j++)
+                    s[j] = KV(fma)(KV(tof)(KV(shuf8)(v, top[j])), KV(set1)(x[4 * g + j]), s[j]);
+            }
+            const KV_F t = KV(add)(KV(add)(s[0], s[1]), KV(add)(s[2], s[3]));
+            const KV_F dw = KV(f16b)(KX8_D(G, b) + 2 * KV_N * hh);
+            acc[hh] = KV(fma)(KV(mul)(dw, KV(set1)(0x1p-24f)), t, acc[hh]);
+        }
+    }
+    for (int hh = 0; hh < KV_NH; hh++)
+        KV(store)(out + KV_N * hh, acc[hh]);
+}
 #undef KV_GROUP_T
 #undef KV_GROUP_K_T
 #undef KV_GROUP_6_T
@@ -401,6 +487,21 @@ KV_T static void KV_V(panel)(int fmt, const uint8_t *G, ptrdiff_t n, float *rest
                                       KV(mul)(d, KV(tof)(KV(sub32)(hi, KV(seti)(8)))));
                         }
                     }
+                }
+            }
+        } else if (fmt == KF_Q8_0X16) {
+            /* q 2^24 by one shuffle (as group_8), times d 2^-24: d q exactly rounded */
+            const KV_F s24 = KV(set1)(0x1p-24f);
+            KV_I top[4];
+            for (int i = 0; i < 4; i++)
+                top[i] = KV(top)(i);
+            for (ptrdiff_t b = 0; b < n / KF_QK; b++, p += 16 * KF_QK) {
+                const uint8_t *Q = KX8_Q(G, b) + 4 * KV_N * hh;
+                const KV_F d = KV(mul)(KV(f16b)(KX8_D(G, b) + 2 * KV_N * hh), s24);
+                for (int g = 0; g < 8; g++) {
+                    const KV_I v = KV(loadi)(Q + 64 * g);
+                    for (int i = 0; i < 4; i++)
+                        KV(store)(p + 16 * (4 * g + i), KV(mul)(d, KV(tof)(KV(shuf8)(v, top[i]))));
                 }
             }
         } else if (fmt == KF_Q4_KX16) {

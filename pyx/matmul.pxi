@@ -21,12 +21,14 @@ cdef extern from "matmul.h" nogil:
         KF_Q4_1X16
         KF_Q4_KX16
         KF_Q6_KX16
+        KF_Q8_0X16
     int kx_is_x16(int fmt) noexcept
     int kx_base_fmt(int fmt) noexcept
     void kx_pack_group(int q41, const uint8_t *src, Py_ssize_t ldw, int nr,
                        uint8_t *dst) noexcept
     void kx_pack_group_k(const uint8_t *src, Py_ssize_t ldw, int nr, uint8_t *dst) noexcept
     void kx_pack_group_6(const uint8_t *src, Py_ssize_t ldw, int nr, uint8_t *dst) noexcept
+    void kx_pack_group_8(const uint8_t *src, Py_ssize_t ldw, int nr, uint8_t *dst) noexcept
     void kx_unpack_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t r0,
                         Py_ssize_t nr, uint8_t *dst) noexcept
     int kx_gemm_rows(int fmt, const uint8_t *w, Py_ssize_t ldw, Py_ssize_t i0, Py_ssize_t nr,
@@ -487,19 +489,19 @@ def f32_to_f16(const float[::1] x,        # IN  (m,)
         out[i] = kf_f32_f16(x[i])
 
 
-def repack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) q4_0 / q4_1 / q4_k / q6_k rows
-               int fmt,                    # IN  KF_Q4_0, KF_Q4_1, KF_Q4_K or KF_Q6_K
+def repack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) q4_0 / q4_1 / q4_k / q6_k / q8_0 rows
+               int fmt,                    # IN  KF_Q4_0, KF_Q4_1, KF_Q4_K, KF_Q6_K or KF_Q8_0
                uint8_t[:, ::1] out,        # OUT (d, row_bytes): the x16 layout (gemv_x16.h)
                int n_threads):
     """out := w's rows interleaved by 16 (d a multiple of 16), KF_Q4_0X16 / _1X16 / _KX16 /
-    KF_Q6_KX16 (q6_k of an odd number of super-blocks a row: out's rows 18 bytes longer,
-    the last super-block's group part KX_6TAIL)"""
+    KF_Q6_KX16 / KF_Q8_0X16 (q6_k of an odd number of super-blocks a row: out's rows 18
+    bytes longer, the last super-block's group part KX_6TAIL)"""
     cdef Py_ssize_t g, d = w.shape[0], ldw = w.shape[1], ldo = ldw
-    cdef int q41 = fmt == KF_Q4_1, qk = fmt == KF_Q4_K, q6 = fmt == KF_Q6_K
+    cdef int q41 = fmt == KF_Q4_1, qk = fmt == KF_Q4_K, q6 = fmt == KF_Q6_K, q8 = fmt == KF_Q8_0
     cdef int nt = team_size(n_threads, d // 16, 8)
-    if fmt != KF_Q4_0 and fmt != KF_Q4_1 and fmt != KF_Q4_K and fmt != KF_Q6_K:
-        raise ValueError("repack_x16: fmt must be q4_0, q4_1, q4_k or q6_k")
-    if ldw % (210 if q6 else (144 if qk else (20 if q41 else 18))):
+    if fmt != KF_Q4_0 and fmt != KF_Q4_1 and fmt != KF_Q4_K and fmt != KF_Q6_K and not q8:
+        raise ValueError("repack_x16: fmt must be q4_0, q4_1, q4_k, q6_k or q8_0")
+    if ldw % (210 if q6 else (144 if qk else (34 if q8 else (20 if q41 else 18)))):
         raise ValueError("repack_x16: rows are not whole blocks")
     if q6 and (ldw // 210) % 2:
         ldo = ldw + 18
@@ -512,6 +514,8 @@ def repack_x16(const uint8_t[:, ::1] w,    # IN  (d, row_bytes) q4_0 / q4_1 / q4
             kx_pack_group_6(&w[16 * g, 0], ldw, 16, &out[16 * g, 0])
         elif qk:
             kx_pack_group_k(&w[16 * g, 0], ldw, 16, &out[16 * g, 0])
+        elif q8:
+            kx_pack_group_8(&w[16 * g, 0], ldw, 16, &out[16 * g, 0])
         else:
             kx_pack_group(q41, &w[16 * g, 0], ldw, 16, &out[16 * g, 0])
 

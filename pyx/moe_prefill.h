@@ -50,8 +50,7 @@ static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const
                             float *out, ptrdiff_t ldo)
 {
     const int q41 = fmt == KF_Q4_1X16;
-    const kx_group_fn fn = fmt == KF_Q4_KX16 ? kx_group_k_tab[kf_isa]
-                           : (fmt == KF_Q6_KX16 ? kx_group_6_tab[kf_isa] : kx_group_tab[kf_isa]);
+    const kx_group_fn fn = kx_group_of(fmt);
     const ptrdiff_t nb = kf_is_k(fmt) ? n / KF_QK_K : n / KF_QK;
 #if KF_X86_DISPATCH
     /* int8: gemv_x16_vec.h's kernels of 4 and 2 tokens */
@@ -64,11 +63,17 @@ static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const
         } else if (fmt == KF_Q6_KX16) {
             t4 = v5 ? kx_avx512_group_6_t4 : kx_avx2_group_6_t4;
             t2 = v5 ? kx_avx512_group_6_t2 : kx_avx2_group_6_t2;
+        } else if (fmt == KF_Q8_0X16) {
+            t4 = v5 ? kx_avx512_group_8_t4 : kx_avx2_group_8_t4;
+            t2 = v5 ? kx_avx512_group_8_t2 : kx_avx2_group_8_t2;
         } else {
             t4 = v5 ? kx_avx512_group_t4 : kx_avx2_group_t4;
             t2 = v5 ? kx_avx512_group_t2 : kx_avx2_group_t2;
         }
         int t = 0;
+        if (v5 && fmt == KF_Q8_0X16)          /* 8 tokens' sums fit AVX-512's registers */
+            for (; t + 8 <= nt; t += 8)
+                kx_avx512_group_8_t8(q41, a + t, nb, G, out + t * ldo, ldo);
         for (; t + 4 <= nt; t += 4)
             t4(q41, a + t, nb, G, out + t * ldo, ldo);
         for (; t + 2 <= nt; t += 2)
@@ -81,10 +86,14 @@ static void kx_group_tokens(int fmt, const kf_act *a, int nt, ptrdiff_t n, const
     /* int8: the dotprod variant's kernels of 4 and 2 tokens (the i8mm slot's too), each
      * token the one-token kernel's bits (the neon variant's) */
     if (kf_isa >= KF_ISA_DOTPROD && a[0].xq != NULL) {
-        const kx_group_t_fn t4 = fmt == KF_Q4_KX16 ? kx_dotprod_group_k_t4
-                                 : (fmt == KF_Q6_KX16 ? kx_dotprod_group_6_t4 : kx_dotprod_group_t4);
-        const kx_group_t_fn t2 = fmt == KF_Q4_KX16 ? kx_dotprod_group_k_t2
-                                 : (fmt == KF_Q6_KX16 ? kx_dotprod_group_6_t2 : kx_dotprod_group_t2);
+        const kx_group_t_fn t4 = fmt == KF_Q4_KX16   ? kx_dotprod_group_k_t4
+                                 : fmt == KF_Q6_KX16 ? kx_dotprod_group_6_t4
+                                 : fmt == KF_Q8_0X16 ? kx_dotprod_group_8_t4
+                                                     : kx_dotprod_group_t4;
+        const kx_group_t_fn t2 = fmt == KF_Q4_KX16   ? kx_dotprod_group_k_t2
+                                 : fmt == KF_Q6_KX16 ? kx_dotprod_group_6_t2
+                                 : fmt == KF_Q8_0X16 ? kx_dotprod_group_8_t2
+                                                     : kx_dotprod_group_t2;
         int t = 0;
         for (; t + 4 <= nt; t += 4)
             t4(q41, a + t, nb, G, out + t * ldo, ldo);

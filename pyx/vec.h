@@ -418,6 +418,11 @@ KV4_ATTR kv4_i kv4_dot2_i32(kv4_i s, kv4_i u0, kv4_i x0, kv4_i u1, kv4_i x1)
 {
     return kv4_dacc_add(kv4_dacc_add(s, u0, x0), u1, x1);
 }
+/* signed weights: sdot takes s8 x s8 as they are */
+#define kv4_SB 0
+KV4_ATTR kv4_i kv4_sw(kv4_i u) { return u; }
+KV4_ATTR kv4_i kv4_sx(kv4_i x, kv4_i u) { (void)u; return x; }
+KV4_ATTR kv4_i kv4_dot_i32(kv4_i s, kv4_i u, kv4_i x) { return kv4_dacc_add(s, u, x); }
 #endif /* KF_ARM_DISPATCH */
 
 #endif /* KESTREL_VEC_H */

@@ -21,8 +21,9 @@ Formats and the layout of `data` (rows = output features, d x n logical):
   with one f16 scale; iq4_xs (d, n/256*136), super-blocks of 256, 6-bit sub-block scales
   (pyx/formats.h spells out each layout). The NumPy reference for these is the gguf
   package's own dequantisation (gguf.quants.dequantize).
-  and two layouts made at load for decode, never on disk (pyx/gemv_x16.h):
-  q4_0x16, q4_1x16, q4_kx16, q6_kx16  uint8 (d, row bytes of q4_0 / q4_1 / q4_k / q6_k),
+  and layouts made at load for decode, never on disk (pyx/gemv_x16.h):
+  q4_0x16, q4_1x16, q4_kx16, q6_kx16, q8_0x16  uint8 (d, row bytes of q4_0 / q4_1 / q4_k /
+                    q6_k / q8_0),
                     d a multiple of 16: the bytes of each 16 rows interleaved (data[i] is
                     not row i; `rows_x16`)
 The block layouts are GGUF's (llama.cpp's), so GGUF tensors are used in place.
@@ -53,6 +54,7 @@ BLOCK_BYTES = {
     "q4_1x16": 20,
     "q4_kx16": 144,
     "q6_kx16": 210,
+    "q8_0x16": 34,
 }
 BLOCK_ELEMS = {f: (QK_K if f.endswith(("_k", "_xs", "_kx16")) else QK) for f in BLOCK_BYTES}
 FORMATS = (
@@ -75,12 +77,14 @@ FORMATS = (
     "q4_1x16",
     "q4_kx16",
     "q6_kx16",
+    "q8_0x16",
 )
 X16_OF = {
     "q4_0": "q4_0x16",
     "q4_1": "q4_1x16",
     "q4_k": "q4_kx16",  # repacked for decode
     "q6_k": "q6_kx16",
+    "q8_0": "q8_0x16",
 }
 X16_BASE = {v: k for k, v in X16_OF.items()}
 
@@ -153,15 +157,24 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def rows_x16(fmt: str, data: np.ndarray) -> np.ndarray:
-    """The row-major q4_0 / q4_1 / q4_k bytes (d, row_bytes) of an x16 weight (NumPy
+    """The row-major q4_0 / q4_1 / q4_k / q8_0 bytes (d, row_bytes) of an x16 weight (NumPy
     reference of pyx/gemv_x16.h's layouts: per group of 16 rows and pair of blocks, the
     16 scales of each block (then q4_1's offsets), then each block's 4 x 64 quant bytes,
     lane r of vector k = row r's bytes 4k..4k+3; q4_k: per super-block 16 d, 16 dmin and
     the 12 scale bytes of each row byte-planar (256 bytes), then 32 x 64 quant bytes;
-    q6_k: _rows_q6_kx16)."""
+    q8_0: as q4_0 with 8 x 64 quant bytes a block; q6_k: _rows_q6_kx16)."""
     d, ldw = data.shape
     if fmt == "q6_kx16":
         return _rows_q6_kx16(data)
+    if fmt == "q8_0x16":
+        nb = ldw // 34
+        pairs = np.ascontiguousarray(data).reshape(d // 16, nb // 2, 1088)
+        q = pairs[:, :, 64:].reshape(d // 16, nb // 2, 2, 8, 16, 4)  # (g, p, b%2, k, r, 4)
+        out = np.empty((d // 16, 16, nb, 34), dtype=np.uint8)
+        out[..., 2:] = q.transpose(0, 4, 1, 2, 3, 5).reshape(d // 16, 16, nb, 32)
+        sc = pairs[:, :, :64].reshape(d // 16, nb // 2, 2, 16, 2)  # (g, p, b%2, r, 2)
+        out[..., 0:2] = sc.transpose(0, 3, 1, 2, 4).reshape(d // 16, 16, nb, 2)
+        return out.reshape(d, ldw)
     if fmt == "q4_kx16":
         nsb = ldw // 144
         g = np.ascontiguousarray(data).reshape(d // 16, nsb, 2304)

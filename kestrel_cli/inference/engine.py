@@ -87,7 +87,7 @@ class LoadOptions:
             and ISAs): "q8" int8 blocks of 32 (the default, llama.cpp's arithmetic: the
             fast path, KL divergence from exact in docs/PERFORMANCE.md) or "f32" float32
             (exact). Float weights always take float32.
-        repack: interleave q4_0 / q4_1 / q4_k / q6_k weights by 16 rows at load, MoE experts
+        repack: interleave q4_0 / q4_1 / q4_k / q6_k / q8_0 weights by 16 rows at load, MoE experts
             too when the weights fit the free memory (--no-repack turns it off): the decode
             GEMV's layout (pyx/gemv_x16.h), same bytes, same results up to summation order.
         sparse: the sparse options (implies sparse_attn): a `sparse.SparseSpec`, or its

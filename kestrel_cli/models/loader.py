@@ -58,7 +58,7 @@ class TensorStore:
         self.entries: dict[str, tuple[str, np.ndarray, tuple[int, ...], str]] = {}
         self.quant: str | None = None  # block format for float matrices, or None
         self.threads: int | None = None
-        self.repack_x16 = False  # q4_0 / q4_1 / q4_k / q6_k -> the x16 layout
+        self.repack_x16 = False  # q4 / q6_k / q8_0 -> the x16 layout
         self.experts_at_load = False  # with it, MoE experts too, at load
         self.source = "the checkpoint"  # its file or directory, as errors name it
         # a GGUF model's vision tower file (models/mmproj.VisionFile), None for the others

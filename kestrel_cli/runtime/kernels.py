@@ -60,6 +60,7 @@ FMT_CODE = {
     "q4_1x16": 16,
     "q4_kx16": 17,
     "q6_kx16": 18,
+    "q8_0x16": 19,
 }
 _DATA_DTYPE = {
     "f32": np.float32,
@@ -454,7 +455,7 @@ def quantize_rows(
 
 
 def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = None) -> Weight:
-    """A q4_0 / q4_1 / q4_k / q6_k weight with d % 16 == 0 in the decode layout q4_0x16 / ..
+    """A q4_0 / q4_1 / q4_k / q6_k / q8_0 weight with d % 16 == 0 in the decode layout q4_0x16 / ..
     (pyx/gemv_x16.h: 16 rows interleaved, one vector op serves 16 rows; every kernel
     takes it, results as for the row-major weight: int8 activations bit for bit as the
     prefill GEMM, float ones up to summation order). New memory, 64-byte aligned.
@@ -464,8 +465,8 @@ def repack_x16(w: Weight, threads: int | None = None, out: np.ndarray | None = N
     """
     if not can_repack_x16(w):
         raise ValueError(
-            f"repack_x16: needs a q4_0/q4_1/q4_k/q6_k weight with rows a "
-            f"multiple of 16 and, for q4_0 / q4_1, an even number of blocks, "
+            f"repack_x16: needs a q4_0/q4_1/q4_k/q6_k/q8_0 weight with rows a "
+            f"multiple of 16 and, for q4_0 / q4_1 / q8_0, an even number of blocks, "
             f"got {w.fmt} {w.shape}"
         )
     raw = _weight_bytes(w)
@@ -520,8 +521,8 @@ def huge_buffer(nbytes: int) -> np.ndarray:
 
 
 def can_repack_x16(w: Weight) -> bool:
-    """Whether `repack_x16` takes w: q4_0 / q4_1 / q4_k / q6_k, rows a multiple of 16, for
-    q4_0 / q4_1 an even number of blocks a row (so every 64-byte load of the layout is
+    """Whether `repack_x16` takes w: q4_0 / q4_1 / q4_k / q6_k / q8_0, rows a multiple of 16,
+    for q4_0 / q4_1 / q8_0 an even number of blocks a row (so every 64-byte load of the layout is
     aligned; q6_k rows of an odd number of super-blocks take 18 bytes more,
     weights.row_bytes)."""
     return (

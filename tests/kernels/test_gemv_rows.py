@@ -87,3 +87,29 @@ def test_q8_0_rows_close_to_float_reference(isa):
     xb = np.abs(x).reshape(T, n // 32, 32).max(axis=2, keepdims=True) / 127.0
     bound = (np.broadcast_to(xb / 2, (T, n // 32, 32)).reshape(T, n) @ np.abs(W).T) * 1.01
     assert np.all(np.abs(got - ref) <= bound + 1e-4)
+
+
+@pytest.mark.parametrize("act_q8", [True, False])
+@pytest.mark.parametrize("d, n", [(48, 448), (160, 64)])
+def test_q8_0x16_rows_equal_each_token_alone(isa, d, n, act_q8):
+    """q8_0 in the x16 layout (gemv_x16.h: the multi-token group kernels, 8 tokens a call
+    under AVX-512, 4 and 2 under AVX2 and aarch64): each token's outputs are the one-token
+    kernel's bits, and with int8 activations also the prefill GEMM's (the row-major
+    weight's int8 GEMM over all the tokens at once); stacked after a row-major weight whose
+    rows end mid-group, and as a SwiGLU pair."""
+    rng = np.random.default_rng([d, n, 54])
+    w = make_weight("q8_0", d, n, rng)
+    wx = kernels.repack_x16(w, threads=2)
+    assert wx.fmt == "q8_0x16"
+    g = kernels.GemvGroup([wx])
+    check_rows(g, n, rng, act_q8, Ts=(2, 3, 4, 7, 8, 9, 16))
+    if act_q8:
+        x = rng.standard_normal((11, n)).astype(np.float32)
+        got = np.empty((11, d), np.float32)
+        g(x, got, 2, True)
+        gemm = kernels.matmul(x, w, np.empty((11, d), np.float32), 2, act_q8=True)
+        np.testing.assert_array_equal(got, gemm)
+    stacked = kernels.GemvGroup([make_weight("q8_0", 21, n, rng), wx])
+    check_rows(stacked, n, rng, act_q8, Ts=(2, 8, 13))
+    u = kernels.repack_x16(make_weight("q8_0", d, n, rng), threads=2)
+    check_rows(kernels.GemvGroup([wx, u], swiglu=True), n, rng, act_q8, Ts=(2, 8, 9))

@@ -1,4 +1,4 @@
-"""The decode layout of q4_0 / q4_1 / q4_k / q6_k weights, 16 rows interleaved (pyx/gemv_x16.h): the
+"""The decode layout of q4_0 / q4_1 / q4_k / q6_k / q8_0 weights, 16 rows interleaved (pyx/gemv_x16.h): the
 repack against its NumPy model, every kernel (GEMV, GEMM, embedding rows, the fused
 decode plan) on it against the row-major weight, on every kernel variant this CPU runs."""
 
@@ -13,7 +13,7 @@ from kestrel_cli.runtime import kernels
 
 # q6_k_odd: q6_k rows of an odd number of super-blocks (Qwen3-30B-A3B's expert downs, 768
 # wide: 3), whose x16 rows carry a zero partner for the last (weights.row_bytes)
-FMTS = ["q4_0", "q4_1", "q4_k", "q6_k", "q6_k_odd"]
+FMTS = ["q4_0", "q4_1", "q4_k", "q6_k", "q6_k_odd", "q8_0"]
 
 
 def _pair(fmt, d, n, seed):
@@ -52,7 +52,9 @@ def test_repack_layout_and_inverse(fmt):
 def test_repack_refuses():
     rng = np.random.default_rng(0)
     for w in (
-        make_weight("q8_0", 32, 64, rng),
+        make_weight("q8_0", 32, 96, rng),  # odd blocks
+        make_weight("q8_0", 40, 64, rng),
+        make_weight("q5_0", 32, 64, rng),
         make_weight("q4_0", 24, 64, rng),
         make_weight("q4_1", 32, 96, rng),  # fmt, d % 16, odd blocks
         make_kweight("q4_k", 40, 256, rng),
