@@ -8,9 +8,12 @@ For each server (Kestrel started as `kestrel serve -m MODEL -t T --parallel P`; 
 as `llama-server -m MODEL -t T -np P -cb`, both on a free loopback port, one at a time) and
 each client count C: C threads each send --requests streamed /v1/completions requests (a
 short distinct prompt each, `max_tokens` = -n, `ignore_eos`, greedy), all started together.
-Printed per row: aggregate generated tokens/s (all tokens of the phase over its wall time),
-the per-client decode rate (tokens after the first over the time after the first), and the
-time to first token p50 / p99. Greedy decoding with ignore_eos makes every request generate
+Printed per row: aggregate generated tokens/s (all tokens of the phase over its wall time,
+prompt processing included), the aggregate decode rate (every request's tokens after its
+first over the time during which some request was decoding: the union of the requests'
+first-to-last-token intervals, so prompts prefilled meanwhile count against it), the
+per-client decode rate (median over requests of tokens after the first over the time after
+the first), and the time to first token p50 / p99. Greedy decoding with ignore_eos makes every request generate
 exactly -n tokens on both servers, so the work is the same.
 """
 
@@ -88,7 +91,24 @@ def one_request(url: str, i: int, n: int, out: list) -> None:
     t1 = time.perf_counter()
     if usage and usage.get("completion_tokens"):  # the server's own count
         tokens = usage["completion_tokens"]
-    out.append(dict(ttft=(first or t1) - t0, tokens=tokens, dec_s=t1 - (first or t1)))
+    out.append(
+        dict(
+            ttft=(first or t1) - t0, tokens=tokens, dec_s=t1 - (first or t1), span=(first or t1, t1)
+        )
+    )
+
+
+def union_s(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of the intervals (start, end)."""
+    total, end = 0.0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
 
 
 def phase(url: str, clients: int, requests: int, n: int, base: int) -> dict:
@@ -113,6 +133,8 @@ def phase(url: str, clients: int, requests: int, n: int, base: int) -> dict:
         raise SystemExit(f"{clients} clients: {errors[0]!r}")
     ttft = sorted(r["ttft"] for r in results)
     tokens = sum(r["tokens"] for r in results)
+    decoding = union_s([r["span"] for r in results])
+    dec_tokens = sum(max(r["tokens"] - 1, 0) for r in results)
     per_client = statistics.median(
         (r["tokens"] - 1) / r["dec_s"] for r in results if r["dec_s"] > 0 and r["tokens"] > 1
     )
@@ -122,6 +144,7 @@ def phase(url: str, clients: int, requests: int, n: int, base: int) -> dict:
         tokens=tokens,
         wall_s=round(wall, 2),
         agg_tps=round(tokens / wall, 2),
+        dec_tps=round(dec_tokens / decoding, 2) if decoding > 0 else float("nan"),
         client_tps=round(per_client, 2),
         ttft_p50=round(statistics.median(ttft), 3),
         ttft_p99=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 3),
@@ -211,12 +234,15 @@ def main() -> int:
         f"# {Path(args.model).name}, {args.threads} threads, {args.parallel} slots, "
         f"{args.requests} requests of {args.n} tokens per client"
     )
-    print("| server | clients | aggregate t/s | per-client t/s | TTFT p50 s | TTFT p99 s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| server | clients | aggregate t/s | aggregate decode t/s | per-client t/s | "
+        "TTFT p50 s | TTFT p99 s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['server']} | {r['clients']} | {r['agg_tps']} | {r['client_tps']} | "
-            f"{r['ttft_p50']} | {r['ttft_p99']} |"
+            f"| {r['server']} | {r['clients']} | {r['agg_tps']} | {r['dec_tps']} | "
+            f"{r['client_tps']} | {r['ttft_p50']} | {r['ttft_p99']} |"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -321,7 +321,7 @@ def test_path_flags_take_effect(tmp_path):
         sparse_probes=2,
     )
     eng = cli.engine_from_options(opts, spinner=False)
-    assert eng.model.layers[0].mlp.gate_proj.fmt == "q8_0"
+    assert eng.model.layers[0].mlp.gate_proj.fmt == "q8_0x16"  # quantised, then repacked
     assert eng.spec == CacheSpec("q8", sparse=SparseSpec(k=4, probes=2)) == eng.cache.spec
     sparse_out, _ = perf("--sparse-attn", "--sparse-k", "1")
     assert base_out.strip() and sparse_out.strip()

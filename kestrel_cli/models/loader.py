@@ -113,7 +113,7 @@ class TensorStore:
         # (Engine.load decides), else they stay mapped
         if not self.repack_x16 or ".experts." in name:
             return w
-        if kernels.can_repack_x16(w):  # the decode layout (pyx/gemv_x16.h)
+        if streamed and kernels.can_repack_x16(w):  # the decode layout (pyx/gemv_x16.h)
             move = functools.partial(kernels.repack_x16, threads=self.threads)
         elif streamed and w.nbytes >= kernels.HUGE_MIN and is_file_mapped(w.data):
             move = kernels.to_huge_pages
