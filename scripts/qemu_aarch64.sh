@@ -130,7 +130,7 @@ run() {
     (cd "$out/stage" && export PYTHONPATH="$out/stage:$out/stage/site" \
         PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" \
         OMP_WAIT_POLICY=passive QEMU_CPU="${QEMU_CPU:-max}" \
-        && "$out/bin/python3" -c "import platform, sys; from kestrel_cli import kernels; \
+        && "$out/bin/python3" -c "import platform, sys; from kestrel_cli.runtime import kernels; \
 print('qemu_aarch64:', platform.machine(), 'cpu', '${QEMU_CPU:-max}', 'variants', \
 kernels.isa_variants(), 'in use', kernels.isa())" \
         && "$out/bin/python3" -m pytest -p no:cacheprovider -q "$@") || rc=$?
