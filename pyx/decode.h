@@ -96,8 +96,7 @@ static inline int kf_rows_t_swiglu(const kf_gemv_spec *s, const kf_act *a, int n
             return 0;
         for (int t = 0; t < nt; t++)
             for (ptrdiff_t j = 0; j < m; j++) {
-                const float gv = g[t * KF_ROWS_TMP + j];
-                const float v = gv / (1.0f + expf(-gv)) * u[t * KF_ROWS_TMP + j];
+                const float v = kf_silu_mul(g[t * KF_ROWS_TMP + j], u[t * KF_ROWS_TMP + j]);
                 float *o = out + t * ldo + r + j;
                 *o = accumulate ? *o + v : v;
             }
@@ -129,7 +128,7 @@ static inline void kf_gemv_spec_rows_t(const kf_gemv_spec *s, const kf_act *a, i
                             (const uint8_t *)(uintptr_t)s->ptrs[1] + r * s->ldws[1], u, KX_G);
             for (int t = 0; t < nt; t++)
                 for (int j = 0; j < m; j++) {
-                    const float gv = g[t * KX_G + j], v = gv / (1.0f + expf(-gv)) * u[t * KX_G + j];
+                    const float v = kf_silu_mul(g[t * KX_G + j], u[t * KX_G + j]);
                     float *o = out + t * ldo + r + j;
                     *o = accumulate ? *o + v : v;
                 }

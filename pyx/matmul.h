@@ -349,8 +349,28 @@ static inline void kf_gemv_multi_acc(int k, const int32_t *fmts, const uint64_t 
     }
 }
 
+/* silu(g) * u = g / (1 + exp(-g)) * u as ops.pyx's swiglu, the product rounded to a
+ * float before the caller sees it. The empty asm makes the value opaque to the compiler,
+ * so that `out + kf_silu_mul(g, u)` (SwiGLU with accumulate) is never contracted into one
+ * fused multiply-add: GCC's default -ffp-contract=fast does that wherever the target has
+ * FMA (every aarch64; x86 only under an FMA target or -march), rounding once where
+ * out + (the result alone) rounds twice, so accumulate would not be out + its result. */
+static inline float kf_silu_mul(float g, float u)
+{
+    float v = g / (1.0f + expf(-g)) * u;
+#if defined(__GNUC__) && defined(__aarch64__)
+    __asm__("" : "+w"(v));
+#elif defined(__GNUC__) && defined(__x86_64__)
+    __asm__("" : "+x"(v));
+#else
+    volatile float r = v;
+    v = r;
+#endif
+    return v;
+}
+
 /* SwiGLU of two weights with the same rows (gate = weight 0, up = weight 1), rows
- * r0 <= r < r1: v = g / (1 + exp(-g)) * u as ops.pyx's swiglu, out[r] = v (or += v). */
+ * r0 <= r < r1: v = kf_silu_mul(g, u), out[r] = v (or += v). */
 static inline void kf_gemv_swiglu(const int32_t *fmts, const uint64_t *w, const int64_t *ldws,
                                   const kf_act *a, ptrdiff_t n, ptrdiff_t r0, ptrdiff_t r1,
                                   float *out, int accumulate)
@@ -363,7 +383,7 @@ static inline void kf_gemv_swiglu(const int32_t *fmts, const uint64_t *w, const 
         kf_gemv_rows(fmts[1], a, n, (const uint8_t *)(uintptr_t)w[1] + r * ldws[1], ldws[1],
                      0, m, u);
         for (ptrdiff_t j = 0; j < m; j++) {
-            float v = g[j] / (1.0f + expf(-g[j])) * u[j];
+            const float v = kf_silu_mul(g[j], u[j]);
             out[r + j] = accumulate ? out[r + j] + v : v;
         }
     }

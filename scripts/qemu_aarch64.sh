@@ -160,14 +160,17 @@ run_variants() {
         echo "qemu_aarch64: $SO: $(grep -cw sdot "$out/lib.dis") sdot," \
              "$(grep -cw smmla "$out/lib.dis") smmla"
     fi
-    local v cpu want summary="" rc=0 one
+    local v cpu want summary="" rc=0 one counts
     for spec in $VARIANTS; do
         IFS=: read -r v cpu want <<< "$spec"
         echo "qemu_aarch64: === $v on $cpu"
         one=0
         QEMU_CPU=$cpu KESTREL_ISA=$v KESTREL_EXPECT_VARIANTS="${want//,/ }" \
             run "$out" "$@" 2>&1 | tee "$out/$v.log" || one=1
-        summary+="qemu_aarch64: $v ($cpu): $(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$out/$v.log" | tail -1 | tr -d '=')"$'\n'
+        # pytest's counts line (none when the args add -q to run's: -qq prints none)
+        counts=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed)' "$out/$v.log" \
+            | tail -1 | tr -d '=' || true)
+        summary+="qemu_aarch64: $v ($cpu): ${counts:-no counts line} (rc $one)"$'\n'
         [[ $one -eq 0 ]] || rc=1
     done
     printf '%s' "$summary"

@@ -3,7 +3,8 @@ kf_gemv_spec_rows_t): a batch's decode rows through row-major q8_0 / q4_0 / q4_1
 each weight block read once for up to 8 tokens, give every token the one-token GEMV's
 outputs bit for bit, under every kernel variant: odd row counts (a short last group of
 rows), odd numbers of blocks a row, 2..16 tokens (a tail of 1..7 after 8), stacked weights
-of mixed formats, SwiGLU pairs, accumulate, 1 and 2 threads."""
+of mixed formats, SwiGLU pairs, 1 and 2 threads; with accumulate, out + each token's
+outputs alone, 1..16 tokens (no fused multiply-add of SwiGLU's product into the add)."""
 
 import numpy as np
 import pytest
@@ -24,7 +25,8 @@ def one_row_each(g, x, threads, act_q8, **kw):
 
 def check_rows(g, n, rng, act_q8, Ts=(2, 3, 5, 8, 9, 15, 16)):
     nw = (1 + 0.2 * rng.standard_normal(n)).astype(np.float32)
-    for T in Ts:
+    # T = 1: the one-token kernels' accumulate (a solo decode's add into the residual)
+    for T in (1, *Ts):
         x = rng.standard_normal((T, n)).astype(np.float32)
         x[0, : min(n, 40)] *= 50.0  # a token of larger values: other int8 scales
         for threads in (1, 2):
