@@ -281,6 +281,26 @@ KF_INLINE void kq_pack_x16_w(int fmt, const uint8_t *w, ptrdiff_t ldw, ptrdiff_t
         }
         return;
     }
+    if (fmt == KF_Q8_0X16 && gr == KX_G && !w8 && nr == KX_G) {
+        /* a whole group into a panel group of 16 rows, words in row order: the panel's
+         * quant words are the group's vectors as they are (kq_word(g, r, 16, 0) = 64 g + 4 r),
+         * so a block is 512 bytes copied (^ xor8) and 16 scales widened */
+        const uint64_t x8 = 0x0101010101010101ull * xor8;
+        for (ptrdiff_t b = 0; b < nb; b++) {
+            uint8_t *restrict dst = p + b * bs;
+            float *restrict dw = (float *)(dst + (ptrdiff_t)gr * KF_QK);
+            const uint8_t *q = KX8_Q(G, b), *D = KX8_D(G, b);
+            for (int i = 0; i < 64; i++) {
+                uint64_t v;
+                memcpy(&v, q + 8 * i, 8);
+                v ^= x8;
+                memcpy(dst + 8 * i, &v, 8);
+            }
+            for (int r = 0; r < KX_G; r++)
+                dw[r] = kf_f16_at(D + 2 * r);
+        }
+        return;
+    }
     if (fmt == KF_Q8_0X16) {          /* as kq_pack's q8_0: s8 q ^ xor8, one scale */
         const uint32_t x4 = 0x01010101u * xor8;
         for (ptrdiff_t b = 0; b < nb; b++) {
