@@ -15,6 +15,7 @@
 # Importance without races or thread-count dependence: unit u adds into partial row
 # u % KA_SLOTS of `imp_slots`; a slot's units run in order on one thread (prange over
 # slots), and the slots are summed in slot order into `importance` at the end.
+from libc.math cimport cos, sin, sqrtf
 from libc.string cimport memcpy
 
 cdef extern from "attention.h" nogil:
@@ -330,8 +331,10 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
             imp_p[j] = imp_p[j] + acc
 
 
-def attention_rows(const float[:, ::1] q,       # IN  (R, n_heads * head_dim), rotated
-                   const float[:, ::1] k,       # IN  (R, n_kv_heads * head_dim), rotated
+def attention_rows(float[:, ::1] q,             # IN  (R, n_heads * head_dim), rotated
+                                                #     (IN/OUT with `positions`)
+                   float[:, ::1] k,             # IN  (R, n_kv_heads * head_dim), rotated
+                                                #     (IN/OUT with `positions`)
                    const float[:, ::1] v,       # IN  (R, n_kv_heads * head_dim)
                    float[:, ::1] out,           # OUT (R, n_heads * head_dim)
                    const int64_t[::1] rows,     # IN  (S,) sequence s's row of q, k, v, out
@@ -347,18 +350,26 @@ def attention_rows(const float[:, ::1] q,       # IN  (R, n_heads * head_dim), r
                    Py_ssize_t head_dim,
                    float scale,
                    int n_threads,
-                   int kv_kind):
+                   int kv_kind,
+                   const int64_t[::1] positions=None,  # IN (R,) RoPE positions: rotate
+                                                # the rows' q and k first; None: rotated
+                   const float[::1] inv_freq=None,     # IN (head_dim / 2,) with positions
+                   float attn_scale=1,
+                   const float[::1] q_norm=None,  # IN (head_dim,) with positions: each head
+                   const float[::1] k_norm=None,  #    of q / k RMSNormed before RoPE
+                   float eps=0):
     """One decode row for each of S sequences, each over its own cache (Model.forward_rows):
     write row rows[s] of k and v into s's cache of `layer` at position pos[s], then
     out[rows[s]] := the exact attention of q[rows[s]] over s's tokens 0..pos[s], as
     `attention` gives each row alone (the same units, attn_decode.h's A and M, on the same
-    data), in one parallel region: the writes, A's units of every sequence, M's (sequence,
-    query head) units. The block tables must cover pos[s] (KVCache.reserve) and each
-    decode scratch hold decode_tab_size(pos[s] + 1, n_heads, head_dim, kv_bs) floats; the
-    caller (kv_cache.CacheRows) owns those addresses, which are not checked."""
+    data), in one parallel region: per sequence its head norms and RoPE (as `rms_norm` and
+    `rope` compute them) and its writes, then A's units of every sequence, then M's
+    (sequence, query head) units. The block tables must cover pos[s] (KVCache.reserve) and
+    each decode scratch hold decode_tab_size(pos[s] + 1, n_heads, head_dim, kv_bs) floats;
+    the caller (kv_cache.CacheRows) owns those addresses, which are not checked."""
     cdef Py_ssize_t S = rows.shape[0], R = q.shape[0], n_heads = q.shape[1] // head_dim
     cdef Py_ssize_t kvd = n_kv_heads * head_dim, group, s, i, u, j, h, p, c, b, r, U = 0
-    cdef Py_ssize_t cap = 0, cs, nb, n_parts, n_ctx
+    cdef Py_ssize_t cap = 0, ccap, nb, n_parts, n_ctx
     cdef ka_kv *kvs = NULL
     cdef Py_ssize_t *meta = NULL     # per sequence: first unit, chunks of kv heads
     cdef int32_t *useq = NULL        # per unit: its sequence
@@ -368,7 +379,11 @@ def attention_rows(const float[:, ::1] q,       # IN  (R, n_heads * head_dim), r
     cdef uint8_t *kb
     cdef uint8_t *vb
     cdef float *tab
-    cdef Py_ssize_t soff = ka_q8_scale_offset(kv_bs, kvd)
+    cdef Py_ssize_t soff = ka_q8_scale_offset(kv_bs, kvd), half = head_dim // 2, t
+    cdef float *cs = NULL            # a thread's (2, half) cos, sin of one row (scaled)
+    cdef float *xh
+    cdef float inv, angle, cc, sn, x1, x2
+    cdef bint rot = positions is not None, qn = q_norm is not None
     cdef int nt, hint, failed = 0
     cdef int *p_failed = &failed
     if S == 0:
@@ -384,6 +399,11 @@ def attention_rows(const float[:, ::1] q,       # IN  (R, n_heads * head_dim), r
     if (k_tabs.shape[0] != S or v_tabs.shape[0] != S or ld.shape[0] != S
             or pos.shape[0] != S or dec_tabs.shape[0] != S):
         raise ValueError("attention_rows: one entry per sequence in each table")
+    if rot and (positions.shape[0] != R or head_dim % 2 or inv_freq is None
+                or inv_freq.shape[0] != half or (q_norm is None) != (k_norm is None)
+                or qn and (q_norm.shape[0] != head_dim or k_norm.shape[0] != head_dim)):
+        raise ValueError("attention_rows: positions (R,), inv_freq (head_dim / 2,) and "
+                         "both head norms (head_dim,) or neither")
     for s in range(S):
         if not 0 <= rows[s] < R or not 0 <= pos[s] < ld[s] * kv_bs:
             raise ValueError(f"attention_rows: sequence {s}: row {rows[s]} or position "
@@ -403,8 +423,9 @@ def attention_rows(const float[:, ::1] q,       # IN  (R, n_heads * head_dim), r
         n_ctx = pos[s] + 1
         n_parts = ka_decode_parts((n_ctx + kv_bs - 1) // kv_bs)
         meta[2 * s] = U
-        meta[2 * s + 1] = ka_decode_chunks(n_kv_heads, group, n_parts, kv_bs, n_ctx, hint, &cs)
-        cap = cs if cs > cap else cap
+        meta[2 * s + 1] = ka_decode_chunks(n_kv_heads, group, n_parts, kv_bs, n_ctx, hint,
+                                           &ccap)
+        cap = ccap if ccap > cap else cap
         U += n_parts * meta[2 * s + 1]
         ka_kv_init(&kvs[s], (<const uint64_t *> <uintptr_t> k_tabs[s]) + layer * ld[s],
                    (<const uint64_t *> <uintptr_t> v_tabs[s]) + layer * ld[s], kv_bs,
@@ -422,33 +443,60 @@ def attention_rows(const float[:, ::1] q,       # IN  (R, n_heads * head_dim), r
     with nogil, parallel(num_threads=nt):
         ws = ka_ws_new(cap, kv_bs, head_dim, <int> group, ka_ktot(0, sp), 0, n_heads,
                        KA_DW * kvd * <Py_ssize_t> sizeof(float))
-        if ws == NULL:
+        cs = <float *> malloc(2 * (half + 1) * sizeof(float))
+        if ws == NULL or cs == NULL:
             p_failed[0] = 1
-        # the rows into the caches (kv_cache.KVCache.write's values, as the native
-        # decode writes them), before any unit reads them
-        for i in prange(S * n_kv_heads, schedule="static"):
-            s = i // n_kv_heads
-            h = i % n_kv_heads
-            b = pos[s] // kv_bs
-            r = pos[s] % kv_bs
-            kb = <uint8_t *> <uintptr_t> kvs[s].k_ptrs[b]
-            vb = <uint8_t *> <uintptr_t> kvs[s].v_ptrs[b]
-            if kv_kind == KA_KV_F32:
-                memcpy(kb + (r * kvd + h * head_dim) * 4, &k[rows[s], h * head_dim],
-                       head_dim * 4)
-                memcpy(vb + (r * kvd + h * head_dim) * 4, &v[rows[s], h * head_dim],
-                       head_dim * 4)
-            elif kv_kind == KA_KV_F16:
-                for j in range(h * head_dim, (h + 1) * head_dim):
-                    (<uint16_t *> kb)[r * kvd + j] = kf_f32_f16(k[rows[s], j])
-                    (<uint16_t *> vb)[r * kvd + j] = kf_f32_f16(v[rows[s], j])
-            else:
-                (<float *> (kb + soff))[h * kv_bs + r] = ka_quant_row(
-                    &k[rows[s], h * head_dim], head_dim, <int8_t *> kb + r * kvd + h * head_dim)
-                (<float *> (vb + soff))[h * kv_bs + r] = ka_quant_row(
-                    &v[rows[s], h * head_dim], head_dim, <int8_t *> vb + r * kvd + h * head_dim)
+        # per sequence: its row's head norms and RoPE (ops.pxi rms_norm and rope, the same
+        # expressions), then the rows into the caches (kv_cache.KVCache.write's values, as
+        # the native decode writes them), before any unit reads them
+        for s in prange(S, schedule="static"):
+            if cs == NULL:
+                continue
+            t = rows[s]
+            if rot:
+                for h in range(n_heads + n_kv_heads):
+                    xh = &q[t, h * head_dim] if h < n_heads else &k[t, (h - n_heads) * head_dim]
+                    if qn:
+                        # HF: variance = x.pow(2).mean(-1); x * rsqrt(variance + eps); weight * x
+                        inv = (<float> 1.0) / sqrtf(kf_dot_f32(xh, xh, head_dim)
+                                                    / <float> head_dim + eps)
+                        for j in range(head_dim):
+                            xh[j] = (q_norm[j] if h < n_heads else k_norm[j]) * (xh[j] * inv)
+                for j in range(half):
+                    # float32 angle as torch computes it; cos/sin of it in double, then float
+                    angle = (<float> positions[t]) * inv_freq[j]
+                    cs[j] = (<float> cos(<double> angle)) * attn_scale
+                    cs[half + j] = (<float> sin(<double> angle)) * attn_scale
+                for h in range(n_heads + n_kv_heads):
+                    xh = &q[t, h * head_dim] if h < n_heads else &k[t, (h - n_heads) * head_dim]
+                    for j in range(half):
+                        cc = cs[j]
+                        sn = cs[half + j]
+                        x1 = xh[j]
+                        x2 = xh[half + j]
+                        xh[j] = x1 * cc - x2 * sn
+                        xh[half + j] = x2 * cc + x1 * sn
+            for h in range(n_kv_heads):
+                b = pos[s] // kv_bs
+                r = pos[s] % kv_bs
+                kb = <uint8_t *> <uintptr_t> kvs[s].k_ptrs[b]
+                vb = <uint8_t *> <uintptr_t> kvs[s].v_ptrs[b]
+                if kv_kind == KA_KV_F32:
+                    memcpy(kb + (r * kvd + h * head_dim) * 4, &k[t, h * head_dim],
+                           head_dim * 4)
+                    memcpy(vb + (r * kvd + h * head_dim) * 4, &v[t, h * head_dim],
+                           head_dim * 4)
+                elif kv_kind == KA_KV_F16:
+                    for j in range(h * head_dim, (h + 1) * head_dim):
+                        (<uint16_t *> kb)[r * kvd + j] = kf_f32_f16(k[t, j])
+                        (<uint16_t *> vb)[r * kvd + j] = kf_f32_f16(v[t, j])
+                else:
+                    (<float *> (kb + soff))[h * kv_bs + r] = ka_quant_row(
+                        &k[t, h * head_dim], head_dim, <int8_t *> kb + r * kvd + h * head_dim)
+                    (<float *> (vb + soff))[h * kv_bs + r] = ka_quant_row(
+                        &v[t, h * head_dim], head_dim, <int8_t *> vb + r * kvd + h * head_dim)
         for u in prange(U, schedule="dynamic", chunksize=1):       # A
-            if ws == NULL:
+            if ws == NULL or cs == NULL:
                 continue
             s = useq[u]
             c = meta[2 * s + 1]
@@ -461,12 +509,13 @@ def attention_rows(const float[:, ::1] q,       # IN  (R, n_heads * head_dim), r
                                 pos[s] + 1, scale, 0, sp, ws,
                                 <float *> <uintptr_t> dec_tabs[s])
         for i in prange(S * n_heads, schedule="static"):          # M
-            if ws == NULL:
+            if ws == NULL or cs == NULL:
                 continue
             s = i // n_heads
             ka_decode_merge(i % n_heads, n_heads, (pos[s] + kv_bs) // kv_bs, head_dim, ws,
                             <float *> <uintptr_t> dec_tabs[s], &out[rows[s], 0])
         free(ws)
+        free(cs)
     free(kvs)
     free(meta)
     free(useq)

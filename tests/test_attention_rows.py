@@ -149,3 +149,51 @@ def test_attention_rows_checks_its_geometry():
         kernels.attention_rows(q, k[:, :32].copy(), v, out, *tabs, *args)
     with pytest.raises(ValueError, match="kv_kind"):
         kernels.attention_rows(q, k, v, out, *tabs, *args[:-1], 3)
+
+
+@pytest.mark.parametrize("norms", [False, True])
+def test_attention_rows_norms_and_rotates_as_the_kernels(norms):
+    """With rope, the rows' q and k are each head RMSNormed (qwen3's q/k norms) and rotated
+    in place as kernels.rms_norm and kernels.rope give, then written and attended: the
+    same bits as those kernels before a call without rope."""
+    n_heads, n_kv, hd = 4, 2, 32
+    lengths = [3, 40, 77]
+    rng = np.random.default_rng(4)
+    got = _caches(CacheSpec(), lengths, n_kv, hd)
+    want = _caches(CacheSpec(), lengths, n_kv, hd)
+    q, k, v = _rows(rng, len(lengths), n_heads, n_kv, hd)
+    positions = np.array([9, 41, 1000], np.int64)  # RoPE positions need not be the offsets
+    inv_freq = (10000.0 ** -(np.arange(hd // 2) * 2 / hd)).astype(np.float32)
+    qn, kn = (rng.uniform(0.5, 1.5, (2, hd)).astype(np.float32)) if norms else (None, None)
+    eps = 1e-6
+    rope = (positions, inv_freq, 0.9, qn, kn, eps)
+    q2, k2 = q.copy(), k.copy()
+    if norms:
+        q2 = kernels.rms_norm(
+            q2.reshape(-1, hd), qn, eps, np.empty((q2.size // hd, hd), np.float32)
+        )
+        k2 = kernels.rms_norm(
+            k2.reshape(-1, hd), kn, eps, np.empty((k2.size // hd, hd), np.float32)
+        )
+    q2 = kernels.rope(q2.reshape(len(lengths), n_heads, hd), positions, inv_freq, 0.9)
+    k2 = kernels.rope(k2.reshape(len(lengths), n_kv, hd), positions, inv_freq, 0.9)
+    q2, k2 = q2.reshape(q.shape), k2.reshape(k.shape)
+    out, ref = np.empty_like(q), np.empty_like(q)
+    spans = [(c, i, i + 1) for i, c in enumerate(got)]
+    CacheRows(spans).write_attend(0, q, k, v, out, rope)
+    np.testing.assert_array_equal(q, q2)
+    np.testing.assert_array_equal(k, k2)
+    CacheRows([(c, i, i + 1) for i, c in enumerate(want)]).write_attend(0, q2, k2, v, ref)
+    np.testing.assert_array_equal(out, ref)
+    with pytest.raises(ValueError, match="both head norms"):
+        CacheRows(spans).write_attend(
+            1, q, k, v, out, (positions, inv_freq, 1.0, np.ones(hd, np.float32), None, eps)
+        )
+    with pytest.raises(ValueError, match="inv_freq"):
+        CacheRows(spans).write_attend(
+            1, q, k, v, out, (positions, inv_freq[1:], 1.0, None, None, 0)
+        )
+    (c,) = _caches(CacheSpec(), [5], n_kv, hd)
+    mixed = CacheRows([(got[0], 0, 1), (c, 1, 3)])  # a prompt chunk: not every span in the call
+    with pytest.raises(ValueError, match="every span"):
+        mixed.write_attend(1, q, k, v, out, rope)

@@ -1339,6 +1339,7 @@ def attention_rows(
     scale: float,
     threads: int,
     kv_kind: int,
+    rope: tuple | None = None,
 ) -> np.ndarray:
     """One decode row for each of S sequences in one kernel call (kv_cache.CacheRows, the
     per-layer path of Model.forward_rows): sequence s's K and V rows (row rows[s] of k and
@@ -1349,7 +1350,21 @@ def attention_rows(
     uint64 (n_layers, ld[s]) block tables) and dec_tabs (of its decode scratch) uint64.
     The addresses are the caller's to keep valid: the tables must cover pos[s], the
     scratch hold decode_tab_size(pos[s] + 1, ..) floats. kv_kind as `kv_kind`; threads an
-    int (0: OpenMP default)."""
+    int (0: OpenMP default). rope: None (q and k rotated already), or (positions int64
+    (R,), inv_freq float32 (head_dim / 2,), attn_scale, q_norm, k_norm (float32
+    (head_dim,) or both None), eps): first, in place, each head of the rows' q and k
+    RMSNormed (with the norms) and rotated, the bits `rms_norm` and `rope` give."""
+    extra = {}
+    if rope is not None:
+        positions, inv_freq, attn_scale, q_norm, k_norm, eps = rope
+        extra = dict(
+            positions=positions,
+            inv_freq=inv_freq,
+            attn_scale=attn_scale,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            eps=eps,
+        )
     _lib.attention_rows(
         q,
         k,
@@ -1368,6 +1383,7 @@ def attention_rows(
         scale,
         threads,
         kv_kind,
+        **extra,
     )
     return out
 

@@ -399,6 +399,8 @@ class KVCache:
         self._native = None
         return out
 
+    rows_only = False  # CacheRows: every span in its one kernel call
+
     @property
     def rows_batchable(self) -> bool:
         """Whether a decode row of this cache may run in CacheRows' one kernel call a layer
@@ -591,6 +593,8 @@ class CacheRows:
         picked = set(one)
         self._each = [s for i, s in enumerate(spans) if i not in picked]
         self._rows = [spans[i] for i in one]
+        # every span in the one call: the layer may hand it RoPE too (write_attend's rope)
+        self.rows_only = bool(self._rows) and not self._each
         self._tabs = None  # attention_rows' per-sequence tables, made on the first layer
 
     def _tables(self, n_heads: int) -> tuple:
@@ -615,9 +619,19 @@ class CacheRows:
         return out
 
     def write_attend(
-        self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray
+        self,
+        layer: int,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        out: np.ndarray,
+        rope: tuple | None = None,
     ) -> np.ndarray:
-        """`write` then `attend`: q, k, v, out C-contiguous (rows, n)."""
+        """`write` then `attend`: q, k, v, out C-contiguous (rows, n). rope (only when
+        `rows_only`): q and k are not rotated yet, the kernel norms and rotates them first
+        (kernels.attention_rows' rope)."""
+        if rope is not None and not self.rows_only:
+            raise ValueError("CacheRows.write_attend: rope needs every span in the one call")
         for cache, a, b in self._each:
             cache.write(layer, k[a:b], v[a:b])
             cache.attend(layer, q[a:b], out[a:b])
@@ -638,5 +652,6 @@ class CacheRows:
                 c.scale,
                 c.threads,
                 c.kv_kind,
+                rope,
             )
         return out
