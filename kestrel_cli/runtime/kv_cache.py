@@ -399,7 +399,7 @@ class KVCache:
         self._native = None
         return out
 
-    rows_only = False  # CacheRows: every span in its one kernel call
+    rows_only = False  # as CacheRows': a plain cache's layer runs its own norms and RoPE
 
     @property
     def rows_batchable(self) -> bool:
@@ -576,20 +576,13 @@ class CacheRows:
     def __init__(self, spans: list[tuple["KVCache", int, int]]):
         self.spans = spans
         one = [i for i, (c, a, b) in enumerate(spans) if b - a == 1 and c.rows_batchable]
-        if one:
-            c0 = spans[one[0]][0]
-            geo = (c0.kv_kind, c0.n_kv_heads, c0.head_dim, c0.threads)
-            one = [
-                i
-                for i in one
-                if (
-                    spans[i][0].kv_kind,
-                    spans[i][0].n_kv_heads,
-                    spans[i][0].head_dim,
-                    spans[i][0].threads,
-                )
-                == geo
-            ]
+        if one:  # one call: one value type and geometry (a model's caches share the latter)
+
+            def kind(c: KVCache) -> tuple:
+                return c.kv_kind, c.n_kv_heads, c.head_dim, c.scale, c.threads
+
+            first = kind(spans[one[0]][0])
+            one = [i for i in one if kind(spans[i][0]) == first]
         picked = set(one)
         self._each = [s for i, s in enumerate(spans) if i not in picked]
         self._rows = [spans[i] for i in one]
