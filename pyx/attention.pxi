@@ -15,14 +15,20 @@
 # Importance without races or thread-count dependence: unit u adds into partial row
 # u % KA_SLOTS of `imp_slots`; a slot's units run in order on one thread (prange over
 # slots), and the slots are summed in slot order into `importance` at the end.
+from libc.math cimport cos, sin, sqrtf
+from libc.string cimport memcpy
+
 cdef extern from "attention.h" nogil:
     enum:
         KA_SLOTS
+        KA_DW
         KA_PB
         KA_GMAX
         KA_HMAX
 
     ctypedef struct ka_kv:
+        const uint64_t *k_ptrs
+        const uint64_t *v_ptrs
         Py_ssize_t imp_from
         int x86v3
         int sketch
@@ -169,6 +175,9 @@ cdef extern from "decode.h" nogil:
                         float scale, int k, const ka_sparse *sp, const int32_t *order,
                         Py_ssize_t n_order, int32_t *sel, float *tab, float *out,
                         ka_ws *ws) noexcept
+    Py_ssize_t ka_decode_chunks(Py_ssize_t n_kv, Py_ssize_t group, Py_ssize_t n_parts,
+                                Py_ssize_t bs, Py_ssize_t n_ctx, int nth,
+                                Py_ssize_t *cap) noexcept
 
 
 cdef int attn_decode_run(const ka_kv *kv, const float *q, Py_ssize_t n_heads,
@@ -320,6 +329,198 @@ def attention(const float[:, ::1] q,          # IN  (T, n_heads * head_dim), row
             for slot in range(U if U < KA_SLOTS else KA_SLOTS):
                 acc = acc + slot_p[slot * ld_slot + j]
             imp_p[j] = imp_p[j] + acc
+
+
+def attention_rows(float[:, ::1] q,             # IN  (R, n_heads * head_dim), rotated
+                                                #     (IN/OUT with `positions`)
+                   float[:, ::1] k,             # IN  (R, n_kv_heads * head_dim), rotated
+                                                #     (IN/OUT with `positions`)
+                   const float[:, ::1] v,       # IN  (R, n_kv_heads * head_dim)
+                   float[:, ::1] out,           # OUT (R, n_heads * head_dim)
+                   const int64_t[::1] rows,     # IN  (S,) sequence s's row of q, k, v, out
+                   const uint64_t[::1] k_tabs,  # IN  (S,) address of s's K block table
+                                                #     (uint64 (n_layers, ld[s]))
+                   const uint64_t[::1] v_tabs,  # IN  (S,) the same for V
+                   const int64_t[::1] ld,       # IN  (S,) blocks a layer's row of s's tables
+                   const int64_t[::1] pos,      # IN  (S,) s's row's position (cache offset)
+                   const uint64_t[::1] dec_tabs,  # IN (S,) address of s's decode scratch
+                   Py_ssize_t layer,
+                   Py_ssize_t kv_bs,
+                   Py_ssize_t n_kv_heads,
+                   Py_ssize_t head_dim,
+                   float scale,
+                   int n_threads,
+                   int kv_kind,
+                   const int64_t[::1] positions=None,  # IN (R,) RoPE positions: rotate
+                                                # the rows' q and k first; None: rotated
+                   const float[::1] inv_freq=None,     # IN (head_dim / 2,) with positions
+                   float attn_scale=1,
+                   const float[::1] q_norm=None,  # IN (head_dim,) with positions: each head
+                   const float[::1] k_norm=None,  #    of q / k RMSNormed before RoPE
+                   float eps=0):
+    """One decode row for each of S sequences, each over its own cache (Model.forward_rows):
+    write row rows[s] of k and v into s's cache of `layer` at position pos[s], then
+    out[rows[s]] := the exact attention of q[rows[s]] over s's tokens 0..pos[s], as
+    `attention` gives each row alone (the same units, attn_decode.h's A and M, on the same
+    data), in one parallel region: per sequence its head norms and RoPE (as `rms_norm` and
+    `rope` compute them) and its writes, then A's units of every sequence, then M's
+    (sequence, query head) units. The block tables must cover pos[s] (KVCache.reserve) and
+    each decode scratch hold decode_tab_size(pos[s] + 1, n_heads, head_dim, kv_bs) floats;
+    the caller (kv_cache.CacheRows) owns those addresses, which are not checked."""
+    cdef Py_ssize_t S = rows.shape[0], R = q.shape[0], n_heads = q.shape[1] // head_dim
+    cdef Py_ssize_t kvd = n_kv_heads * head_dim, group, s, i, u, j, h, p, c, b, r, U = 0
+    cdef Py_ssize_t cap = 0, ccap, nb, n_parts, n_ctx
+    cdef ka_kv *kvs = NULL
+    cdef Py_ssize_t *meta = NULL     # per sequence: first unit, chunks of kv heads
+    cdef int32_t *useq = NULL        # per unit: its sequence
+    cdef ka_ws *ws = NULL
+    cdef const ka_sparse *sp = &_PLAIN.c
+    cdef const float *x
+    cdef uint8_t *kb
+    cdef uint8_t *vb
+    cdef float *tab
+    cdef Py_ssize_t soff = ka_q8_scale_offset(kv_bs, kvd), half = head_dim // 2, t
+    cdef float *cs = NULL            # a thread's (2, half) cos, sin of one row (scaled)
+    cdef float *xh
+    cdef float inv, angle, cc, sn, x1, x2
+    cdef bint rot = positions is not None, qn = q_norm is not None
+    cdef int nt, hint, failed = 0
+    cdef int *p_failed = &failed
+    if S == 0:
+        return
+    if kv_kind not in (KA_KV_F32, KA_KV_Q8, KA_KV_F16):
+        raise ValueError(f"attention_rows: kv_kind must be 0, 1 or 2, got {kv_kind}")
+    if (head_dim < 1 or n_kv_heads < 1 or n_heads < n_kv_heads or n_heads % n_kv_heads
+            or q.shape[1] != n_heads * head_dim or out.shape[0] != R
+            or out.shape[1] != q.shape[1] or k.shape[0] != R or v.shape[0] != R
+            or k.shape[1] != kvd or v.shape[1] != kvd or n_heads // n_kv_heads > KA_GMAX
+            or (kv_kind == KA_KV_F16 and head_dim > KA_HDMAX) or layer < 0):
+        raise ValueError("attention_rows: bad geometry")
+    if (k_tabs.shape[0] != S or v_tabs.shape[0] != S or ld.shape[0] != S
+            or pos.shape[0] != S or dec_tabs.shape[0] != S):
+        raise ValueError("attention_rows: one entry per sequence in each table")
+    if rot and (positions.shape[0] != R or head_dim % 2 or inv_freq is None
+                or inv_freq.shape[0] != half or (q_norm is None) != (k_norm is None)
+                or qn and (q_norm.shape[0] != head_dim or k_norm.shape[0] != head_dim)):
+        raise ValueError("attention_rows: positions (R,), inv_freq (head_dim / 2,) and "
+                         "both head norms (head_dim,) or neither")
+    for s in range(S):
+        if not 0 <= rows[s] < R or not 0 <= pos[s] < ld[s] * kv_bs:
+            raise ValueError(f"attention_rows: sequence {s}: row {rows[s]} or position "
+                             f"{pos[s]} out of range")
+    group = n_heads // n_kv_heads
+    kvs = <ka_kv *> malloc(S * sizeof(ka_kv))
+    meta = <Py_ssize_t *> malloc(2 * S * sizeof(Py_ssize_t))
+    if kvs == NULL or meta == NULL:
+        free(kvs)
+        free(meta)
+        raise MemoryError("attention_rows: out of memory")
+    # A's units: (part, range of kv heads) per sequence as a decode row alone splits them
+    # for its share of the team (results do not depend on the split)
+    hint = team_size(n_threads, S * n_heads, 1)
+    hint = (hint + <int> S - 1) // <int> S
+    for s in range(S):
+        n_ctx = pos[s] + 1
+        n_parts = ka_decode_parts((n_ctx + kv_bs - 1) // kv_bs)
+        meta[2 * s] = U
+        meta[2 * s + 1] = ka_decode_chunks(n_kv_heads, group, n_parts, kv_bs, n_ctx, hint,
+                                           &ccap)
+        cap = ccap if ccap > cap else cap
+        U += n_parts * meta[2 * s + 1]
+        ka_kv_init(&kvs[s], (<const uint64_t *> <uintptr_t> k_tabs[s]) + layer * ld[s],
+                   (<const uint64_t *> <uintptr_t> v_tabs[s]) + layer * ld[s], kv_bs,
+                   n_kv_heads, head_dim, kv_kind)
+        kvs[s].imp_from = 0
+    useq = <int32_t *> malloc(U * sizeof(int32_t))
+    if useq == NULL:
+        free(kvs)
+        free(meta)
+        raise MemoryError("attention_rows: out of memory")
+    for s in range(S):
+        for u in range(meta[2 * s], U if s + 1 == S else meta[2 * s + 2]):
+            useq[u] = <int32_t> s
+    nt = team_size(n_threads, U if U > S * n_heads else S * n_heads, 1)
+    with nogil, parallel(num_threads=nt):
+        ws = ka_ws_new(cap, kv_bs, head_dim, <int> group, ka_ktot(0, sp), 0, n_heads,
+                       KA_DW * kvd * <Py_ssize_t> sizeof(float))
+        cs = <float *> malloc(2 * (half + 1) * sizeof(float))
+        if ws == NULL or cs == NULL:
+            p_failed[0] = 1
+        # per sequence: its row's head norms and RoPE (ops.pxi rms_norm and rope, the same
+        # expressions), then the rows into the caches (kv_cache.KVCache.write's values, as
+        # the native decode writes them), before any unit reads them
+        for s in prange(S, schedule="static"):
+            if cs == NULL:
+                continue
+            t = rows[s]
+            if rot:
+                for h in range(n_heads + n_kv_heads):
+                    xh = &q[t, h * head_dim] if h < n_heads else &k[t, (h - n_heads) * head_dim]
+                    if qn:
+                        # HF: variance = x.pow(2).mean(-1); x * rsqrt(variance + eps); weight * x
+                        inv = (<float> 1.0) / sqrtf(kf_dot_f32(xh, xh, head_dim)
+                                                    / <float> head_dim + eps)
+                        for j in range(head_dim):
+                            xh[j] = (q_norm[j] if h < n_heads else k_norm[j]) * (xh[j] * inv)
+                for j in range(half):
+                    # float32 angle as torch computes it; cos/sin of it in double, then float
+                    angle = (<float> positions[t]) * inv_freq[j]
+                    cs[j] = (<float> cos(<double> angle)) * attn_scale
+                    cs[half + j] = (<float> sin(<double> angle)) * attn_scale
+                for h in range(n_heads + n_kv_heads):
+                    xh = &q[t, h * head_dim] if h < n_heads else &k[t, (h - n_heads) * head_dim]
+                    for j in range(half):
+                        cc = cs[j]
+                        sn = cs[half + j]
+                        x1 = xh[j]
+                        x2 = xh[half + j]
+                        xh[j] = x1 * cc - x2 * sn
+                        xh[half + j] = x2 * cc + x1 * sn
+            for h in range(n_kv_heads):
+                b = pos[s] // kv_bs
+                r = pos[s] % kv_bs
+                kb = <uint8_t *> <uintptr_t> kvs[s].k_ptrs[b]
+                vb = <uint8_t *> <uintptr_t> kvs[s].v_ptrs[b]
+                if kv_kind == KA_KV_F32:
+                    memcpy(kb + (r * kvd + h * head_dim) * 4, &k[t, h * head_dim],
+                           head_dim * 4)
+                    memcpy(vb + (r * kvd + h * head_dim) * 4, &v[t, h * head_dim],
+                           head_dim * 4)
+                elif kv_kind == KA_KV_F16:
+                    for j in range(h * head_dim, (h + 1) * head_dim):
+                        (<uint16_t *> kb)[r * kvd + j] = kf_f32_f16(k[t, j])
+                        (<uint16_t *> vb)[r * kvd + j] = kf_f32_f16(v[t, j])
+                else:
+                    (<float *> (kb + soff))[h * kv_bs + r] = ka_quant_row(
+                        &k[t, h * head_dim], head_dim, <int8_t *> kb + r * kvd + h * head_dim)
+                    (<float *> (vb + soff))[h * kv_bs + r] = ka_quant_row(
+                        &v[t, h * head_dim], head_dim, <int8_t *> vb + r * kvd + h * head_dim)
+        for u in prange(U, schedule="dynamic", chunksize=1):       # A
+            if ws == NULL or cs == NULL:
+                continue
+            s = useq[u]
+            c = meta[2 * s + 1]
+            j = u - meta[2 * s]
+            p = j // c
+            c = j % c
+            ka_decode_heads_run(&kvs[s], &q[rows[s], 0], p,
+                                n_kv_heads * c // meta[2 * s + 1],
+                                n_kv_heads * (c + 1) // meta[2 * s + 1], n_heads,
+                                pos[s] + 1, scale, 0, sp, ws,
+                                <float *> <uintptr_t> dec_tabs[s])
+        for i in prange(S * n_heads, schedule="static"):          # M
+            if ws == NULL or cs == NULL:
+                continue
+            s = i // n_heads
+            ka_decode_merge(i % n_heads, n_heads, (pos[s] + kv_bs) // kv_bs, head_dim, ws,
+                            <float *> <uintptr_t> dec_tabs[s], &out[rows[s], 0])
+        free(ws)
+        free(cs)
+    free(kvs)
+    free(meta)
+    free(useq)
+    if failed:
+        raise MemoryError("attention_rows: could not allocate thread scratch")
 
 
 def prefill_tile_rows(Py_ssize_t group):

@@ -68,6 +68,53 @@ def test_forward_rows_equals_each_sequence_alone(arch_path, quant, kv):
     assert [c.offset for c in caches] == [7, 38, 71] and fresh.offset == 20
 
 
+@pytest.mark.parametrize("quant", [None, "q8"])
+@pytest.mark.parametrize(
+    "kv", [{}, {"kv_q8": True}, {"kv_f16": True}, {"sparse_attn": True, "sparse_k": 1}]
+)
+def test_decode_rows_pass_equals_each_sequence_alone(arch_path, quant, kv, monkeypatch):
+    """Passes of decode rows only (a `serve --parallel` step): exact caches take one kernel
+    call a layer with the head norms and RoPE inside (kernels.attention_rows), sparse ones
+    their own attention; the logits are the bits of each cache's own write + attend in the
+    pass, and those of each sequence's own one-token calls (the native decode; float
+    weights: to float rounding, as above)."""
+    from kestrel_cli.runtime import kernels
+    from kestrel_cli.runtime.kv_cache import KVCache
+
+    eng = _engine(arch_path, quant=quant, **kv)
+    m = eng.model
+    tol = 1e-4 if quant is None or arch_path.name.startswith("qwen3_moe") else 0
+    prompts = [rand_ids(n, seed=n) for n in (3, 33, 64, 90)]
+    steps = [[7, 8, 9, 10], [21, 22, 23, 24]]
+    ref = []
+    for i, p in enumerate(prompts):
+        c = eng.make_cache()
+        m(p, c)
+        ref.append([m([s[i]], c) for s in steps])
+
+    def run():
+        caches = [eng.make_cache() for _ in prompts]
+        for p, c in zip(prompts, caches):
+            m(p, c)
+        return [m.forward_rows([(c, [t], None, "last") for c, t in zip(caches, s)]) for s in steps]
+
+    calls = []
+    real = kernels.attention_rows
+    monkeypatch.setattr(
+        kernels, "attention_rows", lambda *a: calls.append(a[-1] is not None) or real(*a)
+    )
+    got = run()
+    exact = "sparse_attn" not in kv
+    assert calls == ([True] * len(steps) * m.cfg.num_hidden_layers if exact else [])
+    monkeypatch.setattr(KVCache, "rows_batchable", property(lambda self: False))
+    each = run()  # every cache through its own write + attend
+    assert len(calls) == len(steps) * m.cfg.num_hidden_layers * exact
+    for j in range(len(steps)):
+        for i in range(len(prompts)):
+            np.testing.assert_array_equal(got[j][i], each[j][i])
+            np.testing.assert_allclose(got[j][i], ref[i][j], rtol=0, atol=tol)
+
+
 def _greedy(eng, ids, n):
     return [c.token for c in eng.stream(ids, max_tokens=n, ignore_eos=True) if c.token is not None]
 

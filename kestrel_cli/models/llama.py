@@ -98,6 +98,16 @@ class Attention:
         apply_rope does something else (then decode runs this Python loop); llama: none."""
         return None, None
 
+    def rows_rope(self, fwd: ForwardPass) -> tuple | None:
+        """What pre_rope and apply_rope do, for kernels.attention_rows (CacheRows whose
+        every span is one decode row): (positions, inv_freq, attn_scale, q_norm, k_norm,
+        eps), or None when they do something else (then they run here)."""
+        norms = self.head_norms()
+        inv_freq, attn_scale = fwd.rope
+        if norms is None or 2 * inv_freq.shape[0] != self.head_dim:
+            return None
+        return (fwd.positions, inv_freq, attn_scale, *norms, self.cfg.rms_norm_eps)
+
     def apply_rope(self, q: np.ndarray, k: np.ndarray, fwd: ForwardPass) -> None:
         """RoPE in place on q (T, nh, hd) and k (T, nkv, hd) at fwd.positions (T,)."""
         inv_freq, attn_scale = fwd.rope
@@ -111,14 +121,21 @@ class Attention:
         into it (and it is returned)."""
         T = x.shape[0]
         q, k, v = fwd.project(self.qkv, x)
+        if cache.rows_only and fwd.positions.ndim == 1:
+            rope = self.rows_rope(fwd)
+            if rope is not None:  # the head norms and RoPE inside the one kernel call
+                out = np.empty((T, self.n_heads * self.head_dim), dtype=np.float32)
+                t0 = time.perf_counter()
+                cache.write_attend(layer, q, k, v, out, rope)
+                fwd.prof.attn += time.perf_counter() - t0
+                return fwd.project(self.out, out, residual)[0]
         q = q.reshape(T, self.n_heads, self.head_dim)
         k = k.reshape(T, self.n_kv_heads, self.head_dim)
         q, k = self.pre_rope(q, k, fwd.threads)
         self.apply_rope(q, k, fwd)
-        cache.write(layer, k.reshape(T, -1), v)
         out = np.empty((T, self.n_heads * self.head_dim), dtype=np.float32)
-        t0 = time.perf_counter()
-        cache.attend(layer, q.reshape(T, -1), out)
+        t0 = time.perf_counter()  # attention with its K/V writes, as the native decode times it
+        cache.write_attend(layer, q.reshape(T, -1), k.reshape(T, -1), v, out)
         fwd.prof.attn += time.perf_counter() - t0
         return fwd.project(self.out, out, residual)[0]
 

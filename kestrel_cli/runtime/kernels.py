@@ -1322,6 +1322,73 @@ def decode_tab_size(n_ctx: int, n_heads: int, head_dim: int, kv_bs: int = 32) ->
     return int(_lib.decode_tab_size(n_ctx, n_heads, head_dim, kv_bs))
 
 
+def attention_rows(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    out: np.ndarray,
+    rows: np.ndarray,
+    k_tabs: np.ndarray,
+    v_tabs: np.ndarray,
+    ld: np.ndarray,
+    pos: np.ndarray,
+    dec_tabs: np.ndarray,
+    layer: int,
+    kv_bs: int,
+    n_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    threads: int,
+    kv_kind: int,
+    rope: tuple | None = None,
+) -> np.ndarray:
+    """One decode row for each of S sequences in one kernel call (kv_cache.CacheRows, the
+    per-layer path of Model.forward_rows): sequence s's K and V rows (row rows[s] of k and
+    v) go into its cache of `layer` at position pos[s], then out[rows[s]] gets the exact
+    attention of q[rows[s]] over its tokens 0..pos[s], the bits `attention` gives that row
+    alone. q, out float32 (R, n_heads * head_dim), k, v (R, n_kv_heads * head_dim), all
+    C-contiguous; per sequence (S,): rows, ld, pos int64, k_tabs, v_tabs (addresses of its
+    uint64 (n_layers, ld[s]) block tables) and dec_tabs (of its decode scratch) uint64.
+    The addresses are the caller's to keep valid: the tables must cover pos[s], the
+    scratch hold decode_tab_size(pos[s] + 1, ..) floats. kv_kind as `kv_kind`; threads an
+    int (0: OpenMP default). rope: None (q and k rotated already), or (positions int64
+    (R,), inv_freq float32 (head_dim / 2,), attn_scale, q_norm, k_norm (float32
+    (head_dim,) or both None), eps): first, in place, each head of the rows' q and k
+    RMSNormed (with the norms) and rotated, the bits `rms_norm` and `rope` give."""
+    extra = {}
+    if rope is not None:
+        positions, inv_freq, attn_scale, q_norm, k_norm, eps = rope
+        extra = dict(
+            positions=positions,
+            inv_freq=inv_freq,
+            attn_scale=attn_scale,
+            q_norm=q_norm,
+            k_norm=k_norm,
+            eps=eps,
+        )
+    _lib.attention_rows(
+        q,
+        k,
+        v,
+        out,
+        rows,
+        k_tabs,
+        v_tabs,
+        ld,
+        pos,
+        dec_tabs,
+        layer,
+        kv_bs,
+        n_kv_heads,
+        head_dim,
+        scale,
+        threads,
+        kv_kind,
+        **extra,
+    )
+    return out
+
+
 def quantize_q8(
     x: np.ndarray, head_dim: int, values: np.ndarray, scales: np.ndarray, threads: int | None = None
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -399,6 +399,22 @@ class KVCache:
         self._native = None
         return out
 
+    rows_only = False  # as CacheRows': a plain cache's layer runs its own norms and RoPE
+
+    @property
+    def rows_batchable(self) -> bool:
+        """Whether a decode row of this cache may run in CacheRows' one kernel call a layer
+        (kernels.attention_rows): exact attention, no key bounds or sketches to keep up,
+        no selections recorded."""
+        return self.spec.sparse is None and self.bounds is None and not self.record_selection
+
+    def write_attend(
+        self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray
+    ) -> np.ndarray:
+        """`write` k, v, then `attend` q into out (CacheRows' per-layer call, for one cache)."""
+        self.write(layer, k, v)
+        return self.attend(layer, q, out)
+
     def _decode_tab(self, n_heads: int) -> np.ndarray:
         """The decode kernels' scratch, made once at the context's size."""
         if self._dec_tab is None:
@@ -547,12 +563,44 @@ class KVCache:
 class CacheRows:
     """Several KV caches as one to a model's layers (Model.forward_rows): rows a..b of a
     pass's K, V and Q belong to the sequence of `cache`, for each (cache, a, b) of spans;
-    each writes to and attends over its own cache (reserve() them first)."""
+    each writes to and attends over its own cache (reserve() them first, commit() after
+    the pass: the offsets are read here, once).
+
+    The one-token spans of caches that `rows_batchable` allows, of the first such span's
+    value type, write and attend in one kernel call a layer (kernels.attention_rows, the
+    bits of each cache's own `attend`); the other spans (prompt chunks, sparse caches,
+    bounds or sketches to keep) run through their caches one by one."""
 
     record_selection = False
 
     def __init__(self, spans: list[tuple["KVCache", int, int]]):
         self.spans = spans
+        one = [i for i, (c, a, b) in enumerate(spans) if b - a == 1 and c.rows_batchable]
+        if one:  # one call: one value type and geometry (a model's caches share the latter)
+
+            def kind(c: KVCache) -> tuple:
+                return c.kv_kind, c.n_kv_heads, c.head_dim, c.scale, c.threads
+
+            first = kind(spans[one[0]][0])
+            one = [i for i in one if kind(spans[i][0]) == first]
+        picked = set(one)
+        self._each = [s for i, s in enumerate(spans) if i not in picked]
+        self._rows = [spans[i] for i in one]
+        # every span in the one call: the layer may hand it RoPE too (write_attend's rope)
+        self.rows_only = bool(self._rows) and not self._each
+        self._tabs = None  # attention_rows' per-sequence tables, made on the first layer
+
+    def _tables(self, n_heads: int) -> tuple:
+        caches = [c for c, _, _ in self._rows]
+        u64 = np.uint64
+        return (
+            np.array([a for _, a, _ in self._rows], np.int64),
+            np.array([c.k_ptrs.ctypes.data for c in caches], u64),
+            np.array([c.v_ptrs.ctypes.data for c in caches], u64),
+            np.array([c.k_ptrs.shape[1] for c in caches], np.int64),
+            np.array([c.offset for c in caches], np.int64),
+            np.array([c._decode_tab(n_heads).ctypes.data for c in caches], u64),
+        )
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         for cache, a, b in self.spans:
@@ -561,4 +609,42 @@ class CacheRows:
     def attend(self, layer: int, q: np.ndarray, out: np.ndarray) -> np.ndarray:
         for cache, a, b in self.spans:
             cache.attend(layer, q[a:b], out[a:b])
+        return out
+
+    def write_attend(
+        self,
+        layer: int,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        out: np.ndarray,
+        rope: tuple | None = None,
+    ) -> np.ndarray:
+        """`write` then `attend`: q, k, v, out C-contiguous (rows, n). rope (only when
+        `rows_only`): q and k are not rotated yet, the kernel norms and rotates them first
+        (kernels.attention_rows' rope)."""
+        if rope is not None and not self.rows_only:
+            raise ValueError("CacheRows.write_attend: rope needs every span in the one call")
+        for cache, a, b in self._each:
+            cache.write(layer, k[a:b], v[a:b])
+            cache.attend(layer, q[a:b], out[a:b])
+        if self._rows:
+            c = self._rows[0][0]
+            if self._tabs is None:
+                self._tabs = self._tables(q.shape[1] // c.head_dim)
+            K.attention_rows(
+                q,
+                k,
+                v,
+                out,
+                *self._tabs,
+                layer,
+                KV_BLOCK,
+                c.n_kv_heads,
+                c.head_dim,
+                c.scale,
+                c.threads,
+                c.kv_kind,
+                rope,
+            )
         return out
