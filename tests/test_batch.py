@@ -129,7 +129,7 @@ def test_batcher_threads_get_their_solo_greedy_answers(arch_path):
     engines = [eng.fork() for _ in prompts]
     # a step waits up to gather_s for every decoding sequence's token: generous here, so a
     # thread the machine is slow to schedule still joins its step (the count below)
-    b = Batcher(engines[0].fork().model, chunk=20, gather_s=2.0)
+    b = Batcher(engines[0].fork().model, chunk=20, gather_s=0.5, batch=20)
     for e in engines:
         e.batcher = b
     got: dict[int, list[int]] = {}
@@ -159,6 +159,38 @@ def test_batcher_threads_get_their_solo_greedy_answers(arch_path):
     # the caches hold each sequence, as alone
     for e, p, s in zip(engines, prompts, solo):
         assert e.cached_ids == p + s[:-1]
+
+
+def test_prompts_sent_together_start_decoding_together(arch_path):
+    """With no sequence decoding, prompts that arrive together gather into one pass of up
+    to `batch` tokens instead of `chunk`-token steps: three 20-token prompts (chunk 8) run
+    in one pass, then every decode step holds all three; each answer is its solo one."""
+    eng = _engine(arch_path, act="f32")
+    prompts = [rand_ids(20, seed=40 + i) for i in range(3)]
+    solo = [_greedy(eng.fork(), p, 4) for p in prompts]
+    engines = [eng.fork() for _ in prompts]
+    b = Batcher(engines[0].fork().model, chunk=8, gather_s=0.5, batch=64)
+    for e in engines:
+        e.batcher = b
+    got: dict[int, list[int]] = {}
+    start = threading.Barrier(len(prompts))
+
+    def work(i):
+        try:
+            start.wait()
+            got[i] = _greedy(engines[i], prompts[i], 4)
+        finally:
+            b.leave(engines[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    b.close()
+    assert [got.get(i) for i in range(len(prompts))] == solo
+    assert b.rows_run == 3 * 20 + 3 * 3
+    assert b.steps == 1 + 3  # one prompt pass, 3 decode steps (chunk 8: a pass a prompt)
 
 
 def test_batcher_errors_stay_with_their_caller(tmp_path):

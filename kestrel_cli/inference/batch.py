@@ -12,6 +12,9 @@ is computed as it would be alone, so greedy answers do not depend on what else r
 Sequences join and leave between steps; a long prompt is prefilled a chunk per step, so it
 does not stall the others for its whole length; and a step waits briefly for every decoding
 sequence's next token (they sample in their own threads) so that they stay in one pass.
+When no sequence is decoding, nobody waits on a prompt pass: the prompts that arrive
+together (clients starting at once) gather for as long and run in one pass of up to
+`batch` tokens, so that they all start decoding in the same step.
 
 Everything that runs kernels runs in the batch thread: the engines' threads only sample,
 detokenise and check stop strings. The model's `-t` threads are shared by all sequences.
@@ -28,7 +31,8 @@ import numpy as np
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.runtime.kernels import ROWS_MAX
 
-PREFILL_CHUNK = 256  # prompt tokens per step (llama.cpp's --ubatch-size is 512)
+PREFILL_CHUNK = 256  # prompt tokens per step while sequences decode
+PREFILL_BATCH = 1024  # prompt tokens per step when none decodes (llama.cpp's -b is 2048)
 GATHER_S = 0.02  # how long a step waits for the decoding sequences' next tokens
 
 
@@ -69,10 +73,17 @@ class Batcher:
     docstring). Engines call `run` (tokens after their cache's: a decode step or a prompt)
     and `solo` (anything else that runs kernels); both block their caller until done."""
 
-    def __init__(self, model, chunk: int = PREFILL_CHUNK, gather_s: float = GATHER_S):
+    def __init__(
+        self,
+        model,
+        chunk: int = PREFILL_CHUNK,
+        gather_s: float = GATHER_S,
+        batch: int = PREFILL_BATCH,
+    ):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.model, self.chunk, self.gather_s = model, chunk, gather_s
+        self.batch = max(batch, chunk)
         self._cond = threading.Condition()
         self._decode: list[_Work] = []  # one-token requests, run together next step
         self._prompts: collections.deque[_Work] = collections.deque()  # chunk by chunk
@@ -152,8 +163,9 @@ class Batcher:
         if not self._decode and not self._prompts:
             return False
         expected = self._active - self._busy
-        if expected <= {id(w.engine) for w in self._decode}:
+        if expected and expected <= {id(w.engine) for w in self._decode}:
             return True
+        # prompts only and nobody decoding: gather_s for the prompts sent together
         return since is not None and time.monotonic() - since >= self.gather_s
 
     def _loop(self) -> None:
@@ -175,6 +187,7 @@ class Batcher:
                 if solo is None:
                     decode, self._decode = self._decode, []
                     prompts = list(self._prompts)
+                decoding = bool(decode) or bool(self._active - self._busy)
                 since = None
             if solo is not None:
                 try:
@@ -184,25 +197,27 @@ class Batcher:
                 with self._cond:
                     self._busy.discard(id(solo.engine))
                 continue
-            self._step(decode, prompts)
+            self._step(decode, prompts, decoding)
 
     def _fail_all(self, err: BaseException) -> None:
         for w in [*self._decode, *self._prompts, *self._solo]:
             w.finish(err=err)
         self._decode, self._prompts, self._solo = [], collections.deque(), collections.deque()
 
-    def _step(self, decode: list[_Work], prompts: list[_Work]) -> None:
+    def _step(self, decode: list[_Work], prompts: list[_Work], decoding: bool) -> None:
         """Every decode request, and the next chunks of the waiting prompts (first come
-        first, `chunk` tokens in all): the decode rows in one pass through the GEMV; a
+        first, `chunk` tokens in all, `batch` when no sequence is `decoding`): the decode rows in one pass through the GEMV; a
         prompt of at most ROWS_MAX tokens, which takes the GEMV alone too, with them while
         the rows fit, else in a pass of its own; the longer prompts' chunks together in one
         pass through the GEMM (the weights' panels packed once for all of them). A token is
         computed as it would be alone, so greedy answers do not depend on what else runs."""
         gemv = [((w.engine.cache, w.ids, w.positions, "last"), w) for w in decode]
-        short, gemm, budget = [], [], self.chunk
+        # while sequences decode, a step's prompt tokens stall them: a chunk; else a batch
+        limit = self.chunk if decoding else self.batch
+        short, gemm, budget = [], [], limit
         for w in prompts:
             left = len(w.ids) - w.sent
-            n = min(self.chunk, left)
+            n = min(limit, left)
             if n < left and left - n <= ROWS_MAX:  # no short tail: as one prefill's rows
                 n = left
             if n <= ROWS_MAX:  # a whole short prompt: the GEMV's rows, as alone
