@@ -13,7 +13,8 @@ Sequences join and leave between steps; a long prompt is prefilled a chunk per s
 does not stall the others for its whole length; and a step waits briefly for every decoding
 sequence's next token (they sample in their own threads) so that they stay in one pass.
 When no sequence is decoding, nobody waits on a prompt pass: the prompts that arrive
-together (clients starting at once) gather for as long and run in one pass of up to
+together (clients starting at once) gather until none has come for gather_s (a burst's
+requests reach the batch thread some milliseconds apart) and run in one pass of up to
 `batch` tokens, so that they all start decoding in the same step.
 
 Everything that runs kernels runs in the batch thread: the engines' threads only sample,
@@ -34,6 +35,7 @@ from kestrel_cli.runtime.kernels import ROWS_MAX
 PREFILL_CHUNK = 256  # prompt tokens per step while sequences decode
 PREFILL_BATCH = 1024  # prompt tokens per step when none decodes (llama.cpp's -b is 2048)
 GATHER_S = 0.02  # how long a step waits for the decoding sequences' next tokens
+PROMPT_GATHER = 10  # a burst of prompts is gathered for at most this many GATHER_S
 
 
 class _Work:
@@ -91,6 +93,7 @@ class Batcher:
         self._active: set[int] = set()  # id(engine) of engines in a generation
         self._busy: set[int] = set()  # of those, the ones with a prompt or solo queued
         self._closed = False
+        self._last_prompt = 0.0  # when the latest prompt was queued (monotonic)
         self.steps = 0  # passes run (tests and stats)
         self.rows_run = 0  # token rows of those passes
         self._thread = threading.Thread(target=self._loop, daemon=True, name="kestrel-batch")
@@ -115,6 +118,7 @@ class Batcher:
                 w.is_prompt = True
                 self._busy.add(id(engine))
                 self._prompts.append(w)
+                self._last_prompt = time.monotonic()
             self._cond.notify_all()
         return self._wait(w)
 
@@ -156,8 +160,7 @@ class Batcher:
     # -- the batch thread
     def _ready(self, since: float | None) -> bool:
         """Whether a step should run now (the lock held): a solo call at once; else when
-        every sequence that is decoding has sent its next token, or gather_s after the
-        first request of the step arrived."""
+        every sequence that is decoding has sent its next token, or at `_due(since)`."""
         if self._solo:
             return True
         if not self._decode and not self._prompts:
@@ -165,8 +168,16 @@ class Batcher:
         expected = self._active - self._busy
         if expected and expected <= {id(w.engine) for w in self._decode}:
             return True
-        # prompts only and nobody decoding: gather_s for the prompts sent together
-        return since is not None and time.monotonic() - since >= self.gather_s
+        return since is not None and time.monotonic() >= self._due(since)
+
+    def _due(self, since: float) -> float:
+        """When a step whose first request came at `since` runs at the latest: gather_s
+        after it; with prompts only and nobody decoding, once no prompt has come for
+        gather_s (the prompts sent together: a burst's requests reach the batch thread
+        some milliseconds apart), at most PROMPT_GATHER gather_s after it."""
+        if self._active - self._busy:
+            return since + self.gather_s
+        return min(self._last_prompt + self.gather_s, since + PROMPT_GATHER * self.gather_s)
 
     def _loop(self) -> None:
         since = None  # when the first decode request of the coming step arrived
@@ -180,7 +191,7 @@ class Batcher:
                         since = time.monotonic()
                     timeout = None
                     if since is not None:
-                        timeout = max(0.0, since + self.gather_s - time.monotonic())
+                        timeout = max(0.0, self._due(since) - time.monotonic())
                     self._cond.wait(timeout)
                 solo = self._solo.popleft() if self._solo else None
                 decode, prompts = [], []
