@@ -119,6 +119,35 @@ def _greedy(eng, ids, n):
     return [c.token for c in eng.stream(ids, max_tokens=n, ignore_eos=True) if c.token is not None]
 
 
+def _greedy_together(b, engines, prompts, n):
+    """Each engine on Batcher b generates n tokens from its prompt in a thread of its own,
+    all released at once; their tokens (b is closed after; a thread's error is raised)."""
+    for e in engines:
+        e.batcher = b
+    got: dict[int, list[int]] = {}
+    errors = []
+    start = threading.Barrier(len(engines))
+
+    def work(i):
+        try:
+            start.wait()
+            got[i] = _greedy(engines[i], prompts[i], n)
+        except Exception as e:  # raised below, in the test's thread
+            errors.append(e)
+        finally:
+            b.leave(engines[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    b.close()
+    if errors:
+        raise errors[0]
+    return [got.get(i) for i in range(len(engines))]
+
+
 def test_batcher_threads_get_their_solo_greedy_answers(arch_path):
     """Five engines on one Batcher, generating at once from prompts of 3 to 60 tokens
     (chunks of 20: the long ones take several steps while the others decode): each gets
@@ -130,27 +159,7 @@ def test_batcher_threads_get_their_solo_greedy_answers(arch_path):
     # a step waits up to gather_s for every decoding sequence's token: generous here, so a
     # thread the machine is slow to schedule still joins its step (the count below)
     b = Batcher(engines[0].fork().model, chunk=20, gather_s=0.5, batch=20)
-    for e in engines:
-        e.batcher = b
-    got: dict[int, list[int]] = {}
-    errors = []
-
-    def work(i):
-        try:
-            got[i] = _greedy(engines[i], prompts[i], 12)
-        except Exception as e:  # reported below, with the thread's error
-            errors.append(e)
-        finally:
-            b.leave(engines[i])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    b.close()
-    assert not errors
-    assert [got[i] for i in range(len(prompts))] == solo
+    assert _greedy_together(b, engines, prompts, 12) == solo
     total_rows = sum(len(p) for p in prompts) + 11 * len(prompts)  # prompts + fed tokens
     assert b.rows_run == total_rows
     # decode tokens shared passes: one pass a token would be 55 and more (the prompts'
@@ -170,25 +179,7 @@ def test_prompts_sent_together_start_decoding_together(arch_path):
     solo = [_greedy(eng.fork(), p, 4) for p in prompts]
     engines = [eng.fork() for _ in prompts]
     b = Batcher(engines[0].fork().model, chunk=8, gather_s=0.5, batch=64)
-    for e in engines:
-        e.batcher = b
-    got: dict[int, list[int]] = {}
-    start = threading.Barrier(len(prompts))
-
-    def work(i):
-        try:
-            start.wait()
-            got[i] = _greedy(engines[i], prompts[i], 4)
-        finally:
-            b.leave(engines[i])
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    b.close()
-    assert [got.get(i) for i in range(len(prompts))] == solo
+    assert _greedy_together(b, engines, prompts, 4) == solo
     assert b.rows_run == 3 * 20 + 3 * 3
     assert b.steps == 1 + 3  # one prompt pass, 3 decode steps (chunk 8: a pass a prompt)
 
