@@ -120,6 +120,45 @@ def read_processor_config(cfg, path, vision: dict | None, name: str):
     return raw, size, f
 
 
+def bad_field(cfg, source, name: str, why: str):
+    """The KestrelError for cfg.name read from `source` (a config file's name)."""
+    v = getattr(cfg, name)
+    raise KestrelError(f"{source}: {name}={str(v)[:40]} is invalid ({why})")
+
+
+def check_int_field(cfg, source, name: str, lo: int, hi: int, optional: bool = False) -> None:
+    v = getattr(cfg, name)
+    if optional and v is None:
+        return
+    if type(v) is not int or not lo <= v <= hi:
+        bad_field(cfg, source, name, f"an integer in {lo}..{hi}")
+
+
+def check_processor_fields(cfg, source, max_pixels: int, rescale_nonzero: bool = False) -> None:
+    """The fields Qwen3-VL's image and video processor configs share (ImageConfig,
+    video.VideoConfig): patch sizes, the pixel range, mean / std, rescale factor."""
+    for name in ("patch_size", "temporal_patch_size", "merge_size"):
+        check_int_field(cfg, source, name, 1, MAX_PATCH)
+    for name in ("min_pixels", "max_pixels"):
+        check_int_field(cfg, source, name, 1, max_pixels)
+    if cfg.min_pixels > cfg.max_pixels:
+        bad_field(cfg, source, "min_pixels", f"more than max_pixels={cfg.max_pixels}")
+    for name in ("image_mean", "image_std"):
+        v = getattr(cfg, name)
+        if len(v) != 3 or any(
+            isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+            for x in v
+        ):
+            bad_field(cfg, source, name, "three finite numbers")
+    if 0 in cfg.image_std:
+        bad_field(cfg, source, "image_std", "a zero divides by zero")
+    r = cfg.rescale_factor
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+        bad_field(cfg, source, "rescale_factor", "a finite number")
+    if rescale_nonzero and r == 0:
+        bad_field(cfg, source, "rescale_factor", "a finite non-zero number")
+
+
 @dataclass
 class ImageConfig:
     """preprocessor_config.json (Qwen3-VL's published values as defaults)."""
@@ -154,33 +193,7 @@ class ImageConfig:
     def check(self, source) -> None:
         """Every size and constant in range (a zero patch size divides by zero, a huge one
         allocates without bound): one KestrelError naming `source` and the field."""
-
-        def bad(name, why):
-            v = getattr(self, name)
-            raise KestrelError(f"{source}: {name}={str(v)[:40]} is invalid ({why})")
-
-        for name in ("patch_size", "temporal_patch_size", "merge_size"):
-            v = getattr(self, name)
-            if type(v) is not int or not 1 <= v <= MAX_PATCH:
-                bad(name, f"an integer in 1..{MAX_PATCH}")
-        for name in ("min_pixels", "max_pixels"):
-            v = getattr(self, name)
-            if type(v) is not int or not 1 <= v <= MAX_DECODE_PIXELS:
-                bad(name, f"an integer in 1..{MAX_DECODE_PIXELS}")
-        if self.min_pixels > self.max_pixels:
-            bad("min_pixels", f"more than max_pixels={self.max_pixels}")
-        for name in ("image_mean", "image_std"):
-            v = getattr(self, name)
-            if len(v) != 3 or any(
-                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
-                for x in v
-            ):
-                bad(name, "three finite numbers")
-        if 0 in self.image_std:
-            bad("image_std", "a zero divides by zero")
-        r = self.rescale_factor
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
-            bad("rescale_factor", "a finite number")
+        check_processor_fields(self, source, MAX_DECODE_PIXELS)
 
     @property
     def factor(self) -> int:

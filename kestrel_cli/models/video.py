@@ -50,7 +50,13 @@ import numpy as np
 
 from kestrel_cli.core.errors import KestrelError
 from kestrel_cli.core.osmem import return_freed_memory
-from kestrel_cli.models.images import MAX_PATCH, _reason, read_processor_config
+from kestrel_cli.models.images import (
+    _reason,
+    bad_field,
+    check_int_field,
+    check_processor_fields,
+    read_processor_config,
+)
 
 # Files larger than this are refused before they are opened (the server's request body is
 # bounded lower anyway, 32 MiB of JSON)
@@ -190,48 +196,19 @@ class VideoConfig:
 
     def check(self, source) -> None:
         """Every size and constant in range: one KestrelError naming `source` and the field."""
-
-        def bad(name, why):
-            v = getattr(self, name)
-            raise KestrelError(f"{source}: {name}={str(v)[:40]} is invalid ({why})")
-
-        def integer(name, lo, hi, optional=False):
-            v = getattr(self, name)
-            if optional and v is None:
-                return
-            if type(v) is not int or not lo <= v <= hi:
-                bad(name, f"an integer in {lo}..{hi}")
-
-        for name in ("patch_size", "temporal_patch_size", "merge_size"):
-            integer(name, 1, MAX_PATCH)
-        for name in ("min_pixels", "max_pixels"):
-            integer(name, 1, 1 << 40)
-        if self.min_pixels > self.max_pixels:
-            bad("min_pixels", f"more than max_pixels={self.max_pixels}")
-        integer("min_frames", 1, 1 << 20)
-        integer("max_frames", 1, 1 << 20)
-        integer("num_frames", 1, 1 << 20, optional=True)
-        integer("max_video_tokens", 1, 1 << 30)
+        check_processor_fields(self, source, 1 << 40, rescale_nonzero=True)
+        for name in ("min_frames", "max_frames"):
+            check_int_field(self, source, name, 1, 1 << 20)
+        check_int_field(self, source, "num_frames", 1, 1 << 20, optional=True)
+        check_int_field(self, source, "max_video_tokens", 1, 1 << 30)
         if self.min_frames > self.max_frames:
-            bad("min_frames", f"more than max_frames={self.max_frames}")
+            bad_field(self, source, "min_frames", f"more than max_frames={self.max_frames}")
         if self.fps is not None and (
             isinstance(self.fps, bool)
             or not isinstance(self.fps, (int, float))
             or not 0 < self.fps <= MAX_FPS
         ):
-            bad("fps", f"a number in (0, {MAX_FPS:g}]")
-        for name in ("image_mean", "image_std"):
-            v = getattr(self, name)
-            if len(v) != 3 or any(
-                isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
-                for x in v
-            ):
-                bad(name, "three finite numbers")
-        if 0 in self.image_std:
-            bad("image_std", "a zero divides by zero")
-        r = self.rescale_factor
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r == 0:
-            bad("rescale_factor", "a finite non-zero number")
+            bad_field(self, source, "fps", f"a number in (0, {MAX_FPS:g}]")
 
     @property
     def factor(self) -> int:
