@@ -41,6 +41,17 @@
 #ifndef KX_PF
 #define KX_PF 4096
 #endif
+/* q8_0's group dots also ask for the place KX_FAR bytes on into L2:
+ * with a batch's tokens a group's dots take long enough that the hardware prefetcher alone
+ * leaves DRAM idle between its loads (docs/DESIGN.md, "q8_0 in the x16 layout"). */
+#ifndef KX_FAR
+#define KX_FAR 16384
+#endif
+#ifdef KF_PREFETCH_FAR
+#define KX_PREFETCH_FAR(p) KF_PREFETCH_FAR(p)
+#else
+#define KX_PREFETCH_FAR(p) __builtin_prefetch((p), 0, 1)
+#endif
 
 KF_INLINE int32_t kx_ld32(const int8_t *p)
 {
@@ -184,17 +195,6 @@ static void kx_base_group(int q41, const kf_act *a, ptrdiff_t nb, const uint8_t 
  * the bits prefill gives it, alone or among a batch's tokens; float activations sum q x per
  * block in float and add d S. */
 #define KX8_PAIR 1088
-/* Each block also asks for the place KX8_FAR bytes on into L2: with a batch's 8 tokens a
- * group's dots take long enough that the hardware prefetcher alone leaves DRAM idle
- * between its loads (docs/DESIGN.md, "q8_0 in the x16 layout"). */
-#ifndef KX8_FAR
-#define KX8_FAR 16384
-#endif
-#ifdef KF_PREFETCH_FAR
-#define KX8_PREFETCH_FAR(p) KF_PREFETCH_FAR(p)
-#else
-#define KX8_PREFETCH_FAR(p) __builtin_prefetch((p), 0, 1)
-#endif
 #define KX8_D(G, b) ((G) + (b) / 2 * KX8_PAIR + (b) % 2 * 32)
 #define KX8_Q(G, b) ((G) + (b) / 2 * KX8_PAIR + 64 + (b) % 2 * 512)
 

@@ -324,7 +324,7 @@ KV_T static void KV_V(group_8_t##NT)(int unused, const kf_act *a, ptrdiff_t nb, 
         for (int k = 0; k < 512; k += 64)                                                  \
             KF_PREFETCH(q + KX_PF + k);                                                    \
         for (int k = 0; k < 512; k += 64)                                                  \
-            KX8_PREFETCH_FAR(q + KX8_FAR + k);                                             \
+            KX_PREFETCH_FAR(q + KX_FAR + k);                                             \
         for (int hh = 0; hh < KV_NH; hh++) {                                               \
             KV_I s[NT];                                                                    \
             for (int t = 0; t < (NT); t++)                                                 \
