@@ -617,14 +617,23 @@ def rms_norm(
     Returns:
         out.
     """
+    x2 = _norm_args(x, out, weight=weight)
+    _lib.rms_norm(x2, weight, float(eps), out.reshape(x2.shape), _threads(threads))
+    return out
+
+
+def _norm_args(x: np.ndarray, out: np.ndarray, **vectors: np.ndarray) -> np.ndarray:
+    """A row norm's arguments checked (x float32 (..., n), out x's shape and writable, each
+    named vector float32 (n,)): x as (R, n)."""
     _array(x, "x", np.float32)
-    _array(weight, "weight", np.float32, 1)
+    for name, v in vectors.items():
+        _array(v, name, np.float32, 1)
     _array(out, "out", np.float32, writable=True)
     _shape(out, "out", x.shape)
     x2 = _rows2d(x, "x")
-    _shape(weight, "weight", (x2.shape[1],))
-    _lib.rms_norm(x2, weight, float(eps), out.reshape(x2.shape), _threads(threads))
-    return out
+    for name, v in vectors.items():
+        _shape(v, name, (x2.shape[1],))
+    return x2
 
 
 def rope(
@@ -707,14 +716,7 @@ def layer_norm(
     Returns:
         out.
     """
-    _array(x, "x", np.float32)
-    _array(weight, "weight", np.float32, 1)
-    _array(bias, "bias", np.float32, 1)
-    _array(out, "out", np.float32, writable=True)
-    _shape(out, "out", x.shape)
-    x2 = _rows2d(x, "x")
-    _shape(weight, "weight", (x2.shape[1],))
-    _shape(bias, "bias", (x2.shape[1],))
+    x2 = _norm_args(x, out, weight=weight, bias=bias)
     _lib.layer_norm(x2, weight, bias, float(eps), out.reshape(x2.shape), _threads(threads))
     return out
 
