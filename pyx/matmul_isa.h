@@ -351,18 +351,20 @@ KF_TARGET KF_INLINE const KF_IW *KF_V(quants_q)(const int fmt, const uint8_t *bl
     return ub;
 }
 
-/* q8_0 / q4_0 / q4_1 weights (fmt, a constant where inlined) . int8 x:
+/* One row of q8_0 / q4_0 / q4_1 weights (fmt, a constant where inlined) . int8 x for
+ * nt <= KF_NT_MAX tokens a[t] (a batch's decode rows; one token: idot_q):
  * sum_b d_b xd_b (sum_k q_bk xq_bk - c xs_b), c = KF_IQ8_C (q8_0) or 8 (q4_0), and for
- * q4_1 (c = 0) plus sum_b m_b sx_b (sx = xd xs) in a sum of its own */
-KF_TARGET KF_INLINE float KF_V(idot_q)(const int fmt, const int8_t *restrict xq,
-                                       const float *restrict xd, const int32_t *restrict xs,
-                                       const float *restrict sx, const uint8_t *restrict w,
-                                       ptrdiff_t nb)
+ * q4_1 (c = 0) plus sum_b m_b sx_b (sx = xd xs) in a sum of its own. Each block's quants
+ * are unpacked once, then dotted with every token's block; a token's sums and float steps
+ * do not depend on nt, so out[t * ldo] is what it gets alone, bit for bit. */
+KF_TARGET KF_INLINE void KF_V(idot_q_t)(const int fmt, const kf_act *a, const int nt,
+                                        const uint8_t *restrict w, ptrdiff_t nb,
+                                        float *restrict out, ptrdiff_t ldo)
 {
     const int q41 = fmt == KF_Q4_1;
     const ptrdiff_t bb = fmt == KF_Q8_0 ? 34 : (q41 ? 20 : 18);
     const int c = fmt == KF_Q8_0 ? KF_IQ8_C : (q41 ? 0 : 8);
-    float acc[KF_VG] = {0}, macc[KF_VG] = {0};
+    float acc[KF_NT_MAX][KF_VG] = {{0}}, macc[KF_NT_MAX][KF_VG] = {{0}};
     ptrdiff_t b = 0;
     for (; b < nb; b += KF_VG) {
         int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
@@ -370,17 +372,35 @@ KF_TARGET KF_INLINE float KF_V(idot_q)(const int fmt, const int8_t *restrict xq,
             const uint8_t *blk = w + (b + g) * bb;
             KF_IW ub[KF_QK];
             const KF_IW *u = KF_V(quants_q)(fmt, blk, ub);
-            const int s = KF_V(idot_block)(u, xq + (b + g) * KF_QK) - c * xs[b + g];
-            acc[g] += (KF_VF16(blk) * xd[b + g]) * (float)s;
-            if (q41)
-                macc[g] += KF_VF16(blk + 2) * sx[b + g];
+            const float d = KF_VF16(blk), m = q41 ? KF_VF16(blk + 2) : 0.0f;
+            for (int t = 0; t < nt; t++) {
+                const kf_act *x = a + t;
+                const int s = KF_V(idot_block)(u, x->xq + (b + g) * KF_QK) - c * x->xs[b + g];
+                acc[t][g] += (d * x->xd[b + g]) * (float)s;
+                if (q41)
+                    macc[t][g] += m * x->sx[b + g];
+            }
         }
     }
-    for (int g = 1; g < KF_VG; g++) {
-        acc[0] += acc[g];
-        macc[0] += macc[g];
+    for (int t = 0; t < nt; t++) {
+        for (int g = 1; g < KF_VG; g++) {
+            acc[t][0] += acc[t][g];
+            macc[t][0] += macc[t][g];
+        }
+        out[t * ldo] = q41 ? acc[t][0] + macc[t][0] : acc[t][0];
     }
-    return q41 ? acc[0] + macc[0] : acc[0];
+}
+
+/* idot_q_t for one token given by its int8 block arrays */
+KF_TARGET KF_INLINE float KF_V(idot_q)(const int fmt, const int8_t *restrict xq,
+                                       const float *restrict xd, const int32_t *restrict xs,
+                                       const float *restrict sx, const uint8_t *restrict w,
+                                       ptrdiff_t nb)
+{
+    const kf_act a = {NULL, sx, xq, xd, xs, NULL};
+    float r;
+    KF_V(idot_q_t)(fmt, &a, 1, w, nb, &r, 0);
+    return r;
 }
 
 /* sum_k v_k xq_k over 16 elements (half a block), weights as s8 */
@@ -678,45 +698,6 @@ KF_TARGET static void KF_V(dot_q8_0_t)(const kf_act *a, const int nt,
 }
 #endif
 
-#ifndef KF_VIDOT_T
-/* One row of q8_0 / q4_0 / q4_1 (fmt) . int8 x for nt <= KF_NT_MAX tokens a[t] (a batch's
- * decode rows): each block's quants unpacked once, then dotted with every token's block.
- * Each token's integer sums and float steps are idot_q's, in its order, so out[t * ldo]
- * is what gemv_rows gives token t alone, bit for bit. */
-KF_TARGET KF_INLINE void KF_V(idot_q_t)(const int fmt, const kf_act *a, const int nt,
-                                        const uint8_t *restrict w, ptrdiff_t nb,
-                                        float *restrict out, ptrdiff_t ldo)
-{
-    const int q41 = fmt == KF_Q4_1;
-    const ptrdiff_t bb = fmt == KF_Q8_0 ? 34 : (q41 ? 20 : 18);
-    const int c = fmt == KF_Q8_0 ? KF_IQ8_C : (q41 ? 0 : 8);
-    float acc[KF_NT_MAX][KF_VG] = {{0}}, macc[KF_NT_MAX][KF_VG] = {{0}};
-    ptrdiff_t b = 0;
-    for (; b < nb; b += KF_VG) {
-        int ng = nb - b < KF_VG ? (int)(nb - b) : KF_VG;
-        for (int g = 0; g < ng; g++) {
-            const uint8_t *blk = w + (b + g) * bb;
-            KF_IW ub[KF_QK];
-            const KF_IW *u = KF_V(quants_q)(fmt, blk, ub);
-            const float d = KF_VF16(blk), m = q41 ? KF_VF16(blk + 2) : 0.0f;
-            for (int t = 0; t < nt; t++) {
-                const kf_act *x = a + t;
-                const int s = KF_V(idot_block)(u, x->xq + (b + g) * KF_QK) - c * x->xs[b + g];
-                acc[t][g] += (d * x->xd[b + g]) * (float)s;
-                if (q41)
-                    macc[t][g] += m * x->sx[b + g];
-            }
-        }
-    }
-    for (int t = 0; t < nt; t++) {
-        for (int g = 1; g < KF_VG; g++) {
-            acc[t][0] += acc[t][g];
-            macc[t][0] += macc[t][g];
-        }
-        out[t * ldo] = q41 ? acc[t][0] + macc[t][0] : acc[t][0];
-    }
-}
-#endif
 
 /* out[t * ldo + i] = gemv_rows' out[i] for token a[t] alone (t < nt <= KF_NT_MAX), rows
  * r0 <= i < r1, bit for bit, where the variant has a multi-token kernel for fmt and the
